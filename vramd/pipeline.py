@@ -1,0 +1,205 @@
+"""The one pipeline: per-GPU worker pools moving chunks through three stages.
+
+A job (dump, restore or verify) supplies *ends*: how to `fill` a staging
+buffer (dump: backend copy from the BO; restore: read the record from the
+image), how to `transform` it in a CPU thread (dump: hole detection,
+compression, checksum; restore: checksum verification, decompression) and
+how to `drain` it (dump: write the record; restore: backend copy into the
+BO).  Everything else is shared: lanes per GPU, `workers_per_gpu` chunks in
+flight per lane, one staging budget across all lanes and jobs, the first
+error winning and stopping the job.  With several chunks in flight per GPU,
+the fill of chunk n+1, the transform of chunk n and the drain of chunk n-1
+run at once.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from collections.abc import Iterator
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from .errors import CancelledError, JobError, VramdError
+from .staging import StagingBuffer, StagingPool
+
+log = logging.getLogger(__name__)
+
+
+async def settle(fut: asyncio.Future) -> Any:
+    """Await a copy that cannot be interrupted.
+
+    If the awaiting task is cancelled, keep waiting until the copy has
+    landed before propagating the cancellation, so no staging buffer is
+    reused or unmapped while a thread or DMA engine still uses it.
+    """
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        while not fut.done():
+            try:
+                await asyncio.wait([fut])
+            except asyncio.CancelledError:
+                pass
+        raise
+
+
+@dataclass(eq=False)
+class ChunkTask:
+    bo: Any          # the job's per-BO state
+    index: int       # chunk number within the BO
+    offset: int      # byte offset within the BO
+    length: int      # raw bytes
+    record_offset: int = 0  # restore: where the record is in its data file
+    record_length: int = 0
+
+
+class Ends(Protocol):
+    chunk_size: int
+    buffers_per_chunk: int
+
+    async def fill(self, task: ChunkTask, bufs: list[StagingBuffer]) -> Any: ...
+    def transform(self, task: ChunkTask, bufs: list[StagingBuffer], filled: Any) -> Any: ...
+    async def drain(self, task: ChunkTask, bufs: list[StagingBuffer], product: Any) -> None: ...
+
+
+@dataclass
+class Progress:
+    bos_total: int = 0
+    bos_done: int = 0
+    bytes_total: int = 0
+    bytes_done: int = 0
+    chunks_done: int = 0
+    per_gpu_bytes: dict[int, int] = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return {"bos_total": self.bos_total, "bos_done": self.bos_done, "bytes_total": self.bytes_total,
+                "bytes_done": self.bytes_done, "chunks_done": self.chunks_done,
+                "per_gpu_bytes": dict(self.per_gpu_bytes)}
+
+
+@dataclass(eq=False)
+class _Lane:
+    gpu_id: int
+    pending: collections.deque = field(default_factory=collections.deque)  # of Iterator[ChunkTask]
+    workers: list = field(default_factory=list)
+    changed: asyncio.Future | None = None
+
+
+class Pipeline:
+    def __init__(self, ends: Ends, pool: StagingPool, cpu: Executor, *, workers_per_gpu: int,
+                 on_progress=None):
+        self.ends = ends
+        self.pool = pool
+        self.cpu = cpu
+        self.workers_per_gpu = max(1, workers_per_gpu)
+        self.on_progress = on_progress
+        self.progress = Progress()
+        self._lanes: dict[int, _Lane] = {}
+        self._closed = False
+        self.error: BaseException | None = None
+
+    # --- feeding -----------------------------------------------------------
+
+    def add(self, gpu_id: int, chunks: Iterator[ChunkTask], nbytes: int) -> None:
+        """Queue one BO's chunks (generated lazily) on its GPU's lane."""
+        if self.error is not None:
+            raise self.error
+        if self._closed:
+            raise JobError("the job takes no more BOs")
+        if nbytes == 0:  # nothing to copy: done on arrival
+            self.progress.bos_total += 1
+            self.progress.bos_done += 1
+            return
+        lane = self._lanes.get(gpu_id)
+        if lane is None:
+            lane = self._lanes[gpu_id] = _Lane(gpu_id)
+            lane.workers = [asyncio.create_task(self._worker(lane), name=f"vramd-gpu{gpu_id:x}-w{i}")
+                            for i in range(self.workers_per_gpu)]
+        lane.pending.append(chunks)
+        self.progress.bos_total += 1
+        self.progress.bytes_total += nbytes
+        self._poke(lane)
+
+    def close_input(self) -> None:
+        self._closed = True
+        for lane in self._lanes.values():
+            self._poke(lane)
+
+    def fail(self, exc: BaseException) -> None:
+        """Record the first error; every lane stops taking new chunks."""
+        if self.error is None:
+            self.error = exc
+        for lane in self._lanes.values():
+            self._poke(lane)
+
+    def cancel(self, reason: str = "job cancelled") -> None:
+        self.fail(CancelledError(reason))
+
+    async def wait(self) -> Progress:
+        """The barrier: returns when every queued chunk has landed; raises the first error."""
+        self.close_input()
+        while True:
+            workers = [w for lane in self._lanes.values() for w in lane.workers]
+            await asyncio.gather(*workers, return_exceptions=True)
+            if all(w.done() for lane in self._lanes.values() for w in lane.workers):
+                break
+        if self.error is not None:
+            raise self.error
+        return self.progress
+
+    # --- workers -----------------------------------------------------------
+
+    def _poke(self, lane: _Lane) -> None:
+        if lane.changed is not None and not lane.changed.done():
+            lane.changed.set_result(None)
+        lane.changed = None
+
+    async def _next(self, lane: _Lane) -> ChunkTask | None:
+        while self.error is None:
+            while lane.pending:
+                task = next(lane.pending[0], None)
+                if task is not None:
+                    return task
+                lane.pending.popleft()
+            if self._closed:
+                return None
+            if lane.changed is None:
+                lane.changed = asyncio.get_running_loop().create_future()
+            await asyncio.wait([lane.changed])  # wait() never cancels the shared future
+        return None
+
+    async def _worker(self, lane: _Lane) -> None:
+        ends, loop = self.ends, asyncio.get_running_loop()
+        while (task := await self._next(lane)) is not None:
+            bufs = await self.pool.acquire(ends.chunk_size, ends.buffers_per_chunk)
+            try:
+                if self.error is not None:
+                    break
+                filled = await ends.fill(task, bufs)
+                product = await settle(loop.run_in_executor(self.cpu, ends.transform, task, bufs, filled))
+                await ends.drain(task, bufs, product)
+            except VramdError as e:
+                self.fail(e)
+            except asyncio.CancelledError:
+                self.fail(CancelledError("job cancelled while copying", bo_id=task.bo.id, offset=task.offset))
+                raise
+            except Exception as e:  # a bug, not bad input: still a typed error for the client
+                log.exception("internal error in pipeline")
+                self.fail(JobError(f"internal error: {e!r}", bo_id=task.bo.id, offset=task.offset))
+            else:
+                self._count(lane, task)
+            finally:
+                self.pool.release(bufs)
+
+    def _count(self, lane: _Lane, task: ChunkTask) -> None:
+        p = self.progress
+        p.bytes_done += task.length
+        p.chunks_done += 1
+        p.per_gpu_bytes[lane.gpu_id] = p.per_gpu_bytes.get(lane.gpu_id, 0) + task.length
+        task.bo.chunks_left -= 1
+        if task.bo.chunks_left == 0:
+            p.bos_done += 1
+        if self.on_progress is not None:
+            self.on_progress(p)

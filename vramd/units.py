@@ -1,0 +1,27 @@
+"""Parsing of sizes and addresses as users write them: 4096, 0x1000, 8M, 1GiB."""
+from __future__ import annotations
+
+import re
+
+_SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+_SIZE_RE = re.compile(r"^\s*(0[xX][0-9a-fA-F]+|\d+)\s*([KMGTkmgt]?)(?:i?[bB])?\s*$")
+
+
+def parse_size(text: str | int) -> int:
+    """Parse a byte count: decimal or 0x-hex, optional K/M/G/T suffix (powers of two)."""
+    if isinstance(text, int):
+        if text < 0:
+            raise ValueError(f"negative size {text}")
+        return text
+    m = _SIZE_RE.match(text)
+    if not m:
+        raise ValueError(f"not a size: {text!r} (examples: 4096, 0x1000, 8M, 1GiB)")
+    return int(m.group(1), 0) * _SUFFIX[m.group(2).upper()]
+
+
+def format_size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
