@@ -97,12 +97,20 @@ class DataFileWriter:
 
 class ImageWriter:
     def __init__(self, dir_fd: int, *, chunk_size: int, compression: pb.Compression):
+        # flock is per open file description: lock a description of our own
+        # (the same directory, reopened through the fd) so that two jobs given
+        # the same fd still exclude each other.
         try:
-            fcntl.flock(dir_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise InvalidRequestError("another dump is writing into this image directory") from None
+            self._lock_fd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=dir_fd)
         except OSError as e:
             raise InvalidRequestError(f"image directory fd {dir_fd} is unusable: {e.strerror}") from None
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(self._lock_fd)
+            if e.errno == errno.EWOULDBLOCK:
+                raise InvalidRequestError("another dump is writing into this image directory") from None
+            raise InvalidRequestError(f"cannot lock the image directory: {e.strerror}") from None
         self.dir_fd = dir_fd
         self.image_id = os.urandom(16)
         self.chunk_size = chunk_size
@@ -173,7 +181,9 @@ class ImageWriter:
             except OSError:
                 pass
         self._owned.clear()
-        fcntl.flock(self.dir_fd, fcntl.LOCK_UN)
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)  # drops the lock
+            self._lock_fd = -1
 
 
 class ImageReader:

@@ -1,0 +1,99 @@
+"""Bad sources and targets become typed errors naming the BO, offset and address."""
+import os
+
+import pytest
+
+from helpers import Workload, engine, run
+from vramd import errors
+from vramd.backends import BoRef
+from vramd.jobs import BoSpec, RestoreTarget
+
+MiB = 1 << 20
+
+
+def _dump(dfd, specs, **kw):
+    async def go():
+        async with engine(staging_budget=8 * MiB, chunk_size=MiB, **kw) as e:
+            return await e.dump(dfd, specs)
+    return run(go())
+
+
+def test_unmapped_start_is_named(image_dir):
+    _, dfd = image_dir
+    with Workload([{"size": 2 * MiB, "fill": "random", "holes": [[MiB, MiB]]}]) as w:
+        mem = w.open_mem()
+        addr = w.regions[0]["addr"]
+        try:
+            with pytest.raises(errors.UnmappedRangeError) as ei:
+                _dump(dfd, [BoSpec(5, 2 * MiB, BoRef("procmem", mem, addr))])  # runs past the mapping
+        finally:
+            os.close(mem)
+    assert ei.value.bo_id == 5
+    assert ei.value.address == addr + 2 * MiB - 1
+    assert f"{addr + 2 * MiB - 1:#x}" in str(ei.value)
+
+
+def test_hole_in_the_middle_fails_mid_copy_and_leaves_nothing(image_dir):
+    path, dfd = image_dir
+    # an unmapped MiB in the middle of the BO: the ends probe fine, the copy fails
+    with Workload([{"size": 3 * MiB, "fill": "random", "holes": [[MiB, MiB]]}]) as w:
+        base = w.regions[0]["addr"]
+        mem = w.open_mem()
+        try:
+            with pytest.raises(errors.UnmappedRangeError) as ei:
+                _dump(dfd, [BoSpec(1, 3 * MiB, BoRef("procmem", mem, base))])
+        finally:
+            os.close(mem)
+    assert ei.value.address == base + MiB
+    assert (ei.value.bo_id, ei.value.offset) == (1, MiB)
+    assert os.listdir(path) == []  # no manifest, no data file, no temporaries
+
+
+def _is_open(fd):
+    try:
+        os.fstat(fd)
+        return True
+    except OSError:
+        return False
+
+
+def test_wrong_fds(image_dir, tmp_path):
+    _, dfd = image_dir
+    small = os.memfd_create("small")
+    os.ftruncate(small, 1000)
+    closed = next(fd for fd in range(999, 100, -1) if not _is_open(fd))
+    ro = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with pytest.raises(errors.TargetTooSmallError, match="holds 1000 bytes") as ei:
+            _dump(dfd, [BoSpec(1, 4096, BoRef("mmap", small))])
+        assert ei.value.bo_id == 1
+        with pytest.raises(errors.BadDescriptorError, match="directory"):
+            _dump(dfd, [BoSpec(2, 4096, BoRef("mmap", ro))])
+        with pytest.raises(errors.BadDescriptorError, match="directory"):
+            _dump(dfd, [BoSpec(2, 4096, BoRef("procmem", ro))])
+        with pytest.raises(errors.BadDescriptorError, match="not usable"):
+            _dump(dfd, [BoSpec(3, 4096, BoRef("mmap", closed))])
+        with pytest.raises(errors.BackendUnavailableError, match="sdma"):
+            _dump(dfd, [BoSpec(4, 4096, BoRef("sdma", small))])
+        with pytest.raises(errors.InvalidRequestError, match="twice"):
+            _dump(dfd, [BoSpec(5, 10, BoRef("mmap", small)), BoSpec(5, 10, BoRef("mmap", small))])
+    finally:
+        os.close(small)
+        os.close(ro)
+
+
+def test_read_only_target_is_refused(image_dir):
+    _, dfd = image_dir
+    src = os.memfd_create("src")
+    os.write(src, os.urandom(8192))
+    _dump(dfd, [BoSpec(1, 8192, BoRef("mmap", src))])
+    ro = os.open(f"/proc/self/fd/{src}", os.O_RDONLY)
+    try:
+        async def go():
+            async with engine(staging_budget=8 * MiB) as e:
+                await e.restore(dfd, [RestoreTarget(1, BoRef("mmap", ro))])
+        with pytest.raises(errors.BadDescriptorError, match="read-only"):
+            run(go())
+    finally:
+        os.close(ro)
+        os.close(src)

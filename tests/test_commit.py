@@ -1,0 +1,120 @@
+"""An image is committed atomically: a dump that dies or fails never leaves a readable image."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from helpers import Workload, engine, open_dir, run
+from vramd import errors
+from vramd.backends import BoRef
+from vramd.imageformat import MANIFEST_NAME
+from vramd.jobs import BoSpec, RestoreTarget
+
+MiB = 1 << 20
+
+
+def test_failed_dump_keeps_the_previous_image(image_dir):
+    path, dfd = image_dir
+    good = os.urandom(2 * MiB)
+    fd = os.memfd_create("bo")
+    os.write(fd, good)
+    small = os.memfd_create("small")
+    os.ftruncate(small, 10)
+
+    async def go():
+        async with engine(staging_budget=8 * MiB, chunk_size=MiB) as e:
+            first = await e.dump(dfd, [BoSpec(1, len(good), BoRef("mmap", fd))])
+            before = sorted(os.listdir(path))
+            with pytest.raises(errors.TargetTooSmallError):
+                await e.dump(dfd, [BoSpec(1, len(good), BoRef("mmap", fd)), BoSpec(2, 4096, BoRef("mmap", small))])
+            assert sorted(os.listdir(path)) == before
+            os.pwrite(fd, b"\0" * len(good), 0)
+            await e.restore(dfd, [RestoreTarget(1, BoRef("mmap", fd))])
+            return first
+    try:
+        run(go())
+        assert os.pread(fd, len(good), 0) == good
+    finally:
+        os.close(fd)
+        os.close(small)
+
+
+def test_redump_replaces_image_and_removes_old_data(image_dir):
+    path, dfd = image_dir
+    fd = os.memfd_create("bo")
+    os.write(fd, os.urandom(MiB))
+
+    async def go():
+        async with engine(staging_budget=8 * MiB, chunk_size=MiB) as e:
+            a = await e.dump(dfd, [BoSpec(1, MiB, BoRef("mmap", fd))])
+            b = await e.dump(dfd, [BoSpec(1, MiB, BoRef("mmap", fd))])
+            return a, b
+    try:
+        a, b = run(go())
+    finally:
+        os.close(fd)
+    assert sorted(os.listdir(path)) == sorted([MANIFEST_NAME, b.files[0].name])
+    assert a.files[0].name != b.files[0].name
+
+
+def test_one_dump_per_directory(image_dir):
+    _, dfd = image_dir
+
+    async def go():
+        async with engine(staging_budget=8 * MiB) as e:
+            job = e.start_dump(dfd)
+            try:
+                with pytest.raises(errors.InvalidRequestError, match="another dump"):
+                    e.start_dump(dfd)
+            finally:
+                job.cancel()
+                with pytest.raises(errors.CancelledError):
+                    await job.finish()
+            e.start_dump(dfd).cancel()  # the lock was released
+    run(go())
+
+
+KILLED_DUMP = textwrap.dedent("""
+    import asyncio, os, sys, uvloop
+    from vramd.engine import Engine, EngineConfig
+    from vramd.jobs import BoSpec
+    from vramd.backends import BoRef
+    pid, addr, size, dirpath = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    def progress(p):
+        if p.chunks_done == 3:
+            print("mid-dump", flush=True)
+            sys.stdin.readline()   # blocks the loop here until the test kills us
+    async def main():
+        dfd = os.open(dirpath, os.O_RDONLY | os.O_DIRECTORY)
+        mem = os.open(f"/proc/{pid}/mem", os.O_RDONLY)
+        async with Engine(EngineConfig(staging_budget=16 << 20, chunk_size=1 << 20)) as e:
+            await e.dump(dfd, [BoSpec(1, size, BoRef("procmem", mem, addr))], on_progress=progress)
+        print("committed", flush=True)
+    uvloop.run(main())
+""")
+
+
+def test_sigkill_mid_dump_leaves_no_image(image_dir):
+    path, dfd = image_dir
+    with Workload([{"size": 64 * MiB, "fill": "random"}]) as w:
+        r = w.regions[0]
+        p = subprocess.Popen([sys.executable, "-c", KILLED_DUMP, str(w.pid), str(r["addr"]), str(r["size"]),
+                              str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert p.stdout.readline().strip() == "mid-dump"
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        p.stdout.close()
+        p.stdin.close()
+    left = os.listdir(path)
+    assert MANIFEST_NAME not in left
+    assert left and all(n.endswith(".tmp") for n in left)  # only temporaries, never a final name
+
+    async def go():
+        async with engine(staging_budget=8 * MiB) as e:
+            await e.verify(dfd)
+    with pytest.raises(errors.ManifestMissingError):
+        run(go())

@@ -1,0 +1,12 @@
+"""The committed protobuf code is exactly what proto/generate.py produces."""
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_generated_code_matches_proto_sources():
+    r = subprocess.run([sys.executable, str(ROOT / "proto" / "generate.py"), "--check"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr

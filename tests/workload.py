@@ -1,0 +1,94 @@
+"""A child process holding memory with known contents, for tests and benches.
+
+    python tests/workload.py SPEC_JSON
+
+SPEC_JSON is a list of regions: {"size": N, "fill": KIND, "seed": S,
+"at": ADDR (optional fixed address), "skew": K (BO starts K bytes into its
+first page), "marks": [[offset, hex bytes], ...]}.  KIND is "random",
+"zero", "pattern", "blank" (0xA5 garbage, a restore target) or "sparse"
+(zero pages left untouched, plus the marks).  "holes": [[offset, length]]
+unmaps page-aligned parts of the region after filling it.  The child maps each region,
+fills it, prints one JSON line {"pid", "regions": [{"addr", "size",
+"digest"}]} and then answers commands on stdin, one per line:
+"digest" -> the same JSON again (re-hashed now), "exit" -> exits.
+"""
+from __future__ import annotations
+
+import json
+import random
+import sys
+
+import cffi
+import xxhash
+
+ffi = cffi.FFI()
+ffi.cdef("""void *mmap(void *addr, size_t length, int prot, int flags, int fd, long offset);
+           int munmap(void *addr, size_t length);""")
+libc = ffi.dlopen(None)
+PAGE = 4096
+PROT_RW = 0x1 | 0x2
+MAP_PRIVATE, MAP_ANONYMOUS, MAP_FIXED_NOREPLACE, MAP_NORESERVE = 0x02, 0x20, 0x100000, 0x4000
+MAP_FAILED = ffi.cast("void *", -1)
+
+
+def map_region(size: int, at: int | None) -> int:
+    flags = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | (MAP_FIXED_NOREPLACE if at else 0)
+    p = libc.mmap(ffi.cast("void *", at or 0), max(size, 1), PROT_RW, flags, -1, 0)
+    if p == MAP_FAILED or (at and int(ffi.cast("uintptr_t", p)) != at):
+        raise SystemExit(f"mmap at {at!r} of {size} bytes failed")
+    return int(ffi.cast("uintptr_t", p))
+
+
+def fill(buf, kind: str, seed: int) -> None:
+    n = len(buf)
+    if kind in ("zero", "sparse") or n == 0:
+        return
+    if kind == "blank":
+        buf[:] = b"\xa5" * n
+    elif kind == "random":
+        # 1 MiB of seeded randomness per MiB, cheap enough for GiB regions
+        rng = random.Random(seed)
+        for off in range(0, n, 1 << 20):
+            k = min(1 << 20, n - off)
+            buf[off:off + k] = rng.randbytes(k)
+    elif kind == "pattern":
+        unit = bytes(range(256)) * 16 + seed.to_bytes(8, "little")
+        reps = n // len(unit) + 1
+        buf[:] = (unit * reps)[:n]
+    else:
+        raise SystemExit(f"unknown fill {kind}")
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    regions = []
+    for r in spec:
+        size, skew = r["size"], r.get("skew", 0)
+        base = map_region(size + skew, r.get("at"))
+        addr = base + skew
+        buf = ffi.buffer(ffi.cast("char *", addr), size)
+        fill(buf, r.get("fill", "random"), r.get("seed", 0))
+        for off, hexbytes in r.get("marks", []):
+            data = bytes.fromhex(hexbytes)
+            buf[off:off + len(data)] = data
+        for off, length in r.get("holes", []):
+            if libc.munmap(ffi.cast("void *", base + off), length) != 0:
+                raise SystemExit("munmap failed")
+        regions.append((addr, size, None if r.get("holes") else buf))
+
+    def report() -> None:
+        out = [{"addr": a, "size": s, "digest": b is not None and xxhash.xxh3_128_hexdigest(b)}
+               for a, s, b in regions]
+        print(json.dumps({"pid": __import__("os").getpid(), "regions": out}), flush=True)
+
+    report()
+    for line in sys.stdin:
+        cmd = line.strip()
+        if cmd == "digest":
+            report()
+        elif cmd == "exit":
+            return
+
+
+if __name__ == "__main__":
+    main()
