@@ -1,6 +1,6 @@
-"""A child process holding memory with known contents, for tests and benches.
+"""A child process holding memory with known contents (tests, demo, bench).
 
-    python tests/workload.py SPEC_JSON
+    python -m vramd.workload SPEC_JSON
 
 SPEC_JSON is a list of regions: {"size": N, "fill": KIND, "seed": S,
 "at": ADDR (optional fixed address), "skew": K (BO starts K bytes into its
@@ -15,7 +15,9 @@ fills it, prints one JSON line {"pid", "regions": [{"addr", "size",
 from __future__ import annotations
 
 import json
+import os
 import random
+import subprocess
 import sys
 
 import cffi
@@ -79,7 +81,7 @@ def main() -> None:
     def report() -> None:
         out = [{"addr": a, "size": s, "digest": b is not None and xxhash.xxh3_128_hexdigest(b)}
                for a, s, b in regions]
-        print(json.dumps({"pid": __import__("os").getpid(), "regions": out}), flush=True)
+        print(json.dumps({"pid": os.getpid(), "regions": out}), flush=True)
 
     report()
     for line in sys.stdin:
@@ -88,6 +90,59 @@ def main() -> None:
             report()
         elif cmd == "exit":
             return
+
+
+class Workload:
+    """Client side: start a workload child and talk to it."""
+
+    def __init__(self, spec: list[dict]):
+        self.proc = subprocess.Popen([sys.executable, "-m", "vramd.workload", json.dumps(spec)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"workload failed to start (exit {self.proc.wait()})")
+        self.info = json.loads(line)
+        self.pid = self.info["pid"]
+        self.regions = self.info["regions"]
+
+    def digests(self) -> list[str]:
+        self.proc.stdin.write("digest\n")
+        self.proc.stdin.flush()
+        return [r["digest"] for r in json.loads(self.proc.stdout.readline())["regions"]]
+
+    def open_mem(self, flags: int = os.O_RDONLY) -> int:
+        """What a client does: open /proc/<pid>/mem itself and pass the fd."""
+        return os.open(f"/proc/{self.pid}/mem", flags | os.O_CLOEXEC)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write("exit\n")
+                self.proc.stdin.flush()
+            except BrokenPipeError:
+                pass
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc.stdin.close()
+        self.proc.stdout.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def blank_spec_like(regions: list[dict]) -> list[dict]:
+    """A spec mapping the same addresses, filled with garbage, for a restore target."""
+    out = []
+    for r in regions:
+        skew = r["addr"] % 4096
+        out.append({"size": r["size"], "at": r["addr"] - skew, "skew": skew, "fill": "blank"})
+    return out
 
 
 if __name__ == "__main__":

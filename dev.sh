@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The whole setup on a fresh Debian 12 machine, and the two things it is for.
+#   ./dev.sh demo [demo args]   install what is missing, then run the end-to-end demo
+#   ./dev.sh test [pytest args] install what is missing, then run the test suite
+# Installs apt packages only when something is missing (as root, or via sudo),
+# and keeps the virtual environment in .venv (rebuilt when pyproject.toml changes).
+set -euo pipefail
+cd "$(dirname "$0")"
+
+APT_PACKAGES=(python3 python3-venv python3-dev gcc)
+
+have_python() {
+    command -v python3 >/dev/null &&
+        python3 -c 'import sys, venv, ensurepip; sys.exit(sys.version_info < (3, 11))' 2>/dev/null
+}
+
+ensure_system() {
+    have_python && return 0
+    local sudo=""
+    [ "$(id -u)" = 0 ] || sudo="sudo"
+    echo "dev.sh: installing ${APT_PACKAGES[*]} with apt-get" >&2
+    $sudo env DEBIAN_FRONTEND=noninteractive apt-get update -qq
+    $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${APT_PACKAGES[@]}" >/dev/null
+    have_python || { echo "dev.sh: need Python >= 3.11 with venv" >&2; exit 1; }
+}
+
+ensure_venv() {
+    local stamp=.venv/.installed
+    if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ] && .venv/bin/python -c 'import vramd' 2>/dev/null; then
+        return 0
+    fi
+    rm -rf .venv
+    python3 -m venv .venv
+    .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip >/dev/null
+    .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
+    touch "$stamp"
+}
+
+cmd="${1:-}"
+shift || true
+case "$cmd" in
+    demo) ensure_system; ensure_venv; exec .venv/bin/python -m vramd.demo "$@" ;;
+    test) ensure_system; ensure_venv; exec .venv/bin/python -m pytest "$@" ;;
+    *) sed -n '2,7p' "$0" >&2; exit 2 ;;
+esac
