@@ -15,7 +15,8 @@ import errno
 import fcntl
 import os
 import time
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import aiofiles
 import aiofiles.os
@@ -83,16 +84,32 @@ async def read_manifest(dir_fd: int) -> pb.Manifest:
 
 @dataclass(eq=False)
 class DataFileWriter:
+    """One per-GPU data file.  Offsets are reserved on the event loop; the
+    writes themselves go through one thread per file, because concurrent
+    writes to one file only contend on its inode lock (measured: 4 writers
+    into one tmpfs file ran 3x slower than one)."""
+
     index: int
     gpu_id: int
     name: str
     fd: int
-    end: int  # next free byte; offsets are reserved on the event loop
+    end: int  # next free byte
+    writer: ThreadPoolExecutor = field(repr=False, default=None)
+
+    def __post_init__(self) -> None:
+        self.writer = ThreadPoolExecutor(1, thread_name_prefix=f"vramd-write-{self.gpu_id:x}")
 
     def reserve(self, length: int) -> int:
         off = self.end
         self.end += length
         return off
+
+    def write(self, iov: list, offset: int) -> asyncio.Future:
+        return asyncio.get_running_loop().run_in_executor(self.writer, pwrite_all, self.fd, iov, offset)
+
+    def close(self) -> None:
+        self.writer.shutdown(wait=True)
+        os.close(self.fd)
 
 
 class ImageWriter:
@@ -173,7 +190,7 @@ class ImageWriter:
     def close(self) -> None:
         """Close files; if the image was not committed, remove everything this dump created."""
         for f in self.files.values():
-            os.close(f.fd)
+            f.close()
         self.files.clear()
         for name in self._owned:
             try:

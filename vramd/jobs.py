@@ -20,7 +20,7 @@ from .errors import (
     InvalidRequestError,
     VramdError,
 )
-from .image import ImageReader, ImageWriter, pwrite_all
+from .image import ImageReader, ImageWriter
 from .imageformat import HEAD_PEEK, record_head_length
 from .pb import image_pb2 as pb
 from .pipeline import ChunkTask, Pipeline, Progress, settle
@@ -69,6 +69,13 @@ class _Bo:
     entry: pb.BoEntry | None = None
 
 
+def release_bo(bo: _Bo) -> None:
+    """The BO's last chunk has landed (or the job ended): let the backend drop it."""
+    if bo.handle is not None and bo.backend is not None:
+        bo.backend.release(bo.handle)
+        bo.handle = None
+
+
 @dataclass
 class JobContext:
     """What jobs share from the engine."""
@@ -112,22 +119,21 @@ class _Job:
 
     def _release_all(self) -> None:
         for bo in self.bos.values():
-            if bo.handle is not None and bo.backend is not None:
-                bo.backend.release(bo.handle)
-                bo.handle = None
+            release_bo(bo)
 
 
 # --- dump ------------------------------------------------------------------
 
 class DumpEnds:
-    def __init__(self, writer: ImageWriter, compression: Compression, chunk_size: int, io: Executor):
+    def __init__(self, writer: ImageWriter, compression: Compression, chunk_size: int):
         self.writer = writer
         self.compression = compression
         self.chunk_size = chunk_size
         # zstd output is a fresh bytes object of at most chunk_size bytes; the
         # second buffer reserves budget for it (it is never touched itself).
         self.buffers_per_chunk = compression.buffers_per_chunk
-        self.io = io
+
+    bo_done = staticmethod(release_bo)
 
     async def fill(self, task: ChunkTask, bufs: list[StagingBuffer]) -> None:
         bo = task.bo
@@ -139,8 +145,7 @@ class DumpEnds:
     async def drain(self, task, bufs, enc) -> None:
         bo = task.bo
         off = bo.file.reserve(enc.record_length)
-        loop = asyncio.get_running_loop()
-        await settle(loop.run_in_executor(self.io, pwrite_all, bo.file.fd, [enc.head, enc.payload], off))
+        await settle(bo.file.write([enc.head, enc.payload], off))
         bo.records[task.index] = (off, enc.record_length)
         bo.stored_bytes += len(enc.payload)
         if enc.codec == pb.CODEC_ZERO:
@@ -154,7 +159,7 @@ class DumpJob(_Job):
                  on_progress=None):
         self.writer = ImageWriter(dir_fd, chunk_size=chunk_size, compression=compression.to_pb())
         self.chunk_size = chunk_size
-        super().__init__(ctx, DumpEnds(self.writer, compression, chunk_size, ctx.io), on_progress)
+        super().__init__(ctx, DumpEnds(self.writer, compression, chunk_size), on_progress)
 
     def add(self, specs: Iterable[BoSpec]) -> None:
         """Validate and queue BOs; a bad BO fails the whole dump (an image is all or nothing)."""
@@ -221,6 +226,8 @@ class RestoreEnds:
         self.chunk_size = m.chunk_size
         self.buffers_per_chunk = 2 if m.compression.codec == pb.CODEC_ZSTD else 1
         self.verify_only = verify_only
+
+    bo_done = staticmethod(release_bo)
 
     async def fill(self, task: ChunkTask, bufs: list[StagingBuffer]) -> bytes:
         loop = asyncio.get_running_loop()

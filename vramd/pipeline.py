@@ -62,6 +62,7 @@ class Ends(Protocol):
     async def fill(self, task: ChunkTask, bufs: list[StagingBuffer]) -> Any: ...
     def transform(self, task: ChunkTask, bufs: list[StagingBuffer], filled: Any) -> Any: ...
     async def drain(self, task: ChunkTask, bufs: list[StagingBuffer], product: Any) -> None: ...
+    def bo_done(self, bo: Any) -> None: ...
 
 
 @dataclass
@@ -201,5 +202,6 @@ class Pipeline:
         task.bo.chunks_left -= 1
         if task.bo.chunks_left == 0:
             p.bos_done += 1
+            self.ends.bo_done(task.bo)  # e.g. unmap it now, not at the end of the job
         if self.on_progress is not None:
             self.on_progress(p)
