@@ -1,5 +1,4 @@
 """An image is committed atomically: a dump that dies or fails never leaves a readable image."""
-import json
 import os
 import signal
 import subprocess
@@ -8,7 +7,7 @@ import textwrap
 
 import pytest
 
-from helpers import Workload, engine, open_dir, run
+from helpers import Workload, engine, run
 from vramd import errors
 from vramd.backends import BoRef
 from vramd.imageformat import MANIFEST_NAME
