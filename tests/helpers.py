@@ -27,5 +27,14 @@ def engine(**kw) -> Engine:
     return Engine(EngineConfig(**kw))
 
 
+def memfd(data: bytes = b"", size: int | None = None) -> int:
+    """A memfd holding `data`, `size` bytes long (default len(data)): a BO for the mmap backend."""
+    fd = os.memfd_create("bo", os.MFD_CLOEXEC)
+    os.ftruncate(fd, len(data) if size is None else size)
+    if data:
+        os.pwrite(fd, data, 0)
+    return fd
+
+
 def open_dir(path) -> int:
     return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)

@@ -4,7 +4,7 @@ import struct
 
 import pytest
 
-from helpers import engine, run
+from helpers import engine, memfd, run
 from vramd import errors
 from vramd.backends import BoRef
 from vramd.codec import Compression
@@ -15,20 +15,12 @@ MiB = 1 << 20
 CHUNK = 1 * MiB
 
 
-def _memfd(size: int, data: bytes = b"") -> int:
-    fd = os.memfd_create("bo", os.MFD_CLOEXEC)
-    os.ftruncate(fd, size)
-    if data:
-        os.pwrite(fd, data, 0)
-    return fd
-
-
 @pytest.fixture(params=["none", "zstd"])
 def dumped(request, image_dir):
     """An image of two BOs (3.5 MiB of text-like data, 1 MiB) plus the original bytes."""
     path, dfd = image_dir
     data = {1: (b"the quick brown fox %d " * 200000)[:3 * MiB + MiB // 2], 2: os.urandom(MiB)}
-    fds = {i: _memfd(len(d), d) for i, d in data.items()}
+    fds = {i: memfd(d) for i, d in data.items()}
 
     async def go():
         async with engine(staging_budget=8 * MiB, chunk_size=CHUNK) as e:
@@ -41,7 +33,7 @@ def dumped(request, image_dir):
 
 
 def _restore(dfd, data):
-    targets = {i: _memfd(len(d)) for i, d in data.items()}
+    targets = {i: memfd(size=len(d)) for i, d in data.items()}
 
     async def go():
         async with engine(staging_budget=8 * MiB, chunk_size=CHUNK) as e:
@@ -164,7 +156,7 @@ def test_data_file_of_another_image(dumped, tmp_path):
     other.mkdir()
     ofd = os.open(other, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        fd = _memfd(MiB, os.urandom(MiB))
+        fd = memfd(os.urandom(MiB))
 
         async def go():
             async with engine(staging_budget=8 * MiB, chunk_size=CHUNK) as e:

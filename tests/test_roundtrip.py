@@ -3,7 +3,7 @@ import os
 
 import pytest
 
-from helpers import Workload, blank_spec_like, engine, procmem_bos, procmem_targets, run
+from helpers import Workload, blank_spec_like, engine, memfd, procmem_bos, procmem_targets, run
 from vramd.backends import BoRef
 from vramd.codec import Compression
 from vramd.jobs import BoSpec, RestoreTarget
@@ -61,24 +61,16 @@ def test_procmem_round_trip_into_fresh_process(image_dir, compression):
         assert dst.digests() == want
 
 
-def _memfd(data: bytes, extra: int = 0) -> int:
-    fd = os.memfd_create("bo", os.MFD_CLOEXEC)
-    os.ftruncate(fd, len(data) + extra)
-    if data:
-        os.pwrite(fd, data, 0)
-    return fd
-
-
 @pytest.mark.parametrize("compression", ["none", "zstd"])
 def test_mmap_round_trip_with_memfds(image_dir, compression):
     _, dfd = image_dir
     contents = [os.urandom(3 * MiB + 5), bytes(2 * MiB), b"", b"\x07", (b"abc" * 1000000)[:MiB + 77]]
     # BO 5 lives at an unaligned offset inside its fd
-    fds = [_memfd(c) for c in contents[:4]] + [_memfd(b"\x01" * 333 + contents[4])]
+    fds = [memfd(c) for c in contents[:4]] + [memfd(b"\x01" * 333 + contents[4])]
     offsets = [0, 0, 0, 0, 333]
     specs = [BoSpec(10 + i, len(c), BoRef("mmap", fd, off), gpu_id=7)
              for i, (c, fd, off) in enumerate(zip(contents, fds, offsets))]
-    targets_fds = [_memfd(b"", len(c) + off) for c, off in zip(contents, offsets)]
+    targets_fds = [memfd(size=len(c) + off) for c, off in zip(contents, offsets)]
     for fd in targets_fds:
         os.pwrite(fd, b"\xee" * os.fstat(fd).st_size, 0) if os.fstat(fd).st_size else None
     try:
@@ -137,7 +129,7 @@ def test_large_bo_over_4gib_round_trips(image_dir):
 def test_verify_reads_every_chunk(image_dir):
     _, dfd = image_dir
     data = os.urandom(5 * MiB + 3)
-    fd = _memfd(data)
+    fd = memfd(data)
     try:
         async def go():
             async with engine(staging_budget=8 * MiB, chunk_size=1 * MiB) as e:

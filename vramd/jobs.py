@@ -16,6 +16,7 @@ from .backends import Backend, BoHandle, BoRef, Direction
 from .codec import Compression, decode_chunk, encode_chunk
 from .errors import (
     BackendUnavailableError,
+    CorruptChunkError,
     IncompleteRestoreError,
     InvalidRequestError,
     VramdError,
@@ -248,8 +249,6 @@ class RestoreEnds:
             head_len = record_head_length(tail, bo_id=bo_id, offset=task.offset, where=where)
             stored_len = rec_len - head_len
             if stored_len > task.length:
-                from .errors import CorruptChunkError
-
                 raise CorruptChunkError(f"{where}: record of {rec_len} bytes for a {task.length}-byte chunk",
                                         bo_id=bo_id, offset=task.offset)
             head = bytes(tail[:head_len])

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import fcntl
 import os
 import stat
 from abc import ABC, abstractmethod
@@ -90,10 +91,12 @@ class Backend(ABC):
         """The job is over; drop per-job resources."""
 
 
-def check_fd(fd: int, direction: Direction, *, bo_id: int) -> os.stat_result:
-    """fstat a caller-passed fd and check its access mode suits the direction."""
-    import fcntl
+def check_fd(fd: int, direction: Direction, *, bo_id: int, write_needs_rdwr: bool = False) -> os.stat_result:
+    """fstat a caller-passed fd and check its access mode suits the direction.
 
+    `write_needs_rdwr`: writing needs O_RDWR, not just O_WRONLY (a MAP_SHARED
+    writable mapping does).
+    """
     try:
         st = os.fstat(fd)
         flags = fcntl.fcntl(fd, fcntl.F_GETFL)
@@ -106,6 +109,8 @@ def check_fd(fd: int, direction: Direction, *, bo_id: int) -> os.stat_result:
         raise BadDescriptorError(f"fd {fd} is write-only; dumping needs read access", bo_id=bo_id)
     if direction is Direction.WRITE and acc == os.O_RDONLY:
         raise BadDescriptorError(f"fd {fd} is read-only; restoring needs write access", bo_id=bo_id)
+    if direction is Direction.WRITE and write_needs_rdwr and acc != os.O_RDWR:
+        raise BadDescriptorError(f"fd {fd} must be open read-write to map it for writing", bo_id=bo_id)
     return st
 
 

@@ -17,14 +17,13 @@ libc memcpy through cffi, so they run without the GIL.
 """
 from __future__ import annotations
 
-import fcntl
 import mmap
 import os
 import stat
 import threading
 from dataclasses import dataclass, field
 
-from ..errors import BackendError, BadDescriptorError, TargetTooSmallError
+from ..errors import BackendError, TargetTooSmallError
 from ..memops import copy_ptr, ffi, pointer
 from .base import BoHandle, Capabilities, Direction, ThreadedBackend, check_fd
 
@@ -69,9 +68,7 @@ class MmapBackend(ThreadedBackend):
         )
 
     def open(self, bo_id, ref, size, gpu_id, direction):
-        st = check_fd(ref.fd, direction, bo_id=bo_id)
-        if direction is Direction.WRITE and fcntl.fcntl(ref.fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDWR:
-            raise BadDescriptorError(f"fd {ref.fd} must be open read-write to map it for writing", bo_id=bo_id)
+        st = check_fd(ref.fd, direction, bo_id=bo_id, write_needs_rdwr=True)
         have = fd_size(ref.fd, st)
         if have is not None and ref.offset + size > have:
             raise TargetTooSmallError(
