@@ -17,3 +17,22 @@ def image_dir(tmp_path):
     fd = open_dir(d)
     yield d, fd
     os.close(fd)
+
+
+@pytest.fixture
+def run_dir():
+    """A short directory for sockets (sun_path is 108 bytes), others may enter."""
+    import shutil
+    import tempfile
+    d = tempfile.mkdtemp(prefix="vramd-t", dir="/tmp")
+    os.chmod(d, 0o755)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def daemon(run_dir):
+    """A running daemon with a short grace period and small budget."""
+    from daemon import DaemonProc
+    with DaemonProc(run_dir, "--grace-period", "0.3", "--staging-budget", "64M", "--chunk-size", "1M") as d:
+        yield d

@@ -88,6 +88,12 @@ class Engine:
     async def start_restore(self, dir_fd: int, *, on_progress=None) -> RestoreJob:
         return RestoreJob(self.ctx, await ImageReader.open(dir_fd), on_progress=on_progress)
 
+    async def start_verify(self, dir_fd: int, *, on_progress=None) -> RestoreJob:
+        """A job that reads and checks every chunk of the image, writing nowhere."""
+        job = RestoreJob(self.ctx, await ImageReader.open(dir_fd), verify_only=True, on_progress=on_progress)
+        job.add_all_for_verify()
+        return job
+
     async def dump(self, dir_fd: int, bos: list[BoSpec], **kw) -> pb.Manifest:
         job = self.start_dump(dir_fd, **kw)
         try:
@@ -107,7 +113,5 @@ class Engine:
 
     async def verify(self, dir_fd: int, *, on_progress=None) -> VerifyReport:
         """Read every chunk and check it (checksums, lengths, zstd frames) without writing anywhere."""
-        reader = await ImageReader.open(dir_fd)
-        job = RestoreJob(self.ctx, reader, verify_only=True, on_progress=on_progress)
-        job.add_all_for_verify()
-        return VerifyReport(reader.manifest, await job.finish())
+        job = await self.start_verify(dir_fd, on_progress=on_progress)
+        return VerifyReport(job.manifest, await job.finish())

@@ -114,3 +114,70 @@ class IncompleteRestoreError(JobError):
     """A restore finished without a target for every BO in the image."""
 
     code = "INCOMPLETE_RESTORE"
+
+
+# --- service (the daemon and its protocol) ---------------------------------
+
+class ServiceError(VramdError):
+    code = "VRAMD_ERROR"
+
+
+class ProtocolError(ServiceError):
+    """A malformed frame or message; the daemon closes that connection."""
+
+    code = "PROTOCOL_ERROR"
+
+
+class UnsupportedProtocolError(ServiceError):
+    code = "UNSUPPORTED_PROTOCOL"
+
+
+class PermissionDeniedError(ServiceError):
+    code = "PERMISSION_DENIED"
+
+
+class NotFoundError(ServiceError):
+    code = "NOT_FOUND"
+
+
+class LimitExceededError(ServiceError):
+    code = "LIMIT_EXCEEDED"
+
+
+class ShuttingDownError(ServiceError):
+    code = "SHUTTING_DOWN"
+
+
+class WaitTimeoutError(ServiceError):
+    """Wait's timeout expired; the session goes on."""
+
+    code = "TIMEOUT"
+
+
+class InternalError(ServiceError):
+    code = "INTERNAL"
+
+
+def _subclasses(cls: type) -> list[type]:
+    out = [cls]
+    for sub in cls.__subclasses__():
+        out += _subclasses(sub)
+    return out
+
+
+def error_class(code: str) -> type[VramdError]:
+    """The most specific error class for a wire code (VramdError if unknown)."""
+    for cls in _subclasses(VramdError):
+        if cls.code == code and cls is not ServiceError:
+            return cls
+    return VramdError
+
+
+def error_from_wire(code: str, message: str, bo_id: int | None = None, offset: int | None = None) -> VramdError:
+    """Rebuild the typed error a peer reported."""
+    cls = error_class(code)
+    exc = cls.__new__(cls)
+    if cls is UnmappedRangeError:
+        exc.address = None
+    VramdError.__init__(exc, message, bo_id=bo_id, offset=offset)
+    return exc

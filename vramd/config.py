@@ -1,0 +1,134 @@
+"""Daemon configuration: defaults, a TOML file, then command-line flags.
+
+    # /etc/vramd/vramd.toml
+    socket = "/run/vramd/vramd.sock"   # ignored under socket activation
+    staging_budget = "1G"
+    chunk_size = "8M"
+    compression = "zstd:1"
+    workers_per_gpu = 4
+    allowed_uids = [0]
+    allowed_groups = ["vramd"]
+    grace_period = 30          # seconds a session outlives its last connection
+    drain_timeout = 30         # seconds SIGTERM waits for running sessions
+    metrics_textfile = "/var/lib/prometheus/node-exporter/vramd.prom"
+
+Sizes take the same forms as everywhere in vramd (4096, 0x1000, 8M, 1G).
+"""
+from __future__ import annotations
+
+import dataclasses
+import grp
+import os
+import stat
+import tomllib
+from dataclasses import dataclass, field
+
+from .codec import Compression
+from .protocol import DEFAULT_MAX_MESSAGE, SCM_MAX_FD
+from .units import parse_size
+
+MiB = 1 << 20
+SYSTEM_SOCKET = "/run/vramd/vramd.sock"
+DEFAULT_GROUP = "vramd"
+
+
+@dataclass
+class DaemonConfig:
+    socket: str | None = None          # None: default_socket_path()
+    socket_mode: int = 0o660
+    staging_budget: int = 512 * MiB
+    chunk_size: int = 8 * MiB
+    compression: str = "none"
+    workers_per_gpu: int = 4
+    io_threads: int = 4
+    allowed_uids: list[int] = field(default_factory=lambda: sorted({0, os.getuid()}))
+    allowed_groups: list[str | int] = field(default_factory=lambda: [DEFAULT_GROUP])
+    grace_period: float = 30.0
+    drain_timeout: float = 30.0
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE
+    max_fds_per_message: int = SCM_MAX_FD
+    max_bos_per_session: int = 1_000_000
+    max_fds_per_session: int = 65_536
+    max_sessions_per_uid: int = 64
+    max_connections: int = 1024
+    metrics_textfile: str | None = None
+    metrics_interval: float = 15.0
+
+    SIZE_KEYS = ("staging_budget", "chunk_size", "max_message_bytes")
+
+    def update(self, values: dict, *, origin: str) -> None:
+        names = {f.name for f in dataclasses.fields(self)}
+        for key, value in values.items():
+            key = key.replace("-", "_")
+            if key not in names:
+                raise ValueError(f"{origin}: unknown setting {key!r}")
+            if key in self.SIZE_KEYS and isinstance(value, str):
+                value = parse_size(value)
+            if key == "socket_mode" and isinstance(value, str):
+                value = int(value, 8)
+            setattr(self, key, value)
+
+    def check(self) -> None:
+        Compression.parse(self.compression)
+        if not 0 < self.max_fds_per_message <= SCM_MAX_FD:
+            raise ValueError(f"max_fds_per_message must be 1..{SCM_MAX_FD}")
+        if self.max_message_bytes < 4096:
+            raise ValueError("max_message_bytes must be at least 4096")
+        if self.grace_period < 0 or self.drain_timeout < 0:
+            raise ValueError("grace_period and drain_timeout must not be negative")
+
+    def allowed_gids(self) -> set[int]:
+        """Configured groups as gids; a group name that does not exist is skipped."""
+        gids = set()
+        for g in self.allowed_groups:
+            if isinstance(g, int):
+                gids.add(g)
+                continue
+            try:
+                gids.add(grp.getgrnam(g).gr_gid)
+            except KeyError:
+                pass
+        return gids
+
+
+def load_config(path: str | None, overrides: dict) -> DaemonConfig:
+    cfg = DaemonConfig()
+    if path:
+        with open(path, "rb") as f:
+            cfg.update(tomllib.load(f), origin=path)
+    cfg.update({k: v for k, v in overrides.items() if v is not None}, origin="command line")
+    cfg.check()
+    return cfg
+
+
+def user_run_dir() -> str:
+    """$XDG_RUNTIME_DIR/vramd, else /tmp/vramd-<uid>: a directory only this uid can enter."""
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    return os.path.join(xdg, "vramd") if xdg else f"/tmp/vramd-{os.getuid()}"
+
+
+def ensure_private_dir(path: str) -> None:
+    """Create `path` mode 0700, or check that an existing one is ours and private (no squatting)."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise PermissionError(f"{path} must be a directory owned by uid {os.getuid()} with mode 0700")
+
+
+def default_socket_path() -> str:
+    """Where a daemon started by hand listens: $VRAMD_SOCKET, else the user's run dir."""
+    return os.environ.get("VRAMD_SOCKET") or os.path.join(user_run_dir(), "vramd.sock")
+
+
+def client_socket_path() -> str:
+    """Where clients look: $VRAMD_SOCKET, the user's own daemon if running, else the system one."""
+    env = os.environ.get("VRAMD_SOCKET")
+    if env:
+        return env
+    mine = os.path.join(user_run_dir(), "vramd.sock")
+    if os.path.exists(mine) or not os.path.exists(SYSTEM_SOCKET):
+        return mine
+    return SYSTEM_SOCKET
