@@ -261,7 +261,7 @@ def cmd_inspect(ns) -> int:
             "file": m.files[e.file_index].name if e.record_offsets else None} for e in m.bos]
     t = m.totals
     data = {"format_version": m.format_version, "chunk_size": m.chunk_size, "compression": comp,
-            "files": [{"name": f.name, "size": f.size, "gpu_id": f.gpu_id} for f in m.files],
+            "files": [{"name": f.name, "length": f.length, "gpu_id": f.gpu_id} for f in m.files],
             "totals": {"bo_count": t.bo_count, "bo_bytes": t.bo_bytes, "stored_bytes": t.stored_bytes,
                        "zero_bytes": t.zero_bytes, "chunk_count": t.chunk_count}, "bos": bos}
     lines = [f"{ns.dir}: image format v{m.format_version}, chunk {format_size(m.chunk_size)}, compression {comp}",

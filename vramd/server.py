@@ -31,7 +31,7 @@ from .metrics import Metrics
 from .pb import rpc_pb2 as rpc
 from .protocol import FdBundle, Received, Reply, ServerProtocol, reply
 from .sessions import Session, SessionLimits, SessionTable
-from .transport import PacketChannel
+from .transport import PacketChannel, close_fds
 
 log = logging.getLogger(__name__)
 SERVER = f"vramd {__version__}"
@@ -145,8 +145,8 @@ class Daemon:
                 log.warning("drain timeout (%g s): cancelling %d session(s)", self.cfg.drain_timeout, len(late))
         for s in self.sessions:
             await self.sessions.reap(s, "daemon shutting down")
-        for conn in list(self.connections.values()):
-            conn.channel.close()
+        for task in list(self._conn_tasks):
+            task.cancel()  # each closes its socket on the way out
         await asyncio.gather(*self._conn_tasks, return_exceptions=True)
 
     async def _accept_loop(self, listener: socket.socket) -> None:
@@ -200,6 +200,12 @@ class Daemon:
             if refusal is not None:
                 log.warning("refused pid %d uid %d: %s", pid, uid, refusal.message)
                 self.metrics.inc("vramd_connections_refused_total")
+                try:  # answer the client's first request (its Hello) with the refusal
+                    first = await asyncio.wait_for(channel.recv(), 5.0)
+                except asyncio.TimeoutError:
+                    first = None
+                if first is not None:
+                    close_fds(first[1])
                 for r in protocol.refuse(refusal):
                     await channel.send(r.data)
                 return

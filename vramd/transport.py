@@ -13,6 +13,7 @@ import asyncio
 import errno
 import os
 import socket
+import struct
 
 from .protocol import SCM_MAX_FD
 
@@ -79,7 +80,6 @@ class PacketChannel:
 
     def peercred(self) -> tuple[int, int, int]:
         """(pid, uid, gid) of the peer at connect time."""
-        import struct
         return struct.unpack("3i", self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
 
     def peergroups(self) -> set[int]:
@@ -97,8 +97,21 @@ class PacketChannel:
             return set(array.array("I", raw[: len(raw) - len(raw) % 4]))
         return set()
 
+    def discard_pending(self) -> None:
+        """Drop packets still queued (closing their fds): closing a unix socket with unread
+        data would reset the connection, and the peer could lose our last reply."""
+        while True:
+            try:
+                data, anc, _, _ = self.sock.recvmsg(self.max_bytes + 1, self.cmsg_space, socket.MSG_CMSG_CLOEXEC)
+            except OSError:
+                return
+            close_fds(unpack_fds(anc))
+            if not data and not anc:
+                return
+
     def close(self) -> None:
         if not self.closed:
+            self.discard_pending()
             self.closed = True
             self.sock.close()
 

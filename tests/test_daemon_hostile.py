@@ -1,0 +1,177 @@
+"""Bad peers: unauthorised uids, malformed frames, clients that die mid-session, shutdown."""
+from __future__ import annotations
+
+import array
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from daemon import ROOT, DaemonProc
+from helpers import memfd
+from vramd.client import SESSION_DUMP, Client, ClientBo
+from vramd.errors import CancelledError, NotFoundError, PermissionDeniedError
+from vramd.pb import rpc_pb2 as rpc
+from vramd.protocol import decode_response, encode_request
+
+NOBODY = 65534
+
+
+def as_nobody(sock_path: str, body: str) -> subprocess.CompletedProcess:
+    """Run `body` in a child that drops to uid/gid 65534 *before* connecting (SO_PEERCRED is taken at connect)."""
+    code = textwrap.dedent(f"""
+        import os, sys
+        from vramd.client import Client, ClientBo, SESSION_DUMP
+        from vramd.errors import VramdError
+        os.setgroups([]); os.setgid({NOBODY}); os.setuid({NOBODY})
+        sock = {sock_path!r}
+        try:
+    """) + textwrap.indent(textwrap.dedent(body), "    ") + textwrap.dedent("""
+        except VramdError as e:
+            print("ERROR", e.code, e.message)
+    """)
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          stdin=subprocess.PIPE)
+
+
+def test_unauthorised_uid_is_refused(run_dir):
+    with DaemonProc(run_dir, "--socket-mode", "666") as d:
+        r = as_nobody(d.socket, "Client(sock); print('CONNECTED')")
+        assert "ERROR PERMISSION_DENIED" in r.stdout and f"uid {NOBODY}" in r.stdout, r.stdout + r.stderr
+        d.expect_log(f"refused pid \\d+ uid {NOBODY}")
+        with Client(d.socket) as c:  # root still served
+            assert c.status().sessions == 0
+
+
+def test_token_works_only_for_its_uid(run_dir, image_dir):
+    _, dfd = image_dir
+    with DaemonProc(run_dir, "--socket-mode", "666", "--allow-uid", "0", "--allow-uid", str(NOBODY)) as d, \
+            Client(d.socket) as c:
+        s = c.open_session(SESSION_DUMP, dfd)
+        r = as_nobody(d.socket, f"""
+            c = Client(sock)
+            print("HELLO", c.hello.server)
+            print("SESSIONS", len(c.sessions()))
+            c.wait({s.token!r}, 0)
+        """)
+        assert "HELLO vramd" in r.stdout, r.stdout + r.stderr
+        assert "SESSIONS 0" in r.stdout  # another uid's sessions are not listed
+        assert "ERROR PERMISSION_DENIED" in r.stdout and "another uid" in r.stdout
+        c.cancel(s.token)
+        with pytest.raises(CancelledError):
+            c.wait(s.token)
+
+
+def raw_connect(path: str) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.settimeout(30)
+    s.connect(path)
+    return s
+
+
+def exchange(s: socket.socket, data: bytes, fds=()) -> list[rpc.Response]:
+    """Send one packet, read responses until the daemon closes the connection (or one arrives)."""
+    anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+    s.sendmsg([data], anc)
+    out = []
+    while True:
+        pkt = s.recv(1 << 20)
+        if not pkt:
+            return out
+        out.append(decode_response(pkt))
+        if out[-1].error.code == rpc.OK:
+            return out
+
+
+def hello() -> bytes:
+    return encode_request(rpc.Request(id=1, hello=rpc.Hello(versions=[1])))
+
+
+def test_malformed_frames_get_an_error_and_a_closed_connection(run_dir, tmp_path):
+    cfg = tmp_path / "vramd.toml"
+    cfg.write_text('max_message_bytes = "8K"\ngrace_period = 0.1\n')
+    with DaemonProc(run_dir, "--config", str(cfg)) as d:
+        with Client(d.socket) as watcher:
+            baseline = d.fds()
+            bo = memfd(b"y" * 4096)
+            cases = [
+                (b"garbage that is no frame", (), rpc.PROTOCOL_ERROR),
+                (b"VRDP\x01\x01\x00\x00\xff\x00\x00\x00short", (), rpc.PROTOCOL_ERROR),           # length lies
+                (encode_request(rpc.Request(id=1, get_status=rpc.GetStatus())), (), rpc.PROTOCOL_ERROR),  # no hello
+                (encode_request(rpc.Request(id=1, hello=rpc.Hello(versions=[99]))), (), rpc.UNSUPPORTED_PROTOCOL),
+                (b"VRDP\x01\x01\x00\x00" + (9000).to_bytes(4, "little") + b"\0" * 9000, (), rpc.LIMIT_EXCEEDED),
+                (b"not a frame, with fds attached", (bo, bo, bo), rpc.PROTOCOL_ERROR),
+            ]
+            for data, fds, code in cases:
+                s = raw_connect(d.socket)
+                got = exchange(s, data, fds)
+                assert [r.error.code for r in got] == [code], (data[:20], got)
+                s.close()
+            # a valid hello, then a body protobuf cannot parse
+            s = raw_connect(d.socket)
+            assert exchange(s, hello())[0].hello.version == 1
+            bad = b"VRDP\x01\x01\x00\x00" + (3).to_bytes(4, "little") + b"\xff\xff\xff"
+            got = exchange(s, bad, (bo,))
+            assert got[-1].error.code == rpc.PROTOCOL_ERROR and "undecodable" in got[-1].error.message
+            s.close()
+            os.close(bo)
+            assert watcher.status().connections >= 1  # the other client was served throughout
+            # every connection above was closed by the daemon (we saw EOF), every fd it got is closed
+            assert d.fds() == baseline
+
+
+def test_client_killed_mid_session_leaves_no_fds(daemon, image_dir):
+    with Client(daemon.socket) as c:
+        baseline = daemon.fds()
+        code = textwrap.dedent(f"""
+            import os, sys
+            from vramd.client import Client, ClientBo, SESSION_DUMP
+            c = Client({daemon.socket!r})
+            dfd = os.open({str(image_dir[0])!r}, os.O_RDONLY | os.O_DIRECTORY)
+            bos = []
+            for i in range(20):
+                fd = os.memfd_create("bo"); os.ftruncate(fd, 1 << 20); bos.append(ClientBo(i + 1, fd, size=1 << 20))
+            s = c.open_session(SESSION_DUMP, dfd, label="doomed")
+            c.add_bos(s.token, bos)
+            print(s.session_id, flush=True)
+            sys.stdin.read()
+        """)
+        child = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, text=True)
+        sid = int(child.stdout.readline())
+        assert len(daemon.fds()) >= len(baseline) + 21  # its connection, image dir, 20 BO fds
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        daemon.expect_log(f"session {sid} \\(dump, uid 0\\): SESSION_CANCELLED")
+        assert daemon.fds() == baseline
+        assert c.status().sessions == 0
+        child.stdin.close()
+        child.stdout.close()
+    leftovers = os.listdir(image_dir[0])
+    assert leftovers == [], leftovers  # no committed image, no temporaries
+
+
+def test_sigterm_during_dump_commits_nothing_and_cleans_up(run_dir, image_dir):
+    with DaemonProc(run_dir, "--drain-timeout", "0.2") as d, Client(d.socket) as c:
+        bo = memfd(os.urandom(2 << 20))
+        s = c.open_session(SESSION_DUMP, d and image_dir[1])
+        c.add_bos(s.token, [ClientBo(1, bo, size=2 << 20)])  # never sealed: the drain cannot finish it
+        d.proc.terminate()
+        d.expect_log("drain timeout")
+        with pytest.raises((CancelledError, NotFoundError, ConnectionError)):  # cancelled, maybe reaped already
+            c.wait(s.token)
+        assert d.stop() == 0
+        os.close(bo)
+    assert os.listdir(image_dir[0]) == []
+    assert not os.path.exists(d.socket)
+
+
+def test_permission_error_type_roundtrips():
+    # the wire code of every typed error maps back to its class
+    from vramd.protocol import error_from_pb, error_to_pb
+    e = error_from_pb(error_to_pb(PermissionDeniedError("no", bo_id=3, offset=4096)))
+    assert isinstance(e, PermissionDeniedError) and (e.bo_id, e.offset) == (3, 4096)

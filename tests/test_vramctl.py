@@ -1,0 +1,96 @@
+"""vramctl as a user runs it: a real daemon, real processes, real files, exit codes."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from daemon import ROOT
+from vramd.workload import Workload, blank_spec_like
+
+SPEC = [{"size": (2 << 20) + 5, "fill": "random", "seed": 7}, {"size": 64 << 10, "fill": "zero"},
+        {"size": 4097, "fill": "pattern", "seed": 8, "skew": 13}]
+
+
+def vramctl(*args, socket=None) -> subprocess.CompletedProcess:
+    pre = ["--socket", socket] if socket else []
+    return subprocess.run([sys.executable, "-m", "vramd.cli", *pre, *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_dump_restore_verify_inspect(daemon, tmp_path):
+    img = tmp_path / "img"
+    bo_file = tmp_path / "bo.bin"
+    file_bytes = os.urandom(300_001)
+    bo_file.write_bytes(file_bytes)
+    with Workload(SPEC) as w:
+        digests = w.digests()
+        ranges = []
+        for r in w.regions:  # hex addresses, lengths with suffixes where they fit
+            length = f"{r['size'] // 1024}K" if r["size"] % 1024 == 0 else str(r["size"])
+            ranges += ["--range", f"{r['addr']:#x}:{length}"]
+        r = vramctl("dump", "--pid", str(w.pid), *ranges, "--bo-file", f"{bo_file}:0x1:300000", "--image", str(img),
+                    "--compress", "zstd:3", "--json", socket=daemon.socket)
+        assert r.returncode == 0, r.stderr
+        out = json.loads(r.stdout)
+        assert out["ok"] and out["state"] == "done"
+        assert out["image"]["bo_count"] == 4
+        assert out["progress"]["bytes_done"] == sum(x["size"] for x in SPEC) + 300_000
+
+    r = vramctl("inspect", str(img), "--json")
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    assert info["compression"] == "zstd:3"
+    assert [(b["source"], b["size"]) for b in info["bos"]] == [("procmem", x["size"]) for x in SPEC] + [("mmap", 300_000)]
+    assert info["bos"][3]["name"] == str(bo_file) and info["bos"][3]["source_offset"] == 1
+    assert vramctl("verify", str(img)).returncode == 0
+
+    bo_file.write_bytes(b"\0" * len(file_bytes))
+    with Workload(blank_spec_like(w.regions)) as w2:
+        r = vramctl("restore", "--pid", str(w2.pid), "--image", str(img), socket=daemon.socket)
+        assert r.returncode == 0, r.stderr
+        assert "restored 4 BO(s)" in r.stdout
+        assert w2.digests() == digests
+    assert bo_file.read_bytes() == b"\0" + file_bytes[1:300_001]
+
+    r = vramctl("sessions", "--json", socket=daemon.socket)
+    assert r.returncode == 0 and json.loads(r.stdout) == {"sessions": []}  # vramctl closes what it opens
+    r = vramctl("status", "--json", socket=daemon.socket)
+    st = json.loads(r.stdout)
+    assert r.returncode == 0 and st["server"].startswith("vramd ") and st["sessions"] == 0
+    assert 'vramd_sessions_total{kind="dump",outcome="done"} 1' in st["metrics"]
+
+
+def test_exit_codes(daemon, tmp_path):
+    # 2: usage
+    r = vramctl("dump", "--pid", "1")
+    assert r.returncode == 2 and "--image" in r.stderr
+    r = vramctl("dump", "--pid", "1", "--range", "12:zz", "--image", str(tmp_path))
+    assert r.returncode == 2
+    # 1: a one-line reason
+    r = vramctl("status", socket=os.path.join(tmp_path, "nobody-listens.sock"))
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "cannot connect" in r.stderr
+    r = vramctl("verify", str(tmp_path))
+    assert r.returncode == 1 and "MANIFEST_MISSING" in r.stderr
+    with Workload([{"size": 8192, "fill": "random", "seed": 1}]) as w:
+        r = vramctl("dump", "--pid", str(w.pid), "--range", "0x1000:4K", "--image", str(tmp_path / "x"), "--json",
+                    socket=daemon.socket)
+    assert r.returncode == 1 and "UNMAPPED_RANGE" in r.stderr
+    assert json.loads(r.stdout)["error"]["bo_id"] == 1
+
+
+def test_verify_fails_on_damage(daemon, tmp_path):
+    img = tmp_path / "img"
+    with Workload([{"size": 1 << 20, "fill": "random", "seed": 3}]) as w:
+        r = vramctl("dump", "--pid", str(w.pid), "--range", f"{w.regions[0]['addr']:#x}:1M", "--image", str(img),
+                    socket=daemon.socket)
+        assert r.returncode == 0, r.stderr
+    data = next(p for p in img.iterdir() if p.name != "manifest.vrdm")
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(raw)
+    r = vramctl("verify", str(img), "--json")
+    assert r.returncode == 1
+    err = json.loads(r.stdout)["error"]
+    assert err["code"] == "CORRUPT_CHUNK" and err["bo_id"] == 1
