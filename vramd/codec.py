@@ -78,12 +78,13 @@ class EncodedChunk:
         return len(self.head) + len(self.payload)
 
 
-def encode_chunk(bo_id: int, offset: int, buf: StagingBuffer, length: int, compression: Compression) -> EncodedChunk:
-    """Build the record for `length` staged bytes at the start of `buf`."""
-    if is_zero_ptr(buf.ptr, length):
+def encode_chunk(bo_id: int, offset: int, buf: StagingBuffer, length: int, compression: Compression,
+                 buf_offset: int = 0) -> EncodedChunk:
+    """Build the record for `length` staged bytes at `buf_offset` in `buf`."""
+    if is_zero_ptr(buf.ptr + buf_offset, length):
         codec, payload = pb.CODEC_ZERO, b""
     else:
-        codec, payload = pb.CODEC_RAW, buf.view[:length]
+        codec, payload = pb.CODEC_RAW, buf.view[buf_offset:buf_offset + length]
         if compression.codec == pb.CODEC_ZSTD:
             packed = _compressor(compression.level).compress(payload)
             if len(packed) < length:
@@ -101,15 +102,17 @@ class DecodedChunk:
 
     buf: StagingBuffer | None  # None for a hole: the caller supplies zeros
     codec: int
+    offset: int = 0  # where in `buf` the raw bytes start
 
 
 def decode_chunk(bo_id: int, offset: int, raw_length: int, head: bytes, stored: StagingBuffer,
-                 stored_length: int, out: StagingBuffer | None, *, where: str) -> DecodedChunk:
-    """Validate a record whose head is `head` and whose payload sits at offset 0 of `stored`.
+                 stored_length: int, out: StagingBuffer | None, *, where: str, buf_offset: int = 0) -> DecodedChunk:
+    """Validate a record whose head is `head` and whose payload sits at `buf_offset` in `stored`.
 
     Returns where the raw bytes are: `stored` itself (RAW), `out` after
-    decompressing into it (ZSTD), or no buffer for a hole.  The payload
-    checksum is verified before anything else looks at the payload.
+    decompressing into it at the same `buf_offset` (ZSTD), or no buffer for
+    a hole.  The payload checksum is verified before anything else looks at
+    the payload.
     """
     header, head_len = decode_record_head(head, bo_id=bo_id, offset=offset, where=where)
 
@@ -125,22 +128,22 @@ def decode_chunk(bo_id: int, offset: int, raw_length: int, head: bytes, stored: 
         if header.checksum != EMPTY_CHECKSUM:
             raise bad("hole chunk checksum mismatch")
         return DecodedChunk(None, header.codec)
-    payload = stored.view[:stored_length]
+    payload = stored.view[buf_offset:buf_offset + stored_length]
     try:
         if checksum(payload) != header.checksum:
             raise bad("payload checksum mismatch; the stored bytes are damaged")
         if header.codec == pb.CODEC_RAW:
-            return DecodedChunk(stored, header.codec)
+            return DecodedChunk(stored, header.codec, buf_offset)
         if out is None:
             raise bad("compressed chunk in an image whose manifest says it is uncompressed")
-        _unzstd(payload, out.view, raw_length, bad)
-        return DecodedChunk(out, header.codec)
+        _unzstd(payload, out.view, buf_offset, raw_length, bad)
+        return DecodedChunk(out, header.codec, buf_offset)
     finally:
         payload.release()
 
 
-def _unzstd(payload: memoryview, dest: memoryview, raw_length: int, bad) -> None:
-    out = dest[:raw_length]
+def _unzstd(payload: memoryview, dest: memoryview, dest_offset: int, raw_length: int, bad) -> None:
+    out = dest[dest_offset:dest_offset + raw_length]
     try:
         reader = _decompressor().stream_reader(payload, read_across_frames=False)
         got = 0

@@ -71,6 +71,23 @@ def pread_into(fd: int, view: memoryview, offset: int) -> int:
     return done
 
 
+def preadv_all(fd: int, views: list[memoryview], offset: int) -> int:
+    """preadv until every view is full or end of file; returns bytes read."""
+    views = [v for v in views if len(v)]
+    total = 0
+    while views:
+        n = os.preadv(fd, views, offset)
+        if n == 0:
+            break
+        offset += n
+        total += n
+        while views and n >= len(views[0]):
+            n -= len(views.pop(0))
+        if views and n:
+            views[0] = views[0][n:]
+    return total
+
+
 async def read_manifest(dir_fd: int) -> pb.Manifest:
     try:
         async with aiofiles.open(MANIFEST_NAME, "rb", opener=_opener(dir_fd)) as f:
@@ -253,6 +270,10 @@ class ImageReader:
             name = self.manifest.files[file_index].name
             raise TruncatedDataError(f"data file {name} ends inside a chunk record at {offset + got:#x}",
                                      bo_id=bo_id, offset=bo_offset)
+
+    def readv(self, file_index: int, views: list[memoryview], offset: int) -> int:
+        """Fill `views` from consecutive file bytes at `offset`; returns bytes read (short at end of file)."""
+        return preadv_all(self.fds[file_index], views, offset)
 
     def close(self) -> None:
         for fd in self.fds:

@@ -13,18 +13,20 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 from .backends import Backend, BoHandle, BoRef, Direction
-from .codec import Compression, decode_chunk, encode_chunk
+from .backends.base import CopyItem, land_all
+from .codec import Compression, DecodedChunk, EncodedChunk, decode_chunk, encode_chunk
 from .errors import (
     BackendUnavailableError,
     CorruptChunkError,
     IncompleteRestoreError,
     InvalidRequestError,
+    TruncatedDataError,
     VramdError,
 )
 from .image import ImageReader, ImageWriter
 from .imageformat import HEAD_PEEK, record_head_length
 from .pb import image_pb2 as pb
-from .pipeline import ChunkTask, Pipeline, Progress, settle
+from .pipeline import ChunkTask, Pipeline, Progress, blame, settle
 from .staging import StagingBuffer, StagingPool
 
 SOURCE_KINDS = {"procmem": pb.SOURCE_PROCMEM, "mmap": pb.SOURCE_MMAP, "sdma": pb.SOURCE_SDMA}
@@ -77,6 +79,30 @@ def release_bo(bo: _Bo) -> None:
         bo.handle = None
 
 
+def submit_batch(copies: list[tuple[Backend, CopyItem]]) -> asyncio.Future:
+    """A batch's backend copies: one `submit_many` per backend; one future, done when all have landed.
+
+    A batch's pieces share a GPU lane but may reach their BOs through
+    different backends (procmem and mmap BOs of one GPU in one job).
+    """
+    groups: dict[Backend, list[CopyItem]] = {}
+    for backend, item in copies:
+        group = groups.get(backend)
+        if group is None:
+            group = groups[backend] = []
+        group.append(item)
+    if len(groups) == 1:
+        (backend, items), = groups.items()
+        return backend.submit_many(items)
+    futs = []
+    try:
+        for backend, items in groups.items():
+            futs.append(backend.submit_many(items))
+    except BaseException as e:  # let what was started land before reporting
+        return land_all(futs, error=e)
+    return land_all(futs)
+
+
 @dataclass
 class JobContext:
     """What jobs share from the engine."""
@@ -94,6 +120,7 @@ class _Job:
     def __init__(self, ctx: JobContext, ends, on_progress=None):
         self.ctx = ctx
         self.bos: dict[int, _Bo] = {}
+        self._usable: dict[str, Backend] = {}
         self.pipeline = Pipeline(ends, ctx.pool, ctx.cpu, workers_per_gpu=ctx.workers_per_gpu,
                                  on_progress=on_progress)
 
@@ -102,6 +129,9 @@ class _Job:
         return self.pipeline.progress
 
     def _backend(self, kind: str, bo_id: int) -> Backend:
+        backend = self._usable.get(kind)  # checked once per kind and job, not per BO
+        if backend is not None:
+            return backend
         backend = self.ctx.backends.get(kind)
         if backend is None:
             raise BackendUnavailableError(
@@ -109,6 +139,7 @@ class _Job:
         caps = backend.capabilities()
         if not (caps.can_read if self.direction is Direction.READ else caps.can_write):
             raise BackendUnavailableError(f"backend {kind!r} cannot {self.direction.value}", bo_id=bo_id)
+        self._usable[kind] = backend
         return backend
 
     def cancel(self, reason: str = "job cancelled") -> None:
@@ -136,21 +167,52 @@ class DumpEnds:
 
     bo_done = staticmethod(release_bo)
 
-    async def fill(self, task: ChunkTask, bufs: list[StagingBuffer]) -> None:
-        bo = task.bo
-        await settle(bo.backend.submit(bo.handle, task.offset, bufs[0], 0, task.length))
+    async def fill(self, tasks: list[ChunkTask], bufs: list[StagingBuffer]) -> None:
+        buf = bufs[0]
+        await settle(submit_batch([(t.bo.backend, (t.bo.handle, t.offset, buf, t.buf_offset, t.length))
+                                   for t in tasks]))
 
-    def transform(self, task, bufs, _filled):
-        return encode_chunk(task.bo.id, task.offset, bufs[0], task.length, self.compression)
+    def transform(self, tasks: list[ChunkTask], bufs: list[StagingBuffer], _filled) -> list[EncodedChunk]:
+        buf, compression = bufs[0], self.compression
+        out = []
+        for t in tasks:
+            try:
+                out.append(encode_chunk(t.bo.id, t.offset, buf, t.length, compression, t.buf_offset))
+            except VramdError:
+                raise
+            except Exception as e:
+                raise blame(e, t)
+        return out
 
-    async def drain(self, task, bufs, enc) -> None:
-        bo = task.bo
-        off = bo.file.reserve(enc.record_length)
-        await settle(bo.file.write([enc.head, enc.payload], off))
-        bo.records[task.index] = (off, enc.record_length)
-        bo.stored_bytes += len(enc.payload)
-        if enc.codec == pb.CODEC_ZERO:
-            bo.zero_bytes += task.length
+    async def drain(self, tasks: list[ChunkTask], bufs: list[StagingBuffer], encs: list[EncodedChunk]) -> None:
+        # A batch is one GPU lane, so its records all go to that GPU's data file:
+        # one reservation, one vectored write (at most 2 x MAX_BATCH iovecs).
+        by_file: dict[object, list] = {}
+        for t, enc in zip(tasks, encs):
+            group = by_file.get(t.bo.file)
+            if group is None:
+                group = by_file[t.bo.file] = []
+            group.append((t, enc))
+        writes, error = [], None
+        try:
+            for file, pieces in by_file.items():
+                iov = []
+                for _, enc in pieces:
+                    iov.append(enc.head)
+                    if enc.payload:
+                        iov.append(enc.payload)
+                off = file.reserve(sum(enc.record_length for _, enc in pieces))
+                writes.append(file.write(iov, off))
+                for t, enc in pieces:
+                    bo = t.bo
+                    bo.records[t.index] = (off, enc.record_length)
+                    off += enc.record_length
+                    bo.stored_bytes += len(enc.payload)
+                    if enc.codec == pb.CODEC_ZERO:
+                        bo.zero_bytes += t.length
+        except BaseException as e:  # let the writes already started land before reporting
+            error = e
+        await settle(land_all(writes, error=error))
 
 
 class DumpJob(_Job):
@@ -227,53 +289,98 @@ class RestoreEnds:
         self.chunk_size = m.chunk_size
         self.buffers_per_chunk = 2 if m.compression.codec == pb.CODEC_ZSTD else 1
         self.verify_only = verify_only
+        self._names = [f.name for f in m.files]
 
     bo_done = staticmethod(release_bo)
 
-    async def fill(self, task: ChunkTask, bufs: list[StagingBuffer]) -> bytes:
+    async def fill(self, tasks: list[ChunkTask], bufs: list[StagingBuffer]) -> list[bytes]:
         loop = asyncio.get_running_loop()
-        return await settle(loop.run_in_executor(self.io, self._read_record, task, bufs[-1]))
+        return await settle(loop.run_in_executor(self.io, self._read_records, tasks, bufs[-1]))
 
     def _where(self, task: ChunkTask) -> str:
-        return f"{self.reader.manifest.files[task.bo.entry.file_index].name} @ {task.record_offset:#x}"
+        return f"{self._names[task.bo.entry.file_index]} @ {task.record_offset:#x}"
 
-    def _read_record(self, task: ChunkTask, stored: StagingBuffer) -> bytes:
-        """Read one record: its head into the headroom, its payload to offset 0 (page-aligned)."""
-        fi, bo_id = task.bo.entry.file_index, task.bo.id
-        rec_off, rec_len = task.record_offset, task.record_length
-        peek_len = min(rec_len, HEAD_PEEK)
-        tail = stored.view[stored.size - HEAD_PEEK:stored.size - HEAD_PEEK + peek_len]
+    def _read_records(self, tasks: list[ChunkTask], stored: StagingBuffer) -> list[bytes]:
+        """Read a batch's records (in an io thread): payloads to their slots; returns their heads.
+
+        A record's head is peeked into a small scratch buffer, so its payload
+        lands at the piece's page-aligned slot (for a whole chunk: offset 0).
+        Where the next record follows in the same file (a dump writes a
+        batch's records back to back), the rest of this record's payload and
+        the next record's peek are read by one preadv: one syscall a record.
+        """
+        scratch = memoryview(bytearray(HEAD_PEEK))  # this call's own
+        view, heads = stored.view, []
         try:
-            self.reader.read(fi, tail, rec_off, bo_id=bo_id, bo_offset=task.offset)
-            where = self._where(task)
-            head_len = record_head_length(tail, bo_id=bo_id, offset=task.offset, where=where)
-            stored_len = rec_len - head_len
-            if stored_len > task.length:
-                raise CorruptChunkError(f"{where}: record of {rec_len} bytes for a {task.length}-byte chunk",
-                                        bo_id=bo_id, offset=task.offset)
-            head = bytes(tail[:head_len])
-            in_peek = peek_len - head_len
-            stored.view[:in_peek] = tail[head_len:peek_len]
+            peeked = False  # the scratch already holds tasks[i]'s peek
+            for i, t in enumerate(tasks):
+                fi, bo_id = t.bo.entry.file_index, t.bo.id
+                rec_off, rec_len, slot = t.record_offset, t.record_length, t.buf_offset
+                peek_len = min(rec_len, HEAD_PEEK)
+                if not peeked:
+                    self._read(t, [scratch[:peek_len]], rec_off)
+                where = self._where(t)
+                head_len = record_head_length(scratch[:peek_len], bo_id=bo_id, offset=t.offset, where=where)
+                stored_len = rec_len - head_len
+                if stored_len > t.length:
+                    raise CorruptChunkError(f"{where}: record of {rec_len} bytes for a {t.length}-byte chunk",
+                                            bo_id=bo_id, offset=t.offset)
+                heads.append(bytes(scratch[:head_len]))
+                in_peek = peek_len - head_len
+                view[slot:slot + in_peek] = scratch[head_len:peek_len]
+                views = [view[slot + in_peek:slot + stored_len]] if stored_len > in_peek else []
+                nxt = tasks[i + 1] if i + 1 < len(tasks) else None
+                peeked = nxt is not None and nxt.record_offset == rec_off + rec_len and nxt.bo.entry.file_index == fi
+                try:
+                    if peeked:
+                        self._read(t, views, rec_off + peek_len, then=(nxt, scratch[:min(nxt.record_length, HEAD_PEEK)]))
+                    elif views:
+                        self._read(t, views, rec_off + peek_len)
+                finally:
+                    for v in views:
+                        v.release()
         finally:
-            tail.release()
-        if stored_len > in_peek:
-            rest = stored.view[in_peek:stored_len]
+            scratch.release()
+        return heads
+
+    def _read(self, task: ChunkTask, views: list, offset: int, then: tuple | None = None) -> None:
+        """Fill `views` (bytes of `task`'s record), then optionally `then` = (next task, view of its
+        peek), from consecutive file bytes at `offset`; a short read names the record it cuts."""
+        want = sum(len(v) for v in views)
+        fi = task.bo.entry.file_index
+        if then is not None:
+            views = views + [then[1]]
+        got = self.reader.readv(fi, views, offset)
+        if got < want + (len(then[1]) if then is not None else 0):
+            cut = task if got < want else then[0]
+            raise TruncatedDataError(
+                f"data file {self._names[fi]} ends inside a chunk record at {offset + got:#x}",
+                bo_id=cut.bo.id, offset=cut.offset)
+
+    def transform(self, tasks: list[ChunkTask], bufs: list[StagingBuffer], heads: list[bytes]) -> list[DecodedChunk]:
+        stored, out = bufs[-1], (bufs[0] if len(bufs) > 1 else None)
+        decoded = []
+        for t, head in zip(tasks, heads):
             try:
-                self.reader.read(fi, rest, rec_off + peek_len, bo_id=bo_id, bo_offset=task.offset)
-            finally:
-                rest.release()
-        return head
+                decoded.append(decode_chunk(t.bo.id, t.offset, t.length, head, stored, t.record_length - len(head),
+                                            out, where=self._where(t), buf_offset=t.buf_offset))
+            except VramdError:
+                raise
+            except Exception as e:
+                raise blame(e, t)
+        return decoded
 
-    def transform(self, task, bufs, head):
-        return decode_chunk(task.bo.id, task.offset, task.length, head, bufs[-1], task.record_length - len(head),
-                            bufs[0] if len(bufs) > 1 else None, where=self._where(task))
-
-    async def drain(self, task, bufs, decoded) -> None:
+    async def drain(self, tasks: list[ChunkTask], bufs: list[StagingBuffer], decoded: list[DecodedChunk]) -> None:
         if self.verify_only:
             return
-        bo = task.bo
-        src = decoded.buf if decoded.buf is not None else self.pool.zeros(self.chunk_size)
-        await settle(bo.backend.submit(bo.handle, task.offset, src, 0, task.length))
+        copies = []
+        for t, d in zip(tasks, decoded):
+            if d.buf is not None:
+                item = (t.bo.handle, t.offset, d.buf, d.offset, t.length)
+            else:  # a hole: zeros from the pool's read-only zero mapping
+                item = (t.bo.handle, t.offset, self.pool.zeros(self.chunk_size), 0, t.length)
+            copies.append((t.bo.backend, item))
+        await settle(submit_batch(copies))
 
 
 class RestoreJob(_Job):

@@ -1,21 +1,28 @@
-"""The one pipeline: per-GPU worker pools moving chunks through three stages.
+"""The one pipeline: per-GPU worker pools moving batches of chunks through three stages.
 
 A job (dump, restore or verify) supplies *ends*: how to `fill` a staging
-buffer (dump: backend copy from the BO; restore: read the record from the
+buffer (dump: backend copy from the BO; restore: read the records from the
 image), how to `transform` it in a CPU thread (dump: hole detection,
 compression, checksum; restore: checksum verification, decompression) and
-how to `drain` it (dump: write the record; restore: backend copy into the
-BO).  Everything else is shared: lanes per GPU, `workers_per_gpu` chunks in
+how to `drain` it (dump: write the records; restore: backend copy into the
+BO).  Everything else is shared: lanes per GPU, `workers_per_gpu` batches in
 flight per lane, one staging budget across all lanes and jobs, the first
-error winning and stopping the job.  With several chunks in flight per GPU,
-the fill of chunk n+1, the transform of chunk n and the drain of chunk n-1
+error winning and stopping the job.  With several batches in flight per GPU,
+the fill of batch n+1, the transform of batch n and the drain of batch n-1
 run at once.
+
+A batch is one staging buffer's worth of work: a full chunk alone, or as
+many small chunks (pieces of small BOs, tails of big ones) as fit, each in
+its own page-aligned slot of the buffer (`ChunkTask.buf_offset`).  Each end
+is called once per batch, so a batch costs one thread hand-off per stage
+however many pieces it holds; progress, `bo_done` and errors stay per piece.
 """
 from __future__ import annotations
 
 import asyncio
 import collections
 import logging
+import traceback
 from collections.abc import Iterator
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -25,6 +32,16 @@ from .errors import CancelledError, JobError, VramdError
 from .staging import StagingBuffer, StagingPool
 
 log = logging.getLogger(__name__)
+
+SLOT_ALIGN = 4096  # pieces of a batch start at page-aligned offsets of the staging buffer
+# At most this many pieces per batch: a dump writes a batch's records with one
+# pwritev of two iovecs (head, payload) per piece, which must stay under IOV_MAX (1024).
+MAX_BATCH = 256
+
+
+def slot_size(length: int) -> int:
+    """The bytes of staging buffer a piece of `length` bytes occupies in a batch."""
+    return -(-length // SLOT_ALIGN) * SLOT_ALIGN
 
 
 async def settle(fut: asyncio.Future) -> Any:
@@ -53,15 +70,47 @@ class ChunkTask:
     length: int      # raw bytes
     record_offset: int = 0  # restore: where the record is in its data file
     record_length: int = 0
+    buf_offset: int = 0     # where in the batch's staging buffer(s) this piece's bytes go (its slot)
+
+
+def blame(exc: BaseException, task: ChunkTask) -> BaseException:
+    """Mark an unexpected (non-VramdError) exception with the piece it happened on."""
+    if not hasattr(exc, "vramd_task"):
+        try:
+            exc.vramd_task = task
+        except AttributeError:  # an exception type that takes no attributes
+            pass
+    return exc
+
+
+def _unpin(exc: BaseException) -> None:
+    """Drop the locals of the finished frames an error passed through.
+
+    They can hold views into the staging buffers (a batch's payloads, an
+    iovec), and the job's error outlives the job: kept, it would keep the
+    pool from ever unmapping those buffers.  The traceback itself stays.
+    """
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)
+        exc = exc.__cause__ or exc.__context__
 
 
 class Ends(Protocol):
+    """The job-specific stages; each is called once per batch, with the batch's pieces in slot order.
+
+    Every piece's bytes live at its `buf_offset` in the staging buffers.  A
+    stage that fails raises the error of the first piece that failed, naming
+    that piece's BO and offset.
+    """
+
     chunk_size: int
     buffers_per_chunk: int
 
-    async def fill(self, task: ChunkTask, bufs: list[StagingBuffer]) -> Any: ...
-    def transform(self, task: ChunkTask, bufs: list[StagingBuffer], filled: Any) -> Any: ...
-    async def drain(self, task: ChunkTask, bufs: list[StagingBuffer], product: Any) -> None: ...
+    async def fill(self, tasks: list[ChunkTask], bufs: list[StagingBuffer]) -> Any: ...
+    def transform(self, tasks: list[ChunkTask], bufs: list[StagingBuffer], filled: Any) -> Any: ...
+    async def drain(self, tasks: list[ChunkTask], bufs: list[StagingBuffer], product: Any) -> None: ...
     def bo_done(self, bo: Any) -> None: ...
 
 
@@ -73,17 +122,19 @@ class Progress:
     bytes_done: int = 0
     chunks_done: int = 0
     per_gpu_bytes: dict[int, int] = field(default_factory=dict)
+    per_backend_bytes: dict[str, int] = field(default_factory=dict)  # BO bytes each backend copied
 
     def as_dict(self) -> dict:
         return {"bos_total": self.bos_total, "bos_done": self.bos_done, "bytes_total": self.bytes_total,
                 "bytes_done": self.bytes_done, "chunks_done": self.chunks_done,
-                "per_gpu_bytes": dict(self.per_gpu_bytes)}
+                "per_gpu_bytes": dict(self.per_gpu_bytes), "per_backend_bytes": dict(self.per_backend_bytes)}
 
 
 @dataclass(eq=False)
 class _Lane:
     gpu_id: int
     pending: collections.deque = field(default_factory=collections.deque)  # of Iterator[ChunkTask]
+    carry: ChunkTask | None = None  # taken from pending but did not fit a batch: the next one to go
     workers: list = field(default_factory=list)
     changed: asyncio.Future | None = None
 
@@ -157,13 +208,24 @@ class Pipeline:
             lane.changed.set_result(None)
         lane.changed = None
 
+    def _take(self, lane: _Lane) -> ChunkTask | None:
+        """The lane's next chunk, if one is ready now (never waits)."""
+        task = lane.carry
+        if task is not None:
+            lane.carry = None
+            return task
+        while lane.pending:
+            task = next(lane.pending[0], None)
+            if task is not None:
+                return task
+            lane.pending.popleft()
+        return None
+
     async def _next(self, lane: _Lane) -> ChunkTask | None:
         while self.error is None:
-            while lane.pending:
-                task = next(lane.pending[0], None)
-                if task is not None:
-                    return task
-                lane.pending.popleft()
+            task = self._take(lane)
+            if task is not None:
+                return task
             if self._closed:
                 return None
             if lane.changed is None:
@@ -171,26 +233,58 @@ class Pipeline:
             await asyncio.wait([lane.changed])  # wait() never cancels the shared future
         return None
 
+    def _batch(self, lane: _Lane, first: ChunkTask) -> list[ChunkTask]:
+        """`first` plus whatever ready chunks of the lane fit beside it in one staging buffer."""
+        first.buf_offset = 0
+        tasks = [first]
+        limit = self.ends.chunk_size
+        end = slot_size(first.length)
+        while end < limit and len(tasks) < MAX_BATCH:
+            task = self._take(lane)
+            if task is None:
+                break
+            slot = slot_size(task.length)
+            if end + slot > limit:
+                lane.carry = task  # not lost: the lane's next batch starts with it
+                self._poke(lane)
+                break
+            task.buf_offset = end
+            end += slot
+            tasks.append(task)
+        return tasks
+
+    async def _stages(self, tasks: list[ChunkTask], bufs: list[StagingBuffer]) -> None:
+        # Its own frame: what the stages hand on (views into `bufs`) dies with it.
+        ends = self.ends
+        filled = await ends.fill(tasks, bufs)
+        product = await settle(asyncio.get_running_loop().run_in_executor(
+            self.cpu, ends.transform, tasks, bufs, filled))
+        await ends.drain(tasks, bufs, product)
+
     async def _worker(self, lane: _Lane) -> None:
-        ends, loop = self.ends, asyncio.get_running_loop()
-        while (task := await self._next(lane)) is not None:
+        ends = self.ends
+        while (first := await self._next(lane)) is not None:
+            tasks = [first]
             bufs = await self.pool.acquire(ends.chunk_size, ends.buffers_per_chunk)
             try:
                 if self.error is not None:
                     break
-                filled = await ends.fill(task, bufs)
-                product = await settle(loop.run_in_executor(self.cpu, ends.transform, task, bufs, filled))
-                await ends.drain(task, bufs, product)
+                tasks = self._batch(lane, first)
+                await self._stages(tasks, bufs)
             except VramdError as e:
+                _unpin(e)
                 self.fail(e)
             except asyncio.CancelledError:
-                self.fail(CancelledError("job cancelled while copying", bo_id=task.bo.id, offset=task.offset))
+                self.fail(CancelledError("job cancelled while copying", bo_id=first.bo.id, offset=first.offset))
                 raise
             except Exception as e:  # a bug, not bad input: still a typed error for the client
                 log.exception("internal error in pipeline")
+                _unpin(e)
+                task = getattr(e, "vramd_task", first)
                 self.fail(JobError(f"internal error: {e!r}", bo_id=task.bo.id, offset=task.offset))
             else:
-                self._count(lane, task)
+                for task in tasks:
+                    self._count(lane, task)
             finally:
                 self.pool.release(bufs)
 
@@ -199,6 +293,9 @@ class Pipeline:
         p.bytes_done += task.length
         p.chunks_done += 1
         p.per_gpu_bytes[lane.gpu_id] = p.per_gpu_bytes.get(lane.gpu_id, 0) + task.length
+        backend = getattr(getattr(task.bo, "backend", None), "name", None)  # None: verify copies nowhere
+        if backend is not None:
+            p.per_backend_bytes[backend] = p.per_backend_bytes.get(backend, 0) + task.length
         task.bo.chunks_left -= 1
         if task.bo.chunks_left == 0:
             p.bos_done += 1

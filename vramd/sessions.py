@@ -207,7 +207,7 @@ class Session:
     def _account(self) -> None:
         m, p = self.metrics, self.job.progress
         direction = "read" if self.kind == rpc.SESSION_DUMP else "write"
-        for backend, nbytes in getattr(p, "per_backend_bytes", {}).items():
+        for backend, nbytes in p.per_backend_bytes.items():
             m.inc("vramd_bytes_total", nbytes, backend=backend, direction=direction)
         outcome = {rpc.SESSION_DONE: "done", rpc.SESSION_CANCELLED: "cancelled"}.get(self.state, "failed")
         m.inc("vramd_sessions_total", kind=self.kind_name, outcome=outcome)

@@ -7,6 +7,12 @@ then `submit`s copies; each submit returns an awaitable that completes when
 the copy has landed.  A DMA backend completes from a fence; the CPU
 backends below complete from a worker thread.  Either way the engine keeps
 several copies in flight and never blocks its event loop.
+
+The engine moves small chunks in batches and hands a backend a whole
+batch's copies at once with `submit_many`: one future for many copies, so a
+batch costs one completion (a CPU backend: one thread hand-off; a DMA
+backend: one submission of many packets and one fence) however many pieces
+it holds.
 """
 from __future__ import annotations
 
@@ -16,6 +22,7 @@ import fcntl
 import os
 import stat
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import ClassVar
@@ -84,11 +91,66 @@ class Backend(ABC):
     ) -> asyncio.Future:
         """Start one copy of `length` bytes; the future completes when it has landed."""
 
+    def submit_many(self, items: Sequence[CopyItem]) -> asyncio.Future:
+        """Start several copies, each `(handle, bo_offset, buf, buf_offset, length)`; one future for all.
+
+        The items may name different BOs (of this backend) and different
+        slots of one staging buffer.  The future completes when *every* copy
+        has landed, also when one fails (so no staging buffer is reused while
+        a copy still uses it), and then raises the first failure in item order.
+        This default submits each copy on its own; a backend overrides it to
+        do better (one thread hand-off for all, or one DMA submission of many
+        packets completing on one fence).
+        """
+        futs = []
+        try:
+            for item in items:
+                futs.append(self.submit(*item))
+        except BaseException as e:  # let what was started land before reporting
+            return land_all(futs, error=e)
+        return land_all(futs)
+
     def release(self, handle: BoHandle) -> None:
         """The job is done with this BO."""
 
     def close(self) -> None:
         """The job is over; drop per-job resources."""
+
+
+# (handle, bo_offset, staging buffer, buffer offset, length): one copy of a batch
+CopyItem = tuple[BoHandle, int, StagingBuffer, int, int]
+
+
+def land_all(futs: list, *, error: BaseException | None = None) -> asyncio.Future:
+    """One future for several in-flight copies: done when all have landed, then raising the first error.
+
+    Unlike `gather`, an error does not resolve it early and cancelling it
+    cancels no copy: it still waits for every copy to land, then re-raises
+    the cancellation.  `error` (e.g. a submit that raised before its copy
+    started) wins over the copies' own errors.
+    """
+    futs = [asyncio.ensure_future(f) for f in futs]
+    if error is None and len(futs) == 1:
+        return futs[0]
+    return asyncio.ensure_future(_land_all(futs, error))
+
+
+async def _land_all(futs: list[asyncio.Future], error: BaseException | None) -> None:
+    cancelled = False
+    while pending := [f for f in futs if not f.done()]:
+        try:
+            await asyncio.wait(pending)
+        except asyncio.CancelledError:
+            cancelled = True
+    first = error
+    for f in futs:  # retrieve every outcome, so none is reported as never retrieved
+        exc = asyncio.CancelledError() if f.cancelled() else f.exception()
+        if first is None and exc is not None:
+            first = exc
+    if cancelled:
+        raise asyncio.CancelledError()
+    if first is not None:
+        raise first
 
 
 def check_fd(fd: int, direction: Direction, *, bo_id: int, write_needs_rdwr: bool = False) -> os.stat_result:
@@ -132,6 +194,23 @@ class ThreadedBackend(Backend):
     def submit(self, handle, bo_offset, buf, buf_offset, length):
         loop = asyncio.get_running_loop()
         return loop.run_in_executor(self._executor(handle.gpu_id), self._copy, handle, bo_offset, buf, buf_offset, length)
+
+    def submit_many(self, items):
+        """All copies in one executor call, one after another in one worker thread; the first error stops them."""
+        items = list(items)
+        if len(items) == 1:
+            return self.submit(*items[0])
+        loop = asyncio.get_running_loop()
+        if not items:
+            fut = loop.create_future()
+            fut.set_result(None)
+            return fut
+        return loop.run_in_executor(self._executor(items[0][0].gpu_id), self._copy_many, items)
+
+    def _copy_many(self, items: list[CopyItem]) -> None:
+        copy = self._copy
+        for handle, bo_offset, buf, buf_offset, length in items:
+            copy(handle, bo_offset, buf, buf_offset, length)
 
     @abstractmethod
     def _copy(self, handle: BoHandle, bo_offset: int, buf: StagingBuffer, buf_offset: int, length: int) -> None:

@@ -9,10 +9,13 @@ with the first address that failed.
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 
 from ..errors import BackendError, UnmappedRangeError
 from .base import BoHandle, Capabilities, Direction, ThreadedBackend, check_fd
+
+_PAGE = mmap.PAGESIZE
 
 
 class ProcMemBackend(ThreadedBackend):
@@ -29,9 +32,11 @@ class ProcMemBackend(ThreadedBackend):
         check_fd(ref.fd, direction, bo_id=bo_id)
         handle = BoHandle(bo_id, ref, size, gpu_id, direction)
         if size:
-            # Fail fast, naming the address, if the range's ends are not mapped.
-            for off in {0, size - 1}:
-                self._probe(handle, off)
+            # Fail fast, naming the address, if the range's ends are not mapped
+            # (one probe when both ends are in one page: pages are mapped whole).
+            self._probe(handle, 0)
+            if (ref.offset + size - 1) // _PAGE != ref.offset // _PAGE:
+                self._probe(handle, size - 1)
         return handle
 
     def _probe(self, handle: BoHandle, off: int) -> None:

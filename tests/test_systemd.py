@@ -1,0 +1,75 @@
+"""systemd integration without systemd: socket activation, notify, watchdog, and the unit files."""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+
+import pytest
+
+from daemon import ROOT, DaemonProc
+from vramd.client import Client
+
+
+def test_socket_activation_notify_and_watchdog(run_dir):
+    path = os.path.join(run_dir, "activated.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(path)
+    listener.listen(8)
+    with DaemonProc(run_dir, env={"WATCHDOG_USEC": "100000"}, listener=listener) as d:
+        listener.close()  # the daemon has its own copy, as under systemd
+        with Client(path) as c:
+            assert c.status().connections == 1
+        notes = d.expect_note("WATCHDOG=1")
+        assert any(n.startswith("READY=1") for n in notes)
+        assert any("STATUS=" in n for n in notes)
+        while sum("WATCHDOG=1" in n for n in d.notes) < 3:  # pinged repeatedly, not once
+            d.notes.append(d.notify.recv(4096).decode())
+        d.proc.terminate()
+        d.expect_note("STOPPING=1")
+        assert d.stop() == 0
+    assert os.path.exists(path)  # the socket belongs to systemd: not removed
+
+
+def test_metrics_textfile_counts_bytes_per_backend(run_dir, image_dir, tmp_path):
+    from helpers import memfd
+    from vramd.client import SESSION_DUMP, ClientBo
+    prom = tmp_path / "vramd.prom"
+    with DaemonProc(run_dir, "--metrics-textfile", str(prom)) as d, Client(d.socket) as c:
+        bo = memfd(os.urandom(300_000))
+        s = c.open_session(SESSION_DUMP, image_dir[1])
+        c.add_bos(s.token, [ClientBo(1, bo, size=300_000)])
+        c.start(s.token)
+        c.wait(s.token)
+        os.close(bo)
+        status = c.status()
+        assert 'vramd_bytes_total{backend="mmap",direction="read"} 300000' in status.metrics
+        c.close()
+        assert d.stop() == 0
+    text = prom.read_text()
+    assert 'vramd_bytes_total{backend="mmap",direction="read"} 300000' in text
+    assert 'vramd_sessions_total{kind="dump",outcome="done"} 1' in text
+    assert "# TYPE vramd_staging_bytes_in_use gauge" in text
+    assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
+def test_unit_files_verify(tmp_path):
+    src = os.path.join(ROOT, "contrib", "systemd")
+    vramd = shutil.which("vramd") or os.path.join(os.path.dirname(os.sys.executable), "vramd")
+    for name in ("vramd.socket", "vramd.service"):
+        text = open(os.path.join(src, name)).read().replace("/usr/bin/vramd", vramd)
+        (tmp_path / name).write_text(text)
+    r = subprocess.run(["systemd-analyze", "verify", str(tmp_path / "vramd.socket"), str(tmp_path / "vramd.service")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0 and not r.stderr.strip(), r.stderr
+
+
+def test_example_config_loads():
+    from vramd.config import load_config
+    cfg = load_config(os.path.join(ROOT, "contrib", "systemd", "vramd.toml"), {})
+    assert cfg.staging_budget == 512 << 20 and cfg.max_message_bytes == 1 << 20
+    with pytest.raises(ValueError, match="unknown setting"):
+        from vramd.config import DaemonConfig
+        DaemonConfig().update({"stagin_budget": 1}, origin="test")
