@@ -139,7 +139,7 @@ class _Manual(Backend):
     def capabilities(self):
         return Capabilities(self.name, True, True, 1, 1, True, "test")
 
-    def open(self, bo_id, ref, size, gpu_id, direction):
+    def open(self, bo_id, ref, size, gpu_id, direction, checked=None):
         return BoHandle(bo_id, ref, size, gpu_id, direction)
 
     def submit(self, handle, bo_offset, buf, buf_offset, length):

@@ -1,12 +1,15 @@
-"""End-to-end demo: dump a live process's buffers, restore them into a fresh process, verify.
+"""End-to-end demo through the daemon: dump a live process, restore into a fresh one, verify.
 
-    python -m vramd.demo [--size 2G] [--image DIR] [--compress zstd:1]
+    python -m vramd.demo [--size 2G] [--image DIR] [--compress zstd:1] [--socket PATH]
 
-Starts a workload process holding mixed buffers (random, zero, patterned,
-odd sizes), dumps them through /proc/<pid>/mem into an image, starts a
-fresh process with garbage at the same addresses, restores the image into
-it, and checks every buffer byte for byte (and re-verifies the image).
-Exit status 0 only if everything matched.
+Starts a `vramd` daemon (unless --socket names one already running), a
+workload process holding mixed buffers (random, zero, patterned, odd
+sizes), and dumps them through the daemon's socket: the demo opens
+/proc/<pid>/mem and the image directory and passes the fds, as a CRIU
+plugin would.  Then it starts a fresh process with garbage at the same
+addresses, submits the restore on one connection and waits for it on
+another (the offload barrier), checks every buffer byte for byte, and has
+the daemon re-verify the image.  Exit status 0 only if everything matched.
 """
 from __future__ import annotations
 
@@ -16,13 +19,11 @@ import shutil
 import sys
 import tempfile
 import time
+from contextlib import ExitStack
 
-import uvloop
-
-from .backends import BoRef
+from .client import SESSION_DUMP, SESSION_RESTORE, SESSION_VERIFY, Client, ClientBo
 from .codec import Compression
-from .engine import Engine, EngineConfig
-from .jobs import BoSpec, RestoreTarget
+from .launcher import DaemonProcess
 from .units import format_size, parse_size
 from .workload import Workload, blank_spec_like
 
@@ -40,68 +41,81 @@ def mixed_spec(total: int) -> list[dict]:
     ]
 
 
-class _Meter:
-    def __init__(self, label: str):
-        self.label, self.t0, self.last = label, time.perf_counter(), 0.0
-        self.tty = sys.stderr.isatty()
-
-    def __call__(self, p) -> None:
-        now = time.perf_counter()
-        if now - self.last < 0.2 and p.bytes_done < p.bytes_total:
-            return
-        self.last = now
-        pct = 100 * p.bytes_done / max(1, p.bytes_total)
-        line = f"{self.label}: {pct:5.1f}%  {format_size(p.bytes_done)} / {format_size(p.bytes_total)}"
-        print(("\r" + line) if self.tty else line, end="" if self.tty else "\n", file=sys.stderr, flush=True)
-
-    def done(self) -> float:
-        if self.tty:
-            print(file=sys.stderr)
-        return time.perf_counter() - self.t0
+def follow(client: Client, token: str, label: str):
+    """Wait for a session, printing progress (a live line on a TTY); returns (final info, seconds)."""
+    tty = sys.stderr.isatty()
+    t0, last, shown = time.perf_counter(), 0.0, -1
+    for info in client.poll(token, 0.2):
+        p, now = info.progress, time.perf_counter()
+        if p.bytes_done != shown and (tty or now - last >= 1.0 or p.bytes_done == p.bytes_total):
+            last, shown = now, p.bytes_done
+            pct = 100 * p.bytes_done / max(1, p.bytes_total)
+            line = f"{label}: {pct:5.1f}%  {format_size(p.bytes_done)} / {format_size(p.bytes_total)}"
+            print(("\r" + line) if tty else line, end="" if tty else "\n", file=sys.stderr, flush=True)
+    if tty:
+        print(file=sys.stderr)
+    return info, time.perf_counter() - t0
 
 
-async def run_demo(total: int, image: str, compression: Compression) -> bool:
-    dfd = os.open(image, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+def gbps(nbytes: int, secs: float) -> str:
+    return f"{nbytes / secs / 1e9:.2f} GB/s"
+
+
+def run_demo(sock: str, total: int, image: str, compression: str) -> bool:
     ok = True
-    try:
-        async with Engine(EngineConfig(compression=compression)) as engine:
-            print(f"workload: starting a process holding {format_size(total)} in {len(mixed_spec(total))} buffers")
-            with Workload(mixed_spec(total)) as src:
-                want = [r["digest"] for r in src.regions]
-                regions = src.regions
-                mem = os.open(f"/proc/{src.pid}/mem", os.O_RDONLY | os.O_CLOEXEC)
-                try:
-                    bos = [BoSpec(i + 1, r["size"], BoRef("procmem", mem, r["addr"]), va_addr=r["addr"])
-                           for i, r in enumerate(regions)]
-                    meter = _Meter("dump")
-                    manifest = await engine.dump(dfd, bos, on_progress=meter)
-                    secs = meter.done()
-                finally:
-                    os.close(mem)
-            t = manifest.totals
-            print(f"dump:    {format_size(t.bo_bytes)} in {secs:.2f} s = {t.bo_bytes / secs / 1e9:.2f} GB/s; "
-                  f"image stores {format_size(t.stored_bytes)}; {format_size(t.zero_bytes)} of zeros kept as holes")
+    with ExitStack() as stack:
+        dfd = os.open(image, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        stack.callback(os.close, dfd)
+        c = stack.enter_context(Client(sock, name="vramd-demo"))
+        print(f"daemon:  {c.hello.server} at {sock}; backends: "
+              + ", ".join(b.name for b in c.hello.backends if b.available))
+        spec = mixed_spec(total)
+        print(f"workload: starting a process holding {format_size(total)} in {len(spec)} buffers")
+        with Workload(spec) as src:
+            want, regions = [r["digest"] for r in src.regions], src.regions
+            mem = src.open_mem()
+            try:
+                s = c.open_session(SESSION_DUMP, dfd, compression=compression, label="demo dump")
+                t0 = time.perf_counter()
+                c.add_bos(s.token, [ClientBo(i + 1, mem, offset=r["addr"], size=r["size"], va_addr=r["addr"],
+                                             backend="procmem") for i, r in enumerate(regions)])
+                c.start(s.token)
+                info, _ = follow(c, s.token, "dump")
+                secs = time.perf_counter() - t0
+                c.close_session(s.token)
+            finally:
+                os.close(mem)
+        im = info.image
+        print(f"dump:    {format_size(im.bo_bytes)} in {secs:.2f} s = {gbps(im.bo_bytes, secs)}; image stores "
+              f"{format_size(im.stored_bytes)} ({im.compression}); {format_size(im.zero_bytes)} of zeros kept as holes")
 
-            with Workload(blank_spec_like(regions)) as dst:
-                mem = os.open(f"/proc/{dst.pid}/mem", os.O_RDWR | os.O_CLOEXEC)
-                try:
-                    targets = [RestoreTarget(i + 1, BoRef("procmem", mem, r["addr"])) for i, r in enumerate(regions)]
-                    meter = _Meter("restore")
-                    await engine.restore(dfd, targets, on_progress=meter)
-                    secs = meter.done()
-                finally:
-                    os.close(mem)
-                print(f"restore: {format_size(t.bo_bytes)} in {secs:.2f} s = {t.bo_bytes / secs / 1e9:.2f} GB/s "
-                      f"into a fresh process (pid {dst.pid}) at the same addresses")
-                got = dst.digests()
-            for i, (a, b) in enumerate(zip(want, got)):
-                if a != b:
-                    ok = False
-                    print(f"MISMATCH: buffer {i + 1} at {regions[i]['addr']:#x} differs after restore")
-            report = await engine.verify(dfd)
-            print(f"verify:  {report.progress.chunks_done} chunks, every checksum good")
-    finally:
-        os.close(dfd)
+        with Workload(blank_spec_like(regions)) as dst, Client(sock, name="vramd-demo waiter") as waiter:
+            mem = dst.open_mem(os.O_RDWR)
+            try:
+                t0 = time.perf_counter()
+                s = c.open_session(SESSION_RESTORE, dfd, label="demo restore")
+                c.add_bos(s.token, [ClientBo(i + 1, mem, offset=r["addr"], backend="procmem")
+                                    for i, r in enumerate(regions)])
+                c.start(s.token)  # copying runs already; the submitter is free to go on
+                info, _ = follow(waiter, s.token, "restore")  # the barrier, on another connection
+                secs = time.perf_counter() - t0
+                waiter.close_session(s.token)
+            finally:
+                os.close(mem)
+            print(f"restore: {format_size(im.bo_bytes)} in {secs:.2f} s = {gbps(im.bo_bytes, secs)} into a fresh "
+                  f"process (pid {dst.pid}) at the same addresses, awaited on a second connection")
+            got = dst.digests()
+        for i, (a, b) in enumerate(zip(want, got)):
+            if a != b:
+                ok = False
+                print(f"MISMATCH: buffer {i + 1} at {regions[i]['addr']:#x} differs after restore")
+        print(f"compare: {len(want)} buffers, " + ("every byte equal" if ok else "DIFFERENCES FOUND"))
+        s = c.open_session(SESSION_VERIFY, dfd, label="demo verify")
+        info = c.wait(s.token)
+        c.close_session(s.token)
+        print(f"verify:  {info.progress.chunks_done} chunks re-read by the daemon, every checksum good")
+        moved = [line for line in c.status().metrics.splitlines() if line.startswith("vramd_bytes_total")]
+        print("metrics: " + "; ".join(moved))
     print("RESULT: byte-exact round trip" if ok else "RESULT: FAILED")
     return ok
 
@@ -111,16 +125,36 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size", default="2G", help="total bytes the workload holds (default 2G)")
     ap.add_argument("--image", help="image directory (default: a temporary one, removed afterwards)")
     ap.add_argument("--compress", default="zstd:1", help="none | zstd | zstd:LEVEL (default zstd:1)")
+    ap.add_argument("--socket", help="use the daemon already listening here instead of starting one")
     ns = ap.parse_args(argv)
     try:
-        total, compression = parse_size(ns.size), Compression.parse(ns.compress)
+        total = parse_size(ns.size)
+        Compression.parse(ns.compress)
     except ValueError as e:
         ap.error(str(e))
     image = ns.image or tempfile.mkdtemp(prefix="vramd-demo-", dir="/var/tmp")
     os.makedirs(image, exist_ok=True)
+    run_dir = tempfile.mkdtemp(prefix="vramd-demo-run-")
+    daemon = None
     try:
-        return 0 if uvloop.run(run_demo(total, image, compression)) else 1
+        if ns.socket:
+            sock = ns.socket
+        else:
+            log_path = os.path.join(image if ns.image else run_dir, "vramd.log")
+            with open(log_path, "w") as log:
+                daemon = DaemonProcess(run_dir, "--log-level", "info", stderr=log)
+            print(f"daemon:  started vramd (pid {daemon.pid}); its log: {log_path if ns.image else 'discarded'}")
+            sock = daemon.socket
+        ok = run_demo(sock, total, image, ns.compress)
+        if daemon is not None:
+            rc = daemon.stop()
+            print(f"daemon:  stopped with SIGTERM, exit status {rc}")
+            ok = ok and rc == 0
+        return 0 if ok else 1
     finally:
+        if daemon is not None:
+            daemon.close()
+        shutil.rmtree(run_dir, ignore_errors=True)
         if not ns.image:
             shutil.rmtree(image, ignore_errors=True)
 

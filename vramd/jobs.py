@@ -121,6 +121,7 @@ class _Job:
         self.ctx = ctx
         self.bos: dict[int, _Bo] = {}
         self._usable: dict[str, Backend] = {}
+        self._checked: dict = {}  # fds validated once per job (see check_fd)
         self.pipeline = Pipeline(ends, ctx.pool, ctx.cpu, workers_per_gpu=ctx.workers_per_gpu,
                                  on_progress=on_progress)
 
@@ -234,7 +235,7 @@ class DumpJob(_Job):
                 if spec.size < 0:
                     raise InvalidRequestError("negative BO size", bo_id=spec.id)
                 backend = self._backend(spec.ref.kind, spec.id)
-                handle = backend.open(spec.id, spec.ref, spec.size, spec.gpu_id, Direction.READ)
+                handle = backend.open(spec.id, spec.ref, spec.size, spec.gpu_id, Direction.READ, checked=self._checked)
                 nchunks = -(-spec.size // self.chunk_size)
                 bo = self.bos[spec.id] = _Bo(spec.id, spec.gpu_id, spec.size, backend, handle,
                                              chunks_left=nchunks, spec=spec, records=[None] * nchunks)
@@ -407,7 +408,7 @@ class RestoreJob(_Job):
                     raise InvalidRequestError("BO targeted twice", bo_id=t.bo_id)
                 gpu = entry.gpu_id if t.gpu_id is None else t.gpu_id
                 backend = self._backend(t.ref.kind, t.bo_id)
-                handle = backend.open(t.bo_id, t.ref, entry.size, gpu, Direction.WRITE)
+                handle = backend.open(t.bo_id, t.ref, entry.size, gpu, Direction.WRITE, checked=self._checked)
                 self.bos[t.bo_id] = _Bo(t.bo_id, gpu, entry.size, backend, handle,
                                         chunks_left=len(entry.record_offsets), entry=entry)
             for t in targets:

@@ -28,7 +28,7 @@ class DaemonProcess:
             e.pop(k, None)
         e.update(env or {})
         cmd = [*(argv_prefix or [sys.executable]), "-m", "vramd.daemon", *args]
-        if socket_path is None and "--socket" not in args and not argv_prefix:
+        if socket_path is None and "--socket" not in args:
             cmd += ["--socket", self.socket]
         self.proc = subprocess.Popen(cmd, env=e, stderr=stderr, text=True, pass_fds=pass_fds,
                                      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

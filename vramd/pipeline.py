@@ -147,6 +147,7 @@ class Pipeline:
         self.cpu = cpu
         self.workers_per_gpu = max(1, workers_per_gpu)
         self.on_progress = on_progress
+        self.on_fail = None  # called once, with the first error (e.g. to end an RPC session at once)
         self.progress = Progress()
         self._lanes: dict[int, _Lane] = {}
         self._closed = False
@@ -181,10 +182,13 @@ class Pipeline:
 
     def fail(self, exc: BaseException) -> None:
         """Record the first error; every lane stops taking new chunks."""
-        if self.error is None:
+        first = self.error is None
+        if first:
             self.error = exc
         for lane in self._lanes.values():
             self._poke(lane)
+        if first and self.on_fail is not None:
+            self.on_fail(exc)
 
     def cancel(self, reason: str = "job cancelled") -> None:
         self.fail(CancelledError(reason))

@@ -7,6 +7,7 @@ dispatch table, draining on shutdown, metrics and systemd status.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import socket
@@ -61,7 +62,7 @@ class Daemon:
             limits=SessionLimits(cfg.max_bos_per_session, cfg.max_fds_per_session),
             default_compression=self.engine.config.compression, default_chunk_size=cfg.chunk_size)
         self.connections: dict[int, Connection] = {}
-        self.allowed_uids = set(cfg.allowed_uids)
+        self.allowed_uids = set(cfg.allowed_uids) | {os.getuid()}  # the daemon's own uid, always
         self.allowed_gids = cfg.allowed_gids()
         self.started = time.monotonic()
         self.draining = False
@@ -189,6 +190,10 @@ class Daemon:
 
     async def _connection(self, sock: socket.socket) -> None:
         channel = PacketChannel(sock, max_bytes=self.cfg.max_message_bytes, max_fds=self.cfg.max_fds_per_message)
+        try:  # room for big replies (status, session lists); the kernel caps it at wmem_max
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 2 * self.cfg.max_message_bytes)
+        except OSError:
+            pass
         protocol = ServerProtocol(self._hello, self.cfg.max_message_bytes, self.cfg.max_fds_per_message)
         try:
             pid, uid, gid = channel.peercred()
@@ -253,8 +258,17 @@ class Daemon:
                 out = await self._dispatch(conn, event.request, event.fds)
             finally:
                 event.fds.close()
-            if out is None or not await conn.channel.send(out.data):
+            if out is None or not await self._send_reply(conn, event.request.id, out):
                 return
+
+    async def _send_reply(self, conn: Connection, request_id: int, out: Reply) -> bool:
+        try:
+            return await conn.channel.send(out.data)
+        except OSError as e:
+            if e.errno != errno.EMSGSIZE:
+                raise
+        err = LimitExceededError(f"the reply ({len(out.data)} bytes) is larger than this socket can carry")
+        return await conn.channel.send(reply(request_id, err).data)
 
     # --- dispatch ------------------------------------------------------------
 

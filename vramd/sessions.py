@@ -88,11 +88,15 @@ class Session:
     bo_count: int = 0
     finisher: asyncio.Task | None = None
     reap_timer: asyncio.TimerHandle | None = None
+    reap_task: asyncio.Task | None = None
     allow_partial: bool = False
 
     def __post_init__(self) -> None:
         self.fds.append(self.dir_fd)
         self._done = asyncio.Event()
+        # A copy that fails while the client is still adding BOs ends the session now,
+        # so progress shows the error and the fds are released without waiting for Start.
+        self.job.pipeline.on_fail = lambda exc: self._end_soon()
 
     @property
     def kind_name(self) -> str:
@@ -106,12 +110,14 @@ class Session:
 
     def add(self, bos, bundle: FdBundle) -> None:
         """Take the BOs of one AddBos message (and the fds they name) into the job."""
+        if self.kind == rpc.SESSION_VERIFY:
+            raise InvalidRequestError("a verify session takes no BOs")
+        if self.job.pipeline.error is not None:
+            raise self.job.pipeline.error
         if self.state != rpc.SESSION_OPEN:
             if self.error is not None:
                 raise self.error
             raise InvalidRequestError(f"the session is {rpc.SessionState.Name(self.state)} and takes no more BOs")
-        if self.kind == rpc.SESSION_VERIFY:
-            raise InvalidRequestError("a verify session takes no BOs")
         if self.bo_count + len(bos) > self.limits.max_bos:
             raise LimitExceededError(f"more than {self.limits.max_bos} BOs in one session")
         fds: dict[int, int] = {}
@@ -316,7 +322,11 @@ class SessionTable:
         s.holders.discard(conn)
         if not s.holders and s.token in self.by_token and s.reap_timer is None:
             loop = asyncio.get_running_loop()
-            s.reap_timer = loop.call_later(self.grace_period, lambda: loop.create_task(self.reap(s, "grace period over")))
+
+            def expire() -> None:
+                s.reap_timer = None
+                s.reap_task = loop.create_task(self.reap(s, "grace period over"))  # referenced: not collected
+            s.reap_timer = loop.call_later(self.grace_period, expire)
 
     async def reap(self, s: Session, why: str) -> None:
         if self.by_token.get(s.token) is not s:

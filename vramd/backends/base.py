@@ -82,8 +82,14 @@ class Backend(ABC):
         """Called once per job with the staging pool, before any submit."""
 
     @abstractmethod
-    def open(self, bo_id: int, ref: BoRef, size: int, gpu_id: int, direction: Direction) -> BoHandle:
-        """Validate (and import) a BO; raises a typed error naming what is wrong."""
+    def open(self, bo_id: int, ref: BoRef, size: int, gpu_id: int, direction: Direction,
+             checked: dict | None = None) -> BoHandle:
+        """Validate (and import) a BO; raises a typed error naming what is wrong.
+
+        `checked` is the job's memo of fds already validated (see check_fd):
+        a job pins its fds for its whole life, so one check per fd is enough
+        however many BOs share it.
+        """
 
     @abstractmethod
     def submit(
@@ -153,12 +159,24 @@ async def _land_all(futs: list[asyncio.Future], error: BaseException | None) -> 
         raise first
 
 
-def check_fd(fd: int, direction: Direction, *, bo_id: int, write_needs_rdwr: bool = False) -> os.stat_result:
+def check_fd(fd: int, direction: Direction, *, bo_id: int, write_needs_rdwr: bool = False,
+             checked: dict | None = None) -> os.stat_result:
     """fstat a caller-passed fd and check its access mode suits the direction.
 
     `write_needs_rdwr`: writing needs O_RDWR, not just O_WRONLY (a MAP_SHARED
-    writable mapping does).
+    writable mapping does).  `checked`: a per-job memo; an fd that passed
+    once is not checked again.
     """
+    key = (fd, direction, write_needs_rdwr)
+    if checked is not None and key in checked:
+        return checked[key]
+    st = _check_fd(fd, direction, bo_id=bo_id, write_needs_rdwr=write_needs_rdwr)
+    if checked is not None:
+        checked[key] = st
+    return st
+
+
+def _check_fd(fd: int, direction: Direction, *, bo_id: int, write_needs_rdwr: bool) -> os.stat_result:
     try:
         st = os.fstat(fd)
         flags = fcntl.fcntl(fd, fcntl.F_GETFL)
@@ -166,6 +184,8 @@ def check_fd(fd: int, direction: Direction, *, bo_id: int, write_needs_rdwr: boo
         raise BadDescriptorError(f"fd {fd} is not usable: {e.strerror}", bo_id=bo_id) from None
     if stat.S_ISDIR(st.st_mode):
         raise BadDescriptorError(f"fd {fd} is a directory, not a BO", bo_id=bo_id)
+    if flags & getattr(os, "O_PATH", 0o10000000):
+        raise BadDescriptorError(f"fd {fd} is an O_PATH descriptor: it allows no I/O", bo_id=bo_id)
     acc = flags & os.O_ACCMODE
     if direction is Direction.READ and acc == os.O_WRONLY:
         raise BadDescriptorError(f"fd {fd} is write-only; dumping needs read access", bo_id=bo_id)

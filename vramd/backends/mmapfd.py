@@ -67,8 +67,8 @@ class MmapBackend(ThreadedBackend):
             description="CPU mapping of a dmabuf / render-node / memfd fd (large BAR)",
         )
 
-    def open(self, bo_id, ref, size, gpu_id, direction):
-        st = check_fd(ref.fd, direction, bo_id=bo_id, write_needs_rdwr=True)
+    def open(self, bo_id, ref, size, gpu_id, direction, checked=None):
+        st = check_fd(ref.fd, direction, bo_id=bo_id, write_needs_rdwr=True, checked=checked)
         have = fd_size(ref.fd, st)
         if have is not None and ref.offset + size > have:
             raise TargetTooSmallError(
@@ -104,9 +104,16 @@ class MmapBackend(ThreadedBackend):
             copy_ptr(start, buf.ptr + buf_offset, length)
         else:
             copy_ptr(buf.ptr + buf_offset, start, length)
+        if bo_offset == 0 and length == h.size:
+            # A BO copied in one piece (every small BO) needs its mapping no longer:
+            # unmap here, in the copy thread, not in the event loop at release.
+            self._unmap(h)
 
     def release(self, handle) -> None:
-        h: _MappedBo = handle
+        self._unmap(handle)
+
+    @staticmethod
+    def _unmap(h: _MappedBo) -> None:
         with h.lock:
             if h.mm is not None:
                 ffi.release(h.anchor)

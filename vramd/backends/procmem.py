@@ -28,8 +28,8 @@ class ProcMemBackend(ThreadedBackend):
             description="process memory through a caller-opened /proc/<pid>/mem fd",
         )
 
-    def open(self, bo_id, ref, size, gpu_id, direction):
-        check_fd(ref.fd, direction, bo_id=bo_id)
+    def open(self, bo_id, ref, size, gpu_id, direction, checked=None):
+        check_fd(ref.fd, direction, bo_id=bo_id, checked=checked)
         handle = BoHandle(bo_id, ref, size, gpu_id, direction)
         if size:
             # Fail fast, naming the address, if the range's ends are not mapped
