@@ -146,6 +146,22 @@ class _Job:
     def cancel(self, reason: str = "job cancelled") -> None:
         self.pipeline.cancel(reason)
 
+    def precheck(self, refs: Iterable[tuple[int, BoRef]]) -> None:
+        """Validate the fds of BOs about to be added, filling the job's memo.
+
+        Thread-safe and meant for a worker thread: `add` then finds every fd
+        checked and makes no syscall for it on the event loop.  Failures are
+        not raised here; `add` meets them again and reports them with the BO.
+        """
+        for bo_id, ref in refs:
+            backend = self.ctx.backends.get(ref.kind)
+            if backend is None:
+                continue
+            try:
+                backend.check(ref.fd, self.direction, bo_id=bo_id, checked=self._checked)
+            except VramdError:
+                pass
+
     def _fail(self, exc: VramdError) -> VramdError:
         self.pipeline.fail(exc)
         return exc

@@ -305,7 +305,7 @@ class Daemon:
 
     async def _do_add_bos(self, conn, req, body: rpc.AddBos, fds) -> Reply:
         s = self._session(conn, body.token)
-        s.add(body.bos, fds)
+        await s.add(body.bos, fds)
         return reply(req.id, session=s.info())
 
     async def _do_start(self, conn, req, body: rpc.Start, fds) -> Reply:

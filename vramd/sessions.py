@@ -108,7 +108,7 @@ class Session:
 
     # --- requests ------------------------------------------------------------
 
-    def add(self, bos, bundle: FdBundle) -> None:
+    async def add(self, bos, bundle: FdBundle) -> None:
         """Take the BOs of one AddBos message (and the fds they name) into the job."""
         if self.kind == rpc.SESSION_VERIFY:
             raise InvalidRequestError("a verify session takes no BOs")
@@ -128,11 +128,15 @@ class Session:
             raise LimitExceededError(f"more than {self.limits.max_fds} fds in one session")
         for index in fds:
             self.fds.append(bundle.take(index))
+        make = self._spec if isinstance(self.job, DumpJob) else self._target
+        items = [make(bo, fds[bo.fd_index]) for bo in bos]
+        if len(fds) > 1:  # fds of many BOs: check them in a worker thread, off the event loop
+            refs = {it.ref.fd: ((it.id if isinstance(it, BoSpec) else it.bo_id), it.ref) for it in items}
+            await asyncio.get_running_loop().run_in_executor(self.job.ctx.io, self.job.precheck, refs.values())
         try:
-            if isinstance(self.job, DumpJob):
-                self.job.add([self._spec(bo, fds[bo.fd_index]) for bo in bos])
-            else:
-                self.job.add([self._target(bo, fds[bo.fd_index]) for bo in bos])
+            if self.job.pipeline.error is not None:  # failed while we were checking
+                raise self.job.pipeline.error
+            self.job.add(items)
         except VramdError as e:
             self._end_soon()  # the job has failed: clean up now, the error stays for Wait
             raise e

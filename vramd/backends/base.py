@@ -91,6 +91,12 @@ class Backend(ABC):
         however many BOs share it.
         """
 
+    write_needs_rdwr: ClassVar[bool] = False  # restoring needs O_RDWR, not just O_WRONLY (e.g. to map it)
+
+    def check(self, fd: int, direction: Direction, *, bo_id: int, checked: dict | None = None) -> os.stat_result:
+        """Validate a caller-passed fd for this backend (see check_fd); open() calls it first."""
+        return check_fd(fd, direction, bo_id=bo_id, write_needs_rdwr=self.write_needs_rdwr, checked=checked)
+
     @abstractmethod
     def submit(
         self, handle: BoHandle, bo_offset: int, buf: StagingBuffer, buf_offset: int, length: int

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from ..errors import BackendError, TargetTooSmallError
 from ..memops import copy_ptr, ffi, pointer
-from .base import BoHandle, Capabilities, Direction, ThreadedBackend, check_fd
+from .base import BoHandle, Capabilities, Direction, ThreadedBackend
 
 _PAGE = mmap.PAGESIZE
 _MADV_POPULATE_READ, _MADV_POPULATE_WRITE = 22, 23
@@ -59,6 +59,7 @@ class _MappedBo(BoHandle):
 
 class MmapBackend(ThreadedBackend):
     name = "mmap"
+    write_needs_rdwr = True  # a MAP_SHARED writable mapping needs O_RDWR
 
     def capabilities(self) -> Capabilities:
         return Capabilities(
@@ -68,7 +69,7 @@ class MmapBackend(ThreadedBackend):
         )
 
     def open(self, bo_id, ref, size, gpu_id, direction, checked=None):
-        st = check_fd(ref.fd, direction, bo_id=bo_id, write_needs_rdwr=True, checked=checked)
+        st = self.check(ref.fd, direction, bo_id=bo_id, checked=checked)
         have = fd_size(ref.fd, st)
         if have is not None and ref.offset + size > have:
             raise TargetTooSmallError(

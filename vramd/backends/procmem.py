@@ -13,7 +13,7 @@ import mmap
 import os
 
 from ..errors import BackendError, UnmappedRangeError
-from .base import BoHandle, Capabilities, Direction, ThreadedBackend, check_fd
+from .base import BoHandle, Capabilities, Direction, ThreadedBackend
 
 _PAGE = mmap.PAGESIZE
 
@@ -29,7 +29,7 @@ class ProcMemBackend(ThreadedBackend):
         )
 
     def open(self, bo_id, ref, size, gpu_id, direction, checked=None):
-        check_fd(ref.fd, direction, bo_id=bo_id, checked=checked)
+        self.check(ref.fd, direction, bo_id=bo_id, checked=checked)
         handle = BoHandle(bo_id, ref, size, gpu_id, direction)
         if size:
             # Fail fast, naming the address, if the range's ends are not mapped
