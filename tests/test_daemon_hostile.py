@@ -19,6 +19,7 @@ from vramd.pb import rpc_pb2 as rpc
 from vramd.protocol import decode_response, encode_request
 
 NOBODY = 65534
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="dropping to another uid needs root (CI runs as root)")
 
 
 def as_nobody(sock_path: str, body: str) -> subprocess.CompletedProcess:
@@ -38,6 +39,7 @@ def as_nobody(sock_path: str, body: str) -> subprocess.CompletedProcess:
                           stdin=subprocess.PIPE)
 
 
+@needs_root
 def test_unauthorised_uid_is_refused(run_dir):
     with DaemonProc(run_dir, "--socket-mode", "666") as d:
         r = as_nobody(d.socket, "Client(sock); print('CONNECTED')")
@@ -47,6 +49,7 @@ def test_unauthorised_uid_is_refused(run_dir):
             assert c.status().sessions == 0
 
 
+@needs_root
 def test_token_works_only_for_its_uid(run_dir, image_dir):
     _, dfd = image_dir
     with DaemonProc(run_dir, "--socket-mode", "666", "--allow-uid", "0", "--allow-uid", str(NOBODY)) as d, \
@@ -175,3 +178,54 @@ def test_permission_error_type_roundtrips():
     from vramd.protocol import error_from_pb, error_to_pb
     e = error_from_pb(error_to_pb(PermissionDeniedError("no", bo_id=3, offset=4096)))
     assert isinstance(e, PermissionDeniedError) and (e.bo_id, e.offset) == (3, 4096)
+
+
+def test_limits_give_typed_errors(run_dir, tmp_path):
+    from vramd.errors import LimitExceededError
+    cfg = tmp_path / "limits.toml"
+    cfg.write_text("max_sessions_per_uid = 2\nmax_bos_per_session = 3\n")
+    dirs = []
+    for i in range(3):
+        p = tmp_path / f"img{i}"
+        p.mkdir()
+        dirs.append(os.open(p, os.O_RDONLY | os.O_DIRECTORY))
+    bo = memfd(b"z" * 4096)
+    with DaemonProc(run_dir, "--config", str(cfg)) as d, Client(d.socket) as c:
+        s1 = c.open_session(SESSION_DUMP, dirs[0])
+        c.open_session(SESSION_DUMP, dirs[1])
+        with pytest.raises(LimitExceededError, match="2 sessions"):
+            c.open_session(SESSION_DUMP, dirs[2])
+        with pytest.raises(LimitExceededError, match="more than 3 BOs"):
+            c.add_bos(s1.token, [ClientBo(i + 1, bo, size=4096) for i in range(4)])
+        c.add_bos(s1.token, [ClientBo(i + 1, bo, size=4096) for i in range(3)])  # within the limit: fine
+        c.start(s1.token)
+        assert c.wait(s1.token).progress.bos_done == 3
+    for fd in dirs + [bo]:
+        os.close(fd)
+
+
+def test_restore_failing_before_start_ends_the_session(daemon, image_dir):
+    """A copy that fails while the client is still adding BOs ends the session at once."""
+    from vramd.client import SESSION_RESTORE
+    from vramd.errors import UnmappedRangeError
+    from vramd.workload import Workload
+    _, dfd = image_dir
+    size = 3 << 20
+    src = memfd(os.urandom(size))
+    with Client(daemon.socket) as c:
+        s = c.open_session(SESSION_DUMP, dfd)
+        c.add_bos(s.token, [ClientBo(1, src, size=size)])
+        c.start(s.token)
+        c.wait(s.token)
+        c.close_session(s.token)
+        # the target's ends are mapped (add's probe passes), its middle is not
+        with Workload([{"size": size, "fill": "blank", "holes": [[1 << 20, 1 << 20]]}]) as w:
+            mem = w.open_mem(os.O_RDWR)
+            r = c.open_session(SESSION_RESTORE, dfd)
+            c.add_bos(r.token, [ClientBo(1, mem, offset=w.regions[0]["addr"], backend="procmem")])
+            with pytest.raises(UnmappedRangeError) as e:
+                c.wait(r.token)  # never sealed: only the failure can end it
+            assert e.value.bo_id == 1 and e.value.offset is not None and e.value.offset >= 1 << 20
+            assert c.progress(r.token).state == rpc.SESSION_FAILED
+            os.close(mem)
+    os.close(src)

@@ -74,9 +74,15 @@ class Client:
     def request(self, fds=(), **body) -> rpc.Response:
         """Send one request, return its response (error included, not raised)."""
         req = rpc.Request(id=next(self._ids), **body)
-        self.sock.sendmsg([encode_request(req)], pack_fds(list(fds)))
         max_bytes = getattr(self, "limits", None) and self.limits.max_message_bytes or (1 << 20)
-        data, anc, flags, _ = self.sock.recvmsg(max_bytes + HEADER_SIZE, socket.CMSG_SPACE(4 * 4))
+        try:
+            self.sock.sendmsg([encode_request(req)], pack_fds(list(fds)))
+            data, anc, flags, _ = self.sock.recvmsg(max_bytes + HEADER_SIZE, socket.CMSG_SPACE(4 * 4))
+        except socket.timeout:
+            # The reply may still come and would be taken for the next request's: this
+            # connection is unusable now.  (Use wait(timeout=...) for bounded barriers.)
+            self.close()
+            raise TimeoutError(f"no reply from vramd within {self.sock.gettimeout()} s; connection closed") from None
         for fd in unpack_fds(anc):  # the daemon never sends fds; never leak one
             socket.close(fd)
         if not data:

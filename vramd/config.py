@@ -1,15 +1,15 @@
 """Daemon configuration: defaults, a TOML file, then command-line flags.
 
-    # /etc/vramd/vramd.toml
+    # /etc/vramd/vramd.toml (contrib/systemd/vramd.toml lists every setting)
     socket = "/run/vramd/vramd.sock"   # ignored under socket activation
-    staging_budget = "1G"
+    staging_budget = "512M"
     chunk_size = "8M"
-    compression = "zstd:1"
+    compression = "none"
     workers_per_gpu = 4
-    allowed_uids = [0]
+    allowed_uids = [0]                 # the daemon's own uid is always allowed
     allowed_groups = ["vramd"]
-    grace_period = 30          # seconds a session outlives its last connection
-    drain_timeout = 30         # seconds SIGTERM waits for running sessions
+    grace_period = 30                  # seconds a session outlives its last connection
+    drain_timeout = 30                 # seconds SIGTERM waits for running sessions
     metrics_textfile = "/var/lib/prometheus/node-exporter/vramd.prom"
 
 Sizes take the same forms as everywhere in vramd (4096, 0x1000, 8M, 1G).

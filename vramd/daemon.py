@@ -1,6 +1,6 @@
 """`vramd`: the daemon's command line.
 
-    vramd [--config FILE] [--socket PATH] [--staging-budget SIZE] [--chunk-size SIZE]
+    vramd [--config FILE] [--socket PATH] [--socket-mode OCTAL] [--staging-budget SIZE] [--chunk-size SIZE]
           [--compression none|zstd[:N]] [--workers-per-gpu N] [--allow-uid UID ...]
           [--allow-group GROUP ...] [--grace-period S] [--drain-timeout S]
           [--metrics-textfile PATH] [--log-level LEVEL]
