@@ -10,3 +10,11 @@ def test_generated_code_matches_proto_sources():
     r = subprocess.run([sys.executable, str(ROOT / "proto" / "generate.py"), "--check"],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_every_typed_error_has_a_wire_code():
+    import vramd.topology  # noqa: F401  (defines its errors)
+    from vramd.errors import VramdError, _subclasses
+    from vramd.pb import rpc_pb2 as rpc
+    missing = sorted({cls.code for cls in _subclasses(VramdError)} - set(rpc.Code.keys()))
+    assert missing == []

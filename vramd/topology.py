@@ -9,6 +9,7 @@ restore with the rules and switches of CRIU's amdgpu plugin (docs/topology.md).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass, field
@@ -34,7 +35,7 @@ IOLINK_TYPE_NAMES = {
     8: "RapidIO", 9: "InfiniBand", 11: "XGMI", 12: "XGOP", 13: "GZ",
     14: "Ethernet-RDMA", 15: "RDMA-other", 16: "other",
 }
-# Only these take part in mapping, as in CRIU (other kinds, e.g. CPU-CPU QPI, are kept but ignored).
+# Only these take part in mapping, as in CRIU (other kinds, e.g. CPU-CPU links, are kept but ignored).
 MAPPED_LINK_TYPES = (IOLINK_TYPE_PCIE, IOLINK_TYPE_XGMI)
 
 # mem_banks heap types (HSA_MEM_HEAP_TYPE_*)
@@ -269,7 +270,9 @@ def render_node(gpu: Gpu) -> str:
     a path a client names. Minors below 128 are not render nodes (CRIU also caps at 255;
     no upper bound is enforced here).
     """
-    minor = gpu.render_minor if isinstance(gpu, Node) else int(gpu)
+    if not isinstance(gpu, Gpu):
+        raise TopologyError(f"node {getattr(gpu, 'index', gpu)!r} is not a GPU: it has no render node")
+    minor = gpu.render_minor
     if minor < 128:
         raise TopologyError(f"drm_render_minor {minor} is not a render node minor (>= 128)")
     return f"/dev/dri/renderD{minor}"
@@ -450,7 +453,7 @@ def parse_properties(text: str, where: str = "properties") -> dict[str, int]:
         parts = line.split()
         if not parts:
             continue
-        if len(parts) == 2 and parts[1].isdigit():
+        if len(parts) == 2 and parts[1].isascii() and parts[1].isdigit():
             props[parts[0]] = int(parts[1])
         else:
             log.warning("%s:%d: not a 'key value' line, ignored: %r", where, lineno, line)
@@ -512,7 +515,7 @@ def parse_topology(root: str | os.PathLike = DEFAULT_ROOT) -> Topology:
             if not path.is_dir():
                 raise NotADirectoryError(f"{path} is not a directory")
             gpu_id_text = _read(path / "gpu_id").strip()
-            if not gpu_id_text.isdigit():
+            if not (gpu_id_text.isascii() and gpu_id_text.isdigit()):
                 raise ValueError(f"gpu_id {gpu_id_text!r} is not a number")
             gpu_id = int(gpu_id_text)
             props = parse_properties(_read(path / "properties"), str(path / "properties"))
@@ -574,7 +577,7 @@ class Checks:
         return cls(**values)
 
     def replace(self, **kw) -> Checks:
-        return Checks(**{**{a: getattr(self, a) for a in CHECK_ENV}, **kw})
+        return dataclasses.replace(self, **kw)
 
     def disabled(self) -> list[str]:
         """The environment variables of the checks that are off."""
@@ -840,13 +843,16 @@ def _mismatch(checkpoint: Topology, present: Topology, checks: Checks, mapper: _
                     f"compatible, but needed by gpu {checkpoint.node(owner[d.index]).gpu_id:#06x}"]
                 unplaced[s.gpu_id][d.gpu_id] = list(reasons)
                 lines.append(f"  candidate {d.gpu_id:#06x} (node {d.index}): {'; '.join(reasons)}")
-    else:
+    hints = _hints(checkpoint, present, checks, max_steps)
+    if not stuck:
         _, s, why = mapper.deepest
-        if mapper.src_hives:
+        numa_alone = any("KFD_NUMA_CHECK" in h for h in hints)
+        if mapper.src_hives and not numa_alone:
             lines.append(f"each checkpoint XGMI hive (sizes {_hive_sizes(mapper.src_hives)}) must fit in one hive "
                          f"here (sizes {_hive_sizes(mapper.dst_hives)})")
         if checks.numa:
-            lines.append("each checkpoint CPU node must map to one CPU node here (KFD_NUMA_CHECK)")
+            lines.append("each checkpoint CPU node must map to one CPU node here (KFD_NUMA_CHECK); GPUs per CPU node: "
+                         f"checkpoint {_numa_shape(checkpoint)}, here {_numa_shape(present)}")
         if s is not None:
             lines.append(f"{s.label()} cannot be placed:")
             unplaced[s.gpu_id] = {}
@@ -854,9 +860,18 @@ def _mismatch(checkpoint: Topology, present: Topology, checks: Checks, mapper: _
                 reason = why.get(d.index, "outside the hive being filled")
                 unplaced[s.gpu_id][d.gpu_id] = [reason]
                 lines.append(f"  candidate {d.gpu_id:#06x} (node {d.index}): {reason}")
-    lines += _hints(checkpoint, present, checks, max_steps)
+    lines += hints
     lines += notes
     return TopologyMismatchError("\n".join(lines), unplaced=unplaced)
+
+
+def _numa_shape(t: Topology) -> str:
+    """How many GPUs hang off each CPU node, e.g. "{0: 4, 1: 4}"."""
+    per: dict[int, int] = {c.index: 0 for c in t.cpus}
+    for g in t.gpus:
+        for c in t.cpu_of(g):
+            per[c] += 1
+    return "{" + ", ".join(f"{c}: {n}" for c, n in per.items()) + "}"
 
 
 def _hints(checkpoint: Topology, present: Topology, checks: Checks, max_steps: int) -> list[str]:

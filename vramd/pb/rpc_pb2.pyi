@@ -34,6 +34,8 @@ class Code(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CORRUPT_CHUNK: _ClassVar[Code]
     TRUNCATED_DATA: _ClassVar[Code]
     FOREIGN_DATA_FILE: _ClassVar[Code]
+    TOPOLOGY_ERROR: _ClassVar[Code]
+    TOPOLOGY_MISMATCH: _ClassVar[Code]
     VRAMD_ERROR: _ClassVar[Code]
 
 class SessionKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
@@ -76,6 +78,8 @@ CORRUPT_MANIFEST: Code
 CORRUPT_CHUNK: Code
 TRUNCATED_DATA: Code
 FOREIGN_DATA_FILE: Code
+TOPOLOGY_ERROR: Code
+TOPOLOGY_MISMATCH: Code
 VRAMD_ERROR: Code
 SESSION_KIND_UNSPECIFIED: SessionKind
 SESSION_DUMP: SessionKind
