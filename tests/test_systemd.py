@@ -66,6 +66,16 @@ def test_unit_files_verify(tmp_path):
     assert r.returncode == 0 and not r.stderr.strip(), r.stderr
 
 
+def test_hello_lists_the_gpus_of_the_kfd_topology(run_dir, tmp_path):
+    from vramd.topology import parse_topology
+    root = os.path.join(ROOT, "tests", "fixtures", "topology", "mi300x-8gpu-xgmi", "nodes")
+    cfg = tmp_path / "t.toml"
+    cfg.write_text(f"topology_root = {root!r}\n")
+    with DaemonProc(run_dir, "--config", str(cfg)) as d, Client(d.socket) as c:
+        assert sorted(c.hello.gpu_ids) == sorted(g.gpu_id for g in parse_topology(root).gpus)
+        assert len(c.hello.gpu_ids) == 8
+
+
 def test_example_config_loads():
     from vramd.config import load_config
     cfg = load_config(os.path.join(ROOT, "contrib", "systemd", "vramd.toml"), {})

@@ -53,6 +53,7 @@ class DaemonConfig:
     max_connections: int = 1024
     metrics_textfile: str | None = None
     metrics_interval: float = 15.0
+    topology_root: str = "/sys/class/kfd/kfd/topology/nodes"  # KFD topology (a fixture tree in tests)
 
     SIZE_KEYS = ("staging_budget", "chunk_size", "max_message_bytes")
 

@@ -14,7 +14,7 @@ import socket
 import time
 from dataclasses import dataclass, field
 
-from . import __version__, systemd
+from . import __version__, systemd, topology
 from .backends import BACKENDS
 from .codec import Compression
 from .config import DaemonConfig
@@ -69,6 +69,7 @@ class Daemon:
         self._next_conn = 1
         self._conn_tasks: set[asyncio.Task] = set()
         self._stop = asyncio.Event()
+        self.topology = self._read_topology()
         self._hello = self._hello_reply()
 
     # --- what the daemon says about itself -----------------------------------
@@ -86,9 +87,19 @@ class Daemon:
                                        description=c.description))
         return out
 
+    def _read_topology(self):
+        try:
+            topo = topology.parse_topology(self.cfg.topology_root)
+        except topology.TopologyError as e:
+            log.info("no GPUs: %s", e.message)
+            return None
+        log.info("KFD topology: %s", topo.summary())
+        return topo
+
     def _hello_reply(self) -> rpc.HelloReply:
         cfg = self.cfg
-        return rpc.HelloReply(server=SERVER, backends=self.backend_infos(), limits=rpc.Limits(
+        gpu_ids = [g.gpu_id for g in self.topology.gpus] if self.topology else []
+        return rpc.HelloReply(server=SERVER, backends=self.backend_infos(), gpu_ids=gpu_ids, limits=rpc.Limits(
             max_message_bytes=cfg.max_message_bytes, max_fds_per_message=cfg.max_fds_per_message,
             max_bos_per_session=cfg.max_bos_per_session, max_sessions_per_uid=cfg.max_sessions_per_uid,
             max_fds_per_session=cfg.max_fds_per_session))
