@@ -7,26 +7,33 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 
-APT_PACKAGES=(python3 python3-venv python3-dev gcc)
+APT_PACKAGES=(python3 python3-venv python3-dev gcc pkg-config libdrm-dev)
 
 have_python() {
     command -v python3 >/dev/null &&
         python3 -c 'import sys, venv, ensurepip; sys.exit(sys.version_info < (3, 11))' 2>/dev/null
 }
 
+have_libdrm() {  # headers and .pc for the SDMA binding and its software model
+    command -v pkg-config >/dev/null && pkg-config --exists libdrm_amdgpu
+}
+
 ensure_system() {
-    have_python && return 0
+    have_python && have_libdrm && return 0
     local sudo=""
     [ "$(id -u)" = 0 ] || sudo="sudo"
     echo "dev.sh: installing ${APT_PACKAGES[*]} with apt-get" >&2
     $sudo env DEBIAN_FRONTEND=noninteractive apt-get update -qq
     $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${APT_PACKAGES[@]}" >/dev/null
     have_python || { echo "dev.sh: need Python >= 3.11 with venv" >&2; exit 1; }
+    have_libdrm || echo "dev.sh: libdrm_amdgpu headers still missing: the SDMA backend will be unavailable" >&2
 }
 
 ensure_venv() {
     local stamp=.venv/.installed
-    if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ] && .venv/bin/python -c 'import vramd' 2>/dev/null; then
+    # rebuilt when the packaging or the native sources (binding, SDMA model) change
+    if [ -f "$stamp" ] && [ -z "$(find pyproject.toml setup.py native -newer "$stamp" -print -quit)" ] &&
+        .venv/bin/python -c 'import vramd' 2>/dev/null; then
         return 0
     fi
     rm -rf .venv

@@ -7,6 +7,7 @@
     vramctl [--socket S] restore --pid PID --image DIR [--json]
     vramctl verify DIR [--json]          (offline: no daemon)
     vramctl inspect DIR [--json]         (offline: no daemon)
+    vramctl [--socket S] selftest [--size 64M] [--json]
 
 vramctl opens /proc/PID/mem, the BO files and the image directory itself
 and passes the fds; the daemon never opens a path.  Exit codes: 0 success;
@@ -19,7 +20,9 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import sys
+import tempfile
 import time
 
 from .client import SESSION_DUMP, SESSION_RESTORE, Client, ClientBo
@@ -307,6 +310,24 @@ def cmd_sessions(ns) -> int:
     return EXIT_OK
 
 
+def cmd_selftest(ns) -> int:
+    from .selftest import format_rows, run_selftest
+    with Client(ns.socket, name="vramctl selftest") as c:
+        work = tempfile.mkdtemp(prefix="vramd-selftest-", dir=ns.workdir)
+        try:
+            rows, notes = run_selftest(c, ns.size, work)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    ok = bool(rows) and all(r.ok for r in rows)
+    data = {"ok": ok, "notes": notes, "rows": [
+        {"gpu_id": r.gpu_id, "backend": r.backend, "direction": r.direction, "bytes": r.nbytes,
+         "seconds": round(r.seconds, 6), "gb_per_s": round(r.gbps, 3), "ok": r.ok, "note": r.note} for r in rows]}
+    emit(ns, data, "\n".join([format_rows(rows), *notes]))
+    if not ok:
+        raise Failure("selftest failed: " + ("a round trip did not match" if rows else "nothing could be tested"))
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="vramctl", description="Control the vramd VRAM checkpoint daemon.",
                                  epilog="exit codes: 0 success, 1 failure (reason on stderr), 2 usage error")
@@ -334,6 +355,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--image", required=True, metavar="DIR")
     p = cmd("verify", cmd_verify, "check every chunk of an image (offline); exit 1 on any damage")
     p.add_argument("dir", metavar="DIR")
+    p = cmd("selftest", cmd_selftest, "round-trip known data through every backend, per GPU; GB/s")
+    p.add_argument("--size", type=parse_size, default=64 << 20, help="bytes per BO (default 64M)")
+    p.add_argument("--workdir", default="/var/tmp", help="where the temporary images go")
     p = cmd("inspect", cmd_inspect, "describe an image (offline)")
     p.add_argument("dir", metavar="DIR")
     return ap

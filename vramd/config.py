@@ -54,6 +54,8 @@ class DaemonConfig:
     metrics_textfile: str | None = None
     metrics_interval: float = 15.0
     topology_root: str = "/sys/class/kfd/kfd/topology/nodes"  # KFD topology (a fixture tree in tests)
+    sdma: bool = True
+    sdma_library: str | None = None  # None: $VRAMD_AMDGPU_LIBRARY; "" the system libdrm_amdgpu; "model"; a path
 
     SIZE_KEYS = ("staging_budget", "chunk_size", "max_message_bytes")
 

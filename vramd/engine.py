@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 from .backends import BACKENDS, Backend
 from .codec import Compression
-from .errors import InvalidRequestError
+from .backends.sdma import SdmaBackend
+from .errors import BackendUnavailableError, InvalidRequestError
 from .image import ImageReader
 from .jobs import BoSpec, DumpJob, JobContext, RestoreJob, RestoreTarget
 from .pb import image_pb2 as pb
@@ -34,6 +35,11 @@ class EngineConfig:
     compression: Compression = field(default_factory=Compression)
     cpu_threads: int = field(default_factory=lambda: os.cpu_count() or 2)
     io_threads: int = 4
+    # SDMA: library None = $VRAMD_AMDGPU_LIBRARY ("" system libdrm_amdgpu, "model", or a path)
+    sdma: bool = True
+    sdma_library: str | None = None
+    render_nodes: dict[int, str] = field(default_factory=dict)      # gpu_id -> /dev/dri/renderD<minor>
+    recommended_mask: dict[int, int] = field(default_factory=dict)  # gpu_id -> SDMA engines for host copies
 
     def check(self) -> None:
         if not 4096 <= self.chunk_size <= 1 << 30 or self.chunk_size % 4096:
@@ -53,8 +59,18 @@ class Engine:
         self.config = config or EngineConfig()
         self.config.check()
         self.pool = StagingPool(self.config.staging_budget)
+        self.unavailable: dict[str, str] = {}  # backend name -> why it is not here
         if backends is None:
             backends = {name: cls(workers_per_gpu=self.config.workers_per_gpu) for name, cls in BACKENDS.items()}
+            if self.config.sdma:
+                try:
+                    backends["sdma"] = SdmaBackend(self.config.workers_per_gpu, library=self.config.sdma_library,
+                                                   render_nodes=self.config.render_nodes,
+                                                   recommended_mask=self.config.recommended_mask)
+                except BackendUnavailableError as e:
+                    self.unavailable["sdma"] = e.message
+            else:
+                self.unavailable["sdma"] = "disabled in the configuration"
         self.backends = backends
         for b in backends.values():
             b.attach(self.pool)

@@ -53,9 +53,12 @@ class Connection:
 class Daemon:
     def __init__(self, cfg: DaemonConfig, engine: Engine | None = None):
         self.cfg = cfg
+        self.topology = self._read_topology()
+        gpus = self.topology.gpus if self.topology else []
         self.engine = engine or Engine(EngineConfig(
             staging_budget=cfg.staging_budget, chunk_size=cfg.chunk_size, workers_per_gpu=cfg.workers_per_gpu,
-            compression=Compression.parse(cfg.compression), io_threads=cfg.io_threads))
+            compression=Compression.parse(cfg.compression), io_threads=cfg.io_threads, sdma=cfg.sdma,
+            sdma_library=cfg.sdma_library, render_nodes={g.gpu_id: topology.render_node(g) for g in gpus}))
         self.metrics = Metrics()
         self.sessions = SessionTable(
             self.engine, self.metrics, grace_period=cfg.grace_period, max_per_uid=cfg.max_sessions_per_uid,
@@ -69,17 +72,17 @@ class Daemon:
         self._next_conn = 1
         self._conn_tasks: set[asyncio.Task] = set()
         self._stop = asyncio.Event()
-        self.topology = self._read_topology()
         self._hello = self._hello_reply()
 
     # --- what the daemon says about itself -----------------------------------
 
     def backend_infos(self) -> list[rpc.BackendInfo]:
         out = []
-        for name in BACKENDS:
+        for name in [*BACKENDS, "sdma"]:
             b = self.engine.backends.get(name)
             if b is None:
-                out.append(rpc.BackendInfo(name=name, available=False, reason="not loaded"))
+                out.append(rpc.BackendInfo(name=name, available=False,
+                                           reason=self.engine.unavailable.get(name, "not loaded")))
                 continue
             c = b.capabilities()
             out.append(rpc.BackendInfo(name=name, available=True, can_read=c.can_read, can_write=c.can_write,

@@ -31,6 +31,12 @@ def buffer_unit(chunk_size: int) -> int:
     return -(-(chunk_size + HEADROOM) // PAGE) * PAGE
 
 
+def anonymous(size: int) -> mmap.mmap:
+    """Private anonymous memory (mmap.mmap(-1, n) alone would be MAP_SHARED: shmem, which
+    the kernel refuses as an SDMA userptr)."""
+    return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+
+
 @dataclass(eq=False)
 class StagingBuffer:
     size: int
@@ -69,11 +75,15 @@ class StagingPool:
         self._zeros: dict[int, StagingBuffer] = {}
 
     def zeros(self, size: int) -> StagingBuffer:
-        """A read-only all-zero source (maps the kernel's zero page; no budget used)."""
+        """An all-zero source, never written (no budget used: untouched pages are the kernel's zero page).
+
+        Private anonymous and mapped read-write, like every staging buffer, because an
+        SDMA backend registers it as a userptr BO: the kernel accepts only anonymous
+        private memory there, pinned writable.
+        """
         buf = self._zeros.get(size)
         if buf is None:
-            buf = self._zeros[size] = StagingBuffer(size, mmap.mmap(-1, max(size, 1), prot=mmap.PROT_READ),
-                                                    writable=False)
+            buf = self._zeros[size] = StagingBuffer(size, anonymous(max(size, 1)), writable=False)
         return buf
 
     def max_buffers(self, chunk_size: int) -> int:
@@ -108,7 +118,7 @@ class StagingPool:
         while len(bufs) < n:
             while self.allocated_bytes + unit > self.budget:
                 self._evict_one(keep=unit)
-            buf = StagingBuffer(unit, mmap.mmap(-1, unit))
+            buf = StagingBuffer(unit, anonymous(unit))
             self.allocated_bytes += unit
             for hook in self.on_alloc:
                 hook(buf)

@@ -1,0 +1,171 @@
+"""Build (and test) the SDMA SOFTWARE MODEL: libdrm_amdgpu_model.so.
+
+THIS IS A MODEL of libdrm_amdgpu + the SDMA engine, not a GPU; numbers
+measured with it are model numbers, never hardware numbers
+(docs/sdma-model.md).
+
+    build(out_dir) -> path of libdrm_amdgpu_model.so
+    run_tests(out_dir) -> the test program's exit status
+
+CLI:
+    python native/model/build.py OUT_DIR            build the library
+    python native/model/build.py --test OUT_DIR     build it and run test_model.c
+    add --tsan (ThreadSanitizer) or --asan (AddressSanitizer + UBSan) to either
+    for an instrumented build (own file names)
+
+The library has SONAME libdrm_amdgpu.so.1: a process that dlopen()s it with
+RTLD_GLOBAL before loading an extension linked against libdrm_amdgpu.so.1
+gets the model's functions instead of the real library's.
+"""
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SOURCES = [HERE / "amdgpu_model.c"]
+HEADERS = [HERE / "vramd_model.h"]
+TEST_SOURCE = HERE / "test_model.c"
+LIB_NAME = "libdrm_amdgpu_model.so"
+SONAME = "libdrm_amdgpu.so.1"
+CFLAGS = ["-std=gnu11", "-O2", "-g", "-pthread", "-Wall", "-Wextra", "-Werror"]
+SANITIZERS = {
+    None: [],
+    "thread": ["-fsanitize=thread"],
+    "address": ["-fsanitize=address,undefined", "-fno-omit-frame-pointer",
+                "-fno-sanitize-recover=undefined"],
+}
+
+
+class ModelBuildError(RuntimeError):
+    """The model cannot be built here (no gcc, no libdrm headers, compile error)."""
+
+
+def _gcc() -> str:
+    gcc = shutil.which("gcc")
+    if not gcc:
+        raise ModelBuildError("gcc not found on PATH; the SDMA model needs gcc to build")
+    return gcc
+
+
+def libdrm_cflags() -> list[str]:
+    """`pkg-config --cflags libdrm_amdgpu`, checked to really reach amdgpu.h."""
+    pkg = shutil.which("pkg-config")
+    if not pkg:
+        raise ModelBuildError("pkg-config not found; install pkg-config and libdrm-dev")
+    proc = subprocess.run([pkg, "--cflags", "libdrm_amdgpu"], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise ModelBuildError("pkg-config cannot find libdrm_amdgpu (install libdrm-dev): "
+                              + (proc.stderr.strip() or proc.stdout.strip()))
+    flags = shlex.split(proc.stdout)
+    dirs = [f[2:] for f in flags if f.startswith("-I")] + ["/usr/include", "/usr/local/include"]
+    if not any(Path(d, "amdgpu.h").is_file() and Path(d, "amdgpu_drm.h").is_file() for d in dirs):
+        raise ModelBuildError(f"amdgpu.h / amdgpu_drm.h not found in {dirs} (install libdrm-dev)")
+    return flags
+
+
+def _suffix(sanitize: str | None) -> str:
+    return "" if sanitize is None else f"-{sanitize}"
+
+
+def _run(cmd: list[str]) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise ModelBuildError(f"command failed ({proc.returncode}): {shlex.join(cmd)}\n"
+                              f"{proc.stdout}{proc.stderr}")
+
+
+def _up_to_date(out: Path, inputs: list[Path]) -> bool:
+    try:
+        t = out.stat().st_mtime_ns
+    except FileNotFoundError:
+        return False
+    return all(p.stat().st_mtime_ns <= t for p in inputs)
+
+
+def build(out_dir: str | os.PathLike, sanitize: str | None = None, force: bool = False) -> str:
+    """Compiles the model into OUT_DIR/libdrm_amdgpu_model.so (or
+    libdrm_amdgpu_model-thread.so with sanitize="thread"); returns its path.
+    Rebuilds only when a source is newer, unless force. Raises ModelBuildError."""
+    if sanitize not in SANITIZERS:
+        raise ValueError(f"sanitize must be one of {list(SANITIZERS)}")
+    out_dir = Path(out_dir).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out = out_dir / LIB_NAME.replace(".so", f"{_suffix(sanitize)}.so")
+    inputs = SOURCES + HEADERS + [Path(__file__).resolve()]
+    if not force and _up_to_date(out, inputs):
+        return str(out)
+    cmd = [_gcc(), *CFLAGS, *SANITIZERS[sanitize], "-fPIC", "-shared", "-fvisibility=hidden",
+           *libdrm_cflags(), f"-I{HERE}", f"-Wl,-soname,{SONAME}", "-Wl,--no-undefined"]
+    # compile to a temporary name, then rename: concurrent builders never see half a file
+    fd, tmp = tempfile.mkstemp(prefix=".model-", suffix=".so", dir=out_dir)
+    os.close(fd)
+    try:
+        _run([*cmd, "-o", tmp, *map(str, SOURCES)])
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return str(out)
+
+
+def build_test(out_dir: str | os.PathLike, sanitize: str | None = None) -> str:
+    """Builds the library and test_model.c; returns the test program's path.
+    The program finds the model as libdrm_amdgpu.so.1 through its RUNPATH."""
+    lib = Path(build(out_dir, sanitize))
+    out_dir = lib.parent
+    libdir = out_dir / f"model-test-lib{_suffix(sanitize)}"
+    libdir.mkdir(exist_ok=True)
+    link = libdir / SONAME
+    if link.is_symlink() or link.exists():
+        link.unlink()
+    link.symlink_to(lib)
+    exe = out_dir / f"test_model{_suffix(sanitize)}"
+    _run([_gcc(), *CFLAGS, *SANITIZERS[sanitize], *libdrm_cflags(), f"-I{HERE}",
+          "-o", str(exe), str(TEST_SOURCE), str(link), f"-Wl,-rpath,{libdir}"])
+    return str(exe)
+
+
+def run_tests(out_dir: str | os.PathLike, sanitize: str | None = None, timeout: float = 600) -> int:
+    """Builds and runs test_model.c; returns its exit status (0 = all passed)."""
+    exe = build_test(out_dir, sanitize)
+    env = dict(os.environ)
+    for k in list(env):
+        if k.startswith("VRAMD_SDMA_MODEL_"):
+            del env[k]
+    if sanitize == "thread":
+        env.setdefault("TSAN_OPTIONS", "halt_on_error=1 second_deadlock_stack=1")
+    if sanitize == "address":
+        env.setdefault("ASAN_OPTIONS", "detect_leaks=1 abort_on_error=1")
+    proc = subprocess.run([exe], env=env, timeout=timeout)
+    return proc.returncode
+
+
+def main(argv: list[str]) -> int:
+    args = [a for a in argv if not a.startswith("--")]
+    opts = {a for a in argv if a.startswith("--")}
+    unknown = opts - {"--test", "--tsan", "--asan", "--force"}
+    if len(args) != 1 or unknown:
+        print(__doc__, file=sys.stderr)
+        return 2
+    if {"--tsan", "--asan"} <= opts:
+        print("error: --tsan and --asan cannot be combined", file=sys.stderr)
+        return 2
+    sanitize = "thread" if "--tsan" in opts else "address" if "--asan" in opts else None
+    try:
+        if "--test" in opts:
+            return run_tests(args[0], sanitize)
+        print(build(args[0], sanitize, force="--force" in opts))
+        return 0
+    except ModelBuildError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,44 @@
+"""Build hooks pyproject.toml cannot express: the cffi binding and the SDMA model.
+
+- vramd._amdgpu (native/amdgpu_build.py): built when pkg-config finds
+  libdrm_amdgpu (Debian: libdrm-dev).  Without it vramd installs and runs,
+  and the SDMA backend reports itself unavailable with the reason.
+  VRAMD_BUILD_NATIVE=0 skips it on purpose.
+- vramd/_model/libdrm_amdgpu_model.so (native/model/): the software model of
+  libdrm_amdgpu + SDMA that the backend is verified against here, built
+  with the binding when the same headers are present.
+"""
+import importlib.util
+import os
+import subprocess
+
+from setuptools import setup
+from setuptools.command.build_ext import build_ext
+
+
+def have_libdrm_amdgpu() -> bool:
+    try:
+        return subprocess.run(["pkg-config", "--exists", "libdrm_amdgpu"]).returncode == 0
+    except FileNotFoundError:
+        return False
+
+
+NATIVE = os.environ.get("VRAMD_BUILD_NATIVE", "1") != "0" and have_libdrm_amdgpu()
+
+
+class BuildExtWithModel(build_ext):
+    def run(self):
+        super().run()
+        if not NATIVE or not os.path.exists("native/model/build.py"):
+            return
+        spec = importlib.util.spec_from_file_location("vramd_model_build", "native/model/build.py")
+        model_build = importlib.util.module_from_spec(spec)  # not `import build`: PyPA's build may be loaded
+        spec.loader.exec_module(model_build)
+        base = "." if self.inplace or getattr(self, "editable_mode", False) else self.build_lib
+        model_build.build(os.path.join(base, "vramd", "_model"))
+
+
+setup(
+    cffi_modules=["native/amdgpu_build.py:ffibuilder"] if NATIVE else [],
+    cmdclass={"build_ext": BuildExtWithModel},
+)
