@@ -101,8 +101,15 @@ class Engine:
         return DumpJob(self.ctx, dir_fd, chunk_size=cs, compression=compression or self.config.compression,
                        on_progress=on_progress)
 
-    async def start_restore(self, dir_fd: int, *, on_progress=None) -> RestoreJob:
-        return RestoreJob(self.ctx, await ImageReader.open(dir_fd), on_progress=on_progress)
+    async def start_restore(self, dir_fd: int, *, on_progress=None, gpu_map=None) -> RestoreJob:
+        """`gpu_map(manifest) -> {image gpu_id: present gpu_id}` places each BO on its present GPU."""
+        reader = await ImageReader.open(dir_fd)
+        try:
+            mapping = gpu_map(reader.manifest) if gpu_map is not None else None
+        except BaseException:
+            reader.close()
+            raise
+        return RestoreJob(self.ctx, reader, on_progress=on_progress, gpu_map=mapping)
 
     async def start_verify(self, dir_fd: int, *, on_progress=None) -> RestoreJob:
         """A job that reads and checks every chunk of the image, writing nowhere."""

@@ -167,6 +167,7 @@ def _subclasses(cls: type) -> list[type]:
 
 def error_class(code: str) -> type[VramdError]:
     """The most specific error class for a wire code (VramdError if unknown)."""
+    __import__("vramd.topology")  # its errors subclass VramdError
     for cls in _subclasses(VramdError):
         if cls.code == code and cls is not ServiceError:
             return cls
@@ -180,4 +181,5 @@ def error_from_wire(code: str, message: str, bo_id: int | None = None, offset: i
     if cls is UnmappedRangeError:
         exc.address = None
     VramdError.__init__(exc, message, bo_id=bo_id, offset=offset)
+    exc.code = code  # kept even when this side knows no class for it
     return exc

@@ -168,7 +168,7 @@ class ImageWriter:
             f = self.files[gpu_id] = DataFileWriter(len(self.files), gpu_id, name, fd, len(header))
         return f
 
-    async def commit(self, bos: list[pb.BoEntry], totals: pb.Totals) -> pb.Manifest:
+    async def commit(self, bos: list[pb.BoEntry], totals: pb.Totals, topology_json: bytes = b"") -> pb.Manifest:
         loop = asyncio.get_running_loop()
         files = sorted(self.files.values(), key=lambda f: f.index)
         await asyncio.gather(*(loop.run_in_executor(None, os.fsync, f.fd) for f in files))
@@ -183,7 +183,7 @@ class ImageWriter:
             format_version=FORMAT_VERSION, image_id=self.image_id, writer=f"vramd {__version__}",
             created_unix_ns=time.time_ns(), chunk_size=self.chunk_size, compression=self.compression,
             files=[pb.DataFile(name=f.name, gpu_id=f.gpu_id, length=f.end) for f in files],
-            bos=bos, totals=totals,
+            bos=bos, totals=totals, topology_json=topology_json,
         )
         tmp = f".{MANIFEST_NAME}.{self.image_id.hex()}.tmp"
         self._owned.append(tmp)

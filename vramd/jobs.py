@@ -239,6 +239,7 @@ class DumpJob(_Job):
                  on_progress=None):
         self.writer = ImageWriter(dir_fd, chunk_size=chunk_size, compression=compression.to_pb())
         self.chunk_size = chunk_size
+        self.topology_json = b""  # the machine's KFD topology, saved in the manifest
         super().__init__(ctx, DumpEnds(self.writer, compression, chunk_size), on_progress)
 
     def add(self, specs: Iterable[BoSpec]) -> None:
@@ -270,7 +271,7 @@ class DumpJob(_Job):
         """Wait for every chunk, then commit the image; returns the manifest."""
         try:
             await self.pipeline.wait()
-            return await self.writer.commit(self._entries(), self._totals())
+            return await self.writer.commit(self._entries(), self._totals(), self.topology_json)
         finally:
             self._release_all()
             self.writer.close()
@@ -403,8 +404,10 @@ class RestoreEnds:
 class RestoreJob(_Job):
     direction = Direction.WRITE
 
-    def __init__(self, ctx: JobContext, reader: ImageReader, *, verify_only: bool = False, on_progress=None):
+    def __init__(self, ctx: JobContext, reader: ImageReader, *, verify_only: bool = False, on_progress=None,
+                 gpu_map: dict[int, int] | None = None):
         self.reader = reader
+        self.gpu_map = gpu_map or {}  # image gpu_id -> present gpu_id (from the topologies)
         self.verify_only = verify_only
         super().__init__(ctx, RestoreEnds(reader, ctx.pool, ctx.io, verify_only=verify_only), on_progress)
 
@@ -422,7 +425,7 @@ class RestoreJob(_Job):
                     raise InvalidRequestError("the image has no such BO", bo_id=t.bo_id)
                 if t.bo_id in self.bos:
                     raise InvalidRequestError("BO targeted twice", bo_id=t.bo_id)
-                gpu = entry.gpu_id if t.gpu_id is None else t.gpu_id
+                gpu = self.gpu_map.get(entry.gpu_id, entry.gpu_id) if t.gpu_id is None else t.gpu_id
                 backend = self._backend(t.ref.kind, t.bo_id)
                 handle = backend.open(t.bo_id, t.ref, entry.size, gpu, Direction.WRITE, checked=self._checked)
                 self.bos[t.bo_id] = _Bo(t.bo_id, gpu, entry.size, backend, handle,

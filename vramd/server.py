@@ -63,7 +63,8 @@ class Daemon:
         self.sessions = SessionTable(
             self.engine, self.metrics, grace_period=cfg.grace_period, max_per_uid=cfg.max_sessions_per_uid,
             limits=SessionLimits(cfg.max_bos_per_session, cfg.max_fds_per_session),
-            default_compression=self.engine.config.compression, default_chunk_size=cfg.chunk_size)
+            default_compression=self.engine.config.compression, default_chunk_size=cfg.chunk_size,
+            topology=self.topology)
         self.connections: dict[int, Connection] = {}
         self.allowed_uids = set(cfg.allowed_uids) | {os.getuid()}  # the daemon's own uid, always
         self.allowed_gids = cfg.allowed_gids()

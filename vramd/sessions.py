@@ -11,6 +11,7 @@ nothing behind.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import re
@@ -37,6 +38,7 @@ from .metrics import Metrics
 from .pb import image_pb2 as pb
 from .pb import rpc_pb2 as rpc
 from .protocol import FdBundle, error_to_pb
+from .topology import Checks, Topology, TopologyError, map_gpus
 
 log = logging.getLogger(__name__)
 
@@ -248,7 +250,8 @@ class SessionTable:
     """Every live session, by token; opening, lookup with the uid check, reaping."""
 
     def __init__(self, engine: Engine, metrics: Metrics, *, grace_period: float, max_per_uid: int,
-                 limits: SessionLimits, default_compression: Compression, default_chunk_size: int):
+                 limits: SessionLimits, default_compression: Compression, default_chunk_size: int,
+                 topology: Topology | None = None):
         self.engine = engine
         self.metrics = metrics
         self.grace_period = grace_period
@@ -257,6 +260,8 @@ class SessionTable:
         self.default_compression = default_compression
         self.default_chunk_size = default_chunk_size
         self.by_token: dict[str, Session] = {}
+        self.topology = topology  # this machine's KFD topology: saved by dumps, mapped onto by restores
+        self._topology_json = json.dumps(topology.to_dict()).encode() if topology is not None else b""
         self._next_id = 1
 
     def __len__(self) -> int:
@@ -300,11 +305,28 @@ class SessionTable:
                 comp = Compression.parse(req.compression) if req.compression else self.default_compression
             except ValueError as e:
                 raise InvalidRequestError(str(e)) from None
-            return self.engine.start_dump(dir_fd, compression=comp,
-                                          chunk_size=req.chunk_size or self.default_chunk_size)
+            job = self.engine.start_dump(dir_fd, compression=comp,
+                                         chunk_size=req.chunk_size or self.default_chunk_size)
+            job.topology_json = self._topology_json
+            return job
         if req.kind == rpc.SESSION_RESTORE:
-            return await self.engine.start_restore(dir_fd)
+            return await self.engine.start_restore(dir_fd, gpu_map=self._gpu_map)
         return await self.engine.start_verify(dir_fd)
+
+    def _gpu_map(self, manifest) -> dict[int, int] | None:
+        """Image GPUs -> present GPUs, by CRIU's rules (KFD_*_CHECK switches honoured); None: as saved."""
+        if not manifest.topology_json:
+            return None
+        if self.topology is None:
+            log.warning("the image records a KFD topology but this machine has none: BOs keep their gpu_ids")
+            return None
+        try:
+            saved = Topology.from_dict(json.loads(manifest.topology_json))
+        except ValueError as e:
+            raise TopologyError(f"the image's topology cannot be read: {e}") from None
+        mapping = map_gpus(saved, self.topology, Checks.from_env(os.environ))
+        log.info("GPU map (image -> here): %s", ", ".join(f"{a:#x}->{b:#x}" for a, b in sorted(mapping.items())))
+        return mapping
 
     def get(self, token: str, uid: int) -> Session:
         s = self.by_token.get(token)

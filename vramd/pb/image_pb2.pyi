@@ -108,7 +108,7 @@ class Totals(_message.Message):
     def __init__(self, bo_count: _Optional[int] = ..., bo_bytes: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., zero_bytes: _Optional[int] = ..., chunk_count: _Optional[int] = ...) -> None: ...
 
 class Manifest(_message.Message):
-    __slots__ = ("format_version", "image_id", "writer", "created_unix_ns", "chunk_size", "compression", "files", "bos", "totals")
+    __slots__ = ("format_version", "image_id", "writer", "created_unix_ns", "chunk_size", "compression", "files", "bos", "totals", "topology_json")
     FORMAT_VERSION_FIELD_NUMBER: _ClassVar[int]
     IMAGE_ID_FIELD_NUMBER: _ClassVar[int]
     WRITER_FIELD_NUMBER: _ClassVar[int]
@@ -118,6 +118,7 @@ class Manifest(_message.Message):
     FILES_FIELD_NUMBER: _ClassVar[int]
     BOS_FIELD_NUMBER: _ClassVar[int]
     TOTALS_FIELD_NUMBER: _ClassVar[int]
+    TOPOLOGY_JSON_FIELD_NUMBER: _ClassVar[int]
     format_version: int
     image_id: bytes
     writer: str
@@ -127,4 +128,5 @@ class Manifest(_message.Message):
     files: _containers.RepeatedCompositeFieldContainer[DataFile]
     bos: _containers.RepeatedCompositeFieldContainer[BoEntry]
     totals: Totals
-    def __init__(self, format_version: _Optional[int] = ..., image_id: _Optional[bytes] = ..., writer: _Optional[str] = ..., created_unix_ns: _Optional[int] = ..., chunk_size: _Optional[int] = ..., compression: _Optional[_Union[Compression, _Mapping]] = ..., files: _Optional[_Iterable[_Union[DataFile, _Mapping]]] = ..., bos: _Optional[_Iterable[_Union[BoEntry, _Mapping]]] = ..., totals: _Optional[_Union[Totals, _Mapping]] = ...) -> None: ...
+    topology_json: bytes
+    def __init__(self, format_version: _Optional[int] = ..., image_id: _Optional[bytes] = ..., writer: _Optional[str] = ..., created_unix_ns: _Optional[int] = ..., chunk_size: _Optional[int] = ..., compression: _Optional[_Union[Compression, _Mapping]] = ..., files: _Optional[_Iterable[_Union[DataFile, _Mapping]]] = ..., bos: _Optional[_Iterable[_Union[BoEntry, _Mapping]]] = ..., totals: _Optional[_Union[Totals, _Mapping]] = ..., topology_json: _Optional[bytes] = ...) -> None: ...
