@@ -12,9 +12,10 @@ What it does differently from CRIU's amdgpu plugin loop (docs/sdma.md):
 - completion waited in one waiter thread per ring (fences signal in order),
   never on the event loop; many submissions in flight, so DMA overlaps the
   checksum/compression and file I/O stages;
-- every ring the GPU reports (amdgpu_query_hw_ip_info), dump and restore
-  placed on different rings, restricted to the topology's recommended SDMA
-  engines when given;
+- both DMA ring slots a context has (the kernel spreads them over the
+  engines amdgpu_query_hw_ip_info reports), dump and restore placed on
+  different slots (the topology's recommended engine mask cannot be applied
+  through amdgpu_cs: the kernel picks the engine; docs/sdma.md);
 - every libdrm error is a typed error naming the call, the BO and the
   offset; cleanup logs its own failures and never replaces the first error.
 
@@ -123,12 +124,13 @@ class _Gpu:
             ip = ffi.new("struct drm_amdgpu_info_hw_ip *")
             backend._rc(lib.amdgpu_query_hw_ip_info(self.dev, lib.AMDGPU_HW_IP_DMA, 0, ip), "amdgpu_query_hw_ip_info")
             engines = [i for i in range(32) if ip.available_rings >> i & 1]
-            mask = backend.recommended_mask.get(gpu_id)
-            if mask:
-                engines = [r for r in engines if mask >> r & 1] or engines
             # A context has KERNEL_DMA_RINGS DMA ring slots whatever the engine count (the kernel's
-            # amdgpu_ctx_num_entities); it places each slot on an idle engine itself.
+            # amdgpu_ctx_num_entities), and the kernel's scheduler places each slot on an idle
+            # engine itself: through amdgpu_cs no engine can be chosen, so the topology's
+            # recommended_sdma_engine_id_mask (which KFD honours for user-mode SDMA queues)
+            # cannot be applied here; it is logged for the record.
             rings = list(range(min(len(engines), KERNEL_DMA_RINGS)))
+            self.recommended_mask = backend.recommended_mask.get(gpu_id)
             if not rings:
                 raise BackendUnavailableError(f"GPU {gpu_id:#x} reports no SDMA ring")
             for r in rings:
@@ -137,7 +139,9 @@ class _Gpu:
             self.close()
             raise
         self._next = {Direction.READ: 0, Direction.WRITE: 0}
-        log.info("sdma: GPU %#x family %d, rings %s%s", gpu_id, self.family, [r.index for r in self.rings],
+        log.info("sdma: GPU %#x family %d, %d engine(s), ring slots %s, recommended engine mask %s%s", gpu_id,
+                 self.family, len(engines), [r.index for r in self.rings],
+                 hex(self.recommended_mask) if self.recommended_mask else "none",
                  " (software model)" if backend.model else "")
 
     def _make_ring(self, index: int) -> _Ring:
