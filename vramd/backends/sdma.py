@@ -56,8 +56,13 @@ def family_is_ai_or_later(family: int, ai: int) -> bool:
 
 
 def max_copy_bytes(family: int, ai: int) -> int:
-    """Bytes one COPY_LINEAR packet may move (the kernel's copy_max_bytes per SDMA generation)."""
-    return 0x400000 if family_is_ai_or_later(family, ai) else 0x3FFFE0
+    """Bytes one COPY_LINEAR packet may move (the kernel's copy_max_bytes per SDMA generation).
+
+    SDMA v4 and later (AMDGPU_FAMILY_AI on): 4 MiB.  Before AI the limit differs inside a
+    family (CIK and Iceland 0x1fffff, Tonga/Fiji/Polaris 0x3fffe0) and the family id cannot
+    tell them apart, so the smallest, valid on all of them, is used.
+    """
+    return 0x400000 if family_is_ai_or_later(family, ai) else 0x1FFFFF
 
 
 def copy_linear_packets(copies, family: int, ai: int) -> array.array:
