@@ -180,7 +180,7 @@ def test_sigterm_drains_sealed_session_and_exits_cleanly(run_dir, image_dir):
         s = c.open_session(SESSION_DUMP, dfd)
         c.add_bos(s.token, [ClientBo(1, bo, size=3 << 20)])
         c.start(s.token)
-        d.proc.terminate()
+        d.terminate()
         d.expect_note("STOPPING=1")
         assert c.wait(s.token).state == rpc.SESSION_DONE  # the sealed session finished during the drain
         c.close()

@@ -163,7 +163,7 @@ def test_sigterm_during_dump_commits_nothing_and_cleans_up(run_dir, image_dir):
         bo = memfd(os.urandom(2 << 20))
         s = c.open_session(SESSION_DUMP, d and image_dir[1])
         c.add_bos(s.token, [ClientBo(1, bo, size=2 << 20)])  # never sealed: the drain cannot finish it
-        d.proc.terminate()
+        d.terminate()
         d.expect_log("drain timeout")
         with pytest.raises((CancelledError, NotFoundError, ConnectionError)):  # cancelled, maybe reaped already
             c.wait(s.token)

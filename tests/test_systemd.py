@@ -26,7 +26,7 @@ def test_socket_activation_notify_and_watchdog(run_dir):
         assert any("STATUS=" in n for n in notes)
         while sum("WATCHDOG=1" in n for n in d.notes) < 3:  # pinged repeatedly, not once
             d.notes.append(d.notify.recv(4096).decode())
-        d.proc.terminate()
+        d.terminate()
         d.expect_note("STOPPING=1")
         assert d.stop() == 0
     assert os.path.exists(path)  # the socket belongs to systemd: not removed

@@ -122,6 +122,10 @@ async def run(cfg: DaemonConfig) -> int:
     try:
         await daemon.serve(listener)
     finally:
+        # Drained: a further SIGTERM must not kill the process half-way through its exit.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         listener.close()
         if path is not None:
             try:

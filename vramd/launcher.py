@@ -57,8 +57,13 @@ class DaemonProcess:
                     raise TimeoutError(f"no {key} from vramd in {timeout} s") from None
         return self.notes
 
+    def terminate(self) -> None:
+        """Send SIGTERM once (the daemon drains, then exits); stop() then only waits."""
+        self._terminated = True
+        self.proc.terminate()
+
     def stop(self, sig=signal.SIGTERM, timeout: float = 60.0) -> int:
-        if self.proc.poll() is None:
+        if self.proc.poll() is None and not getattr(self, "_terminated", False):
             self.proc.send_signal(sig)
         try:
             return self.proc.wait(timeout)
