@@ -75,6 +75,15 @@ def error_from_pb(err: rpc.Error) -> VramdError:
                            err.offset if err.HasField("offset") else None)
 
 
+def close_fds(fds) -> None:
+    """Close every fd of `fds`, whatever state each is in (one failing does not stop the rest)."""
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
 class FdBundle:
     """The fds that arrived with one packet; closes every fd nobody took."""
 
@@ -97,13 +106,8 @@ class FdBundle:
         return fd
 
     def close(self) -> None:
-        for i, fd in enumerate(self._fds):
-            if fd is not None:
-                self._fds[i] = None
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
+        fds, self._fds = [fd for fd in self._fds if fd is not None], [None] * len(self._fds)
+        close_fds(fds)
 
 
 @dataclass
@@ -229,7 +233,7 @@ def raise_for_error(resp: rpc.Response) -> rpc.Response:
 
 
 __all__ = [
-    "DEFAULT_MAX_MESSAGE", "FdBundle", "HEADER_SIZE", "PROTOCOL_VERSIONS", "Received",
+    "DEFAULT_MAX_MESSAGE", "FdBundle", "close_fds", "HEADER_SIZE", "PROTOCOL_VERSIONS", "Received",
     "Reply", "SCM_MAX_FD", "ServerProtocol", "decode_frame", "decode_response", "encode_frame", "encode_request",
     "error_from_pb", "error_to_pb", "raise_for_error", "reply", "response",
 ]

@@ -30,9 +30,9 @@ from .errors import (
 )
 from .metrics import Metrics
 from .pb import rpc_pb2 as rpc
-from .protocol import FdBundle, Received, Reply, ServerProtocol, reply
+from .protocol import FdBundle, Received, Reply, ServerProtocol, close_fds, reply
 from .sessions import Session, SessionLimits, SessionTable
-from .transport import PacketChannel, close_fds
+from .transport import PacketChannel
 
 log = logging.getLogger(__name__)
 SERVER = f"vramd {__version__}"

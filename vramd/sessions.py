@@ -37,7 +37,7 @@ from .jobs import BoSpec, DumpJob, RestoreTarget
 from .metrics import Metrics
 from .pb import image_pb2 as pb
 from .pb import rpc_pb2 as rpc
-from .protocol import FdBundle, error_to_pb
+from .protocol import FdBundle, close_fds, error_to_pb
 from .topology import Checks, Topology, TopologyError, map_gpus
 
 log = logging.getLogger(__name__)
@@ -210,11 +210,7 @@ class Session:
 
     def _close_fds(self) -> None:
         fds, self.fds = self.fds, []
-        for fd in fds:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        close_fds(fds)
 
     def _account(self) -> None:
         m, p = self.metrics, self.job.progress

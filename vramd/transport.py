@@ -11,11 +11,10 @@ from __future__ import annotations
 import array
 import asyncio
 import errno
-import os
 import socket
 import struct
 
-from .protocol import SCM_MAX_FD
+from .protocol import SCM_MAX_FD, close_fds
 
 
 def unpack_fds(ancdata) -> list[int]:
@@ -114,11 +113,3 @@ class PacketChannel:
             self.discard_pending()
             self.closed = True
             self.sock.close()
-
-
-def close_fds(fds) -> None:
-    for fd in fds:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
