@@ -130,8 +130,10 @@ class Session:
             raise LimitExceededError(f"more than {self.limits.max_fds} fds in one session")
         for index in fds:
             self.fds.append(bundle.take(index))
+        # the backend of a BO that names none follows from its fd: looked at once per fd, not per BO
+        kinds = {i: pick_backend(fds[i]) for i in {bo.fd_index for bo in bos if not bo.backend}}
         make = self._spec if isinstance(self.job, DumpJob) else self._target
-        items = [make(bo, fds[bo.fd_index]) for bo in bos]
+        items = [make(bo, BoRef(bo.backend or kinds[bo.fd_index], fds[bo.fd_index], bo.offset)) for bo in bos]
         if len(fds) > 1:  # fds of many BOs: check them in a worker thread, off the event loop
             refs = {it.ref.fd: ((it.id if isinstance(it, BoSpec) else it.bo_id), it.ref) for it in items}
             await asyncio.get_running_loop().run_in_executor(self.job.ctx.io, self.job.precheck, refs.values())
@@ -145,15 +147,13 @@ class Session:
         self.bo_count += len(bos)
 
     @staticmethod
-    def _ref(bo, fd: int) -> BoRef:
-        return BoRef(bo.backend or pick_backend(fd), fd, bo.offset)
-
-    def _spec(self, bo, fd: int) -> BoSpec:
-        return BoSpec(bo.id, bo.size, self._ref(bo, fd), gpu_id=bo.gpu_id if bo.HasField("gpu_id") else 0,
+    def _spec(bo, ref: BoRef) -> BoSpec:
+        return BoSpec(bo.id, bo.size, ref, gpu_id=bo.gpu_id if bo.HasField("gpu_id") else 0,
                       alloc_flags=bo.alloc_flags, va_addr=bo.va_addr, name=bo.name)
 
-    def _target(self, bo, fd: int) -> RestoreTarget:
-        return RestoreTarget(bo.id, self._ref(bo, fd), gpu_id=bo.gpu_id if bo.HasField("gpu_id") else None)
+    @staticmethod
+    def _target(bo, ref: BoRef) -> RestoreTarget:
+        return RestoreTarget(bo.id, ref, gpu_id=bo.gpu_id if bo.HasField("gpu_id") else None)
 
     def seal(self) -> None:
         if self.state == rpc.SESSION_OPEN:
