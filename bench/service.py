@@ -55,13 +55,8 @@ from vramd.workload import Workload, blank_spec_like  # noqa: E402
 
 def session(c: Client, kind: int, dfd: int, bos: list[ClientBo]) -> float:
     t0 = time.perf_counter()
-    s = c.open_session(kind, dfd)
-    c.add_bos(s.token, bos)
-    c.start(s.token)
-    c.wait(s.token)
-    secs = time.perf_counter() - t0
-    c.close_session(s.token)
-    return secs
+    c.run_session(kind, dfd, bos)
+    return time.perf_counter() - t0
 
 
 def fresh_dir(base: str) -> tuple[str, int]:

@@ -25,12 +25,7 @@ def procmem_bos(w: Workload, mem: int) -> list[ClientBo]:
 
 
 def dump(c: Client, dir_fd: int, bos: list[ClientBo], **kw) -> rpc.SessionInfo:
-    s = c.open_session(SESSION_DUMP, dir_fd, **kw)
-    c.add_bos(s.token, bos)
-    c.start(s.token)
-    info = c.wait(s.token)
-    c.close_session(s.token)
-    return info
+    return c.run_session(SESSION_DUMP, dir_fd, bos, **kw)
 
 
 def test_dump_restore_with_offload_wait_on_another_connection(daemon, image_dir):

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from . import __version__
 from .config import client_socket_path
-from .errors import ProtocolError, WaitTimeoutError
+from .errors import ProtocolError, VramdError, WaitTimeoutError
 from .pb import rpc_pb2 as rpc
 from .protocol import HEADER_SIZE, PROTOCOL_VERSIONS, decode_response, encode_request, raise_for_error
 from .transport import pack_fds, unpack_fds
@@ -133,6 +133,22 @@ class Client:
             size += bo_bytes
         if msg:
             yield msg, list(index)
+
+    def run_session(self, kind: int, dir_fd: int, bos: list[ClientBo], **open_kw) -> rpc.SessionInfo:
+        """One whole session on this connection: open, add the BOs, start, wait, close.
+
+        Returns the final info; raises the session's typed error (after closing it)."""
+        s = self.open_session(kind, dir_fd, **open_kw)
+        try:
+            if bos:
+                self.add_bos(s.token, bos)
+            self.start(s.token)
+            return self.wait(s.token)
+        finally:
+            try:
+                self.close_session(s.token)
+            except (VramdError, OSError):
+                pass  # the first error is the one to report
 
     def start(self, token: str) -> rpc.SessionInfo:
         return self._call(want="session", start=rpc.Start(token=token))

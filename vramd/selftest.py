@@ -95,17 +95,12 @@ def _roundtrip(c: Client, backend: str, gpu_id: int, src_fd: int, src_off: int, 
     img = tempfile.mkdtemp(prefix="selftest-", dir=workdir)
     dfd = os.open(img, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        s = c.open_session(SESSION_DUMP, dfd, label=f"selftest {backend} gpu {gpu_id:#x}")
-        c.add_bos(s.token, [ClientBo(1, src_fd, offset=src_off, size=size, backend=backend, gpu_id=gpu_id)])
-        c.start(s.token)
-        dump = c.wait(s.token).progress.elapsed_s
-        c.close_session(s.token)
-        r = c.open_session(SESSION_RESTORE, dfd, label=f"selftest {backend} gpu {gpu_id:#x}")
-        c.add_bos(r.token, [ClientBo(1, dst_fd, offset=dst_off, backend=backend, gpu_id=gpu_id)])
-        c.start(r.token)
-        restore = c.wait(r.token).progress.elapsed_s
-        c.close_session(r.token)
-        return dump, restore
+        label = f"selftest {backend} gpu {gpu_id:#x}"
+        dump = c.run_session(SESSION_DUMP, dfd, [ClientBo(1, src_fd, offset=src_off, size=size, backend=backend,
+                                                         gpu_id=gpu_id)], label=label)
+        restore = c.run_session(SESSION_RESTORE, dfd, [ClientBo(1, dst_fd, offset=dst_off, backend=backend,
+                                                               gpu_id=gpu_id)], label=label)
+        return dump.progress.elapsed_s, restore.progress.elapsed_s
     finally:
         os.close(dfd)
         shutil.rmtree(img, ignore_errors=True)
