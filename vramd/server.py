@@ -305,7 +305,10 @@ class Daemon:
             return reply(req.id, InternalError(f"internal error handling {kind}: {e!r}"))
 
     def _session(self, conn: Connection, token: str) -> Session:
-        s = self.sessions.get(token, conn.uid)
+        return self._hold(conn, self.sessions.get(token, conn.uid))
+
+    def _hold(self, conn: Connection, s: Session) -> Session:
+        """`conn` now holds `s`: the session outlives it only by the grace period."""
         self.sessions.hold(s, conn)
         conn.sessions.add(s)
         return s
@@ -313,9 +316,7 @@ class Daemon:
     async def _do_open_session(self, conn, req, body: rpc.OpenSession, fds) -> Reply:
         if self.draining:
             raise ShuttingDownError("the daemon is shutting down and takes no new sessions")
-        s = await self.sessions.open(body, fds, uid=conn.uid, pid=conn.pid)
-        self.sessions.hold(s, conn)
-        conn.sessions.add(s)
+        s = self._hold(conn, await self.sessions.open(body, fds, uid=conn.uid, pid=conn.pid))
         return reply(req.id, session=s.info(with_token=True))
 
     async def _do_add_bos(self, conn, req, body: rpc.AddBos, fds) -> Reply:
