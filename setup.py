@@ -1,6 +1,6 @@
 """Build hooks pyproject.toml cannot express: the cffi binding and the SDMA model.
 
-- vramd._amdgpu (native/amdgpu_build.py): built when pkg-config finds
+- vramd.backends.sdma._amdgpu (native/amdgpu_build.py): built when pkg-config finds
   libdrm_amdgpu (Debian: libdrm-dev).  Without it vramd installs and runs,
   and the SDMA backend reports itself unavailable with the reason.
   VRAMD_BUILD_NATIVE=0 skips it on purpose.

@@ -29,12 +29,11 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import uvloop  # noqa: E402
+import uvloop
 
-from vramd.backends import BoRef, Direction  # noqa: E402
-from vramd.engine import Engine, EngineConfig  # noqa: E402
-from vramd.jobs import BoSpec, RestoreTarget  # noqa: E402
-from vramd.units import parse_size  # noqa: E402
+from vramd.backends import BoRef, Direction
+from vramd.engine import BoSpec, Engine, EngineConfig, RestoreTarget
+from vramd.units import parse_size
 
 
 def memfd(size: int, data: bytes = b"") -> int:

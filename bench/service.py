@@ -47,10 +47,13 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from vramd.client import SESSION_DUMP, SESSION_RESTORE, Client, ClientBo  # noqa: E402
-from vramd.launcher import DaemonProcess  # noqa: E402
-from vramd.units import parse_size  # noqa: E402
-from vramd.workload import Workload, blank_spec_like  # noqa: E402
+from vramd.client import SESSION_DUMP, SESSION_RESTORE, Client, ClientBo
+from vramd.testing import (
+    DaemonProcess,
+    Workload,
+    blank_spec_like,
+)
+from vramd.units import parse_size
 
 
 def session(c: Client, kind: int, dfd: int, bos: list[ClientBo]) -> float:
@@ -206,7 +209,7 @@ def main() -> int:
     run_dir = tempfile.mkdtemp(prefix="vbench-run-")
     try:
         with open(os.path.join(run_dir, "vramd.log"), "w") as log, \
-                DaemonProcess(run_dir, "--log-level", "warning", stderr=log, argv_prefix=(
+                DaemonProcess(run_dir, log_level="warning", stderr=log, argv_prefix=(
                     ["nice", "-n", str(ns.daemon_nice), sys.executable] if ns.daemon_nice else None)) as daemon, \
                 Client(daemon.socket, name="bench") as c:
             results = {

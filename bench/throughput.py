@@ -42,13 +42,12 @@ import time
 
 import uvloop
 
-from vramd.backends import BACKENDS, BoRef, Direction
-from vramd.engine import Engine, EngineConfig
-from vramd.image import pread_into, pwrite_all
-from vramd.jobs import BoSpec, RestoreTarget
-from vramd.staging import StagingBuffer, buffer_unit
+from vramd.backends import REGISTRY, BackendOptions, BoRef, Direction
+from vramd.engine import BoSpec, Engine, EngineConfig, RestoreTarget
+from vramd.hostmem.staging import StagingBuffer, buffer_unit
+from vramd.image.fileio import pread_into, pwrite_all
+from vramd.testing import Workload, blank_spec_like
 from vramd.units import parse_size
-from vramd.workload import Workload, blank_spec_like
 
 CHUNK = 8 << 20
 
@@ -116,7 +115,7 @@ def _handle(backend, ref: BoRef, size: int, direction: Direction):
 
 def stage_backend(case: Case, direction: Direction) -> float:
     """The backend alone: BO -> staging (dump) or staging -> BO (restore)."""
-    backend = BACKENDS[case.backend]()
+    backend = REGISTRY[case.backend].create(BackendOptions())
     h = _handle(backend, case.src if direction is Direction.READ else case.dst, case.size, direction)
     buf = _buffer()
     if direction is Direction.WRITE:
@@ -154,7 +153,7 @@ def stage_read(path: str, size: int) -> float:
 
 def serial(case: Case, direction: Direction, path: str) -> float:
     """CRIU's loop: per chunk, copy then write (dump) or read then copy (restore); one thread."""
-    backend = BACKENDS[case.backend]()
+    backend = REGISTRY[case.backend].create(BackendOptions())
     ref = case.src if direction is Direction.READ else case.dst
     h = _handle(backend, ref, case.size, direction)
     buf = _buffer()

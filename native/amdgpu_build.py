@@ -1,12 +1,12 @@
 """cffi (API mode) binding of the libdrm_amdgpu subset the SDMA backend uses.
 
 Built at install time through setup.py's `cffi_modules` when pkg-config
-finds libdrm_amdgpu (Debian: libdrm-dev); the module is `vramd._amdgpu`.
+finds libdrm_amdgpu (Debian: libdrm-dev); the module is `vramd.backends.sdma._amdgpu`.
 It is compiled against the real <amdgpu.h>, so every struct layout and
 signature is checked by the compiler, and linked against
 libdrm_amdgpu.so.1.  Which library actually serves the calls is decided at
 run time: the real one, or the software model (native/model/), loaded first
-under the same soname (see vramd/amdgpu.py).
+under the same soname (see vramd/backends/sdma/binding.py).
 """
 from cffi import FFI
 
@@ -71,7 +71,7 @@ int amdgpu_cs_query_reset_state2(amdgpu_context_handle context, uint64_t *flags)
 ffibuilder = FFI()
 ffibuilder.cdef(CDEF)
 ffibuilder.set_source_pkgconfig(
-    "vramd._amdgpu", ["libdrm_amdgpu"],
+    "vramd.backends.sdma._amdgpu", ["libdrm_amdgpu"],
     "#include <stdint.h>\n#include <amdgpu.h>\n#include <amdgpu_drm.h>\n",
 )
 

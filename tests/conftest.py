@@ -6,7 +6,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from helpers import open_dir  # noqa: E402
+from helpers import open_dir
 
 
 @pytest.fixture
@@ -33,6 +33,6 @@ def run_dir():
 @pytest.fixture
 def daemon(run_dir):
     """A running daemon with a short grace period and small budget."""
-    from daemon import DaemonProc
-    with DaemonProc(run_dir, "--grace-period", "0.3", "--staging-budget", "64M", "--chunk-size", "1M") as d:
+    from vramd.testing import DaemonProcess
+    with DaemonProcess(run_dir, "--grace-period", "0.3", "--staging-budget", "64M", "--chunk-size", "1M") as d:
         yield d

@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
+
 import uvloop
 
 from vramd.backends import BoRef
-from vramd.engine import Engine, EngineConfig
-from vramd.jobs import BoSpec, RestoreTarget
-from vramd.workload import Workload, blank_spec_like  # noqa: F401  (re-exported for tests)
+from vramd.engine import BoSpec, Engine, EngineConfig, RestoreTarget
+from vramd.testing import Workload, blank_spec_like  # noqa: F401  (re-exported for tests)
+
+ROOT = str(Path(__file__).resolve().parent.parent)  # the repository
 
 
 def run(coro):

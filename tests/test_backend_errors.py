@@ -2,11 +2,11 @@
 import os
 
 import pytest
-
 from helpers import Workload, engine, run
+
 from vramd import errors
 from vramd.backends import BoRef
-from vramd.jobs import BoSpec, RestoreTarget
+from vramd.engine import BoSpec, RestoreTarget
 
 MiB = 1 << 20
 

@@ -10,17 +10,16 @@ import os
 from dataclasses import dataclass
 
 import pytest
-
 from helpers import Workload, blank_spec_like, engine, memfd, run
+
 from vramd import errors
 from vramd.backends import BoRef, MmapBackend, ProcMemBackend
 from vramd.backends.base import Backend, BoHandle, Capabilities
-from vramd.codec import Compression
-from vramd.engine import Engine, EngineConfig
-from vramd.imageformat import RECORD_PREFIX
-from vramd.jobs import BoSpec, RestoreTarget
-from vramd.pipeline import MAX_BATCH, SLOT_ALIGN, ChunkTask, Pipeline, slot_size
-from vramd.staging import StagingPool
+from vramd.engine import BoSpec, Engine, EngineConfig, RestoreTarget
+from vramd.engine.pipeline import MAX_BATCH, SLOT_ALIGN, ChunkTask, Pipeline, slot_size
+from vramd.hostmem.staging import StagingPool
+from vramd.image.codec import Compression
+from vramd.image.format import RECORD_PREFIX
 
 KiB, MiB = 1 << 10, 1 << 20
 CHUNK = 256 * KiB
@@ -30,9 +29,10 @@ SMALL = [1, 100, 4 * KiB, 5000, 0]
 # --- the pipeline's packing, with recording ends --------------------------
 
 @dataclass(eq=False)
-class _FakeBo:
+class _FakeBo:  # a PipelineBo
     id: int
     chunks_left: int
+    backend: None = None  # copies to no backend (as verify)
 
 
 class _Recorder:
@@ -135,6 +135,10 @@ class _Manual(Backend):
 
     def __init__(self):
         self.futs = []
+
+    @classmethod
+    def create(cls, options):
+        return cls()
 
     def capabilities(self):
         return Capabilities(self.name, True, True, 1, 1, True, "test")
@@ -510,7 +514,7 @@ def test_unmapped_page_in_one_piece_of_a_restore_batch(image_dir):
 def test_internal_error_in_one_piece_is_attributed_to_it(image_dir, monkeypatch):
     """A bug (not a VramdError) while encoding one piece of a batch still names that piece,
     and the error kept by the job pins no staging buffer (the engine can still unmap them)."""
-    from vramd import jobs
+    from vramd.engine.jobs import dump as jobs
 
     _, dfd = image_dir
     real = jobs.encode_chunk

@@ -6,12 +6,12 @@ import sys
 import textwrap
 
 import pytest
-
 from helpers import Workload, engine, run
+
 from vramd import errors
 from vramd.backends import BoRef
-from vramd.imageformat import MANIFEST_NAME
-from vramd.jobs import BoSpec, RestoreTarget
+from vramd.engine import BoSpec, RestoreTarget
+from vramd.image.format import MANIFEST_NAME
 
 MiB = 1 << 20
 
@@ -71,7 +71,7 @@ def test_one_dump_per_directory(image_dir):
                     e.start_dump(dfd)
             finally:
                 job.cancel()
-                with pytest.raises(errors.CancelledError):
+                with pytest.raises(errors.JobCancelledError):
                     await job.finish()
             e.start_dump(dfd).cancel()  # the lock was released
     run(go())
@@ -80,7 +80,7 @@ def test_one_dump_per_directory(image_dir):
 KILLED_DUMP = textwrap.dedent("""
     import asyncio, os, sys, uvloop
     from vramd.engine import Engine, EngineConfig
-    from vramd.jobs import BoSpec
+    from vramd.engine import BoSpec
     from vramd.backends import BoRef
     pid, addr, size, dirpath = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     def progress(p):

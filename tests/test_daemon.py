@@ -5,12 +5,12 @@ import os
 import threading
 
 import pytest
-
 from helpers import memfd, open_dir
+
 from vramd.client import SESSION_DUMP, SESSION_RESTORE, SESSION_VERIFY, Client, ClientBo
 from vramd.errors import BadDescriptorError, NotFoundError, TargetTooSmallError, UnmappedRangeError, WaitTimeoutError
 from vramd.pb import rpc_pb2 as rpc
-from vramd.workload import Workload, blank_spec_like
+from vramd.testing import Workload, blank_spec_like
 
 SPEC = [
     {"size": (3 << 20) + 123, "fill": "random", "seed": 1},
@@ -168,9 +168,9 @@ def test_typed_errors_name_the_bo_and_daemon_keeps_serving(daemon, image_dir, tm
 
 
 def test_sigterm_drains_sealed_session_and_exits_cleanly(run_dir, image_dir):
-    from daemon import DaemonProc
+    from vramd.testing import DaemonProcess
     _, dfd = image_dir
-    with DaemonProc(run_dir, "--drain-timeout", "60") as d, Client(d.socket) as c:
+    with DaemonProcess(run_dir, "--drain-timeout", "60") as d, Client(d.socket) as c:
         bo = memfd(os.urandom(3 << 20))
         s = c.open_session(SESSION_DUMP, dfd)
         c.add_bos(s.token, [ClientBo(1, bo, size=3 << 20)])

@@ -10,13 +10,13 @@ import sys
 import textwrap
 
 import pytest
+from helpers import ROOT, memfd
 
-from daemon import ROOT, DaemonProc
-from helpers import memfd
 from vramd.client import SESSION_DUMP, Client, ClientBo
-from vramd.errors import CancelledError, NotFoundError, PermissionDeniedError
+from vramd.errors import JobCancelledError, NotFoundError, PermissionDeniedError
 from vramd.pb import rpc_pb2 as rpc
 from vramd.protocol import decode_response, encode_request
+from vramd.testing import DaemonProcess
 
 NOBODY = 65534
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="dropping to another uid needs root (CI runs as root)")
@@ -41,7 +41,7 @@ def as_nobody(sock_path: str, body: str) -> subprocess.CompletedProcess:
 
 @needs_root
 def test_unauthorised_uid_is_refused(run_dir):
-    with DaemonProc(run_dir, "--socket-mode", "666") as d:
+    with DaemonProcess(run_dir, "--socket-mode", "666") as d:
         r = as_nobody(d.socket, "Client(sock); print('CONNECTED')")
         assert "ERROR PERMISSION_DENIED" in r.stdout and f"uid {NOBODY}" in r.stdout, r.stdout + r.stderr
         d.expect_log(f"refused pid \\d+ uid {NOBODY}")
@@ -52,7 +52,7 @@ def test_unauthorised_uid_is_refused(run_dir):
 @needs_root
 def test_token_works_only_for_its_uid(run_dir, image_dir):
     _, dfd = image_dir
-    with DaemonProc(run_dir, "--socket-mode", "666", "--allow-uid", "0", "--allow-uid", str(NOBODY)) as d, \
+    with DaemonProcess(run_dir, "--socket-mode", "666", "--allow-uid", "0", "--allow-uid", str(NOBODY)) as d, \
             Client(d.socket) as c:
         s = c.open_session(SESSION_DUMP, dfd)
         r = as_nobody(d.socket, f"""
@@ -65,7 +65,7 @@ def test_token_works_only_for_its_uid(run_dir, image_dir):
         assert "SESSIONS 0" in r.stdout  # another uid's sessions are not listed
         assert "ERROR PERMISSION_DENIED" in r.stdout and "another uid" in r.stdout
         c.cancel(s.token)
-        with pytest.raises(CancelledError):
+        with pytest.raises(JobCancelledError):
             c.wait(s.token)
 
 
@@ -97,34 +97,33 @@ def hello() -> bytes:
 def test_malformed_frames_get_an_error_and_a_closed_connection(run_dir, tmp_path):
     cfg = tmp_path / "vramd.toml"
     cfg.write_text('max_message_bytes = "8K"\ngrace_period = 0.1\n')
-    with DaemonProc(run_dir, "--config", str(cfg)) as d:
-        with Client(d.socket) as watcher:
-            baseline = d.fds()
-            bo = memfd(b"y" * 4096)
-            cases = [
-                (b"garbage that is no frame", (), rpc.PROTOCOL_ERROR),
-                (b"VRDP\x01\x01\x00\x00\xff\x00\x00\x00short", (), rpc.PROTOCOL_ERROR),           # length lies
-                (encode_request(rpc.Request(id=1, get_status=rpc.GetStatus())), (), rpc.PROTOCOL_ERROR),  # no hello
-                (encode_request(rpc.Request(id=1, hello=rpc.Hello(versions=[99]))), (), rpc.UNSUPPORTED_PROTOCOL),
-                (b"VRDP\x01\x01\x00\x00" + (9000).to_bytes(4, "little") + b"\0" * 9000, (), rpc.LIMIT_EXCEEDED),
-                (b"not a frame, with fds attached", (bo, bo, bo), rpc.PROTOCOL_ERROR),
-            ]
-            for data, fds, code in cases:
-                s = raw_connect(d.socket)
-                got = exchange(s, data, fds)
-                assert [r.error.code for r in got] == [code], (data[:20], got)
-                s.close()
-            # a valid hello, then a body protobuf cannot parse
+    with DaemonProcess(run_dir, "--config", str(cfg)) as d, Client(d.socket) as watcher:
+        baseline = d.fds()
+        bo = memfd(b"y" * 4096)
+        cases = [
+            (b"garbage that is no frame", (), rpc.PROTOCOL_ERROR),
+            (b"VRDP\x01\x01\x00\x00\xff\x00\x00\x00short", (), rpc.PROTOCOL_ERROR),           # length lies
+            (encode_request(rpc.Request(id=1, get_status=rpc.GetStatus())), (), rpc.PROTOCOL_ERROR),  # no hello
+            (encode_request(rpc.Request(id=1, hello=rpc.Hello(versions=[99]))), (), rpc.UNSUPPORTED_PROTOCOL),
+            (b"VRDP\x01\x01\x00\x00" + (9000).to_bytes(4, "little") + b"\0" * 9000, (), rpc.LIMIT_EXCEEDED),
+            (b"not a frame, with fds attached", (bo, bo, bo), rpc.PROTOCOL_ERROR),
+        ]
+        for data, fds, code in cases:
             s = raw_connect(d.socket)
-            assert exchange(s, hello())[0].hello.version == 1
-            bad = b"VRDP\x01\x01\x00\x00" + (3).to_bytes(4, "little") + b"\xff\xff\xff"
-            got = exchange(s, bad, (bo,))
-            assert got[-1].error.code == rpc.PROTOCOL_ERROR and "undecodable" in got[-1].error.message
+            got = exchange(s, data, fds)
+            assert [r.error.code for r in got] == [code], (data[:20], got)
             s.close()
-            os.close(bo)
-            assert watcher.status().connections >= 1  # the other client was served throughout
-            # every connection above was closed by the daemon (we saw EOF), every fd it got is closed
-            assert d.fds() == baseline
+        # a valid hello, then a body protobuf cannot parse
+        s = raw_connect(d.socket)
+        assert exchange(s, hello())[0].hello.version == 1
+        bad = b"VRDP\x01\x01\x00\x00" + (3).to_bytes(4, "little") + b"\xff\xff\xff"
+        got = exchange(s, bad, (bo,))
+        assert got[-1].error.code == rpc.PROTOCOL_ERROR and "undecodable" in got[-1].error.message
+        s.close()
+        os.close(bo)
+        assert watcher.status().connections >= 1  # the other client was served throughout
+        # every connection above was closed by the daemon (we saw EOF), every fd it got is closed
+        assert d.fds() == baseline
 
 
 def test_client_killed_mid_session_leaves_no_fds(daemon, image_dir):
@@ -159,13 +158,13 @@ def test_client_killed_mid_session_leaves_no_fds(daemon, image_dir):
 
 
 def test_sigterm_during_dump_commits_nothing_and_cleans_up(run_dir, image_dir):
-    with DaemonProc(run_dir, "--drain-timeout", "0.2") as d, Client(d.socket) as c:
+    with DaemonProcess(run_dir, "--drain-timeout", "0.2") as d, Client(d.socket) as c:
         bo = memfd(os.urandom(2 << 20))
         s = c.open_session(SESSION_DUMP, d and image_dir[1])
         c.add_bos(s.token, [ClientBo(1, bo, size=2 << 20)])  # never sealed: the drain cannot finish it
         d.terminate()
         d.expect_log("drain timeout")
-        with pytest.raises((CancelledError, NotFoundError, ConnectionError)):  # cancelled, maybe reaped already
+        with pytest.raises((JobCancelledError, NotFoundError, ConnectionError)):  # cancelled, maybe reaped already
             c.wait(s.token)
         assert d.stop() == 0
         os.close(bo)
@@ -190,7 +189,7 @@ def test_limits_give_typed_errors(run_dir, tmp_path):
         p.mkdir()
         dirs.append(os.open(p, os.O_RDONLY | os.O_DIRECTORY))
     bo = memfd(b"z" * 4096)
-    with DaemonProc(run_dir, "--config", str(cfg)) as d, Client(d.socket) as c:
+    with DaemonProcess(run_dir, "--config", str(cfg)) as d, Client(d.socket) as c:
         s1 = c.open_session(SESSION_DUMP, dirs[0])
         c.open_session(SESSION_DUMP, dirs[1])
         with pytest.raises(LimitExceededError, match="2 sessions"):
@@ -208,7 +207,7 @@ def test_restore_failing_before_start_ends_the_session(daemon, image_dir):
     """A copy that fails while the client is still adding BOs ends the session at once."""
     from vramd.client import SESSION_RESTORE
     from vramd.errors import UnmappedRangeError
-    from vramd.workload import Workload
+    from vramd.testing import Workload
     _, dfd = image_dir
     size = 3 << 20
     src = memfd(os.urandom(size))

@@ -3,13 +3,13 @@ import os
 import struct
 
 import pytest
-
 from helpers import engine, memfd, run
+
 from vramd import errors
 from vramd.backends import BoRef
-from vramd.codec import Compression
-from vramd.imageformat import MANIFEST_NAME, MANIFEST_PREFIX, RECORD_PREFIX, decode_manifest
-from vramd.jobs import BoSpec, RestoreTarget
+from vramd.engine import BoSpec, RestoreTarget
+from vramd.image.codec import Compression
+from vramd.image.format import MANIFEST_NAME, MANIFEST_PREFIX, RECORD_PREFIX, decode_manifest
 
 MiB = 1 << 20
 CHUNK = 1 * MiB
@@ -171,7 +171,7 @@ def test_data_file_of_another_image(dumped, tmp_path):
 
 
 def test_manifest_consistency_checks():
-    from vramd.imageformat import encode_manifest
+    from vramd.image.format import encode_manifest
     from vramd.pb import image_pb2 as pb
 
     m = pb.Manifest(format_version=1, image_id=b"x" * 16, chunk_size=4096,

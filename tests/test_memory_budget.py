@@ -11,7 +11,6 @@ import sys
 import textwrap
 
 import pytest
-
 from helpers import Workload
 
 MiB = 1 << 20
@@ -21,8 +20,8 @@ MARGIN = 24 * MiB  # interpreter, thread stacks, protobuf objects: not BO bytes
 WORKER = textwrap.dedent("""
     import json, os, sys, uvloop
     from vramd.engine import Engine, EngineConfig
-    from vramd.codec import Compression
-    from vramd.jobs import BoSpec
+    from vramd.image.codec import Compression
+    from vramd.engine import BoSpec
     from vramd.backends import BoRef
     pid, addr, size, dirpath, budget, comp = sys.argv[1:7]
     def status(key):

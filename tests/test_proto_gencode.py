@@ -12,9 +12,12 @@ def test_generated_code_matches_proto_sources():
     assert r.returncode == 0, r.stdout + r.stderr
 
 
-def test_every_typed_error_has_a_wire_code():
-    __import__("vramd.topology")  # defines its errors
-    from vramd.errors import VramdError, _subclasses
+def test_the_wire_registry_matches_rpc_proto():
+    """Every typed error has a wire code, every wire code a class, and the registry lists each class once."""
+    from vramd import errors
     from vramd.pb import rpc_pb2 as rpc
-    missing = sorted({cls.code for cls in _subclasses(VramdError)} - set(rpc.Code.keys()))
-    assert missing == []
+    classes = {c for c in vars(errors).values() if isinstance(c, type) and issubclass(c, errors.VramdError)}
+    assert set(errors.WIRE_ERRORS.values()) == classes - {errors.ServiceError}  # ServiceError: VRAMD_ERROR's group
+    assert all(code == cls.code for code, cls in errors.WIRE_ERRORS.items())
+    assert sorted(errors.WIRE_ERRORS) == sorted(set(rpc.Code.keys()) - {"OK"})
+    assert errors.error_class("NO_SUCH_CODE") is errors.VramdError

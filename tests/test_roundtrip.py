@@ -2,11 +2,11 @@
 import os
 
 import pytest
-
 from helpers import Workload, blank_spec_like, engine, memfd, procmem_bos, procmem_targets, run
+
 from vramd.backends import BoRef
-from vramd.codec import Compression
-from vramd.jobs import BoSpec, RestoreTarget
+from vramd.engine import BoSpec, RestoreTarget
+from vramd.image.codec import Compression
 from vramd.pb import image_pb2 as pb
 
 MiB = 1 << 20

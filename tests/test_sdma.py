@@ -9,12 +9,12 @@ from __future__ import annotations
 import os
 
 import pytest
-
 from helpers import memfd, run
-from vramd.amdgpu import MODEL_PATH
+
 from vramd.backends import BoRef
-from vramd.backends import sdma as sdma_mod
-from vramd.backends.sdma import copy_linear_packets, max_copy_bytes
+from vramd.backends.sdma import backend as sdma_mod
+from vramd.backends.sdma.binding import MODEL_PATH
+from vramd.backends.sdma.packets import copy_linear_packets, max_copy_bytes
 from vramd.errors import BackendError, TargetTooSmallError
 
 AI = 141
@@ -48,7 +48,7 @@ def test_binding_is_built_when_libdrm_is_installed():
     import subprocess
     if shutil.which("pkg-config") is None or subprocess.run(["pkg-config", "--exists", "libdrm_amdgpu"]).returncode:
         pytest.skip("libdrm-dev not installed")
-    from vramd.amdgpu import load
+    from vramd.backends.sdma.binding import load
     ffi, lib, path = load("model")  # this process runs on the model (the system library needs a GPU)
     assert path == MODEL_PATH and hasattr(lib, "amdgpu_cs_submit")
     assert ffi.sizeof("struct amdgpu_cs_request") > 0
@@ -60,13 +60,13 @@ def _engine():
 
 
 def _bo(fd, size, bo_id, gpu):
-    from vramd.jobs import BoSpec
+    from vramd.engine import BoSpec
     return BoSpec(bo_id, size, BoRef("sdma", fd, 0), gpu_id=gpu)
 
 
 @needs_model
 def test_round_trip_on_two_gpus_unaligned_sizes(image_dir):
-    from vramd.jobs import RestoreTarget
+    from vramd.engine import RestoreTarget
     _, dfd = image_dir
     sizes = [1, 4096, 5000, 3 * MiB + 17, 9 * MiB]
     datas = [os.urandom(n) for n in sizes]
@@ -133,7 +133,7 @@ def test_model_catches_wrong_packets(image_dir, monkeypatch, fault):
 
 @needs_model
 def test_bo_larger_than_4_gib(image_dir):
-    from vramd.jobs import RestoreTarget
+    from vramd.engine import RestoreTarget
     size = (4 << 30) + 3 * MiB
     src = dmabuf(size=size)  # sparse: zeros, plus marks at both ends and across the 4 GiB line
     marks = {0: b"head", (4 << 30) - 2: b"span4G", size - 4: b"tail"}
@@ -158,14 +158,14 @@ def test_bo_larger_than_4_gib(image_dir):
 
 @needs_model
 def test_through_the_daemon_on_the_model(run_dir, image_dir):
-    from daemon import DaemonProc
     from vramd.client import SESSION_DUMP, SESSION_RESTORE, Client, ClientBo
     from vramd.pb import rpc_pb2 as rpc
+    from vramd.testing import DaemonProcess
     _, dfd = image_dir
     sizes = [3 * MiB + 5, 4096, 12345, 10 * MiB]
     datas = [os.urandom(n) for n in sizes]
     srcs, dsts = [dmabuf(d) for d in datas], [dmabuf(size=n) for n in sizes]
-    with DaemonProc(run_dir, "--chunk-size", "2M", env={"VRAMD_AMDGPU_LIBRARY": "model"}) as d, \
+    with DaemonProcess(run_dir, "--chunk-size", "2M", env={"VRAMD_AMDGPU_LIBRARY": "model"}) as d, \
             Client(d.socket) as c:
         sdma = {b.name: b for b in c.hello.backends}["sdma"]
         assert sdma.available and sdma.asynchronous_dma and "MODEL" in sdma.description
@@ -190,9 +190,12 @@ def test_vramctl_selftest_on_the_model(run_dir):
     import json
     import subprocess
     import sys
-    from daemon import ROOT, DaemonProc
+
+    from helpers import ROOT
+
+    from vramd.testing import DaemonProcess
     env = dict(os.environ, VRAMD_AMDGPU_LIBRARY="model")
-    with DaemonProc(run_dir, env={"VRAMD_AMDGPU_LIBRARY": "model"}) as d:
+    with DaemonProcess(run_dir, env={"VRAMD_AMDGPU_LIBRARY": "model"}) as d:
         r = subprocess.run([sys.executable, "-m", "vramd.cli", "--socket", d.socket, "selftest", "--size", "6M",
                             "--json"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr

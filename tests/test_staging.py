@@ -2,10 +2,10 @@
 import asyncio
 
 import pytest
-
 from helpers import run
+
 from vramd.errors import InvalidRequestError
-from vramd.staging import StagingPool, buffer_unit
+from vramd.hostmem.staging import StagingPool, buffer_unit
 
 MiB = 1 << 20
 

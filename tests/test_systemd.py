@@ -7,9 +7,10 @@ import socket
 import subprocess
 
 import pytest
+from helpers import ROOT
 
-from daemon import ROOT, DaemonProc
 from vramd.client import Client
+from vramd.testing import DaemonProcess
 
 
 def test_socket_activation_notify_and_watchdog(run_dir):
@@ -17,7 +18,7 @@ def test_socket_activation_notify_and_watchdog(run_dir):
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(path)
     listener.listen(8)
-    with DaemonProc(run_dir, env={"WATCHDOG_USEC": "100000"}, listener=listener) as d:
+    with DaemonProcess(run_dir, env={"WATCHDOG_USEC": "100000"}, listener=listener) as d:
         listener.close()  # the daemon has its own copy, as under systemd
         with Client(path) as c:
             assert c.status().connections == 1
@@ -34,9 +35,10 @@ def test_socket_activation_notify_and_watchdog(run_dir):
 
 def test_metrics_textfile_counts_bytes_per_backend(run_dir, image_dir, tmp_path):
     from helpers import memfd
+
     from vramd.client import SESSION_DUMP, ClientBo
     prom = tmp_path / "vramd.prom"
-    with DaemonProc(run_dir, "--metrics-textfile", str(prom)) as d, Client(d.socket) as c:
+    with DaemonProcess(run_dir, "--metrics-textfile", str(prom)) as d, Client(d.socket) as c:
         bo = memfd(os.urandom(300_000))
         s = c.open_session(SESSION_DUMP, image_dir[1])
         c.add_bos(s.token, [ClientBo(1, bo, size=300_000)])
@@ -71,15 +73,15 @@ def test_hello_lists_the_gpus_of_the_kfd_topology(run_dir, tmp_path):
     root = os.path.join(ROOT, "tests", "fixtures", "topology", "mi300x-8gpu-xgmi", "nodes")
     cfg = tmp_path / "t.toml"
     cfg.write_text(f"topology_root = {root!r}\n")
-    with DaemonProc(run_dir, "--config", str(cfg)) as d, Client(d.socket) as c:
+    with DaemonProcess(run_dir, "--config", str(cfg)) as d, Client(d.socket) as c:
         assert sorted(c.hello.gpu_ids) == sorted(g.gpu_id for g in parse_topology(root).gpus)
         assert len(c.hello.gpu_ids) == 8
 
 
 def test_example_config_loads():
-    from vramd.config import load_config
+    from vramd.service.config import load_config
     cfg = load_config(os.path.join(ROOT, "contrib", "systemd", "vramd.toml"), {})
     assert cfg.staging_budget == 512 << 20 and cfg.max_message_bytes == 1 << 20
     with pytest.raises(ValueError, match="unknown setting"):
-        from vramd.config import DaemonConfig
+        from vramd.service.config import DaemonConfig
         DaemonConfig().update({"stagin_budget": 1}, origin="test")

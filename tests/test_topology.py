@@ -14,8 +14,18 @@ import pytest
 
 from vramd import errors
 from vramd.topology import (
-    CHECK_ENV, Checks, Cpu, Gpu, Topology, TopologyError, TopologyMismatchError, compare_gpus, map_gpus,
-    parse_properties, parse_topology, render_node,
+    CHECK_ENV,
+    Checks,
+    Cpu,
+    Gpu,
+    Topology,
+    TopologyError,
+    TopologyMismatchError,
+    compare_gpus,
+    map_gpus,
+    parse_properties,
+    parse_topology,
+    render_node,
 )
 
 FIXTURES = Path(__file__).parent / "fixtures" / "topology"
@@ -248,7 +258,7 @@ def test_each_relaxable_check(tmp_path, var, key, lower):
 
 def test_exact_properties_cannot_be_switched_off(tmp_path):
     dst = build(tmp_path, "dst", mk.two_gpu_pcie(overrides={0: {"device_id": 0x740C}, 1: {"device_id": 0x740C}}))
-    off = Checks.from_env({var: "0" for var in CHECK_ENV.values()})
+    off = Checks.from_env(dict.fromkeys(CHECK_ENV.values(), "0"))
     with pytest.raises(TopologyMismatchError) as ei:
         map_gpus(fixture("2gpu-pcie"), dst, off)
     assert "device_id 0x740c != 0x740f" in str(ei.value) and "hint" not in str(ei.value)

@@ -5,11 +5,11 @@ import json
 import os
 
 import pytest
+from helpers import ROOT, memfd
 
-from daemon import ROOT, DaemonProc
-from helpers import memfd
 from vramd.client import SESSION_DUMP, SESSION_RESTORE, Client, ClientBo
 from vramd.errors import VramdError
+from vramd.testing import DaemonProcess
 from vramd.topology import parse_topology
 
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "topology")
@@ -28,18 +28,18 @@ def test_dump_saves_topology_and_restore_maps_gpus(run_dir, image_dir, tmp_path)
     ids = [g.gpu_id for g in here.gpus]
     datas = [os.urandom(300_000), os.urandom(5000)]
     srcs = [memfd(d) for d in datas]
-    with DaemonProc(run_dir, "--config", config(tmp_path, "2gpu-pcie")) as d, Client(d.socket) as c:
+    with DaemonProcess(run_dir, "--config", config(tmp_path, "2gpu-pcie")) as d, Client(d.socket) as c:
         s = c.open_session(SESSION_DUMP, dfd)
         c.add_bos(s.token, [ClientBo(i + 1, fd, size=len(x), gpu_id=ids[i]) for i, (fd, x) in enumerate(zip(srcs, datas))])
         c.start(s.token)
         c.wait(s.token)
-    from vramd.cli import read_manifest_offline
+    from vramd.cli.vramctl import read_manifest_offline
     m = read_manifest_offline(dfd)
     saved = json.loads(m.topology_json)
     assert sorted(n["gpu_id"] for n in saved["nodes"] if n["gpu_id"]) == sorted(ids)
 
     dsts = [memfd(size=len(x)) for x in datas]
-    with DaemonProc(run_dir, "--config", config(tmp_path, "2gpu-pcie-host2")) as d, Client(d.socket) as c:
+    with DaemonProcess(run_dir, "--config", config(tmp_path, "2gpu-pcie-host2")) as d, Client(d.socket) as c:
         r = c.open_session(SESSION_RESTORE, dfd)
         c.add_bos(r.token, [ClientBo(i + 1, fd) for i, fd in enumerate(dsts)])
         c.start(r.token)
@@ -58,17 +58,17 @@ def test_restore_onto_mismatched_gpus_is_refused_with_a_report(run_dir, image_di
     _, dfd = image_dir
     ids = [g.gpu_id for g in parse_topology(os.path.join(FIXTURES, "2gpu-pcie", "nodes")).gpus]
     src = memfd(os.urandom(4096))
-    with DaemonProc(run_dir, "--config", config(tmp_path, "2gpu-pcie")) as d, Client(d.socket) as c:
+    with DaemonProcess(run_dir, "--config", config(tmp_path, "2gpu-pcie")) as d, Client(d.socket) as c:
         s = c.open_session(SESSION_DUMP, dfd)
         c.add_bos(s.token, [ClientBo(1, src, size=4096, gpu_id=ids[0])])
         c.start(s.token)
         c.wait(s.token)
-    with DaemonProc(run_dir, "--config", config(tmp_path, "2gpu-pcie-oldfw")) as d, Client(d.socket) as c:
+    with DaemonProcess(run_dir, "--config", config(tmp_path, "2gpu-pcie-oldfw")) as d, Client(d.socket) as c:
         with pytest.raises(VramdError) as e:
             c.open_session(SESSION_RESTORE, dfd)
         assert e.value.code == "TOPOLOGY_MISMATCH" and "KFD_FW_VER_CHECK" in e.value.message
     # CRIU's switch relaxes that check: the same restore is then accepted
-    with DaemonProc(run_dir, "--config", config(tmp_path, "2gpu-pcie-oldfw"), env={"KFD_FW_VER_CHECK": "0"}) as d, \
+    with DaemonProcess(run_dir, "--config", config(tmp_path, "2gpu-pcie-oldfw"), env={"KFD_FW_VER_CHECK": "0"}) as d, \
             Client(d.socket) as c:
         r = c.open_session(SESSION_RESTORE, dfd)
         assert r.image.bo_count == 1

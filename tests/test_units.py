@@ -1,6 +1,6 @@
 import pytest
 
-from vramd.codec import Compression
+from vramd.image.codec import Compression
 from vramd.pb import image_pb2 as pb
 from vramd.units import parse_size
 

@@ -6,8 +6,9 @@ import os
 import subprocess
 import sys
 
-from daemon import ROOT
-from vramd.workload import Workload, blank_spec_like
+from helpers import ROOT
+
+from vramd.testing import Workload, blank_spec_like
 
 SPEC = [{"size": (2 << 20) + 5, "fill": "random", "seed": 7}, {"size": 64 << 10, "fill": "zero"},
         {"size": 4097, "fill": "pattern", "seed": 8, "skew": 13}]

@@ -1,4 +1,4 @@
-"""A blocking client for the vramd daemon (what vramctl and tests use).
+"""A blocking client for the vramd daemon (what vramctl, the selftest and tests use).
 
     with Client() as c:                       # connects, says Hello
         s = c.open_session(SESSION_DUMP, dir_fd, compression="zstd")
@@ -6,64 +6,59 @@
         c.start(s.token)
         info = c.wait(s.token)                # the barrier; raises the job's typed error
 
-Every fd passed in stays the caller's: the daemon gets duplicates through
-SCM_RIGHTS.  add_bos splits big BO lists into messages within the daemon's
-limits (bytes and fds per message).
+A thin socket adapter over the sans-io `vramd.protocol.ClientProtocol`,
+which owns request ids, Hello and the packing of BOs into messages.  Every
+fd passed in stays the caller's: the daemon gets duplicates through
+SCM_RIGHTS.
 """
 from __future__ import annotations
 
-import itertools
 import socket
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 from . import __version__
-from .config import client_socket_path
-from .errors import ProtocolError, VramdError, WaitTimeoutError
+from .errors import VramdError, WaitTimeoutError
+from .paths import client_socket_path
 from .pb import rpc_pb2 as rpc
-from .protocol import HEADER_SIZE, PROTOCOL_VERSIONS, decode_response, encode_request, raise_for_error
-from .transport import pack_fds, unpack_fds
+from .protocol.client import ClientBo, ClientProtocol, Outgoing
+from .protocol.fds import pack_fds, unpack_fds
+from .protocol.wire import raise_for_error
 
 SESSION_DUMP, SESSION_RESTORE, SESSION_VERIFY = rpc.SESSION_DUMP, rpc.SESSION_RESTORE, rpc.SESSION_VERIFY
-TARGET_MESSAGE_BYTES = 64 << 10  # what add_bos aims for per message: well under every socket buffer
 
-
-@dataclass
-class ClientBo:
-    """One BO for add_bos: `fd` is the caller's (procmem: /proc/<pid>/mem; mmap: memfd/dmabuf/file)."""
-
-    id: int
-    fd: int
-    offset: int = 0
-    size: int = 0
-    backend: str = ""
-    gpu_id: int | None = None
-    alloc_flags: int = 0
-    va_addr: int = 0
-    name: str = ""
+__all__ = ["SESSION_DUMP", "SESSION_RESTORE", "SESSION_VERIFY", "Client", "ClientBo"]
 
 
 class Client:
-    def __init__(self, path: str | None = None, *, timeout: float | None = None, name: str = "python"):
+    def __init__(self, path: str | None = None, *, timeout: float | None = None, name: str = "python") -> None:
         self.path = path or client_socket_path()
+        self.protocol = ClientProtocol(f"{name} {__version__}")
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         self.sock.settimeout(timeout)
-        self._ids = itertools.count(1)
         try:
             try:
                 self.sock.connect(self.path)
             except OSError as e:
                 raise ConnectionError(f"cannot connect to vramd at {self.path}: {e.strerror or e}") from None
-            self.hello = self._call(fds=(), hello=rpc.Hello(versions=PROTOCOL_VERSIONS, client=f"{name} {__version__}"),
-                                    want="hello")
+            self._exchange(self.protocol.hello_request())
         except BaseException:
             self.sock.close()
             raise
-        self.limits = self.hello.limits
 
-    def __enter__(self) -> "Client":
+    @property
+    def hello(self) -> rpc.HelloReply:
+        assert self.protocol.hello is not None  # the constructor completed Hello
+        return self.protocol.hello
+
+    @property
+    def limits(self) -> rpc.Limits:
+        return self.protocol.limits
+
+    def __enter__(self) -> Client:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def close(self) -> None:
@@ -71,70 +66,44 @@ class Client:
 
     # --- transport -----------------------------------------------------------
 
-    def request(self, fds=(), **body) -> rpc.Response:
-        """Send one request, return its response (error included, not raised)."""
-        req = rpc.Request(id=next(self._ids), **body)
-        max_bytes = getattr(self, "limits", None) and self.limits.max_message_bytes or (1 << 20)
+    def _exchange(self, out: Outgoing) -> rpc.Response:
         try:
-            self.sock.sendmsg([encode_request(req)], pack_fds(list(fds)))
-            data, anc, flags, _ = self.sock.recvmsg(max_bytes + HEADER_SIZE, socket.CMSG_SPACE(4 * 4))
-        except socket.timeout:
+            self.sock.sendmsg([out.data], pack_fds(out.fds))
+            data, anc, flags, _ = self.sock.recvmsg(self.protocol.max_response_bytes, socket.CMSG_SPACE(4 * 4))
+        except TimeoutError:
             # The reply may still come and would be taken for the next request's: this
             # connection is unusable now.  (Use wait(timeout=...) for bounded barriers.)
+            timeout = self.sock.gettimeout()
             self.close()
-            raise TimeoutError(f"no reply from vramd within {self.sock.gettimeout()} s; connection closed") from None
-        for fd in unpack_fds(anc):  # the daemon never sends fds; never leak one
-            socket.close(fd)
-        if not data:
-            raise ConnectionError(f"the daemon at {self.path} closed the connection")
-        resp = decode_response(data, flags)
-        if resp.id not in (req.id, 0):
-            raise ProtocolError(f"response for request {resp.id}, expected {req.id}")
-        return resp
+            raise TimeoutError(f"no reply from vramd within {timeout} s; connection closed") from None
+        try:
+            return self.protocol.receive(data, unpack_fds(anc), flags)
+        except ConnectionError:
+            raise ConnectionError(f"the daemon at {self.path} closed the connection") from None
 
-    def _call(self, fds=(), want: str | None = None, **body):
-        resp = raise_for_error(self.request(fds, **body))
-        return getattr(resp, want) if want else resp
+    def request(self, fds: Sequence[int] = (), **body: Any) -> rpc.Response:
+        """Send one request, return its response (error included, not raised)."""
+        return self._exchange(self.protocol.request(fds, **body))
+
+    def _session_call(self, fds: Sequence[int] = (), **body: Any) -> rpc.SessionInfo:
+        return raise_for_error(self.request(fds, **body)).session
 
     # --- sessions ------------------------------------------------------------
 
-    def open_session(self, kind: int, dir_fd: int, *, compression: str = "", chunk_size: int = 0, label: str = "",
+    def open_session(self, kind: rpc.SessionKind, dir_fd: int, *, compression: str = "", chunk_size: int = 0, label: str = "",
                      allow_partial: bool = False) -> rpc.SessionInfo:
-        return self._call([dir_fd], want="session", open_session=rpc.OpenSession(
+        return self._session_call([dir_fd], open_session=rpc.OpenSession(
             kind=kind, dir_fd_index=0, compression=compression, chunk_size=chunk_size, label=label,
             allow_partial=allow_partial))
 
-    def add_bos(self, token: str, bos: list[ClientBo]) -> rpc.SessionInfo:
+    def add_bos(self, token: str, bos: Sequence[ClientBo]) -> rpc.SessionInfo:
+        """Add BOs in as many messages as the daemon's limits need; returns the session's info after the last."""
         info = None
-        for msg_bos, fds in self._batches(token, bos):
-            info = self._call(fds, want="session", add_bos=rpc.AddBos(token=token, bos=msg_bos))
+        for out in self.protocol.add_bos_requests(token, bos):
+            info = raise_for_error(self._exchange(out)).session
         return info if info is not None else self.progress(token)
 
-    def _batches(self, token: str, bos: list[ClientBo]):
-        max_fds = min(self.limits.max_fds_per_message or 253, 253)
-        budget = min(TARGET_MESSAGE_BYTES, (self.limits.max_message_bytes or TARGET_MESSAGE_BYTES) - 1024)
-        msg: list[rpc.Bo] = []
-        index: dict[int, int] = {}
-        size = len(token) + 8
-        for b in bos:
-            bo = rpc.Bo(id=b.id, size=b.size, alloc_flags=b.alloc_flags, va_addr=b.va_addr, name=b.name,
-                        backend=b.backend, offset=b.offset)
-            if b.gpu_id is not None:
-                bo.gpu_id = b.gpu_id
-            new_fd = b.fd not in index
-            bo_bytes = bo.ByteSize() + 8
-            if msg and (size + bo_bytes > budget or (new_fd and len(index) >= max_fds)):
-                yield msg, list(index)
-                msg, index, size, new_fd = [], {}, len(token) + 8, True
-            if new_fd:
-                index[b.fd] = len(index)
-            bo.fd_index = index[b.fd]
-            msg.append(bo)
-            size += bo_bytes
-        if msg:
-            yield msg, list(index)
-
-    def run_session(self, kind: int, dir_fd: int, bos: list[ClientBo], **open_kw) -> rpc.SessionInfo:
+    def run_session(self, kind: rpc.SessionKind, dir_fd: int, bos: Sequence[ClientBo], **open_kw: Any) -> rpc.SessionInfo:
         """One whole session on this connection: open, add the BOs, start, wait, close.
 
         Returns the final info; raises the session's typed error (after closing it)."""
@@ -151,19 +120,19 @@ class Client:
                 pass  # the first error is the one to report
 
     def start(self, token: str) -> rpc.SessionInfo:
-        return self._call(want="session", start=rpc.Start(token=token))
+        return self._session_call(start=rpc.Start(token=token))
 
     def progress(self, token: str) -> rpc.SessionInfo:
-        return self._call(want="session", get_progress=rpc.GetProgress(token=token))
+        return self._session_call(get_progress=rpc.GetProgress(token=token))
 
     def wait(self, token: str, timeout: float | None = None) -> rpc.SessionInfo:
         """The barrier: the session's final info, or its typed error; WaitTimeoutError if it runs longer."""
         w = rpc.Wait(token=token)
         if timeout is not None:
             w.timeout_ms = max(0, int(timeout * 1000))
-        return self._call(want="session", wait=w)
+        return self._session_call(wait=w)
 
-    def poll(self, token: str, interval: float = 0.2):
+    def poll(self, token: str, interval: float = 0.2) -> Iterator[rpc.SessionInfo]:
         """Yield the session's info every `interval` seconds until it ends; the last one is final."""
         while True:
             try:
@@ -173,13 +142,13 @@ class Client:
                 yield self.progress(token)
 
     def cancel(self, token: str, reason: str = "") -> rpc.SessionInfo:
-        return self._call(want="session", cancel=rpc.Cancel(token=token, reason=reason))
+        return self._session_call(cancel=rpc.Cancel(token=token, reason=reason))
 
     def close_session(self, token: str) -> rpc.SessionInfo:
-        return self._call(want="session", close_session=rpc.CloseSession(token=token))
+        return self._session_call(close_session=rpc.CloseSession(token=token))
 
     def status(self) -> rpc.StatusReply:
-        return self._call(want="status", get_status=rpc.GetStatus())
+        return raise_for_error(self.request(get_status=rpc.GetStatus())).status
 
     def sessions(self) -> list[rpc.SessionInfo]:
-        return list(self._call(want="sessions", list_sessions=rpc.ListSessions()).sessions)
+        return list(raise_for_error(self.request(list_sessions=rpc.ListSessions())).sessions.sessions)

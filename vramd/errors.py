@@ -6,6 +6,10 @@ offset, so a client can say exactly which buffer failed where.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
 
 class VramdError(Exception):
     """Root of every error vramd raises on purpose."""
@@ -26,7 +30,7 @@ class VramdError(Exception):
             where.append(f"offset {self.offset:#x}")
         return f"{self.message} ({', '.join(where)})" if where else self.message
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {"code": self.code, "message": self.message, "bo_id": self.bo_id, "offset": self.offset}
 
 
@@ -77,9 +81,11 @@ class UnmappedRangeError(BackendError):
 
     code = "UNMAPPED_RANGE"
 
-    def __init__(self, message: str, *, address: int, **kw):
+    address: int | None = None  # None when rebuilt from the wire
+
+    def __init__(self, message: str, *, address: int, bo_id: int | None = None, offset: int | None = None):
         self.address = address
-        super().__init__(message, **kw)
+        super().__init__(message, bo_id=bo_id, offset=offset)
 
 
 class TargetTooSmallError(BackendError):
@@ -106,7 +112,12 @@ class InvalidRequestError(JobError):
     code = "INVALID_REQUEST"
 
 
-class CancelledError(JobError):
+class JobCancelledError(JobError):
+    """The job was cancelled (by a client, a reaped session, or shutdown).
+
+    Named apart from asyncio.CancelledError on purpose: this one is a result
+    reported to a client, that one unwinds a task."""
+
     code = "CANCELLED"
 
 
@@ -158,28 +169,58 @@ class InternalError(ServiceError):
     code = "INTERNAL"
 
 
-def _subclasses(cls: type) -> list[type]:
-    out = [cls]
-    for sub in cls.__subclasses__():
-        out += _subclasses(sub)
-    return out
+# --- GPUs ------------------------------------------------------------------
+
+class TopologyError(VramdError):
+    """The KFD topology could not be read, or a saved one is malformed."""
+
+    code = "TOPOLOGY_ERROR"
+
+
+class TopologyMismatchError(TopologyError):
+    """The checkpoint's GPUs cannot be mapped onto the GPUs present; the message says why.
+
+    `unplaced` maps each checkpoint gpu_id that could not be placed to {candidate gpu_id:
+    [reasons]} (empty where the failure is not about single GPUs, e.g. unequal counts).
+    """
+
+    code = "TOPOLOGY_MISMATCH"
+    unplaced: Mapping[int, Mapping[int, list[str]]] = MappingProxyType({})
+
+    def __init__(self, message: str, *, unplaced: Mapping[int, Mapping[int, list[str]]] | None = None,
+                 bo_id: int | None = None, offset: int | None = None):
+        if unplaced is not None:
+            self.unplaced = unplaced
+        super().__init__(message, bo_id=bo_id, offset=offset)
+
+
+# --- the wire registry ------------------------------------------------------
+
+# Every code a peer may report, with the class that stands for it on this side.
+# Explicit, so that adding an error class is a conscious change of the wire
+# contract (tests/test_errors.py checks it against rpc.proto's Code enum).
+WIRE_ERRORS: dict[str, type[VramdError]] = {cls.code: cls for cls in (
+    ProtocolError, PermissionDeniedError, NotFoundError, LimitExceededError, ShuttingDownError,
+    WaitTimeoutError, InternalError, UnsupportedProtocolError,
+    JobError, InvalidRequestError, JobCancelledError, IncompleteRestoreError,
+    BackendError, UnmappedRangeError, TargetTooSmallError, BadDescriptorError, BackendUnavailableError,
+    ImageError, ManifestMissingError, UnsupportedVersionError, CorruptManifestError, CorruptChunkError,
+    TruncatedDataError, ForeignDataFileError,
+    TopologyError, TopologyMismatchError,
+    VramdError,
+)}
 
 
 def error_class(code: str) -> type[VramdError]:
-    """The most specific error class for a wire code (VramdError if unknown)."""
-    __import__("vramd.topology")  # its errors subclass VramdError
-    for cls in _subclasses(VramdError):
-        if cls.code == code and cls is not ServiceError:
-            return cls
-    return VramdError
+    """The class for a wire code (VramdError if this side knows none)."""
+    return WIRE_ERRORS.get(code, VramdError)
 
 
 def error_from_wire(code: str, message: str, bo_id: int | None = None, offset: int | None = None) -> VramdError:
-    """Rebuild the typed error a peer reported."""
+    """Rebuild the typed error a peer reported (its own constructor is not run: only the wire fields exist)."""
     cls = error_class(code)
     exc = cls.__new__(cls)
-    if cls is UnmappedRangeError:
-        exc.address = None
     VramdError.__init__(exc, message, bo_id=bo_id, offset=offset)
     exc.code = code  # kept even when this side knows no class for it
     return exc
+

@@ -1,10 +1,24 @@
-"""Parsing of sizes and addresses as users write them: 4096, 0x1000, 8M, 1GiB."""
+"""Sizes as users write them (4096, 0x1000, 8M, 1GiB), and the arithmetic every layer shares."""
 from __future__ import annotations
 
+import mmap
 import re
+
+PAGE = mmap.PAGESIZE  # the host page size: staging buffers, mappings and batch slots align to it
 
 _SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 _SIZE_RE = re.compile(r"^\s*(0[xX][0-9a-fA-F]+|\d+)\s*([KMGTkmgt]?)(?:i?[bB])?\s*$")
+MiB = 1 << 20
+
+
+def ceil_div(n: int, d: int) -> int:
+    """n / d rounded up (n >= 0, d > 0)."""
+    return -(-n // d)
+
+
+def round_up(n: int, to: int = PAGE) -> int:
+    """n rounded up to a multiple of `to`."""
+    return ceil_div(n, to) * to
 
 
 def parse_size(text: str | int) -> int:

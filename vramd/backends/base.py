@@ -22,13 +22,12 @@ import fcntl
 import os
 import stat
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import ClassVar
+from collections.abc import Awaitable, Iterable, Mapping, MutableMapping, Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar, Self
 
 from ..errors import BadDescriptorError
-from ..staging import StagingBuffer, StagingPool
+from ..hostmem.staging import StagingBuffer, StagingPool
 
 
 class Direction(enum.Enum):
@@ -48,6 +47,24 @@ class BoRef:
     kind: str
     fd: int
     offset: int = 0
+
+
+@dataclass(frozen=True)
+class BackendOptions:
+    """What the engine tells every backend it creates (the constructor contract: `Backend.create`).
+
+    A backend takes what applies to it and ignores the rest.
+    """
+
+    workers_per_gpu: int = 4
+    # SDMA: library None = $VRAMD_AMDGPU_LIBRARY ("" the system libdrm_amdgpu, "model", or a path)
+    sdma_library: str | None = None
+    render_nodes: Mapping[int, str] = field(default_factory=dict)      # gpu_id -> /dev/dri/renderD<minor>
+    recommended_mask: Mapping[int, int] = field(default_factory=dict)  # gpu_id -> SDMA engines for host copies
+
+
+# The job's memo of fds already validated: (fd, direction, needs O_RDWR) -> the fd's stat.
+FdMemo = MutableMapping[tuple[int, "Direction", bool], os.stat_result]
 
 
 @dataclass(frozen=True)
@@ -75,6 +92,15 @@ class BoHandle:
 class Backend(ABC):
     name: ClassVar[str]
 
+    @classmethod
+    @abstractmethod
+    def create(cls, options: BackendOptions) -> Self:
+        """The constructor contract: make the backend from the engine's options.
+
+        Raises BackendUnavailableError, with the reason, where it cannot work
+        here (no GPU, no library); the engine then lists it as unavailable.
+        """
+
     @abstractmethod
     def capabilities(self) -> Capabilities: ...
 
@@ -83,7 +109,7 @@ class Backend(ABC):
 
     @abstractmethod
     def open(self, bo_id: int, ref: BoRef, size: int, gpu_id: int, direction: Direction,
-             checked: dict | None = None) -> BoHandle:
+             checked: FdMemo | None = None) -> BoHandle:
         """Validate (and import) a BO; raises a typed error naming what is wrong.
 
         `checked` is the job's memo of fds already validated (see check_fd):
@@ -93,17 +119,17 @@ class Backend(ABC):
 
     write_needs_rdwr: ClassVar[bool] = False  # restoring needs O_RDWR, not just O_WRONLY (e.g. to map it)
 
-    def check(self, fd: int, direction: Direction, *, bo_id: int, checked: dict | None = None) -> os.stat_result:
+    def check(self, fd: int, direction: Direction, *, bo_id: int, checked: FdMemo | None = None) -> os.stat_result:
         """Validate a caller-passed fd for this backend (see check_fd); open() calls it first."""
         return check_fd(fd, direction, bo_id=bo_id, write_needs_rdwr=self.write_needs_rdwr, checked=checked)
 
     @abstractmethod
     def submit(
         self, handle: BoHandle, bo_offset: int, buf: StagingBuffer, buf_offset: int, length: int
-    ) -> asyncio.Future:
+    ) -> asyncio.Future[None]:
         """Start one copy of `length` bytes; the future completes when it has landed."""
 
-    def submit_many(self, items: Sequence[CopyItem]) -> asyncio.Future:
+    def submit_many(self, items: Sequence[CopyItem]) -> asyncio.Future[None]:
         """Start several copies, each `(handle, bo_offset, buf, buf_offset, length)`; one future for all.
 
         The items may name different BOs (of this backend) and different
@@ -114,7 +140,7 @@ class Backend(ABC):
         do better (one thread hand-off for all, or one DMA submission of many
         packets completing on one fence).
         """
-        futs = []
+        futs: list[asyncio.Future[None]] = []
         try:
             for item in items:
                 futs.append(self.submit(*item))
@@ -133,7 +159,7 @@ class Backend(ABC):
 CopyItem = tuple[BoHandle, int, StagingBuffer, int, int]
 
 
-def land_all(futs: list, *, error: BaseException | None = None) -> asyncio.Future:
+def land_all(futs: Iterable[Awaitable[None]], *, error: BaseException | None = None) -> asyncio.Future[None]:
     """One future for several in-flight copies: done when all have landed, then raising the first error.
 
     Unlike `gather`, an error does not resolve it early and cancelling it
@@ -141,13 +167,13 @@ def land_all(futs: list, *, error: BaseException | None = None) -> asyncio.Futur
     the cancellation.  `error` (e.g. a submit that raised before its copy
     started) wins over the copies' own errors.
     """
-    futs = [asyncio.ensure_future(f) for f in futs]
-    if error is None and len(futs) == 1:
-        return futs[0]
-    return asyncio.ensure_future(_land_all(futs, error))
+    started = [asyncio.ensure_future(f) for f in futs]
+    if error is None and len(started) == 1:
+        return started[0]
+    return asyncio.ensure_future(_land_all(started, error))
 
 
-async def _land_all(futs: list[asyncio.Future], error: BaseException | None) -> None:
+async def _land_all(futs: list[asyncio.Future[None]], error: BaseException | None) -> None:
     cancelled = False
     while pending := [f for f in futs if not f.done()]:
         try:
@@ -166,7 +192,7 @@ async def _land_all(futs: list[asyncio.Future], error: BaseException | None) -> 
 
 
 def check_fd(fd: int, direction: Direction, *, bo_id: int, write_needs_rdwr: bool = False,
-             checked: dict | None = None) -> os.stat_result:
+             checked: FdMemo | None = None) -> os.stat_result:
     """fstat a caller-passed fd and check its access mode suits the direction.
 
     `write_needs_rdwr`: writing needs O_RDWR, not just O_WRONLY (a MAP_SHARED
@@ -200,49 +226,3 @@ def _check_fd(fd: int, direction: Direction, *, bo_id: int, write_needs_rdwr: bo
     if direction is Direction.WRITE and write_needs_rdwr and acc != os.O_RDWR:
         raise BadDescriptorError(f"fd {fd} must be open read-write to map it for writing", bo_id=bo_id)
     return st
-
-
-class ThreadedBackend(Backend):
-    """Base for CPU-copy backends: a submit runs in a per-GPU worker thread pool."""
-
-    def __init__(self, workers_per_gpu: int = 2):
-        self.workers_per_gpu = workers_per_gpu
-        self._pools: dict[int, ThreadPoolExecutor] = {}
-
-    def _executor(self, gpu_id: int) -> ThreadPoolExecutor:
-        ex = self._pools.get(gpu_id)
-        if ex is None:
-            ex = self._pools[gpu_id] = ThreadPoolExecutor(
-                self.workers_per_gpu, thread_name_prefix=f"vramd-{self.name}-gpu{gpu_id:x}"
-            )
-        return ex
-
-    def submit(self, handle, bo_offset, buf, buf_offset, length):
-        loop = asyncio.get_running_loop()
-        return loop.run_in_executor(self._executor(handle.gpu_id), self._copy, handle, bo_offset, buf, buf_offset, length)
-
-    def submit_many(self, items):
-        """All copies in one executor call, one after another in one worker thread; the first error stops them."""
-        items = list(items)
-        if len(items) == 1:
-            return self.submit(*items[0])
-        loop = asyncio.get_running_loop()
-        if not items:
-            fut = loop.create_future()
-            fut.set_result(None)
-            return fut
-        return loop.run_in_executor(self._executor(items[0][0].gpu_id), self._copy_many, items)
-
-    def _copy_many(self, items: list[CopyItem]) -> None:
-        copy = self._copy
-        for handle, bo_offset, buf, buf_offset, length in items:
-            copy(handle, bo_offset, buf, buf_offset, length)
-
-    @abstractmethod
-    def _copy(self, handle: BoHandle, bo_offset: int, buf: StagingBuffer, buf_offset: int, length: int) -> None:
-        """Blocking copy, run in a worker thread."""
-
-    def close(self) -> None:
-        for ex in self._pools.values():
-            ex.shutdown(wait=True)
-        self._pools.clear()

@@ -24,13 +24,11 @@ import threading
 from dataclasses import dataclass, field
 
 from ..errors import BackendError, TargetTooSmallError
-from ..memops import copy_ptr, ffi, pointer
-from .base import BoHandle, Capabilities, Direction, ThreadedBackend
-
-_PAGE = mmap.PAGESIZE
-_MADV_POPULATE_READ, _MADV_POPULATE_WRITE = 22, 23
-ffi.cdef("int madvise(void *addr, size_t length, int advice);")
-_libc = ffi.dlopen(None)
+from ..hostmem.libc import Pointer, address, copy_ptr, ffi, pointer, populate
+from ..hostmem.staging import StagingBuffer
+from ..units import PAGE
+from .base import BoHandle, BoRef, Capabilities, Direction, FdMemo
+from .threaded import ThreadedBackend
 
 
 def fd_size(fd: int, st: os.stat_result) -> int | None:
@@ -53,8 +51,8 @@ def fd_size(fd: int, st: os.stat_result) -> int | None:
 class _MappedBo(BoHandle):
     lock: threading.Lock = field(default_factory=threading.Lock)
     mm: mmap.mmap | None = None
-    base: object = None  # cdata pointer to the BO's first byte in the mapping
-    anchor: object = None  # the from_buffer cdata keeping the mapping's buffer exported
+    base: Pointer = None  # cdata pointer to the BO's first byte in the mapping
+    anchor: Pointer = None  # the from_buffer cdata keeping the mapping's buffer exported
 
 
 class MmapBackend(ThreadedBackend):
@@ -68,7 +66,8 @@ class MmapBackend(ThreadedBackend):
             description="CPU mapping of a dmabuf / render-node / memfd fd (large BAR)",
         )
 
-    def open(self, bo_id, ref, size, gpu_id, direction, checked=None):
+    def open(self, bo_id: int, ref: BoRef, size: int, gpu_id: int, direction: Direction,
+             checked: FdMemo | None = None) -> BoHandle:
         st = self.check(ref.fd, direction, bo_id=bo_id, checked=checked)
         have = fd_size(ref.fd, st)
         if have is not None and ref.offset + size > have:
@@ -80,7 +79,7 @@ class MmapBackend(ThreadedBackend):
 
     def _map(self, h: _MappedBo) -> None:
         writing = h.direction is Direction.WRITE
-        aligned = h.ref.offset - h.ref.offset % _PAGE
+        aligned = h.ref.offset - h.ref.offset % PAGE
         delta = h.ref.offset - aligned
         try:
             h.mm = mmap.mmap(h.ref.fd, delta + h.size, flags=mmap.MAP_SHARED,
@@ -91,16 +90,17 @@ class MmapBackend(ThreadedBackend):
         h.anchor = pointer(h.mm, writable=writing)
         h.base = h.anchor + delta
 
-    def _copy(self, handle, bo_offset, buf, buf_offset, length):
-        h: _MappedBo = handle
+    def _copy(self, handle: BoHandle, bo_offset: int, buf: StagingBuffer, buf_offset: int, length: int) -> None:
+        assert isinstance(handle, _MappedBo)
+        h = handle
         with h.lock:
             if h.mm is None:
                 self._map(h)
         writing = h.direction is Direction.WRITE
         start = h.base + bo_offset
         # prefault the window in one call; where unsupported, the copy faults pages in itself
-        lo = int(ffi.cast("uintptr_t", start)) % _PAGE
-        _libc.madvise(start - lo, lo + length, _MADV_POPULATE_WRITE if writing else _MADV_POPULATE_READ)
+        lo = address(start) % PAGE
+        populate(start - lo, lo + length, writing=writing)
         if writing:
             copy_ptr(start, buf.ptr + buf_offset, length)
         else:
@@ -110,7 +110,8 @@ class MmapBackend(ThreadedBackend):
             # unmap here, in the copy thread, not in the event loop at release.
             self._unmap(h)
 
-    def release(self, handle) -> None:
+    def release(self, handle: BoHandle) -> None:
+        assert isinstance(handle, _MappedBo)
         self._unmap(handle)
 
     @staticmethod

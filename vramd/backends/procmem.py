@@ -9,13 +9,13 @@ with the first address that failed.
 from __future__ import annotations
 
 import errno
-import mmap
 import os
 
 from ..errors import BackendError, UnmappedRangeError
-from .base import BoHandle, Capabilities, Direction, ThreadedBackend
-
-_PAGE = mmap.PAGESIZE
+from ..hostmem.staging import StagingBuffer
+from ..units import PAGE
+from .base import BoHandle, BoRef, Capabilities, Direction, FdMemo
+from .threaded import ThreadedBackend
 
 
 class ProcMemBackend(ThreadedBackend):
@@ -28,14 +28,15 @@ class ProcMemBackend(ThreadedBackend):
             description="process memory through a caller-opened /proc/<pid>/mem fd",
         )
 
-    def open(self, bo_id, ref, size, gpu_id, direction, checked=None):
+    def open(self, bo_id: int, ref: BoRef, size: int, gpu_id: int, direction: Direction,
+             checked: FdMemo | None = None) -> BoHandle:
         self.check(ref.fd, direction, bo_id=bo_id, checked=checked)
         handle = BoHandle(bo_id, ref, size, gpu_id, direction)
         if size:
             # Fail fast, naming the address, if the range's ends are not mapped
             # (one probe when both ends are in one page: pages are mapped whole).
             self._probe(handle, 0)
-            if (ref.offset + size - 1) // _PAGE != ref.offset // _PAGE:
+            if (ref.offset + size - 1) // PAGE != ref.offset // PAGE:
                 self._probe(handle, size - 1)
         return handle
 
@@ -61,15 +62,16 @@ class ProcMemBackend(ThreadedBackend):
         return BackendError(f"/proc/<pid>/mem access at {addr:#x} failed: {err.strerror}",
                             bo_id=handle.bo_id, offset=off)
 
-    def _copy(self, handle, bo_offset, buf, buf_offset, length):
+    def _copy(self, handle: BoHandle, bo_offset: int, buf: StagingBuffer, buf_offset: int, length: int) -> None:
         fd, base = handle.ref.fd, handle.ref.offset + bo_offset
         view = buf.view[buf_offset:buf_offset + length]
-        io = os.preadv if handle.direction is Direction.READ else os.pwritev
+        reading = handle.direction is Direction.READ
         done = 0
         try:
             while done < length:
                 try:
-                    n = io(fd, [view[done:]], base + done)
+                    rest = [view[done:]]
+                    n = os.preadv(fd, rest, base + done) if reading else os.pwritev(fd, rest, base + done)
                 except OSError as e:
                     raise self._unmapped(handle, bo_offset + done, e) from None
                 if n == 0:

@@ -1,0 +1,6 @@
+"""`python -m vramd.cli`: vramctl."""
+import sys
+
+from .vramctl import main
+
+sys.exit(main())

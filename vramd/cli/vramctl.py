@@ -1,0 +1,374 @@
+"""`vramctl`: a thin client of the daemon, plus offline image tools.
+
+    vramctl [--socket S] status [--json]
+    vramctl [--socket S] sessions [--json]
+    vramctl [--socket S] dump --pid PID --range ADDR:LEN [--range ...] [--bo-file PATH[:OFF:LEN] ...]
+                              --image DIR [--compress none|zstd[:LEVEL]] [--json]
+    vramctl [--socket S] restore --pid PID --image DIR [--json]
+    vramctl verify DIR [--json]          (offline: no daemon)
+    vramctl inspect DIR [--json]         (offline: no daemon)
+    vramctl [--socket S] selftest [--size 64M] [--json]
+
+vramctl opens /proc/PID/mem, the BO files and the image directory itself
+and passes the fds; the daemon never opens a path.  Exit codes: 0 success;
+1 failure, with a one-line reason on stderr (and in the JSON with --json);
+2 usage error.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from typing import Any
+
+from ..client import SESSION_DUMP, SESSION_RESTORE, Client, ClientBo
+from ..errors import VramdError
+from ..pb import image_pb2 as pb
+from ..pb import rpc_pb2 as rpc
+from ..units import format_size, parse_size
+from .progress import Bar, follow
+
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+SOURCE_NAMES = {pb.SOURCE_PROCMEM: "procmem", pb.SOURCE_MMAP: "mmap", pb.SOURCE_SDMA: "sdma"}
+
+
+class Failure(Exception):
+    """A one-line reason to exit 1 with."""
+
+
+# --- argument types ----------------------------------------------------------
+
+def parse_range(text: str) -> tuple[int, int]:
+    addr, sep, length = text.partition(":")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected ADDR:LEN")
+    try:
+        return parse_size(addr), parse_size(length)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
+
+
+def parse_bo_file(text: str) -> tuple[str, int, int | None]:
+    """PATH or PATH:OFF:LEN (a path may itself contain colons)."""
+    parts = text.rsplit(":", 2)
+    if len(parts) == 3:
+        try:
+            return parts[0], parse_size(parts[1]), parse_size(parts[2])
+        except ValueError:
+            pass
+    return text, 0, None
+
+
+# --- output ------------------------------------------------------------------
+
+def session_dict(info: rpc.SessionInfo) -> dict[str, Any]:
+    p = info.progress
+    d: dict[str, Any] = {
+        "session_id": info.session_id, "kind": rpc.SessionKind.Name(info.kind).removeprefix("SESSION_").lower(),
+        "state": rpc.SessionState.Name(info.state).removeprefix("SESSION_").lower(), "uid": info.uid,
+        "pid": info.pid, "label": info.label, "holders": info.holders,
+        "progress": {"bos_total": p.bos_total, "bos_done": p.bos_done, "bytes_total": p.bytes_total,
+                     "bytes_done": p.bytes_done, "chunks_done": p.chunks_done, "elapsed_s": round(p.elapsed_s, 6)},
+    }
+    if info.HasField("image"):
+        i = info.image
+        d["image"] = {"bo_count": i.bo_count, "bo_bytes": i.bo_bytes, "stored_bytes": i.stored_bytes,
+                      "zero_bytes": i.zero_bytes, "chunk_size": i.chunk_size, "compression": i.compression,
+                      "data_files": i.data_files}
+    if info.error.code != rpc.OK:
+        d["error"] = {"code": rpc.Code.Name(info.error.code), "message": info.error.message,
+                      "bo_id": info.error.bo_id if info.error.HasField("bo_id") else None,
+                      "offset": info.error.offset if info.error.HasField("offset") else None}
+    return d
+
+
+def emit(ns: argparse.Namespace, data: dict[str, Any], text: str) -> None:
+    print(json.dumps(data, indent=2, sort_keys=True) if ns.json else text)
+
+
+def rate(nbytes: int, seconds: float) -> str:
+    return f"{nbytes / seconds / (1 << 30):.2f} GiB/s" if seconds > 0 else "-"
+
+
+# --- sessions ----------------------------------------------------------------
+
+def run_session(ns: argparse.Namespace, client: Client, token: str, what: str) -> rpc.SessionInfo:
+    """Start the session and follow it to its end (a bar on a TTY), then close it."""
+    client.start(token)
+    bar = Bar(what) if not ns.json and sys.stderr.isatty() else None
+    try:
+        return follow(client, token, bar)[0]
+    finally:
+        if bar is not None:
+            bar.close()
+        try:
+            client.close_session(token)
+        except (VramdError, OSError):
+            pass
+
+
+# --- commands ----------------------------------------------------------------
+
+def open_image_dir(path: str, *, create: bool) -> int:
+    try:
+        if create:
+            os.makedirs(path, exist_ok=True)
+        return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as e:
+        raise Failure(f"cannot open image directory {path}: {e.strerror}") from None
+
+
+def open_procmem(pid: int, flags: int) -> int:
+    try:
+        return os.open(f"/proc/{pid}/mem", flags | os.O_CLOEXEC)
+    except OSError as e:
+        raise Failure(f"cannot open /proc/{pid}/mem: {e.strerror}") from None
+
+
+def cmd_dump(ns: argparse.Namespace) -> int:
+    if not ns.range and not ns.bo_file:
+        raise Failure("nothing to dump: give --range and/or --bo-file")
+    fds: list[int] = []
+    bos: list[ClientBo] = []
+    try:
+        if ns.range:
+            mem = open_procmem(ns.pid, os.O_RDONLY)
+            fds.append(mem)
+            for addr, length in ns.range:
+                bos.append(ClientBo(len(bos) + 1, mem, offset=addr, size=length, backend="procmem", va_addr=addr))
+        for path, off, length in ns.bo_file or []:
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError as e:
+                raise Failure(f"cannot open {path}: {e.strerror}") from None
+            fds.append(fd)
+            if length is None:
+                length = max(0, os.fstat(fd).st_size - off)
+            bos.append(ClientBo(len(bos) + 1, fd, offset=off, size=length, backend="mmap",
+                                name=os.path.abspath(path)))
+        dfd = open_image_dir(ns.image, create=True)
+        fds.append(dfd)
+        with Client(ns.socket, name="vramctl") as c:
+            t0 = time.monotonic()
+            s = c.open_session(SESSION_DUMP, dfd, compression=ns.compress or "", label=f"vramctl dump pid {ns.pid}")
+            c.add_bos(s.token, bos)
+            info = run_session(ns, c, s.token, "dump")
+            secs = time.monotonic() - t0
+    finally:
+        for fd in fds:
+            os.close(fd)
+    d = session_dict(info)
+    total = info.progress.bytes_total
+    stored = info.image.stored_bytes
+    d.update(ok=True, seconds=round(secs, 6), image_dir=os.path.abspath(ns.image))
+    emit(ns, d, f"dumped {len(bos)} BO(s), {format_size(total)} in {secs:.2f} s ({rate(total, secs)}) to {ns.image}; "
+                f"stored {format_size(stored)}")
+    return EXIT_OK
+
+
+def read_manifest_offline(dfd: int) -> pb.Manifest:
+    from ..image.fileio import read_manifest
+    return asyncio.run(read_manifest(dfd))
+
+
+def cmd_restore(ns: argparse.Namespace) -> int:
+    fds: list[int] = []
+    bos: list[ClientBo] = []
+    try:
+        dfd = open_image_dir(ns.image, create=False)
+        fds.append(dfd)
+        manifest = read_manifest_offline(dfd)
+        mem = None
+        for e in manifest.bos:
+            if e.source == pb.SOURCE_PROCMEM:
+                if mem is None:
+                    mem = open_procmem(ns.pid, os.O_RDWR)
+                    fds.append(mem)
+                bos.append(ClientBo(e.id, mem, offset=e.source_offset, backend="procmem"))
+            elif e.source == pb.SOURCE_MMAP and e.name:
+                try:
+                    fd = os.open(e.name, os.O_RDWR | os.O_CLOEXEC)
+                except OSError as err:
+                    raise Failure(f"cannot open {e.name} (BO {e.id}) for writing: {err.strerror}") from None
+                fds.append(fd)
+                bos.append(ClientBo(e.id, fd, offset=e.source_offset, backend="mmap"))
+            else:
+                raise Failure(f"BO {e.id} was saved from a {SOURCE_NAMES.get(e.source, 'unknown')} source that "
+                              "vramctl cannot target; restore it through the plugin that dumped it")
+        with Client(ns.socket, name="vramctl") as c:
+            t0 = time.monotonic()
+            s = c.open_session(SESSION_RESTORE, dfd, label=f"vramctl restore pid {ns.pid}")
+            c.add_bos(s.token, bos)
+            info = run_session(ns, c, s.token, "restore")
+            secs = time.monotonic() - t0
+    finally:
+        for fd in fds:
+            os.close(fd)
+    d = session_dict(info)
+    total = info.progress.bytes_total
+    d.update(ok=True, seconds=round(secs, 6), image_dir=os.path.abspath(ns.image))
+    emit(ns, d, f"restored {len(bos)} BO(s), {format_size(total)} in {secs:.2f} s ({rate(total, secs)}) "
+                f"from {ns.image}")
+    return EXIT_OK
+
+
+def cmd_verify(ns: argparse.Namespace) -> int:
+    import uvloop
+
+    from ..engine import Engine, VerifyReport
+    dfd = open_image_dir(ns.dir, create=False)
+    try:
+        async def go() -> VerifyReport:
+            async with Engine() as eng:
+                return await eng.verify(dfd)
+        t0 = time.monotonic()
+        report = uvloop.run(go())
+        secs = time.monotonic() - t0
+    finally:
+        os.close(dfd)
+    p = report.progress
+    emit(ns, {"ok": True, "bos": p.bos_done, "bytes": p.bytes_done, "chunks": p.chunks_done, "seconds": round(secs, 6)},
+         f"{ns.dir}: OK, {p.bos_done} BO(s), {format_size(p.bytes_done)} in {p.chunks_done} chunk(s) verified "
+         f"({rate(p.bytes_done, secs)})")
+    return EXIT_OK
+
+
+def cmd_inspect(ns: argparse.Namespace) -> int:
+    dfd = open_image_dir(ns.dir, create=False)
+    try:
+        m = read_manifest_offline(dfd)
+    finally:
+        os.close(dfd)
+    comp = "none" if m.compression.codec != pb.CODEC_ZSTD else f"zstd:{m.compression.level}"
+    bos = [{"id": e.id, "gpu_id": e.gpu_id, "size": e.size, "source": SOURCE_NAMES.get(e.source, "unknown"),
+            "source_offset": e.source_offset, "va_addr": e.va_addr, "alloc_flags": e.alloc_flags, "name": e.name,
+            "chunks": len(e.record_offsets), "stored_bytes": e.stored_bytes, "zero_bytes": e.zero_bytes,
+            "file": m.files[e.file_index].name if e.record_offsets else None} for e in m.bos]
+    t = m.totals
+    data = {"format_version": m.format_version, "chunk_size": m.chunk_size, "compression": comp,
+            "files": [{"name": f.name, "length": f.length, "gpu_id": f.gpu_id} for f in m.files],
+            "totals": {"bo_count": t.bo_count, "bo_bytes": t.bo_bytes, "stored_bytes": t.stored_bytes,
+                       "zero_bytes": t.zero_bytes, "chunk_count": t.chunk_count}, "bos": bos}
+    lines = [f"{ns.dir}: image format v{m.format_version}, chunk {format_size(m.chunk_size)}, compression {comp}",
+             f"{t.bo_count} BO(s), {format_size(t.bo_bytes)}; stored {format_size(t.stored_bytes)} "
+             f"({format_size(t.zero_bytes)} zero) in {t.chunk_count} chunk(s), {len(m.files)} data file(s)",
+             f"{'id':>8} {'gpu':>6} {'size':>12} {'source':>8} {'offset':>18}  name"]
+    lines += [f"{b['id']:>8} {b['gpu_id']:>6x} {b['size']:>12} {b['source']:>8} {b['source_offset']:>#18x}  {b['name']}"
+              for b in bos]
+    emit(ns, data, "\n".join(lines))
+    return EXIT_OK
+
+
+def cmd_status(ns: argparse.Namespace) -> int:
+    with Client(ns.socket, name="vramctl") as c:
+        st = c.status()
+    backends = [{"name": b.name, "available": b.available, "can_read": b.can_read, "can_write": b.can_write,
+                 "asynchronous_dma": b.asynchronous_dma, "reason": b.reason} for b in st.backends]
+    data = {"server": st.server, "protocol_version": st.version, "uptime_s": round(st.uptime_s, 3),
+            "connections": st.connections, "sessions": st.sessions, "staging_budget": st.staging_budget,
+            "staging_in_use": st.staging_in_use, "draining": st.draining, "backends": backends,
+            "socket": c.path, "metrics": st.metrics}
+    text = [f"{st.server} on {c.path}: up {st.uptime_s:.0f} s{', draining' if st.draining else ''}",
+            f"{st.connections} connection(s), {st.sessions} session(s); staging {format_size(st.staging_in_use)} "
+            f"in use of {format_size(st.staging_budget)}",
+            "backends: " + ", ".join(b.name + ("" if b.available else f" (unavailable: {b.reason})") for b in st.backends),
+            "metrics:"]
+    text += ["  " + line for line in st.metrics.splitlines() if line and not line.startswith("#")]
+    emit(ns, data, "\n".join(text))
+    return EXIT_OK
+
+
+def cmd_sessions(ns: argparse.Namespace) -> int:
+    with Client(ns.socket, name="vramctl") as c:
+        infos = c.sessions()
+    rows = [session_dict(i) for i in infos]
+    lines = [f"{'id':>6} {'kind':>8} {'state':>10} {'uid':>6} {'pid':>8} {'bos':>13} {'bytes':>21}  label"]
+    for r in rows:
+        p = r["progress"]
+        lines.append(f"{r['session_id']:>6} {r['kind']:>8} {r['state']:>10} {r['uid']:>6} {r['pid']:>8} "
+                     f"{p['bos_done']:>6}/{p['bos_total']:<6} {format_size(p['bytes_done']):>10}/"
+                     f"{format_size(p['bytes_total']):<10}  {r['label']}")
+    emit(ns, {"sessions": rows}, "\n".join(lines) if rows else "no sessions")
+    return EXIT_OK
+
+
+def cmd_selftest(ns: argparse.Namespace) -> int:
+    from .selftest import format_rows, run_selftest
+    with Client(ns.socket, name="vramctl selftest") as c:
+        work = tempfile.mkdtemp(prefix="vramd-selftest-", dir=ns.workdir)
+        try:
+            rows, notes = run_selftest(c, ns.size, work)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    ok = bool(rows) and all(r.ok for r in rows)
+    data = {"ok": ok, "notes": notes, "rows": [
+        {"gpu_id": r.gpu_id, "backend": r.backend, "direction": r.direction, "bytes": r.nbytes,
+         "seconds": round(r.seconds, 6), "gb_per_s": round(r.gbps, 3), "ok": r.ok, "note": r.note} for r in rows]}
+    emit(ns, data, "\n".join([format_rows(rows), *notes]))
+    if not ok:
+        raise Failure("selftest failed: " + ("a round trip did not match" if rows else "nothing could be tested"))
+    return EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="vramctl", description="Control the vramd VRAM checkpoint daemon.",
+                                 epilog="exit codes: 0 success, 1 failure (reason on stderr), 2 usage error")
+    ap.add_argument("--socket", help="daemon socket (default: $VRAMD_SOCKET, the user's daemon, /run/vramd/vramd.sock)")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    def cmd(name: str, fn: Any, help_text: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text)
+        p.add_argument("--json", action="store_true", help="print one JSON document")
+        p.set_defaults(fn=fn)
+        return p
+
+    cmd("status", cmd_status, "daemon status and metrics")
+    cmd("sessions", cmd_sessions, "sessions the daemon holds")
+    p = cmd("dump", cmd_dump, "dump memory ranges of a process and/or files into an image")
+    p.add_argument("--pid", type=int, required=True)
+    p.add_argument("--range", type=parse_range, action="append", metavar="ADDR:LEN",
+                   help="address range in PID (hex or sizes with K/M/G), repeatable")
+    p.add_argument("--bo-file", type=parse_bo_file, action="append", metavar="PATH[:OFF:LEN]",
+                   help="a file (memfd, dmabuf, regular file) holding a BO, repeatable")
+    p.add_argument("--image", required=True, metavar="DIR")
+    p.add_argument("--compress", metavar="none|zstd[:LEVEL]")
+    p = cmd("restore", cmd_restore, "write an image back: ranges into PID at their addresses, files into their files")
+    p.add_argument("--pid", type=int, required=True)
+    p.add_argument("--image", required=True, metavar="DIR")
+    p = cmd("verify", cmd_verify, "check every chunk of an image (offline); exit 1 on any damage")
+    p.add_argument("dir", metavar="DIR")
+    p = cmd("selftest", cmd_selftest, "round-trip known data through every backend, per GPU; GB/s")
+    p.add_argument("--size", type=parse_size, default=64 << 20, help="bytes per BO (default 64M)")
+    p.add_argument("--workdir", default="/var/tmp", help="where the temporary images go")
+    p = cmd("inspect", cmd_inspect, "describe an image (offline)")
+    p.add_argument("dir", metavar="DIR")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)  # exits 2 on usage errors
+    try:
+        rc: int = ns.fn(ns)
+        return rc
+    except (Failure, VramdError, OSError) as e:
+        err: dict[str, Any]
+        if isinstance(e, VramdError):
+            reason, err = f"{e.code}: {e.describe()}", e.to_dict()
+        else:
+            reason, err = str(e), {"code": "FAILURE", "message": str(e)}
+        if getattr(ns, "json", False):
+            print(json.dumps({"ok": False, "error": err}, indent=2, sort_keys=True))
+        print(f"vramctl: {reason}", file=sys.stderr)
+        return EXIT_FAILURE
+    except KeyboardInterrupt:
+        print("vramctl: interrupted", file=sys.stderr)
+        return EXIT_FAILURE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,10 @@
+"""The transfer engine: one pipeline for dump, restore and verify, over the backends and the image format.
+
+    from vramd.engine import Engine, EngineConfig, BoSpec, RestoreTarget
+"""
+from .engine import Engine, EngineConfig, VerifyReport
+from .jobs import BoSpec, DumpJob, Job, RestoreJob, RestoreTarget, VerifyJob
+from .pipeline import Progress
+
+__all__ = ["BoSpec", "DumpJob", "Engine", "EngineConfig", "Job", "Progress", "RestoreJob", "RestoreTarget",
+           "VerifyJob", "VerifyReport"]

@@ -1,0 +1,148 @@
+"""The transfer engine: one staging budget, the backends, and the thread pools.
+
+    async with Engine(EngineConfig(staging_budget=512 << 20)) as engine:
+        manifest = await engine.dump(dir_fd, [BoSpec(1, size, BoRef("procmem", mem_fd, addr))])
+        await engine.restore(dir_fd, [RestoreTarget(1, BoRef("procmem", mem_fd2, addr))])
+        report = await engine.verify(dir_fd)
+
+Every fd (BO sources and targets, the image directory) is the caller's;
+the engine never opens a path it is given and never closes a caller's fd.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..backends import REGISTRY, Backend, BackendOptions
+from ..errors import BackendUnavailableError, InvalidRequestError
+from ..hostmem.staging import StagingPool
+from ..image.codec import Compression
+from ..image.reader import ImageReader
+from ..pb import image_pb2 as pb
+from ..units import MiB
+from .jobs import BoSpec, DumpJob, JobContext, RestoreJob, RestoreTarget, VerifyJob
+from .pipeline import Progress, ProgressCallback
+
+# image manifest -> {image gpu_id: present gpu_id}, or None to keep the saved ones
+GpuMap = Callable[[pb.Manifest], "dict[int, int] | None"]
+
+
+@dataclass
+class EngineConfig:
+    staging_budget: int = 512 * MiB
+    chunk_size: int = 8 * MiB
+    workers_per_gpu: int = 4
+    compression: Compression = field(default_factory=Compression)
+    cpu_threads: int = field(default_factory=lambda: os.cpu_count() or 2)
+    io_threads: int = 4
+    # SDMA: library None = $VRAMD_AMDGPU_LIBRARY ("" system libdrm_amdgpu, "model", or a path)
+    sdma: bool = True  # False: the sdma backend is not even tried
+    sdma_library: str | None = None
+    render_nodes: dict[int, str] = field(default_factory=dict)      # gpu_id -> /dev/dri/renderD<minor>
+    recommended_mask: dict[int, int] = field(default_factory=dict)  # gpu_id -> SDMA engines for host copies
+
+    def check(self) -> None:
+        if not 4096 <= self.chunk_size <= 1 << 30 or self.chunk_size % 4096:
+            raise InvalidRequestError(f"chunk size {self.chunk_size} must be a multiple of 4 KiB, at most 1 GiB")
+        if self.workers_per_gpu < 1 or self.cpu_threads < 1 or self.io_threads < 1:
+            raise InvalidRequestError("worker and thread counts must be at least 1")
+
+
+@dataclass
+class VerifyReport:
+    manifest: pb.Manifest
+    progress: Progress
+
+
+class Engine:
+    def __init__(self, config: EngineConfig | None = None, backends: dict[str, Backend] | None = None) -> None:
+        self.config = config or EngineConfig()
+        self.config.check()
+        self.pool = StagingPool(self.config.staging_budget)
+        self.unavailable: dict[str, str] = {}  # backend name -> why it is not here
+        self.backends = self._create_backends() if backends is None else backends
+        for b in self.backends.values():
+            b.attach(self.pool)
+        self._cpu = ThreadPoolExecutor(self.config.cpu_threads, thread_name_prefix="vramd-cpu")
+        self._io = ThreadPoolExecutor(self.config.io_threads, thread_name_prefix="vramd-io")
+        self.ctx = JobContext(self.pool, self.backends, self._cpu, self._io, self.config.workers_per_gpu)
+
+    def _create_backends(self) -> dict[str, Backend]:
+        """Every registered backend that can work here; the others go to `unavailable`, with the reason."""
+        c = self.config
+        options = BackendOptions(workers_per_gpu=c.workers_per_gpu, sdma_library=c.sdma_library,
+                                 render_nodes=c.render_nodes, recommended_mask=c.recommended_mask)
+        disabled = set() if c.sdma else {"sdma"}
+        backends: dict[str, Backend] = {}
+        for name, cls in REGISTRY.items():
+            if name in disabled:
+                self.unavailable[name] = "disabled in the configuration"
+                continue
+            try:
+                backends[name] = cls.create(options)
+            except BackendUnavailableError as e:
+                self.unavailable[name] = e.message
+        return backends
+
+    async def __aenter__(self) -> Engine:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for b in self.backends.values():
+            b.close()
+        self._cpu.shutdown(wait=True)
+        self._io.shutdown(wait=True)
+        self.pool.close()
+
+    # --- jobs --------------------------------------------------------------
+
+    def start_dump(self, dir_fd: int, *, compression: Compression | None = None, chunk_size: int | None = None,
+                   on_progress: ProgressCallback | None = None) -> DumpJob:
+        cs = chunk_size or self.config.chunk_size
+        if cs != self.config.chunk_size:
+            EngineConfig(chunk_size=cs).check()
+        return DumpJob(self.ctx, dir_fd, chunk_size=cs, compression=compression or self.config.compression,
+                       on_progress=on_progress)
+
+    async def start_restore(self, dir_fd: int, *, on_progress: ProgressCallback | None = None,
+                            gpu_map: GpuMap | None = None, allow_partial: bool = False) -> RestoreJob:
+        """`gpu_map(manifest) -> {image gpu_id: present gpu_id}` places each BO on its present GPU."""
+        reader = await ImageReader.open(dir_fd)
+        try:
+            mapping = gpu_map(reader.manifest) if gpu_map is not None else None
+        except BaseException:
+            reader.close()
+            raise
+        return RestoreJob(self.ctx, reader, on_progress=on_progress, gpu_map=mapping, allow_partial=allow_partial)
+
+    async def start_verify(self, dir_fd: int, *, on_progress: ProgressCallback | None = None) -> VerifyJob:
+        """A job that reads and checks every chunk of the image, writing nowhere."""
+        return VerifyJob(self.ctx, await ImageReader.open(dir_fd), on_progress=on_progress)
+
+    async def dump(self, dir_fd: int, bos: list[BoSpec], **kw: Any) -> pb.Manifest:
+        job = self.start_dump(dir_fd, **kw)
+        try:
+            job.add(bos)
+        finally:
+            manifest = await job.finish()  # on a failed add this raises the add's error, after cleanup
+        return manifest
+
+    async def restore(self, dir_fd: int, targets: list[RestoreTarget], *, allow_partial: bool = False,
+                      on_progress: ProgressCallback | None = None) -> Progress:
+        job = await self.start_restore(dir_fd, on_progress=on_progress, allow_partial=allow_partial)
+        try:
+            job.add(targets)
+        finally:
+            await job.finish()
+        return job.progress
+
+    async def verify(self, dir_fd: int, *, on_progress: ProgressCallback | None = None) -> VerifyReport:
+        """Read every chunk and check it (checksums, lengths, zstd frames) without writing anywhere."""
+        job = await self.start_verify(dir_fd, on_progress=on_progress)
+        return VerifyReport(await job.finish(), job.progress)

@@ -1,0 +1,183 @@
+"""What dump, restore and verify jobs share: the BO descriptions callers give, the job base, batch submission.
+
+A job is created, given BOs (all at once or in batches, as an RPC session
+receives them), then finished: `finish()` is the barrier that waits for
+every chunk and, for a dump, commits the image.  A job that fails or is
+cancelled leaves no committed image and no temporaries behind.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
+
+from ...backends import Backend, BoHandle, BoRef, CopyItem, Direction, FdMemo, land_all
+from ...errors import BackendUnavailableError, VramdError
+from ...hostmem.staging import StagingPool
+from ...pb import image_pb2 as pb
+from ..pipeline import Ends, Pipeline, Progress, ProgressCallback
+
+
+@dataclass(frozen=True)
+class BoSpec:
+    """A BO to dump: its identity, size, and where its bytes are read."""
+
+    id: int
+    size: int
+    ref: BoRef
+    gpu_id: int = 0
+    alloc_flags: int = 0
+    va_addr: int = 0
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class RestoreTarget:
+    """Where a BO of the image goes back to."""
+
+    bo_id: int
+    ref: BoRef
+    gpu_id: int | None = None  # pool to run in; default: the BO's gpu_id in the image
+
+
+@dataclass(eq=False)
+class CopiedBo:
+    """The part of a job's per-BO record that dump and restore share: a BO reached through a backend."""
+
+    id: int
+    gpu_id: int
+    size: int
+    backend: Backend | None
+    handle: BoHandle | None
+    chunks_left: int = 0
+
+    def release(self) -> None:
+        """The BO's last chunk has landed (or the job ended): let the backend drop it."""
+        if self.handle is not None and self.backend is not None:
+            self.backend.release(self.handle)
+            self.handle = None
+
+
+def submit_batch(copies: Sequence[tuple[Backend, CopyItem]]) -> asyncio.Future[None]:
+    """A batch's backend copies: one `submit_many` per backend; one future, done when all have landed.
+
+    A batch's pieces share a GPU lane but may reach their BOs through
+    different backends (procmem and mmap BOs of one GPU in one job).
+    """
+    groups: dict[Backend, list[CopyItem]] = {}
+    for backend, item in copies:
+        groups.setdefault(backend, []).append(item)
+    if len(groups) == 1:
+        (backend, items), = groups.items()
+        return backend.submit_many(items)
+    futs = []
+    try:
+        for backend, items in groups.items():
+            futs.append(backend.submit_many(items))
+    except BaseException as e:  # let what was started land before reporting
+        return land_all(futs, error=e)
+    return land_all(futs)
+
+
+@dataclass
+class JobContext:
+    """What jobs share from the engine."""
+
+    pool: StagingPool
+    backends: dict[str, Backend]
+    cpu: Executor
+    io: Executor
+    workers_per_gpu: int
+
+
+class Job(Protocol):
+    """What a session sees of any job (dump, restore or verify)."""
+
+    ctx: JobContext
+
+    @property
+    def progress(self) -> Progress: ...
+
+    @property
+    def error(self) -> BaseException | None: ...
+
+    def on_fail(self, callback: Callable[[BaseException], None]) -> None: ...
+
+    def cancel(self, reason: str = "job cancelled") -> None: ...
+
+    def precheck(self, refs: Iterable[tuple[int, BoRef]]) -> None: ...
+
+    async def finish(self) -> pb.Manifest: ...
+
+
+BoT = TypeVar("BoT", bound=CopiedBo)
+
+
+class JobBase(Generic[BoT]):
+    """The machinery every job has: its pipeline, the backends it may use, the fds it checked."""
+
+    direction: Direction
+
+    def __init__(self, ctx: JobContext, ends: Ends[BoT], on_progress: ProgressCallback | None = None) -> None:
+        self.ctx = ctx
+        self.bos: dict[int, BoT] = {}
+        self._usable: dict[str, Backend] = {}
+        self._checked: FdMemo = {}  # fds validated once per job (see check_fd)
+        self.pipeline: Pipeline[BoT] = Pipeline(ends, ctx.pool, ctx.cpu, workers_per_gpu=ctx.workers_per_gpu,
+                                                on_progress=on_progress)
+
+    @property
+    def progress(self) -> Progress:
+        return self.pipeline.progress
+
+    @property
+    def error(self) -> BaseException | None:
+        """The job's first error, as soon as it happened (before `finish` reports it)."""
+        return self.pipeline.error
+
+    def on_fail(self, callback: Callable[[BaseException], None]) -> None:
+        """Call `callback` once, with the first error, when the job fails (e.g. to end a session at once)."""
+        self.pipeline.on_fail = callback
+
+    def _release_all(self) -> None:
+        for bo in self.bos.values():
+            bo.release()
+
+    def _backend(self, kind: str, bo_id: int) -> Backend:
+        backend = self._usable.get(kind)  # checked once per kind and job, not per BO
+        if backend is not None:
+            return backend
+        backend = self.ctx.backends.get(kind)
+        if backend is None:
+            raise BackendUnavailableError(
+                f"backend {kind!r} is not available (have: {', '.join(sorted(self.ctx.backends))})", bo_id=bo_id)
+        caps = backend.capabilities()
+        if not (caps.can_read if self.direction is Direction.READ else caps.can_write):
+            raise BackendUnavailableError(f"backend {kind!r} cannot {self.direction.value}", bo_id=bo_id)
+        self._usable[kind] = backend
+        return backend
+
+    def cancel(self, reason: str = "job cancelled") -> None:
+        self.pipeline.cancel(reason)
+
+    def precheck(self, refs: Iterable[tuple[int, BoRef]]) -> None:
+        """Validate the fds of BOs about to be added, filling the job's memo.
+
+        Thread-safe and meant for a worker thread: `add` then finds every fd
+        checked and makes no syscall for it on the event loop.  Failures are
+        not raised here; `add` meets them again and reports them with the BO.
+        """
+        for bo_id, ref in refs:
+            backend = self.ctx.backends.get(ref.kind)
+            if backend is None:
+                continue
+            try:
+                backend.check(ref.fd, self.direction, bo_id=bo_id, checked=self._checked)
+            except VramdError:
+                pass
+
+    def _fail(self, exc: VramdError) -> VramdError:
+        self.pipeline.fail(exc)
+        return exc

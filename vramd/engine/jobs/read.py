@@ -1,0 +1,167 @@
+"""What restore and verify share: reading an image's records into staging and checking them.
+
+Both are the same pipeline: fill reads records into staging, transform
+checks and decodes them; only the drain differs (restore.py, verify.py).
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from concurrent.futures import Executor
+from dataclasses import dataclass
+
+from ...backends import Direction
+from ...errors import CorruptChunkError, TruncatedDataError, VramdError
+from ...hostmem.staging import StagingBuffer, StagingPool
+from ...image.codec import DecodedChunk, decode_chunk
+from ...image.format import HEAD_PEEK, record_head_length
+from ...image.reader import ImageReader
+from ...pb import image_pb2 as pb
+from ..pipeline import ChunkTask, ProgressCallback, blame, settle
+from .common import CopiedBo, JobBase, JobContext
+
+
+@dataclass(eq=False)
+class ImageBo(CopiedBo):
+    """A BO of the image being read; `entry` is its manifest entry (where its records are)."""
+
+    entry: pb.BoEntry | None = None
+
+    @property
+    def manifest_entry(self) -> pb.BoEntry:
+        assert self.entry is not None  # set at creation for every image BO
+        return self.entry
+
+
+class ImageReadEnds:
+    """Fill and transform of every job that reads an image: records into staging, then checked and decoded.
+
+    Restore and verify differ only in their drain (into the BOs, or nowhere)."""
+
+    def __init__(self, reader: ImageReader, pool: StagingPool, io: Executor) -> None:
+        m = reader.manifest
+        self.reader = reader
+        self.pool = pool
+        self.io = io
+        self.chunk_size = m.chunk_size
+        self.buffers_per_chunk = 2 if m.compression.codec == pb.CODEC_ZSTD else 1
+        self._names = [f.name for f in m.files]
+
+    def bo_done(self, bo: ImageBo) -> None:
+        bo.release()
+
+    async def fill(self, tasks: list[ChunkTask[ImageBo]], bufs: list[StagingBuffer]) -> list[bytes]:
+        loop = asyncio.get_running_loop()
+        return await settle(loop.run_in_executor(self.io, self._read_records, tasks, bufs[-1]))
+
+    def _where(self, task: ChunkTask[ImageBo]) -> str:
+        return f"{self._names[task.bo.manifest_entry.file_index]} @ {task.record_offset:#x}"
+
+    def _read_records(self, tasks: list[ChunkTask[ImageBo]], stored: StagingBuffer) -> list[bytes]:
+        """Read a batch's records (in an io thread): payloads to their slots; returns their heads.
+
+        A record's head is peeked into a small scratch buffer, so its payload
+        lands at the piece's page-aligned slot (for a whole chunk: offset 0).
+        Where the next record follows in the same file (a dump writes a
+        batch's records back to back), the rest of this record's payload and
+        the next record's peek are read by one preadv: one syscall a record.
+        """
+        scratch = memoryview(bytearray(HEAD_PEEK))  # this call's own
+        view, heads = stored.view, []
+        try:
+            peeked = False  # the scratch already holds tasks[i]'s peek
+            for i, t in enumerate(tasks):
+                fi, bo_id = t.bo.manifest_entry.file_index, t.bo.id
+                rec_off, rec_len, slot = t.record_offset, t.record_length, t.buf_offset
+                peek_len = min(rec_len, HEAD_PEEK)
+                if not peeked:
+                    self._read(t, [scratch[:peek_len]], rec_off)
+                where = self._where(t)
+                head_len = record_head_length(scratch[:peek_len], bo_id=bo_id, offset=t.offset, where=where)
+                stored_len = rec_len - head_len
+                if stored_len > t.length:
+                    raise CorruptChunkError(f"{where}: record of {rec_len} bytes for a {t.length}-byte chunk",
+                                            bo_id=bo_id, offset=t.offset)
+                heads.append(bytes(scratch[:head_len]))
+                in_peek = peek_len - head_len
+                view[slot:slot + in_peek] = scratch[head_len:peek_len]
+                views = [view[slot + in_peek:slot + stored_len]] if stored_len > in_peek else []
+                nxt = tasks[i + 1] if i + 1 < len(tasks) else None
+                peeked = nxt is not None and nxt.record_offset == rec_off + rec_len and nxt.bo.manifest_entry.file_index == fi
+                try:
+                    if peeked:
+                        self._read(t, views, rec_off + peek_len, then=(nxt, scratch[:min(nxt.record_length, HEAD_PEEK)]))
+                    elif views:
+                        self._read(t, views, rec_off + peek_len)
+                finally:
+                    for v in views:
+                        v.release()
+        finally:
+            scratch.release()
+        return heads
+
+    def _read(self, task: ChunkTask[ImageBo], views: list[memoryview], offset: int,
+              then: tuple[ChunkTask[ImageBo], memoryview] | None = None) -> None:
+        """Fill `views` (bytes of `task`'s record), then optionally `then` = (next task, view of its
+        peek), from consecutive file bytes at `offset`; a short read names the record it cuts."""
+        want = sum(len(v) for v in views)
+        fi = task.bo.manifest_entry.file_index
+        if then is not None:
+            views = views + [then[1]]
+        got = self.reader.readv(fi, views, offset)
+        if got < want + (len(then[1]) if then is not None else 0):
+            cut = task if got < want else then[0]
+            raise TruncatedDataError(
+                f"data file {self._names[fi]} ends inside a chunk record at {offset + got:#x}",
+                bo_id=cut.bo.id, offset=cut.offset)
+
+    def transform(self, tasks: list[ChunkTask[ImageBo]], bufs: list[StagingBuffer],
+                  heads: list[bytes]) -> list[DecodedChunk]:
+        stored, out = bufs[-1], (bufs[0] if len(bufs) > 1 else None)
+        decoded = []
+        for t, head in zip(tasks, heads):
+            try:
+                decoded.append(decode_chunk(t.bo.id, t.offset, t.length, head, stored, t.record_length - len(head),
+                                            out, where=self._where(t), buf_offset=t.buf_offset))
+            except VramdError:
+                raise
+            except Exception as e:
+                raise blame(e, t)
+        return decoded
+
+
+
+class ImageJob(JobBase[ImageBo]):
+    """A job over a committed image; finish() waits for every queued BO."""
+
+    direction = Direction.WRITE
+
+    def __init__(self, ctx: JobContext, reader: ImageReader, ends: ImageReadEnds,
+                 on_progress: ProgressCallback | None = None) -> None:
+        self.reader = reader
+        super().__init__(ctx, ends, on_progress)
+
+    @property
+    def manifest(self) -> pb.Manifest:
+        return self.reader.manifest
+
+    def _queue(self, bo: ImageBo) -> None:
+        self.pipeline.add(bo.gpu_id, self._chunks(bo), bo.size)
+
+    def _chunks(self, bo: ImageBo) -> Iterator[ChunkTask[ImageBo]]:
+        e, cs = bo.manifest_entry, self.manifest.chunk_size
+        for i, (off, ln) in enumerate(zip(e.record_offsets, e.record_lengths)):
+            yield ChunkTask(bo, i, i * cs, min(cs, e.size - i * cs), off, ln)
+
+    def _check_complete(self) -> None:
+        """Called after every chunk landed, before the job reports success."""
+
+    async def finish(self) -> pb.Manifest:
+        """The barrier: wait until every queued BO is done (or the first error); returns the image's manifest."""
+        try:
+            await self.pipeline.wait()
+            self._check_complete()
+            return self.manifest
+        finally:
+            self._release_all()
+            self.reader.close()

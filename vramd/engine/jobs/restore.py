@@ -1,0 +1,63 @@
+"""The restore job: image -> BOs.  Copying starts as soon as targets are added (the offload)."""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from ...backends import Backend, CopyItem, Direction
+from ...errors import IncompleteRestoreError, InvalidRequestError, VramdError
+from ...hostmem.staging import StagingBuffer
+from ...image.codec import DecodedChunk
+from ...image.reader import ImageReader
+from ..pipeline import ChunkTask, ProgressCallback, settle
+from .common import JobContext, RestoreTarget, submit_batch
+from .read import ImageBo, ImageJob, ImageReadEnds
+
+
+class RestoreEnds(ImageReadEnds):
+    """Drain: copy each decoded chunk into its BO (holes from the pool's zero mapping)."""
+
+    async def drain(self, tasks: list[ChunkTask[ImageBo]], bufs: list[StagingBuffer],
+                    decoded: list[DecodedChunk]) -> None:
+        copies: list[tuple[Backend, CopyItem]] = []
+        for t, d in zip(tasks, decoded):
+            assert t.bo.backend is not None and t.bo.handle is not None  # set by add(), dropped only when done
+            if d.buf is not None:
+                item = (t.bo.handle, t.offset, d.buf, d.offset, t.length)
+            else:  # a hole: zeros from the pool's read-only zero mapping
+                item = (t.bo.handle, t.offset, self.pool.zeros(self.chunk_size), 0, t.length)
+            copies.append((t.bo.backend, item))
+        await settle(submit_batch(copies))
+
+
+class RestoreJob(ImageJob):
+    def __init__(self, ctx: JobContext, reader: ImageReader, *, on_progress: ProgressCallback | None = None,
+                 gpu_map: dict[int, int] | None = None, allow_partial: bool = False) -> None:
+        self.gpu_map = gpu_map or {}  # image gpu_id -> present gpu_id (from the topologies)
+        self.allow_partial = allow_partial  # BOs of the image may be left without a target
+        super().__init__(ctx, reader, RestoreEnds(reader, ctx.pool, ctx.io), on_progress)
+
+    def add(self, targets: Iterable[RestoreTarget]) -> None:
+        """Validate targets and start copying into them at once (the offload)."""
+        todo = list(targets)
+        try:
+            for t in todo:
+                entry = self.reader.bos.get(t.bo_id)
+                if entry is None:
+                    raise InvalidRequestError("the image has no such BO", bo_id=t.bo_id)
+                if t.bo_id in self.bos:
+                    raise InvalidRequestError("BO targeted twice", bo_id=t.bo_id)
+                gpu = self.gpu_map.get(entry.gpu_id, entry.gpu_id) if t.gpu_id is None else t.gpu_id
+                backend = self._backend(t.ref.kind, t.bo_id)
+                handle = backend.open(t.bo_id, t.ref, entry.size, gpu, Direction.WRITE, checked=self._checked)
+                self.bos[t.bo_id] = ImageBo(t.bo_id, gpu, entry.size, backend, handle,
+                                            chunks_left=len(entry.record_offsets), entry=entry)
+            for t in todo:
+                self._queue(self.bos[t.bo_id])
+        except VramdError as e:
+            raise self._fail(e)
+
+    def _check_complete(self) -> None:
+        missing = [bo.id for bo in self.manifest.bos if bo.id not in self.bos]
+        if missing and not self.allow_partial:
+            raise IncompleteRestoreError(
+                f"{len(missing)} BO(s) of the image were given no target (first: {missing[0]})", bo_id=missing[0])

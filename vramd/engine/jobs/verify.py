@@ -1,0 +1,28 @@
+"""The verify job: reads and checks every chunk of an image, writing nowhere."""
+from __future__ import annotations
+
+from ...hostmem.staging import StagingBuffer
+from ...image.codec import DecodedChunk
+from ...image.reader import ImageReader
+from ..pipeline import ChunkTask, ProgressCallback
+from .common import JobContext
+from .read import ImageBo, ImageJob, ImageReadEnds
+
+
+class VerifyEnds(ImageReadEnds):
+    """Drain: nothing; every chunk has been checked (and decoded) by then."""
+
+    async def drain(self, tasks: list[ChunkTask[ImageBo]], bufs: list[StagingBuffer],
+                    decoded: list[DecodedChunk]) -> None:
+        return None
+
+
+class VerifyJob(ImageJob):
+    """Reads and checks every chunk of the image, writing nowhere; every BO is queued at once."""
+
+    def __init__(self, ctx: JobContext, reader: ImageReader, *, on_progress: ProgressCallback | None = None) -> None:
+        super().__init__(ctx, reader, VerifyEnds(reader, ctx.pool, ctx.io), on_progress)
+        for entry in self.manifest.bos:
+            bo = self.bos[entry.id] = ImageBo(entry.id, entry.gpu_id, entry.size, None, None,
+                                              chunks_left=len(entry.record_offsets), entry=entry)
+            self._queue(bo)

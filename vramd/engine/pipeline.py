@@ -1,0 +1,334 @@
+"""The one pipeline: per-GPU worker pools moving batches of chunks through three stages.
+
+A job (dump, restore or verify) supplies *ends*: how to `fill` a staging
+buffer (dump: backend copy from the BO; restore: read the records from the
+image), how to `transform` it in a CPU thread (dump: hole detection,
+compression, checksum; restore: checksum verification, decompression) and
+how to `drain` it (dump: write the records; restore: backend copy into the
+BO).  Everything else is shared: lanes per GPU, `workers_per_gpu` batches in
+flight per lane, one staging budget across all lanes and jobs, the first
+error winning and stopping the job.  With several batches in flight per GPU,
+the fill of batch n+1, the transform of batch n and the drain of batch n-1
+run at once.
+
+A batch is one staging buffer's worth of work: a full chunk alone, or as
+many small chunks (pieces of small BOs, tails of big ones) as fit, each in
+its own page-aligned slot of the buffer (`ChunkTask.buf_offset`).  Each end
+is called once per batch, so a batch costs one thread hand-off per stage
+however many pieces it holds; progress, `bo_done` and errors stay per piece.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import traceback
+from collections.abc import Awaitable, Callable, Iterator
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Any, Generic, Protocol, TypeVar
+
+from ..backends import Backend
+from ..errors import JobCancelledError, JobError, VramdError
+from ..hostmem.staging import StagingBuffer, StagingPool
+from ..units import PAGE, round_up
+
+log = logging.getLogger(__name__)
+
+SLOT_ALIGN = PAGE  # pieces of a batch start at page-aligned offsets of the staging buffer
+# At most this many pieces per batch: a dump writes a batch's records with one
+# pwritev of two iovecs (head, payload) per piece, which must stay under IOV_MAX (1024).
+MAX_BATCH = 256
+
+
+def slot_size(length: int) -> int:
+    """The bytes of staging buffer a piece of `length` bytes occupies in a batch."""
+    return round_up(length, SLOT_ALIGN)
+
+
+T = TypeVar("T")
+
+
+async def settle(fut: Awaitable[T]) -> T:
+    """Await a copy that cannot be interrupted.
+
+    If the awaiting task is cancelled, keep waiting until the copy has
+    landed before propagating the cancellation, so no staging buffer is
+    reused or unmapped while a thread or DMA engine still uses it.
+    """
+    task = asyncio.ensure_future(fut)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        while not task.done():
+            try:
+                await asyncio.wait([task])
+            except asyncio.CancelledError:
+                pass
+        raise
+
+
+class PipelineBo(Protocol):
+    """What the pipeline needs of a job's per-BO record (dump, restore and verify each have their own)."""
+
+    id: int
+    chunks_left: int  # chunks not yet landed; the pipeline counts it down
+
+    @property
+    def backend(self) -> Backend | None: ...  # None: the job copies to no BO (verify)
+
+
+BoT = TypeVar("BoT", bound=PipelineBo)
+
+
+@dataclass(eq=False)
+class ChunkTask(Generic[BoT]):
+    bo: BoT          # the job's per-BO record
+    index: int       # chunk number within the BO
+    offset: int      # byte offset within the BO
+    length: int      # raw bytes
+    record_offset: int = 0  # restore: where the record is in its data file
+    record_length: int = 0
+    buf_offset: int = 0     # where in the batch's staging buffer(s) this piece's bytes go (its slot)
+
+
+def blame(exc: BaseException, task: ChunkTask[Any]) -> BaseException:
+    """Mark an unexpected (non-VramdError) exception with the piece it happened on."""
+    if not hasattr(exc, "vramd_task"):
+        try:
+            exc.vramd_task = task  # type: ignore[attr-defined]  # read back by the worker's bug report
+        except AttributeError:  # an exception type that takes no attributes
+            pass
+    return exc
+
+
+def _unpin(exc: BaseException | None) -> None:
+    """Drop the locals of the finished frames an error passed through.
+
+    They can hold views into the staging buffers (a batch's payloads, an
+    iovec), and the job's error outlives the job: kept, it would keep the
+    pool from ever unmapping those buffers.  The traceback itself stays.
+    """
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)
+        exc = exc.__cause__ or exc.__context__
+
+
+BoT_contra = TypeVar("BoT_contra", bound=PipelineBo, contravariant=True)
+
+
+class Ends(Protocol[BoT_contra]):
+    """The job-specific stages; each is called once per batch, with the batch's pieces in slot order.
+
+    Every piece's bytes live at its `buf_offset` in the staging buffers.  A
+    stage that fails raises the error of the first piece that failed, naming
+    that piece's BO and offset.
+    """
+
+    chunk_size: int
+    buffers_per_chunk: int
+
+    async def fill(self, tasks: list[ChunkTask[BoT_contra]], bufs: list[StagingBuffer]) -> Any: ...
+    def transform(self, tasks: list[ChunkTask[BoT_contra]], bufs: list[StagingBuffer], filled: Any) -> Any: ...
+    async def drain(self, tasks: list[ChunkTask[BoT_contra]], bufs: list[StagingBuffer], product: Any) -> None: ...
+    def bo_done(self, bo: BoT_contra) -> None: ...
+
+
+@dataclass
+class Progress:
+    bos_total: int = 0
+    bos_done: int = 0
+    bytes_total: int = 0
+    bytes_done: int = 0
+    chunks_done: int = 0
+    per_gpu_bytes: dict[int, int] = field(default_factory=dict)
+    per_backend_bytes: dict[str, int] = field(default_factory=dict)  # BO bytes each backend copied
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"bos_total": self.bos_total, "bos_done": self.bos_done, "bytes_total": self.bytes_total,
+                "bytes_done": self.bytes_done, "chunks_done": self.chunks_done,
+                "per_gpu_bytes": dict(self.per_gpu_bytes), "per_backend_bytes": dict(self.per_backend_bytes)}
+
+
+ProgressCallback = Callable[[Progress], None]
+
+
+@dataclass(eq=False)
+class _Lane(Generic[BoT]):
+    gpu_id: int
+    pending: collections.deque[Iterator[ChunkTask[BoT]]] = field(default_factory=collections.deque)
+    carry: ChunkTask[BoT] | None = None  # taken from pending but did not fit a batch: the next one to go
+    workers: list[asyncio.Task[None]] = field(default_factory=list)
+    changed: asyncio.Future[None] | None = None
+
+
+class Pipeline(Generic[BoT]):
+    def __init__(self, ends: Ends[BoT], pool: StagingPool, cpu: Executor, *, workers_per_gpu: int,
+                 on_progress: ProgressCallback | None = None) -> None:
+        self.ends = ends
+        self.pool = pool
+        self.cpu = cpu
+        self.workers_per_gpu = max(1, workers_per_gpu)
+        self.on_progress = on_progress
+        # called once, with the first error (e.g. to end an RPC session at once)
+        self.on_fail: Callable[[BaseException], None] | None = None
+        self.progress = Progress()
+        self._lanes: dict[int, _Lane[BoT]] = {}
+        self._closed = False
+        self.error: BaseException | None = None
+
+    # --- feeding -----------------------------------------------------------
+
+    def add(self, gpu_id: int, chunks: Iterator[ChunkTask[BoT]], nbytes: int) -> None:
+        """Queue one BO's chunks (generated lazily) on its GPU's lane."""
+        if self.error is not None:
+            raise self.error
+        if self._closed:
+            raise JobError("the job takes no more BOs")
+        if nbytes == 0:  # nothing to copy: done on arrival
+            self.progress.bos_total += 1
+            self.progress.bos_done += 1
+            return
+        lane = self._lanes.get(gpu_id)
+        if lane is None:
+            lane = self._lanes[gpu_id] = _Lane[BoT](gpu_id)
+            lane.workers = [asyncio.create_task(self._worker(lane), name=f"vramd-gpu{gpu_id:x}-w{i}")
+                            for i in range(self.workers_per_gpu)]
+        lane.pending.append(chunks)
+        self.progress.bos_total += 1
+        self.progress.bytes_total += nbytes
+        self._poke(lane)
+
+    def close_input(self) -> None:
+        self._closed = True
+        for lane in self._lanes.values():
+            self._poke(lane)
+
+    def fail(self, exc: BaseException) -> None:
+        """Record the first error; every lane stops taking new chunks."""
+        first = self.error is None
+        if first:
+            self.error = exc
+        for lane in self._lanes.values():
+            self._poke(lane)
+        if first and self.on_fail is not None:
+            self.on_fail(exc)
+
+    def cancel(self, reason: str = "job cancelled") -> None:
+        self.fail(JobCancelledError(reason))
+
+    async def wait(self) -> Progress:
+        """The barrier: returns when every queued chunk has landed; raises the first error."""
+        self.close_input()
+        while True:
+            workers = [w for lane in self._lanes.values() for w in lane.workers]
+            await asyncio.gather(*workers, return_exceptions=True)
+            if all(w.done() for lane in self._lanes.values() for w in lane.workers):
+                break
+        if self.error is not None:
+            raise self.error
+        return self.progress
+
+    # --- workers -----------------------------------------------------------
+
+    def _poke(self, lane: _Lane[BoT]) -> None:
+        if lane.changed is not None and not lane.changed.done():
+            lane.changed.set_result(None)
+        lane.changed = None
+
+    def _take(self, lane: _Lane[BoT]) -> ChunkTask[BoT] | None:
+        """The lane's next chunk, if one is ready now (never waits)."""
+        task = lane.carry
+        if task is not None:
+            lane.carry = None
+            return task
+        while lane.pending:
+            task = next(lane.pending[0], None)
+            if task is not None:
+                return task
+            lane.pending.popleft()
+        return None
+
+    async def _next(self, lane: _Lane[BoT]) -> ChunkTask[BoT] | None:
+        while self.error is None:
+            task = self._take(lane)
+            if task is not None:
+                return task
+            if self._closed:
+                return None
+            if lane.changed is None:
+                lane.changed = asyncio.get_running_loop().create_future()
+            await asyncio.wait([lane.changed])  # wait() never cancels the shared future
+        return None
+
+    def _batch(self, lane: _Lane[BoT], first: ChunkTask[BoT]) -> list[ChunkTask[BoT]]:
+        """`first` plus whatever ready chunks of the lane fit beside it in one staging buffer."""
+        first.buf_offset = 0
+        tasks = [first]
+        limit = self.ends.chunk_size
+        end = slot_size(first.length)
+        while end < limit and len(tasks) < MAX_BATCH:
+            task = self._take(lane)
+            if task is None:
+                break
+            slot = slot_size(task.length)
+            if end + slot > limit:
+                lane.carry = task  # not lost: the lane's next batch starts with it
+                self._poke(lane)
+                break
+            task.buf_offset = end
+            end += slot
+            tasks.append(task)
+        return tasks
+
+    async def _stages(self, tasks: list[ChunkTask[BoT]], bufs: list[StagingBuffer]) -> None:
+        # Its own frame: what the stages hand on (views into `bufs`) dies with it.
+        ends = self.ends
+        filled = await ends.fill(tasks, bufs)
+        product = await settle(asyncio.get_running_loop().run_in_executor(
+            self.cpu, ends.transform, tasks, bufs, filled))
+        await ends.drain(tasks, bufs, product)
+
+    async def _worker(self, lane: _Lane[BoT]) -> None:
+        ends = self.ends
+        while (first := await self._next(lane)) is not None:
+            tasks: list[ChunkTask[BoT]] = [first]
+            bufs = await self.pool.acquire(ends.chunk_size, ends.buffers_per_chunk)
+            try:
+                if self.error is not None:
+                    break
+                tasks = self._batch(lane, first)
+                await self._stages(tasks, bufs)
+            except VramdError as e:
+                _unpin(e)
+                self.fail(e)
+            except asyncio.CancelledError:
+                self.fail(JobCancelledError("job cancelled while copying", bo_id=first.bo.id, offset=first.offset))
+                raise
+            except Exception as e:  # a bug, not bad input: still a typed error for the client
+                log.exception("internal error in pipeline")
+                _unpin(e)
+                task = getattr(e, "vramd_task", first)
+                self.fail(JobError(f"internal error: {e!r}", bo_id=task.bo.id, offset=task.offset))
+            else:
+                for task in tasks:
+                    self._count(lane, task)
+            finally:
+                self.pool.release(bufs)
+
+    def _count(self, lane: _Lane[BoT], task: ChunkTask[BoT]) -> None:
+        p = self.progress
+        p.bytes_done += task.length
+        p.chunks_done += 1
+        p.per_gpu_bytes[lane.gpu_id] = p.per_gpu_bytes.get(lane.gpu_id, 0) + task.length
+        backend = task.bo.backend  # None: verify copies nowhere
+        if backend is not None:
+            p.per_backend_bytes[backend.name] = p.per_backend_bytes.get(backend.name, 0) + task.length
+        task.bo.chunks_left -= 1
+        if task.bo.chunks_left == 0:
+            p.bos_done += 1
+            self.ends.bo_done(task.bo)  # e.g. unmap it now, not at the end of the job
+        if self.on_progress is not None:
+            self.on_progress(p)

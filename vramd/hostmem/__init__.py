@@ -1,0 +1,1 @@
+"""Host memory: the libc primitives (GIL-free copies, zero scans) and the staging budget."""

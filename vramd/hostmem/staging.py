@@ -1,0 +1,165 @@
+"""The staging-memory budget: page-aligned host buffers, allocated once, reused.
+
+All host memory that holds BO bytes in flight comes from one pool whose
+size never exceeds the configured budget, whatever the BO sizes.  A chunk
+in flight holds one buffer (raw bytes) or two (raw + compressed).  Buffers
+are anonymous mmaps, so they are page-aligned (as SDMA userptr registration
+needs) and cost no resident memory until first touched.  Buffers are kept
+per size and reused; an idle buffer of another size is unmapped only when
+a request cannot otherwise fit the budget.  Backends that must register
+host memory (SDMA userptr BOs) hook `on_alloc`/`on_free`, so each buffer is
+registered exactly once in its life.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import mmap
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import InvalidRequestError
+from ..units import PAGE, round_up
+from .libc import Pointer, address, ffi, pointer
+
+# Each buffer holds one chunk plus headroom for a record's prefix and header.
+HEADROOM = PAGE
+
+
+def buffer_unit(chunk_size: int) -> int:
+    """Bytes of budget one staging buffer for `chunk_size`-byte chunks takes."""
+    return round_up(chunk_size + HEADROOM)
+
+
+def anonymous(size: int) -> mmap.mmap:
+    """Private anonymous memory (mmap.mmap(-1, n) alone would be MAP_SHARED: shmem, which
+    the kernel refuses as an SDMA userptr)."""
+    return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+
+
+@dataclass(eq=False)
+class StagingBuffer:
+    size: int
+    mm: mmap.mmap = field(repr=False)
+    writable: bool = True
+    backend_state: dict[object, Any] = field(default_factory=dict, repr=False)  # e.g. an SDMA userptr handle
+
+    def __post_init__(self) -> None:
+        self.view = memoryview(self.mm)
+        self.ptr: Pointer = pointer(self.mm, writable=self.writable)
+
+    @property
+    def address(self) -> int:
+        return address(self.ptr)
+
+    def unmap(self) -> None:
+        ffi.release(self.ptr)
+        self.view.release()
+        self.mm.close()
+
+
+class StagingPool:
+    """Hands out staging buffers n at a time, first come first served, within a byte budget."""
+
+    def __init__(self, budget: int) -> None:
+        if budget < 2 * buffer_unit(0):
+            raise InvalidRequestError(f"staging budget {budget} is too small")
+        self.budget = budget
+        self._free: dict[int, list[StagingBuffer]] = collections.defaultdict(list)
+        self._waiters: collections.deque[tuple[int, int, asyncio.Future[list[StagingBuffer]]]] = collections.deque()
+        self.allocated_bytes = 0  # mapped: in use + idle; never above budget
+        self.in_use_bytes = 0
+        self.peak_in_use_bytes = 0
+        self.on_alloc: list[Callable[[StagingBuffer], None]] = []
+        self.on_free: list[Callable[[StagingBuffer], None]] = []
+        self._zeros: dict[int, StagingBuffer] = {}
+
+    def zeros(self, size: int) -> StagingBuffer:
+        """An all-zero source, never written (no budget used: untouched pages are the kernel's zero page).
+
+        Private anonymous and mapped read-write, like every staging buffer, because an
+        SDMA backend registers it as a userptr BO: the kernel accepts only anonymous
+        private memory there, pinned writable.
+        """
+        buf = self._zeros.get(size)
+        if buf is None:
+            buf = self._zeros[size] = StagingBuffer(size, anonymous(max(size, 1)), writable=False)
+        return buf
+
+    def max_buffers(self, chunk_size: int) -> int:
+        return self.budget // buffer_unit(chunk_size)
+
+    async def acquire(self, chunk_size: int, n: int = 1) -> list[StagingBuffer]:
+        unit = buffer_unit(chunk_size)
+        if n * unit > self.budget:
+            raise InvalidRequestError(
+                f"one chunk needs {n} x {unit} bytes of staging; the budget is {self.budget} bytes"
+            )
+        if not self._waiters and self.in_use_bytes + n * unit <= self.budget:
+            return self._take(unit, n)
+        fut = asyncio.get_running_loop().create_future()
+        entry = (unit, n, fut)
+        self._waiters.append(entry)
+        try:
+            return await fut
+        except BaseException:
+            if fut.done() and not fut.cancelled():
+                self.release(fut.result())  # handed over just as we were cancelled
+            else:
+                self._waiters.remove(entry)
+                self._wake()
+            raise
+
+    def _take(self, unit: int, n: int) -> list[StagingBuffer]:
+        self.in_use_bytes += n * unit
+        self.peak_in_use_bytes = max(self.peak_in_use_bytes, self.in_use_bytes)
+        free = self._free[unit]
+        bufs = [free.pop() for _ in range(min(n, len(free)))]
+        while len(bufs) < n:
+            while self.allocated_bytes + unit > self.budget:
+                self._evict_one(keep=unit)
+            buf = StagingBuffer(unit, anonymous(unit))
+            self.allocated_bytes += unit
+            for hook in self.on_alloc:
+                hook(buf)
+            bufs.append(buf)
+        return bufs
+
+    def _evict_one(self, keep: int) -> None:
+        for unit, free in self._free.items():
+            if unit != keep and free:
+                self._unmap(free.pop())
+                return
+        raise AssertionError("staging accounting: nothing idle to evict")
+
+    def _unmap(self, buf: StagingBuffer) -> None:
+        for hook in self.on_free:
+            hook(buf)
+        self.allocated_bytes -= buf.size
+        buf.unmap()
+
+    def release(self, bufs: list[StagingBuffer]) -> None:
+        for b in bufs:
+            self._free[b.size].append(b)
+            self.in_use_bytes -= b.size
+        self._wake()
+
+    def _wake(self) -> None:
+        while self._waiters:
+            unit, n, fut = self._waiters[0]
+            if fut.done():
+                self._waiters.popleft()
+                continue
+            if self.in_use_bytes + n * unit > self.budget:
+                return
+            self._waiters.popleft()
+            fut.set_result(self._take(unit, n))
+
+    def close(self) -> None:
+        for free in self._free.values():
+            while free:
+                self._unmap(free.pop())
+        for z in self._zeros.values():
+            z.unmap()
+        self._zeros.clear()

@@ -1,0 +1,1 @@
+"""Image format v1: the byte layout (format), chunk records (codec), and image directories (writer, reader)."""

@@ -1,0 +1,165 @@
+"""The transform stage: turn staged BO bytes into a chunk record and back.
+
+Runs in CPU worker threads.  Dump side: detect holes, optionally compress
+(one independent zstd frame per chunk, kept only if it shrinks), checksum
+the stored payload.  Restore side: validate the record, verify the payload
+checksum *before* anything is used, decompress straight into staging.
+zstd frames also carry zstd's own content checksum, so compressed chunks
+are verified end to end.
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import zstandard
+
+from ..errors import CorruptChunkError
+from ..hostmem.libc import is_zero_ptr
+from ..hostmem.staging import StagingBuffer
+from ..pb import image_pb2 as pb
+from .format import EMPTY_CHECKSUM, Bytes, checksum, decode_record_head, encode_record_head
+
+
+@dataclass(frozen=True)
+class Compression:
+    codec: pb.Codec = pb.CODEC_RAW  # CODEC_RAW (no compression) or CODEC_ZSTD
+    level: int = 1
+
+    @classmethod
+    def parse(cls, text: str) -> Compression:
+        """'none', 'zstd' or 'zstd:LEVEL'."""
+        name, _, level = text.partition(":")
+        if name == "none" and not level:
+            return cls()
+        if name == "zstd":
+            lvl = int(level) if level else 1
+            if not -7 <= lvl <= 22:
+                raise ValueError(f"zstd level {lvl} out of range (-7..22)")
+            return cls(pb.CODEC_ZSTD, lvl)
+        raise ValueError(f"unknown compression {text!r} (none, zstd, zstd:LEVEL)")
+
+    def to_pb(self) -> pb.Compression:
+        return pb.Compression(codec=self.codec, level=self.level if self.codec == pb.CODEC_ZSTD else 0)
+
+    @property
+    def buffers_per_chunk(self) -> int:
+        return 2 if self.codec == pb.CODEC_ZSTD else 1
+
+
+_local = threading.local()  # zstd contexts are not thread-safe: one per thread and level
+
+
+def _compressor(level: int) -> zstandard.ZstdCompressor:
+    cache: dict[int, zstandard.ZstdCompressor] | None = getattr(_local, "cctx", None)
+    if cache is None:
+        cache = _local.cctx = {}
+    c = cache.get(level)
+    if c is None:
+        c = cache[level] = zstandard.ZstdCompressor(level=level, write_checksum=True, write_content_size=True)
+    return c
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    d: zstandard.ZstdDecompressor | None = getattr(_local, "dctx", None)
+    if d is None:
+        d = _local.dctx = zstandard.ZstdDecompressor()
+    return d
+
+
+@dataclass
+class EncodedChunk:
+    head: bytes      # record prefix + chunk header
+    payload: Bytes   # possibly empty
+    codec: pb.Codec
+
+    @property
+    def record_length(self) -> int:
+        return len(self.head) + len(self.payload)
+
+
+def encode_chunk(bo_id: int, offset: int, buf: StagingBuffer, length: int, compression: Compression,
+                 buf_offset: int = 0) -> EncodedChunk:
+    """Build the record for `length` staged bytes at `buf_offset` in `buf`."""
+    codec: pb.Codec
+    payload: Bytes
+    if is_zero_ptr(buf.ptr + buf_offset, length):
+        codec, payload = pb.CODEC_ZERO, b""
+    else:
+        codec, payload = pb.CODEC_RAW, buf.view[buf_offset:buf_offset + length]
+        if compression.codec == pb.CODEC_ZSTD:
+            packed = _compressor(compression.level).compress(payload)
+            if len(packed) < length:
+                codec, payload = pb.CODEC_ZSTD, packed
+    header = pb.ChunkHeader(
+        bo_id=bo_id, offset=offset, raw_length=length, stored_length=len(payload), codec=codec,
+        checksum=checksum(payload) if payload else EMPTY_CHECKSUM,
+    )
+    return EncodedChunk(encode_record_head(header), payload, codec)
+
+
+@dataclass
+class DecodedChunk:
+    """Where the raw bytes of a restored chunk are: a buffer and an offset in it."""
+
+    buf: StagingBuffer | None  # None for a hole: the caller supplies zeros
+    codec: pb.Codec
+    offset: int = 0  # where in `buf` the raw bytes start
+
+
+def decode_chunk(bo_id: int, offset: int, raw_length: int, head: bytes, stored: StagingBuffer,
+                 stored_length: int, out: StagingBuffer | None, *, where: str, buf_offset: int = 0) -> DecodedChunk:
+    """Validate a record whose head is `head` and whose payload sits at `buf_offset` in `stored`.
+
+    Returns where the raw bytes are: `stored` itself (RAW), `out` after
+    decompressing into it at the same `buf_offset` (ZSTD), or no buffer for
+    a hole.  The payload checksum is verified before anything else looks at
+    the payload.
+    """
+    header, head_len = decode_record_head(head, bo_id=bo_id, offset=offset, where=where)
+
+    def bad(what: str) -> CorruptChunkError:
+        return CorruptChunkError(f"{where}: {what}", bo_id=bo_id, offset=offset)
+
+    if head_len != len(head) or header.stored_length != stored_length:
+        raise bad(f"record length disagrees with its header (stored {header.stored_length}, "
+                  f"manifest implies {stored_length})")
+    if header.raw_length != raw_length:
+        raise bad(f"chunk covers {header.raw_length} bytes, expected {raw_length}")
+    if header.codec == pb.CODEC_ZERO:
+        if header.checksum != EMPTY_CHECKSUM:
+            raise bad("hole chunk checksum mismatch")
+        return DecodedChunk(None, header.codec)
+    payload = stored.view[buf_offset:buf_offset + stored_length]
+    try:
+        if checksum(payload) != header.checksum:
+            raise bad("payload checksum mismatch; the stored bytes are damaged")
+        if header.codec == pb.CODEC_RAW:
+            return DecodedChunk(stored, header.codec, buf_offset)
+        if out is None:
+            raise bad("compressed chunk in an image whose manifest says it is uncompressed")
+        _unzstd(payload, out.view, buf_offset, raw_length, bad)
+        return DecodedChunk(out, header.codec, buf_offset)
+    finally:
+        payload.release()
+
+
+def _unzstd(payload: memoryview, dest: memoryview, dest_offset: int, raw_length: int,
+            bad: Callable[[str], CorruptChunkError]) -> None:
+    out = dest[dest_offset:dest_offset + raw_length]
+    try:
+        reader = _decompressor().stream_reader(payload, read_across_frames=False)
+        got = 0
+        while got < raw_length:
+            n = reader.readinto(out[got:])
+            if not n:
+                break
+            got += n
+        # Reading past the end makes zstd check the frame's content checksum.
+        if got != raw_length or reader.read(1):
+            raise bad(f"zstd frame holds {'more than' if got == raw_length else got} bytes, expected {raw_length}")
+    except zstandard.ZstdError as e:
+        raise bad(f"zstd frame does not decode: {e}") from None
+    finally:
+        out.release()

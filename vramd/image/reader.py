@@ -1,0 +1,64 @@
+"""A committed image opened for reading: the manifest checked, every data file opened and checked up front."""
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+from ..errors import TruncatedDataError
+from ..pb import image_pb2 as pb
+from .fileio import preadv_all, read_manifest
+from .format import DATA_HEADER, check_data_header
+
+
+class ImageReader:
+    """A committed image, its data files opened and checked up front."""
+
+    def __init__(self, dir_fd: int, manifest: pb.Manifest, fds: list[int]) -> None:
+        self.dir_fd = dir_fd
+        self.manifest = manifest
+        self.fds = fds
+        self.bos = {bo.id: bo for bo in manifest.bos}
+
+    @classmethod
+    async def open(cls, dir_fd: int) -> ImageReader:
+        manifest = await read_manifest(dir_fd)
+        fds: list[int] = []
+        try:
+            for df in manifest.files:
+                try:
+                    fd = os.open(df.name, os.O_RDONLY | os.O_CLOEXEC, dir_fd=dir_fd)
+                except FileNotFoundError:
+                    raise TruncatedDataError(f"data file {df.name} listed in the manifest is missing") from None
+                fds.append(fd)
+                check_data_header(os.pread(fd, DATA_HEADER.size, 0), manifest.image_id, df.name)
+                size = os.fstat(fd).st_size
+                if size < df.length:
+                    raise cls._truncation(manifest, df, len(fds) - 1, size)
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        return cls(dir_fd, manifest, fds)
+
+    @staticmethod
+    def _truncation(manifest: pb.Manifest, df: pb.DataFile, index: int, size: int) -> TruncatedDataError:
+        msg = f"data file {df.name} is {size} bytes; the manifest says {df.length}"
+        first = None  # the first chunk (by file position) that is cut short
+        for bo in manifest.bos:
+            if bo.file_index != index:
+                continue
+            for i, (off, ln) in enumerate(zip(bo.record_offsets, bo.record_lengths)):
+                if off + ln > size and (first is None or off < first[0]):
+                    first = (off, bo.id, i * manifest.chunk_size)
+        if first:
+            return TruncatedDataError(msg, bo_id=first[1], offset=first[2])
+        return TruncatedDataError(msg)
+
+    def readv(self, file_index: int, views: Sequence[memoryview], offset: int) -> int:
+        """Fill `views` from consecutive file bytes at `offset`; returns bytes read (short at end of file)."""
+        return preadv_all(self.fds[file_index], views, offset)
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []

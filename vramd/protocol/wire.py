@@ -1,0 +1,28 @@
+"""Typed errors on the wire: VramdError <-> rpc.Error, both directions."""
+from __future__ import annotations
+
+from ..errors import VramdError, error_from_wire
+from ..pb import rpc_pb2 as rpc
+
+
+def error_to_pb(exc: VramdError) -> rpc.Error:
+    code = exc.code if exc.code in rpc.Code.keys() else "VRAMD_ERROR"
+    err = rpc.Error(code=rpc.Code.Value(code), message=exc.message)
+    if exc.bo_id is not None:
+        err.bo_id = exc.bo_id
+    if exc.offset is not None:
+        err.offset = exc.offset
+    return err
+
+
+def error_from_pb(err: rpc.Error) -> VramdError:
+    return error_from_wire(rpc.Code.Name(err.code), err.message,
+                           err.bo_id if err.HasField("bo_id") else None,
+                           err.offset if err.HasField("offset") else None)
+
+
+def raise_for_error(resp: rpc.Response) -> rpc.Response:
+    """`resp`, or its typed error raised."""
+    if resp.error.code != rpc.OK:
+        raise error_from_pb(resp.error)
+    return resp

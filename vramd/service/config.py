@@ -1,0 +1,103 @@
+"""Daemon configuration: defaults, a TOML file, then command-line flags.
+
+    # /etc/vramd/vramd.toml (contrib/systemd/vramd.toml lists every setting)
+    socket = "/run/vramd/vramd.sock"   # ignored under socket activation
+    staging_budget = "512M"
+    chunk_size = "8M"
+    compression = "none"
+    workers_per_gpu = 4
+    allowed_uids = [0]                 # the daemon's own uid is always allowed
+    allowed_groups = ["vramd"]
+    grace_period = 30                  # seconds a session outlives its last connection
+    drain_timeout = 30                 # seconds SIGTERM waits for running sessions
+    metrics_textfile = "/var/lib/prometheus/node-exporter/vramd.prom"
+
+Sizes take the same forms as everywhere in vramd (4096, 0x1000, 8M, 1G).
+"""
+from __future__ import annotations
+
+import dataclasses
+import grp
+import os
+import tomllib
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from ..image.codec import Compression
+from ..protocol.frames import DEFAULT_MAX_MESSAGE, SCM_MAX_FD
+from ..topology import DEFAULT_ROOT
+from ..units import MiB, parse_size
+
+DEFAULT_GROUP = "vramd"
+
+
+@dataclass
+class DaemonConfig:
+    socket: str | None = None          # None: default_socket_path()
+    socket_mode: int = 0o660
+    staging_budget: int = 512 * MiB
+    chunk_size: int = 8 * MiB
+    compression: str = "none"
+    workers_per_gpu: int = 4
+    io_threads: int = 4
+    allowed_uids: list[int] = field(default_factory=lambda: sorted({0, os.getuid()}))
+    allowed_groups: list[str | int] = field(default_factory=lambda: [DEFAULT_GROUP])
+    grace_period: float = 30.0
+    drain_timeout: float = 30.0
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE
+    max_fds_per_message: int = SCM_MAX_FD
+    max_bos_per_session: int = 1_000_000
+    max_fds_per_session: int = 65_536
+    max_sessions_per_uid: int = 64
+    max_connections: int = 1024
+    metrics_textfile: str | None = None
+    metrics_interval: float = 15.0
+    topology_root: str = DEFAULT_ROOT  # KFD topology (a fixture tree in tests)
+    sdma: bool = True
+    sdma_library: str | None = None  # None: $VRAMD_AMDGPU_LIBRARY; "" the system libdrm_amdgpu; "model"; a path
+
+    SIZE_KEYS: ClassVar[tuple[str, ...]] = ("staging_budget", "chunk_size", "max_message_bytes")
+
+    def update(self, values: dict[str, Any], *, origin: str) -> None:
+        names = {f.name for f in dataclasses.fields(self)}
+        for key, value in values.items():
+            key = key.replace("-", "_")
+            if key not in names:
+                raise ValueError(f"{origin}: unknown setting {key!r}")
+            if key in self.SIZE_KEYS and isinstance(value, str):
+                value = parse_size(value)
+            if key == "socket_mode" and isinstance(value, str):
+                value = int(value, 8)
+            setattr(self, key, value)
+
+    def check(self) -> None:
+        Compression.parse(self.compression)
+        if not 0 < self.max_fds_per_message <= SCM_MAX_FD:
+            raise ValueError(f"max_fds_per_message must be 1..{SCM_MAX_FD}")
+        if self.max_message_bytes < 4096:
+            raise ValueError("max_message_bytes must be at least 4096")
+        if self.grace_period < 0 or self.drain_timeout < 0:
+            raise ValueError("grace_period and drain_timeout must not be negative")
+
+    def allowed_gids(self) -> set[int]:
+        """Configured groups as gids; a group name that does not exist is skipped."""
+        gids: set[int] = set()
+        for g in self.allowed_groups:
+            if isinstance(g, int):
+                gids.add(g)
+                continue
+            try:
+                gids.add(grp.getgrnam(g).gr_gid)
+            except KeyError:
+                pass
+        return gids
+
+
+def load_config(path: str | None, overrides: dict[str, Any]) -> DaemonConfig:
+    cfg = DaemonConfig()
+    if path:
+        with open(path, "rb") as f:
+            cfg.update(tomllib.load(f), origin=path)
+    cfg.update({k: v for k, v in overrides.items() if v is not None}, origin="command line")
+    cfg.check()
+    return cfg

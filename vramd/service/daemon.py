@@ -1,0 +1,200 @@
+"""The daemon's life: what it says about itself, accepting, housekeeping, draining on shutdown.
+
+The protocol (vramd.protocol) decides what a packet means; connection.py
+serves one connection, handlers.py answers each request, sessions.py and
+session_table.py hold the jobs.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+
+from .. import __version__, topology
+from ..backends import REGISTRY
+from ..engine import Engine, EngineConfig
+from ..image.codec import Compression
+from ..pb import rpc_pb2 as rpc
+from ..protocol.server import ServerProtocol
+from . import systemd
+from .config import DaemonConfig
+from .connection import Connection, serve_connection
+from .metrics import Metrics
+from .session_table import SessionTable
+from .sessions import SessionLimits
+from .transport import PacketChannel
+
+log = logging.getLogger("vramd.service.daemon")
+SERVER = f"vramd {__version__}"
+
+
+class Daemon:
+    def __init__(self, cfg: DaemonConfig, engine: Engine | None = None) -> None:
+        self.cfg = cfg
+        self.topology = self._read_topology()
+        gpus = self.topology.gpus if self.topology else []
+        self.engine = engine or Engine(EngineConfig(
+            staging_budget=cfg.staging_budget, chunk_size=cfg.chunk_size, workers_per_gpu=cfg.workers_per_gpu,
+            compression=Compression.parse(cfg.compression), io_threads=cfg.io_threads, sdma=cfg.sdma,
+            sdma_library=cfg.sdma_library, render_nodes={g.gpu_id: topology.render_node(g) for g in gpus}))
+        self.metrics = Metrics()
+        self.sessions = SessionTable(
+            self.engine, self.metrics, grace_period=cfg.grace_period, max_per_uid=cfg.max_sessions_per_uid,
+            limits=SessionLimits(cfg.max_bos_per_session, cfg.max_fds_per_session),
+            default_compression=self.engine.config.compression, default_chunk_size=cfg.chunk_size,
+            topology=self.topology)
+        self.connections: dict[int, Connection] = {}
+        self.allowed_uids = set(cfg.allowed_uids) | {os.getuid()}  # the daemon's own uid, always
+        self.allowed_gids = cfg.allowed_gids()
+        self.started = time.monotonic()
+        self.draining = False
+        self._next_conn = 1
+        self._conn_tasks: set[asyncio.Task[None]] = set()
+        self._stop = asyncio.Event()
+        self.server = SERVER
+        self.hello = self._hello_reply()
+
+    # --- what the daemon says about itself -----------------------------------
+
+    def backend_infos(self) -> list[rpc.BackendInfo]:
+        out = []
+        for name in REGISTRY:
+            b = self.engine.backends.get(name)
+            if b is None:
+                out.append(rpc.BackendInfo(name=name, available=False,
+                                           reason=self.engine.unavailable.get(name, "not loaded")))
+                continue
+            c = b.capabilities()
+            out.append(rpc.BackendInfo(name=name, available=True, can_read=c.can_read, can_write=c.can_write,
+                                       asynchronous_dma=c.asynchronous_dma, preferred_chunk=c.preferred_chunk,
+                                       description=c.description))
+        return out
+
+    def _read_topology(self) -> topology.Topology | None:
+        try:
+            topo = topology.parse_topology(self.cfg.topology_root)
+        except topology.TopologyError as e:
+            log.info("no GPUs: %s", e.message)
+            return None
+        log.info("KFD topology: %s", topo.summary())
+        return topo
+
+    def _hello_reply(self) -> rpc.HelloReply:
+        cfg = self.cfg
+        gpu_ids = [g.gpu_id for g in self.topology.gpus] if self.topology else []
+        return rpc.HelloReply(server=SERVER, backends=self.backend_infos(), gpu_ids=gpu_ids, limits=rpc.Limits(
+            max_message_bytes=cfg.max_message_bytes, max_fds_per_message=cfg.max_fds_per_message,
+            max_bos_per_session=cfg.max_bos_per_session, max_sessions_per_uid=cfg.max_sessions_per_uid,
+            max_fds_per_session=cfg.max_fds_per_session))
+
+    def update_gauges(self) -> None:
+        m, pool = self.metrics, self.engine.pool
+        m.set("vramd_sessions_active", len(self.sessions))
+        m.set("vramd_connections", len(self.connections))
+        m.set("vramd_staging_bytes_in_use", pool.in_use_bytes)
+        m.set("vramd_staging_bytes_allocated", pool.allocated_bytes)
+        m.set("vramd_staging_budget_bytes", pool.budget)
+        m.set("vramd_uptime_seconds", round(time.monotonic() - self.started, 3))
+
+    def status_line(self) -> str:
+        running = sum(1 for s in self.sessions if not s.done)
+        return (f"{'draining; ' if self.draining else ''}{running} session(s) running, {len(self.sessions)} open, "
+                f"{len(self.connections)} connection(s)")
+
+    # --- serving -------------------------------------------------------------
+
+    async def serve(self, listener: socket.socket) -> None:
+        """Accept until shutdown() is called, then drain and return."""
+        listener.setblocking(False)
+        loop = asyncio.get_running_loop()
+        tasks = [loop.create_task(self._accept_loop(listener), name="vramd-accept"),
+                 loop.create_task(self._housekeeping(), name="vramd-housekeeping")]
+        systemd.notify("READY=1", f"STATUS={self.status_line()}")
+        log.info("%s serving (%d backends, staging budget %d MiB)", SERVER, len(self.engine.backends),
+                 self.cfg.staging_budget >> 20)
+        try:
+            await self._stop.wait()
+        finally:
+            tasks[0].cancel()
+            await asyncio.gather(tasks[0], return_exceptions=True)
+            await self._drain()
+            tasks[1].cancel()
+            await asyncio.gather(tasks[1], return_exceptions=True)
+            await self._write_metrics()
+
+    def shutdown(self) -> None:
+        if not self.draining:
+            log.info("shutting down: draining %d session(s)", sum(1 for s in self.sessions if not s.done))
+            self.draining = True
+            systemd.notify("STOPPING=1", f"STATUS={self.status_line()}")
+            self._stop.set()
+
+    async def _drain(self) -> None:
+        pending = [s for s in self.sessions if not s.done]
+        if pending:
+            done_waits = [asyncio.ensure_future(s.wait(None)) for s in pending]
+            _, late = await asyncio.wait(done_waits, timeout=self.cfg.drain_timeout)
+            for w in late:
+                w.cancel()
+            if late:
+                log.warning("drain timeout (%g s): cancelling %d session(s)", self.cfg.drain_timeout, len(late))
+        for s in self.sessions.detach_all("daemon shutting down"):
+            await s.close("session reaped: daemon shutting down")
+        for task in list(self._conn_tasks):
+            task.cancel()  # each closes its socket on the way out
+        await asyncio.gather(*self._conn_tasks, return_exceptions=True)
+
+    async def _accept_loop(self, listener: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                sock, _ = await loop.sock_accept(listener)
+            except OSError as e:  # EMFILE and friends: report, back off a little, go on
+                log.error("accept failed: %s", e)
+                await asyncio.sleep(0.1)
+                continue
+            task = loop.create_task(serve_connection(self, sock))
+            self._conn_tasks.add(task)
+            task.add_done_callback(self._conn_tasks.discard)
+
+    async def _housekeeping(self) -> None:
+        interval = systemd.watchdog_interval()
+        period = min(x for x in (interval, self.cfg.metrics_interval if self.cfg.metrics_textfile else None, 5.0)
+                     if x is not None)
+        while True:
+            if interval is not None:
+                systemd.notify("WATCHDOG=1")
+            systemd.notify(f"STATUS={self.status_line()}")
+            await self._write_metrics()
+            await asyncio.sleep(period)
+
+    async def _write_metrics(self) -> None:
+        """Render on the loop (a consistent snapshot), write the file in a thread (a slow disk stalls no client)."""
+        path = self.cfg.metrics_textfile
+        if not path:
+            return
+        self.update_gauges()
+        text = self.metrics.render()
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, self.metrics.write_textfile, path, text)
+        except OSError as e:
+            log.error("cannot write metrics to %s: %s", path, e)
+
+    # --- connections --------------------------------------------------------
+
+    def authorised(self, uid: int, gid: int, groups: set[int]) -> bool:
+        return uid in self.allowed_uids or bool(({gid} | groups) & self.allowed_gids)
+
+    def register(self, channel: PacketChannel, protocol: ServerProtocol, pid: int, uid: int, gid: int) -> Connection:
+        conn = Connection(self._next_conn, channel, protocol, pid, uid, gid)
+        self._next_conn += 1
+        self.connections[conn.id] = conn
+        return conn
+
+    def unregister(self, conn: Connection) -> None:
+        """`conn` has closed: it no longer holds its sessions."""
+        del self.connections[conn.id]
+        for s in conn.sessions:
+            self.sessions.let_go(s, conn)

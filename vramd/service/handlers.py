@@ -1,0 +1,142 @@
+"""The answer to each request: an explicit table from request type to handler.
+
+Every handler gets the daemon, the connection, the request's id, its body
+and the fds that came with it (owned by the bundle until a handler takes
+them), and returns the Reply.  A typed error becomes the reply's error; any
+other exception is a bug, answered INTERNAL and logged.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from ..errors import InternalError, InvalidRequestError, ShuttingDownError, VramdError, WaitTimeoutError
+from ..pb import rpc_pb2 as rpc
+from ..protocol.fds import FdBundle
+from ..protocol.server import Reply, reply
+from .sessions import Session
+
+if TYPE_CHECKING:
+    from .connection import Connection
+    from .daemon import Daemon
+
+log = logging.getLogger("vramd.service.handlers")
+
+Handler = Callable[["Daemon", "Connection", int, Any, FdBundle], Awaitable[Reply]]
+
+
+async def dispatch(daemon: Daemon, conn: Connection, req: rpc.Request, fds: FdBundle) -> Reply | None:
+    """The reply to `req`; None when there is nobody to answer (a Wait whose client hung up)."""
+    kind = req.WhichOneof("body")
+    daemon.metrics.inc("vramd_requests_total", type=str(kind))
+    handler = HANDLERS.get(kind or "")
+    try:
+        if handler is None:
+            raise InvalidRequestError(f"request type {kind!r} is not handled here")
+        return await handler(daemon, conn, req.id, getattr(req, kind or ""), fds)
+    except VramdError as e:
+        daemon.metrics.inc("vramd_errors_total", code=e.code)
+        return reply(req.id, e)
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise  # this handler's own task is being cancelled (shutdown): let it unwind
+        return None  # only the abandoned Wait's future was cancelled: its client hung up
+    except Exception as e:
+        log.exception("internal error handling %s", kind)
+        return reply(req.id, InternalError(f"internal error handling {kind}: {e!r}"))
+
+
+def _session(daemon: Daemon, conn: Connection, token: str) -> Session:
+    return _hold(daemon, conn, daemon.sessions.get(token, conn.uid))
+
+
+def _hold(daemon: Daemon, conn: Connection, s: Session) -> Session:
+    """`conn` now holds `s`: the session outlives it only by the grace period."""
+    daemon.sessions.hold(s, conn)
+    conn.sessions.add(s)
+    return s
+
+
+async def open_session(daemon: Daemon, conn: Connection, rid: int, body: rpc.OpenSession, fds: FdBundle) -> Reply:
+    if daemon.draining:
+        raise ShuttingDownError("the daemon is shutting down and takes no new sessions")
+    s = _hold(daemon, conn, await daemon.sessions.open(body, fds, uid=conn.uid, pid=conn.pid))
+    return reply(rid, session=s.info(with_token=True))
+
+
+async def add_bos(daemon: Daemon, conn: Connection, rid: int, body: rpc.AddBos, fds: FdBundle) -> Reply:
+    s = _session(daemon, conn, body.token)
+    await s.add(body.bos, fds)
+    return reply(rid, session=s.info())
+
+
+async def start(daemon: Daemon, conn: Connection, rid: int, body: rpc.Start, fds: FdBundle) -> Reply:
+    s = _session(daemon, conn, body.token)
+    s.seal()
+    return reply(rid, session=s.info())
+
+
+async def get_progress(daemon: Daemon, conn: Connection, rid: int, body: rpc.GetProgress, fds: FdBundle) -> Reply:
+    s = _session(daemon, conn, body.token)
+    return reply(rid, session=s.info())
+
+
+async def wait(daemon: Daemon, conn: Connection, rid: int, body: rpc.Wait, fds: FdBundle) -> Reply:
+    s = _session(daemon, conn, body.token)
+    timeout = body.timeout_ms / 1000 if body.HasField("timeout_ms") else None
+    conn.waiting = asyncio.ensure_future(s.wait(timeout))
+    try:
+        await conn.waiting
+    except WaitTimeoutError as e:
+        return reply(rid, e, session=s.info())
+    finally:
+        conn.waiting = None
+    return reply(rid, s.error, session=s.info())
+
+
+async def cancel(daemon: Daemon, conn: Connection, rid: int, body: rpc.Cancel, fds: FdBundle) -> Reply:
+    s = _session(daemon, conn, body.token)
+    s.cancel(body.reason or f"cancelled by pid {conn.pid}")
+    return reply(rid, session=s.info())
+
+
+async def close_session(daemon: Daemon, conn: Connection, rid: int, body: rpc.CloseSession, fds: FdBundle) -> Reply:
+    s = _session(daemon, conn, body.token)
+    await daemon.sessions.close(s)
+    conn.sessions.discard(s)
+    return reply(rid, session=s.info())
+
+
+async def get_status(daemon: Daemon, conn: Connection, rid: int, body: rpc.GetStatus, fds: FdBundle) -> Reply:
+    daemon.update_gauges()
+    pool = daemon.engine.pool
+    return reply(rid, status=rpc.StatusReply(
+        server=daemon.server, version=conn.protocol.version, uptime_s=time.monotonic() - daemon.started,
+        connections=len(daemon.connections), sessions=len(daemon.sessions), staging_budget=pool.budget,
+        staging_in_use=pool.in_use_bytes, backends=daemon.backend_infos(), metrics=daemon.metrics.render(),
+        draining=daemon.draining))
+
+
+async def list_sessions(daemon: Daemon, conn: Connection, rid: int, body: rpc.ListSessions, fds: FdBundle) -> Reply:
+    see_all = conn.uid in (0, os.getuid())
+    infos = [s.info() for s in daemon.sessions if see_all or s.uid == conn.uid]
+    return reply(rid, sessions=rpc.SessionList(sessions=infos))
+
+
+# Request type (the `body` oneof's field name in rpc.proto) -> handler.  Hello is the protocol's own.
+HANDLERS: dict[str, Handler] = {
+    "open_session": open_session,
+    "add_bos": add_bos,
+    "start": start,
+    "get_progress": get_progress,
+    "wait": wait,
+    "cancel": cancel,
+    "close_session": close_session,
+    "get_status": get_status,
+    "list_sessions": list_sessions,
+}

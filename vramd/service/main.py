@@ -1,0 +1,156 @@
+"""`vramd`: the daemon's command line.
+
+    vramd [--config FILE] [--socket PATH] [--socket-mode OCTAL] [--staging-budget SIZE] [--chunk-size SIZE]
+          [--compression none|zstd[:N]] [--workers-per-gpu N] [--allow-uid UID ...]
+          [--allow-group GROUP ...] [--grace-period S] [--drain-timeout S]
+          [--metrics-textfile PATH] [--log-level LEVEL]
+
+Listens on the socket passed by systemd (socket activation) if there is
+one, else on --socket / the config's socket / $VRAMD_SOCKET /
+$XDG_RUNTIME_DIR/vramd/vramd.sock / /tmp/vramd-<uid>/vramd.sock.
+SIGTERM or SIGINT drains running sessions (up to --drain-timeout), then
+exits 0.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import errno
+import logging
+import os
+import resource
+import signal
+import socket
+import stat
+import sys
+
+import uvloop
+
+from ..paths import default_socket_path, ensure_private_dir, user_run_dir
+from ..units import parse_size
+from . import systemd
+from .config import DaemonConfig, load_config
+from .daemon import Daemon
+
+log = logging.getLogger("vramd")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="vramd", description="VRAM checkpoint transfer daemon")
+    ap.add_argument("--config", help="TOML configuration file")
+    ap.add_argument("--socket", help="unix socket path to listen on")
+    ap.add_argument("--socket-mode", type=lambda t: int(t, 8), help="permissions of the socket file (octal, e.g. 660)")
+    ap.add_argument("--staging-budget", type=parse_size, help="host staging memory budget (e.g. 512M)")
+    ap.add_argument("--chunk-size", type=parse_size, help="chunk size (e.g. 8M)")
+    ap.add_argument("--compression", help="default dump compression: none, zstd, zstd:LEVEL")
+    ap.add_argument("--workers-per-gpu", type=int, help="chunks in flight per GPU")
+    ap.add_argument("--allow-uid", type=int, action="append", dest="allowed_uids", help="uid allowed to connect")
+    ap.add_argument("--allow-group", action="append", dest="allowed_groups",
+                    help="group (name or gid) allowed to connect")
+    ap.add_argument("--grace-period", type=float, help="seconds a session outlives its last connection")
+    ap.add_argument("--drain-timeout", type=float, help="seconds SIGTERM waits for running sessions")
+    ap.add_argument("--metrics-textfile", help="write Prometheus metrics here (atomically)")
+    ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return ap.parse_args(argv)
+
+
+def overrides(ns: argparse.Namespace) -> dict[str, object]:
+    keys = ("socket", "socket_mode", "staging_budget", "chunk_size", "compression", "workers_per_gpu", "allowed_uids",
+            "allowed_groups", "grace_period", "drain_timeout", "metrics_textfile")
+    out = {k: getattr(ns, k) for k in keys}
+    if ns.allowed_groups:
+        out["allowed_groups"] = [int(g) if g.isdigit() else g for g in ns.allowed_groups]
+    return out
+
+
+def raise_fd_limit() -> None:
+    """Sessions hold one fd per BO source: take the hard limit of open files."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def bind_socket(path: str, mode: int) -> socket.socket:
+    """Listen on `path`; a stale socket file is replaced, a live daemon is not."""
+    parent = os.path.dirname(path) or "."
+    if parent == user_run_dir():
+        ensure_private_dir(parent)
+    else:
+        os.makedirs(parent, exist_ok=True)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        pass
+    else:
+        if not stat.S_ISSOCK(st.st_mode):
+            raise SystemExit(f"vramd: {path} exists and is not a socket")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            probe.connect(path)
+        except OSError as e:
+            if e.errno != errno.ECONNREFUSED:
+                raise
+            os.unlink(path)  # stale: nobody listens
+        else:
+            raise SystemExit(f"vramd: another daemon is already listening on {path}")
+        finally:
+            probe.close()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    old = os.umask(0o177)
+    try:
+        sock.bind(path)
+    finally:
+        os.umask(old)
+    os.chmod(path, mode)
+    sock.listen(128)
+    return sock
+
+
+async def run(cfg: DaemonConfig) -> int:
+    inherited = systemd.listen_fds()
+    if inherited:
+        listener, path = inherited[0], None
+        for extra in inherited[1:]:
+            extra.close()
+    else:
+        path = cfg.socket or default_socket_path()
+        listener = bind_socket(path, cfg.socket_mode)
+    daemon = Daemon(cfg)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, daemon.shutdown)
+    log.info("listening on %s", path or "the socket passed by systemd")
+    try:
+        await daemon.serve(listener)
+    finally:
+        # Drained: a further SIGTERM must not kill the process half-way through its exit.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        listener.close()
+        if path is not None:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        daemon.engine.close()
+    log.info("stopped")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = parse_args(argv)
+    fmt = "%(levelname)s %(name)s: %(message)s" if systemd.under_systemd() else \
+        "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    logging.basicConfig(level=ns.log_level.upper(), format=fmt, stream=sys.stderr)
+    try:
+        cfg = load_config(ns.config, overrides(ns))
+    except (OSError, ValueError) as e:
+        print(f"vramd: bad configuration: {e}", file=sys.stderr)
+        return 2
+    raise_fd_limit()
+    return uvloop.run(run(cfg))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,161 @@
+"""The session table: every live session by token; opening, lookup with the uid check, holders and reaping.
+
+Deciding what to reap (`detach`, `detach_all`) is apart from awaiting the
+reaped sessions' ends (`Session.close`).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import stat
+from collections.abc import Iterator
+
+from ..engine import Engine, Job
+from ..errors import InvalidRequestError, LimitExceededError, NotFoundError, PermissionDeniedError, TopologyError
+from ..image.codec import Compression
+from ..pb import image_pb2 as pb
+from ..pb import rpc_pb2 as rpc
+from ..protocol.fds import FdBundle
+from ..topology import Checks, Topology, map_gpus
+from .metrics import Metrics
+from .sessions import KIND_NAMES, Session, SessionLimits, image_summary
+
+log = logging.getLogger("vramd.service.sessions")
+
+
+class SessionTable:
+    """Every live session, by token; opening, lookup with the uid check, reaping."""
+
+    def __init__(self, engine: Engine, metrics: Metrics, *, grace_period: float, max_per_uid: int,
+                 limits: SessionLimits, default_compression: Compression, default_chunk_size: int,
+                 topology: Topology | None = None) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.grace_period = grace_period
+        self.max_per_uid = max_per_uid
+        self.limits = limits
+        self.default_compression = default_compression
+        self.default_chunk_size = default_chunk_size
+        self.by_token: dict[str, Session] = {}
+        self.topology = topology  # this machine's KFD topology: saved by dumps, mapped onto by restores
+        self._topology_json = json.dumps(topology.to_dict()).encode() if topology is not None else b""
+        self._next_id = 1
+
+    def __len__(self) -> int:
+        return len(self.by_token)
+
+    def __iter__(self) -> Iterator[Session]:
+        return iter(list(self.by_token.values()))
+
+    async def open(self, req: rpc.OpenSession, bundle: FdBundle, *, uid: int, pid: int) -> Session:
+        if sum(1 for s in self.by_token.values() if s.uid == uid) >= self.max_per_uid:
+            raise LimitExceededError(f"uid {uid} already has {self.max_per_uid} sessions open")
+        if req.kind not in KIND_NAMES:
+            raise InvalidRequestError(f"unknown session kind {req.kind}")
+        dir_fd = bundle.take(req.dir_fd_index)
+        try:
+            job, manifest = await self._job(req, dir_fd)
+        except BaseException:
+            os.close(dir_fd)
+            raise
+        s = Session(self._next_id, req.kind, uid, pid, req.label, job, dir_fd, self.limits, self.metrics)
+        self._next_id += 1
+        if req.kind != rpc.SESSION_DUMP:
+            s.image = image_summary(manifest)
+        if req.kind == rpc.SESSION_VERIFY:
+            s.seal()
+        self.by_token[s.token] = s
+        log.info("session %d (%s) opened by uid %d pid %d%s", s.id, s.kind_name, uid, pid,
+                 f" [{req.label}]" if req.label else "")
+        return s
+
+    async def _job(self, req: rpc.OpenSession, dir_fd: int) -> tuple[Job, pb.Manifest | None]:
+        """The session's job, and the manifest of the image it reads (None for a dump)."""
+        try:
+            st = os.fstat(dir_fd)
+        except OSError as e:
+            raise InvalidRequestError(f"image directory fd is not usable: {e.strerror}") from None
+        if not stat.S_ISDIR(st.st_mode):
+            raise InvalidRequestError("the image directory fd is not a directory")
+        if req.kind == rpc.SESSION_DUMP:
+            try:
+                comp = Compression.parse(req.compression) if req.compression else self.default_compression
+            except ValueError as e:
+                raise InvalidRequestError(str(e)) from None
+            job = self.engine.start_dump(dir_fd, compression=comp,
+                                         chunk_size=req.chunk_size or self.default_chunk_size)
+            job.topology_json = self._topology_json
+            return job, None
+        if req.kind == rpc.SESSION_RESTORE:
+            restore = await self.engine.start_restore(dir_fd, gpu_map=self._gpu_map, allow_partial=req.allow_partial)
+            return restore, restore.manifest
+        verify = await self.engine.start_verify(dir_fd)
+        return verify, verify.manifest
+
+    def _gpu_map(self, manifest: pb.Manifest) -> dict[int, int] | None:
+        """Image GPUs -> present GPUs, by CRIU's rules (KFD_*_CHECK switches honoured); None: as saved."""
+        if not manifest.topology_json:
+            return None
+        if self.topology is None:
+            log.warning("the image records a KFD topology but this machine has none: BOs keep their gpu_ids")
+            return None
+        try:
+            saved = Topology.from_dict(json.loads(manifest.topology_json))
+        except ValueError as e:
+            raise TopologyError(f"the image's topology cannot be read: {e}") from None
+        mapping = map_gpus(saved, self.topology, Checks.from_env(os.environ))
+        log.info("GPU map (image -> here): %s", ", ".join(f"{a:#x}->{b:#x}" for a, b in sorted(mapping.items())))
+        return mapping
+
+    def get(self, token: str, uid: int) -> Session:
+        s = self.by_token.get(token)
+        if s is None:
+            raise NotFoundError("no session with that token (closed, reaped, or never opened)")
+        if s.uid != uid:
+            raise PermissionDeniedError(f"the session belongs to another uid; uid {uid} may not use its token")
+        return s
+
+    # --- holders and reaping -------------------------------------------------
+
+    def hold(self, s: Session, conn: object) -> None:
+        s.holders.add(conn)
+        if s.reap_timer is not None:
+            s.reap_timer.cancel()
+            s.reap_timer = None
+
+    def let_go(self, s: Session, conn: object) -> None:
+        """`conn` is gone; a session nobody holds is reaped after the grace period."""
+        s.holders.discard(conn)
+        if not s.holders and s.token in self.by_token and s.reap_timer is None:
+            loop = asyncio.get_running_loop()
+
+            def expire() -> None:
+                s.reap_timer = None
+                if self.detach(s, "grace period over"):
+                    s.reap_task = loop.create_task(s.close("session reaped: grace period over"))  # referenced
+            s.reap_timer = loop.call_later(self.grace_period, expire)
+
+    def detach(self, s: Session, why: str) -> bool:
+        """Take `s` out of the table (no token reaches it any more); False if it was not there.
+
+        The caller then awaits `s.close(...)`, which cancels a job still running."""
+        if self.by_token.get(s.token) is not s:
+            return False
+        del self.by_token[s.token]
+        if s.reap_timer is not None:
+            s.reap_timer.cancel()
+            s.reap_timer = None
+        if not s.done:
+            log.warning("session %d: no client holds it any more (%s); cancelling", s.id, why)
+        return True
+
+    def detach_all(self, why: str) -> list[Session]:
+        """Take every session out of the table (shutdown); the caller awaits their ends."""
+        return [s for s in self if self.detach(s, why)]
+
+    async def close(self, s: Session) -> None:
+        """A client closed `s`: it ends now (cancelled if it still runs)."""
+        if self.detach(s, "closed by client"):
+            await s.close("session reaped: closed by client")

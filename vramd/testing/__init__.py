@@ -1,0 +1,15 @@
+"""Test support that ships with vramd, like trio.testing: for vramd's own tests, benchmarks, and anyone
+building on vramd.
+
+- `DaemonProcess`: a real daemon as a child process (ready on sd_notify, its log watchable);
+- `Workload`: a child process holding memory with known contents (regions, digests);
+- `FakeDmaBackend`: an asynchronous backend with an engine thread, injectable faults and delays;
+- `check_backend`: the contract every backend passes, with subjects for procmem, mmap, sdma (on the
+  software model) and the fake.
+"""
+from .contract import SUBJECTS, Subject, check_backend
+from .fake import FakeDmaBackend
+from .launcher import DaemonProcess
+from .workload import Workload, blank_spec_like
+
+__all__ = ["SUBJECTS", "DaemonProcess", "FakeDmaBackend", "Subject", "Workload", "blank_spec_like", "check_backend"]

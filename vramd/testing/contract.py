@@ -1,0 +1,194 @@
+"""The backend contract: one suite every copy backend passes (`check_backend`), and subjects to run it on.
+
+    check_backend(mmap_subject)        # procmem_subject, sdma_model_subject, fake_subject likewise
+
+A subject is a backend plus a way to make BOs it can reach, with known
+contents, and to read a BO's bytes back.  The suite checks what the engine
+relies on: capabilities that tell the truth, byte-exact copies in both
+directions at any offset and into any slot of a staging buffer, one
+future per batch (`submit_many`) that completes when every copy landed,
+typed errors that name the BO, and release/close that free everything.
+"""
+from __future__ import annotations
+
+import asyncio
+import mmap
+import os
+import random
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from ..backends import REGISTRY, Backend, BackendOptions, BoHandle, BoRef, Direction
+from ..errors import BackendError, BadDescriptorError
+from ..hostmem.libc import address, pointer
+from ..hostmem.staging import StagingPool
+from ..units import PAGE, round_up
+from .fake import FakeDmaBackend
+
+GPU = 0x1002
+
+
+@dataclass
+class Subject:
+    """A backend under test and BOs for it."""
+
+    backend: Backend
+    kind: str                                       # the BoRef kind of its BOs
+    new_bo: Callable[[bytes], tuple[BoRef, Callable[[], bytes]]]  # data -> (ref, read back its bytes)
+    cleanups: list[Callable[[], None]] = field(default_factory=list)
+
+    def close(self) -> None:
+        self.backend.close()
+        for c in reversed(self.cleanups):
+            c()
+
+
+def _memfd_bo(kind: str, subject_cleanups: list[Callable[[], None]], data: bytes, *,
+              page_rounded: bool = False) -> tuple[BoRef, Callable[[], bytes]]:
+    fd = os.memfd_create(f"contract-{kind}", os.MFD_CLOEXEC)
+    subject_cleanups.append(lambda: os.close(fd))
+    os.ftruncate(fd, round_up(max(len(data), 1)) if page_rounded else len(data))
+    os.pwrite(fd, data, 0)
+    return BoRef(kind, fd, 0), lambda: os.pread(fd, len(data), 0)
+
+
+def mmap_subject() -> Subject:
+    s = Subject(REGISTRY["mmap"].create(BackendOptions()), "mmap", lambda d: _memfd_bo("mmap", s.cleanups, d))
+    return s
+
+
+def fake_subject() -> Subject:
+    s = Subject(FakeDmaBackend(), "fake", lambda d: _memfd_bo("fake", s.cleanups, d))
+    return s
+
+
+def sdma_model_subject() -> Subject:
+    """SDMA on the software model of libdrm_amdgpu + SDMA: a dmabuf is a page-rounded memfd there."""
+    backend = REGISTRY["sdma"].create(BackendOptions(sdma_library="model"))
+    s = Subject(backend, "sdma", lambda d: _memfd_bo("sdma", s.cleanups, d, page_rounded=True))
+    return s
+
+
+def procmem_subject() -> Subject:
+    """procmem on this very process: BOs are anonymous mappings, reached through /proc/self/mem."""
+    mem = os.open("/proc/self/mem", os.O_RDWR | os.O_CLOEXEC)
+    s = Subject(REGISTRY["procmem"].create(BackendOptions()), "procmem", lambda d: new(d))
+    s.cleanups.append(lambda: os.close(mem))
+
+    def new(data: bytes) -> tuple[BoRef, Callable[[], bytes]]:
+        m = mmap.mmap(-1, round_up(max(len(data), 1)), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        m[:len(data)] = data
+        with pointer(m, writable=True) as p:
+            addr = address(p)
+        s.cleanups.append(m.close)
+        return BoRef("procmem", mem, addr), lambda: m[:len(data)]
+    return s
+
+
+SUBJECTS: dict[str, Callable[[], Subject]] = {
+    "procmem": procmem_subject, "mmap": mmap_subject, "sdma": sdma_model_subject, "fake": fake_subject,
+}
+
+
+# --- the suite ----------------------------------------------------------------
+
+@contextmanager
+def _subject(make: Callable[[], Subject]) -> Iterator[tuple[Subject, StagingPool]]:
+    s = make()
+    pool = StagingPool(16 << 20)
+    s.backend.attach(pool)
+    try:
+        yield s, pool
+    finally:
+        s.close()
+        pool.close()
+
+
+def _data(n: int, seed: int) -> bytes:
+    return random.Random(seed).randbytes(n)
+
+
+async def _capabilities(make: Callable[[], Subject]) -> None:
+    with _subject(make) as (s, _):
+        caps = s.backend.capabilities()
+        assert caps.name == s.backend.name, (caps.name, s.backend.name)
+        assert caps.can_read and caps.can_write, "every backend vramd has dumps and restores"
+        assert caps.preferred_chunk > 0 and caps.max_inflight > 0
+
+
+async def _read_round_trip(make: Callable[[], Subject]) -> None:
+    """BO -> staging: whole BOs and pieces at offsets, into several slots of one buffer, in one batch."""
+    with _subject(make) as (s, pool):
+        a, b = _data(3 * PAGE + 123, 1), _data(2 * PAGE, 2)
+        ra, _ = s.new_bo(a)
+        rb, _ = s.new_bo(b)
+        ha = s.backend.open(1, ra, len(a), GPU, Direction.READ)
+        hb = s.backend.open(2, rb, len(b), GPU, Direction.READ)
+        buf, = await pool.acquire(1 << 20)
+        try:
+            fut = s.backend.submit(ha, 0, buf, 0, len(a))
+            assert isinstance(fut, asyncio.Future)
+            assert await fut is None
+            assert buf.view[:len(a)] == a, "submit copied other bytes"
+            slot = round_up(len(a))
+            await s.backend.submit_many([(hb, 0, buf, slot, len(b)), (ha, PAGE + 5, buf, slot + 2 * PAGE, 1000)])
+            assert buf.view[slot:slot + len(b)] == b, "submit_many: first piece differs"
+            assert buf.view[slot + 2 * PAGE:slot + 2 * PAGE + 1000] == a[PAGE + 5:PAGE + 1005], "piece at an offset"
+        finally:
+            pool.release([buf])
+            s.backend.release(ha)
+            s.backend.release(hb)
+
+
+async def _write_round_trip(make: Callable[[], Subject]) -> None:
+    """staging -> BO: a whole BO from slot 0, and a piece into the middle of another from a later slot."""
+    with _subject(make) as (s, pool):
+        n = 5 * PAGE + 7
+        ra, read_a = s.new_bo(bytes(n))
+        rb, read_b = s.new_bo(bytes(n))
+        ha = s.backend.open(1, ra, n, GPU, Direction.WRITE)
+        hb = s.backend.open(2, rb, n, GPU, Direction.WRITE)
+        src = _data(n, 3)
+        buf, = await pool.acquire(1 << 20)
+        try:
+            buf.view[:n] = src
+            buf.view[8 * PAGE:8 * PAGE + 4000] = src[:4000]
+            await s.backend.submit_many([(ha, 0, buf, 0, n), (hb, PAGE + 1, buf, 8 * PAGE, 4000)])
+        finally:
+            pool.release([buf])
+            s.backend.release(ha)
+            s.backend.release(hb)
+        assert read_a() == src, "a restored BO differs from the staged bytes"
+        assert read_b() == bytes(PAGE + 1) + src[:4000] + bytes(n - PAGE - 1 - 4000), "a piece landed elsewhere"
+
+
+async def _errors_name_the_bo(make: Callable[[], Subject]) -> None:
+    with _subject(make) as (s, _):
+        closed = os.memfd_create("closed", os.MFD_CLOEXEC)
+        os.close(closed)
+        for direction in (Direction.READ, Direction.WRITE):
+            try:
+                s.backend.open(7, BoRef(s.kind, closed, 0), PAGE, GPU, direction)
+            except BadDescriptorError as e:
+                assert e.bo_id == 7, e
+            else:
+                raise AssertionError(f"a closed fd was accepted for {direction.value}")
+        ref, _ = s.new_bo(_data(2 * PAGE, 4))
+        try:
+            h: BoHandle | None = s.backend.open(8, ref, 64 * PAGE, GPU, Direction.READ)
+        except BackendError as e:
+            assert e.bo_id == 8, e
+            h = None
+        else:
+            raise AssertionError("a BO larger than what its fd reaches was accepted")
+        assert h is None
+
+
+CHECKS = (_capabilities, _read_round_trip, _write_round_trip, _errors_name_the_bo)
+
+
+def check_backend(make: Callable[[], Subject]) -> None:
+    """Run every check of the contract on fresh subjects from `make`; raises AssertionError on a breach."""
+    for check in CHECKS:
+        asyncio.run(check(make))

@@ -1,0 +1,151 @@
+"""A child process holding memory with known contents (tests, demo, bench).
+
+    python -m vramd.testing.workload_child SPEC_JSON
+
+SPEC_JSON is a list of regions: {"size": N, "fill": KIND, "seed": S,
+"at": ADDR (optional fixed address), "skew": K (BO starts K bytes into its
+first page), "marks": [[offset, hex bytes], ...]}.  KIND is "random",
+"zero", "pattern", "blank" (0xA5 garbage, a restore target) or "sparse"
+(zero pages left untouched, plus the marks).  "holes": [[offset, length]]
+unmaps page-aligned parts of the region after filling it.  The child maps each region,
+fills it, prints one JSON line {"pid", "regions": [{"addr", "size",
+"digest"}]} and then answers commands on stdin, one per line:
+"digest" -> the same JSON again (re-hashed now), "exit" -> exits.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+
+import xxhash
+
+from ..hostmem.libc import (
+    MAP_ANONYMOUS,
+    MAP_FAILED,
+    MAP_FIXED_NOREPLACE,
+    MAP_NORESERVE,
+    MAP_PRIVATE,
+    PROT_READ,
+    PROT_WRITE,
+    address,
+    ffi,
+    libc,
+)
+
+PROT_RW = PROT_READ | PROT_WRITE
+
+
+def map_region(size: int, at: int | None) -> int:
+    flags = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | (MAP_FIXED_NOREPLACE if at else 0)
+    p = libc.mmap(ffi.cast("void *", at or 0), max(size, 1), PROT_RW, flags, -1, 0)
+    if p == MAP_FAILED or (at and address(p) != at):
+        raise SystemExit(f"mmap at {at!r} of {size} bytes failed")
+    return address(p)
+
+
+def fill(buf, kind: str, seed: int) -> None:
+    n = len(buf)
+    if kind in ("zero", "sparse") or n == 0:
+        return
+    if kind == "blank":
+        buf[:] = b"\xa5" * n
+    elif kind == "random":
+        # 1 MiB of seeded randomness per MiB, cheap enough for GiB regions
+        rng = random.Random(seed)
+        for off in range(0, n, 1 << 20):
+            k = min(1 << 20, n - off)
+            buf[off:off + k] = rng.randbytes(k)
+    elif kind == "pattern":
+        unit = bytes(range(256)) * 16 + seed.to_bytes(8, "little")
+        reps = n // len(unit) + 1
+        buf[:] = (unit * reps)[:n]
+    else:
+        raise SystemExit(f"unknown fill {kind}")
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    regions = []
+    for r in spec:
+        size, skew = r["size"], r.get("skew", 0)
+        base = map_region(size + skew, r.get("at"))
+        addr = base + skew
+        buf = ffi.buffer(ffi.cast("char *", addr), size)
+        fill(buf, r.get("fill", "random"), r.get("seed", 0))
+        for off, hexbytes in r.get("marks", []):
+            data = bytes.fromhex(hexbytes)
+            buf[off:off + len(data)] = data
+        for off, length in r.get("holes", []):
+            if libc.munmap(ffi.cast("void *", base + off), length) != 0:
+                raise SystemExit("munmap failed")
+        regions.append((addr, size, None if r.get("holes") else buf))
+
+    def report() -> None:
+        out = [{"addr": a, "size": s, "digest": b is not None and xxhash.xxh3_128_hexdigest(b)}
+               for a, s, b in regions]
+        print(json.dumps({"pid": os.getpid(), "regions": out}), flush=True)
+
+    report()
+    for line in sys.stdin:
+        cmd = line.strip()
+        if cmd == "digest":
+            report()
+        elif cmd == "exit":
+            return
+
+
+class Workload:
+    """Client side: start a workload child and talk to it."""
+
+    def __init__(self, spec: list[dict]):
+        self.proc = subprocess.Popen([sys.executable, "-m", "vramd.testing.workload_child", json.dumps(spec)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"workload failed to start (exit {self.proc.wait()})")
+        self.info = json.loads(line)
+        self.pid = self.info["pid"]
+        self.regions = self.info["regions"]
+
+    def digests(self) -> list[str]:
+        self.proc.stdin.write("digest\n")
+        self.proc.stdin.flush()
+        return [r["digest"] for r in json.loads(self.proc.stdout.readline())["regions"]]
+
+    def open_mem(self, flags: int = os.O_RDONLY) -> int:
+        """What a client does: open /proc/<pid>/mem itself and pass the fd."""
+        return os.open(f"/proc/{self.pid}/mem", flags | os.O_CLOEXEC)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write("exit\n")
+                self.proc.stdin.flush()
+            except BrokenPipeError:
+                pass
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc.stdin.close()
+        self.proc.stdout.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def blank_spec_like(regions: list[dict]) -> list[dict]:
+    """A spec mapping the same addresses, filled with garbage, for a restore target."""
+    out = []
+    for r in regions:
+        skew = r["addr"] % 4096
+        out.append({"size": r["size"], "at": r["addr"] - skew, "skew": skew, "fill": "blank"})
+    return out
+
