@@ -94,7 +94,7 @@ async def rows(engine: Engine, size: int, reps: int, base: str) -> dict:
     finally:
         os.close(src)
         os.close(dst)
-    for name, r in out.items():
+    for r in out.values():
         for k in ("dump", "restore"):
             r[f"{k}_gbps_median"] = size / statistics.median(r[f"{k}_s"]) / 1e9
     return out

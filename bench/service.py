@@ -76,7 +76,7 @@ def small_bo_rate(c: Client, n: int, size: int, reps: int, base: str) -> dict:
         mem, mem2 = w.open_mem(), w2.open_mem(os.O_RDWR)
         memfds = []
         try:
-            for i in range(n):
+            for _ in range(n):
                 fd = os.memfd_create("bo", os.MFD_CLOEXEC)
                 os.ftruncate(fd, size)
                 os.pwrite(fd, os.urandom(size), 0)
@@ -171,7 +171,8 @@ def offload_overlap(c: Client, size: int, reps: int, base: str, factors=(0.5, 1.
 def daemon_cores(c: Client, pid: int, size: int, base: str) -> float:
     """CPU cores the daemon keeps busy during a restore alone (procmem): bounds the overlap on few cores."""
     def cpu() -> float:
-        f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        with open(f"/proc/{pid}/stat") as stat:
+            f = stat.read().rsplit(")", 1)[1].split()
         return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
     spec = [{"size": size, "fill": "random", "seed": 9}]
     d, dfd = fresh_dir(base)
@@ -204,7 +205,7 @@ def main() -> int:
     ap.add_argument("--skip-small", action="store_true", help="only the offload measurement")
     ap.add_argument("--out", help="write the results as JSON here")
     ns = ap.parse_args()
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # one memfd per BO in the mmap case
     run_dir = tempfile.mkdtemp(prefix="vbench-run-")
     try:

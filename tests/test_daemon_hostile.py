@@ -199,7 +199,7 @@ def test_limits_give_typed_errors(run_dir, tmp_path):
         c.add_bos(s1.token, [ClientBo(i + 1, bo, size=4096) for i in range(3)])  # within the limit: fine
         c.start(s1.token)
         assert c.wait(s1.token).progress.bos_done == 3
-    for fd in dirs + [bo]:
+    for fd in [*dirs, bo]:
         os.close(fd)
 
 

@@ -93,7 +93,7 @@ def test_corrupt_chunk_header_is_caught(dumped):
 
 
 def test_record_magic_damage_is_caught(dumped):
-    path, dfd, manifest, data = dumped
+    path, dfd, manifest, _ = dumped
     name, off, _ = _record(manifest, 1, 1)
     _flip(path / name, off)
     with pytest.raises(errors.CorruptChunkError, match="magic") as ei:

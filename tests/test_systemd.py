@@ -5,6 +5,7 @@ import os
 import shutil
 import socket
 import subprocess
+from pathlib import Path
 
 import pytest
 from helpers import ROOT
@@ -61,7 +62,7 @@ def test_unit_files_verify(tmp_path):
     src = os.path.join(ROOT, "contrib", "systemd")
     vramd = shutil.which("vramd") or os.path.join(os.path.dirname(os.sys.executable), "vramd")
     for name in ("vramd.socket", "vramd.service"):
-        text = open(os.path.join(src, name)).read().replace("/usr/bin/vramd", vramd)
+        text = Path(src, name).read_text().replace("/usr/bin/vramd", vramd)
         (tmp_path / name).write_text(text)
     r = subprocess.run(["systemd-analyze", "verify", str(tmp_path / "vramd.socket"), str(tmp_path / "vramd.service")],
                        capture_output=True, text=True)

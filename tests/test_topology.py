@@ -54,7 +54,8 @@ def test_committed_fixtures_match_the_generator(tmp_path):
         stack = [cmp]
         while stack:
             c = stack.pop()
-            assert not (c.left_only or c.right_only or c.diff_files), (name, c.left, c.left_only, c.right_only, c.diff_files)
+            assert not (c.left_only or c.right_only or c.diff_files), \
+                (name, c.left, c.left_only, c.right_only, c.diff_files)
             stack.extend(c.subdirs.values())
 
 
@@ -112,7 +113,7 @@ def test_mi300x_details():
 
 def test_pcie_and_single_gpu_details():
     t = fixture("2gpu-pcie")
-    a, b = t.gpus
+    a, _ = t.gpus
     assert a.hive_id == 0 and not t.hives()
     assert (a.num_sdma_engines, a.num_sdma_xgmi_engines) == (2, 3)
     assert [(lk.node_to, lk.type_name, lk.p2p) for lk in a.p2p_links] == [(2, "PCIe", True)]
@@ -353,7 +354,7 @@ def test_node_without_properties_is_skipped(tmp_path):
     assert len(cpu.io_links) == 2 and [lk.node_to for lk in t.valid_links(cpu)] == [1]  # link to node 2 is not valid
     assert "1 node(s) unreadable: 2" in t.summary()
     assert Topology.from_dict(t.to_dict()).skipped == t.skipped
-    with pytest.raises(TopologyMismatchError, match="(?s)GPU counts must be equal.*unreadable: 2"):
+    with pytest.raises(TopologyMismatchError, match=r"(?s)GPU counts must be equal.*unreadable: 2"):
         map_gpus(fixture("2gpu-pcie"), t)
 
 

@@ -30,7 +30,8 @@ def test_dump_saves_topology_and_restore_maps_gpus(run_dir, image_dir, tmp_path)
     srcs = [memfd(d) for d in datas]
     with DaemonProcess(run_dir, "--config", config(tmp_path, "2gpu-pcie")) as d, Client(d.socket) as c:
         s = c.open_session(SESSION_DUMP, dfd)
-        c.add_bos(s.token, [ClientBo(i + 1, fd, size=len(x), gpu_id=ids[i]) for i, (fd, x) in enumerate(zip(srcs, datas))])
+        c.add_bos(s.token, [ClientBo(i + 1, fd, size=len(x), gpu_id=ids[i])
+                            for i, (fd, x) in enumerate(zip(srcs, datas))])
         c.start(s.token)
         c.wait(s.token)
     from vramd.cli.vramctl import read_manifest_offline

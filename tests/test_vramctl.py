@@ -43,7 +43,8 @@ def test_dump_restore_verify_inspect(daemon, tmp_path):
     assert r.returncode == 0, r.stderr
     info = json.loads(r.stdout)
     assert info["compression"] == "zstd:3"
-    assert [(b["source"], b["size"]) for b in info["bos"]] == [("procmem", x["size"]) for x in SPEC] + [("mmap", 300_000)]
+    want = [("procmem", x["size"]) for x in SPEC] + [("mmap", 300_000)]
+    assert [(b["source"], b["size"]) for b in info["bos"]] == want
     assert info["bos"][3]["name"] == str(bo_file) and info["bos"][3]["source_offset"] == 1
     assert vramctl("verify", str(img)).returncode == 0
 

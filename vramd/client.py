@@ -90,8 +90,8 @@ class Client:
 
     # --- sessions ------------------------------------------------------------
 
-    def open_session(self, kind: rpc.SessionKind, dir_fd: int, *, compression: str = "", chunk_size: int = 0, label: str = "",
-                     allow_partial: bool = False) -> rpc.SessionInfo:
+    def open_session(self, kind: rpc.SessionKind, dir_fd: int, *, compression: str = "", chunk_size: int = 0,
+                     label: str = "", allow_partial: bool = False) -> rpc.SessionInfo:
         return self._session_call([dir_fd], open_session=rpc.OpenSession(
             kind=kind, dir_fd_index=0, compression=compression, chunk_size=chunk_size, label=label,
             allow_partial=allow_partial))
@@ -103,7 +103,8 @@ class Client:
             info = raise_for_error(self._exchange(out)).session
         return info if info is not None else self.progress(token)
 
-    def run_session(self, kind: rpc.SessionKind, dir_fd: int, bos: Sequence[ClientBo], **open_kw: Any) -> rpc.SessionInfo:
+    def run_session(self, kind: rpc.SessionKind, dir_fd: int, bos: Sequence[ClientBo],
+                    **open_kw: Any) -> rpc.SessionInfo:
         """One whole session on this connection: open, add the BOs, start, wait, close.
 
         Returns the final info; raises the session's typed error (after closing it)."""

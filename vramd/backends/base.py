@@ -173,7 +173,7 @@ def land_all(futs: Iterable[Awaitable[None]], *, error: BaseException | None = N
     return asyncio.ensure_future(_land_all(started, error))
 
 
-async def _land_all(futs: list[asyncio.Future[None]], error: BaseException | None) -> None:
+async def _land_all(futs: Sequence[asyncio.Future[None]], error: BaseException | None) -> None:
     cancelled = False
     while pending := [f for f in futs if not f.done()]:
         try:

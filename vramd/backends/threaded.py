@@ -33,7 +33,8 @@ class ThreadedBackend(Backend):
     def submit(self, handle: BoHandle, bo_offset: int, buf: StagingBuffer, buf_offset: int,
                length: int) -> asyncio.Future[None]:
         loop = asyncio.get_running_loop()
-        return loop.run_in_executor(self._executor(handle.gpu_id), self._copy, handle, bo_offset, buf, buf_offset, length)
+        return loop.run_in_executor(self._executor(handle.gpu_id), self._copy, handle, bo_offset, buf, buf_offset,
+                                    length)
 
     def submit_many(self, items: Sequence[CopyItem]) -> asyncio.Future[None]:
         """All copies in one executor call, one after another in one worker thread; the first error stops them."""

@@ -13,7 +13,8 @@ from ..units import format_size
 Show = Callable[[rpc.Progress], None]
 
 
-def follow(client: Client, token: str, show: Show | None = None, interval: float = 0.2) -> tuple[rpc.SessionInfo, float]:
+def follow(client: Client, token: str, show: Show | None = None,
+           interval: float = 0.2) -> tuple[rpc.SessionInfo, float]:
     """Wait for the session, calling `show` with its progress every `interval` seconds.
 
     Returns (final info, seconds waited); raises the session's typed error.

@@ -20,6 +20,7 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass
+from typing import Any
 
 from ..backends.sdma.binding import Unavailable, is_model, load
 from ..client import SESSION_DUMP, SESSION_RESTORE, Client, ClientBo
@@ -58,7 +59,7 @@ def pattern(size: int, salt: int) -> bytes:
 class VramBo:
     """A VRAM BO allocated through libdrm_amdgpu and exported as a dmabuf fd."""
 
-    def __init__(self, ffi, lib, dev, size: int):
+    def __init__(self, ffi: Any, lib: Any, dev: Any, size: int) -> None:
         self.ffi, self.lib = ffi, lib
         req = ffi.new("struct amdgpu_bo_alloc_request *")
         req.alloc_size = size
@@ -152,18 +153,19 @@ def run_selftest(c: Client, size: int, workdir: str, library: str | None = None)
             notes.append(f"GPU {gpu_id:#x}: amdgpu_device_initialize failed ({rc})")
             continue
         try:
-            a, b = VramBo(ffi, lib, dev[0], size), VramBo(ffi, lib, dev[0], size)
+            src_bo, dst_bo = VramBo(ffi, lib, dev[0], size), VramBo(ffi, lib, dev[0], size)
             try:
-                a.write(data)
+                src_bo.write(data)
                 for name in gpu_backends:
-                    b.write(b"\0" * size)
-                    d, r = _roundtrip(c, name, gpu_id, a.fd, 0, b.fd, 0, size, workdir)
-                    ok = b.read() == data
+                    dst_bo.write(b"\0" * size)
+                    d, r = _roundtrip(c, name, gpu_id, src_bo.fd, 0, dst_bo.fd, 0, size, workdir)
+                    ok = dst_bo.read() == data
                     tag = "MODEL" if model and name == "sdma" else ""
-                    rows += [Row(gpu_id, name, "dump", size, d, ok, tag), Row(gpu_id, name, "restore", size, r, ok, tag)]
+                    rows += [Row(gpu_id, name, "dump", size, d, ok, tag),
+                             Row(gpu_id, name, "restore", size, r, ok, tag)]
             finally:
-                a.close()
-                b.close()
+                src_bo.close()
+                dst_bo.close()
         finally:
             lib.amdgpu_device_deinitialize(dev[0])
             os.close(dev_fd)
@@ -171,7 +173,7 @@ def run_selftest(c: Client, size: int, workdir: str, library: str | None = None)
 
 
 def _render_node(gpu_id: int) -> str:
-    from .topology import parse_topology, render_node
+    from ..topology import parse_topology, render_node
     topo = parse_topology()
     return render_node(topo.gpu(gpu_id))
 

@@ -276,7 +276,8 @@ def cmd_status(ns: argparse.Namespace) -> int:
     text = [f"{st.server} on {c.path}: up {st.uptime_s:.0f} s{', draining' if st.draining else ''}",
             f"{st.connections} connection(s), {st.sessions} session(s); staging {format_size(st.staging_in_use)} "
             f"in use of {format_size(st.staging_budget)}",
-            "backends: " + ", ".join(b.name + ("" if b.available else f" (unavailable: {b.reason})") for b in st.backends),
+            "backends: " + ", ".join(b.name + ("" if b.available else f" (unavailable: {b.reason})")
+                                     for b in st.backends),
             "metrics:"]
     text += ["  " + line for line in st.metrics.splitlines() if line and not line.startswith("#")]
     emit(ns, data, "\n".join(text))

@@ -116,10 +116,7 @@ def _unpin(exc: BaseException | None) -> None:
         exc = exc.__cause__ or exc.__context__
 
 
-BoT_contra = TypeVar("BoT_contra", bound=PipelineBo, contravariant=True)
-
-
-class Ends(Protocol[BoT_contra]):
+class Ends(Protocol[BoT]):
     """The job-specific stages; each is called once per batch, with the batch's pieces in slot order.
 
     Every piece's bytes live at its `buf_offset` in the staging buffers.  A
@@ -130,10 +127,10 @@ class Ends(Protocol[BoT_contra]):
     chunk_size: int
     buffers_per_chunk: int
 
-    async def fill(self, tasks: list[ChunkTask[BoT_contra]], bufs: list[StagingBuffer]) -> Any: ...
-    def transform(self, tasks: list[ChunkTask[BoT_contra]], bufs: list[StagingBuffer], filled: Any) -> Any: ...
-    async def drain(self, tasks: list[ChunkTask[BoT_contra]], bufs: list[StagingBuffer], product: Any) -> None: ...
-    def bo_done(self, bo: BoT_contra) -> None: ...
+    async def fill(self, tasks: list[ChunkTask[BoT]], bufs: list[StagingBuffer]) -> Any: ...
+    def transform(self, tasks: list[ChunkTask[BoT]], bufs: list[StagingBuffer], filled: Any) -> Any: ...
+    async def drain(self, tasks: list[ChunkTask[BoT]], bufs: list[StagingBuffer], product: Any) -> None: ...
+    def bo_done(self, bo: BoT) -> None: ...
 
 
 @dataclass

@@ -35,7 +35,7 @@ Pointer = Any
 
 def pointer(buf: Any, writable: bool = False) -> Pointer:
     """A cdata char* over a buffer; release it (or use `with`) before closing an mmap."""
-    return ffi.from_buffer("char[]", buf, require_writable=writable)
+    return ffi.from_buffer("char[]", buf, require_writable=writable)  # type: ignore[call-overload]
 
 
 def address(p: Pointer) -> int:

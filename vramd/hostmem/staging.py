@@ -98,7 +98,7 @@ class StagingPool:
             )
         if not self._waiters and self.in_use_bytes + n * unit <= self.budget:
             return self._take(unit, n)
-        fut = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[list[StagingBuffer]] = asyncio.get_running_loop().create_future()
         entry = (unit, n, fut)
         self._waiters.append(entry)
         try:

@@ -83,7 +83,7 @@ def decode_manifest(blob: Bytes, name: str = MANIFEST_NAME) -> pb.Manifest:
         raise CorruptManifestError(f"{name}: digest mismatch; the manifest is damaged")
     manifest = pb.Manifest()
     try:
-        manifest.ParseFromString(body)
+        manifest.ParseFromString(bytes(body))
     except DecodeError as e:
         raise CorruptManifestError(f"{name}: undecodable body: {e}") from None
     if manifest.format_version != version:
@@ -151,6 +151,7 @@ def record_head_length(peek: Bytes, *, bo_id: int, offset: int, where: str) -> i
     if len(peek) < RECORD_PREFIX.size:
         raise CorruptChunkError(f"{where}: record shorter than its prefix", bo_id=bo_id, offset=offset)
     magic, hlen, _ = RECORD_PREFIX.unpack_from(peek)
+    hlen = int(hlen)
     if magic != RECORD_MAGIC:
         raise CorruptChunkError(f"{where}: bad record magic {bytes(magic)!r}", bo_id=bo_id, offset=offset)
     if hlen > MAX_CHUNK_HEADER or RECORD_PREFIX.size + hlen > len(peek):

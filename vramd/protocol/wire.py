@@ -6,8 +6,8 @@ from ..pb import rpc_pb2 as rpc
 
 
 def error_to_pb(exc: VramdError) -> rpc.Error:
-    code = exc.code if exc.code in rpc.Code.keys() else "VRAMD_ERROR"
-    err = rpc.Error(code=rpc.Code.Value(code), message=exc.message)
+    code = exc.code if exc.code in rpc.Code.keys() else "VRAMD_ERROR"  # noqa: SIM118 (an enum wrapper)
+    err = rpc.Error(code=code, message=exc.message)
     if exc.bo_id is not None:
         err.bo_id = exc.bo_id
     if exc.offset is not None:

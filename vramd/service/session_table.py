@@ -62,7 +62,7 @@ class SessionTable:
             raise
         s = Session(self._next_id, req.kind, uid, pid, req.label, job, dir_fd, self.limits, self.metrics)
         self._next_id += 1
-        if req.kind != rpc.SESSION_DUMP:
+        if manifest is not None:  # the image a restore or verify reads
             s.image = image_summary(manifest)
         if req.kind == rpc.SESSION_VERIFY:
             s.seal()

@@ -38,7 +38,7 @@ from .metrics import Metrics
 log = logging.getLogger("vramd.service.sessions")
 
 # Which state may follow which: the one place a session's state changes (Session._enter).
-TRANSITIONS: dict[int, frozenset[int]] = {
+TRANSITIONS: dict[rpc.SessionState, frozenset[rpc.SessionState]] = {
     rpc.SESSION_OPEN: frozenset({rpc.SESSION_SEALED, rpc.SESSION_DONE, rpc.SESSION_FAILED, rpc.SESSION_CANCELLED}),
     rpc.SESSION_SEALED: frozenset({rpc.SESSION_DONE, rpc.SESSION_FAILED, rpc.SESSION_CANCELLED}),
     rpc.SESSION_DONE: frozenset(),
@@ -59,7 +59,7 @@ def pick_backend(fd: int) -> str:
     return "procmem" if _PROCMEM_LINK.match(target) else "mmap"
 
 
-def outcome_state(error: VramdError | None) -> int:
+def outcome_state(error: VramdError | None) -> rpc.SessionState:
     """The state a session ends in, from how its job ended."""
     if error is None:
         return rpc.SESSION_DONE
@@ -82,7 +82,7 @@ class SessionLimits:
 @dataclass(eq=False)
 class Session:
     id: int
-    kind: int
+    kind: rpc.SessionKind
     uid: int
     pid: int
     label: str
@@ -91,7 +91,7 @@ class Session:
     limits: SessionLimits
     metrics: Metrics
     token: str = field(default_factory=lambda: secrets.token_hex(16))
-    state: int = rpc.SESSION_OPEN
+    state: rpc.SessionState = rpc.SESSION_OPEN
     error: VramdError | None = None
     image: rpc.ImageSummary | None = None
     fds: list[int] = field(default_factory=list)
@@ -118,11 +118,11 @@ class Session:
     def done(self) -> bool:
         return self._done.is_set()
 
-    def _enter(self, state: int) -> None:
+    def _enter(self, state: rpc.SessionState) -> None:
         """The one place the state changes; a move the table does not allow is a bug."""
         if state != self.state and state not in TRANSITIONS[self.state]:
-            raise InternalError(f"session {self.id}: no transition {rpc.SessionState.Name(self.state)} -> "  # type: ignore[arg-type]
-                                f"{rpc.SessionState.Name(state)}")  # type: ignore[arg-type]
+            raise InternalError(f"session {self.id}: no transition {rpc.SessionState.Name(self.state)} -> "
+                                f"{rpc.SessionState.Name(state)}")
         self.state = state
 
     # --- requests ------------------------------------------------------------
@@ -137,7 +137,7 @@ class Session:
             if self.error is not None:
                 raise self.error
             raise InvalidRequestError(
-                f"the session is {rpc.SessionState.Name(self.state)} and takes no more BOs")  # type: ignore[arg-type]
+                f"the session is {rpc.SessionState.Name(self.state)} and takes no more BOs")
         if self.bo_count + len(bos) > self.limits.max_bos:
             raise LimitExceededError(f"more than {self.limits.max_bos} BOs in one session")
         fds: dict[int, int] = {}
@@ -227,7 +227,7 @@ class Session:
             self._account()
             self._done.set()
             log.info("session %d (%s, uid %d): %s%s", self.id, self.kind_name, self.uid,
-                     rpc.SessionState.Name(self.state),  # type: ignore[arg-type]
+                     rpc.SessionState.Name(self.state),
                      f": {self.error}" if self.error else "")
 
     def _close_fds(self) -> None:

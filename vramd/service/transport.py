@@ -32,7 +32,10 @@ class PacketChannel:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
         fd = self.sock.fileno()
-        add(fd, lambda: fut.done() or fut.set_result(None))
+        def ready() -> None:
+            if not fut.done():
+                fut.set_result(None)
+        add(fd, ready)
         try:
             await fut
         finally:

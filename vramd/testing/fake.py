@@ -102,7 +102,10 @@ class FakeDmaBackend(Backend):
             while done < length:
                 at = h.ref.offset + bo_offset + done
                 part = view[done:]
-                n = os.preadv(h.ref.fd, [part], at) if h.direction is Direction.READ else os.pwritev(h.ref.fd, [part], at)
+                if h.direction is Direction.READ:
+                    n = os.preadv(h.ref.fd, [part], at)
+                else:
+                    n = os.pwritev(h.ref.fd, [part], at)
                 if n <= 0:
                     raise BackendError(f"fake DMA: fd {h.ref.fd} ended at {at:#x}", bo_id=h.bo_id,
                                        offset=bo_offset + done)

@@ -46,9 +46,9 @@ class DaemonProcess:
         if listener is not None:
             # Socket activation: the listener becomes fd 3 and LISTEN_PID is the pid that execs vramd.
             lfd = listener.fileno()
-            shim = ("import os, sys; os.dup2(%d, 3); os.close(%d); os.environ['LISTEN_PID'] = str(os.getpid()); "
-                    "os.environ['LISTEN_FDS'] = '1'; os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
-                    % (lfd, lfd))
+            shim = (f"import os, sys; os.dup2({lfd}, 3); os.close({lfd}); "
+                    "os.environ['LISTEN_PID'] = str(os.getpid()); os.environ['LISTEN_FDS'] = '1'; "
+                    "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])")
             argv, pass_fds = [*argv, "-c", shim], (lfd,)
             self.socket = listener.getsockname()
         else:

@@ -19,6 +19,7 @@ import os
 import random
 import subprocess
 import sys
+from typing import Any
 
 import xxhash
 
@@ -46,7 +47,7 @@ def map_region(size: int, at: int | None) -> int:
     return address(p)
 
 
-def fill(buf, kind: str, seed: int) -> None:
+def fill(buf: Any, kind: str, seed: int) -> None:
     n = len(buf)
     if kind in ("zero", "sparse") or n == 0:
         return
@@ -100,10 +101,12 @@ def main() -> None:
 class Workload:
     """Client side: start a workload child and talk to it."""
 
-    def __init__(self, spec: list[dict]):
+    def __init__(self, spec: list[dict[str, Any]]) -> None:
         self.proc = subprocess.Popen([sys.executable, "-m", "vramd.testing.workload_child", json.dumps(spec)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        line = self.proc.stdout.readline()
+        assert self.proc.stdin is not None and self.proc.stdout is not None  # both are pipes
+        self.stdin, self.stdout = self.proc.stdin, self.proc.stdout
+        line = self.stdout.readline()
         if not line:
             raise RuntimeError(f"workload failed to start (exit {self.proc.wait()})")
         self.info = json.loads(line)
@@ -111,9 +114,9 @@ class Workload:
         self.regions = self.info["regions"]
 
     def digests(self) -> list[str]:
-        self.proc.stdin.write("digest\n")
-        self.proc.stdin.flush()
-        return [r["digest"] for r in json.loads(self.proc.stdout.readline())["regions"]]
+        self.stdin.write("digest\n")
+        self.stdin.flush()
+        return [r["digest"] for r in json.loads(self.stdout.readline())["regions"]]
 
     def open_mem(self, flags: int = os.O_RDONLY) -> int:
         """What a client does: open /proc/<pid>/mem itself and pass the fd."""
@@ -122,8 +125,8 @@ class Workload:
     def close(self) -> None:
         if self.proc.poll() is None:
             try:
-                self.proc.stdin.write("exit\n")
-                self.proc.stdin.flush()
+                self.stdin.write("exit\n")
+                self.stdin.flush()
             except BrokenPipeError:
                 pass
             try:
@@ -131,17 +134,17 @@ class Workload:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        self.proc.stdin.close()
-        self.proc.stdout.close()
+        self.stdin.close()
+        self.stdout.close()
 
-    def __enter__(self):
+    def __enter__(self) -> Workload:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
-def blank_spec_like(regions: list[dict]) -> list[dict]:
+def blank_spec_like(regions: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """A spec mapping the same addresses, filled with garbage, for a restore target."""
     out = []
     for r in regions:

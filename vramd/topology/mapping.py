@@ -53,12 +53,12 @@ def _mismatch(checkpoint: Topology, present: Topology, checks: Checks, mapper: M
             unplaced[s.gpu_id] = {}
             for d in present.gpus:
                 reasons = mapper.problems(s, d) or [
-                    f"compatible, but needed by gpu {checkpoint.node(owner[d.index]).gpu_id:#06x}"]
+                    f"compatible, but needed by gpu {checkpoint.gpu_at(owner[d.index]).gpu_id:#06x}"]
                 unplaced[s.gpu_id][d.gpu_id] = list(reasons)
                 lines.append(f"  candidate {d.gpu_id:#06x} (node {d.index}): {'; '.join(reasons)}")
     hints = _hints(checkpoint, present, checks, max_steps)
     if not stuck:
-        _, s, why = mapper.deepest
+        _, deepest, why = mapper.deepest
         numa_alone = any("KFD_NUMA_CHECK" in h for h in hints)
         if mapper.src_hives and not numa_alone:
             lines.append(f"each checkpoint XGMI hive (sizes {hive_sizes(mapper.src_hives)}) must fit in one hive "
@@ -66,12 +66,12 @@ def _mismatch(checkpoint: Topology, present: Topology, checks: Checks, mapper: M
         if checks.numa:
             lines.append("each checkpoint CPU node must map to one CPU node here (KFD_NUMA_CHECK); GPUs per CPU node: "
                          f"checkpoint {_numa_shape(checkpoint)}, here {_numa_shape(present)}")
-        if s is not None:
-            lines.append(f"{s.label()} cannot be placed:")
-            unplaced[s.gpu_id] = {}
+        if deepest is not None:
+            lines.append(f"{deepest.label()} cannot be placed:")
+            unplaced[deepest.gpu_id] = {}
             for d in present.gpus:
                 reason = why.get(d.index, "outside the hive being filled")
-                unplaced[s.gpu_id][d.gpu_id] = [reason]
+                unplaced[deepest.gpu_id][d.gpu_id] = [reason]
                 lines.append(f"  candidate {d.gpu_id:#06x} (node {d.index}): {reason}")
     lines += hints
     lines += notes

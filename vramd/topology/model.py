@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..errors import TopologyError
 from ..units import format_size
@@ -111,7 +112,7 @@ class Node:
     def cpu_cores_count(self) -> int:
         return self.prop("cpu_cores_count")
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {
             "node": self.index, "gpu_id": self.gpu_id, "name": self.name,
             "properties": dict(self.properties),
@@ -184,13 +185,13 @@ class Gpu(Node):
     @property
     def vram_bytes(self) -> int:
         bank = self._vram_bank()
-        return bank.get("size_in_bytes", 0) if bank else 0
+        return bank.get("size_in_bytes", 0) if bank is not None else 0
 
     @property
     def vram_public(self) -> bool:
         """True when all VRAM is CPU-visible (large BAR: heap FB_PUBLIC)."""
         bank = self._vram_bank()
-        return bool(bank) and bank.get("heap_type") == HEAP_TYPE_FB_PUBLIC
+        return bank is not None and bank.get("heap_type") == HEAP_TYPE_FB_PUBLIC
 
     @property
     def recommended_sdma_engine_id_mask(self) -> dict[int, int]:
@@ -210,7 +211,7 @@ class Gpu(Node):
         return f"gpu {self.gpu_id:#06x} (node {self.index})"
 
 
-def make_node(index: int, gpu_id: int, **kw) -> Node:
+def make_node(index: int, gpu_id: int, **kw: Any) -> Node:
     return (Gpu if gpu_id else Cpu)(index, gpu_id, **kw)
 
 
@@ -242,7 +243,8 @@ class Topology:
             self._by_index[n.index] = n
             if isinstance(n, Gpu):
                 if n.gpu_id in self._by_gpu_id:
-                    raise TopologyError(f"gpu_id {n.gpu_id:#06x} on nodes {self._by_gpu_id[n.gpu_id].index} and {n.index}")
+                    raise TopologyError(
+                        f"gpu_id {n.gpu_id:#06x} on nodes {self._by_gpu_id[n.gpu_id].index} and {n.index}")
                 self._by_gpu_id[n.gpu_id] = n
 
     # -- lookups
@@ -262,6 +264,12 @@ class Topology:
 
     def node(self, index: int) -> Node | None:
         return self._by_index.get(index)
+
+    def gpu_at(self, index: int) -> Gpu:
+        """The GPU that is node `index` (which must be one of this topology's GPUs)."""
+        node = self._by_index[index]
+        assert isinstance(node, Gpu), f"node {index} is not a GPU"
+        return node
 
     def gpu(self, gpu_id: int) -> Gpu:
         try:
@@ -334,7 +342,7 @@ class Topology:
 
     # -- serialisation
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         """A JSON-able dict (ints, strings, lists, dicts) holding everything that was read."""
         return {
             "format": FORMAT, "version": FORMAT_VERSION, "source": self.source,
@@ -343,7 +351,7 @@ class Topology:
         }
 
     @classmethod
-    def from_dict(cls, d: Mapping) -> Topology:
+    def from_dict(cls, d: Mapping[str, Any]) -> Topology:
         try:
             if d.get("format") != FORMAT:
                 raise TopologyError(f"not a saved topology (format {d.get('format')!r})")

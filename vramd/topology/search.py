@@ -66,7 +66,7 @@ class Checks:
             values[attr] = parsed
         return cls(**values)
 
-    def replace(self, **kw) -> Checks:
+    def replace(self, **kw: bool) -> Checks:
         return dataclasses.replace(self, **kw)
 
     def disabled(self) -> list[str]:
@@ -215,7 +215,7 @@ class Mapper:
         for d in self._ordered(s, pool):
             if d.index in self.used:
                 owner = next(si for si, di in self.gpu_map.items() if di == d.index)
-                why[d.index] = f"compatible, but taken by gpu {self.src.node(owner).gpu_id:#06x}" \
+                why[d.index] = f"compatible, but taken by gpu {self.src.gpu_at(owner).gpu_id:#06x}" \
                     if not self.problems(s, d) else "; ".join(self.problems(s, d))
                 continue
             if self.problems(s, d):
@@ -260,7 +260,7 @@ class Mapper:
         in_hive = {g.index for h in self.src_hives for g in h}
         loose = [g for g in self.src.gpus if g.index not in in_hive]
         if self._place_hives(0, lambda: self._assign(loose, self.dst.gpus, lambda: True)):
-            return {self.src.node(s).gpu_id: self.dst.node(d).gpu_id for s, d in self.gpu_map.items()}
+            return {self.src.gpu_at(s).gpu_id: self.dst.gpu_at(d).gpu_id for s, d in self.gpu_map.items()}
         return None
 
 

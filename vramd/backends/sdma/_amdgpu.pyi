@@ -5,11 +5,16 @@
 # `ffi.new(...)` cdata.
 from typing import Any
 
-from cffi import FFI
+CData = Any  # cffi cdata: a pointer, a handle, or a struct (fields are read and written by name)
 
-CData = Any  # cffi cdata: a pointer, a handle, or a struct
+class _FFI:
+    NULL: CData
+    def new(self, cdecl: str, init: Any = ...) -> CData: ...
+    def cast(self, cdecl: str, value: Any) -> CData: ...
+    def memmove(self, dest: Any, src: Any, n: int) -> None: ...
+    def sizeof(self, cdecl: str | CData) -> int: ...
 
-ffi: FFI
+ffi: _FFI
 
 class _Lib:
     AMDGPU_HW_IP_DMA: int

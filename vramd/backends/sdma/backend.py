@@ -62,7 +62,7 @@ class SdmaBackend(Backend):
             raise BackendUnavailableError("no AMD GPU found in the KFD topology (VRAMD_AMDGPU_LIBRARY=model "
                                           "selects the software model)")
         try:
-            self.ffi, self.lib, path = load(library)
+            self.ffi, self.lib, _ = load(library)
         except Unavailable as e:
             raise BackendUnavailableError(str(e)) from None
         self.recommended_mask = recommended_mask or {}
@@ -111,7 +111,8 @@ class SdmaBackend(Backend):
         return Capabilities(
             name=self.name, can_read=True, can_write=True, preferred_chunk=8 << 20, max_inflight=IB_SLOTS_PER_RING,
             asynchronous_dma=True,
-            description="GPU SDMA engines via libdrm_amdgpu" + (" (SOFTWARE MODEL, not hardware)" if self.model else ""))
+            description="GPU SDMA engines via libdrm_amdgpu"
+                        + (" (SOFTWARE MODEL, not hardware)" if self.model else ""))
 
     def attach(self, pool: StagingPool) -> None:
         if self.pool is None:

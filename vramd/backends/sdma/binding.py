@@ -21,9 +21,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from cffi import FFI
-
-    from ._amdgpu import _Lib
+    from ._amdgpu import _FFI, _Lib
 
 LIBRARY_ENV = "VRAMD_AMDGPU_LIBRARY"
 BINDING = "vramd.backends.sdma._amdgpu"
@@ -43,7 +41,7 @@ def resolve(library: str | None) -> str:
     return MODEL_PATH if choice == "model" else choice
 
 
-def load(library: str | None = None) -> tuple[FFI, _Lib, str]:
+def load(library: str | None = None) -> tuple[_FFI, _Lib, str]:
     """(ffi, lib, path) for the chosen library (typed by _amdgpu.pyi); raises Unavailable with the reason."""
     path = resolve(library)
     with _lock:

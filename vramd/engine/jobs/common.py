@@ -178,6 +178,6 @@ class JobBase(Generic[BoT]):
             except VramdError:
                 pass
 
-    def _fail(self, exc: VramdError) -> VramdError:
+    def _fail(self, exc: VramdError) -> None:
+        """A BO could not be added: the whole job fails (an image is all or nothing)."""
         self.pipeline.fail(exc)
-        return exc

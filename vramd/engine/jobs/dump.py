@@ -1,4 +1,8 @@
-"""The dump job: BOs -> a new image.  Fill copies BO bytes into staging, transform encodes records, drain writes them."""
+"""The dump job: BOs -> a new image.
+
+Fill copies BO bytes into staging, transform encodes the chunk records,
+drain writes them; finish commits the image.
+"""
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
@@ -57,7 +61,8 @@ class DumpEnds:
             except VramdError:
                 raise
             except Exception as e:
-                raise blame(e, t)
+                blame(e, t)
+                raise
         return out
 
     async def drain(self, tasks: list[ChunkTask[DumpBo]], bufs: list[StagingBuffer],
@@ -120,7 +125,8 @@ class DumpJob(JobBase[DumpBo]):
                 bo = self.bos[spec.id]
                 self.pipeline.add(bo.gpu_id, self._chunks(bo), bo.size)
         except VramdError as e:
-            raise self._fail(e)
+            self._fail(e)
+            raise
 
     def _chunks(self, bo: DumpBo) -> Iterator[ChunkTask[DumpBo]]:
         for i, off in enumerate(range(0, bo.size, self.chunk_size)):

@@ -6,6 +6,7 @@ checks and decodes them; only the drain differs (restore.py, verify.py).
 from __future__ import annotations
 
 import asyncio
+from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ class ImageBo(CopiedBo):
         return self.entry
 
 
-class ImageReadEnds:
+class ImageReadEnds(ABC):
     """Fill and transform of every job that reads an image: records into staging, then checked and decoded.
 
     Restore and verify differ only in their drain (into the BOs, or nowhere)."""
@@ -87,10 +88,14 @@ class ImageReadEnds:
                 view[slot:slot + in_peek] = scratch[head_len:peek_len]
                 views = [view[slot + in_peek:slot + stored_len]] if stored_len > in_peek else []
                 nxt = tasks[i + 1] if i + 1 < len(tasks) else None
-                peeked = nxt is not None and nxt.record_offset == rec_off + rec_len and nxt.bo.manifest_entry.file_index == fi
+                then = None
+                if nxt is not None and nxt.record_offset == rec_off + rec_len \
+                        and nxt.bo.manifest_entry.file_index == fi:
+                    then = (nxt, scratch[:min(nxt.record_length, HEAD_PEEK)])
+                peeked = then is not None
                 try:
-                    if peeked:
-                        self._read(t, views, rec_off + peek_len, then=(nxt, scratch[:min(nxt.record_length, HEAD_PEEK)]))
+                    if then is not None:
+                        self._read(t, views, rec_off + peek_len, then=then)
                     elif views:
                         self._read(t, views, rec_off + peek_len)
                 finally:
@@ -106,14 +111,18 @@ class ImageReadEnds:
         peek), from consecutive file bytes at `offset`; a short read names the record it cuts."""
         want = sum(len(v) for v in views)
         fi = task.bo.manifest_entry.file_index
-        if then is not None:
-            views = views + [then[1]]
-        got = self.reader.readv(fi, views, offset)
-        if got < want + (len(then[1]) if then is not None else 0):
-            cut = task if got < want else then[0]
+        extra = [then[1]] if then is not None else []
+        got = self.reader.readv(fi, [*views, *extra], offset)
+        if got < want + sum(len(v) for v in extra):
+            cut = task if got < want or then is None else then[0]
             raise TruncatedDataError(
                 f"data file {self._names[fi]} ends inside a chunk record at {offset + got:#x}",
                 bo_id=cut.bo.id, offset=cut.offset)
+
+    @abstractmethod
+    async def drain(self, tasks: list[ChunkTask[ImageBo]], bufs: list[StagingBuffer],
+                    decoded: list[DecodedChunk]) -> None:
+        """Where the decoded chunks go: restore.py (into the BOs), verify.py (nowhere)."""
 
     def transform(self, tasks: list[ChunkTask[ImageBo]], bufs: list[StagingBuffer],
                   heads: list[bytes]) -> list[DecodedChunk]:
@@ -126,7 +135,8 @@ class ImageReadEnds:
             except VramdError:
                 raise
             except Exception as e:
-                raise blame(e, t)
+                blame(e, t)
+                raise
         return decoded
 
 

@@ -54,7 +54,8 @@ class RestoreJob(ImageJob):
             for t in todo:
                 self._queue(self.bos[t.bo_id])
         except VramdError as e:
-            raise self._fail(e)
+            self._fail(e)
+            raise
 
     def _check_complete(self) -> None:
         missing = [bo.id for bo in self.manifest.bos if bo.id not in self.bos]
