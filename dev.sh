@@ -2,6 +2,8 @@
 # The whole setup on a fresh Debian 12 machine, and the two things it is for.
 #   ./dev.sh demo [demo args]   install what is missing, then run the end-to-end demo
 #   ./dev.sh test [pytest args] install what is missing, then run the test suite
+#   ./dev.sh check              the gates CI runs before the tests: ruff, mypy, the layer
+#                               contract, the SDMA model's own C tests (plain, ASan+UBSan, TSan)
 # Installs apt packages only when something is missing (as root, or via sudo),
 # and keeps the virtual environment in .venv (rebuilt when pyproject.toml changes).
 set -euo pipefail
@@ -43,10 +45,27 @@ ensure_venv() {
     touch "$stamp"
 }
 
+check() {
+    local py=.venv/bin/python out
+    out=$(mktemp -d)
+    trap 'rm -rf "$out"' RETURN
+    echo "== ruff";          .venv/bin/ruff check vramd tests bench proto
+    echo "== mypy";          .venv/bin/mypy                      # the whole package; --strict where pyproject says
+    echo "== mypy --strict"; .venv/bin/mypy --strict vramd/protocol vramd/image vramd/hostmem vramd/engine
+    echo "== layers";        .venv/bin/lint-imports
+    if have_libdrm; then
+        for flavour in "" --asan --tsan; do
+            echo "== SDMA model C tests ${flavour:-(plain)}"
+            $py native/model/build.py --test $flavour "$out" | tail -1
+        done
+    fi
+}
+
 cmd="${1:-}"
 shift || true
 case "$cmd" in
     demo) ensure_system; ensure_venv; exec .venv/bin/python -m vramd.demo "$@" ;;
     test) ensure_system; ensure_venv; exec .venv/bin/python -m pytest "$@" ;;
-    *) sed -n '2,7p' "$0" >&2; exit 2 ;;
+    check) ensure_system; ensure_venv; check ;;
+    *) sed -n '2,9p' "$0" >&2; exit 2 ;;
 esac

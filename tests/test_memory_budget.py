@@ -49,6 +49,7 @@ def big_child():
         yield w
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("compression", ["none", "zstd"])
 def test_peak_rss_within_budget(big_child, tmp_path, compression):
     r = big_child.regions[0]

@@ -92,6 +92,7 @@ def test_mmap_round_trip_with_memfds(image_dir, compression):
             os.close(fd)
 
 
+@pytest.mark.slow
 def test_large_bo_over_4gib_round_trips(image_dir):
     """A BO larger than 4 GiB, mostly zero, with data around the 32-bit boundaries."""
     _, dfd = image_dir

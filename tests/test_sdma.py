@@ -131,6 +131,7 @@ def test_model_catches_wrong_packets(image_dir, monkeypatch, fault):
     os.close(bo)
 
 
+@pytest.mark.slow
 @needs_model
 def test_bo_larger_than_4_gib(image_dir):
     from vramd.engine import RestoreTarget

@@ -175,8 +175,8 @@ async def _errors_name_the_bo(make: Callable[[], Subject]) -> None:
             else:
                 raise AssertionError(f"a closed fd was accepted for {direction.value}")
         ref, _ = s.new_bo(_data(2 * PAGE, 4))
-        try:
-            h: BoHandle | None = s.backend.open(8, ref, 64 * PAGE, GPU, Direction.READ)
+        try:  # 1 TiB: past any fd's end, and past the end of user address space for procmem
+            h: BoHandle | None = s.backend.open(8, ref, 1 << 40, GPU, Direction.READ)
         except BackendError as e:
             assert e.bo_id == 8, e
             h = None
