@@ -216,6 +216,14 @@ def error_class(code: str) -> type[VramdError]:
     return WIRE_ERRORS.get(code, VramdError)
 
 
+def from_os_error(e: OSError, what: str, cls: type[VramdError] = VramdError, *, bo_id: int | None = None,
+                  offset: int | None = None) -> VramdError:
+    """The one translation of an OSError: `cls` with "<what>: <the system's reason>", naming the BO if any.
+
+    `what` names the file, directory or fd involved, as the caller knows it."""
+    return cls(f"{what}: {e.strerror or e}", bo_id=bo_id, offset=offset)
+
+
 def error_from_wire(code: str, message: str, bo_id: int | None = None, offset: int | None = None) -> VramdError:
     """Rebuild the typed error a peer reported (its own constructor is not run: only the wire fields exist)."""
     cls = error_class(code)

@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Iterable, Mapping, MutableMapping, Sequen
 from dataclasses import dataclass, field
 from typing import ClassVar, Self
 
-from ..errors import BadDescriptorError
+from ..errors import BadDescriptorError, from_os_error
 from ..hostmem.staging import StagingBuffer, StagingPool
 
 
@@ -213,7 +213,7 @@ def _check_fd(fd: int, direction: Direction, *, bo_id: int, write_needs_rdwr: bo
         st = os.fstat(fd)
         flags = fcntl.fcntl(fd, fcntl.F_GETFL)
     except OSError as e:
-        raise BadDescriptorError(f"fd {fd} is not usable: {e.strerror}", bo_id=bo_id) from None
+        raise from_os_error(e, f"fd {fd} is not usable", BadDescriptorError, bo_id=bo_id) from None
     if stat.S_ISDIR(st.st_mode):
         raise BadDescriptorError(f"fd {fd} is a directory, not a BO", bo_id=bo_id)
     if flags & getattr(os, "O_PATH", 0o10000000):

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..backends.sdma.binding import Unavailable, is_model, load
+from ..backends.sdma.packets import GPU_PAGE
 from ..client import SESSION_DUMP, SESSION_RESTORE, Client, ClientBo
 from ..hostmem.libc import ffi as mffi
 from ..hostmem.libc import pointer
@@ -63,7 +64,7 @@ class VramBo:
         self.ffi, self.lib = ffi, lib
         req = ffi.new("struct amdgpu_bo_alloc_request *")
         req.alloc_size = size
-        req.phys_alignment = 4096
+        req.phys_alignment = GPU_PAGE
         req.preferred_heap = lib.AMDGPU_GEM_DOMAIN_VRAM
         req.flags = lib.AMDGPU_GEM_CREATE_CPU_ACCESS_REQUIRED
         bo = ffi.new("amdgpu_bo_handle *")

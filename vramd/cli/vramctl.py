@@ -97,6 +97,17 @@ def rate(nbytes: int, seconds: float) -> str:
 
 # --- sessions ----------------------------------------------------------------
 
+def transfer(ns: argparse.Namespace, kind: rpc.SessionKind, dfd: int, bos: list[ClientBo], what: str,
+             **open_kw: Any) -> tuple[rpc.SessionInfo, float]:
+    """One dump or restore session through the daemon: (its final info, seconds it took)."""
+    with Client(ns.socket, name="vramctl") as c:
+        t0 = time.monotonic()
+        s = c.open_session(kind, dfd, label=f"vramctl {what} pid {ns.pid}", **open_kw)
+        c.add_bos(s.token, bos)
+        info = run_session(ns, c, s.token, what)
+        return info, time.monotonic() - t0
+
+
 def run_session(ns: argparse.Namespace, client: Client, token: str, what: str) -> rpc.SessionInfo:
     """Start the session and follow it to its end (a bar on a TTY), then close it."""
     client.start(token)
@@ -153,12 +164,7 @@ def cmd_dump(ns: argparse.Namespace) -> int:
                                 name=os.path.abspath(path)))
         dfd = open_image_dir(ns.image, create=True)
         fds.append(dfd)
-        with Client(ns.socket, name="vramctl") as c:
-            t0 = time.monotonic()
-            s = c.open_session(SESSION_DUMP, dfd, compression=ns.compress or "", label=f"vramctl dump pid {ns.pid}")
-            c.add_bos(s.token, bos)
-            info = run_session(ns, c, s.token, "dump")
-            secs = time.monotonic() - t0
+        info, secs = transfer(ns, SESSION_DUMP, dfd, bos, "dump", compression=ns.compress or "")
     finally:
         for fd in fds:
             os.close(fd)
@@ -200,12 +206,7 @@ def cmd_restore(ns: argparse.Namespace) -> int:
             else:
                 raise Failure(f"BO {e.id} was saved from a {SOURCE_NAMES.get(e.source, 'unknown')} source that "
                               "vramctl cannot target; restore it through the plugin that dumped it")
-        with Client(ns.socket, name="vramctl") as c:
-            t0 = time.monotonic()
-            s = c.open_session(SESSION_RESTORE, dfd, label=f"vramctl restore pid {ns.pid}")
-            c.add_bos(s.token, bos)
-            info = run_session(ns, c, s.token, "restore")
-            secs = time.monotonic() - t0
+        info, secs = transfer(ns, SESSION_RESTORE, dfd, bos, "restore")
     finally:
         for fd in fds:
             os.close(fd)

@@ -22,7 +22,7 @@ from ..hostmem.staging import StagingPool
 from ..image.codec import Compression
 from ..image.reader import ImageReader
 from ..pb import image_pb2 as pb
-from ..units import MiB
+from ..units import PAGE, MiB
 from .jobs import BoSpec, DumpJob, JobContext, RestoreJob, RestoreTarget, VerifyJob
 from .pipeline import Progress, ProgressCallback
 
@@ -45,7 +45,7 @@ class EngineConfig:
     recommended_mask: dict[int, int] = field(default_factory=dict)  # gpu_id -> SDMA engines for host copies
 
     def check(self) -> None:
-        if not 4096 <= self.chunk_size <= 1 << 30 or self.chunk_size % 4096:
+        if not PAGE <= self.chunk_size <= 1 << 30 or self.chunk_size % PAGE:
             raise InvalidRequestError(f"chunk size {self.chunk_size} must be a multiple of 4 KiB, at most 1 GiB")
         if self.workers_per_gpu < 1 or self.cpu_threads < 1 or self.io_threads < 1:
             raise InvalidRequestError("worker and thread counts must be at least 1")

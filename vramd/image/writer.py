@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from .. import __version__
-from ..errors import InvalidRequestError, VramdError
+from ..errors import InvalidRequestError, VramdError, from_os_error
 from ..pb import image_pb2 as pb
 from .fileio import FILE_MODE, pwrite_all, read_manifest
 from .format import FORMAT_VERSION, MANIFEST_NAME, Bytes, data_file_name, encode_data_header, encode_manifest
@@ -64,14 +64,14 @@ class ImageWriter:
         try:
             self._lock_fd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=dir_fd)
         except OSError as e:
-            raise InvalidRequestError(f"image directory fd {dir_fd} is unusable: {e.strerror}") from None
+            raise from_os_error(e, f"image directory fd {dir_fd} is unusable", InvalidRequestError) from None
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
             os.close(self._lock_fd)
             if e.errno == errno.EWOULDBLOCK:
                 raise InvalidRequestError("another dump is writing into this image directory") from None
-            raise InvalidRequestError(f"cannot lock the image directory: {e.strerror}") from None
+            raise from_os_error(e, "cannot lock the image directory", InvalidRequestError) from None
         self.dir_fd = dir_fd
         self.image_id = os.urandom(16)
         self.chunk_size = chunk_size
@@ -88,7 +88,7 @@ class ImageWriter:
             try:
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE, dir_fd=self.dir_fd)
             except OSError as e:
-                raise VramdError(f"cannot create {tmp} in the image directory: {e.strerror}") from None
+                raise from_os_error(e, f"cannot create {tmp} in the image directory") from None
             self._owned.append(tmp)
             header = encode_data_header(self.image_id)
             pwrite_all(fd, [header], 0)

@@ -13,7 +13,14 @@ import stat
 from collections.abc import Iterator
 
 from ..engine import Engine, Job
-from ..errors import InvalidRequestError, LimitExceededError, NotFoundError, PermissionDeniedError, TopologyError
+from ..errors import (
+    InvalidRequestError,
+    LimitExceededError,
+    NotFoundError,
+    PermissionDeniedError,
+    TopologyError,
+    from_os_error,
+)
 from ..image.codec import Compression
 from ..pb import image_pb2 as pb
 from ..pb import rpc_pb2 as rpc
@@ -76,7 +83,7 @@ class SessionTable:
         try:
             st = os.fstat(dir_fd)
         except OSError as e:
-            raise InvalidRequestError(f"image directory fd is not usable: {e.strerror}") from None
+            raise from_os_error(e, "image directory fd is not usable", InvalidRequestError) from None
         if not stat.S_ISDIR(st.st_mode):
             raise InvalidRequestError("the image directory fd is not a directory")
         if req.kind == rpc.SESSION_DUMP:

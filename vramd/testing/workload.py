@@ -35,6 +35,7 @@ from ..hostmem.libc import (
     ffi,
     libc,
 )
+from ..units import PAGE
 
 PROT_RW = PROT_READ | PROT_WRITE
 
@@ -148,7 +149,7 @@ def blank_spec_like(regions: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """A spec mapping the same addresses, filled with garbage, for a restore target."""
     out = []
     for r in regions:
-        skew = r["addr"] % 4096
+        skew = r["addr"] % PAGE
         out.append({"size": r["size"], "at": r["addr"] - skew, "skew": skew, "fill": "blank"})
     return out
 

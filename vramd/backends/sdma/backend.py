@@ -33,13 +33,13 @@ import threading
 from collections.abc import Sequence
 from typing import Self
 
-from ...errors import BackendError, BackendUnavailableError, TargetTooSmallError
+from ...errors import BackendError, BackendUnavailableError, TargetTooSmallError, from_os_error
 from ...hostmem.staging import StagingBuffer, StagingPool
 from ...units import round_up
 from ..base import Backend, BackendOptions, BoHandle, BoRef, Capabilities, CopyItem, Direction, FdMemo
 from .binding import Unavailable, is_model, load, resolve
 from .device import GpuDevice, Handle, Ring, SdmaBo
-from .packets import IB_SLOT_BYTES, IB_SLOTS_PER_RING, TIMEOUT_INFINITE, copy_linear_packets
+from .packets import GPU_PAGE, IB_SLOT_BYTES, IB_SLOTS_PER_RING, TIMEOUT_INFINITE, copy_linear_packets
 
 log = logging.getLogger("vramd.backends.sdma")
 
@@ -103,7 +103,7 @@ class SdmaBackend(Backend):
         try:
             return os.open(path, os.O_RDWR | os.O_CLOEXEC)
         except OSError as e:
-            raise BackendUnavailableError(f"cannot open {path} for GPU {gpu_id:#x}: {e.strerror}") from None
+            raise from_os_error(e, f"cannot open {path} for GPU {gpu_id:#x}", BackendUnavailableError) from None
 
     # --- the Backend interface -----------------------------------------------
 
@@ -137,7 +137,7 @@ class SdmaBackend(Backend):
             self.cleanup(lib.amdgpu_bo_free(bo), "amdgpu_bo_free")
             raise TargetTooSmallError(f"dmabuf fd {ref.fd} holds {have} bytes; the BO needs {size} bytes at offset "
                                       f"{ref.offset:#x}", bo_id=bo_id, offset=max(0, have - ref.offset))
-        map_size = round_up(max(have, 1))
+        map_size = round_up(max(have, 1), GPU_PAGE)
         try:
             va, vah = g.map_va(bo, map_size, f"BO {bo_id}", bo_id=bo_id)
         except BaseException:

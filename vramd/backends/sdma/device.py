@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from ...errors import BackendUnavailableError
 from ...hostmem.staging import StagingBuffer
 from ..base import BoHandle, Direction
-from .packets import IB_SLOT_BYTES, IB_SLOTS_PER_RING, KERNEL_DMA_RINGS, PAGE
+from .packets import GPU_PAGE, IB_SLOT_BYTES, IB_SLOTS_PER_RING, KERNEL_DMA_RINGS
 
 if TYPE_CHECKING:
     from .backend import SdmaBackend
@@ -90,7 +90,7 @@ class GpuDevice:
         b._rc(lib.amdgpu_cs_ctx_create(self.dev, ctx), "amdgpu_cs_ctx_create")
         req = ffi.new("struct amdgpu_bo_alloc_request *")
         req.alloc_size = IB_SLOT_BYTES * IB_SLOTS_PER_RING
-        req.phys_alignment = PAGE
+        req.phys_alignment = GPU_PAGE
         req.preferred_heap = lib.AMDGPU_GEM_DOMAIN_GTT
         bo = ffi.new("amdgpu_bo_handle *")
         b._rc(lib.amdgpu_bo_alloc(self.dev, req, bo), "amdgpu_bo_alloc (IB)")
@@ -105,7 +105,7 @@ class GpuDevice:
         b, ffi, lib = self.b, self.b.ffi, self.b.lib
         va = ffi.new("uint64_t *")
         vah = ffi.new("amdgpu_va_handle *")
-        b._rc(lib.amdgpu_va_range_alloc(self.dev, lib.amdgpu_gpu_va_range_general, size, PAGE, 0, va, vah, 0),
+        b._rc(lib.amdgpu_va_range_alloc(self.dev, lib.amdgpu_gpu_va_range_general, size, GPU_PAGE, 0, va, vah, 0),
                 f"amdgpu_va_range_alloc ({what})", bo_id=bo_id)
         rc = lib.amdgpu_bo_va_op(bo, 0, size, va[0], 0, lib.AMDGPU_VA_OP_MAP)
         if rc:

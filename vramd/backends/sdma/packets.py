@@ -9,7 +9,7 @@ from __future__ import annotations
 import array
 from collections.abc import Iterable
 
-PAGE = 4096
+GPU_PAGE = 4096  # the GPU VM's page: VA ranges and the BOs mapped there align to it
 SDMA_OP_NOP = 0
 SDMA_OP_COPY = 1
 SDMA_SUBOP_COPY_LINEAR = 0
