@@ -143,10 +143,6 @@ class Progress:
     per_gpu_bytes: dict[int, int] = field(default_factory=dict)
     per_backend_bytes: dict[str, int] = field(default_factory=dict)  # BO bytes each backend copied
 
-    def as_dict(self) -> dict[str, Any]:
-        return {"bos_total": self.bos_total, "bos_done": self.bos_done, "bytes_total": self.bytes_total,
-                "bytes_done": self.bytes_done, "chunks_done": self.chunks_done,
-                "per_gpu_bytes": dict(self.per_gpu_bytes), "per_backend_bytes": dict(self.per_backend_bytes)}
 
 
 ProgressCallback = Callable[[Progress], None]

@@ -12,8 +12,7 @@ from collections.abc import Iterable, Sequence
 
 from ..errors import BadDescriptorError
 
-# recvmsg's ancillary data / sendmsg's: (level, type, data)
-AncData = list[tuple[int, int, bytes]]
+# sendmsg's ancillary data: (level, type, data)
 SendAncData = list[tuple[int, int, "array.array[int]"]]
 
 

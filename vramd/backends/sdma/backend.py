@@ -229,7 +229,6 @@ class SdmaBackend(Backend):
             with ring.lock:
                 ring.free_slots.append(slot)
             raise
-        ring.submitted += 1
         seq: int = req.seq_no
         return seq, slot
 

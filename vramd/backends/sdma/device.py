@@ -41,7 +41,6 @@ class Ring:
     waiter: ThreadPoolExecutor
     free_slots: list[int] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
-    submitted: int = 0
 
 
 class GpuDevice:
