@@ -64,7 +64,7 @@ check() {
 cmd="${1:-}"
 shift || true
 case "$cmd" in
-    demo) ensure_system; ensure_venv; exec .venv/bin/python -m vramd.demo "$@" ;;
+    demo) ensure_system; ensure_venv; exec .venv/bin/python -m vramd.cli.demo "$@" ;;
     test) ensure_system; ensure_venv; exec .venv/bin/python -m pytest "$@" ;;
     check) ensure_system; ensure_venv; check ;;
     *) sed -n '2,9p' "$0" >&2; exit 2 ;;
