@@ -5,8 +5,9 @@
   and the SDMA backend reports itself unavailable with the reason.
   VRAMD_BUILD_NATIVE=0 skips it on purpose.
 - vramd/_model/libdrm_amdgpu_model.so (native/model/): the software model of
-  libdrm_amdgpu + SDMA that the backend is verified against here, built
-  with the binding when the same headers are present.
+  libdrm_amdgpu + SDMA that the backend is verified against here.  Not part
+  of a production build: built only when VRAMD_BUILD_MODEL=1 (dev.sh and CI
+  set it) and the same headers are present.
 """
 import importlib.util
 import os
@@ -24,12 +25,13 @@ def have_libdrm_amdgpu() -> bool:
 
 
 NATIVE = os.environ.get("VRAMD_BUILD_NATIVE", "1") != "0" and have_libdrm_amdgpu()
+MODEL = NATIVE and os.environ.get("VRAMD_BUILD_MODEL") == "1"
 
 
 class BuildExtWithModel(build_ext):
     def run(self):
         super().run()
-        if not NATIVE or not os.path.exists("native/model/build.py"):
+        if not MODEL:
             return
         spec = importlib.util.spec_from_file_location("vramd_model_build", "native/model/build.py")
         model_build = importlib.util.module_from_spec(spec)  # not `import build`: PyPA's build may be loaded
