@@ -2,7 +2,11 @@
 
 What it does differently from CRIU's amdgpu plugin loop (docs/sdma.md):
 - one device handle per GPU (render node), opened once and reused;
-- each BO's dmabuf imported and VA-mapped once per job, at open();
+- each BO's dmabuf imported and VA-mapped once per job, before its first
+  copy; open() only checks the fd and its size (no libdrm call on the loop);
+- every libdrm call but the fence wait in one submit thread per GPU (device
+  setup, import, VA mapping, userptr registration, submission, release);
+- a batch that finds every IB slot of its ring in flight waits for one;
 - each staging buffer registered once as a userptr BO per GPU, for its whole
   life in the pool (unregistered when the pool frees it);
 - one context and one IB buffer (with slots) per ring, reused for every
