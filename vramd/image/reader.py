@@ -1,12 +1,13 @@
 """A committed image opened for reading: the manifest checked, every data file opened and checked up front."""
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Sequence
 
-from ..errors import TruncatedDataError
+from ..errors import ForeignDataFileError, TruncatedDataError
 from ..pb import image_pb2 as pb
-from .fileio import preadv_all, read_manifest
+from .fileio import image_os_error, open_regular, pread_into, preadv_all, read_manifest
 from .format import DATA_HEADER, check_data_header
 
 
@@ -21,24 +22,39 @@ class ImageReader:
 
     @classmethod
     async def open(cls, dir_fd: int) -> ImageReader:
+        """Read and check the manifest, then open and check every data file (file I/O in a thread).
+
+        The manifest's file names were checked by decode_manifest (plain names of this
+        format only); each is opened O_NOFOLLOW|O_NONBLOCK and must be a regular file.
+        """
         manifest = await read_manifest(dir_fd)
+        fds = await asyncio.get_running_loop().run_in_executor(None, cls._open_files, dir_fd, manifest)
+        return cls(dir_fd, manifest, fds)
+
+    @classmethod
+    def _open_files(cls, dir_fd: int, manifest: pb.Manifest) -> list[int]:
         fds: list[int] = []
         try:
             for df in manifest.files:
                 try:
-                    fd = os.open(df.name, os.O_RDONLY | os.O_CLOEXEC, dir_fd=dir_fd)
+                    fd = open_regular(df.name, dir_fd, ForeignDataFileError)
                 except FileNotFoundError:
                     raise TruncatedDataError(f"data file {df.name} listed in the manifest is missing") from None
                 fds.append(fd)
-                check_data_header(os.pread(fd, DATA_HEADER.size, 0), manifest.image_id, df.name)
-                size = os.fstat(fd).st_size
+                header = memoryview(bytearray(DATA_HEADER.size))
+                try:
+                    got = pread_into(fd, header, 0)
+                    size = os.fstat(fd).st_size
+                except OSError as e:
+                    raise image_os_error(e, f"cannot read data file {df.name}") from None
+                check_data_header(bytes(header[:got]), manifest.image_id, df.name)
                 if size < df.length:
                     raise cls._truncation(manifest, df, len(fds) - 1, size)
         except BaseException:
             for fd in fds:
                 os.close(fd)
             raise
-        return cls(dir_fd, manifest, fds)
+        return fds
 
     @staticmethod
     def _truncation(manifest: pb.Manifest, df: pb.DataFile, index: int, size: int) -> TruncatedDataError:

@@ -5,18 +5,19 @@ drain writes them; finish commits the image.
 """
 from __future__ import annotations
 
+import array
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from ...backends import Direction, land_all
-from ...errors import InvalidRequestError, VramdError
+from ...errors import InvalidRequestError, JobError, VramdError
 from ...hostmem.staging import StagingBuffer
 from ...image.codec import Compression, EncodedChunk, encode_chunk
 from ...image.format import Bytes, chunk_count
 from ...image.writer import DataFileWriter, ImageWriter
 from ...pb import image_pb2 as pb
 from ..pipeline import ChunkTask, ProgressCallback, blame, settle
-from .common import BoSpec, CopiedBo, JobBase, JobContext, submit_batch
+from .common import BoSpec, CopiedBo, JobBase, JobContext, check_bo_range, submit_batch
 
 SOURCE_KINDS = {"procmem": pb.SOURCE_PROCMEM, "mmap": pb.SOURCE_MMAP, "sdma": pb.SOURCE_SDMA}
 
@@ -27,9 +28,30 @@ class DumpBo(CopiedBo):
 
     spec: BoSpec | None = None
     file: DataFileWriter | None = None
-    records: list[tuple[int, int] | None] = field(default_factory=list)  # (file offset, length) per chunk
+    # The records written so far, appended as they land (in any order): chunk index, file
+    # offset, length, record checksum.  Compact, and empty until bytes move, so a BO costs
+    # the same memory whatever size it declares.
+    rec_index: array.array[int] = field(default_factory=lambda: array.array("Q"))
+    rec_offset: array.array[int] = field(default_factory=lambda: array.array("Q"))
+    rec_length: array.array[int] = field(default_factory=lambda: array.array("I"))
+    rec_checksum: array.array[int] = field(default_factory=lambda: array.array("Q"))
     stored_bytes: int = 0
     zero_bytes: int = 0
+
+    def landed(self, index: int, offset: int, length: int, checksum: int) -> None:
+        self.rec_index.append(index)
+        self.rec_offset.append(offset)
+        self.rec_length.append(length)
+        self.rec_checksum.append(checksum)
+
+    def records(self, nchunks: int) -> tuple[list[int], list[int], list[int]]:
+        """(offsets, lengths, checksums) in chunk order; every chunk must have landed exactly once."""
+        if len(self.rec_index) != nchunks or sorted(self.rec_index) != list(range(nchunks)):
+            raise JobError(f"internal error: {len(self.rec_index)} records landed for {nchunks} chunks",
+                           bo_id=self.id)
+        order = sorted(range(nchunks), key=self.rec_index.__getitem__)
+        return ([self.rec_offset[i] for i in order], [self.rec_length[i] for i in order],
+                [self.rec_checksum[i] for i in order])
 
 
 class DumpEnds:
@@ -83,10 +105,10 @@ class DumpEnds:
                     if enc.payload:
                         iov.append(enc.payload)
                 off = file.reserve(sum(enc.record_length for _, enc in pieces))
-                writes.append(file.write(iov, off))
+                writes.append(file.write(iov, off, bo_id=pieces[0][0].bo.id, bo_offset=pieces[0][0].offset))
                 for t, enc in pieces:
                     bo = t.bo
-                    bo.records[t.index] = (off, enc.record_length)
+                    bo.landed(t.index, off, enc.record_length, enc.record_checksum)
                     off += enc.record_length
                     bo.stored_bytes += len(enc.payload)
                     if enc.codec == pb.CODEC_ZERO:
@@ -113,13 +135,11 @@ class DumpJob(JobBase[DumpBo]):
             for spec in todo:
                 if spec.id in self.bos:
                     raise InvalidRequestError("BO id given twice", bo_id=spec.id)
-                if spec.size < 0:
-                    raise InvalidRequestError("negative BO size", bo_id=spec.id)
+                check_bo_range(spec.id, spec.size, spec.ref, self.ctx.max_bo_bytes)
                 backend = self._backend(spec.ref.kind, spec.id)
                 handle = backend.open(spec.id, spec.ref, spec.size, spec.gpu_id, Direction.READ, checked=self._checked)
-                nchunks = chunk_count(spec.size, self.chunk_size)
                 bo = self.bos[spec.id] = DumpBo(spec.id, spec.gpu_id, spec.size, backend, handle,
-                                                chunks_left=nchunks, spec=spec, records=[None] * nchunks)
+                                                chunks_left=chunk_count(spec.size, self.chunk_size), spec=spec)
                 bo.file = self.writer.data_file(spec.gpu_id) if spec.size else None
             for spec in todo:
                 bo = self.bos[spec.id]
@@ -139,18 +159,19 @@ class DumpJob(JobBase[DumpBo]):
             return await self.writer.commit(self._entries(), self._totals(), self.topology_json)
         finally:
             self._release_all()
-            self.writer.close()
+            await settle(self.writer.aclose())
 
     def _entries(self) -> list[pb.BoEntry]:
         out = []
         for bo in self.bos.values():
             s = bo.spec
-            assert s is not None and None not in bo.records  # finish() runs after every chunk landed
+            assert s is not None
+            offsets, lengths, checksums = bo.records(chunk_count(s.size, self.chunk_size))
             out.append(pb.BoEntry(
                 id=s.id, gpu_id=s.gpu_id, size=s.size, alloc_flags=s.alloc_flags, va_addr=s.va_addr,
                 source=SOURCE_KINDS.get(s.ref.kind, pb.SOURCE_UNSPECIFIED), source_offset=s.ref.offset,
                 name=s.name, file_index=bo.file.index if bo.file else 0,
-                record_offsets=[r[0] for r in bo.records if r], record_lengths=[r[1] for r in bo.records if r],
+                record_offsets=offsets, record_lengths=lengths, record_checksums=checksums,
                 stored_bytes=bo.stored_bytes, zero_bytes=bo.zero_bytes,
             ))
         return out
@@ -159,4 +180,4 @@ class DumpJob(JobBase[DumpBo]):
         bos = self.bos.values()
         return pb.Totals(bo_count=len(self.bos), bo_bytes=sum(b.size for b in bos),
                          stored_bytes=sum(b.stored_bytes for b in bos), zero_bytes=sum(b.zero_bytes for b in bos),
-                         chunk_count=sum(len(b.records) for b in bos))
+                         chunk_count=sum(len(b.rec_index) for b in bos))

@@ -15,6 +15,7 @@ from ...backends import Direction
 from ...errors import CorruptChunkError, TruncatedDataError, VramdError
 from ...hostmem.staging import StagingBuffer, StagingPool
 from ...image.codec import DecodedChunk, decode_chunk
+from ...image.fileio import image_os_error
 from ...image.format import HEAD_PEEK, record_head_length
 from ...image.reader import ImageReader
 from ...pb import image_pb2 as pb
@@ -112,7 +113,11 @@ class ImageReadEnds(ABC):
         want = sum(len(v) for v in views)
         fi = task.bo.manifest_entry.file_index
         extra = [then[1]] if then is not None else []
-        got = self.reader.readv(fi, [*views, *extra], offset)
+        try:
+            got = self.reader.readv(fi, [*views, *extra], offset)
+        except OSError as e:
+            raise image_os_error(e, f"cannot read data file {self._names[fi]} at {offset:#x}",
+                                 bo_id=task.bo.id, offset=task.offset) from None
         if got < want + sum(len(v) for v in extra):
             cut = task if got < want or then is None else then[0]
             raise TruncatedDataError(
@@ -129,9 +134,11 @@ class ImageReadEnds(ABC):
         stored, out = bufs[-1], (bufs[0] if len(bufs) > 1 else None)
         decoded = []
         for t, head in zip(tasks, heads):
+            bound = t.bo.manifest_entry.record_checksums  # empty in images from before records were bound
             try:
                 decoded.append(decode_chunk(t.bo.id, t.offset, t.length, head, stored, t.record_length - len(head),
-                                            out, where=self._where(t), buf_offset=t.buf_offset))
+                                            out, where=self._where(t), buf_offset=t.buf_offset,
+                                            record_checksum=bound[t.index] if bound else None))
             except VramdError:
                 raise
             except Exception as e:
