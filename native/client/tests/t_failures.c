@@ -431,6 +431,9 @@ static int t_daemon_stopped(void)
     kill(dpid, SIGCONT);
     CHECK(r == -ETIME && took >= 0.45 && took < 3.0, "wait on a stopped daemon: %d after %.2f s", r, took);
     vramd_close(c);
+    OK(test_connect(&c, &err), &err); /* close the session from another connection */
+    OK(vramd_close_session(c, &t, NULL, &err), &err);
+    vramd_close(c);
     close(dfd);
     remove_dir(path);
     return 0;
