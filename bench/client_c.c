@@ -22,6 +22,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -33,6 +34,14 @@ static double now(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+static double cpu(void)
+{
+    struct rusage ru;
+    getrusage(RUSAGE_SELF, &ru);
+    return (double)ru.ru_utime.tv_sec + (double)ru.ru_utime.tv_usec / 1e6 + (double)ru.ru_stime.tv_sec +
+           (double)ru.ru_stime.tv_usec / 1e6;
 }
 
 static int die(const char *what, const struct vramd_error *err)
@@ -152,7 +161,9 @@ int main(int argc, char **argv)
     o.client_name = "client_c bench";
     if (vramd_connect_path(&c, sock, &o, &err) < 0)
         die("connect", &err);
+    double c0 = cpu();
     double dump_s = session(c, VRAMD_SESSION_DUMP, dfd, src, n);
+    double dump_cpu = cpu() - c0;
     if (!procmem) { /* untimed: make the targets garbage */
         uint8_t *junk = malloc(size);
         if (!junk)
@@ -163,7 +174,9 @@ int main(int argc, char **argv)
                 die("pwrite", NULL);
         free(junk);
     }
+    c0 = cpu();
     double restore_s = session(c, VRAMD_SESSION_RESTORE, dfd, dst, n);
+    double restore_cpu = cpu() - c0;
     vramd_close(c);
 
     /* the restored bytes must be the dumped ones */
@@ -185,8 +198,8 @@ int main(int argc, char **argv)
     free(x);
     free(y);
     printf("{\"client\": \"c\", \"mode\": \"%s\", \"bos\": %zu, \"bo_size\": %zu, \"dump_s\": %.6f, "
-           "\"restore_s\": %.6f, \"checked_bad\": %zu}\n",
-           mode, n, size, dump_s, restore_s, bad);
+           "\"restore_s\": %.6f, \"dump_client_cpu_s\": %.6f, \"restore_client_cpu_s\": %.6f, \"checked_bad\": %zu}\n",
+           mode, n, size, dump_s, restore_s, dump_cpu, restore_cpu, bad);
     if (procmem) {
         close(mem_src);
         close(mem_dst);

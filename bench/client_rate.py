@@ -14,8 +14,9 @@ between repetitions.  Sources:
            like), so the BO fds travel in messages of at most 253;
   procmem  BOs are ranges of one process's memory, one /proc/<pid>/mem fd.
 Setup (creating the BOs, the source and target processes) is not timed.
-rate = BOs / wall seconds of a session; medians over --reps, every
-repetition kept in the JSON.  Targets (issue #9): C >= 1.0 x Python, and
+rate = BOs / wall seconds of a session; also the client process's own CPU
+time per session (getrusage), which does not depend on what else the
+machine runs; medians over --reps, every repetition kept in the JSON.  Targets (issue #9): C >= 1.0 x Python, and
 >= 20,000 BOs/s for procmem ranges.
 """
 from __future__ import annotations
@@ -32,6 +33,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -57,10 +59,16 @@ def holder() -> tuple[int, int]:
     return pid, w
 
 
-def py_session(c: Client, kind: int, dfd: int, bos: list[ClientBo]) -> float:
-    t0 = time.perf_counter()
+def cpu() -> float:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+def py_session(c: Client, kind: int, dfd: int, bos: list[ClientBo]) -> tuple[float, float]:
+    """(wall seconds, client CPU seconds) of one whole session."""
+    c0, t0 = cpu(), time.perf_counter()
     c.run_session(kind, dfd, bos)
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, cpu() - c0
 
 
 class PySide:
@@ -95,11 +103,11 @@ class PySide:
         d = tempfile.mkdtemp(prefix="client_py-", dir=base)
         dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            dump_s = py_session(c, SESSION_DUMP, dfd, src)
+            dump_s, dump_cpu = py_session(c, SESSION_DUMP, dfd, src)
             if mode == "memfd":  # untimed: make the targets garbage
                 for fd in self.memfds:
                     os.pwrite(fd, b"\xee" * size, 0)
-            restore_s = py_session(c, SESSION_RESTORE, dfd, dst)
+            restore_s, restore_cpu = py_session(c, SESSION_RESTORE, dfd, dst)
         finally:
             os.close(dfd)
             shutil.rmtree(d)
@@ -110,7 +118,8 @@ class PySide:
             got = [os.pread(self.mem_dst, size, self.addr + i * size) for i in range(0, n, max(1, n // 64))]
         if got != want:
             raise SystemExit(f"python client, {mode}: restored bytes differ")
-        return {"client": "python", "mode": mode, "dump_s": dump_s, "restore_s": restore_s}
+        return {"client": "python", "mode": mode, "dump_s": dump_s, "restore_s": restore_s,
+                "dump_client_cpu_s": dump_cpu, "restore_client_cpu_s": restore_cpu}
 
     def close(self) -> None:
         for fd in (*self.memfds, self.mem_src, self.mem_dst, self.src_ctl, self.dst_ctl):
@@ -118,6 +127,26 @@ class PySide:
         os.waitpid(self.src_pid, 0)
         os.waitpid(self.dst_pid, 0)
         self.region.close()
+
+
+def drain_notes(daemon: DaemonProcess) -> None:
+    """Keep reading the daemon's sd_notify datagrams after READY=1.
+
+    The daemon sends STATUS= every 5 s with a blocking send; once the
+    launcher's notify socket holds net.unix.max_dgram_qlen (10) unread
+    datagrams, that send blocks the daemon's event loop for good (seen: the
+    bench hung after about a minute).  A reader thread avoids it here."""
+    def loop() -> None:
+        sock = daemon.notify
+        while sock.fileno() >= 0:
+            try:
+                sock.settimeout(0.5)
+                sock.recv(4096)
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+    threading.Thread(target=loop, daemon=True).start()
 
 
 def c_run(binary: str, sock: str, base: str, mode: str, n: int, size: int) -> dict:
@@ -136,8 +165,9 @@ def summarise(runs: list[dict], n: int) -> dict:
             for client in ("c", "python"):
                 secs = [r[f"{direction}_s"] for r in runs if r["mode"] == mode and r["client"] == client]
                 med = statistics.median(secs)
+                cpus = [r[f"{direction}_client_cpu_s"] for r in runs if r["mode"] == mode and r["client"] == client]
                 row[client] = {"seconds_all": secs, "seconds_median": med, "bos_per_s_median": n / med,
-                               "bos_per_s_worst": n / max(secs)}
+                               "bos_per_s_worst": n / max(secs), "client_cpu_s_median": statistics.median(cpus)}
             row["c_over_python"] = row["c"]["bos_per_s_median"] / row["python"]["bos_per_s_median"]
             row["c_target_met"] = row["c_over_python"] >= 1.0 and (mode != "procmem" or
                                                                   row["c"]["bos_per_s_median"] >= 20_000)
@@ -158,6 +188,7 @@ def main() -> None:
     run_dir = tempfile.mkdtemp(prefix="vramd-bench-", dir="/tmp")
     base = tempfile.mkdtemp(prefix="vramd-bench-img-", dir=args.image_dir)
     daemon = DaemonProcess(run_dir, "--log-level", "warning", stderr=subprocess.DEVNULL)
+    drain_notes(daemon)
     runs: list[dict] = []
     try:
         py = PySide(args.bos, args.bo_size)
@@ -190,6 +221,8 @@ def main() -> None:
         for direction, row in dirs.items():
             print(f"{mode:8s} {direction:8s} C {row['c']['bos_per_s_median']:9.0f} BOs/s  "
                   f"Python {row['python']['bos_per_s_median']:9.0f} BOs/s  C/Python {row['c_over_python']:.2f}  "
+                  f"client CPU C {row['c']['client_cpu_s_median'] * 1e3:6.1f} ms "
+                  f"Python {row['python']['client_cpu_s_median'] * 1e3:6.1f} ms  "
                   f"{'met' if row['c_target_met'] else 'MISSED'}")
     if args.out:
         with open(args.out, "w") as f:
