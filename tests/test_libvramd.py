@@ -207,6 +207,59 @@ def test_daemon_that_stops_answering(build, daemon):
     run_suite(daemon, [str(build / TESTS_BIN)], ["daemon_stopped"], 120, VRAMD_TEST_DAEMON_PID=daemon.pid)
 
 
+class OwnDaemon:
+    """A daemon with options the `daemon` fixture does not take (a config file), ready when it
+    says READY=1 over sd_notify; stopped with SIGTERM.  Kept short-lived (see above)."""
+
+    def __init__(self, run_dir: str, *args: str):
+        import socket
+        self.socket = os.path.join(run_dir, "own.sock")
+        self.notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+        self.notify.bind(os.path.join(run_dir, "own-notify.sock"))
+        env = dict(os.environ, NOTIFY_SOCKET=self.notify.getsockname())
+        self.proc = subprocess.Popen([sys.executable, "-m", "vramd.daemon", "--socket", self.socket, *args], env=env,
+                                     cwd=ROOT, stderr=subprocess.PIPE, text=True)
+        self.pid = self.proc.pid
+        deadline = time.monotonic() + 60
+        notes = ""
+        while "READY=1" not in notes:
+            left = deadline - time.monotonic()
+            if left <= 0 or self.proc.poll() is not None:
+                self.close()
+                pytest.fail(f"vramd did not get ready: {notes!r}")
+            self.notify.settimeout(min(left, 1.0))
+            try:
+                notes += self.notify.recv(4096).decode()
+            except TimeoutError:
+                pass
+
+    def close(self) -> str:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            _, err = self.proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            _, err = self.proc.communicate()
+        self.notify.close()
+        return err
+
+
+def test_batching_under_tight_limits(build, run_dir):
+    """max_message_bytes 4096, max_fds_per_message 7: the C client splits AddBos to fit (the
+    daemon closes the connection on any packet over a limit) and refuses a BO that fits in none."""
+    cfg = Path(run_dir) / "vramd.toml"
+    cfg.write_text('max_message_bytes = 4096\nmax_fds_per_message = 7\n')
+    d = OwnDaemon(run_dir, "--config", str(cfg), "--grace-period", "0.3", "--log-level", "info")
+    try:
+        r = subprocess.run([str(build / TESTS_BIN), "tight_limits"], capture_output=True, text=True, timeout=120,
+                           env=dict(os.environ, VRAMD_SOCKET=d.socket, VRAMD_TEST_TMP="/var/tmp"))
+    finally:
+        log = d.close()
+    assert r.returncode == 0 and "PASS tight_limits" in r.stdout, r.stdout + r.stderr + log[-4000:]
+    assert "LIMIT_EXCEEDED" not in log, log[-4000:]
+
+
 def test_installed_library_via_pkg_config(build, daemon, tmp_path):
     """meson install into a prefix; a program compiled with `pkg-config --cflags --libs vramd`
     (shared, and --static) connects to the daemon."""

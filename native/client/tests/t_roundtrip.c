@@ -458,6 +458,76 @@ static int t_wait_timeout(void)
     return 0;
 }
 
+/*
+ * Against a daemon configured with max_message_bytes 4096 and max_fds_per_message 7
+ * (tests/test_libvramd.py starts one): AddBos lists are split to fit, and a BO that
+ * cannot fit in any message is refused here without breaking the connection.
+ */
+static int t_tight_limits(void)
+{
+    struct vramd_conn *c = NULL;
+    struct vramd_error err;
+    OK(test_connect(&c, &err), &err);
+    const struct vramd_limits *l = vramd_conn_limits(c);
+    CHECK(l->max_message_bytes == 4096 && l->max_fds_per_message == 7, "limits %u %u (start the daemon with them)",
+          l->max_message_bytes, l->max_fds_per_message);
+    enum { NF = 40, NS = 1500 };
+    int src[NF + 3], dst[NF + 3];
+    struct vramd_bo bos[NF + NS], tg[NF + NS];
+    for (int i = 0; i < NF + 3; i++) {
+        uint64_t size = i < NF ? 8192 : NS / 3 * 256;
+        src[i] = make_memfd(size, 70 + i, 0, size);
+        dst[i] = make_memfd(size, 0, 0, 0);
+        CHECK(src[i] >= 0 && dst[i] >= 0, "memfd");
+    }
+    for (int i = 0; i < NF; i++) { /* 40 fds: at least 6 messages of at most 7 fds */
+        bos[i] = (struct vramd_bo){.id = i + 1, .fd = src[i], .size = 8192, .name = "fd-bound"};
+        tg[i] = (struct vramd_bo){.id = i + 1, .fd = dst[i]};
+    }
+    for (int j = 0; j < NS; j++) { /* 1500 BOs on 3 fds: many messages of at most ~3 KiB */
+        int f = NF + j % 3;
+        uint64_t o = (uint64_t)(j / 3) * 256;
+        bos[NF + j] = (struct vramd_bo){.id = 1000 + j, .fd = src[f], .offset = o, .size = 256,
+                                        .va_addr = 0x7f0000000000ull + o, .alloc_flags = 0x80000001, .name = "byte-bound"};
+        tg[NF + j] = (struct vramd_bo){.id = 1000 + j, .fd = dst[f], .offset = o};
+    }
+    char path[PATH_MAX];
+    int dfd = make_image_dir(path);
+    CHECK(dfd >= 0, "dir");
+    struct vramd_token t;
+    struct vramd_session_info info;
+    struct vramd_open_args a = {.kind = VRAMD_SESSION_DUMP, .dir_fd = dfd};
+    OK(vramd_open_session(c, &a, &t, NULL, &err), &err);
+    /* a name too long for any message: refused before sending, the session and connection unharmed */
+    static char longname[6000];
+    memset(longname, 'x', sizeof longname - 1);
+    struct vramd_bo huge = {.id = 99999, .fd = src[0], .size = 1, .name = longname};
+    int r = vramd_add_bos(c, &t, &huge, 1, NULL, &err);
+    CHECK(r == -E2BIG && !vramd_conn_broken(c), "oversized BO: %d %s", r, err.message);
+    OK(vramd_add_bos(c, &t, bos, NF + NS, &info, &err), &err);
+    CHECK(info.progress.bos_total == NF + NS, "bos_total %u", info.progress.bos_total);
+    OK(vramd_start(c, &t, NULL, &err), &err);
+    OK(vramd_wait(c, &t, 60000, NULL, &err), &err);
+    OK(vramd_close_session(c, &t, NULL, &err), &err);
+    a.kind = VRAMD_SESSION_RESTORE;
+    OK(vramd_open_session(c, &a, &t, NULL, &err), &err);
+    OK(vramd_add_bos(c, &t, tg, NF + NS, NULL, &err), &err);
+    OK(vramd_start(c, &t, NULL, &err), &err);
+    OK(vramd_wait(c, &t, 60000, &info, &err), &err);
+    CHECK(info.progress.bos_done == NF + NS, "bos_done %u", info.progress.bos_done);
+    OK(vramd_close_session(c, &t, NULL, &err), &err);
+    for (int i = 0; i < NF + 3; i++) {
+        long long bad = compare_fds(src[i], dst[i], i < NF ? 8192 : NS / 3 * 256);
+        CHECK(bad < 0, "fd %d differs at %lld", i, bad);
+        close(src[i]);
+        close(dst[i]);
+    }
+    vramd_close(c);
+    close(dfd);
+    remove_dir(path);
+    return 0;
+}
+
 const struct test roundtrip_tests[] = {
     {"tokens", t_tokens, "all unit"},
     {"socket_path", t_socket_path, "all unit"},
@@ -469,5 +539,6 @@ const struct test roundtrip_tests[] = {
     {"many_fds", t_many_fds, "all quick"},
     {"verify", t_verify, "all quick"},
     {"big_sparse", t_big_sparse, "all big"},
+    {"tight_limits", t_tight_limits, "limits"},
     {NULL, NULL, NULL},
 };
