@@ -316,6 +316,14 @@ static uint32_t max_message(const struct vramd_conn *c)
     return m > MAX_RX_MESSAGE ? MAX_RX_MESSAGE : m;
 }
 
+/* The largest reply accepted: replies are not bound by max_message_bytes (a GetStatus
+ * carries the metrics text), so at least the protocol's default, at most MAX_RX_MESSAGE. */
+static size_t max_reply(const struct vramd_conn *c)
+{
+    uint32_t m = max_message(c);
+    return m < DEFAULT_MAX_MESSAGE ? DEFAULT_MAX_MESSAGE : m;
+}
+
 static void put_le32(uint8_t *p, uint32_t v)
 {
     p[0] = (uint8_t)v;
@@ -430,7 +438,7 @@ static int call(struct vramd_conn *c, Request *req, const int *fds, size_t nfds,
     }
 
     /* receive */
-    size_t rx_need = (size_t)max_message(c) + 1;
+    size_t rx_need = max_reply(c) + 1;
     if (ensure_buf(&c->rx, &c->rx_cap, rx_need) < 0) {
         mark_broken(c);
         return fail_errno(err, ENOMEM, "reply buffer");
@@ -477,7 +485,7 @@ static int call(struct vramd_conn *c, Request *req, const int *fds, size_t nfds,
         mark_broken(c);
         return vramd__fail(err, -ECONNRESET, VRAMD_CODE_LOCAL, "vramd closed the connection");
     }
-    if (rmsg.msg_flags & (MSG_TRUNC | MSG_CTRUNC) || (size_t)got > max_message(c)) {
+    if (rmsg.msg_flags & (MSG_TRUNC | MSG_CTRUNC) || (size_t)got > max_reply(c)) {
         mark_broken(c);
         return vramd__fail(err, -EPROTO, VRAMD_CODE_PROTOCOL_ERROR, "reply from vramd truncated (%zd bytes%s)", got,
                            rmsg.msg_flags & MSG_CTRUNC ? ", unexpected fds" : "");
