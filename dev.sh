@@ -5,11 +5,14 @@
 #   ./dev.sh check              the gates CI runs before the tests: ruff, mypy, the layer
 #                               contract, the SDMA model's own C tests (plain, ASan+UBSan, TSan)
 # Installs apt packages only when something is missing (as root, or via sudo),
-# and keeps the virtual environment in .venv (rebuilt when pyproject.toml changes).
+# keeps the virtual environment in .venv (rebuilt when pyproject.toml changes),
+# and builds libvramd, the C client, into build/libvramd (rebuilt when
+# native/client or proto/ change; Meson + protoc-c).
 set -euo pipefail
 cd "$(dirname "$0")"
 
-APT_PACKAGES=(python3 python3-venv python3-dev gcc pkg-config libdrm-dev)
+APT_PACKAGES=(python3 python3-venv python3-dev gcc pkg-config libdrm-dev
+              meson ninja-build libprotobuf-c-dev protobuf-c-compiler valgrind)
 
 have_python() {
     command -v python3 >/dev/null &&
@@ -20,8 +23,13 @@ have_libdrm() {  # headers and .pc for the SDMA binding and its software model
     command -v pkg-config >/dev/null && pkg-config --exists libdrm_amdgpu
 }
 
+have_c_client_tools() {  # libvramd: Meson, protoc-c, libprotobuf-c; valgrind for its tests
+    command -v meson >/dev/null && command -v ninja >/dev/null && command -v protoc-c >/dev/null &&
+        command -v valgrind >/dev/null && command -v pkg-config >/dev/null && pkg-config --exists libprotobuf-c
+}
+
 ensure_system() {
-    have_python && have_libdrm && return 0
+    have_python && have_libdrm && have_c_client_tools && return 0
     local sudo=""
     [ "$(id -u)" = 0 ] || sudo="sudo"
     echo "dev.sh: installing ${APT_PACKAGES[*]} with apt-get" >&2
@@ -29,6 +37,17 @@ ensure_system() {
     $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${APT_PACKAGES[@]}" >/dev/null
     have_python || { echo "dev.sh: need Python >= 3.11 with venv" >&2; exit 1; }
     have_libdrm || echo "dev.sh: libdrm_amdgpu headers still missing: the SDMA backend will be unavailable" >&2
+    have_c_client_tools || { echo "dev.sh: need meson, ninja, protoc-c, libprotobuf-c and valgrind for libvramd" >&2; exit 1; }
+}
+
+ensure_libvramd() {
+    local dir=build/libvramd out
+    if [ ! -f "$dir/build.ninja" ]; then
+        rm -rf "$dir"
+        out=$(meson setup "$dir" native/client 2>&1) || { echo "$out" >&2; echo "dev.sh: meson setup failed" >&2; exit 1; }
+    fi
+    # ninja rebuilds what changed in native/client or proto/vramd/pb/rpc.proto (and reconfigures itself)
+    out=$(meson compile -C "$dir" 2>&1) || { echo "$out" >&2; echo "dev.sh: building libvramd failed" >&2; exit 1; }
 }
 
 ensure_venv() {
@@ -65,8 +84,8 @@ check() {
 cmd="${1:-}"
 shift || true
 case "$cmd" in
-    demo) ensure_system; ensure_venv; exec .venv/bin/python -m vramd.cli.demo "$@" ;;
-    test) ensure_system; ensure_venv; exec .venv/bin/python -m pytest "$@" ;;
+    demo) ensure_system; ensure_venv; ensure_libvramd; exec .venv/bin/python -m vramd.cli.demo "$@" ;;
+    test) ensure_system; ensure_venv; ensure_libvramd; exec .venv/bin/python -m pytest "$@" ;;
     check) ensure_system; ensure_venv; check ;;
-    *) sed -n '2,9p' "$0" >&2; exit 2 ;;
+    *) sed -n '2,10p' "$0" >&2; exit 2 ;;
 esac
