@@ -1,0 +1,436 @@
+/*
+ * A CRIU plugin for vramd's tests (never for production): loaded by a real
+ * `criu dump/restore --libdir DIR`, it
+ *
+ *  - logs every hook it registers that fires, one line each, to the file
+ *    named by $VRAMD_CRIU_LOG: monotonic and wall time, pid, ppid, whether
+ *    this is the CRIU process that loaded the plugin, the hook, its args;
+ *  - if built with libvramd (HAVE_LIBVRAMD) and $VRAMD_CRIU_MODE is
+ *    "offload" or "sync": in POST_FORKING (CRIU main, right after the root
+ *    task is forked, while that task restores its memory) creates one memfd
+ *    per BO of $VRAMD_CRIU_BOS ("id:size,id:size,...") -- stand-ins for the
+ *    dmabufs KFD returns -- and restores $VRAMD_CRIU_IMAGE into them through
+ *    the vramd daemon at $VRAMD_CRIU_SOCKET.  "offload" starts the session
+ *    and returns; RESUME_DEVICES_LATE waits for it (the barrier).  "sync"
+ *    waits in POST_FORKING.  After the wait the BOs' bytes, concatenated in
+ *    $VRAMD_CRIU_BOS order, are checked against $VRAMD_CRIU_SHA256 unless
+ *    $VRAMD_CRIU_VERIFY is "0".
+ *
+ * Every step is logged; a failed restore or check is logged as "FAIL ...".
+ * CRIU aborts the restore when POST_FORKING fails, but only debug-logs a
+ * failed RESUME_DEVICES_LATE, so tests must read the log.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/sysmacros.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "criu-plugin.h"
+
+#ifdef HAVE_LIBVRAMD
+#include <openssl/evp.h>
+#include <vramd/client.h>
+#endif
+
+#define PLUGIN_NAME "vramd_test"
+
+static int log_fd = -1;
+static pid_t loader_pid; /* the CRIU process that ran init() */
+static int stage_now = -1;
+
+static const char *stage_name(int stage)
+{
+	switch (stage) {
+	case CR_PLUGIN_STAGE__DUMP:
+		return "DUMP";
+	case CR_PLUGIN_STAGE__PRE_DUMP:
+		return "PRE_DUMP";
+	case CR_PLUGIN_STAGE__RESTORE:
+		return "RESTORE";
+	}
+	return "?";
+}
+
+static void logf_(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+
+static void logf_(const char *fmt, ...)
+{
+	struct timespec mono, real;
+	char buf[1024];
+	va_list ap;
+	int n, m;
+
+	if (log_fd < 0)
+		return;
+	clock_gettime(CLOCK_MONOTONIC, &mono);
+	clock_gettime(CLOCK_REALTIME, &real);
+	n = snprintf(buf, sizeof(buf), "%ld.%09ld %ld.%06ld pid=%d ppid=%d role=%s stage=%s ", (long)mono.tv_sec,
+		     mono.tv_nsec, (long)real.tv_sec, real.tv_nsec / 1000, getpid(), getppid(),
+		     getpid() == loader_pid ? "criu-main" : "criu-child", stage_name(stage_now));
+	va_start(ap, fmt);
+	m = vsnprintf(buf + n, sizeof(buf) - n - 1, fmt, ap);
+	va_end(ap);
+	n += m < (int)(sizeof(buf) - n - 1) ? m : (int)(sizeof(buf) - n - 2);
+	buf[n++] = '\n';
+	if (write(log_fd, buf, n) < 0) /* O_APPEND: one line per write, whichever process */
+		return;
+}
+
+/* --- the vramd restore (libvramd) ------------------------------------------ */
+
+#ifdef HAVE_LIBVRAMD
+
+struct bo {
+	uint64_t id, size;
+	int fd;
+};
+
+static struct {
+	int mode; /* 0 off, 1 offload, 2 sync */
+	struct bo *bos;
+	size_t nbos;
+	struct vramd_conn *conn;
+	struct vramd_token token;
+	int started, waited, failed;
+	double t_start;
+} vr;
+
+static double now(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return ts.tv_sec + ts.tv_nsec / 1e9;
+}
+
+static int parse_bos(const char *spec)
+{
+	const char *p = spec;
+	size_t cap = 0;
+
+	while (p && *p) {
+		char *end;
+		uint64_t id = strtoull(p, &end, 0), size;
+
+		if (*end != ':')
+			return -1;
+		size = strtoull(end + 1, &end, 0);
+		if (*end && *end != ',')
+			return -1;
+		if (vr.nbos == cap) {
+			cap = cap ? 2 * cap : 8;
+			vr.bos = realloc(vr.bos, cap * sizeof(*vr.bos));
+			if (!vr.bos)
+				return -1;
+		}
+		vr.bos[vr.nbos++] = (struct bo){ .id = id, .size = size, .fd = -1 };
+		p = *end ? end + 1 : end;
+	}
+	return vr.nbos ? 0 : -1;
+}
+
+static void close_bos(void)
+{
+	for (size_t i = 0; i < vr.nbos; i++)
+		if (vr.bos[i].fd >= 0)
+			close(vr.bos[i].fd);
+	free(vr.bos);
+	vr.bos = NULL;
+	vr.nbos = 0;
+}
+
+/* SHA-256 of the BOs' bytes, concatenated in order, as lowercase hex */
+static int digest_bos(char hex[65])
+{
+	unsigned char md[32];
+	unsigned int mdlen = 0;
+	EVP_MD_CTX *ctx = EVP_MD_CTX_new();
+	int ret = -1;
+
+	if (!ctx || !EVP_DigestInit_ex(ctx, EVP_sha256(), NULL))
+		goto out;
+	for (size_t i = 0; i < vr.nbos; i++) {
+		void *p;
+
+		if (!vr.bos[i].size)
+			continue;
+		p = mmap(NULL, vr.bos[i].size, PROT_READ, MAP_SHARED, vr.bos[i].fd, 0);
+		if (p == MAP_FAILED)
+			goto out;
+		madvise(p, vr.bos[i].size, MADV_SEQUENTIAL);
+		EVP_DigestUpdate(ctx, p, vr.bos[i].size);
+		munmap(p, vr.bos[i].size);
+	}
+	if (!EVP_DigestFinal_ex(ctx, md, &mdlen))
+		goto out;
+	for (unsigned int i = 0; i < mdlen; i++)
+		sprintf(hex + 2 * i, "%02x", md[i]);
+	ret = 0;
+out:
+	EVP_MD_CTX_free(ctx);
+	return ret;
+}
+
+static int restore_start(void)
+{
+	const char *image = getenv("VRAMD_CRIU_IMAGE"), *sock = getenv("VRAMD_CRIU_SOCKET");
+	const char *spec = getenv("VRAMD_CRIU_BOS");
+	int dir_fd = -1, ret = -1;
+
+	vr.t_start = now();
+	if (!image || !spec || parse_bos(spec)) {
+		logf_("FAIL vramd: need VRAMD_CRIU_IMAGE and VRAMD_CRIU_BOS=id:size[,...] (got %s, %s)",
+		      image ? image : "-", spec ? spec : "-");
+		return -1;
+	}
+	for (size_t i = 0; i < vr.nbos; i++) {
+		vr.bos[i].fd = memfd_create("vramd-criu-bo", MFD_CLOEXEC);
+		if (vr.bos[i].fd < 0 || ftruncate(vr.bos[i].fd, vr.bos[i].size)) {
+			logf_("FAIL vramd: memfd for BO %" PRIu64 ": %s", vr.bos[i].id, strerror(errno));
+			return -1;
+		}
+	}
+	dir_fd = open(image, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+	if (dir_fd < 0) {
+		logf_("FAIL vramd: open %s: %s", image, strerror(errno));
+		return -1;
+	}
+	{
+		struct vramd_options opts;
+		struct vramd_open_args args = { .kind = VRAMD_SESSION_RESTORE, .dir_fd = dir_fd, .label = "criu-test" };
+		struct vramd_session_info info;
+		struct vramd_error err = { 0 };
+		struct vramd_bo *bos = calloc(vr.nbos, sizeof(*bos));
+		char tok[VRAMD_TOKEN_STRLEN + 1];
+		double t0 = now(), t1, t2, t3;
+
+		vramd_options_init(&opts);
+		opts.client_name = "criu-test-plugin";
+		if (!bos) {
+			logf_("FAIL vramd: out of memory");
+			goto out;
+		}
+		for (size_t i = 0; i < vr.nbos; i++)
+			bos[i] = (struct vramd_bo){ .id = vr.bos[i].id, .fd = vr.bos[i].fd, .size = vr.bos[i].size };
+		ret = sock ? vramd_connect_path(&vr.conn, sock, &opts, &err) : vramd_connect(&vr.conn, &opts, &err);
+		if (ret) {
+			logf_("FAIL vramd: connect %s: %d %s: %s", sock ? sock : "(default)", ret, vramd_code_name(err.code),
+			      err.message);
+			free(bos);
+			goto out;
+		}
+		t1 = now();
+		ret = vramd_open_session(vr.conn, &args, &vr.token, &info, &err);
+		if (ret) {
+			logf_("FAIL vramd: open restore session: %d %s: %s", ret, vramd_code_name(err.code), err.message);
+			free(bos);
+			goto out;
+		}
+		vramd_token_format(&vr.token, tok);
+		ret = vramd_add_bos(vr.conn, &vr.token, bos, vr.nbos, &info, &err);
+		free(bos);
+		if (ret) {
+			logf_("FAIL vramd: add %zu BOs: %d %s: %s", vr.nbos, ret, vramd_code_name(err.code), err.message);
+			goto out;
+		}
+		t2 = now();
+		ret = vramd_start(vr.conn, &vr.token, &info, &err);
+		if (ret) {
+			logf_("FAIL vramd: start: %d %s: %s", ret, vramd_code_name(err.code), err.message);
+			goto out;
+		}
+		t3 = now();
+		vr.started = 1;
+		logf_("vramd: restore session %" PRIu64 " token=%.8s... started: %zu BOs, %" PRIu64
+		      " bytes; memfds %.3f s, connect %.3f s, open+add %.3f s, start %.3f s",
+		      info.session_id, tok, vr.nbos, info.progress.bytes_total, t0 - vr.t_start, t1 - t0, t2 - t1, t3 - t2);
+	}
+out:
+	close(dir_fd);
+	return ret;
+}
+
+static int restore_wait(const char *where)
+{
+	const char *want = getenv("VRAMD_CRIU_SHA256"), *verify = getenv("VRAMD_CRIU_VERIFY");
+	char hex[65] = "";
+	double t0 = now(), t1, t2;
+	int ret = -1;
+
+	{
+		struct vramd_session_info info;
+		struct vramd_error err = { 0 };
+
+		ret = vramd_wait(vr.conn, &vr.token, VRAMD_WAIT_FOREVER, &info, &err);
+		if (ret)
+			logf_("FAIL vramd: wait: %d %s: %s (bo %" PRIu64 " offset %" PRIu64 ")", ret,
+			      vramd_code_name(err.code), err.message, err.has_bo_id ? err.bo_id : 0,
+			      err.has_offset ? err.offset : 0);
+		else
+			logf_("vramd: session done: %" PRIu64 "/%" PRIu64 " bytes, %u/%u BOs, daemon elapsed %.3f s",
+			      info.progress.bytes_done, info.progress.bytes_total, info.progress.bos_done,
+			      info.progress.bos_total, info.progress.elapsed_s);
+		if (vramd_close_session(vr.conn, &vr.token, NULL, &err))
+			logf_("vramd: close session: %s", err.message);
+		vramd_close(vr.conn);
+		vr.conn = NULL;
+	}
+	t1 = now();
+	vr.waited = 1;
+	logf_("vramd: waited in %s: %.3f s (%.3f s since start)", where, t1 - t0, t1 - vr.t_start);
+	if (ret)
+		return ret;
+	if (verify && !strcmp(verify, "0"))
+		return 0;
+	if (digest_bos(hex)) {
+		logf_("FAIL vramd: digest: %s", strerror(errno));
+		return -1;
+	}
+	t2 = now();
+	if (want && strcasecmp(want, hex)) {
+		logf_("FAIL vramd: digest mismatch: got %s want %s (%.3f s)", hex, want, t2 - t1);
+		return -1;
+	}
+	logf_("vramd: verify %s sha256=%s (%.3f s)", want ? "OK" : "UNCHECKED", hex, t2 - t1);
+	return 0;
+}
+
+#endif /* HAVE_LIBVRAMD */
+
+/* --- hooks ---------------------------------------------------------------- */
+
+static int plugin_init(int stage)
+{
+	const char *path = getenv("VRAMD_CRIU_LOG");
+
+	stage_now = stage;
+	loader_pid = getpid();
+	if (path && log_fd < 0)
+		log_fd = open(path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+#ifdef HAVE_LIBVRAMD
+	{
+		const char *mode = getenv("VRAMD_CRIU_MODE");
+
+		vr.mode = !mode ? 0 : !strcmp(mode, "offload") ? 1 : !strcmp(mode, "sync") ? 2 : 0;
+		logf_("init libvramd=yes mode=%s", vr.mode == 1 ? "offload" : vr.mode == 2 ? "sync" : "off");
+	}
+#else
+	logf_("init libvramd=no");
+#endif
+	return 0;
+}
+
+static void plugin_exit(int stage, int ret)
+{
+	stage_now = stage;
+	logf_("exit ret=%d", ret);
+#ifdef HAVE_LIBVRAMD
+	if (vr.started && !vr.waited)
+		logf_("FAIL vramd: session started but never waited for");
+	if (vr.conn)
+		vramd_close(vr.conn);
+	vr.conn = NULL;
+	close_bos();
+#endif
+	if (log_fd >= 0)
+		close(log_fd);
+	log_fd = -1;
+}
+
+CR_PLUGIN_REGISTER(PLUGIN_NAME, plugin_init, plugin_exit)
+
+static int hook_restore_init(void)
+{
+	logf_("hook=RESTORE_INIT");
+	return 0;
+}
+CR_PLUGIN_REGISTER_HOOK(CR_PLUGIN_HOOK__RESTORE_INIT, hook_restore_init)
+
+static int hook_post_forking(void)
+{
+	logf_("hook=POST_FORKING");
+#ifdef HAVE_LIBVRAMD
+	if (vr.mode) {
+		if (restore_start())
+			return -1; /* CRIU aborts the restore */
+		if (vr.mode == 2 && restore_wait("POST_FORKING"))
+			return -1;
+	}
+#endif
+	return 0;
+}
+CR_PLUGIN_REGISTER_HOOK(CR_PLUGIN_HOOK__POST_FORKING, hook_post_forking)
+
+static int hook_resume_devices_late(int pid)
+{
+	logf_("hook=RESUME_DEVICES_LATE target_pid=%d", pid);
+#ifdef HAVE_LIBVRAMD
+	if (vr.mode == 1 && vr.started && !vr.waited)
+		return restore_wait("RESUME_DEVICES_LATE"); /* CRIU only debug-logs a failure here */
+#endif
+	return 0;
+}
+CR_PLUGIN_REGISTER_HOOK(CR_PLUGIN_HOOK__RESUME_DEVICES_LATE, hook_resume_devices_late)
+
+/* The rest only log: they tell which hooks CRIU calls for an ordinary process. */
+
+static int hook_pause_devices(int pid)
+{
+	logf_("hook=PAUSE_DEVICES target_pid=%d", pid);
+	return -ENOTSUP;
+}
+CR_PLUGIN_REGISTER_HOOK(CR_PLUGIN_HOOK__PAUSE_DEVICES, hook_pause_devices)
+
+static int hook_checkpoint_devices(int pid)
+{
+	logf_("hook=CHECKPOINT_DEVICES target_pid=%d", pid);
+	return -ENOTSUP;
+}
+CR_PLUGIN_REGISTER_HOOK(CR_PLUGIN_HOOK__CHECKPOINT_DEVICES, hook_checkpoint_devices)
+
+static int hook_dump_devices_late(int id)
+{
+	logf_("hook=DUMP_DEVICES_LATE id=%d", id);
+	return -ENOTSUP;
+}
+CR_PLUGIN_REGISTER_HOOK(CR_PLUGIN_HOOK__DUMP_DEVICES_LATE, hook_dump_devices_late)
+
+static int hook_handle_device_vma(int fd, const struct stat *st)
+{
+	logf_("hook=HANDLE_DEVICE_VMA fd=%d rdev=%u:%u", fd, major(st->st_rdev), minor(st->st_rdev));
+	return -ENOTSUP;
+}
+CR_PLUGIN_REGISTER_HOOK(CR_PLUGIN_HOOK__HANDLE_DEVICE_VMA, hook_handle_device_vma)
+
+static int hook_dump_ext_file(int fd, int id)
+{
+	logf_("hook=DUMP_EXT_FILE fd=%d id=%d", fd, id);
+	return -ENOTSUP;
+}
+CR_PLUGIN_REGISTER_HOOK(CR_PLUGIN_HOOK__DUMP_EXT_FILE, hook_dump_ext_file)
+
+static int hook_restore_ext_file(int id, bool *retry_needed)
+{
+	(void)retry_needed;
+	logf_("hook=RESTORE_EXT_FILE id=%d", id);
+	return -ENOTSUP;
+}
+CR_PLUGIN_REGISTER_HOOK(CR_PLUGIN_HOOK__RESTORE_EXT_FILE, hook_restore_ext_file)
+
+static int hook_update_vma_map(const char *path, const uint64_t addr, const uint64_t old_pgoff, uint64_t *new_pgoff,
+			       int *plugin_fd)
+{
+	(void)new_pgoff;
+	(void)plugin_fd;
+	logf_("hook=UPDATE_VMA_MAP path=%s addr=%#" PRIx64 " pgoff=%#" PRIx64, path, addr, old_pgoff);
+	return -ENOTSUP;
+}
+CR_PLUGIN_REGISTER_HOOK(CR_PLUGIN_HOOK__UPDATE_VMA_MAP, hook_update_vma_map)
