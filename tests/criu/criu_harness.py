@@ -48,8 +48,9 @@ class Env:
 def build(env: Env, out: str, with_vramd: bool) -> tuple[str, str]:
     """Build the plugin (into out/plugins, the --libdir) and the workload; returns (libdir, workload)."""
     args = ["make", "-s", "-C", HERE, f"CRIU_SRC={env.criu_src}", f"O={out}"]
-    if with_vramd:
-        args += [f"VRAMD_CLIENT_INC={env.vramd_inc}", f"VRAMD_CLIENT_LIBDIR={env.vramd_libdir}"]
+    # on make's command line: a VRAMD_CLIENT_* in the environment would otherwise leak into the log-only build
+    inc, libdir = (env.vramd_inc, env.vramd_libdir) if with_vramd else ("", "")
+    args += [f"VRAMD_CLIENT_INC={inc}", f"VRAMD_CLIENT_LIBDIR={libdir}"]
     subprocess.run(args, check=True, capture_output=True, text=True)
     return os.path.join(out, "plugins"), os.path.join(out, "workload")
 
@@ -157,8 +158,8 @@ class VramdImage:
     sha256: str
     seconds: float = 0.0
 
-    def plugin_env(self, socket_path: str, mode: str, verify: bool = True) -> dict:
-        return {"VRAMD_CRIU_MODE": mode, "VRAMD_CRIU_SOCKET": socket_path, "VRAMD_CRIU_IMAGE": self.path,
+    def plugin_env(self, socket_path: str, mode: str, verify: bool = True, api: str = "client") -> dict:
+        return {"VRAMD_CRIU_MODE": mode, "VRAMD_CRIU_API": api, "VRAMD_CRIU_SOCKET": socket_path, "VRAMD_CRIU_IMAGE": self.path,
                 "VRAMD_CRIU_BOS": ",".join(f"{i}:{s}" for i, s in self.bos), "VRAMD_CRIU_SHA256": self.sha256,
                 "VRAMD_CRIU_VERIFY": "1" if verify else "0"}
 

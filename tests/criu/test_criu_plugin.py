@@ -39,6 +39,7 @@ def test_hooks_fire_in_criu_main_in_order(work):
         rig.workload.kill_restored()
 
     events = read_log(log)
+    assert events[0].what == "init libvramd=no"
     dump = [e for e in events if e.stage == "DUMP"]
     restore = [e for e in events if e.stage == "RESTORE"]
     assert hooks(dump) == ["init", "PAUSE_DEVICES", "CHECKPOINT_DEVICES", "DUMP_DEVICES_LATE", "exit"]
@@ -70,12 +71,14 @@ def vramd_rig(work):
 
 
 @needs_libvramd
-@pytest.mark.parametrize("mode", ["offload", "sync"])
-def test_vramd_restore_from_criu_restore(vramd_rig, work, mode):
+@pytest.mark.parametrize("mode,api", [("offload", "client"), ("offload", "criu"), ("sync", "client"),
+                                      ("serial", "client"), ("serial", "criu")])
+def test_vramd_restore_from_criu_restore(vramd_rig, work, mode, api):
+    """client: client.h calls on one held connection; criu: criu.h's submit (hangs up) and barrier."""
     daemon, image, rig = vramd_rig
-    log = os.path.join(work, f"restore-{mode}.log")
+    log = os.path.join(work, f"restore-{mode}-{api}.log")
     try:
-        rig.restore(log, image.plugin_env(daemon.socket, mode))
+        rig.restore(log, image.plugin_env(daemon.socket, mode, api=api))
         assert rig.workload.check() == f"ok {rig.workload.pid}"
     finally:
         rig.workload.kill_restored()
@@ -86,7 +89,8 @@ def test_vramd_restore_from_criu_restore(vramd_rig, work, mode):
     assert hooks(events) == ["init", "RESTORE_INIT", "POST_FORKING", "RESUME_DEVICES_LATE", "exit"]
     waited = [e for e in events if e.what.startswith("vramd: waited in")]
     assert len(waited) == 1
-    assert waited[0].what.startswith(f"vramd: waited in {'RESUME_DEVICES_LATE' if mode == 'offload' else 'POST_FORKING'}")
+    where = "POST_FORKING" if mode == "sync" else "RESUME_DEVICES_LATE"
+    assert waited[0].what.startswith(f"vramd: waited in {where}"), waited[0].what
     assert any(e.what.startswith(f"vramd: verify OK sha256={image.sha256}") for e in events), text
 
 

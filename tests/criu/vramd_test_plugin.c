@@ -12,9 +12,16 @@
  *    dmabufs KFD returns -- and restores $VRAMD_CRIU_IMAGE into them through
  *    the vramd daemon at $VRAMD_CRIU_SOCKET.  "offload" starts the session
  *    and returns; RESUME_DEVICES_LATE waits for it (the barrier).  "sync"
- *    waits in POST_FORKING.  After the wait the BOs' bytes, concatenated in
+ *    waits in POST_FORKING -- note that the root task, already forked, goes
+ *    on restoring its memory meanwhile, so this still overlaps.  "serial"
+ *    instead starts and waits in RESUME_DEVICES_LATE, after every task's
+ *    memory is restored: no overlap, like BO contents restored inside the
+ *    task.  After the wait the BOs' bytes, concatenated in
  *    $VRAMD_CRIU_BOS order, are checked against $VRAMD_CRIU_SHA256 unless
- *    $VRAMD_CRIU_VERIFY is "0".
+ *    $VRAMD_CRIU_VERIFY is "0".  With $VRAMD_CRIU_API=criu the session goes
+ *    through vramd/criu.h (vramd_criu_restore_submit, which hangs up, and
+ *    vramd_criu_restore_barrier) instead of client.h's calls on one held
+ *    connection.
  *
  * Every step is logged; a failed restore or check is logged as "FAIL ...".
  * CRIU aborts the restore when POST_FORKING fails, but only debug-logs a
@@ -38,6 +45,7 @@
 #ifdef HAVE_LIBVRAMD
 #include <openssl/evp.h>
 #include <vramd/client.h>
+#include <vramd/criu.h>
 #endif
 
 #define PLUGIN_NAME "vramd_test"
@@ -88,17 +96,22 @@ static void logf_(const char *fmt, ...)
 
 #ifdef HAVE_LIBVRAMD
 
+enum mode { MODE_OFF, MODE_OFFLOAD, MODE_SYNC, MODE_SERIAL };
+static const char *const mode_names[] = { "off", "offload", "sync", "serial" };
+
 struct bo {
 	uint64_t id, size;
 	int fd;
 };
 
 static struct {
-	int mode; /* 0 off, 1 offload, 2 sync */
+	int mode; /* enum mode */
 	struct bo *bos;
 	size_t nbos;
+	int api_criu; /* $VRAMD_CRIU_API=criu: criu.h's submit/barrier instead of client.h's calls */
 	struct vramd_conn *conn;
 	struct vramd_token token;
+	struct vramd_criu_ticket ticket;
 	int started, waited, failed;
 	double t_start;
 } vr;
@@ -203,6 +216,36 @@ static int restore_start(void)
 		logf_("FAIL vramd: open %s: %s", image, strerror(errno));
 		return -1;
 	}
+	if (vr.api_criu) {
+		struct vramd_criu_config cfg;
+		struct vramd_error err = { 0 };
+		struct vramd_criu_bo *bos = calloc(vr.nbos, sizeof(*bos));
+		char tok[VRAMD_TOKEN_STRLEN + 1];
+		double t0 = now(), t1;
+
+		if (!bos) {
+			logf_("FAIL vramd: out of memory");
+			goto out;
+		}
+		vramd_criu_config_init(&cfg);
+		cfg.socket_path = sock;
+		cfg.client_name = "criu-test-plugin";
+		cfg.label = "criu-test";
+		for (size_t i = 0; i < vr.nbos; i++)
+			bos[i] = (struct vramd_criu_bo){ .id = vr.bos[i].id, .fd = vr.bos[i].fd, .size = vr.bos[i].size };
+		ret = vramd_criu_restore_submit(&cfg, dir_fd, bos, vr.nbos, 0, &vr.ticket, &err);
+		free(bos);
+		t1 = now();
+		if (ret) {
+			logf_("FAIL vramd: vramd_criu_restore_submit: %d %s: %s", ret, vramd_code_name(err.code), err.message);
+			goto out;
+		}
+		vr.started = 1;
+		vramd_token_format(&vr.ticket.token, tok);
+		logf_("vramd: restore submitted (criu.h) ticket pid=%d token=%.8s...: %zu BOs; memfds %.3f s, submit %.3f s",
+		      vr.ticket.pid, tok, vr.nbos, t0 - vr.t_start, t1 - t0);
+		goto out;
+	}
 	{
 		struct vramd_options opts;
 		struct vramd_open_args args = { .kind = VRAMD_SESSION_RESTORE, .dir_fd = dir_fd, .label = "criu-test" };
@@ -265,7 +308,24 @@ static int restore_wait(const char *where)
 	double t0 = now(), t1, t2;
 	int ret = -1;
 
-	{
+	if (vr.api_criu) {
+		struct vramd_criu_config cfg;
+		struct vramd_session_info info;
+		struct vramd_error err = { 0 };
+
+		vramd_criu_config_init(&cfg);
+		cfg.socket_path = getenv("VRAMD_CRIU_SOCKET");
+		cfg.client_name = "criu-test-plugin";
+		ret = vramd_criu_restore_barrier(&cfg, &vr.ticket, &info, &err);
+		if (ret)
+			logf_("FAIL vramd: vramd_criu_restore_barrier: %d %s: %s (bo %" PRIu64 " offset %" PRIu64 ")", ret,
+			      vramd_code_name(err.code), err.message, err.has_bo_id ? err.bo_id : 0,
+			      err.has_offset ? err.offset : 0);
+		else
+			logf_("vramd: session done (criu.h barrier): %" PRIu64 "/%" PRIu64 " bytes, %u/%u BOs, daemon elapsed %.3f s",
+			      info.progress.bytes_done, info.progress.bytes_total, info.progress.bos_done,
+			      info.progress.bos_total, info.progress.elapsed_s);
+	} else {
 		struct vramd_session_info info;
 		struct vramd_error err = { 0 };
 
@@ -319,8 +379,14 @@ static int plugin_init(int stage)
 	{
 		const char *mode = getenv("VRAMD_CRIU_MODE");
 
-		vr.mode = !mode ? 0 : !strcmp(mode, "offload") ? 1 : !strcmp(mode, "sync") ? 2 : 0;
-		logf_("init libvramd=yes mode=%s", vr.mode == 1 ? "offload" : vr.mode == 2 ? "sync" : "off");
+		vr.mode = MODE_OFF;
+		for (int i = 0; mode && i < (int)(sizeof(mode_names) / sizeof(mode_names[0])); i++)
+			if (!strcmp(mode, mode_names[i]))
+				vr.mode = i;
+		const char *api = getenv("VRAMD_CRIU_API");
+
+		vr.api_criu = api && !strcmp(api, "criu");
+		logf_("init libvramd=yes mode=%s api=%s", mode_names[vr.mode], vr.api_criu ? "criu.h" : "client.h");
 	}
 #else
 	logf_("init libvramd=no");
@@ -358,10 +424,10 @@ static int hook_post_forking(void)
 {
 	logf_("hook=POST_FORKING");
 #ifdef HAVE_LIBVRAMD
-	if (vr.mode) {
+	if (vr.mode == MODE_OFFLOAD || vr.mode == MODE_SYNC) {
 		if (restore_start())
 			return -1; /* CRIU aborts the restore */
-		if (vr.mode == 2 && restore_wait("POST_FORKING"))
+		if (vr.mode == MODE_SYNC && restore_wait("POST_FORKING"))
 			return -1;
 	}
 #endif
@@ -373,8 +439,11 @@ static int hook_resume_devices_late(int pid)
 {
 	logf_("hook=RESUME_DEVICES_LATE target_pid=%d", pid);
 #ifdef HAVE_LIBVRAMD
-	if (vr.mode == 1 && vr.started && !vr.waited)
-		return restore_wait("RESUME_DEVICES_LATE"); /* CRIU only debug-logs a failure here */
+	/* CRIU only debug-logs a failure here; it is called once per task, we act on the first */
+	if (vr.mode == MODE_SERIAL && !vr.started && !vr.waited && restore_start())
+		return -1;
+	if ((vr.mode == MODE_OFFLOAD || vr.mode == MODE_SERIAL) && vr.started && !vr.waited)
+		return restore_wait("RESUME_DEVICES_LATE");
 #endif
 	return 0;
 }
