@@ -104,9 +104,17 @@ class Workload:
 def criu(env: Env, *args: str, extra_env: dict | None = None, timeout: float = 300) -> float:
     """Run criu; returns its wall time.  Raises with the tail of its log on failure."""
     t0 = time.monotonic()
-    r = subprocess.run([env.criu_bin, *args], env=dict(os.environ, **(extra_env or {})), capture_output=True,
-                       text=True, timeout=timeout)
+    p = subprocess.Popen([env.criu_bin, *args], env=dict(os.environ, **(extra_env or {})), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stacks = backtraces(p.pid)
+        p.kill()
+        p.communicate()
+        raise TimeoutError(f"criu {' '.join(args)} hung for {timeout} s; its threads:\n{stacks}") from None
     wall = time.monotonic() - t0
+    r = subprocess.CompletedProcess(p.args, p.returncode, out, err)
     if r.returncode:
         log = ""
         if "-D" in args and "-o" in args:
@@ -116,6 +124,22 @@ def criu(env: Env, *args: str, extra_env: dict | None = None, timeout: float = 3
                     log = "".join(f.readlines()[-30:])
         raise RuntimeError(f"criu {' '.join(args)} failed ({r.returncode}): {r.stderr}\n{log}")
     return wall
+
+
+def backtraces(pid: int) -> str:
+    """Every thread's kernel wait channel and, if gdb is there, user stack: for a hung criu."""
+    out = []
+    for tid in sorted(os.listdir(f"/proc/{pid}/task")):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/wchan") as f:
+                out.append(f"tid {tid} wchan {f.read()}")
+        except OSError:
+            pass
+    if shutil.which("gdb"):
+        r = subprocess.run(["gdb", "-p", str(pid), "-batch", "-ex", "thread apply all bt"], capture_output=True,
+                           text=True, timeout=120)
+        out.append("\n".join(l for l in r.stdout.splitlines() if l.startswith(("#", "Thread"))))
+    return "\n".join(out)
 
 
 @dataclass
@@ -149,6 +173,29 @@ def hooks(events: list[HookEvent]) -> list[str]:
         elif e.what.startswith(("init", "exit")):
             out.append(e.what.split()[0])
     return out
+
+
+def keep_notify_drained(daemon) -> None:
+    """Read the daemon's sd_notify datagrams for as long as it runs.
+
+    vramd.launcher stops reading NOTIFY_SOCKET after READY=1, and the daemon
+    sends STATUS= every 5 s with a blocking send: once net.unix.max_dgram_qlen
+    (10 by default) datagrams are queued, about a minute in, the daemon's event
+    loop blocks in that send and every client hangs in Hello."""
+    import threading
+
+    sock = daemon.notify
+
+    def drain():
+        while sock.fileno() >= 0:
+            try:
+                sock.settimeout(0.5)
+                daemon.notes.append(sock.recv(4096).decode())
+            except (TimeoutError, OSError, ValueError):
+                if daemon.proc.poll() is not None:
+                    return
+
+    threading.Thread(target=drain, daemon=True, name="notify-drain").start()
 
 
 @dataclass

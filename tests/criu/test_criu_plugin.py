@@ -14,7 +14,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from criu_harness import Env, Rig, build, hooks, make_vramd_image, read_log  # noqa: E402
+from criu_harness import Env, Rig, build, hooks, keep_notify_drained, make_vramd_image, read_log  # noqa: E402
 
 ENV = Env()
 pytestmark = pytest.mark.skipif(ENV.missing() is not None, reason=ENV.missing() or "")
@@ -64,6 +64,7 @@ def vramd_rig(work):
     run_dir = os.path.join(work, "run")
     os.makedirs(run_dir)
     with DaemonProc(run_dir, "--grace-period", "5") as d:
+        keep_notify_drained(d)
         image = make_vramd_image(d.socket, os.path.join(work, "vramd-img"),
                                  [8 << 20, 3 << 20 | 123, 4096, 1, 16 << 20])
         rig = Rig.dumped(ENV, work, libdir, workload, 64, os.path.join(work, "dump.log"))
@@ -106,3 +107,31 @@ def test_vramd_restore_failure_is_logged(vramd_rig, work):
     finally:
         rig.workload.kill_restored()
     assert any(e.what.startswith("FAIL vramd: digest mismatch") for e in read_log(log))
+
+
+@needs_libvramd
+def test_silent_daemon_fails_the_restore_in_bounded_time(vramd_rig, work):
+    """A daemon that accepts but never answers: POST_FORKING fails after VRAMD_CRIU_TIMEOUT_MS and CRIU aborts."""
+    import socket
+    import time
+
+    _daemon, image, rig = vramd_rig
+    path = os.path.join(work, "run", "silent.sock")
+    silent = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    silent.bind(path)
+    silent.listen(4)
+    log = os.path.join(work, "restore-silent.log")
+    env = image.plugin_env(path, "offload")
+    env["VRAMD_CRIU_TIMEOUT_MS"] = "1000"
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(RuntimeError, match="criu restore .* failed"):
+            rig.restore(log, env)
+    finally:
+        rig.workload.kill_restored()
+        silent.close()
+    assert time.monotonic() - t0 < 30
+    events = read_log(log)
+    assert any(e.what.startswith("FAIL vramd: connect") for e in events), [e.what for e in events]
+    assert "RESUME_DEVICES_LATE" not in hooks(events)
+    assert not os.path.exists(f"/proc/{rig.workload.pid}")  # CRIU killed the half-restored task

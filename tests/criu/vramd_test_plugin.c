@@ -124,6 +124,28 @@ static double now(void)
 	return ts.tv_sec + ts.tv_nsec / 1e9;
 }
 
+/*
+ * Bounds, so that a daemon that stops answering cannot hang CRIU (with every
+ * task stopped) for ever: $VRAMD_CRIU_TIMEOUT_MS per call (default 30 s),
+ * $VRAMD_CRIU_WAIT_TIMEOUT_MS for the barrier (default 600 s).
+ */
+static int env_ms(const char *name, int dflt)
+{
+	const char *v = getenv(name);
+
+	return v && *v ? atoi(v) : dflt;
+}
+
+static int call_timeout_ms(void)
+{
+	return env_ms("VRAMD_CRIU_TIMEOUT_MS", 30000);
+}
+
+static int wait_timeout_ms(void)
+{
+	return env_ms("VRAMD_CRIU_WAIT_TIMEOUT_MS", 600000);
+}
+
 static int parse_bos(const char *spec)
 {
 	const char *p = spec;
@@ -229,6 +251,7 @@ static int restore_start(void)
 		}
 		vramd_criu_config_init(&cfg);
 		cfg.socket_path = sock;
+		cfg.timeout_ms = call_timeout_ms();
 		cfg.client_name = "criu-test-plugin";
 		cfg.label = "criu-test";
 		for (size_t i = 0; i < vr.nbos; i++)
@@ -257,6 +280,7 @@ static int restore_start(void)
 
 		vramd_options_init(&opts);
 		opts.client_name = "criu-test-plugin";
+		opts.timeout_ms = call_timeout_ms();
 		if (!bos) {
 			logf_("FAIL vramd: out of memory");
 			goto out;
@@ -315,6 +339,8 @@ static int restore_wait(const char *where)
 
 		vramd_criu_config_init(&cfg);
 		cfg.socket_path = getenv("VRAMD_CRIU_SOCKET");
+		cfg.timeout_ms = call_timeout_ms();
+		cfg.wait_timeout_ms = wait_timeout_ms();
 		cfg.client_name = "criu-test-plugin";
 		ret = vramd_criu_restore_barrier(&cfg, &vr.ticket, &info, &err);
 		if (ret)
@@ -329,7 +355,7 @@ static int restore_wait(const char *where)
 		struct vramd_session_info info;
 		struct vramd_error err = { 0 };
 
-		ret = vramd_wait(vr.conn, &vr.token, VRAMD_WAIT_FOREVER, &info, &err);
+		ret = vramd_wait(vr.conn, &vr.token, wait_timeout_ms(), &info, &err);
 		if (ret)
 			logf_("FAIL vramd: wait: %d %s: %s (bo %" PRIu64 " offset %" PRIu64 ")", ret,
 			      vramd_code_name(err.code), err.message, err.has_bo_id ? err.bo_id : 0,
