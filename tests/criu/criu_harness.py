@@ -14,7 +14,7 @@ import shutil
 import signal
 import subprocess
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PLUGIN_HOOK_LINE = re.compile(
@@ -58,13 +58,14 @@ def build(env: Env, out: str, with_vramd: bool) -> tuple[str, str]:
 class Workload:
     """The process CRIU dumps: `mib` MiB of patterned private memory, checked on SIGUSR1."""
 
-    def __init__(self, binary: str, mib: int, work: str):
+    def __init__(self, binary: str, mib: int, work: str, device: str | None = None):
         self.ready = os.path.join(work, "ready")
         self.result = os.path.join(work, "result")
         for p in (self.ready, self.result):
             if os.path.exists(p):
                 os.unlink(p)
-        self.proc = subprocess.Popen([binary, str(mib), self.ready, self.result], stdin=subprocess.DEVNULL,
+        self.proc = subprocess.Popen([binary, str(mib), self.ready, self.result, *([device] if device else [])],
+                                     stdin=subprocess.DEVNULL,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         self.pid = self.proc.pid
         deadline = time.monotonic() + 120
@@ -144,7 +145,8 @@ def backtraces(pid: int) -> str:
 
 @dataclass
 class HookEvent:
-    mono: float
+    mono: float  # CLOCK_MONOTONIC: restored tasks live in a time namespace of their own, compare within a process
+    real: float  # CLOCK_REALTIME (to the microsecond): comparable across processes
     pid: int
     ppid: int
     role: str
@@ -159,7 +161,7 @@ def read_log(path: str) -> list[HookEvent]:
             m = PLUGIN_HOOK_LINE.match(line.rstrip("\n"))
             if not m:
                 raise AssertionError(f"unparsable plugin log line: {line!r}")
-            events.append(HookEvent(float(m["mono"]), int(m["pid"]), int(m["ppid"]), m["role"], m["stage"],
+            events.append(HookEvent(float(m["mono"]), float(m["real"]), int(m["pid"]), int(m["ppid"]), m["role"], m["stage"],
                                     m["what"]))
     return events
 
@@ -255,27 +257,29 @@ class Rig:
     workload: Workload
     img: str
     dump_wall: float = 0.0
-    runs: list = field(default_factory=list)
+    device: str | None = None
 
     @classmethod
-    def dumped(cls, env: Env, work: str, libdir: str, workload_bin: str, mib: int, log: str) -> "Rig":
-        img = os.path.join(work, "criu-img")
+    def dumped(cls, env: Env, work: str, libdir: str, workload_bin: str, mib: int, log: str,
+               device: str | None = None) -> "Rig":
+        """device: a character device the workload keeps open, which CRIU leaves to the plugin (ext file)."""
+        img = os.path.join(work, "criu-img" if not device else "criu-img-dev")
         if os.path.exists(img):
             shutil.rmtree(img)
         os.makedirs(img)
-        w = Workload(workload_bin, mib, work)
+        w = Workload(workload_bin, mib, work, device)
         try:
             wall = criu(env, "dump", "-t", str(w.pid), "-D", img, "-o", "dump.log", "-v4", "--libdir", libdir,
-                        extra_env={"VRAMD_CRIU_LOG": log})
+                        extra_env={"VRAMD_CRIU_LOG": log, **({"VRAMD_CRIU_EXT_DEV": device} if device else {})})
         except BaseException:
             w.proc.kill()
             w.proc.wait()
             raise
         w.reap()
-        return cls(env, work, libdir, w, img, wall)
+        return cls(env, work, libdir, w, img, wall, device=device)
 
     def restore(self, log: str, plugin_env: dict | None = None) -> float:
         """criu restore -d with the plugin; returns the wall time.  The restored task keeps running."""
-        env = {"VRAMD_CRIU_LOG": log, **(plugin_env or {})}
+        env = {"VRAMD_CRIU_LOG": log, **({"VRAMD_CRIU_EXT_DEV": self.device} if self.device else {}), **(plugin_env or {})}
         return criu(self.env, "restore", "-D", self.img, "-d", "-o", "restore.log", "-v4", "--libdir", self.libdir,
                     extra_env=env)

@@ -135,3 +135,65 @@ def test_silent_daemon_fails_the_restore_in_bounded_time(vramd_rig, work):
     assert any(e.what.startswith("FAIL vramd: connect") for e in events), [e.what for e in events]
     assert "RESUME_DEVICES_LATE" not in hooks(events)
     assert not os.path.exists(f"/proc/{rig.workload.pid}")  # CRIU killed the half-restored task
+
+
+EXT_DEV = "/dev/loop-control"  # a character device CRIU cannot dump by itself: it goes to the plugins, as /dev/kfd does
+needs_ext_dev = pytest.mark.skipif(not os.path.exists(EXT_DEV), reason=f"no {EXT_DEV} to stand in for /dev/kfd")
+
+
+@needs_ext_dev
+def test_ext_file_hooks_run_in_the_dumper_and_in_the_restored_task(work):
+    libdir, workload = build(ENV, os.path.join(work, "build-log-only"), with_vramd=False)
+    log = os.path.join(work, "hooks-ext.log")
+    rig = Rig.dumped(ENV, work, libdir, workload, 16, log, device=EXT_DEV)
+    try:
+        rig.restore(log)
+        pid = rig.workload.pid
+        assert rig.workload.check() == f"ok {pid}"
+        # the device is back at its number, and nothing of the plugin's was left open in the task
+        fds = {fd: os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+        assert sorted(fds) == ["0", "1", "2", "3"] and fds["3"] == EXT_DEV, fds
+    finally:
+        rig.workload.kill_restored()
+
+    events = read_log(log)
+    dump = [e for e in events if e.stage == "DUMP"]
+    restore = [e for e in events if e.stage == "RESTORE"]
+    assert hooks(dump) == ["init", "PAUSE_DEVICES", "CHECKPOINT_DEVICES", "DUMP_EXT_FILE", "DUMP_DEVICES_LATE",
+                           "exit"]
+    assert {e.role for e in dump} == {"criu-main"}
+    assert hooks(restore) == ["init", "RESTORE_INIT", "POST_FORKING", "RESTORE_EXT_FILE", "RESUME_DEVICES_LATE",
+                              "exit"]
+    ext = [e for e in restore if e.what.startswith("hook=RESTORE_EXT_FILE")]
+    main = [e for e in restore if e.role == "criu-main"]
+    assert len(ext) == 1 and ext[0].role == "criu-child" and ext[0].pid == pid and ext[0].ppid == main[0].pid
+    # in the file (and by CLOCK_REALTIME) after POST_FORKING, before RESUME_DEVICES_LATE
+    assert main[2].real <= ext[0].real <= main[3].real
+
+
+@needs_ext_dev
+@needs_libvramd
+def test_vramd_restore_submitted_by_the_restored_task(vramd_rig, work):
+    """The split a GPU plugin needs: the task submits in RESTORE_EXT_FILE and publishes its ticket in libvramd's
+    shared table; CRIU main takes it and waits in RESUME_DEVICES_LATE."""
+    daemon, image, _ = vramd_rig
+    libdir = os.path.join(work, "build-vramd", "plugins")
+    workload = os.path.join(work, "build-vramd", "workload")
+    rig = Rig.dumped(ENV, work, libdir, workload, 16, os.path.join(work, "dump-ext.log"), device=EXT_DEV)
+    log = os.path.join(work, "restore-task.log")
+    try:
+        rig.restore(log, image.plugin_env(daemon.socket, "task"))
+        pid = rig.workload.pid
+        assert rig.workload.check() == f"ok {pid}"
+        assert sorted(os.listdir(f"/proc/{pid}/fd")) == ["0", "1", "2", "3"]
+    finally:
+        rig.workload.kill_restored()
+    events = read_log(log)
+    text = "\n".join(f"{e.role} {e.what}" for e in events)
+    assert "FAIL" not in text, text
+    submitted = [e for e in events if e.what.startswith("vramd: restore submitted from the task")]
+    assert len(submitted) == 1 and submitted[0].role == "criu-child" and submitted[0].pid == pid, text
+    assert f"ticket pid={pid} " in submitted[0].what
+    waited = [e for e in events if e.what.startswith("vramd: waited in")]
+    assert len(waited) == 1 and waited[0].role == "criu-main" and "RESUME_DEVICES_LATE" in waited[0].what
+    assert any(e.what.startswith(f"vramd: verify OK sha256={image.sha256}") for e in events), text

@@ -21,7 +21,11 @@
  *    $VRAMD_CRIU_VERIFY is "0".  With $VRAMD_CRIU_API=criu the session goes
  *    through vramd/criu.h (vramd_criu_restore_submit, which hangs up, and
  *    vramd_criu_restore_barrier) instead of client.h's calls on one held
- *    connection.
+ *    connection.  "task" is the split a GPU plugin needs: the restored task
+ *    submits from RESTORE_EXT_FILE (on the device fd the workload keeps,
+ *    $VRAMD_CRIU_EXT_DEV) and publishes its ticket in libvramd's shared
+ *    table (set up in RESTORE_INIT); CRIU main takes it and waits in
+ *    RESUME_DEVICES_LATE; the memfds reach CRIU main through CRIU's fdstore.
  *
  * Every step is logged; a failed restore or check is logged as "FAIL ...".
  * CRIU aborts the restore when POST_FORKING fails, but only debug-logs a
@@ -78,6 +82,12 @@ static void logf_(const char *fmt, ...)
 
 	if (log_fd < 0)
 		return;
+	/*
+	 * CLOCK_MONOTONIC is per time namespace, and CRIU restores tasks into a
+	 * new one whose offset makes their monotonic clock go on from the dump's
+	 * (timens-0.img): lines logged inside a restored task have a monotonic
+	 * time seconds behind CRIU main's.  Compare processes by CLOCK_REALTIME.
+	 */
 	clock_gettime(CLOCK_MONOTONIC, &mono);
 	clock_gettime(CLOCK_REALTIME, &real);
 	n = snprintf(buf, sizeof(buf), "%ld.%09ld %ld.%06ld pid=%d ppid=%d role=%s stage=%s ", (long)mono.tv_sec,
@@ -88,16 +98,55 @@ static void logf_(const char *fmt, ...)
 	va_end(ap);
 	n += m < (int)(sizeof(buf) - n - 1) ? m : (int)(sizeof(buf) - n - 2);
 	buf[n++] = '\n';
+	if (getpid() != loader_pid) {
+		/*
+		 * A restored task (a fork of CRIU) has closed every fd it got from
+		 * CRIU, and log_fd's number may now be one of the application's
+		 * restored fds: never write there; open, write, close, leaving
+		 * nothing behind in the task.
+		 */
+		const char *path = getenv("VRAMD_CRIU_LOG");
+		int fd = path ? open(path, O_WRONLY | O_APPEND | O_CLOEXEC) : -1;
+
+		if (fd >= 0) {
+			if (write(fd, buf, n) < 0)
+				n = 0;
+			close(fd);
+		}
+		return;
+	}
 	if (write(log_fd, buf, n) < 0) /* O_APPEND: one line per write, whichever process */
 		return;
+}
+
+/* the character device the workload keeps open ($VRAMD_CRIU_EXT_DEV): our "external file" */
+static bool is_ext_dev(int fd)
+{
+	const char *dev = getenv("VRAMD_CRIU_EXT_DEV");
+	struct stat want, got;
+
+	return dev && !stat(dev, &want) && !fstat(fd, &got) && S_ISCHR(got.st_mode) && got.st_rdev == want.st_rdev;
 }
 
 /* --- the vramd restore (libvramd) ------------------------------------------ */
 
 #ifdef HAVE_LIBVRAMD
 
-enum mode { MODE_OFF, MODE_OFFLOAD, MODE_SYNC, MODE_SERIAL };
-static const char *const mode_names[] = { "off", "offload", "sync", "serial" };
+enum mode { MODE_OFF, MODE_OFFLOAD, MODE_SYNC, MODE_SERIAL, MODE_TASK };
+static const char *const mode_names[] = { "off", "offload", "sync", "serial", "task" };
+
+/* CRIU's own fd store (criu/include/fdstore.h), which the amdgpu plugin uses too: it hands fds between
+ * a restored task and CRIU main.  Resolved against the criu binary when it loads the plugin. */
+extern int fdstore_add(int fd);
+extern int fdstore_get(int id);
+
+#define TASK_MAX_BOS 64
+#define TABLE_SLOTS 16
+/* memory shared by CRIU main and the restored tasks it forks (set up in RESTORE_INIT, task mode) */
+struct task_shared {
+	int nbos;
+	int fdstore_ids[TASK_MAX_BOS]; /* the task's memfds, for CRIU main's check */
+};
 
 struct bo {
 	uint64_t id, size;
@@ -112,6 +161,8 @@ static struct {
 	struct vramd_conn *conn;
 	struct vramd_token token;
 	struct vramd_criu_ticket ticket;
+	struct vramd_criu_table *table; /* task mode */
+	struct task_shared *shared;
 	int started, waited, failed;
 	double t_start;
 } vr;
@@ -120,7 +171,7 @@ static double now(void)
 {
 	struct timespec ts;
 
-	clock_gettime(CLOCK_MONOTONIC, &ts);
+	clock_gettime(CLOCK_MONOTONIC, &ts); /* only compared within one process: see logf_() */
 	return ts.tv_sec + ts.tv_nsec / 1e9;
 }
 
@@ -150,6 +201,9 @@ static int parse_bos(const char *spec)
 {
 	const char *p = spec;
 	size_t cap = 0;
+
+	if (!spec)
+		return -1;
 
 	while (p && *p) {
 		char *end;
@@ -389,6 +443,119 @@ static int restore_wait(const char *where)
 	return 0;
 }
 
+/* RESTORE_INIT, CRIU main, before forking: the ticket table and the fd ids, in memory the tasks inherit */
+static int task_setup(void)
+{
+	size_t tsize = (vramd_criu_table_size(TABLE_SLOTS) + 63) & ~(size_t)63;
+	size_t len = tsize + sizeof(struct task_shared);
+	void *mem = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+	int ret;
+
+	if (mem == MAP_FAILED) {
+		logf_("FAIL vramd: mmap of the shared table: %s", strerror(errno));
+		return -1;
+	}
+	ret = vramd_criu_table_init(mem, tsize, TABLE_SLOTS, &vr.table);
+	if (ret) {
+		logf_("FAIL vramd: vramd_criu_table_init: %d", ret);
+		return -1;
+	}
+	vr.shared = (struct task_shared *)((char *)mem + tsize);
+	vr.t_start = now();
+	return 0;
+}
+
+/* RESTORE_EXT_FILE, inside the restored task: BOs (memfds here, dmabufs from KFD there), submit, publish */
+static int task_submit(void)
+{
+	const char *image = getenv("VRAMD_CRIU_IMAGE"), *spec = getenv("VRAMD_CRIU_BOS");
+	struct vramd_criu_config cfg;
+	struct vramd_error err = { 0 };
+	struct vramd_criu_bo *bos = NULL;
+	struct vramd_criu_ticket ticket;
+	char tok[VRAMD_TOKEN_STRLEN + 1];
+	int dir_fd = -1, ret = -1;
+	double t0 = now(), t1;
+
+	if (!vr.table || !image || !spec || parse_bos(spec) || vr.nbos > TASK_MAX_BOS) {
+		logf_("FAIL vramd: task mode needs RESTORE_INIT's table, VRAMD_CRIU_IMAGE, VRAMD_CRIU_BOS (<= %d)",
+		      TASK_MAX_BOS);
+		goto out;
+	}
+	bos = calloc(vr.nbos, sizeof(*bos));
+	dir_fd = open(image, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+	if (!bos || dir_fd < 0) {
+		logf_("FAIL vramd: open %s: %s", image, strerror(errno));
+		goto out;
+	}
+	for (size_t i = 0; i < vr.nbos; i++) {
+		vr.bos[i].fd = memfd_create("vramd-criu-bo", MFD_CLOEXEC);
+		if (vr.bos[i].fd < 0 || ftruncate(vr.bos[i].fd, vr.bos[i].size)) {
+			logf_("FAIL vramd: memfd: %s", strerror(errno));
+			goto out;
+		}
+		bos[i] = (struct vramd_criu_bo){ .id = vr.bos[i].id, .fd = vr.bos[i].fd, .size = vr.bos[i].size };
+	}
+	vramd_criu_config_init(&cfg);
+	cfg.socket_path = getenv("VRAMD_CRIU_SOCKET");
+	cfg.timeout_ms = call_timeout_ms();
+	cfg.client_name = "criu-test-plugin (restored task)";
+	cfg.label = "criu-test-task";
+	ret = vramd_criu_restore_submit(&cfg, dir_fd, bos, vr.nbos, 0, &ticket, &err);
+	if (ret) {
+		logf_("FAIL vramd: vramd_criu_restore_submit: %d %s: %s", ret, vramd_code_name(err.code), err.message);
+		goto out;
+	}
+	ret = vramd_criu_table_publish(vr.table, &ticket);
+	if (ret) {
+		logf_("FAIL vramd: vramd_criu_table_publish: %d", ret);
+		goto out;
+	}
+	for (size_t i = 0; i < vr.nbos; i++) {
+		vr.shared->fdstore_ids[i] = fdstore_add(vr.bos[i].fd);
+		if (vr.shared->fdstore_ids[i] < 0) {
+			logf_("FAIL vramd: fdstore_add");
+			ret = -1;
+			goto out;
+		}
+	}
+	vr.shared->nbos = vr.nbos;
+	t1 = now();
+	vramd_token_format(&ticket.token, tok);
+	logf_("vramd: restore submitted from the task (criu.h), ticket pid=%d token=%.8s... published: %zu BOs in %.3f s",
+	      ticket.pid, tok, vr.nbos, t1 - t0);
+out:
+	if (dir_fd >= 0)
+		close(dir_fd);
+	free(bos);
+	close_bos(); /* nothing of ours stays open in the restored task */
+	return ret;
+}
+
+/* RESUME_DEVICES_LATE, CRIU main: this task's ticket, the barrier, then the BOs (from the fdstore) checked */
+static int task_barrier(int pid)
+{
+	int ret = vramd_criu_table_take(vr.table, pid, &vr.ticket);
+
+	if (ret) {
+		logf_("FAIL vramd: no ticket for pid %d: %d", pid, ret);
+		return -1;
+	}
+	vr.started = 1;
+	if (parse_bos(getenv("VRAMD_CRIU_BOS")) || (int)vr.nbos != vr.shared->nbos) {
+		logf_("FAIL vramd: %d BOs published, VRAMD_CRIU_BOS says otherwise", vr.shared->nbos);
+		return -1;
+	}
+	for (size_t i = 0; i < vr.nbos; i++) {
+		vr.bos[i].fd = fdstore_get(vr.shared->fdstore_ids[i]);
+		if (vr.bos[i].fd < 0) {
+			logf_("FAIL vramd: fdstore_get");
+			return -1;
+		}
+	}
+	return restore_wait("RESUME_DEVICES_LATE");
+}
+
 #endif /* HAVE_LIBVRAMD */
 
 /* --- hooks ---------------------------------------------------------------- */
@@ -411,7 +578,7 @@ static int plugin_init(int stage)
 				vr.mode = i;
 		const char *api = getenv("VRAMD_CRIU_API");
 
-		vr.api_criu = api && !strcmp(api, "criu");
+		vr.api_criu = (api && !strcmp(api, "criu")) || vr.mode == MODE_TASK; /* task mode is criu.h only */
 		logf_("init libvramd=yes mode=%s api=%s", mode_names[vr.mode], vr.api_criu ? "criu.h" : "client.h");
 	}
 #else
@@ -442,6 +609,10 @@ CR_PLUGIN_REGISTER(PLUGIN_NAME, plugin_init, plugin_exit)
 static int hook_restore_init(void)
 {
 	logf_("hook=RESTORE_INIT");
+#ifdef HAVE_LIBVRAMD
+	if (vr.mode == MODE_TASK && task_setup())
+		return -1;
+#endif
 	return 0;
 }
 CR_PLUGIN_REGISTER_HOOK(CR_PLUGIN_HOOK__RESTORE_INIT, hook_restore_init)
@@ -466,6 +637,8 @@ static int hook_resume_devices_late(int pid)
 	logf_("hook=RESUME_DEVICES_LATE target_pid=%d", pid);
 #ifdef HAVE_LIBVRAMD
 	/* CRIU only debug-logs a failure here; it is called once per task, we act on the first */
+	if (vr.mode == MODE_TASK)
+		return task_barrier(pid);
 	if (vr.mode == MODE_SERIAL && !vr.started && !vr.waited && restore_start())
 		return -1;
 	if ((vr.mode == MODE_OFFLOAD || vr.mode == MODE_SERIAL) && vr.started && !vr.waited)
@@ -507,16 +680,34 @@ CR_PLUGIN_REGISTER_HOOK(CR_PLUGIN_HOOK__HANDLE_DEVICE_VMA, hook_handle_device_vm
 
 static int hook_dump_ext_file(int fd, int id)
 {
-	logf_("hook=DUMP_EXT_FILE fd=%d id=%d", fd, id);
-	return -ENOTSUP;
+	bool ours = is_ext_dev(fd);
+
+	logf_("hook=DUMP_EXT_FILE fd=%d id=%d%s", fd, id, ours ? " (our device: taken)" : "");
+	return ours ? 0 : -ENOTSUP;
 }
 CR_PLUGIN_REGISTER_HOOK(CR_PLUGIN_HOOK__DUMP_EXT_FILE, hook_dump_ext_file)
 
 static int hook_restore_ext_file(int id, bool *retry_needed)
 {
-	(void)retry_needed;
+	const char *dev = getenv("VRAMD_CRIU_EXT_DEV");
+	int fd;
+
 	logf_("hook=RESTORE_EXT_FILE id=%d", id);
-	return -ENOTSUP;
+	if (!dev)
+		return -ENOTSUP;
+	*retry_needed = false; /* criu's files-ext.c leaves it uninitialised: garbage means "call again" */
+	fd = open(dev, O_RDWR); /* CRIU moves it to the right number and sets its flags */
+	if (fd < 0) {
+		logf_("FAIL reopen %s: %s", dev, strerror(errno));
+		return -1;
+	}
+#ifdef HAVE_LIBVRAMD
+	if (vr.mode == MODE_TASK && task_submit()) {
+		close(fd);
+		return -1;
+	}
+#endif
+	return fd;
 }
 CR_PLUGIN_REGISTER_HOOK(CR_PLUGIN_HOOK__RESTORE_EXT_FILE, hook_restore_ext_file)
 

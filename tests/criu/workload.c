@@ -6,7 +6,11 @@
  * "bad <pid> <offset>" to RESULT (opened by path at that moment, so it also
  * works after a restore).
  *
- *     workload MIB READY_FILE RESULT_FILE
+ *     workload MIB READY_FILE RESULT_FILE [DEVICE]
+ *
+ * With DEVICE (e.g. /dev/loop-control) it also keeps that character device
+ * open: a file CRIU cannot dump by itself, so CRIU hands it to the plugins'
+ * DUMP_EXT_FILE / RESTORE_EXT_FILE hooks, as it does /dev/kfd.
  */
 #include <fcntl.h>
 #include <signal.h>
@@ -54,9 +58,13 @@ int main(int argc, char **argv)
 	uint64_t *mem;
 	size_t words, i;
 
-	if (argc != 4) {
-		fprintf(stderr, "usage: %s MIB READY_FILE RESULT_FILE\n", argv[0]);
+	if (argc != 4 && argc != 5) {
+		fprintf(stderr, "usage: %s MIB READY_FILE RESULT_FILE [DEVICE]\n", argv[0]);
 		return 2;
+	}
+	if (argc == 5 && open(argv[4], O_RDWR) < 0) { /* kept open for ever */
+		perror(argv[4]);
+		return 1;
 	}
 	words = ((size_t)strtoul(argv[1], NULL, 0) << 20) / sizeof(uint64_t);
 	mem = mmap(NULL, words * sizeof(uint64_t), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
