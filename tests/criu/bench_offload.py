@@ -13,6 +13,8 @@ rotating order, with the test plugin doing:
   sync     started and waited for in POST_FORKING (the forked root task keeps
            restoring its memory meanwhile)
   serial   started and waited for in RESUME_DEVICES_LATE (after all memory: no overlap)
+  task     submitted by the restored task in RESTORE_EXT_FILE (the workload keeps
+           --ext-dev open), waited for by CRIU main in RESUME_DEVICES_LATE
 
 A first round checks everything (the workload's memory and the BOs' SHA-256);
 the timed rounds skip the BO digest (it would add the same time to every vramd
@@ -57,10 +59,11 @@ def phases(log: str) -> dict:
     at = {}
     for e in ev:
         key = e.what.split()[0] if e.what.startswith(("hook=", "init", "exit")) else None
+        # CLOCK_REALTIME: the restored task's CLOCK_MONOTONIC is in a time namespace of its own
         if key and key not in at:
-            at[key] = e.mono
+            at[key] = e.real
         if e.what.startswith("vramd: waited in"):
-            at["waited"] = e.mono
+            at["waited"] = e.real
         if "FAIL" in e.what:
             raise RuntimeError(f"plugin failure: {e.what}")
     out = {"restore_init_to_resume_late": at["hook=RESUME_DEVICES_LATE"] - at["hook=RESTORE_INIT"],
@@ -68,7 +71,8 @@ def phases(log: str) -> dict:
            "init_to_exit": at["exit"] - at["init"]}
     if "waited" in at:
         out["post_forking_to_vramd_done"] = at["waited"] - at["hook=POST_FORKING"]
-    assert hooks(ev) == ["init", "RESTORE_INIT", "POST_FORKING", "RESUME_DEVICES_LATE", "exit"], hooks(ev)
+    assert [h for h in hooks(ev) if h != "RESTORE_EXT_FILE"] == ["init", "RESTORE_INIT", "POST_FORKING",
+                                                                 "RESUME_DEVICES_LATE", "exit"], hooks(ev)
     return out
 
 
@@ -80,6 +84,8 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--api", choices=["client", "criu"], default="client",
                     help="client.h calls on one connection, or criu.h's submit + barrier")
+    ap.add_argument("--ext-dev", default="/dev/loop-control",
+                    help="device the workload keeps open, for mode task ('' or missing: no task mode)")
     ap.add_argument("--work", help="working directory (default: a new one under /var/tmp, removed after)")
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -95,7 +101,9 @@ def main() -> int:
     work = args.work or tempfile.mkdtemp(prefix="vramd-criu-bench-", dir="/var/tmp")
     os.makedirs(work, exist_ok=True)
     run_dir = tempfile.mkdtemp(prefix="vramd-cb", dir="/tmp")  # short: sun_path is 108 bytes
-    results: dict = {"args": vars(args), "runs": {m: [] for m in MODES}}
+    device = args.ext_dev if args.ext_dev and os.path.exists(args.ext_dev) else None
+    modes = MODES + (["task"] if device else [])
+    results: dict = {"args": vars(args), "runs": {m: [] for m in modes}}
     try:
         libdir, workload = build(env, os.path.join(work, "build"), with_vramd=True)
         with open(os.path.join(work, "vramd.log"), "w") as dlog:
@@ -104,12 +112,13 @@ def main() -> int:
             try:
                 sizes = [(args.vram_mib << 20) // args.bos] * args.bos
                 image = make_vramd_image(daemon.socket, os.path.join(work, "vramd-img"), sizes)
-                rig = Rig.dumped(env, work, libdir, workload, args.mem_mib, os.path.join(work, "dump.log"))
+                rig = Rig.dumped(env, work, libdir, workload, args.mem_mib, os.path.join(work, "dump.log"),
+                                 device=device)
                 print(f"vramd image: {args.bos} x {sizes[0] >> 20} MiB in {image.seconds:.1f} s; "
                       f"criu dump of {args.mem_mib} MiB: {rig.dump_wall:.2f} s", flush=True)
                 for rnd in range(args.runs + 1):
                     checked = rnd == 0
-                    order = MODES[rnd % len(MODES):] + MODES[:rnd % len(MODES)]
+                    order = modes[rnd % len(modes):] + modes[:rnd % len(modes)]
                     for mode in order:
                         log = os.path.join(work, f"r{rnd}-{mode}.log")
                         penv = image.plugin_env(daemon.socket, "off" if mode == "none" else mode, verify=checked,
@@ -138,14 +147,14 @@ def main() -> int:
                 daemon.stop()
         print("\nmedians over", args.runs, "runs (criu restore wall time, s):")
         results["median_wall"] = {}
-        for mode in MODES:
+        for mode in modes:
             walls = [r["wall"] for r in results["runs"][mode]]
             med = statistics.median(walls)
             results["median_wall"][mode] = med
             print(f"  {mode:8s} median {med:.3f}   runs " + " ".join(f"{w:.3f}" for w in walls))
         print("medians of the other measures (s; load1 is the 1-minute load average after the run):")
-        keys = sorted({k for m in MODES for r in results["runs"][m] for k in r if k != "wall"})
-        for mode in MODES:
+        keys = sorted({k for m in modes for r in results["runs"][m] for k in r if k != "wall"})
+        for mode in modes:
             rs = results["runs"][mode]
             print(f"  {mode:8s} " + "  ".join(f"{k} {statistics.median(r[k] for r in rs):.3f}"
                                              for k in keys if all(k in r for r in rs)))
