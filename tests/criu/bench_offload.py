@@ -96,7 +96,7 @@ def main() -> int:
         print(f"bench_offload: {why}", file=sys.stderr)
         return 2
 
-    from vramd.launcher import DaemonProcess
+    from vramd.testing import DaemonProcess
 
     work = args.work or tempfile.mkdtemp(prefix="vramd-criu-bench-", dir="/var/tmp")
     os.makedirs(work, exist_ok=True)
@@ -135,7 +135,8 @@ def main() -> int:
                             raise RuntimeError(f"{mode}: restored workload says {ok!r}")
                         ph = phases(log)
                         if checked and mode != "none":
-                            text = open(log).read()
+                            with open(log) as f:
+                                text = f.read()
                             if f"verify OK sha256={image.sha256}" not in text:
                                 raise RuntimeError(f"{mode}: BO digest not verified:\n{text}")
                         print(f"{'check' if checked else 'run ' + str(rnd)} {mode:8s} criu wall {wall:.3f} s  " +

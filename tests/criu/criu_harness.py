@@ -22,12 +22,24 @@ PLUGIN_HOOK_LINE = re.compile(
     r"stage=(?P<stage>\S+) (?P<what>.*)$")
 
 
+REPO = os.path.dirname(os.path.dirname(HERE))
+
+
+def _in_repo(env_var: str, path: str, marker: str) -> str | None:
+    """$env_var, else this repository's own libvramd (built by ./dev.sh) if it is there."""
+    given = os.environ.get(env_var)
+    if given:
+        return given
+    full = os.path.join(REPO, path)
+    return full if os.path.exists(os.path.join(full, marker)) else None
+
+
 @dataclass
 class Env:
     criu_src: str | None = os.environ.get("CRIU_SRC")
     criu_bin: str | None = os.environ.get("CRIU_BIN")
-    vramd_inc: str | None = os.environ.get("VRAMD_CLIENT_INC")
-    vramd_libdir: str | None = os.environ.get("VRAMD_CLIENT_LIBDIR")
+    vramd_inc: str | None = _in_repo("VRAMD_CLIENT_INC", "native/client/include", "vramd/client.h")
+    vramd_libdir: str | None = _in_repo("VRAMD_CLIENT_LIBDIR", "build/libvramd", "libvramd.so")
 
     def missing(self) -> str | None:
         """Why the CRIU tests cannot run here, or None."""
@@ -139,7 +151,7 @@ def backtraces(pid: int) -> str:
     if shutil.which("gdb"):
         r = subprocess.run(["gdb", "-p", str(pid), "-batch", "-ex", "thread apply all bt"], capture_output=True,
                            text=True, timeout=120)
-        out.append("\n".join(l for l in r.stdout.splitlines() if l.startswith(("#", "Thread"))))
+        out.append("\n".join(ln for ln in r.stdout.splitlines() if ln.startswith(("#", "Thread"))))
     return "\n".join(out)
 
 
@@ -161,8 +173,8 @@ def read_log(path: str) -> list[HookEvent]:
             m = PLUGIN_HOOK_LINE.match(line.rstrip("\n"))
             if not m:
                 raise AssertionError(f"unparsable plugin log line: {line!r}")
-            events.append(HookEvent(float(m["mono"]), float(m["real"]), int(m["pid"]), int(m["ppid"]), m["role"], m["stage"],
-                                    m["what"]))
+            events.append(HookEvent(float(m["mono"]), float(m["real"]), int(m["pid"]), int(m["ppid"]), m["role"],
+                                    m["stage"], m["what"]))
     return events
 
 
@@ -208,7 +220,8 @@ class VramdImage:
     seconds: float = 0.0
 
     def plugin_env(self, socket_path: str, mode: str, verify: bool = True, api: str = "client") -> dict:
-        return {"VRAMD_CRIU_MODE": mode, "VRAMD_CRIU_API": api, "VRAMD_CRIU_SOCKET": socket_path, "VRAMD_CRIU_IMAGE": self.path,
+        return {"VRAMD_CRIU_MODE": mode, "VRAMD_CRIU_API": api, "VRAMD_CRIU_SOCKET": socket_path,
+                "VRAMD_CRIU_IMAGE": self.path,
                 "VRAMD_CRIU_BOS": ",".join(f"{i}:{s}" for i, s in self.bos), "VRAMD_CRIU_SHA256": self.sha256,
                 "VRAMD_CRIU_VERIFY": "1" if verify else "0"}
 
@@ -261,7 +274,7 @@ class Rig:
 
     @classmethod
     def dumped(cls, env: Env, work: str, libdir: str, workload_bin: str, mib: int, log: str,
-               device: str | None = None) -> "Rig":
+               device: str | None = None) -> Rig:
         """device: a character device the workload keeps open, which CRIU leaves to the plugin (ext file)."""
         img = os.path.join(work, "criu-img" if not device else "criu-img-dev")
         if os.path.exists(img):
@@ -280,6 +293,7 @@ class Rig:
 
     def restore(self, log: str, plugin_env: dict | None = None) -> float:
         """criu restore -d with the plugin; returns the wall time.  The restored task keeps running."""
-        env = {"VRAMD_CRIU_LOG": log, **({"VRAMD_CRIU_EXT_DEV": self.device} if self.device else {}), **(plugin_env or {})}
+        env = {"VRAMD_CRIU_LOG": log, **({"VRAMD_CRIU_EXT_DEV": self.device} if self.device else {}),
+               **(plugin_env or {})}
         return criu(self.env, "restore", "-D", self.img, "-d", "-o", "restore.log", "-v4", "--libdir", self.libdir,
                     extra_env=env)

@@ -14,7 +14,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from criu_harness import Env, Rig, build, hooks, keep_notify_drained, make_vramd_image, read_log  # noqa: E402
+from criu_harness import Env, Rig, build, hooks, keep_notify_drained, make_vramd_image, read_log
 
 ENV = Env()
 pytestmark = pytest.mark.skipif(ENV.missing() is not None, reason=ENV.missing() or "")
@@ -58,7 +58,7 @@ def test_hooks_fire_in_criu_main_in_order(work):
 @pytest.fixture(scope="module")
 def vramd_rig(work):
     """A daemon, a vramd image of memfd BOs (odd sizes included), and a dumped 64 MiB workload."""
-    from daemon import DaemonProc
+    from vramd.testing import DaemonProcess as DaemonProc
 
     libdir, workload = build(ENV, os.path.join(work, "build-vramd"), with_vramd=True)
     run_dir = os.path.join(work, "run")
@@ -125,7 +125,7 @@ def test_silent_daemon_fails_the_restore_in_bounded_time(vramd_rig, work):
     env["VRAMD_CRIU_TIMEOUT_MS"] = "1000"
     t0 = time.monotonic()
     try:
-        with pytest.raises(RuntimeError, match="criu restore .* failed"):
+        with pytest.raises(RuntimeError, match=r"criu restore .* failed"):
             rig.restore(log, env)
     finally:
         rig.workload.kill_restored()
@@ -206,7 +206,7 @@ def test_submit_then_barrier_needs_the_grace_period_to_cover_the_gap(vramd_rig, 
     (RESUME_DEVICES_LATE errors are only debug-logged).  In the real split CRIU main has no hook between the task's
     RESTORE_EXT_FILE and RESUME_DEVICES_LATE, so the daemon's grace period (30 s by default) must cover the rest of
     the restore."""
-    from daemon import DaemonProc
+    from vramd.testing import DaemonProcess as DaemonProc
 
     _daemon, image, rig = vramd_rig
     run_dir = os.path.join(work, "run-nograce")
