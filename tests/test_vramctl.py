@@ -49,12 +49,28 @@ def test_dump_restore_verify_inspect(daemon, tmp_path):
     assert vramctl("verify", str(img)).returncode == 0
 
     bo_file.write_bytes(b"\0" * len(file_bytes))
+    target = tmp_path / "target.bin"
+    target.write_bytes(b"\0" * len(file_bytes))
     with Workload(blank_spec_like(w.regions)) as w2:
+        # the file BO's recorded path is not opened unless asked: the caller names where it goes
         r = vramctl("restore", "--pid", str(w2.pid), "--image", str(img), socket=daemon.socket)
+        assert r.returncode == 1 and "--bo-file 4=PATH" in r.stderr, r.stderr
+        r = vramctl("restore", "--pid", str(w2.pid), "--image", str(img), "--bo-file", f"4={target}",
+                    socket=daemon.socket)
         assert r.returncode == 0, r.stderr
         assert "restored 4 BO(s)" in r.stdout
         assert w2.digests() == digests
+    assert target.read_bytes() == b"\0" + file_bytes[1:300_001]
+    assert bo_file.read_bytes() == b"\0" * len(file_bytes)  # untouched: the image named it, the caller did not
+    with Workload(blank_spec_like(w.regions)) as w3:
+        r = vramctl("restore", "--pid", str(w3.pid), "--image", str(img), "--to-recorded-paths", socket=daemon.socket)
+        assert r.returncode == 0, r.stderr
     assert bo_file.read_bytes() == b"\0" + file_bytes[1:300_001]
+
+    r = vramctl("dump", "--pid", str(os.getpid()), "--range", "0x1000:4096", "--image", str(img),
+                socket=daemon.socket)
+    assert r.returncode == 1 and "already holds an image" in r.stderr  # nothing replaced without --force
+    assert vramctl("inspect", str(img), "--json").returncode == 0
 
     r = vramctl("sessions", "--json", socket=daemon.socket)
     assert r.returncode == 0 and json.loads(r.stdout) == {"sessions": []}  # vramctl closes what it opens

@@ -11,8 +11,8 @@ _vramctl() {
     case "$cmd" in
         status) COMPREPLY=($(compgen -W "-h --help --json" -- "$cur")) ;;
         sessions) COMPREPLY=($(compgen -W "-h --help --json" -- "$cur")) ;;
-        dump) COMPREPLY=($(compgen -W "-h --help --json --pid --range --bo-file --image --compress" -- "$cur")) ;;
-        restore) COMPREPLY=($(compgen -W "-h --help --json --pid --image" -- "$cur")) ;;
+        dump) COMPREPLY=($(compgen -W "-h --help --json --pid --range --bo-file --image --compress --force" -- "$cur")) ;;
+        restore) COMPREPLY=($(compgen -W "-h --help --json --pid --image --bo-file --to-recorded-paths" -- "$cur")) ;;
         verify) COMPREPLY=($(compgen -W "-h --help --json" -- "$cur")) ;;
         selftest) COMPREPLY=($(compgen -W "-h --help --json --size --workdir" -- "$cur")) ;;
         inspect) COMPREPLY=($(compgen -W "-h --help --json" -- "$cur")) ;;

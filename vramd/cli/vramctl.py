@@ -54,6 +54,14 @@ def parse_range(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
 
 
+def parse_bo_target(text: str) -> tuple[int, str]:
+    """ID=PATH: where `vramctl restore` writes the file BO with that id."""
+    bo_id, sep, path = text.partition("=")
+    if not sep or not path or not bo_id.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r}: expected ID=PATH (the BO's id in the image, then a file)")
+    return int(bo_id), path
+
+
 def parse_bo_file(text: str) -> tuple[str, int, int | None]:
     """PATH or PATH:OFF:LEN (a path may itself contain colons)."""
     parts = text.rsplit(":", 2)
@@ -165,6 +173,9 @@ def cmd_dump(ns: argparse.Namespace) -> int:
                                 name=os.path.abspath(path)))
         dfd = open_image_dir(ns.image, create=True)
         fds.append(dfd)
+        if not ns.force and _holds_image(dfd):
+            raise Failure(f"{ns.image} already holds an image; --force replaces it (atomically, when the new one "
+                          "commits)")
         info, secs = transfer(ns, SESSION_DUMP, dfd, bos, "dump", compression=ns.compress or "")
     finally:
         for fd in fds:
@@ -176,6 +187,15 @@ def cmd_dump(ns: argparse.Namespace) -> int:
     emit(ns, d, f"dumped {len(bos)} BO(s), {format_size(total)} in {secs:.2f} s ({rate(total, secs)}) to {ns.image}; "
                 f"stored {format_size(stored)}")
     return EXIT_OK
+
+
+def _holds_image(dfd: int) -> bool:
+    from ..image.format import MANIFEST_NAME
+    try:
+        os.stat(MANIFEST_NAME, dir_fd=dfd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def read_manifest_offline(dfd: int) -> pb.Manifest:
@@ -190,6 +210,7 @@ def cmd_restore(ns: argparse.Namespace) -> int:
         dfd = open_image_dir(ns.image, create=False)
         fds.append(dfd)
         manifest = read_manifest_offline(dfd)
+        targets = dict(ns.bo_file or [])
         mem = None
         for e in manifest.bos:
             if e.source == pb.SOURCE_PROCMEM:
@@ -197,16 +218,24 @@ def cmd_restore(ns: argparse.Namespace) -> int:
                     mem = open_procmem(ns.pid, os.O_RDWR)
                     fds.append(mem)
                 bos.append(ClientBo(e.id, mem, offset=e.source_offset, backend="procmem"))
-            elif e.source == pb.SOURCE_MMAP and e.name:
+            elif e.source == pb.SOURCE_MMAP:
+                # An image is data, not instructions: the path it recorded is opened only when the caller
+                # says so (--to-recorded-paths); otherwise the caller names each file (--bo-file ID=PATH).
+                path = targets.pop(e.id, None) or (e.name if ns.to_recorded_paths and e.name else None)
+                if path is None:
+                    raise Failure(f"BO {e.id} was dumped from a file; name where it goes with --bo-file {e.id}=PATH "
+                                  f"(or --to-recorded-paths to write it to {e.name or 'its recorded path'})")
                 try:
-                    fd = os.open(e.name, os.O_RDWR | os.O_CLOEXEC)
+                    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
                 except OSError as err:
-                    raise Failure(f"cannot open {e.name} (BO {e.id}) for writing: {err.strerror}") from None
+                    raise Failure(f"cannot open {path} (BO {e.id}) for writing: {err.strerror}") from None
                 fds.append(fd)
                 bos.append(ClientBo(e.id, fd, offset=e.source_offset, backend="mmap"))
             else:
                 raise Failure(f"BO {e.id} was saved from a {SOURCE_NAMES.get(e.source, 'unknown')} source that "
                               "vramctl cannot target; restore it through the plugin that dumped it")
+        if targets:
+            raise Failure(f"the image has no file BO {min(targets)} (--bo-file {min(targets)}=...)")
         info, secs = transfer(ns, SESSION_RESTORE, dfd, bos, "restore")
     finally:
         for fd in fds:
@@ -341,9 +370,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a file (memfd, dmabuf, regular file) holding a BO, repeatable")
     p.add_argument("--image", required=True, metavar="DIR")
     p.add_argument("--compress", metavar="none|zstd[:LEVEL]")
-    p = cmd("restore", cmd_restore, "write an image back: ranges into PID at their addresses, files into their files")
+    p.add_argument("--force", action="store_true", help="replace an image the directory already holds")
+    p = cmd("restore", cmd_restore, "write an image back: ranges into PID at their addresses, file BOs into the files "
+            "you name")
     p.add_argument("--pid", type=int, required=True)
     p.add_argument("--image", required=True, metavar="DIR")
+    p.add_argument("--bo-file", type=parse_bo_target, action="append", metavar="ID=PATH",
+                   help="write the image's file BO ID into PATH, repeatable (the image's recorded paths are never "
+                        "opened unless --to-recorded-paths)")
+    p.add_argument("--to-recorded-paths", action="store_true",
+                   help="write file BOs to the paths the image recorded (only for images you trust)")
     p = cmd("verify", cmd_verify, "check every chunk of an image (offline); exit 1 on any damage")
     p.add_argument("dir", metavar="DIR")
     p = cmd("selftest", cmd_selftest, "round-trip known data through every backend, per GPU; GB/s")
