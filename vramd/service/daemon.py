@@ -23,7 +23,7 @@ from .config import DaemonConfig
 from .connection import Connection, serve_connection
 from .metrics import Metrics
 from .session_table import SessionTable
-from .sessions import SessionLimits
+from .sessions import SessionLimits, UidLimits
 from .transport import PacketChannel
 
 log = logging.getLogger("vramd.service.daemon")
@@ -40,17 +40,22 @@ class Daemon:
             compression=Compression.parse(cfg.compression), io_threads=cfg.io_threads, sdma=cfg.sdma,
             sdma_library=cfg.sdma_library, render_nodes={g.gpu_id: topology.render_node(g) for g in gpus}))
         self.metrics = Metrics()
+        # The GPUs a BO may name (each gpu_id gets pools and lanes): the topology's, else 0 and the configured ones
+        self.gpu_ids = frozenset(g.gpu_id for g in gpus) if self.topology else frozenset({0, *cfg.gpu_ids})
         self.sessions = SessionTable(
             self.engine, self.metrics, grace_period=cfg.grace_period, max_per_uid=cfg.max_sessions_per_uid,
-            limits=SessionLimits(cfg.max_bos_per_session, cfg.max_fds_per_session),
+            limits=SessionLimits(cfg.max_bos_per_session, cfg.max_fds_per_session, cfg.max_chunks_per_session,
+                                 self.gpu_ids),
+            uid_limits=UidLimits(cfg.max_bos_per_uid, cfg.max_fds_per_uid),
             default_compression=self.engine.config.compression, default_chunk_size=cfg.chunk_size,
-            topology=self.topology)
+            topology=self.topology, topology_checks=cfg.topology_checks)
         self.connections: dict[int, Connection] = {}
         self.allowed_uids = set(cfg.allowed_uids) | {os.getuid()}  # the daemon's own uid, always
         self.allowed_gids = cfg.allowed_gids()
         self.started = time.monotonic()
         self.draining = False
         self._next_conn = 1
+        self.refusing = 0  # refused peers being answered
         self._conn_tasks: set[asyncio.Task[None]] = set()
         self._stop = asyncio.Event()
         self.server = SERVER
@@ -83,11 +88,14 @@ class Daemon:
 
     def _hello_reply(self) -> rpc.HelloReply:
         cfg = self.cfg
-        gpu_ids = [g.gpu_id for g in self.topology.gpus] if self.topology else []
-        return rpc.HelloReply(server=SERVER, backends=self.backend_infos(), gpu_ids=gpu_ids, limits=rpc.Limits(
+        return rpc.HelloReply(server=SERVER, backends=self.backend_infos(), gpu_ids=sorted(self.gpu_ids),
+                              limits=rpc.Limits(
             max_message_bytes=cfg.max_message_bytes, max_fds_per_message=cfg.max_fds_per_message,
             max_bos_per_session=cfg.max_bos_per_session, max_sessions_per_uid=cfg.max_sessions_per_uid,
-            max_fds_per_session=cfg.max_fds_per_session))
+            max_fds_per_session=cfg.max_fds_per_session, max_chunks_per_session=cfg.max_chunks_per_session,
+            max_bos_per_uid=cfg.max_bos_per_uid, max_fds_per_uid=cfg.max_fds_per_uid,
+            max_queued_requests=cfg.max_queued_requests, max_connections_per_uid=cfg.max_connections_per_uid,
+            hello_timeout_ms=int(cfg.hello_timeout * 1000)))
 
     def update_gauges(self) -> None:
         m, pool = self.metrics, self.engine.pool
@@ -187,10 +195,14 @@ class Daemon:
     def authorised(self, uid: int, gid: int, groups: set[int]) -> bool:
         return uid in self.allowed_uids or bool(({gid} | groups) & self.allowed_gids)
 
+    def connections_of(self, uid: int) -> int:
+        return sum(1 for c in self.connections.values() if c.uid == uid)
+
     def register(self, channel: PacketChannel, protocol: ServerProtocol, pid: int, uid: int, gid: int) -> Connection:
         conn = Connection(self._next_conn, channel, protocol, pid, uid, gid)
         self._next_conn += 1
         self.connections[conn.id] = conn
+        log.debug("connection %d opened: pid %d uid %d", conn.id, pid, uid)
         return conn
 
     def unregister(self, conn: Connection) -> None:
