@@ -49,12 +49,12 @@ class DaemonConfig:
     drain_timeout: float = 30.0
     max_message_bytes: int = DEFAULT_MAX_MESSAGE
     max_fds_per_message: int = SCM_MAX_FD
-    max_bos_per_session: int = 65_536      # about 1.5 KiB of daemon memory per BO (docs/protocol.md, Limits)
-    max_fds_per_session: int = 65_536
+    max_bos_per_session: int = 8192        # daemon memory and commit time per BO: docs/protocol.md, Limits
+    max_fds_per_session: int = 16_384
     max_chunks_per_session: int = 1 << 20  # a dump's declared bytes / chunk_size: about 100 bytes each
     max_sessions_per_uid: int = 64
-    max_bos_per_uid: int = 131_072         # across the uid's sessions, ended but unclosed ones included
-    max_fds_per_uid: int = 131_072         # fds held by the uid's sessions
+    max_bos_per_uid: int = 65_536          # across the uid's sessions, ended but unclosed ones included
+    max_fds_per_uid: int = 65_536          # fds held by the uid's sessions
     max_connections: int = 1024
     max_connections_per_uid: int = 256
     max_queued_requests: int = 16          # per connection, read ahead of the one being handled

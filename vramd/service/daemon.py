@@ -7,6 +7,7 @@ session_table.py hold the jobs.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import socket
@@ -28,6 +29,48 @@ from .transport import PacketChannel
 
 log = logging.getLogger("vramd.service.daemon")
 SERVER = f"vramd {__version__}"
+
+
+class GcPolicy:
+    """Python's full (oldest-generation) collection scans every tracked object at once.
+
+    A session of tens of thousands of BOs holds hundreds of thousands of
+    objects, and a full collection then holds the event loop (every client)
+    for a few hundred ms.  So: what exists at start-up is frozen (never
+    scanned), the young generations are collected as usual (their cost is
+    bounded by their thresholds), and the full collection runs only from
+    housekeeping, when no session has run for a whole period, or at the
+    latest every FULL_EVERY seconds.
+    """
+
+    FULL_EVERY = 600.0
+
+    def __init__(self) -> None:
+        self.last_full = time.monotonic()
+        self._saved: tuple[int, ...] | None = None
+
+    def start(self) -> None:
+        gc.collect()
+        gc.freeze()
+        self._saved = gc.get_threshold()
+        t0, t1, _ = self._saved
+        gc.set_threshold(t0, t1, 1 << 30)  # no automatic full collection
+
+    def stop(self) -> None:
+        if self._saved is not None:
+            gc.set_threshold(*self._saved)
+            self._saved = None
+
+    def tick(self, *, idle: bool) -> None:
+        now = time.monotonic()
+        if self._saved is None or not (idle or now - self.last_full > self.FULL_EVERY):
+            return
+        if gc.get_count()[2] == 0 and not now - self.last_full > self.FULL_EVERY:
+            return  # nothing reached the oldest generation since the last one
+        t = time.perf_counter()
+        found = gc.collect()
+        self.last_full = now
+        log.debug("full garbage collection: %d unreachable objects, %.1f ms", found, (time.perf_counter() - t) * 1e3)
 
 
 class Daemon:
@@ -60,6 +103,7 @@ class Daemon:
         self._stop = asyncio.Event()
         self.server = SERVER
         self.hello = self._hello_reply()
+        self.gc = GcPolicy()
 
     # --- what the daemon says about itself -----------------------------------
 
@@ -119,6 +163,7 @@ class Daemon:
         loop = asyncio.get_running_loop()
         tasks = [loop.create_task(self._accept_loop(listener), name="vramd-accept"),
                  loop.create_task(self._housekeeping(), name="vramd-housekeeping")]
+        self.gc.start()
         systemd.notify("READY=1", f"STATUS={self.status_line()}")
         log.info("%s serving (%d backends, staging budget %d MiB)", SERVER, len(self.engine.backends),
                  self.cfg.staging_budget >> 20)
@@ -131,6 +176,7 @@ class Daemon:
             tasks[1].cancel()
             await asyncio.gather(tasks[1], return_exceptions=True)
             await self._write_metrics()
+            self.gc.stop()
 
     def shutdown(self) -> None:
         if not self.draining:
@@ -171,11 +217,15 @@ class Daemon:
         interval = systemd.watchdog_interval()
         period = min(x for x in (interval, self.cfg.metrics_interval if self.cfg.metrics_textfile else None, 5.0)
                      if x is not None)
+        was_idle = False
         while True:
             if interval is not None:
                 systemd.notify("WATCHDOG=1")
             systemd.notify(f"STATUS={self.status_line()}")
             await self._write_metrics()
+            idle = not any(not s.done for s in self.sessions)
+            self.gc.tick(idle=idle and was_idle)  # idle for a whole period: a full collection stalls nobody's copy
+            was_idle = idle
             await asyncio.sleep(period)
 
     async def _write_metrics(self) -> None:
