@@ -196,3 +196,39 @@ def test_the_launcher_reads_notes_for_the_daemons_whole_life(run_dir):
         d.expect_note("STOPPING=1")  # not dropped: the launcher kept reading
         assert d.stop() == 0
     assert not any("notify socket is full" in line for line in d.log)
+
+
+# --- finding 3 / 9: per-session and per-uid bounds on what sessions hold --------------------
+
+def test_bos_fds_and_chunks_are_bounded_per_session_and_per_uid(run_dir, tmp_path):
+    cfg = config(tmp_path, "max_bos_per_session = 6\nmax_bos_per_uid = 8\nmax_fds_per_uid = 5\n"
+                           "max_chunks_per_session = 10\n")
+    dirs = []
+    for i in range(3):
+        p = tmp_path / f"img{i}"
+        p.mkdir()
+        dirs.append(os.open(p, os.O_RDONLY | os.O_DIRECTORY))
+    bo = memfd(b"z" * (64 << 10))
+    with DaemonProcess(run_dir, "--config", cfg) as d, Client(d.socket) as c:
+        assert (c.limits.max_bos_per_uid, c.limits.max_fds_per_uid, c.limits.max_chunks_per_session) == (8, 5, 10)
+        a = c.open_session(SESSION_DUMP, dirs[0], chunk_size=4096)
+        with pytest.raises(LimitExceededError, match="max_chunks_per_session"):  # 11 chunks of 4 KiB
+            c.add_bos(a.token, [ClientBo(1, bo, size=11 * 4096)])
+        c.add_bos(a.token, [ClientBo(1, bo, size=6 * 4096)])  # fits: the refusal left nothing behind
+        c.add_bos(a.token, [ClientBo(i, bo, size=4096) for i in range(2, 6)])  # 6 + 4 = 10 chunks, 5 BOs
+        b = c.open_session(SESSION_DUMP, dirs[1])
+        with pytest.raises(LimitExceededError, match="max_bos_per_uid"):  # 5 + 4 > 8, across sessions
+            c.add_bos(b.token, [ClientBo(i, bo, size=4096) for i in range(1, 5)])
+        extra = [memfd(b"e" * 4096) for _ in range(2)]
+        with pytest.raises(LimitExceededError, match="max_fds_per_uid"):  # 2 dirs + 1 + 2 more > 5 held
+            c.add_bos(b.token, [ClientBo(1, extra[0], size=4096), ClientBo(2, extra[1], size=4096)])
+        c.add_bos(b.token, [ClientBo(1, extra[0], size=4096)])
+        assert c.progress(b.token).state == rpc.SESSION_OPEN  # refusals leave a session as it was
+        c.close_session(a.token)  # its BOs and fds no longer count
+        c.add_bos(b.token, [ClientBo(i, bo, size=4096) for i in range(2, 7)])
+        c.start(b.token)
+        assert c.wait(b.token).image.bo_count == 6
+        for fd in extra:
+            os.close(fd)
+    for fd in [*dirs, bo]:
+        os.close(fd)

@@ -194,3 +194,11 @@ def test_a_wait_whose_client_hung_up_does_not_hold_the_session(daemon, image_dir
         assert opener.progress(s.token).holders == 1  # the waiter let go
     # the opener is gone too: nobody holds it, so it is reaped after the grace period
     daemon.expect_log(rf"session {s.session_id} \(dump, uid \d+\): SESSION_CANCELLED")
+
+
+def test_an_error_code_this_client_does_not_know_is_still_typed():
+    """Found by the fuzz harness: a newer daemon's code made the client raise ValueError."""
+    from vramd.errors import VramdError
+    from vramd.protocol import error_from_pb
+    e = error_from_pb(rpc.Error(code=9, message="a newer daemon's error"))
+    assert type(e) is VramdError and e.code == "CODE_9" and e.message == "a newer daemon's error"
