@@ -161,9 +161,12 @@ class Worker:
 
 def sample(d: DaemonProcess, watcher: Client, t0: float, outcomes: collections.Counter, killed: int) -> dict:
     st = watcher.status()
+    allocated = next((float(line.split()[-1]) for line in st.metrics.splitlines()
+                      if line.startswith("vramd_staging_bytes_allocated")), 0.0)
     return {"t_s": round(time.monotonic() - t0, 1), "fds": len(d.fds()), "rss_mib": round(rss_kib(d.pid) / 1024, 1),
             "threads": threads(d.pid), "connections": st.connections, "sessions": st.sessions,
-            "staging_in_use_mib": round(st.staging_in_use / 2**20, 1), "killed": killed,
+            "staging_in_use_mib": round(st.staging_in_use / 2**20, 1),
+            "staging_mapped_mib": round(allocated / 2**20, 1), "killed": killed,
             "outcomes": dict(outcomes)}
 
 
@@ -233,7 +236,8 @@ def main() -> int:
                     samples.append(sample(d, watcher, t0, outcomes, killed))
                     s = samples[-1]
                     print(f"{s['t_s']:7.1f} s  fds {s['fds']:5d}  rss {s['rss_mib']:7.1f} MiB  "
-                          f"threads {s['threads']:3d}  conns {s['connections']:3d}  sessions {s['sessions']:3d}  "
+                          f"staging {s['staging_mapped_mib']:5.0f} MiB  threads {s['threads']:3d}  "
+                          f"conns {s['connections']:3d}  sessions {s['sessions']:3d}  "
                           f"done {outcomes['done']}  killed {killed}", flush=True)
                     next_sample += args.sample
                 time.sleep(0.05)
@@ -265,6 +269,8 @@ def main() -> int:
     print(f"{'':24}{'baseline':>12}{'max':>12}{'final':>12}")
     print(f"{'daemon fds':24}{baseline['fds']:>12}{result['max_fds']:>12}{final['fds']:>12}")
     print(f"{'daemon RSS (MiB)':24}{baseline['rss_mib']:>12}{result['max_rss_mib']:>12}{final['rss_mib']:>12}")
+    print(f"{'staging mapped (MiB)':24}{baseline['staging_mapped_mib']:>12}"
+          f"{max(s['staging_mapped_mib'] for s in samples or [final]):>12}{final['staging_mapped_mib']:>12}")
     print(f"{'threads':24}{baseline['threads']:>12}{max(s['threads'] for s in samples or [final]):>12}"
           f"{final['threads']:>12}")
     print(f"sessions: {dict(outcomes)}; workers killed: {killed}; daemon alive: {alive}")
