@@ -33,7 +33,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -129,26 +128,6 @@ class PySide:
         self.region.close()
 
 
-def drain_notes(daemon: DaemonProcess) -> None:
-    """Keep reading the daemon's sd_notify datagrams after READY=1.
-
-    The daemon sends STATUS= every 5 s with a blocking send; once the
-    launcher's notify socket holds net.unix.max_dgram_qlen (10) unread
-    datagrams, that send blocks the daemon's event loop for good (seen: the
-    bench hung after about a minute).  A reader thread avoids it here."""
-    def loop() -> None:
-        sock = daemon.notify
-        while sock.fileno() >= 0:
-            try:
-                sock.settimeout(0.5)
-                sock.recv(4096)
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-    threading.Thread(target=loop, daemon=True).start()
-
-
 def c_run(binary: str, sock: str, base: str, mode: str, n: int, size: int) -> dict:
     out = subprocess.run([binary, sock, base, mode, str(n), str(size)], capture_output=True, text=True, timeout=600)
     if out.returncode != 0:
@@ -188,7 +167,6 @@ def main() -> None:
     run_dir = tempfile.mkdtemp(prefix="vramd-bench-", dir="/tmp")
     base = tempfile.mkdtemp(prefix="vramd-bench-img-", dir=args.image_dir)
     daemon = DaemonProcess(run_dir, log_level="warning", stderr=subprocess.DEVNULL)
-    drain_notes(daemon)
     runs: list[dict] = []
     try:
         py = PySide(args.bos, args.bo_size)

@@ -166,7 +166,10 @@ def test_through_the_daemon_on_the_model(run_dir, image_dir):
     sizes = [3 * MiB + 5, 4096, 12345, 10 * MiB]
     datas = [os.urandom(n) for n in sizes]
     srcs, dsts = [dmabuf(d) for d in datas], [dmabuf(size=n) for n in sizes]
-    with DaemonProcess(run_dir, "--chunk-size", "2M", env={"VRAMD_AMDGPU_LIBRARY": "model"}) as d, \
+    cfg = os.path.join(run_dir, "gpus.toml")  # no KFD topology here: the gpu_ids a BO may name are configured
+    with open(cfg, "w") as f:
+        f.write("gpu_ids = [0x100, 0x101, 0x102]\n")
+    with DaemonProcess(run_dir, "--chunk-size", "2M", "--config", cfg, env={"VRAMD_AMDGPU_LIBRARY": "model"}) as d, \
             Client(d.socket) as c:
         sdma = {b.name: b for b in c.hello.backends}["sdma"]
         assert sdma.available and sdma.asynchronous_dma and "MODEL" in sdma.description

@@ -26,8 +26,7 @@ def test_socket_activation_notify_and_watchdog(run_dir):
         notes = d.expect_note("WATCHDOG=1")
         assert any(n.startswith("READY=1") for n in notes)
         assert any("STATUS=" in n for n in notes)
-        while sum("WATCHDOG=1" in n for n in d.notes) < 3:  # pinged repeatedly, not once
-            d.notes.append(d.notify.recv(4096).decode())
+        d.expect_note("WATCHDOG=1", count=3)  # pinged repeatedly, not once
         d.terminate()
         d.expect_note("STOPPING=1")
         assert d.stop() == 0

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 from helpers import ROOT, memfd
@@ -68,9 +69,30 @@ def test_restore_onto_mismatched_gpus_is_refused_with_a_report(run_dir, image_di
         with pytest.raises(VramdError) as e:
             c.open_session(SESSION_RESTORE, dfd)
         assert e.value.code == "TOPOLOGY_MISMATCH" and "KFD_FW_VER_CHECK" in e.value.message
-    # CRIU's switch relaxes that check: the same restore is then accepted
+    # CRIU's switch relaxes that check, sent with the restore request (CRIU's environment never
+    # reaches a daemon started by systemd): the same restore is then accepted.  The daemon's own
+    # environment is not read.
     with DaemonProcess(run_dir, "--config", config(tmp_path, "2gpu-pcie-oldfw"), env={"KFD_FW_VER_CHECK": "0"}) as d, \
             Client(d.socket) as c:
+        with pytest.raises(VramdError) as e:
+            c.open_session(SESSION_RESTORE, dfd)
+        assert e.value.code == "TOPOLOGY_MISMATCH"
+        r = c.open_session(SESSION_RESTORE, dfd, topology_checks={"KFD_FW_VER_CHECK": False})
+        assert r.image.bo_count == 1
+        d.expect_log(r"GPU map \(image -> here\): .* \(checks off: KFD_FW_VER_CHECK\)")
+        c.close_session(r.token)
+        with pytest.raises(VramdError) as e:  # a name CRIU does not have
+            c.open_session(SESSION_RESTORE, dfd, topology_checks={"KFD_FW_CHECK": False})
+        assert e.value.code == "INVALID_REQUEST" and "KFD_FW_CHECK" in e.value.message
+    # or in the daemon's configuration, for every restore
+    cfg = tmp_path / "relaxed.toml"
+    base = Path(config(tmp_path, "2gpu-pcie-oldfw")).read_text()
+    cfg.write_text(f"{base}[topology_checks]\nKFD_FW_VER_CHECK = false\n")
+    with DaemonProcess(run_dir, "--config", str(cfg)) as d, Client(d.socket) as c:
         r = c.open_session(SESSION_RESTORE, dfd)
         assert r.image.bo_count == 1
+        c.close_session(r.token)
+        with pytest.raises(VramdError) as e:  # a request may turn it back on
+            c.open_session(SESSION_RESTORE, dfd, topology_checks={"KFD_FW_VER_CHECK": True})
+        assert e.value.code == "TOPOLOGY_MISMATCH"
     os.close(src)

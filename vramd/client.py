@@ -13,8 +13,9 @@ SCM_RIGHTS.
 """
 from __future__ import annotations
 
+import os
 import socket
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from . import __version__
@@ -24,10 +25,29 @@ from .pb import rpc_pb2 as rpc
 from .protocol.client import ClientBo, ClientProtocol, Outgoing
 from .protocol.fds import pack_fds, unpack_fds
 from .protocol.wire import raise_for_error
+from .topology import CHECK_ENV
 
 SESSION_DUMP, SESSION_RESTORE, SESSION_VERIFY = rpc.SESSION_DUMP, rpc.SESSION_RESTORE, rpc.SESSION_VERIFY
+# CRIU's topology switches (its amdgpu plugin's KFD_*_CHECK variables), as OpenSession.topology_checks names them
+CHECK_NAMES = tuple(CHECK_ENV.values())
 
-__all__ = ["SESSION_DUMP", "SESSION_RESTORE", "SESSION_VERIFY", "Client", "ClientBo"]
+__all__ = ["CHECK_NAMES", "SESSION_DUMP", "SESSION_RESTORE", "SESSION_VERIFY", "Client", "ClientBo",
+           "topology_checks_from_env"]
+
+
+def topology_checks_from_env(environ: Mapping[str, str] | None = None) -> dict[str, bool]:
+    """CRIU's KFD_*_CHECK variables of an environment (default: this process's) as OpenSession.topology_checks.
+
+    As CRIU reads them: 0/no turn a check off, 1/yes on; other values and absent variables are left out."""
+    env = os.environ if environ is None else environ
+    out = {}
+    for name in CHECK_NAMES:
+        value = env.get(name, "").lower()
+        if value in ("0", "no"):
+            out[name] = False
+        elif value in ("1", "yes"):
+            out[name] = True
+    return out
 
 
 class Client:
@@ -91,10 +111,13 @@ class Client:
     # --- sessions ------------------------------------------------------------
 
     def open_session(self, kind: rpc.SessionKind, dir_fd: int, *, compression: str = "", chunk_size: int = 0,
-                     label: str = "", allow_partial: bool = False) -> rpc.SessionInfo:
+                     label: str = "", allow_partial: bool = False,
+                     topology_checks: Mapping[str, bool] | None = None) -> rpc.SessionInfo:
+        """`topology_checks`: a restore's CRIU switches by name, e.g. {"KFD_FW_VER_CHECK": False}
+        (`topology_checks_from_env()` reads them from an environment as CRIU's plugin does)."""
         return self._session_call([dir_fd], open_session=rpc.OpenSession(
             kind=kind, dir_fd_index=0, compression=compression, chunk_size=chunk_size, label=label,
-            allow_partial=allow_partial))
+            allow_partial=allow_partial, topology_checks=dict(topology_checks or {})))
 
     def add_bos(self, token: str, bos: Sequence[ClientBo]) -> rpc.SessionInfo:
         """Add BOs in as many messages as the daemon's limits need; returns the session's info after the last."""

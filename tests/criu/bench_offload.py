@@ -34,7 +34,7 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from criu_harness import Env, Rig, build, hooks, keep_notify_drained, make_vramd_image, read_log  # noqa: E402
+from criu_harness import Env, Rig, build, hooks, make_vramd_image, read_log  # noqa: E402
 
 MODES = ["none", "offload", "sync", "serial"]
 
@@ -108,7 +108,6 @@ def main() -> int:
         libdir, workload = build(env, os.path.join(work, "build"), with_vramd=True)
         with open(os.path.join(work, "vramd.log"), "w") as dlog:
             daemon = DaemonProcess(run_dir, "--grace-period", "5", stderr=dlog)
-            keep_notify_drained(daemon)
             try:
                 sizes = [(args.vram_mib << 20) // args.bos] * args.bos
                 image = make_vramd_image(daemon.socket, os.path.join(work, "vramd-img"), sizes)

@@ -189,29 +189,6 @@ def hooks(events: list[HookEvent]) -> list[str]:
     return out
 
 
-def keep_notify_drained(daemon) -> None:
-    """Read the daemon's sd_notify datagrams for as long as it runs.
-
-    vramd.launcher stops reading NOTIFY_SOCKET after READY=1, and the daemon
-    sends STATUS= every 5 s with a blocking send: once net.unix.max_dgram_qlen
-    (10 by default) datagrams are queued, about a minute in, the daemon's event
-    loop blocks in that send and every client hangs in Hello."""
-    import threading
-
-    sock = daemon.notify
-
-    def drain():
-        while sock.fileno() >= 0:
-            try:
-                sock.settimeout(0.5)
-                daemon.notes.append(sock.recv(4096).decode())
-            except (TimeoutError, OSError, ValueError):
-                if daemon.proc.poll() is not None:
-                    return
-
-    threading.Thread(target=drain, daemon=True, name="notify-drain").start()
-
-
 @dataclass
 class VramdImage:
     path: str

@@ -14,7 +14,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from criu_harness import Env, Rig, build, hooks, keep_notify_drained, make_vramd_image, read_log
+from criu_harness import Env, Rig, build, hooks, make_vramd_image, read_log
 
 ENV = Env()
 pytestmark = pytest.mark.skipif(ENV.missing() is not None, reason=ENV.missing() or "")
@@ -64,7 +64,6 @@ def vramd_rig(work):
     run_dir = os.path.join(work, "run")
     os.makedirs(run_dir)
     with DaemonProc(run_dir, "--grace-period", "5") as d:
-        keep_notify_drained(d)
         image = make_vramd_image(d.socket, os.path.join(work, "vramd-img"),
                                  [8 << 20, 3 << 20 | 123, 4096, 1, 16 << 20])
         rig = Rig.dumped(ENV, work, libdir, workload, 64, os.path.join(work, "dump.log"))
@@ -213,7 +212,6 @@ def test_submit_then_barrier_needs_the_grace_period_to_cover_the_gap(vramd_rig, 
     os.makedirs(run_dir)
     log = os.path.join(work, "restore-nograce.log")
     with DaemonProc(run_dir, "--grace-period", "0") as d:
-        keep_notify_drained(d)
         try:
             rig.restore(log, image.plugin_env(d.socket, "offload", api="criu"))
         finally:

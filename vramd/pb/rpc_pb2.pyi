@@ -147,20 +147,29 @@ class Hello(_message.Message):
     def __init__(self, versions: _Optional[_Iterable[int]] = ..., client: _Optional[str] = ...) -> None: ...
 
 class OpenSession(_message.Message):
-    __slots__ = ("kind", "dir_fd_index", "compression", "chunk_size", "label", "allow_partial")
+    __slots__ = ("kind", "dir_fd_index", "compression", "chunk_size", "label", "allow_partial", "topology_checks")
+    class TopologyChecksEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: bool
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[bool] = ...) -> None: ...
     KIND_FIELD_NUMBER: _ClassVar[int]
     DIR_FD_INDEX_FIELD_NUMBER: _ClassVar[int]
     COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     CHUNK_SIZE_FIELD_NUMBER: _ClassVar[int]
     LABEL_FIELD_NUMBER: _ClassVar[int]
     ALLOW_PARTIAL_FIELD_NUMBER: _ClassVar[int]
+    TOPOLOGY_CHECKS_FIELD_NUMBER: _ClassVar[int]
     kind: SessionKind
     dir_fd_index: int
     compression: str
     chunk_size: int
     label: str
     allow_partial: bool
-    def __init__(self, kind: _Optional[_Union[SessionKind, str]] = ..., dir_fd_index: _Optional[int] = ..., compression: _Optional[str] = ..., chunk_size: _Optional[int] = ..., label: _Optional[str] = ..., allow_partial: _Optional[bool] = ...) -> None: ...
+    topology_checks: _containers.ScalarMap[str, bool]
+    def __init__(self, kind: _Optional[_Union[SessionKind, str]] = ..., dir_fd_index: _Optional[int] = ..., compression: _Optional[str] = ..., chunk_size: _Optional[int] = ..., label: _Optional[str] = ..., allow_partial: _Optional[bool] = ..., topology_checks: _Optional[_Mapping[str, bool]] = ...) -> None: ...
 
 class Bo(_message.Message):
     __slots__ = ("id", "gpu_id", "size", "alloc_flags", "va_addr", "name", "backend", "fd_index", "offset")
@@ -271,18 +280,30 @@ class BackendInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., available: _Optional[bool] = ..., reason: _Optional[str] = ..., can_read: _Optional[bool] = ..., can_write: _Optional[bool] = ..., asynchronous_dma: _Optional[bool] = ..., preferred_chunk: _Optional[int] = ..., description: _Optional[str] = ...) -> None: ...
 
 class Limits(_message.Message):
-    __slots__ = ("max_message_bytes", "max_fds_per_message", "max_bos_per_session", "max_sessions_per_uid", "max_fds_per_session")
+    __slots__ = ("max_message_bytes", "max_fds_per_message", "max_bos_per_session", "max_sessions_per_uid", "max_fds_per_session", "max_chunks_per_session", "max_bos_per_uid", "max_fds_per_uid", "max_queued_requests", "max_connections_per_uid", "hello_timeout_ms")
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_FDS_PER_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     MAX_BOS_PER_SESSION_FIELD_NUMBER: _ClassVar[int]
     MAX_SESSIONS_PER_UID_FIELD_NUMBER: _ClassVar[int]
     MAX_FDS_PER_SESSION_FIELD_NUMBER: _ClassVar[int]
+    MAX_CHUNKS_PER_SESSION_FIELD_NUMBER: _ClassVar[int]
+    MAX_BOS_PER_UID_FIELD_NUMBER: _ClassVar[int]
+    MAX_FDS_PER_UID_FIELD_NUMBER: _ClassVar[int]
+    MAX_QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONNECTIONS_PER_UID_FIELD_NUMBER: _ClassVar[int]
+    HELLO_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     max_message_bytes: int
     max_fds_per_message: int
     max_bos_per_session: int
     max_sessions_per_uid: int
     max_fds_per_session: int
-    def __init__(self, max_message_bytes: _Optional[int] = ..., max_fds_per_message: _Optional[int] = ..., max_bos_per_session: _Optional[int] = ..., max_sessions_per_uid: _Optional[int] = ..., max_fds_per_session: _Optional[int] = ...) -> None: ...
+    max_chunks_per_session: int
+    max_bos_per_uid: int
+    max_fds_per_uid: int
+    max_queued_requests: int
+    max_connections_per_uid: int
+    hello_timeout_ms: int
+    def __init__(self, max_message_bytes: _Optional[int] = ..., max_fds_per_message: _Optional[int] = ..., max_bos_per_session: _Optional[int] = ..., max_sessions_per_uid: _Optional[int] = ..., max_fds_per_session: _Optional[int] = ..., max_chunks_per_session: _Optional[int] = ..., max_bos_per_uid: _Optional[int] = ..., max_fds_per_uid: _Optional[int] = ..., max_queued_requests: _Optional[int] = ..., max_connections_per_uid: _Optional[int] = ..., hello_timeout_ms: _Optional[int] = ...) -> None: ...
 
 class HelloReply(_message.Message):
     __slots__ = ("version", "server", "backends", "gpu_ids", "limits")

@@ -15,8 +15,17 @@ def error_to_pb(exc: VramdError) -> rpc.Error:
     return err
 
 
+def code_name(code: int) -> str:
+    """The name of a wire code; a code this side does not know (a newer peer's) keeps its number."""
+    try:
+        return rpc.Code.Name(code)
+    except ValueError:
+        return f"CODE_{code}"
+
+
 def error_from_pb(err: rpc.Error) -> VramdError:
-    return error_from_wire(rpc.Code.Name(err.code), err.message,
+    """The typed error for `err`; an unknown code gives a plain VramdError that keeps the code."""
+    return error_from_wire(code_name(err.code), err.message,
                            err.bo_id if err.HasField("bo_id") else None,
                            err.offset if err.HasField("offset") else None)
 

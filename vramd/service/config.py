@@ -11,6 +11,9 @@
     grace_period = 30                  # seconds a session outlives its last connection
     drain_timeout = 30                 # seconds SIGTERM waits for running sessions
     metrics_textfile = "/var/lib/prometheus/node-exporter/vramd.prom"
+    hello_timeout = 5                  # seconds a new connection has to say Hello
+    [topology_checks]                  # CRIU's KFD_*_CHECK switches, for every restore (a request may override)
+    KFD_FW_VER_CHECK = false
 
 Sizes take the same forms as everywhere in vramd (4096, 0x1000, 8M, 1G).
 """
@@ -25,7 +28,7 @@ from typing import Any, ClassVar
 
 from ..image.codec import Compression
 from ..protocol.frames import DEFAULT_MAX_MESSAGE, SCM_MAX_FD
-from ..topology import DEFAULT_ROOT
+from ..topology import CHECK_ENV, DEFAULT_ROOT
 from ..units import MiB, parse_size
 
 DEFAULT_GROUP = "vramd"
@@ -46,10 +49,18 @@ class DaemonConfig:
     drain_timeout: float = 30.0
     max_message_bytes: int = DEFAULT_MAX_MESSAGE
     max_fds_per_message: int = SCM_MAX_FD
-    max_bos_per_session: int = 1_000_000
-    max_fds_per_session: int = 65_536
+    max_bos_per_session: int = 16_384      # daemon memory and commit time per BO: docs/protocol.md, Limits
+    max_fds_per_session: int = 16_385      # one per BO and the directory
+    max_chunks_per_session: int = 1 << 20  # a dump's declared bytes / chunk_size: about 100 bytes each
     max_sessions_per_uid: int = 64
+    max_bos_per_uid: int = 65_536          # across the uid's sessions, ended but unclosed ones included
+    max_fds_per_uid: int = 65_536          # fds held by the uid's sessions
     max_connections: int = 1024
+    max_connections_per_uid: int = 256
+    max_queued_requests: int = 16          # per connection, read ahead of the one being handled
+    hello_timeout: float = 5.0             # seconds a new connection has to send Hello
+    gpu_ids: list[int] = field(default_factory=list)  # with no KFD topology: gpu_ids allowed besides 0
+    topology_checks: dict[str, bool] = field(default_factory=dict)  # CRIU's KFD_*_CHECK names -> on/off
     metrics_textfile: str | None = None
     metrics_interval: float = 15.0
     topology_root: str = DEFAULT_ROOT  # KFD topology (a fixture tree in tests)
@@ -78,6 +89,17 @@ class DaemonConfig:
             raise ValueError("max_message_bytes must be at least 4096")
         if self.grace_period < 0 or self.drain_timeout < 0:
             raise ValueError("grace_period and drain_timeout must not be negative")
+        if self.hello_timeout <= 0:
+            raise ValueError("hello_timeout must be positive")
+        for key in ("max_bos_per_session", "max_fds_per_session", "max_chunks_per_session", "max_sessions_per_uid",
+                    "max_bos_per_uid", "max_fds_per_uid", "max_connections", "max_connections_per_uid",
+                    "max_queued_requests"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key} must be at least 1")
+        for name, value in self.topology_checks.items():
+            if name not in CHECK_ENV.values() or not isinstance(value, bool):
+                raise ValueError(f"topology_checks: {name!r} = {value!r}: expected one of "
+                                 f"{', '.join(sorted(CHECK_ENV.values()))} = true/false")
 
     def allowed_gids(self) -> set[int]:
         """Configured groups as gids; a group name that does not exist is skipped."""

@@ -20,7 +20,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("vramd.service.connection")
 
-QUEUE_DEPTH = 16  # requests read ahead of the one being handled
 
 
 @dataclass(eq=False)
@@ -35,6 +34,9 @@ class Connection:
     waiting: asyncio.Future[None] | None = None          # a pending Wait, abandoned if the peer hangs up
 
 
+MAX_PENDING_REFUSALS = 64  # refused peers answered at once; past that, a refused peer is closed unanswered
+
+
 async def serve_connection(daemon: Daemon, sock: socket.socket) -> None:
     """Serve one accepted socket until the peer hangs up or the protocol closes it; always closes it."""
     cfg = daemon.cfg
@@ -44,60 +46,116 @@ async def serve_connection(daemon: Daemon, sock: socket.socket) -> None:
     except OSError:
         pass
     protocol = ServerProtocol(daemon.hello, cfg.max_message_bytes, cfg.max_fds_per_message)
+    what = "refused connection"
     try:
         pid, uid, gid = channel.peercred()
         refusal: VramdError | None = None
         if not daemon.authorised(uid, gid, channel.peergroups()):
             refusal = PermissionDeniedError(f"uid {uid} (gid {gid}) is not allowed to use vramd")
         elif len(daemon.connections) >= cfg.max_connections:
-            refusal = LimitExceededError(f"too many connections (limit {cfg.max_connections})")
+            refusal = LimitExceededError(f"too many connections (limit max_connections = {cfg.max_connections})")
+        elif (n := daemon.connections_of(uid)) >= cfg.max_connections_per_uid:
+            refusal = LimitExceededError(f"uid {uid} has {n} connections open "
+                                         f"(limit max_connections_per_uid = {cfg.max_connections_per_uid})")
         if refusal is not None:
             await _refuse(daemon, channel, protocol, refusal, pid, uid)
             return
         conn = daemon.register(channel, protocol, pid, uid, gid)
+        what = f"connection {conn.id}"
         try:
             await _serve(daemon, conn)
         finally:
             daemon.unregister(conn)
     finally:
         channel.close()
+        log.debug("%s closed", what)  # its socket, and every fd it sent, are closed by now
 
 
 async def _refuse(daemon: Daemon, channel: PacketChannel, protocol: ServerProtocol, refusal: VramdError,
                   pid: int, uid: int) -> None:
     log.warning("refused pid %d uid %d: %s", pid, uid, refusal.message)
     daemon.metrics.inc("vramd_connections_refused_total")
-    try:  # answer the client's first request (its Hello) with the refusal
-        first = await asyncio.wait_for(channel.recv(), 5.0)
-    except TimeoutError:
-        first = None
-    if first is not None:
-        close_fds(first[1])
-    for r in protocol.refuse(refusal):
-        await channel.send(r.data)
+    if daemon.refusing >= MAX_PENDING_REFUSALS:  # a flood: no task waits on any more of them
+        return
+    daemon.refusing += 1
+    try:
+        try:  # answer the client's first request (its Hello) with the refusal
+            first = await asyncio.wait_for(channel.recv(), daemon.cfg.hello_timeout)
+        except TimeoutError:
+            first = None
+        if first is not None:
+            close_fds(first[1])
+        for r in protocol.refuse(refusal):
+            await channel.send(r.data)
+    finally:
+        daemon.refusing -= 1
 
 
 async def _serve(daemon: Daemon, conn: Connection) -> None:
-    """Requests are handled in order; the reader goes on meanwhile, so a hang-up is seen at once."""
-    queue: asyncio.Queue[Received | Reply | None] = asyncio.Queue(maxsize=QUEUE_DEPTH)
-    handler = asyncio.get_running_loop().create_task(_handle_queue(daemon, conn, queue))
+    """Requests are handled in order by one task while this one goes on reading.
+
+    The reader never blocks on the handler: a hang-up is seen at once, and a
+    client that queues more than `max_queued_requests` is answered
+    LIMIT_EXCEEDED and closed.  A connection that has not said Hello within
+    `hello_timeout` is answered LIMIT_EXCEEDED and closed.  Requests never
+    handled (the peer hung up, or was closed) have their fds closed.
+    """
+    cfg = daemon.cfg
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[Received | Reply | None] = asyncio.Queue()  # bounded by the check below
+    handler = loop.create_task(_handle_queue(daemon, conn, queue))
+    hello_deadline = loop.time() + cfg.hello_timeout
+    hung_up = False
     try:
         while not conn.protocol.closed and not handler.done():
-            packet = await conn.channel.recv()
+            if conn.protocol.version is None:  # no Hello yet: only until the deadline
+                try:
+                    packet = await asyncio.wait_for(conn.channel.recv(), max(0.0, hello_deadline - loop.time()))
+                except TimeoutError:
+                    log.warning("connection %d (pid %d uid %d): no Hello within %g s; closing", conn.id, conn.pid,
+                                conn.uid, cfg.hello_timeout)
+                    _queue_refusal(conn, queue, LimitExceededError(
+                        f"no Hello within {cfg.hello_timeout:g} s (hello_timeout)"))
+                    break
+            else:
+                packet = await conn.channel.recv()
             if packet is None:
+                hung_up = True
                 break
-            for event in conn.protocol.receive(*packet):
-                await queue.put(event)
+            events = conn.protocol.receive(*packet)
+            if queue.qsize() + len(events) > cfg.max_queued_requests:
+                for ev in events:
+                    if isinstance(ev, Received):
+                        ev.fds.close()
+                log.warning("connection %d (pid %d uid %d): more than %d requests queued; closing", conn.id,
+                            conn.pid, conn.uid, cfg.max_queued_requests)
+                _queue_refusal(conn, queue, LimitExceededError(
+                    f"more than {cfg.max_queued_requests} requests queued on one connection (max_queued_requests)"))
+                break
+            for event in events:
+                queue.put_nowait(event)
     finally:
-        if conn.waiting is not None:  # the peer is gone: nobody to answer
+        if hung_up:  # nobody to answer: what is still queued is never handled
+            _drop_queued(queue)
+        if conn.waiting is not None:  # the peer is gone (or closed): nobody to answer the Wait
             conn.waiting.cancel()
-        if not handler.done():
-            await queue.put(None)
+        queue.put_nowait(None)
         await asyncio.gather(handler, return_exceptions=True)
-        while not queue.empty():  # events never handled: release their fds
-            ev = queue.get_nowait()
-            if isinstance(ev, Received):
-                ev.fds.close()
+        _drop_queued(queue)  # events never handled: release their fds
+
+
+def _queue_refusal(conn: Connection, queue: asyncio.Queue[Received | Reply | None], err: VramdError) -> None:
+    """Drop what is queued and not yet handled, then say why the connection closes."""
+    _drop_queued(queue)
+    for r in conn.protocol.refuse(err):
+        queue.put_nowait(r)
+
+
+def _drop_queued(queue: asyncio.Queue[Received | Reply | None]) -> None:
+    while not queue.empty():
+        ev = queue.get_nowait()
+        if isinstance(ev, Received):
+            ev.fds.close()
 
 
 async def _handle_queue(daemon: Daemon, conn: Connection, queue: asyncio.Queue[Received | Reply | None]) -> None:

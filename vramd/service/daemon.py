@@ -7,6 +7,7 @@ session_table.py hold the jobs.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import socket
@@ -23,11 +24,53 @@ from .config import DaemonConfig
 from .connection import Connection, serve_connection
 from .metrics import Metrics
 from .session_table import SessionTable
-from .sessions import SessionLimits
+from .sessions import SessionLimits, UidLimits
 from .transport import PacketChannel
 
 log = logging.getLogger("vramd.service.daemon")
 SERVER = f"vramd {__version__}"
+
+
+class GcPolicy:
+    """Python's full (oldest-generation) collection scans every tracked object at once.
+
+    A session of tens of thousands of BOs holds hundreds of thousands of
+    objects, and a full collection then holds the event loop (every client)
+    for a few hundred ms.  So: what exists at start-up is frozen (never
+    scanned), the young generations are collected as usual (their cost is
+    bounded by their thresholds), and the full collection runs only from
+    housekeeping, when no session has run for a whole period, or at the
+    latest every FULL_EVERY seconds (under constant load, ended sessions are cyclic garbage).
+    """
+
+    FULL_EVERY = 60.0
+
+    def __init__(self) -> None:
+        self.last_full = time.monotonic()
+        self._saved: tuple[int, ...] | None = None
+
+    def start(self) -> None:
+        gc.collect()
+        gc.freeze()
+        self._saved = gc.get_threshold()
+        t0, t1, _ = self._saved
+        gc.set_threshold(t0, t1, 1 << 30)  # no automatic full collection
+
+    def stop(self) -> None:
+        if self._saved is not None:
+            gc.set_threshold(*self._saved)
+            self._saved = None
+
+    def tick(self, *, idle: bool) -> None:
+        now = time.monotonic()
+        if self._saved is None or not (idle or now - self.last_full > self.FULL_EVERY):
+            return
+        if gc.get_count()[2] == 0 and not now - self.last_full > self.FULL_EVERY:
+            return  # nothing reached the oldest generation since the last one
+        t = time.perf_counter()
+        found = gc.collect()
+        self.last_full = now
+        log.debug("full garbage collection: %d unreachable objects, %.1f ms", found, (time.perf_counter() - t) * 1e3)
 
 
 class Daemon:
@@ -40,21 +83,27 @@ class Daemon:
             compression=Compression.parse(cfg.compression), io_threads=cfg.io_threads, sdma=cfg.sdma,
             sdma_library=cfg.sdma_library, render_nodes={g.gpu_id: topology.render_node(g) for g in gpus}))
         self.metrics = Metrics()
+        # The GPUs a BO may name (each gpu_id gets pools and lanes): the topology's, else 0 and the configured ones
+        self.gpu_ids = frozenset(g.gpu_id for g in gpus) if self.topology else frozenset({0, *cfg.gpu_ids})
         self.sessions = SessionTable(
             self.engine, self.metrics, grace_period=cfg.grace_period, max_per_uid=cfg.max_sessions_per_uid,
-            limits=SessionLimits(cfg.max_bos_per_session, cfg.max_fds_per_session),
+            limits=SessionLimits(cfg.max_bos_per_session, cfg.max_fds_per_session, cfg.max_chunks_per_session,
+                                 self.gpu_ids),
+            uid_limits=UidLimits(cfg.max_bos_per_uid, cfg.max_fds_per_uid),
             default_compression=self.engine.config.compression, default_chunk_size=cfg.chunk_size,
-            topology=self.topology)
+            topology=self.topology, topology_checks=cfg.topology_checks)
         self.connections: dict[int, Connection] = {}
         self.allowed_uids = set(cfg.allowed_uids) | {os.getuid()}  # the daemon's own uid, always
         self.allowed_gids = cfg.allowed_gids()
         self.started = time.monotonic()
         self.draining = False
         self._next_conn = 1
+        self.refusing = 0  # refused peers being answered
         self._conn_tasks: set[asyncio.Task[None]] = set()
         self._stop = asyncio.Event()
         self.server = SERVER
         self.hello = self._hello_reply()
+        self.gc = GcPolicy()
 
     # --- what the daemon says about itself -----------------------------------
 
@@ -83,11 +132,15 @@ class Daemon:
 
     def _hello_reply(self) -> rpc.HelloReply:
         cfg = self.cfg
-        gpu_ids = [g.gpu_id for g in self.topology.gpus] if self.topology else []
-        return rpc.HelloReply(server=SERVER, backends=self.backend_infos(), gpu_ids=gpu_ids, limits=rpc.Limits(
+        gpu_ids = [g.gpu_id for g in self.topology.gpus] if self.topology else []  # GPUs present, not allowed ids
+        return rpc.HelloReply(server=SERVER, backends=self.backend_infos(), gpu_ids=gpu_ids,
+                              limits=rpc.Limits(
             max_message_bytes=cfg.max_message_bytes, max_fds_per_message=cfg.max_fds_per_message,
             max_bos_per_session=cfg.max_bos_per_session, max_sessions_per_uid=cfg.max_sessions_per_uid,
-            max_fds_per_session=cfg.max_fds_per_session))
+            max_fds_per_session=cfg.max_fds_per_session, max_chunks_per_session=cfg.max_chunks_per_session,
+            max_bos_per_uid=cfg.max_bos_per_uid, max_fds_per_uid=cfg.max_fds_per_uid,
+            max_queued_requests=cfg.max_queued_requests, max_connections_per_uid=cfg.max_connections_per_uid,
+            hello_timeout_ms=int(cfg.hello_timeout * 1000)))
 
     def update_gauges(self) -> None:
         m, pool = self.metrics, self.engine.pool
@@ -111,6 +164,7 @@ class Daemon:
         loop = asyncio.get_running_loop()
         tasks = [loop.create_task(self._accept_loop(listener), name="vramd-accept"),
                  loop.create_task(self._housekeeping(), name="vramd-housekeeping")]
+        self.gc.start()
         systemd.notify("READY=1", f"STATUS={self.status_line()}")
         log.info("%s serving (%d backends, staging budget %d MiB)", SERVER, len(self.engine.backends),
                  self.cfg.staging_budget >> 20)
@@ -123,6 +177,7 @@ class Daemon:
             tasks[1].cancel()
             await asyncio.gather(tasks[1], return_exceptions=True)
             await self._write_metrics()
+            self.gc.stop()
 
     def shutdown(self) -> None:
         if not self.draining:
@@ -163,11 +218,15 @@ class Daemon:
         interval = systemd.watchdog_interval()
         period = min(x for x in (interval, self.cfg.metrics_interval if self.cfg.metrics_textfile else None, 5.0)
                      if x is not None)
+        was_idle = False
         while True:
             if interval is not None:
                 systemd.notify("WATCHDOG=1")
             systemd.notify(f"STATUS={self.status_line()}")
             await self._write_metrics()
+            idle = not any(not s.done for s in self.sessions)
+            self.gc.tick(idle=idle and was_idle)  # idle for a whole period: a full collection stalls nobody's copy
+            was_idle = idle
             await asyncio.sleep(period)
 
     async def _write_metrics(self) -> None:
@@ -187,10 +246,14 @@ class Daemon:
     def authorised(self, uid: int, gid: int, groups: set[int]) -> bool:
         return uid in self.allowed_uids or bool(({gid} | groups) & self.allowed_gids)
 
+    def connections_of(self, uid: int) -> int:
+        return sum(1 for c in self.connections.values() if c.uid == uid)
+
     def register(self, channel: PacketChannel, protocol: ServerProtocol, pid: int, uid: int, gid: int) -> Connection:
         conn = Connection(self._next_conn, channel, protocol, pid, uid, gid)
         self._next_conn += 1
         self.connections[conn.id] = conn
+        log.debug("connection %d opened: pid %d uid %d", conn.id, pid, uid)
         return conn
 
     def unregister(self, conn: Connection) -> None:

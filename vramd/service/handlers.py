@@ -14,7 +14,15 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from ..errors import InternalError, InvalidRequestError, ShuttingDownError, VramdError, WaitTimeoutError
+from ..errors import (
+    InternalError,
+    InvalidRequestError,
+    JobError,
+    ShuttingDownError,
+    VramdError,
+    WaitTimeoutError,
+    from_os_error,
+)
 from ..pb import rpc_pb2 as rpc
 from ..protocol.fds import FdBundle
 from ..protocol.server import Reply, reply
@@ -46,8 +54,14 @@ async def dispatch(daemon: Daemon, conn: Connection, req: rpc.Request, fds: FdBu
         if task is not None and task.cancelling():
             raise  # this handler's own task is being cancelled (shutdown): let it unwind
         return None  # only the abandoned Wait's future was cancelled: its client hung up
+    except OSError as e:  # the daemon's own I/O failed (e.g. a full disk): an everyday error, typed, one line
+        err = from_os_error(e, f"{kind} failed", JobError)
+        log.warning("connection %d (pid %d uid %d): %s: %s", conn.id, conn.pid, conn.uid, kind, err)
+        daemon.metrics.inc("vramd_errors_total", code=err.code)
+        return reply(req.id, err)
     except Exception as e:
         log.exception("internal error handling %s", kind)
+        daemon.metrics.inc("vramd_errors_total", code=InternalError.code)
         return reply(req.id, InternalError(f"internal error handling {kind}: {e!r}"))
 
 
@@ -77,7 +91,7 @@ async def add_bos(daemon: Daemon, conn: Connection, rid: int, body: rpc.AddBos, 
 
 async def start(daemon: Daemon, conn: Connection, rid: int, body: rpc.Start, fds: FdBundle) -> Reply:
     s = _session(daemon, conn, body.token)
-    s.seal()
+    await s.seal()
     return reply(rid, session=s.info())
 
 
@@ -89,6 +103,7 @@ async def get_progress(daemon: Daemon, conn: Connection, rid: int, body: rpc.Get
 async def wait(daemon: Daemon, conn: Connection, rid: int, body: rpc.Wait, fds: FdBundle) -> Reply:
     s = _session(daemon, conn, body.token)
     timeout = body.timeout_ms / 1000 if body.HasField("timeout_ms") else None
+    log.debug("connection %d waits for session %d", conn.id, s.id)
     conn.waiting = asyncio.ensure_future(s.wait(timeout))
     try:
         await conn.waiting

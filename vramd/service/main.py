@@ -145,11 +145,21 @@ async def run(cfg: DaemonConfig) -> int:
     return 0
 
 
+def setup_logging(level: str) -> None:
+    """Log to stderr; under systemd without timestamps (journald adds them) and with priority prefixes."""
+    handler = logging.StreamHandler(sys.stderr)
+    if systemd.under_systemd():
+        handler.setFormatter(systemd.JournalFormatter("%(levelname)s %(name)s: %(message)s"))
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
-    fmt = "%(levelname)s %(name)s: %(message)s" if systemd.under_systemd() else \
-        "%(asctime)s %(levelname)s %(name)s: %(message)s"
-    logging.basicConfig(level=ns.log_level.upper(), format=fmt, stream=sys.stderr)
+    setup_logging(ns.log_level)
     try:
         cfg = load_config(ns.config, overrides(ns))
     except (OSError, ValueError) as e:

@@ -6,11 +6,12 @@ reaped sessions' ends (`Session.close`).
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
 import logging
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 from ..engine import Engine, Job
 from ..errors import (
@@ -25,9 +26,9 @@ from ..image.codec import Compression
 from ..pb import image_pb2 as pb
 from ..pb import rpc_pb2 as rpc
 from ..protocol.fds import FdBundle
-from ..topology import Checks, Topology, map_gpus
+from ..topology import CHECK_ENV, Checks, Topology, map_gpus
 from .metrics import Metrics
-from .sessions import KIND_NAMES, Session, SessionLimits, image_summary
+from .sessions import KIND_NAMES, Session, SessionLimits, UidLimits, UidUsage, image_summary
 
 log = logging.getLogger("vramd.service.sessions")
 
@@ -37,7 +38,8 @@ class SessionTable:
 
     def __init__(self, engine: Engine, metrics: Metrics, *, grace_period: float, max_per_uid: int,
                  limits: SessionLimits, default_compression: Compression, default_chunk_size: int,
-                 topology: Topology | None = None) -> None:
+                 uid_limits: UidLimits | None = None, topology: Topology | None = None,
+                 topology_checks: Mapping[str, bool] | None = None) -> None:
         self.engine = engine
         self.metrics = metrics
         self.grace_period = grace_period
@@ -46,6 +48,10 @@ class SessionTable:
         self.default_compression = default_compression
         self.default_chunk_size = default_chunk_size
         self.by_token: dict[str, Session] = {}
+        self.uid_limits = uid_limits or UidLimits(limits.max_bos * max_per_uid, limits.max_fds * max_per_uid)
+        self.usage: dict[int, UidUsage] = {}  # what each uid's sessions hold
+        # CRIU's KFD_*_CHECK switches as configured; a restore request may override each
+        self.topology_checks = dict(topology_checks or {})
         self.topology = topology  # this machine's KFD topology: saved by dumps, mapped onto by restores
         self._topology_json = json.dumps(topology.to_dict()).encode() if topology is not None else b""
         self._next_id = 1
@@ -61,24 +67,37 @@ class SessionTable:
             raise LimitExceededError(f"uid {uid} already has {self.max_per_uid} sessions open")
         if req.kind not in KIND_NAMES:
             raise InvalidRequestError(f"unknown session kind {req.kind}")
+        checks = self._checks(req)
+        usage = self.usage.setdefault(uid, UidUsage(self.uid_limits))
+        if usage.fds + 1 > self.uid_limits.max_fds:
+            raise LimitExceededError(f"uid {uid}'s sessions hold {usage.fds} fds (max_fds_per_uid)")
         dir_fd = bundle.take(req.dir_fd_index)
         try:
-            job, manifest = await self._job(req, dir_fd)
+            job, manifest = await self._job(req, dir_fd, checks)
         except BaseException:
             os.close(dir_fd)
             raise
-        s = Session(self._next_id, req.kind, uid, pid, req.label, job, dir_fd, self.limits, self.metrics)
+        s = Session(self._next_id, req.kind, uid, pid, req.label, job, dir_fd, self.limits, self.metrics, usage)
         self._next_id += 1
         if manifest is not None:  # the image a restore or verify reads
             s.image = image_summary(manifest)
         if req.kind == rpc.SESSION_VERIFY:
-            s.seal()
+            await s.seal()
         self.by_token[s.token] = s
         log.info("session %d (%s) opened by uid %d pid %d%s", s.id, s.kind_name, uid, pid,
                  f" [{req.label}]" if req.label else "")
         return s
 
-    async def _job(self, req: rpc.OpenSession, dir_fd: int) -> tuple[Job, pb.Manifest | None]:
+    def _checks(self, req: rpc.OpenSession) -> Checks:
+        """The topology checks of a restore: the configured switches, then the request's."""
+        switches = {**self.topology_checks, **req.topology_checks}
+        unknown = sorted(set(switches) - set(CHECK_ENV.values()))
+        if unknown:
+            raise InvalidRequestError(f"unknown topology check {unknown[0]!r} (known: "
+                                      f"{', '.join(sorted(CHECK_ENV.values()))})")
+        return Checks(**{attr: switches.get(var, True) for attr, var in CHECK_ENV.items()})
+
+    async def _job(self, req: rpc.OpenSession, dir_fd: int, checks: Checks) -> tuple[Job, pb.Manifest | None]:
         """The session's job, and the manifest of the image it reads (None for a dump)."""
         try:
             st = os.fstat(dir_fd)
@@ -86,6 +105,8 @@ class SessionTable:
             raise from_os_error(e, "image directory fd is not usable", InvalidRequestError) from None
         if not stat.S_ISDIR(st.st_mode):
             raise InvalidRequestError("the image directory fd is not a directory")
+        if fcntl.fcntl(dir_fd, fcntl.F_GETFL) & os.O_PATH:  # no I/O through it (a dump could not fsync it)
+            raise InvalidRequestError("the image directory fd is an O_PATH fd; open it O_RDONLY | O_DIRECTORY")
         if req.kind == rpc.SESSION_DUMP:
             try:
                 comp = Compression.parse(req.compression) if req.compression else self.default_compression
@@ -96,13 +117,14 @@ class SessionTable:
             job.topology_json = self._topology_json
             return job, None
         if req.kind == rpc.SESSION_RESTORE:
-            restore = await self.engine.start_restore(dir_fd, gpu_map=self._gpu_map, allow_partial=req.allow_partial)
+            restore = await self.engine.start_restore(dir_fd, gpu_map=lambda m: self._gpu_map(m, checks),
+                                                      allow_partial=req.allow_partial)
             return restore, restore.manifest
         verify = await self.engine.start_verify(dir_fd)
         return verify, verify.manifest
 
-    def _gpu_map(self, manifest: pb.Manifest) -> dict[int, int] | None:
-        """Image GPUs -> present GPUs, by CRIU's rules (KFD_*_CHECK switches honoured); None: as saved."""
+    def _gpu_map(self, manifest: pb.Manifest, checks: Checks) -> dict[int, int] | None:
+        """Image GPUs -> present GPUs, by CRIU's rules (the KFD_*_CHECK switches in `checks`); None: as saved."""
         if not manifest.topology_json:
             return None
         if self.topology is None:
@@ -112,8 +134,10 @@ class SessionTable:
             saved = Topology.from_dict(json.loads(manifest.topology_json))
         except ValueError as e:
             raise TopologyError(f"the image's topology cannot be read: {e}") from None
-        mapping = map_gpus(saved, self.topology, Checks.from_env(os.environ))
-        log.info("GPU map (image -> here): %s", ", ".join(f"{a:#x}->{b:#x}" for a, b in sorted(mapping.items())))
+        mapping = map_gpus(saved, self.topology, checks)
+        off = checks.disabled()
+        log.info("GPU map (image -> here): %s%s", ", ".join(f"{a:#x}->{b:#x}" for a, b in sorted(mapping.items())),
+                 f" (checks off: {', '.join(off)})" if off else "")
         return mapping
 
     def get(self, token: str, uid: int) -> Session:
@@ -151,6 +175,7 @@ class SessionTable:
         if self.by_token.get(s.token) is not s:
             return False
         del self.by_token[s.token]
+        s.usage.bos -= s.bo_count  # its BOs go with it (its fds are closed by its end)
         if s.reap_timer is not None:
             s.reap_timer.cancel()
             s.reap_timer = None

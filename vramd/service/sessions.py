@@ -25,9 +25,11 @@ from ..errors import (
     InternalError,
     InvalidRequestError,
     JobCancelledError,
+    JobError,
     LimitExceededError,
     VramdError,
     WaitTimeoutError,
+    from_os_error,
 )
 from ..pb import image_pb2 as pb
 from ..pb import rpc_pb2 as rpc
@@ -77,6 +79,43 @@ def image_summary(m: pb.Manifest) -> rpc.ImageSummary:
 class SessionLimits:
     max_bos: int
     max_fds: int
+    max_chunks: int = 1 << 20                                  # a dump's sum of ceil(size / chunk_size)
+    gpu_ids: frozenset[int] = field(default_factory=lambda: frozenset({0}))  # the gpu_ids a BO may name
+
+
+@dataclass(frozen=True)
+class UidLimits:
+    max_bos: int  # BOs held by one uid's sessions, ended but unclosed ones included
+    max_fds: int  # fds held by one uid's sessions
+
+
+@dataclass
+class UidUsage:
+    """What one uid's sessions hold (kept by the session table, updated by the sessions)."""
+
+    limits: UidLimits
+    bos: int = 0
+    fds: int = 0
+
+
+# Per-BO work of an AddBos runs on the event loop in steps of at most this long, so
+# that one big message never holds the loop (and every other client) for long.
+ADD_STEP_SECONDS = 0.002
+_CHECK_EVERY = 32  # BOs between looks at the clock
+
+
+class _Stepper:
+    """Yield to the event loop whenever ADD_STEP_SECONDS have passed since the last yield."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.since = time.perf_counter()
+
+    async def tick(self) -> None:
+        self.n += 1
+        if self.n % _CHECK_EVERY == 0 and time.perf_counter() - self.since > ADD_STEP_SECONDS:
+            await asyncio.sleep(0)
+            self.since = time.perf_counter()
 
 
 @dataclass(eq=False)
@@ -90,6 +129,7 @@ class Session:
     dir_fd: int
     limits: SessionLimits
     metrics: Metrics
+    usage: UidUsage
     token: str = field(default_factory=lambda: secrets.token_hex(16))
     state: rpc.SessionState = rpc.SESSION_OPEN
     error: VramdError | None = None
@@ -98,14 +138,17 @@ class Session:
     holders: set[object] = field(default_factory=set)  # the connections that used its token
     started: float = field(default_factory=time.monotonic)
     ended: float | None = None
-    bo_count: int = 0
+    bo_count: int = 0  # BOs taken (reserved by an AddBos under way, then added)
+    chunks: int = 0    # a dump's chunks
     finisher: asyncio.Task[None] | None = None
     reap_timer: asyncio.TimerHandle | None = None
     reap_task: asyncio.Task[None] | None = None
 
     def __post_init__(self) -> None:
         self.fds.append(self.dir_fd)
+        self.usage.fds += 1
         self._done = asyncio.Event()
+        self._adding = asyncio.Lock()  # one AddBos at a time; Start waits for the one under way
         # A copy that fails while the client is still adding BOs ends the session now,
         # so progress shows the error and the fds are released without waiting for Start.
         self.job.on_fail(lambda exc: self._end_soon())
@@ -128,42 +171,100 @@ class Session:
     # --- requests ------------------------------------------------------------
 
     async def add(self, bos: Sequence[rpc.Bo], bundle: FdBundle) -> None:
-        """Take the BOs of one AddBos message (and the fds they name) into the job."""
+        """Take the BOs of one AddBos message (and the fds they name) into the job.
+
+        Every BO is checked before any fd is taken, so a refused message leaves
+        the session as it was.  The per-BO work runs in short steps (see
+        ADD_STEP_SECONDS): a message of many BOs never stalls other clients.
+        """
         job = self.job
         if not isinstance(job, (DumpJob, RestoreJob)):
             raise InvalidRequestError("a verify session takes no BOs")
+        async with self._adding:
+            self._check_open()
+            n = len(bos)
+            if self.bo_count + n > self.limits.max_bos:
+                raise LimitExceededError(f"more than {self.limits.max_bos} BOs in one session (max_bos_per_session)")
+            if self.usage.bos + n > self.usage.limits.max_bos:
+                raise LimitExceededError(f"uid {self.uid}'s sessions would hold more than {self.usage.limits.max_bos}"
+                                         " BOs (max_bos_per_uid)")
+            step = _Stepper()
+            fds: dict[int, int] = {}
+            chunks = 0
+            chunk_size = job.chunk_size if isinstance(job, DumpJob) else 0
+            for bo in bos:  # validate every BO before taking any fd
+                if bo.fd_index not in fds:
+                    fds[bo.fd_index] = bundle.peek(bo.fd_index)
+                self._check_gpu(job, bo)
+                if chunk_size:
+                    chunks += -(-bo.size // chunk_size)
+                await step.tick()
+            self._check_open()  # still open after the steps
+            if self.chunks + chunks > self.limits.max_chunks:
+                raise LimitExceededError(
+                    f"the session's BOs would make more than {self.limits.max_chunks} chunks of {chunk_size} bytes "
+                    "(max_chunks_per_session)")
+            if len(self.fds) + len(fds) > self.limits.max_fds:
+                raise LimitExceededError(f"more than {self.limits.max_fds} fds in one session (max_fds_per_session)")
+            if self.usage.fds + len(fds) > self.usage.limits.max_fds:
+                raise LimitExceededError(f"uid {self.uid}'s sessions would hold more than "
+                                         f"{self.usage.limits.max_fds} fds (max_fds_per_uid)")
+            # reserved from here on: the BOs count whether or not the job takes them all
+            self.bo_count += n
+            self.usage.bos += n
+            self.chunks += chunks
+            for index in fds:
+                self.fds.append(bundle.take(index))
+            self.usage.fds += len(fds)
+            # the backend of a BO that names none follows from its fd: looked at once per fd, not per BO
+            kinds = {i: pick_backend(fds[i]) for i in {bo.fd_index for bo in bos if not bo.backend}}
+            refs = []
+            for bo in bos:
+                refs.append(BoRef(bo.backend or kinds[bo.fd_index], fds[bo.fd_index], bo.offset))
+                await step.tick()
+            if len(fds) > 1:  # fds of many BOs: check them in a worker thread, off the event loop
+                distinct = {ref.fd: (bo.id, ref) for bo, ref in zip(bos, refs)}
+                await asyncio.get_running_loop().run_in_executor(job.ctx.io, job.precheck, distinct.values())
+            try:
+                self._raise_failure()  # failed while we were checking
+                i, since = 0, time.perf_counter()
+                while i < n:  # the job takes them a few at a time, yielding between steps
+                    j = min(n, i + _CHECK_EVERY)
+                    if isinstance(job, DumpJob):
+                        job.add([self._spec(bo, ref) for bo, ref in zip(bos[i:j], refs[i:j])])
+                    else:
+                        job.add([self._target(bo, ref) for bo, ref in zip(bos[i:j], refs[i:j])])
+                    i = j
+                    if i < n and time.perf_counter() - since > ADD_STEP_SECONDS:
+                        await asyncio.sleep(0)
+                        since = time.perf_counter()
+                        self._raise_failure()  # failed (or cancelled) meanwhile
+            except VramdError as e:
+                self._end_soon()  # the job has failed: clean up now, the error stays for Wait
+                raise e
+
+    def _check_open(self) -> None:
         self._raise_failure()
         if self.state != rpc.SESSION_OPEN:
             if self.error is not None:
                 raise self.error
             raise InvalidRequestError(
                 f"the session is {rpc.SessionState.Name(self.state)} and takes no more BOs")
-        if self.bo_count + len(bos) > self.limits.max_bos:
-            raise LimitExceededError(f"more than {self.limits.max_bos} BOs in one session")
-        fds: dict[int, int] = {}
-        for bo in bos:  # validate every index before taking any fd
-            if bo.fd_index not in fds:
-                fds[bo.fd_index] = bundle.peek(bo.fd_index)
-        if len(self.fds) + len(fds) > self.limits.max_fds:
-            raise LimitExceededError(f"more than {self.limits.max_fds} fds in one session")
-        for index in fds:
-            self.fds.append(bundle.take(index))
-        # the backend of a BO that names none follows from its fd: looked at once per fd, not per BO
-        kinds = {i: pick_backend(fds[i]) for i in {bo.fd_index for bo in bos if not bo.backend}}
-        refs = [BoRef(bo.backend or kinds[bo.fd_index], fds[bo.fd_index], bo.offset) for bo in bos]
-        if len(fds) > 1:  # fds of many BOs: check them in a worker thread, off the event loop
-            distinct = {ref.fd: (bo.id, ref) for bo, ref in zip(bos, refs)}
-            await asyncio.get_running_loop().run_in_executor(job.ctx.io, job.precheck, distinct.values())
-        try:
-            self._raise_failure()  # failed while we were checking
-            if isinstance(job, DumpJob):
-                job.add([self._spec(bo, ref) for bo, ref in zip(bos, refs)])
-            else:
-                job.add([self._target(bo, ref) for bo, ref in zip(bos, refs)])
-        except VramdError as e:
-            self._end_soon()  # the job has failed: clean up now, the error stays for Wait
-            raise e
-        self.bo_count += len(bos)
+
+    def _check_gpu(self, job: DumpJob | RestoreJob, bo: rpc.Bo) -> None:
+        """A BO may only name a GPU the daemon knows: each gpu_id gets its own pools and lanes."""
+        if bo.HasField("gpu_id"):
+            gpu = bo.gpu_id
+        elif isinstance(job, DumpJob):
+            gpu = 0
+        else:  # a restore target runs where the image's BO goes: its gpu_id, mapped onto this machine's GPUs
+            entry = job.reader.bos.get(bo.id)
+            if entry is None:
+                return  # the job reports the BO the image lacks
+            gpu = job.gpu_map.get(entry.gpu_id, entry.gpu_id)
+        if gpu not in self.limits.gpu_ids:
+            known = ", ".join(f"{g:#x}" for g in sorted(self.limits.gpu_ids))
+            raise InvalidRequestError(f"gpu_id {gpu:#x} is not a GPU of this daemon (known: {known})", bo_id=bo.id)
 
     def _raise_failure(self) -> None:
         """Raise the job's first error, if it has failed already."""
@@ -180,10 +281,12 @@ class Session:
     def _target(bo: rpc.Bo, ref: BoRef) -> RestoreTarget:
         return RestoreTarget(bo.id, ref, gpu_id=bo.gpu_id if bo.HasField("gpu_id") else None)
 
-    def seal(self) -> None:
-        if self.state == rpc.SESSION_OPEN:
-            self._enter(rpc.SESSION_SEALED)
-        self._end_soon()
+    async def seal(self) -> None:
+        """No more BOs (after the AddBos under way, if any): the session ends when every copy has landed."""
+        async with self._adding:
+            if self.state == rpc.SESSION_OPEN:
+                self._enter(rpc.SESSION_SEALED)
+            self._end_soon()
 
     def cancel(self, reason: str) -> None:
         if not self.done:
@@ -217,6 +320,8 @@ class Session:
             self.image = image_summary(await self.job.finish())
         except VramdError as e:
             self.error = e
+        except OSError as e:  # the daemon's own I/O (a full disk, an I/O error): not a bug, but typed
+            self.error = from_os_error(e, f"{self.kind_name} failed", JobError)
         except Exception as e:  # a bug: still an answer for the client
             log.exception("session %d: internal error", self.id)
             self.error = InternalError(f"internal error: {e!r}")
@@ -226,12 +331,22 @@ class Session:
             self.ended = time.monotonic()
             self._account()
             self._done.set()
-            log.info("session %d (%s, uid %d): %s%s", self.id, self.kind_name, self.uid,
-                     rpc.SessionState.Name(self.state),
-                     f": {self.error}" if self.error else "")
+            log.log(logging.INFO if self.state == rpc.SESSION_DONE else logging.WARNING, "%s", self.summary())
+
+    def summary(self) -> str:
+        """One line for the log: the outcome, bytes, seconds, GB/s (decimal) and the error if any."""
+        p = self.job.progress
+        secs = (self.ended if self.ended is not None else time.monotonic()) - self.started
+        rate = p.bytes_done / secs / 1e9 if secs > 0 else 0.0
+        label = f" [{self.label}]" if self.label else ""
+        line = (f"session {self.id} ({self.kind_name}, uid {self.uid}): {rpc.SessionState.Name(self.state)}: "
+                f"{p.bos_done}/{p.bos_total} BOs, {p.bytes_done}/{p.bytes_total} bytes in {secs:.3f} s, "
+                f"{rate:.3f} GB/s{label}")
+        return f"{line}: {self.error.code}: {self.error}" if self.error is not None else line
 
     def _close_fds(self) -> None:
         fds, self.fds = self.fds, []
+        self.usage.fds -= len(fds)
         close_fds(fds)
 
     def _account(self) -> None:

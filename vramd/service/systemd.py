@@ -8,26 +8,62 @@ sd_watchdog_enabled(3).  Outside systemd every function is a no-op.
 """
 from __future__ import annotations
 
+import logging
 import os
 import socket
 
+log = logging.getLogger("vramd.service.systemd")
+
 LISTEN_FDS_START = 3
+_dropped = 0  # notes dropped because the manager's socket was full
+_sock: socket.socket | None = None
 
 
 def notify(*lines: str) -> bool:
-    """Send KEY=VALUE lines to the service manager; False if there is none."""
+    """Send KEY=VALUE lines to the service manager; False if there is none, or the note was dropped.
+
+    Never blocks: the daemon's event loop calls this, and a manager that does
+    not read (a full socket) must not freeze it.  A note that does not fit
+    now is dropped (the next STATUS/WATCHDOG note says the same again).
+    """
+    global _dropped, _sock
     addr = os.environ.get("NOTIFY_SOCKET")
     if not addr:
         return False
     if addr[0] == "@":
         addr = "\0" + addr[1:]
     try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
-            s.connect(addr)
-            s.sendall("\n".join(lines).encode())
+        if _sock is None:  # one socket for the daemon's life, not one per note
+            _sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
+        _sock.sendto("\n".join(lines).encode(), socket.MSG_DONTWAIT, addr)
+    except (BlockingIOError, InterruptedError):
+        _dropped += 1
+        if _dropped == 1 or _dropped % 1000 == 0:  # once, then rarely: a stuck manager must not flood the log
+            log.warning("sd_notify: the notify socket is full; dropped %d note(s) so far", _dropped)
+        return False
     except OSError:
         return False
     return True
+
+
+# journald reads a "<N>" prefix on each line of a service's stderr as its priority (sd-daemon(3))
+_PRIORITY = ((logging.ERROR, 3), (logging.WARNING, 4), (logging.INFO, 6))
+
+
+def journal_priority(levelno: int) -> int:
+    """The syslog priority of a logging level: <3> error and above, <4> warning, <6> info, <7> debug."""
+    for level, prio in _PRIORITY:
+        if levelno >= level:
+            return prio
+    return 7
+
+
+class JournalFormatter(logging.Formatter):
+    """Prefix every line of a record (a traceback's too) with its journald priority."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        prefix = f"<{journal_priority(record.levelno)}>"
+        return "\n".join(prefix + line for line in super().format(record).split("\n"))
 
 
 def listen_fds() -> list[socket.socket]:

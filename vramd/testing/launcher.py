@@ -1,7 +1,9 @@
 """Start a vramd daemon as a child process, know when it is ready, watch its log, stop it.
 
 Readiness is the daemon's own sd_notify READY=1, received on a private
-NOTIFY_SOCKET: no polling for the socket file.  With no `stderr` given,
+NOTIFY_SOCKET: no polling for the socket file.  A thread reads that socket
+for the daemon's whole life (as systemd does), so its watchdog and status
+notes never fill it; `expect_note` waits for what the thread has seen.  With no `stderr` given,
 the daemon's log is captured line by line as it comes, so a test can wait
 for an event (`expect_log("session 3 .* SESSION_CANCELLED")`) instead of
 sleeping.  Used by the demo, the benchmarks and the tests.
@@ -25,8 +27,12 @@ ROOT = str(Path(__file__).resolve().parents[2])  # the source tree (the daemon r
 class DaemonProcess:
     def __init__(self, run_dir: str, *args: str, env: dict[str, str] | None = None, stderr: IO[str] | None = None,
                  listener: socket.socket | None = None, log_level: str = "debug", ready_timeout: float = 60.0,
-                 argv_prefix: list[str] | None = None) -> None:
-        """`argv_prefix`: what runs the interpreter (default [sys.executable]; e.g. ["nice", "-n", "10", python])."""
+                 argv_prefix: list[str] | None = None, drain_notes: bool = True) -> None:
+        """`argv_prefix`: what runs the interpreter (default [sys.executable]; e.g. ["nice", "-n", "10", python]).
+
+        `drain_notes=False` stops reading the notify socket after READY=1: a
+        service manager that never reads (to test that the daemon does not block).
+        """
         self.run_dir = run_dir
         self.log: list[str] = []
         self._cond = threading.Condition()
@@ -37,6 +43,8 @@ class DaemonProcess:
         self.notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
         self.notify.bind(os.path.join(run_dir, f"notify-{os.getpid()}-{id(self)}.sock"))
         self.notes: list[str] = []
+        self._drain_notes = drain_notes
+        self._notes_open = True
         e = dict(os.environ, NOTIFY_SOCKET=self.notify.getsockname(), PYTHONUNBUFFERED="1")
         for k in ("LISTEN_FDS", "LISTEN_PID", "WATCHDOG_USEC", "WATCHDOG_PID"):
             e.pop(k, None)
@@ -62,6 +70,8 @@ class DaemonProcess:
         try:
             if self.capturing:  # read the log from the start: a full pipe would block the daemon
                 threading.Thread(target=self._read_log, daemon=True).start()
+            self._note_reader = threading.Thread(target=self._read_notes, daemon=True)
+            self._note_reader.start()
             self.expect_note("READY=1", ready_timeout)
         except BaseException:
             self.close()
@@ -69,20 +79,35 @@ class DaemonProcess:
 
     # --- what it says ----------------------------------------------------------
 
-    def expect_note(self, key: str, timeout: float = 30.0) -> list[str]:
-        """Wait for an sd_notify datagram containing `key`; returns every note seen so far."""
+    def expect_note(self, key: str, timeout: float = 30.0, *, count: int = 1) -> list[str]:
+        """Wait for `count` sd_notify datagrams containing `key`; returns every note seen so far."""
         deadline = time.monotonic() + timeout
-        while not any(key in n for n in self.notes):
-            if self.proc.poll() is not None and key == "READY=1":
-                raise RuntimeError(f"vramd exited with status {self.proc.returncode} before it was ready"
-                                   + (f"; log:\n{''.join(self.log)}" if self.capturing else ""))
-            self.notify.settimeout(max(0.001, min(1.0, deadline - time.monotonic())))
+        with self._cond:
+            while sum(key in n for n in self.notes) < count:
+                if self.proc.poll() is not None and key == "READY=1":
+                    raise RuntimeError(f"vramd exited with status {self.proc.returncode} before it was ready"
+                                       + (f"; log:\n{''.join(self.log)}" if self.capturing else ""))
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"no {key} from vramd in {timeout} s")
+                self._cond.wait(min(left, 0.5))  # woken by each note; the timeout notices an early exit
+            return list(self.notes)
+
+    def _read_notes(self) -> None:
+        """Read every note the daemon sends (until close, or READY=1 with drain_notes=False)."""
+        self.notify.settimeout(0.2)  # to notice close(); the notes themselves wake the waiters
+        while self._notes_open:
             try:
-                self.notes.append(self.notify.recv(4096).decode())
+                note = self.notify.recv(4096).decode()
             except TimeoutError:
-                if time.monotonic() >= deadline:
-                    raise TimeoutError(f"no {key} from vramd in {timeout} s") from None
-        return self.notes
+                continue
+            except OSError:
+                return
+            with self._cond:
+                self.notes.append(note)
+                self._cond.notify_all()
+            if not self._drain_notes and "READY=1" in note:
+                return
 
     def _read_log(self) -> None:
         assert self.proc.stderr is not None
@@ -139,6 +164,10 @@ class DaemonProcess:
             self._close_notify()
 
     def _close_notify(self) -> None:
+        self._notes_open = False
+        reader = getattr(self, "_note_reader", None)
+        if reader is not None and reader is not threading.current_thread():
+            reader.join()
         if self.notify.fileno() >= 0:
             path = self.notify.getsockname()
             self.notify.close()

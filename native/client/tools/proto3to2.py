@@ -73,7 +73,16 @@ def convert(text: str) -> str:
     return "\n".join(out) + "\n"
 
 
+MAP = re.compile(r"^map\s*<\s*(\w+)\s*,\s*([\w.]+)\s*>\s+([A-Za-z_]\w*)\s*=\s*(\d+)\s*;$")
+
+
 def field(s: str, block: str, enums: set, lineno: int) -> str:
+    m = MAP.match(s)
+    if m:  # a map field reads the same in proto2 (a repeated entry message on the wire)
+        if block != "message":
+            raise SystemExit(f"line {lineno}: a map outside a message")
+        key, value, name, num = m.groups()
+        return f"  map<{key}, {value}> {name} = {num};"
     m = FIELD.match(s)
     if not m:
         raise SystemExit(f"line {lineno}: cannot translate {s!r}")

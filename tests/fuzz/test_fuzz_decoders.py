@@ -1,0 +1,222 @@
+"""Fuzzing the decoders: frames and messages (both sides), manifests and chunk records.
+
+Invariants: only the typed errors come out (ProtocolError and friends for the
+protocol, ImageError subclasses for images), and every fd of a received
+packet is closed or owned by exactly one event.
+"""
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import socket
+
+import zstandard
+from hypothesis import given
+from hypothesis import strategies as st
+from strategies import HostileFds, blobs, fd_kinds, mutated, request_frames, response_frames
+
+from vramd.errors import ImageError, ProtocolError, VramdError
+from vramd.hostmem.staging import StagingBuffer
+from vramd.image.codec import decode_chunk
+from vramd.image.format import (
+    EMPTY_CHECKSUM,
+    MANIFEST_MAGIC,
+    MANIFEST_PREFIX,
+    checksum,
+    decode_manifest,
+    decode_record_head,
+    encode_manifest,
+    encode_record_head,
+)
+from vramd.pb import image_pb2 as pb
+from vramd.pb import rpc_pb2 as rpc
+from vramd.protocol import ClientProtocol, Received, Reply, ServerProtocol, decode_frame
+from vramd.protocol.frames import KIND_REQUEST, KIND_RESPONSE
+
+FLAGS = st.sampled_from([0, 0, 0, socket.MSG_TRUNC, socket.MSG_CTRUNC, socket.MSG_TRUNC | socket.MSG_CTRUNC])
+
+
+def is_open(fd: int) -> bool:
+    try:
+        fcntl.fcntl(fd, fcntl.F_GETFD)
+    except OSError:
+        return False
+    return True
+
+
+# --- frames and messages ------------------------------------------------------------------
+
+@given(data=blobs(request_frames), kind=st.sampled_from([KIND_REQUEST, KIND_RESPONSE]))
+def test_decode_frame_raises_only_protocol_error(data, kind):
+    try:
+        assert isinstance(decode_frame(data, kind), bytes)
+    except ProtocolError:
+        pass
+
+
+@given(packets=st.lists(st.tuples(blobs(request_frames), fd_kinds, FLAGS), min_size=1, max_size=4),
+       hello_first=st.booleans(), max_fds=st.sampled_from([1, 3, 253]))
+def test_server_protocol_never_raises_and_every_fd_has_one_owner(packets, hello_first, max_fds):
+    proto = ServerProtocol(rpc.HelloReply(server="fuzz"), 4096, max_fds)
+    fds = HostileFds()
+    try:
+        if hello_first:
+            events = proto.receive(_hello(), [])
+            assert [type(e) for e in events] == [Reply]
+        for data, kinds, flags in packets:
+            sent = []
+            for k in kinds:
+                sent.append(fds.make(k)[0])
+            events = proto.receive(data, list(sent), flags)  # never raises: errors are replies
+            owned: list[int] = []
+            for ev in events:
+                assert isinstance(ev, (Received, Reply))
+                if isinstance(ev, Received):
+                    assert ev.request.WhichOneof("body") not in (None, "hello")
+                    owned += [fd for fd in ev.fds._fds if fd is not None]
+                    assert len(ev.fds) == len(sent)
+                else:
+                    assert ev.data[:4] == b"VRDP"
+            assert sorted(owned) == sorted(set(owned))  # no fd owned twice
+            for fd in sent:
+                assert is_open(fd) == (fd in owned), (fd, owned)  # owned, or closed: never leaked
+            for ev in events:
+                if isinstance(ev, Received):
+                    ev.fds.close()
+            assert not any(is_open(fd) for fd in sent)
+            if proto.closed:
+                assert any(isinstance(e, Reply) and e.close for e in events) or not events
+    finally:
+        fds.close()
+
+
+def _hello() -> bytes:
+    from vramd.protocol import encode_request
+    return encode_request(rpc.Request(id=1, hello=rpc.Hello(versions=[1])))
+
+
+@given(data=blobs(response_frames), kinds=fd_kinds, flags=FLAGS, after_hello=st.booleans())
+def test_client_protocol_raises_only_typed_errors_and_closes_fds(data, kinds, flags, after_hello):
+    proto = ClientProtocol("fuzz")
+    if after_hello:
+        proto.hello = rpc.HelloReply(version=1)
+        proto.request(get_status=rpc.GetStatus())
+    else:
+        proto.hello_request()
+    fds = HostileFds()
+    try:
+        sent = [fds.make(k)[0] for k in kinds]
+        try:
+            resp = proto.receive(data, sent, flags)
+            assert isinstance(resp, rpc.Response)
+        except (VramdError, ConnectionError):
+            pass
+        assert not any(is_open(fd) for fd in sent)  # the daemon never sends fds: any that came are closed
+    finally:
+        fds.close()
+
+
+# --- manifests -----------------------------------------------------------------------------
+
+def _manifest(nbos: int, chunk: int, sizes: list[int]) -> pb.Manifest:
+    m = pb.Manifest(format_version=1, image_id=bytes(range(16)), writer="fuzz", chunk_size=chunk,
+                    files=[pb.DataFile(name="data-0.vrd", gpu_id=0, length=1 << 20)])
+    for i, size in enumerate(sizes[:nbos]):
+        n = -(-size // chunk)
+        m.bos.append(pb.BoEntry(id=i + 1, size=size, record_offsets=[64 * k for k in range(n)],
+                                record_lengths=[64] * n))
+    return m
+
+
+manifests = st.builds(_manifest, st.integers(0, 4), st.sampled_from([4096, 1 << 20]),
+                      st.lists(st.integers(0, 3 << 20), min_size=4, max_size=4)).map(encode_manifest)
+
+
+@st.composite
+def manifest_blobs(draw) -> bytes:
+    """Mutated manifests; half of them re-sealed (prefix and digest fixed up) so the body's checks run."""
+    blob = draw(st.one_of(blobs(manifests), mutated(manifests)))
+    if draw(st.booleans()) and len(blob) >= MANIFEST_PREFIX.size:
+        body = blob[MANIFEST_PREFIX.size:]
+        version = draw(st.sampled_from([1, 1, 1, 2]))
+        blob = MANIFEST_PREFIX.pack(MANIFEST_MAGIC, version, 0, len(body), checksum(body)) + body
+    return blob
+
+
+@given(blob=manifest_blobs())
+def test_decode_manifest_raises_only_image_errors(blob):
+    try:
+        m = decode_manifest(blob)
+    except ImageError:
+        return
+    assert len(m.image_id) == 16 and m.chunk_size > 0
+
+
+# --- chunk records -------------------------------------------------------------------------
+
+@st.composite
+def records(draw) -> tuple[bytes, bytes, int, int]:
+    """(head, payload, bo_id, offset) of a valid record, then mutated (head re-sealed half the time)."""
+    raw = draw(st.binary(min_size=0, max_size=256))
+    codec = draw(st.sampled_from([pb.CODEC_RAW, pb.CODEC_ZERO, pb.CODEC_ZSTD]))
+    if codec == pb.CODEC_ZERO or not raw:
+        codec, payload = pb.CODEC_ZERO, b""
+    elif codec == pb.CODEC_ZSTD:
+        payload = zstandard.ZstdCompressor(write_checksum=True).compress(raw)
+    else:
+        payload = raw
+    bo_id, offset = draw(st.integers(0, 5)), draw(st.sampled_from([0, 4096]))
+    header = pb.ChunkHeader(bo_id=bo_id, offset=offset, raw_length=len(raw), stored_length=len(payload),
+                            codec=codec, checksum=checksum(payload) if payload else EMPTY_CHECKSUM)
+    head = draw(mutated(st.just(encode_record_head(header))))
+    if draw(st.booleans()) and len(head) >= 16:  # fix the header checksum, so the header's fields are checked
+        hdr = head[16:]
+        head = head[:4] + len(hdr).to_bytes(4, "little") + checksum(hdr).to_bytes(8, "little") + hdr
+    payload = draw(st.one_of(st.just(payload), mutated(st.just(payload))))
+    return head, payload, len(raw), bo_id, offset
+
+
+@given(rec=records(), expect=st.tuples(st.integers(0, 5), st.sampled_from([0, 4096])))
+def test_decode_record_head_raises_only_image_errors(rec, expect):
+    head, _, _, bo_id, offset = rec
+    bo_id, offset = expect if expect[0] % 2 else (bo_id, offset)
+    try:
+        header, n = decode_record_head(head, bo_id=bo_id, offset=offset, where="fuzz")
+    except ImageError:
+        return
+    assert header.bo_id == bo_id and 16 <= n <= len(head)
+
+
+def _buffer(data: bytes, size: int = 1 << 16) -> StagingBuffer:
+    mm = mmap.mmap(-1, size)
+    mm[:len(data)] = data
+    return StagingBuffer(size, mm)
+
+
+@given(rec=records(), stored_delta=st.sampled_from([0, 0, 0, -1, 1]), raw_delta=st.sampled_from([0, 0, 1]),
+       with_out=st.booleans())
+def test_decode_chunk_raises_only_image_errors(rec, stored_delta, raw_delta, with_out):
+    head, payload, raw_len, bo_id, offset = rec
+    stored, out = _buffer(payload), _buffer(b"") if with_out else None
+    try:
+        try:
+            got = decode_chunk(bo_id, offset, raw_len + raw_delta, head, stored, max(0, len(payload) + stored_delta),
+                               out, where="fuzz")
+        except ImageError:
+            return
+        assert got.codec in (pb.CODEC_RAW, pb.CODEC_ZERO, pb.CODEC_ZSTD)
+    finally:
+        stored.unmap()
+        if out is not None:
+            out.unmap()
+
+
+def test_fds_of_this_process_are_not_left_open_by_the_harness():
+    """The harness's own bookkeeping: what HostileFds made, it closes."""
+    before = set(os.listdir("/proc/self/fd"))
+    fds = HostileFds()
+    for k in ("pipe_r", "socket", "memfd", "procmem"):
+        fds.make(k)
+    fds.close()
+    assert set(os.listdir("/proc/self/fd")) <= before

@@ -1,0 +1,233 @@
+"""Per-client bounds: no client can hold what others need (issue #12's hostile-input campaign).
+
+Each test drives a real daemon over its real socket: connections that never
+say Hello, pipelining clients that hang up, BOs naming unknown GPUs, a
+service manager that never reads its notify socket.
+"""
+from __future__ import annotations
+
+import array
+import os
+import socket
+
+import pytest
+from helpers import memfd
+
+from vramd.client import SESSION_DUMP, Client, ClientBo
+from vramd.errors import InvalidRequestError, LimitExceededError
+from vramd.pb import rpc_pb2 as rpc
+from vramd.protocol import decode_response, encode_request
+from vramd.testing import DaemonProcess
+
+
+def raw_connect(path: str) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    s.settimeout(30)  # a failure, not a synchronisation: every read below is answered long before
+    s.connect(path)
+    return s
+
+
+def send(s: socket.socket, req: rpc.Request, fds=()) -> None:
+    anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+    s.sendmsg([encode_request(req)], anc)
+
+
+def read_all(s: socket.socket) -> list[rpc.Response]:
+    """Every response until the daemon closes the connection."""
+    out = []
+    while pkt := s.recv(1 << 20):
+        out.append(decode_response(pkt))
+    return out
+
+
+def say_hello(s: socket.socket) -> None:
+    send(s, rpc.Request(id=1, hello=rpc.Hello(versions=[1])))
+    assert decode_response(s.recv(1 << 20)).hello.version == 1
+
+
+def config(tmp_path, text: str) -> str:
+    p = tmp_path / "bounds.toml"
+    p.write_text(text)
+    return str(p)
+
+
+# --- finding 1: connections that never say Hello ------------------------------------------
+
+def test_connections_without_hello_are_closed_and_cannot_lock_others_out(run_dir, tmp_path):
+    cfg = config(tmp_path, "max_connections = 4\nhello_timeout = 1.0\n")
+    with DaemonProcess(run_dir, "--config", cfg) as d:
+        baseline = d.fds()
+        idle = [raw_connect(d.socket) for _ in range(4)]  # the whole table, and never a Hello
+        for _ in idle:
+            d.expect_log(r"connection \d+ opened")
+        with pytest.raises(LimitExceededError, match="max_connections"):
+            Client(d.socket)  # the table is full for now...
+        for s in idle:  # ...until the deadline: each idle one is told why, and closed
+            got = read_all(s)
+            assert [(r.id, r.error.code) for r in got] == [(0, rpc.LIMIT_EXCEEDED)], got
+            assert "no Hello within 1 s" in got[0].error.message
+            s.close()
+        d.expect_log("refused connection closed")
+        for _ in idle:
+            d.expect_log(r"connection \d+ closed")
+        assert d.fds() == baseline
+        with Client(d.socket) as c:  # served again
+            assert c.status().connections == 1
+
+
+def test_connections_per_uid_are_limited(run_dir, tmp_path):
+    cfg = config(tmp_path, "max_connections_per_uid = 2\n")
+    with DaemonProcess(run_dir, "--config", cfg) as d, Client(d.socket) as a, Client(d.socket):
+        with pytest.raises(LimitExceededError, match=r"uid \d+ has 2 connections open.*max_connections_per_uid"):
+            Client(d.socket)
+        assert a.hello.limits.max_connections_per_uid == 2
+        assert a.status().connections == 2
+
+
+# --- finding 2: a pipelining client that hangs up ------------------------------------------
+
+def test_pipelined_requests_with_fds_then_hang_up_leave_nothing_behind(daemon):
+    baseline = daemon.fds()
+    s = raw_connect(daemon.socket)
+    say_hello(s)
+    fds = [memfd(b"x" * 4096) for _ in range(3)]
+    sent = 0
+    try:
+        for i in range(100):  # never reads a reply
+            send(s, rpc.Request(id=2 + i, add_bos=rpc.AddBos(token="0" * 32, bos=[rpc.Bo(id=1, size=4096)])), fds)
+            sent += 1
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the daemon closed it: more than max_queued_requests queued
+    s.close()
+    for fd in fds:
+        os.close(fd)
+    daemon.expect_log(r"connection \d+ closed")
+    assert daemon.fds() == baseline  # its slot, and every fd of every packet it sent
+    with Client(daemon.socket) as c:
+        assert c.status().connections == 1
+
+
+def test_a_client_queueing_too_many_requests_is_told_and_closed(run_dir, tmp_path):
+    cfg = config(tmp_path, "max_queued_requests = 4\n")
+    with DaemonProcess(run_dir, "--config", cfg) as d, Client(d.socket) as watcher:
+        baseline = d.fds()
+        s = raw_connect(d.socket)
+        say_hello(s)
+        fd = memfd(b"y" * 4096)
+        try:
+            for i in range(40):
+                send(s, rpc.Request(id=2 + i, get_status=rpc.GetStatus()), [fd])
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        got = read_all(s)
+        s.close()
+        os.close(fd)
+        assert got[-1].id == 0 and got[-1].error.code == rpc.LIMIT_EXCEEDED, got[-1]
+        assert "max_queued_requests" in got[-1].error.message
+        assert all(r.error.code == rpc.OK for r in got[:-1])  # what was handled was answered, in order
+        assert [r.id for r in got[:-1]] == list(range(2, 2 + len(got) - 1))
+        d.expect_log(r"connection \d+ closed")
+        assert d.fds() == baseline
+        assert watcher.status().connections == 1
+
+
+# --- finding 4: BOs naming GPUs the daemon does not have -----------------------------------
+
+def threads(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/task"))
+
+
+def test_bos_must_name_a_gpu_the_daemon_knows(daemon, image_dir, tmp_path):
+    bo = memfd(os.urandom(8192))
+    warm = tmp_path / "warm"
+    warm.mkdir()
+    wfd = os.open(warm, os.O_RDONLY | os.O_DIRECTORY)
+    with Client(daemon.socket) as c:
+        assert list(c.hello.gpu_ids) == []  # no KFD topology here: only gpu 0 may be named
+        # a whole dump first, so that the gpu-0 pools exist and the thread count below is the steady one
+        c.run_session(SESSION_DUMP, wfd, [ClientBo(1, bo, size=8192)])
+        os.close(wfd)
+        before = threads(daemon.pid)
+        s = c.open_session(SESSION_DUMP, image_dir[1])
+        c.add_bos(s.token, [ClientBo(1, bo, size=4096, gpu_id=0)])
+        with pytest.raises(InvalidRequestError, match=r"gpu_id 0x2a is not a GPU of this daemon") as e:
+            c.add_bos(s.token, [ClientBo(2, bo, size=4096, gpu_id=0), ClientBo(3, bo, size=4096, gpu_id=42)])
+        assert e.value.bo_id == 3
+        for first in range(1, 2001, 500):  # a client naming thousands of gpu_ids gets no pool for any of them
+            with pytest.raises(InvalidRequestError):
+                c.add_bos(s.token, [ClientBo(100 + g, bo, size=4096, gpu_id=g) for g in range(first, first + 500)])
+        assert threads(daemon.pid) <= before + 2  # this session's own (its data file's writer), not 2000 pools
+        info = c.add_bos(s.token, [ClientBo(2, bo, offset=4096, size=4096)])  # the session was left as it was
+        assert info.state == rpc.SESSION_OPEN and info.progress.bos_total == 2
+        c.start(s.token)
+        assert c.wait(s.token).image.bo_count == 2
+    os.close(bo)
+
+
+def test_configured_gpu_ids_are_allowed_without_a_topology(run_dir, tmp_path, image_dir):
+    cfg = config(tmp_path, "gpu_ids = [7]\n")
+    bo = memfd(os.urandom(4096))
+    with DaemonProcess(run_dir, "--config", cfg) as d, Client(d.socket) as c:
+        info = c.run_session(SESSION_DUMP, image_dir[1], [ClientBo(1, bo, size=4096, gpu_id=7)])
+        assert info.state == rpc.SESSION_DONE
+    os.close(bo)
+
+
+# --- finding 6: a service manager that never reads its notify socket -------------------------
+
+def test_a_notify_socket_nobody_reads_does_not_freeze_the_daemon(run_dir):
+    # A watchdog of 4 ms: a WATCHDOG and a STATUS note every 2 ms, far more than the
+    # socket's queue (net.unix.max_dgram_qlen, 10 by default) holds.
+    with DaemonProcess(run_dir, env={"WATCHDOG_USEC": "4000"}, drain_notes=False) as d:
+        d.expect_log("the notify socket is full; dropped 1 note")
+        with Client(d.socket, timeout=10) as c:
+            for _ in range(3):
+                assert c.status().connections == 1
+        d.expect_log("dropped 1000 note")  # still going: the housekeeping loop did not block either
+        with Client(d.socket, timeout=10) as c:
+            assert c.status().connections == 1
+
+
+def test_the_launcher_reads_notes_for_the_daemons_whole_life(run_dir):
+    with DaemonProcess(run_dir, env={"WATCHDOG_USEC": "4000"}) as d:
+        d.expect_note("WATCHDOG=1", count=200)  # 20 times what the socket holds
+        d.terminate()
+        d.expect_note("STOPPING=1")  # not dropped: the launcher kept reading
+        assert d.stop() == 0
+    assert not any("notify socket is full" in line for line in d.log)
+
+
+# --- finding 3 / 9: per-session and per-uid bounds on what sessions hold --------------------
+
+def test_bos_fds_and_chunks_are_bounded_per_session_and_per_uid(run_dir, tmp_path):
+    cfg = config(tmp_path, "max_bos_per_session = 6\nmax_bos_per_uid = 8\nmax_fds_per_uid = 5\n"
+                           "max_chunks_per_session = 10\n")
+    dirs = []
+    for i in range(3):
+        p = tmp_path / f"img{i}"
+        p.mkdir()
+        dirs.append(os.open(p, os.O_RDONLY | os.O_DIRECTORY))
+    bo = memfd(b"z" * (64 << 10))
+    with DaemonProcess(run_dir, "--config", cfg) as d, Client(d.socket) as c:
+        assert (c.limits.max_bos_per_uid, c.limits.max_fds_per_uid, c.limits.max_chunks_per_session) == (8, 5, 10)
+        a = c.open_session(SESSION_DUMP, dirs[0], chunk_size=4096)
+        with pytest.raises(LimitExceededError, match="max_chunks_per_session"):  # 11 chunks of 4 KiB
+            c.add_bos(a.token, [ClientBo(1, bo, size=11 * 4096)])
+        c.add_bos(a.token, [ClientBo(1, bo, size=6 * 4096)])  # fits: the refusal left nothing behind
+        c.add_bos(a.token, [ClientBo(i, bo, size=4096) for i in range(2, 6)])  # 6 + 4 = 10 chunks, 5 BOs
+        b = c.open_session(SESSION_DUMP, dirs[1])
+        with pytest.raises(LimitExceededError, match="max_bos_per_uid"):  # 5 + 4 > 8, across sessions
+            c.add_bos(b.token, [ClientBo(i, bo, size=4096) for i in range(1, 5)])
+        extra = [memfd(b"e" * 4096) for _ in range(2)]
+        with pytest.raises(LimitExceededError, match="max_fds_per_uid"):  # 2 dirs + 1 + 2 more > 5 held
+            c.add_bos(b.token, [ClientBo(1, extra[0], size=4096), ClientBo(2, extra[1], size=4096)])
+        c.add_bos(b.token, [ClientBo(1, extra[0], size=4096)])
+        assert c.progress(b.token).state == rpc.SESSION_OPEN  # refusals leave a session as it was
+        c.close_session(a.token)  # its BOs and fds no longer count
+        c.add_bos(b.token, [ClientBo(i, bo, size=4096) for i in range(2, 7)])
+        c.start(b.token)
+        assert c.wait(b.token).image.bo_count == 6
+        for fd in extra:
+            os.close(fd)
+    for fd in [*dirs, bo]:
+        os.close(fd)
