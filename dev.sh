@@ -9,7 +9,7 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 
-APT_PACKAGES=(python3 python3-venv python3-dev gcc pkg-config libdrm-dev)
+APT_PACKAGES=(python3 python3-venv python3-dev gcc pkg-config libdrm-dev libxxhash-dev)
 
 have_python() {
     command -v python3 >/dev/null &&
@@ -20,8 +20,12 @@ have_libdrm() {  # headers and .pc for the SDMA binding and its software model
     command -v pkg-config >/dev/null && pkg-config --exists libdrm_amdgpu
 }
 
+have_xxhash() {  # <xxhash.h> for the batch copier (vramd.hostmem._copy)
+    [ -f /usr/include/xxhash.h ]
+}
+
 ensure_system() {
-    have_python && have_libdrm && return 0
+    have_python && have_libdrm && have_xxhash && return 0
     local sudo=""
     [ "$(id -u)" = 0 ] || sudo="sudo"
     echo "dev.sh: installing ${APT_PACKAGES[*]} with apt-get" >&2
@@ -29,6 +33,7 @@ ensure_system() {
     $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${APT_PACKAGES[@]}" >/dev/null
     have_python || { echo "dev.sh: need Python >= 3.11 with venv" >&2; exit 1; }
     have_libdrm || echo "dev.sh: libdrm_amdgpu headers still missing: the SDMA backend will be unavailable" >&2
+    have_xxhash || echo "dev.sh: xxhash.h still missing: the batch copier runs in Python" >&2
 }
 
 ensure_venv() {
