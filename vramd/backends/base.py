@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Self
 
 from ..errors import BadDescriptorError, VramdError, from_os_error
+from ..hostmem.batchcopy import Copy
 from ..hostmem.staging import StagingBuffer, StagingPool
 
 
@@ -168,6 +169,13 @@ class Backend(ABC):
         in a copy thread.  Only for backends with `cpu_copies`.
         """
         raise NotImplementedError(f"backend {self.name!r} has no CPU endpoints")
+
+    def plan(self, handle: BoHandle, bo_offset: int, address: int, length: int) -> Copy:
+        """The CPU copy between bytes [bo_offset, +length) of the BO and staging memory at `address`."""
+        fd, pos = self.endpoint(handle, bo_offset, length)
+        if handle.direction is Direction.READ:
+            return Copy(fd, pos, -1, address, length)
+        return Copy(-1, address, fd, pos, length)
 
     def copy_error(self, handle: BoHandle, bo_offset: int, err: int) -> VramdError:
         """The typed error for a CPU copy that stopped at BO offset `bo_offset`

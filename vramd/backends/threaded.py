@@ -14,9 +14,9 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Self
 
-from ..hostmem.batchcopy import Copy, copy_batch
+from ..hostmem.batchcopy import copy_batch
 from ..hostmem.staging import StagingBuffer
-from .base import Backend, BackendOptions, BoHandle, CopyItem, Direction
+from .base import Backend, BackendOptions, BoHandle, CopyItem
 
 
 class ThreadedBackend(Backend):
@@ -55,13 +55,6 @@ class ThreadedBackend(Backend):
             fut.set_result(None)
             return fut
         return loop.run_in_executor(self._executor(items[0][0].gpu_id), self._copy_many, items)
-
-    def plan(self, handle: BoHandle, bo_offset: int, address: int, length: int) -> Copy:
-        """The copy between bytes [bo_offset, +length) of the BO and staging memory at `address`."""
-        fd, pos = self.endpoint(handle, bo_offset, length)
-        if handle.direction is Direction.READ:
-            return Copy(fd, pos, -1, address, length)
-        return Copy(-1, address, fd, pos, length)
 
     def _copy_many(self, items: Sequence[CopyItem]) -> None:
         copies = [self.plan(h, bo_off, buf.address + buf_off, n) for h, bo_off, buf, buf_off, n in items]
