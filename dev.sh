@@ -5,11 +5,14 @@
 #   ./dev.sh check              the gates CI runs before the tests: ruff, mypy, the layer
 #                               contract, the SDMA model's own C tests (plain, ASan+UBSan, TSan)
 # Installs apt packages only when something is missing (as root, or via sudo),
-# and keeps the virtual environment in .venv (rebuilt when pyproject.toml changes).
+# keeps the virtual environment in .venv (rebuilt when pyproject.toml changes),
+# and builds libvramd, the C client, into build/libvramd (rebuilt when
+# native/client or proto/ change; Meson + protoc-c).
 set -euo pipefail
 cd "$(dirname "$0")"
 
-APT_PACKAGES=(python3 python3-venv python3-dev gcc pkg-config libdrm-dev libxxhash-dev)
+APT_PACKAGES=(python3 python3-venv python3-dev gcc pkg-config libdrm-dev libxxhash-dev
+              meson ninja-build libprotobuf-c-dev protobuf-c-compiler valgrind)
 
 have_python() {
     command -v python3 >/dev/null &&
@@ -24,8 +27,13 @@ have_xxhash() {  # <xxhash.h> for the batch copier (vramd.hostmem._copy)
     [ -f /usr/include/xxhash.h ]
 }
 
+have_c_client_tools() {  # libvramd: Meson, protoc-c, libprotobuf-c; valgrind for its tests
+    command -v meson >/dev/null && command -v ninja >/dev/null && command -v protoc-c >/dev/null &&
+        command -v valgrind >/dev/null && command -v pkg-config >/dev/null && pkg-config --exists libprotobuf-c
+}
+
 ensure_system() {
-    have_python && have_libdrm && have_xxhash && return 0
+    have_python && have_libdrm && have_xxhash && have_c_client_tools && return 0
     local sudo=""
     [ "$(id -u)" = 0 ] || sudo="sudo"
     echo "dev.sh: installing ${APT_PACKAGES[*]} with apt-get" >&2
@@ -34,6 +42,17 @@ ensure_system() {
     have_python || { echo "dev.sh: need Python >= 3.11 with venv" >&2; exit 1; }
     have_libdrm || echo "dev.sh: libdrm_amdgpu headers still missing: the SDMA backend will be unavailable" >&2
     have_xxhash || echo "dev.sh: xxhash.h still missing: the batch copier runs in Python" >&2
+    have_c_client_tools || { echo "dev.sh: need meson, ninja, protoc-c, libprotobuf-c and valgrind for libvramd" >&2; exit 1; }
+}
+
+ensure_libvramd() {
+    local dir=build/libvramd out
+    if [ ! -f "$dir/build.ninja" ]; then
+        rm -rf "$dir"
+        out=$(meson setup "$dir" native/client 2>&1) || { echo "$out" >&2; echo "dev.sh: meson setup failed" >&2; exit 1; }
+    fi
+    # ninja rebuilds what changed in native/client or proto/vramd/pb/rpc.proto (and reconfigures itself)
+    out=$(meson compile -C "$dir" 2>&1) || { echo "$out" >&2; echo "dev.sh: building libvramd failed" >&2; exit 1; }
 }
 
 ensure_venv() {
@@ -46,7 +65,8 @@ ensure_venv() {
     rm -rf .venv
     python3 -m venv .venv
     .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip >/dev/null
-    .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
+    # the SDMA software model too: the tests verify the SDMA backend against it
+    VRAMD_BUILD_MODEL=1 .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
     touch "$stamp"
 }
 
@@ -54,7 +74,7 @@ check() {
     local py=.venv/bin/python out
     out=$(mktemp -d)
     trap 'rm -rf "$out"' RETURN
-    echo "== ruff";          .venv/bin/ruff check vramd tests bench proto
+    echo "== ruff";          .venv/bin/ruff check vramd tests bench proto contrib
     echo "== mypy";          .venv/bin/mypy                      # the whole package; --strict where pyproject says
     echo "== mypy --strict"; .venv/bin/mypy --strict vramd/protocol vramd/image vramd/hostmem vramd/engine
     echo "== layers";        .venv/bin/lint-imports
@@ -69,8 +89,8 @@ check() {
 cmd="${1:-}"
 shift || true
 case "$cmd" in
-    demo) ensure_system; ensure_venv; exec .venv/bin/python -m vramd.demo "$@" ;;
-    test) ensure_system; ensure_venv; exec .venv/bin/python -m pytest "$@" ;;
+    demo) ensure_system; ensure_venv; ensure_libvramd; exec .venv/bin/python -m vramd.cli.demo "$@" ;;
+    test) ensure_system; ensure_venv; ensure_libvramd; exec .venv/bin/python -m pytest "$@" ;;
     check) ensure_system; ensure_venv; check ;;
-    *) sed -n '2,9p' "$0" >&2; exit 2 ;;
+    *) sed -n '2,10p' "$0" >&2; exit 2 ;;
 esac

@@ -3,15 +3,17 @@
 - vramd.hostmem._copy (native/copy_build.py): the CPU backends' per-batch copy loop in
   C (copy, zero scan, xxh3 in one call without the GIL).  Built wherever a C compiler,
   the Python headers and <xxhash.h> (Debian: libxxhash-dev) exist; without it vramd
-  runs the same loop in Python (vramd.hostmem.batchcopy).
+  runs the same loop in Python (vramd.hostmem.batchcopy).  VRAMD_BUILD_NATIVE=0 skips
+  it too.
 
 - vramd.backends.sdma._amdgpu (native/amdgpu_build.py): built when pkg-config finds
   libdrm_amdgpu (Debian: libdrm-dev).  Without it vramd installs and runs,
   and the SDMA backend reports itself unavailable with the reason.
   VRAMD_BUILD_NATIVE=0 skips it on purpose.
 - vramd/_model/libdrm_amdgpu_model.so (native/model/): the software model of
-  libdrm_amdgpu + SDMA that the backend is verified against here, built
-  with the binding when the same headers are present.
+  libdrm_amdgpu + SDMA that the backend is verified against here.  Not part
+  of a production build: built only when VRAMD_BUILD_MODEL=1 (dev.sh and CI
+  set it) and the same headers are present.
 """
 import importlib.util
 import os
@@ -41,12 +43,13 @@ def have_header(name: str) -> bool:
 BUILD = os.environ.get("VRAMD_BUILD_NATIVE", "1") != "0"
 NATIVE = BUILD and have_libdrm_amdgpu()
 COPY = BUILD and have_header("xxhash.h")
+MODEL = NATIVE and os.environ.get("VRAMD_BUILD_MODEL") == "1"
 
 
 class BuildExtWithModel(build_ext):
     def run(self):
         super().run()
-        if not NATIVE or not os.path.exists("native/model/build.py"):
+        if not MODEL:
             return
         spec = importlib.util.spec_from_file_location("vramd_model_build", "native/model/build.py")
         model_build = importlib.util.module_from_spec(spec)  # not `import build`: PyPA's build may be loaded

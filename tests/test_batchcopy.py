@@ -107,3 +107,137 @@ def test_engine_round_trip(flavour, image_dir):
     finally:
         os.close(src)
         os.close(dst)
+
+
+# --- the one-thread batch path keeps the image's guarantees (issue #12) -------------------
+
+def _o_direct_here(path) -> bool:
+    probe = os.path.join(path, "probe")
+    with open(probe, "wb"):
+        pass
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_DIRECT))
+        return True
+    except OSError:
+        return False
+    finally:
+        os.unlink(probe)
+
+
+def test_inline_dump_binds_every_record_and_writes_off_the_loop(flavour, image_dir, monkeypatch):
+    """Records written by the copy threads (buffered and O_DIRECT) are listed with their record_checksums,
+    every write and every O_DIRECT open runs in a copy thread, and the image reads back bound."""
+    import threading
+
+    from vramd.image import fileio, writer
+    from vramd.image.format import RECORD_PREFIX, record_checksum
+    from vramd.image.reader import ImageReader
+    path, dfd = image_dir
+    seen: dict[str, set[str]] = {"pwrite": set(), "direct": set(), "reopen": set()}
+    real_pwrite, real_reopen = writer.DataFileWriter.pwrite, fileio.reopen_direct
+
+    def pwrite(self, iov, offset, **kw):
+        seen["direct" if kw.get("direct") else "pwrite"].add(threading.current_thread().name)
+        return real_pwrite(self, iov, offset, **kw)
+
+    def reopen(*a):
+        seen["reopen"].add(threading.current_thread().name)
+        return real_reopen(*a)
+    monkeypatch.setattr(writer.DataFileWriter, "pwrite", pwrite)
+    monkeypatch.setattr(writer, "reopen_direct", reopen)
+    content = os.urandom(3 * MiB) + bytes(MiB) + os.urandom(5000)
+    src = memfd(content)
+    small = memfd(os.urandom(3000))
+    try:
+        async def dump():
+            async with engine(chunk_size=MiB, staging_budget=16 * MiB) as e:
+                return await e.dump(dfd, [BoSpec(1, len(content), BoRef("mmap", src)),
+                                          BoSpec(2, 3000, BoRef("mmap", small))])
+        m = run(dump())
+    finally:
+        os.close(src)
+        os.close(small)
+    assert seen["pwrite"] and all(n.startswith("vramd-copy") for s in seen.values() for n in s), seen
+    direct = _o_direct_here(path)
+    assert bool(seen["direct"]) == direct  # O_DIRECT wherever the file system takes it (not tmpfs)
+    data = (path / m.files[0].name).read_bytes()
+    for bo in m.bos:
+        assert len(bo.record_checksums) == len(bo.record_offsets) == len(bo.record_lengths) > 0
+        for off, ln, rsum in zip(bo.record_offsets, bo.record_lengths, bo.record_checksums):
+            assert record_checksum(data[off:off + RECORD_PREFIX.size]) == rsum and off + ln <= len(data)
+        if direct and bo.id == 1:
+            # the head right before a page-aligned payload: gaps between records, listed exactly
+            assert any((off + ln - 5000) % 4096 == 0 or (off + ln) % 4096 == 0
+                       for off, ln in zip(bo.record_offsets, bo.record_lengths))
+
+    async def check():
+        reader = await ImageReader.open(dfd)  # the manifest checks accept the layout
+        reader.close()
+        async with engine(chunk_size=MiB, staging_budget=16 * MiB) as e:
+            await e.verify(dfd)
+            dst = memfd(size=len(content))
+            try:
+                await e.restore(dfd, [RestoreTarget(1, BoRef("mmap", dst))], allow_partial=True)
+                return os.pread(dst, len(content) + 1, 0)
+            finally:
+                os.close(dst)
+    assert run(check()) == content
+
+
+def test_a_record_of_another_image_is_refused_on_the_inline_read(flavour, image_dir, tmp_path):
+    """Same BO, offset and length in two images: swapping the data file is caught by record_checksums."""
+    from vramd import errors
+    path, dfd = image_dir
+    other = tmp_path / "other"
+    other.mkdir()
+    odfd = os.open(other, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        ms = []
+        for d in (dfd, odfd):
+            src = memfd(os.urandom(2 * MiB))
+            try:
+                async def dump(d=d, src=src):  # one batch at a time: the same record layout in both
+                    async with engine(chunk_size=MiB, staging_budget=16 * MiB, copy_threads=1,
+                                      inflight_per_gpu=1) as e:
+                        return await e.dump(d, [BoSpec(1, 2 * MiB, BoRef("mmap", src))])
+                ms.append(run(dump()))
+            finally:
+                os.close(src)
+        a, b = ms
+        # the other image's data bytes under this image's name, with this image's file header
+        mine = (path / a.files[0].name).read_bytes()
+        theirs = (other / b.files[0].name).read_bytes()
+        (path / a.files[0].name).write_bytes(mine[:32] + theirs[32:])
+        assert list(a.bos[0].record_offsets) == list(b.bos[0].record_offsets)
+
+        async def verify():
+            async with engine(chunk_size=MiB, staging_budget=16 * MiB) as e:
+                await e.verify(dfd)
+        with pytest.raises(errors.CorruptChunkError, match="record checksum mismatch"):
+            run(verify())
+    finally:
+        os.close(odfd)
+
+
+def test_reopen_direct_follows_the_image_opening_rules(tmp_path):
+    """The O_DIRECT descriptor is the very file already open, never through a symlink, never another file."""
+    from vramd.image.fileio import reopen_direct
+    d = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        (tmp_path / "a").write_bytes(b"x" * 4096)
+        (tmp_path / "b").write_bytes(b"y" * 4096)
+        os.symlink("a", tmp_path / "link")
+        fd = os.open(tmp_path / "a", os.O_RDONLY)
+        try:
+            assert reopen_direct("link", d, fd, os.O_RDONLY) is None
+            assert reopen_direct("b", d, fd, os.O_RDONLY) is None
+            got = reopen_direct("a", d, fd, os.O_RDONLY)
+            if _o_direct_here(tmp_path):
+                assert got is not None and os.fstat(got).st_ino == os.fstat(fd).st_ino
+                os.close(got)
+            else:
+                assert got is None
+        finally:
+            os.close(fd)
+    finally:
+        os.close(d)

@@ -64,7 +64,7 @@ def test_one_dump_per_directory(image_dir):
     _, dfd = image_dir
 
     async def go():
-        async with engine(staging_budget=8 * MiB) as e:
+        async with engine(staging_budget=8 * MiB, chunk_size=MiB) as e:
             job = e.start_dump(dfd)
             try:
                 with pytest.raises(errors.InvalidRequestError, match="another dump"):

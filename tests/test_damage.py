@@ -166,8 +166,9 @@ def test_data_file_of_another_image(dumped, tmp_path):
     finally:
         os.close(ofd)
     os.replace(other / om.files[0].name, path / manifest.files[0].name)
-    with pytest.raises(errors.ForeignDataFileError, match="belongs to image"):
+    with pytest.raises(errors.ForeignDataFileError, match="belongs to another image") as ei:
         _restore(dfd, data)
+    assert om.image_id.hex()[:8] not in str(ei.value)  # never the other image's id: the client may not read it
 
 
 def test_manifest_consistency_checks():
@@ -176,7 +177,7 @@ def test_manifest_consistency_checks():
 
     m = pb.Manifest(format_version=1, image_id=b"x" * 16, chunk_size=4096,
                     bos=[pb.BoEntry(id=1, size=10000, record_offsets=[32], record_lengths=[50])],
-                    files=[pb.DataFile(name="d", length=100)])
+                    files=[pb.DataFile(name="data-0123456789abcdef-00000000.vrd", length=100)])
     with pytest.raises(errors.CorruptManifestError, match="1 records for 10000 bytes"):
         decode_manifest(encode_manifest(m))
 

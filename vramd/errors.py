@@ -70,6 +70,30 @@ class ForeignDataFileError(ImageError):
     code = "FOREIGN_DATA_FILE"
 
 
+class NoSpaceError(ImageError):
+    """The image's filesystem is full, or the writer's quota is (ENOSPC, EDQUOT)."""
+
+    code = "NO_SPACE"
+
+
+class ReadOnlyFsError(ImageError):
+    """The image directory is on a read-only filesystem (EROFS)."""
+
+    code = "READ_ONLY_FS"
+
+
+class ImageIoError(ImageError):
+    """The storage under the image reported an I/O error (EIO)."""
+
+    code = "IO_ERROR"
+
+
+class NotWritableError(ImageError):
+    """The image directory or a file in it may not be written (EACCES, EPERM)."""
+
+    code = "NOT_WRITABLE"
+
+
 # --- backends --------------------------------------------------------------
 
 class BackendError(VramdError):
@@ -205,7 +229,7 @@ WIRE_ERRORS: dict[str, type[VramdError]] = {cls.code: cls for cls in (
     JobError, InvalidRequestError, JobCancelledError, IncompleteRestoreError,
     BackendError, UnmappedRangeError, TargetTooSmallError, BadDescriptorError, BackendUnavailableError,
     ImageError, ManifestMissingError, UnsupportedVersionError, CorruptManifestError, CorruptChunkError,
-    TruncatedDataError, ForeignDataFileError,
+    TruncatedDataError, ForeignDataFileError, NoSpaceError, ReadOnlyFsError, ImageIoError, NotWritableError,
     TopologyError, TopologyMismatchError,
     VramdError,
 )}

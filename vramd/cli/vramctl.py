@@ -26,6 +26,7 @@ import tempfile
 import time
 from typing import Any
 
+from .. import __version__
 from ..client import SESSION_DUMP, SESSION_RESTORE, Client, ClientBo
 from ..errors import VramdError
 from ..pb import image_pb2 as pb
@@ -320,6 +321,7 @@ def cmd_selftest(ns: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="vramctl", description="Control the vramd VRAM checkpoint daemon.",
                                  epilog="exit codes: 0 success, 1 failure (reason on stderr), 2 usage error")
+    ap.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     ap.add_argument("--socket", help="daemon socket (default: $VRAMD_SOCKET, the user's daemon, /run/vramd/vramd.sock)")
     sub = ap.add_subparsers(dest="command", required=True)
 

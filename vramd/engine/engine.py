@@ -17,13 +17,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..backends import REGISTRY, Backend, BackendOptions
-from ..errors import BackendUnavailableError, InvalidRequestError
-from ..hostmem.staging import StagingPool
+from ..errors import BackendUnavailableError, InvalidRequestError, LimitExceededError
+from ..hostmem.staging import StagingPool, buffer_unit
 from ..image.codec import Compression
 from ..image.reader import ImageReader
 from ..pb import image_pb2 as pb
 from ..units import PAGE, MiB
 from .jobs import BoSpec, DumpJob, JobContext, RestoreJob, RestoreTarget, VerifyJob
+from .jobs.common import DEFAULT_MAX_BO_BYTES, OFF_T_MAX
 from .pipeline import Progress, ProgressCallback, StageTimes
 
 # image manifest -> {image gpu_id: present gpu_id}, or None to keep the saved ones
@@ -53,6 +54,7 @@ class EngineConfig:
 
     staging_budget: int = 512 * MiB
     chunk_size: int = 8 * MiB
+    max_bo_bytes: int = DEFAULT_MAX_BO_BYTES  # the largest BO size a client may declare (LIMIT_EXCEEDED above)
     inflight_per_gpu: int = 0   # 0: copy threads + 2 (at least 4)
     copy_threads: int = 0       # 0: the core count
     workers_per_gpu: int | None = None  # alias of inflight_per_gpu (the setting's old name)
@@ -80,6 +82,8 @@ class EngineConfig:
             raise InvalidRequestError(f"chunk size {self.chunk_size} must be a multiple of 4 KiB, at most 1 GiB")
         if min(self.inflight_per_gpu, self.copy_threads, self.cpu_threads, self.io_threads) < 1:
             raise InvalidRequestError("batches in flight and thread counts must be at least 1")
+        if not 0 <= self.max_bo_bytes <= OFF_T_MAX:
+            raise InvalidRequestError(f"max_bo_bytes {self.max_bo_bytes} must be between 0 and 2**63 - 1")
 
 
 @dataclass
@@ -104,7 +108,7 @@ class Engine:
         # every job's stage timings add up here (None: not measured)
         self.stage_times: StageTimes | None = StageTimes() if c.stage_times else None
         self.ctx = JobContext(self.pool, self.backends, self._cpu, self._io, c.inflight_per_gpu, self._copy,
-                              self.stage_times)
+                              self.stage_times, max_bo_bytes=c.max_bo_bytes)
 
     def _create_backends(self) -> dict[str, Backend]:
         """Every registered backend that can work here; the others go to `unavailable`, with the reason."""
@@ -145,6 +149,7 @@ class Engine:
         cs = chunk_size or self.config.chunk_size
         if cs != self.config.chunk_size:
             EngineConfig(chunk_size=cs).check()
+        self._check_staging(cs, (compression or self.config.compression).buffers_per_chunk, "chunk size")
         return DumpJob(self.ctx, dir_fd, chunk_size=cs, compression=compression or self.config.compression,
                        on_progress=on_progress)
 
@@ -153,6 +158,7 @@ class Engine:
         """`gpu_map(manifest) -> {image gpu_id: present gpu_id}` places each BO on its present GPU."""
         reader = await ImageReader.open(dir_fd)
         try:
+            self._check_image_staging(reader.manifest)
             mapping = gpu_map(reader.manifest) if gpu_map is not None else None
         except BaseException:
             reader.close()
@@ -161,7 +167,24 @@ class Engine:
 
     async def start_verify(self, dir_fd: int, *, on_progress: ProgressCallback | None = None) -> VerifyJob:
         """A job that reads and checks every chunk of the image, writing nowhere."""
-        return VerifyJob(self.ctx, await ImageReader.open(dir_fd), on_progress=on_progress)
+        reader = await ImageReader.open(dir_fd)
+        try:
+            self._check_image_staging(reader.manifest)
+            return VerifyJob(self.ctx, reader, on_progress=on_progress)
+        except BaseException:
+            reader.close()
+            raise
+
+    def _check_staging(self, chunk_size: int, buffers: int, what: str) -> None:
+        """A job whose one batch cannot fit the staging budget could never move a byte: refuse it up front."""
+        need = buffers * buffer_unit(chunk_size)
+        if need > self.pool.budget:
+            raise LimitExceededError(
+                f"{what} {chunk_size} needs {buffers} x {buffer_unit(chunk_size)} bytes of staging per batch; "
+                f"the staging budget is {self.pool.budget} bytes")
+
+    def _check_image_staging(self, m: pb.Manifest) -> None:
+        self._check_staging(m.chunk_size, 2 if m.compression.codec == pb.CODEC_ZSTD else 1, "the image's chunk size")
 
     async def dump(self, dir_fd: int, bos: list[BoSpec], **kw: Any) -> pb.Manifest:
         job = self.start_dump(dir_fd, **kw)

@@ -297,11 +297,20 @@ class Pipeline(Generic[BoT]):
     async def wait(self) -> Progress:
         """The barrier: returns when every queued chunk has landed; raises the first error."""
         self.close_input()
-        while True:
-            workers = [w for lane in self._lanes.values() for w in lane.workers]
-            await asyncio.gather(*workers, return_exceptions=True)
-            if all(w.done() for lane in self._lanes.values() for w in lane.workers):
-                break
+        try:
+            while True:
+                workers = [w for lane in self._lanes.values() for w in lane.workers]
+                outcomes = await asyncio.gather(*workers, return_exceptions=True)
+                for out in outcomes:  # a worker that died unreported must not pass for success
+                    if isinstance(out, Exception) and self.error is None:
+                        self.fail(JobError(f"internal error: a pipeline worker died: {out!r}"))
+                if all(w.done() for lane in self._lanes.values() for w in lane.workers):
+                    break
+        finally:
+            # The pipeline is over: drop the callbacks, which close over their owner (a session),
+            # so that owner and job are freed by reference counting, not left to the cyclic GC.
+            self.on_fail = None
+            self.on_progress = None
         if self.error is not None:
             raise self.error
         return self.progress
@@ -389,7 +398,18 @@ class Pipeline(Generic[BoT]):
         while (first := await self._next(lane)) is not None:
             tasks: list[ChunkTask[BoT]] = [first]
             clock = Clock(self.times)
-            bufs = await self.pool.acquire(ends.chunk_size, ends.buffers_per_chunk)
+            try:  # e.g. a chunk larger than the whole budget: the job fails with it, never silently
+                bufs = await self.pool.acquire(ends.chunk_size, ends.buffers_per_chunk)
+            except VramdError as e:
+                self.fail(e)
+                break
+            except asyncio.CancelledError:
+                self.fail(JobCancelledError("job cancelled while copying", bo_id=first.bo.id, offset=first.offset))
+                raise
+            except Exception as e:
+                log.exception("internal error in pipeline")
+                self.fail(JobError(f"internal error: {e!r}", bo_id=first.bo.id, offset=first.offset))
+                break
             clock.lap("staging")
             try:
                 if self.error is not None:

@@ -19,7 +19,7 @@ from ..errors import CorruptChunkError
 from ..hostmem.libc import is_zero_ptr
 from ..hostmem.staging import StagingBuffer
 from ..pb import image_pb2 as pb
-from .format import EMPTY_CHECKSUM, Bytes, checksum, decode_record_head, encode_record_head
+from .format import EMPTY_CHECKSUM, Bytes, checksum, decode_record_head, encode_record_head, record_checksum
 
 
 @dataclass(frozen=True)
@@ -78,6 +78,11 @@ class EncodedChunk:
     def record_length(self) -> int:
         return len(self.head) + len(self.payload)
 
+    @property
+    def record_checksum(self) -> int:
+        """What the manifest lists for this record in `record_checksums` (binds it to the image)."""
+        return record_checksum(self.head)
+
 
 def encode_chunk(bo_id: int, offset: int, buf: StagingBuffer, length: int, compression: Compression,
                  buf_offset: int = 0) -> EncodedChunk:
@@ -114,7 +119,7 @@ class DecodedChunk:
 
 def decode_chunk(bo_id: int, offset: int, raw_length: int, head: bytes, stored: StagingBuffer,
                  stored_length: int, out: StagingBuffer | None, *, where: str, buf_offset: int = 0,
-                 digest: int | None = None) -> DecodedChunk:
+                 digest: int | None = None, record_checksum: int | None = None) -> DecodedChunk:
     """Validate a record whose head is `head` and whose payload sits at `buf_offset` in `stored`.
 
     Returns where the raw bytes are: `stored` itself (RAW), `out` after
@@ -122,8 +127,11 @@ def decode_chunk(bo_id: int, offset: int, raw_length: int, head: bytes, stored: 
     a hole.  The payload checksum is verified before anything else looks at
     the payload.  `digest`: the payload's xxh3-64 where the caller computed
     it already (vramd.hostmem.batchcopy hashes while it reads).
+    `record_checksum`: the manifest's entry for this record, if the image
+    binds its records (see decode_record_head).
     """
-    header, head_len = decode_record_head(head, bo_id=bo_id, offset=offset, where=where)
+    header, head_len = decode_record_head(head, bo_id=bo_id, offset=offset, where=where,
+                                          record_checksum=record_checksum)
 
     def bad(what: str) -> CorruptChunkError:
         return CorruptChunkError(f"{where}: {what}", bo_id=bo_id, offset=offset)

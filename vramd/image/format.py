@@ -6,6 +6,7 @@ name the file, BO and offset involved.
 """
 from __future__ import annotations
 
+import re
 import struct
 
 import xxhash
@@ -58,6 +59,33 @@ def data_file_name(image_id: bytes, gpu_id: int) -> str:
     return f"data-{image_id.hex()[:16]}-{gpu_id:08x}.vrd"
 
 
+# The only names a manifest may give a data file: exactly what data_file_name produces.
+# A plain name of this format cannot be ".", "..", a path, or any file vramd did not write
+# under this pattern, so a reader never opens, and a dump never removes, anything else.
+DATA_FILE_NAME = re.compile(r"data-[0-9a-f]{16}-[0-9a-f]{8}\.vrd")
+# vramd's own temporaries: a dump's data files before commit, and its manifest before the rename.
+DATA_FILE_TMP = re.compile(r"data-[0-9a-f]{16}-[0-9a-f]{8}\.vrd\.tmp")
+MANIFEST_TMP = re.compile(r"\.manifest\.vrdm\.[0-9a-f]{32}\.tmp")
+
+
+def is_data_file_name(name: str) -> bool:
+    return DATA_FILE_NAME.fullmatch(name) is not None
+
+
+def is_own_temporary(name: str) -> bool:
+    """A name only a vramd dump creates, and only until its commit (see ImageWriter.sweep)."""
+    return DATA_FILE_TMP.fullmatch(name) is not None or MANIFEST_TMP.fullmatch(name) is not None
+
+
+def manifest_tmp_name(image_id: bytes) -> str:
+    return f".{MANIFEST_NAME}.{image_id.hex()}.tmp"
+
+
+# Chunk sizes a writer uses (EngineConfig.check): a multiple of 4 KiB, at most 1 GiB.
+MIN_CHUNK = 4096
+MAX_CHUNK = 1 << 30
+
+
 # --- manifest --------------------------------------------------------------
 
 def encode_manifest(manifest: pb.Manifest) -> bytes:
@@ -70,7 +98,7 @@ def decode_manifest(blob: Bytes, name: str = MANIFEST_NAME) -> pb.Manifest:
         raise CorruptManifestError(f"{name}: {len(blob)} bytes is too short for a manifest")
     magic, version, _reserved, length, digest = MANIFEST_PREFIX.unpack_from(blob)
     if magic != MANIFEST_MAGIC:
-        raise CorruptManifestError(f"{name}: not a vramd manifest (magic {magic!r})")
+        raise CorruptManifestError(f"{name}: not a vramd manifest (bad magic)")
     if version not in SUPPORTED_VERSIONS:
         raise UnsupportedVersionError(
             f"{name}: image format version {version} is not supported by this reader "
@@ -95,8 +123,18 @@ def decode_manifest(blob: Bytes, name: str = MANIFEST_NAME) -> pb.Manifest:
 def _check_manifest(m: pb.Manifest, name: str) -> None:
     if len(m.image_id) != 16:
         raise CorruptManifestError(f"{name}: image id must be 16 bytes")
-    if m.chunk_size == 0:
-        raise CorruptManifestError(f"{name}: chunk size 0")
+    if not MIN_CHUNK <= m.chunk_size <= MAX_CHUNK or m.chunk_size % MIN_CHUNK:
+        raise CorruptManifestError(f"{name}: chunk size {m.chunk_size} is not a multiple of 4 KiB of at most 1 GiB")
+    names = set()
+    for i, df in enumerate(m.files):
+        # Never quoted: the name is the image's content, and the reply goes to a client.
+        if not is_data_file_name(df.name):
+            raise CorruptManifestError(
+                f"{name}: files[{i}].name is not a data file name of this format (data-<16 hex>-<8 hex>.vrd)")
+        if df.name in names:
+            raise CorruptManifestError(f"{name}: files[{i}].name lists a data file twice")
+        names.add(df.name)
+    bound = None  # whether the BOs' records carry record_checksums (all of them or none)
     seen = set()
     for bo in m.bos:
         if bo.id in seen:
@@ -111,6 +149,17 @@ def _check_manifest(m: pb.Manifest, name: str) -> None:
                 f"{name}: {len(bo.record_offsets)} records for {bo.size} bytes at chunk size {m.chunk_size}",
                 bo_id=bo.id,
             )
+        if bo.record_offsets:
+            has = len(bo.record_checksums) > 0
+            if has and len(bo.record_checksums) != len(bo.record_offsets):
+                raise CorruptManifestError(f"{name}: bos[].record_checksums does not list every record",
+                                           bo_id=bo.id)
+            if bound is not None and has != bound:
+                raise CorruptManifestError(f"{name}: bos[].record_checksums given for some BOs and not others",
+                                           bo_id=bo.id)
+            bound = has
+        elif bo.record_checksums:
+            raise CorruptManifestError(f"{name}: bos[].record_checksums for a BO without records", bo_id=bo.id)
 
 
 def chunk_count(size: int, chunk_size: int) -> int:
@@ -127,12 +176,13 @@ def check_data_header(blob: bytes, image_id: bytes, name: str) -> None:
     if len(blob) < DATA_HEADER.size:
         raise ForeignDataFileError(f"{name}: too short for a data file header")
     magic, version, _reserved, file_image_id = DATA_HEADER.unpack_from(blob)
+    # The messages name the file, never its bytes: a client may not be allowed to read it.
     if magic != DATA_MAGIC:
-        raise ForeignDataFileError(f"{name}: not a vramd data file (magic {magic!r})")
+        raise ForeignDataFileError(f"{name}: not a vramd data file (bad magic)")
     if version not in SUPPORTED_VERSIONS:
         raise UnsupportedVersionError(f"{name}: data file format version {version} is not supported")
     if file_image_id != image_id:
-        raise ForeignDataFileError(f"{name}: belongs to image {file_image_id.hex()}, not {image_id.hex()}")
+        raise ForeignDataFileError(f"{name}: belongs to another image, not to this manifest's")
 
 
 # --- chunk records ---------------------------------------------------------
@@ -141,6 +191,12 @@ def encode_record_head(header: pb.ChunkHeader) -> bytes:
     """Prefix + serialized ChunkHeader; the payload follows it in the file."""
     hdr = header.SerializeToString()
     return RECORD_PREFIX.pack(RECORD_MAGIC, len(hdr), checksum(hdr)) + hdr
+
+
+def record_checksum(head: Bytes) -> int:
+    """The header checksum in a record's prefix: what the manifest's record_checksums lists for it."""
+    value: int = RECORD_PREFIX.unpack_from(head)[2]
+    return value
 
 
 HEAD_PEEK = 512  # bytes read first: always covers prefix + header
@@ -153,17 +209,21 @@ def record_head_length(peek: Bytes, *, bo_id: int, offset: int, where: str) -> i
     magic, hlen, _ = RECORD_PREFIX.unpack_from(peek)
     hlen = int(hlen)
     if magic != RECORD_MAGIC:
-        raise CorruptChunkError(f"{where}: bad record magic {bytes(magic)!r}", bo_id=bo_id, offset=offset)
+        raise CorruptChunkError(f"{where}: bad record magic", bo_id=bo_id, offset=offset)
     if hlen > MAX_CHUNK_HEADER or RECORD_PREFIX.size + hlen > len(peek):
         raise CorruptChunkError(f"{where}: implausible header length {hlen}", bo_id=bo_id, offset=offset)
     return RECORD_PREFIX.size + hlen
 
 
-def decode_record_head(buf: Bytes, *, bo_id: int, offset: int, where: str) -> tuple[pb.ChunkHeader, int]:
+def decode_record_head(buf: Bytes, *, bo_id: int, offset: int, where: str,
+                       record_checksum: int | None = None) -> tuple[pb.ChunkHeader, int]:
     """Validate a record's prefix and header; returns (header, bytes before the payload).
 
     `bo_id`/`offset` are what the manifest says this record holds; a record
-    that claims anything else is treated as corrupt.
+    that claims anything else is treated as corrupt.  `record_checksum` is the
+    manifest's `record_checksums` entry for it (None for an image written
+    before records were bound): the record's header checksum must equal it,
+    so a record of another image (same BO, offset and length) is rejected.
     """
     def bad(what: str) -> CorruptChunkError:
         return CorruptChunkError(f"{where}: {what}", bo_id=bo_id, offset=offset)
@@ -173,13 +233,15 @@ def decode_record_head(buf: Bytes, *, bo_id: int, offset: int, where: str) -> tu
     raw = bytes(buf[RECORD_PREFIX.size:RECORD_PREFIX.size + hlen])
     if checksum(raw) != hsum:
         raise bad("chunk header checksum mismatch")
+    if record_checksum is not None and hsum != record_checksum:
+        raise bad("record is not the one this image's manifest recorded (record checksum mismatch)")
     header = pb.ChunkHeader()
     try:
         header.ParseFromString(raw)
     except DecodeError:
         raise bad("undecodable chunk header") from None
     if header.bo_id != bo_id or header.offset != offset:
-        raise bad(f"record holds bo {header.bo_id} offset {header.offset:#x}, manifest expects this chunk")
+        raise bad("record holds another chunk than the manifest expects here")
     if header.codec not in CODEC_NAMES:
         raise bad(f"unknown codec {header.codec}")
     if header.codec == pb.CODEC_ZERO and header.stored_length:

@@ -6,54 +6,159 @@ it was handed.  A dump writes `<data>.tmp` files; commit fsyncs them,
 renames them into place, writes the manifest to a temporary name, fsyncs
 it, renames it to `manifest.vrdm` and fsyncs the directory.  Until that last
 rename the directory holds no (new) image; after it, the old image's data
-files are removed.  One dump per directory at a time (flock on the fd).
+files are removed.  One dump per directory at a time (flock on the fd); the
+dump that takes the lock first removes the temporaries a crashed dump left.
+
+No file I/O runs on the event loop: each data file has its own writer
+thread (its creation, its writes, its fsync, in that order), and the
+directory's operations (the sweep, the renames, the manifest, the removals)
+run in the image's own thread.  Every OSError becomes a typed error naming
+the file (NO_SPACE, READ_ONLY_FS, IO_ERROR, NOT_WRITABLE, else IMAGE_ERROR).
 """
 from __future__ import annotations
 
 import asyncio
 import errno
 import fcntl
+import logging
 import os
+import stat
+import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from .. import __version__
 from ..errors import InvalidRequestError, VramdError, from_os_error
 from ..pb import image_pb2 as pb
-from .fileio import FILE_MODE, pwrite_all, read_manifest
-from .format import FORMAT_VERSION, MANIFEST_NAME, Bytes, data_file_name, encode_data_header, encode_manifest
+from .fileio import FILE_MODE, OPEN_FLAGS, image_os_error, pwrite_all, read_manifest, reopen_direct
+from .format import (
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    Bytes,
+    data_file_name,
+    encode_data_header,
+    encode_manifest,
+    is_own_temporary,
+    manifest_tmp_name,
+)
+
+log = logging.getLogger(__name__)
+
+CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | OPEN_FLAGS
 
 
 @dataclass(eq=False)
 class DataFileWriter:
     """One per-GPU data file.  Offsets are reserved on the event loop; the
-    writes themselves go through one thread per file, because concurrent
-    writes to one file only contend on its inode lock (measured: 4 writers
-    into one tmpfs file ran 3x slower than one)."""
+    file is created, written and fsynced by one thread of its own, because
+    concurrent writes to one file only contend on its inode lock (measured: 4
+    writers into one tmpfs file ran 3x slower than one).  Its creation is the
+    thread's first task, so every write finds the file there (or fails with
+    the creation's error).
+
+    The engine's copy threads also write whole batches themselves (`pwrite`,
+    in the calling thread, never on the event loop), page-aligned ones through
+    a second descriptor opened with O_DIRECT (`direct_fd`) where the file
+    system allows it; offsets are reserved under a lock for that."""
 
     index: int
     gpu_id: int
     name: str
-    fd: int
-    end: int  # next free byte
+    dir_fd: int
+    image_id: bytes
+    end: int = 0  # next free byte
+    fd: int | None = field(default=None, init=False)
+    created: bool = field(default=False, init=False)  # the .tmp exists and is ours: remove it unless committed
     writer: ThreadPoolExecutor = field(init=False, repr=False)
+    _opened: Future[None] = field(init=False, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
+    _direct: int | None = field(default=None, init=False, repr=False)  # the O_DIRECT descriptor, once opened
+    _direct_tried: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        self.end = len(encode_data_header(self.image_id))
         self.writer = ThreadPoolExecutor(1, thread_name_prefix=f"vramd-write-{self.gpu_id:x}")
+        self._opened = self.writer.submit(self._create)
 
-    def reserve(self, length: int) -> int:
-        off = self.end
-        self.end += length
-        return off
+    @property
+    def tmp(self) -> str:
+        return self.name + ".tmp"
 
-    def write(self, iov: Sequence[Bytes], offset: int) -> asyncio.Future[None]:
-        return asyncio.get_running_loop().run_in_executor(self.writer, pwrite_all, self.fd, iov, offset)
+    def _create(self) -> None:
+        try:
+            fd = os.open(self.tmp, CREATE_FLAGS, FILE_MODE, dir_fd=self.dir_fd)
+        except OSError as e:
+            raise image_os_error(e, f"cannot create {self.tmp} in the image directory") from None
+        self.fd, self.created = fd, True
+        try:
+            pwrite_all(fd, [encode_data_header(self.image_id)], 0)
+        except OSError as e:
+            raise image_os_error(e, f"cannot write {self.tmp}") from None
+
+    def reserve(self, length: int, align: int = 1) -> int:
+        """`length` bytes of the file, at an offset that is a multiple of `align` (the bytes skipped to get
+        there are a gap no record uses: the manifest lists every record's offset and length)."""
+        with self._lock:  # the copy threads reserve too
+            self.end += -self.end % align
+            off = self.end
+            self.end += length
+            return off
+
+    def _pwrite(self, iov: Sequence[Bytes], offset: int, bo_id: int | None, bo_offset: int | None,
+                direct: bool = False) -> None:
+        self._opened.result()  # in the writer thread: done, it ran first; elsewhere: waits for it
+        fd = self._direct if direct else self.fd
+        assert fd is not None
+        try:
+            pwrite_all(fd, iov, offset)
+        except OSError as e:
+            raise image_os_error(e, f"cannot write {self.tmp} at {offset:#x}", bo_id=bo_id,
+                                 offset=bo_offset) from None
+
+    def pwrite(self, iov: Sequence[Bytes], offset: int, *, bo_id: int | None = None, bo_offset: int | None = None,
+               direct: bool = False) -> None:
+        """Write `iov` at `offset` in the calling thread (a copy thread: never the event loop); `direct`:
+        through `direct_fd` (page-aligned offset, length and memory).  Errors as `write`'s."""
+        self._pwrite(iov, offset, bo_id, bo_offset, direct)
+
+    def direct_fd(self) -> int | None:
+        """The file opened a second time with O_DIRECT, by the image's opening rules (fileio.reopen_direct);
+        None where the file system refuses it.  Opened on first use, in the calling thread (never the loop)."""
+        self._opened.result()
+        with self._lock:
+            if not self._direct_tried:
+                self._direct_tried = True
+                assert self.fd is not None
+                self._direct = reopen_direct(self.tmp, self.dir_fd, self.fd, os.O_WRONLY)
+            return self._direct
+
+    def write(self, iov: Sequence[Bytes], offset: int, *, bo_id: int | None = None,
+              bo_offset: int | None = None) -> asyncio.Future[None]:
+        """Write `iov` at `offset` in the writer thread; an error names the file and (if given) the BO."""
+        return asyncio.get_running_loop().run_in_executor(self.writer, self._pwrite, iov, offset, bo_id, bo_offset)
+
+    def _fsync(self) -> None:
+        self._opened.result()
+        assert self.fd is not None
+        try:
+            os.fsync(self.fd)
+        except OSError as e:
+            raise image_os_error(e, f"cannot fsync {self.tmp}") from None
+
+    def fsync(self) -> asyncio.Future[None]:
+        """fsync in the writer thread, after every write queued before it."""
+        return asyncio.get_running_loop().run_in_executor(self.writer, self._fsync)
 
     def close(self) -> None:
         self.writer.shutdown(wait=True)
-        os.close(self.fd)
+        if self._direct is not None:
+            os.close(self._direct)
+            self._direct = None
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
 
 class ImageWriter:
@@ -77,79 +182,146 @@ class ImageWriter:
         self.chunk_size = chunk_size
         self.compression = compression
         self.files: dict[int, DataFileWriter] = {}
-        # Names this dump created that must go unless the manifest commits.
+        # Names this dump renamed into place that must go unless the manifest commits
+        # (its .tmp files: each DataFileWriter knows whether it created one).
         self._owned: list[str] = []
+        self._committed = False
+        # The directory's own operations, one at a time, off the event loop.
+        self._dirops = ThreadPoolExecutor(1, thread_name_prefix="vramd-image")
+        self._swept = self._dirops.submit(self.sweep)
+
+    def sweep(self) -> list[str]:
+        """Remove the temporaries a crashed dump left (in the image thread, under the lock); returns their names.
+
+        Only vramd's own patterns (data-<16 hex>-<8 hex>.vrd.tmp, .manifest.vrdm.<32 hex>.tmp), only
+        regular files (never a symlink: lstat, then unlinkat of the name), never this dump's own.
+        A dump that died cannot hold the lock, so whatever matches while we hold it is garbage.
+        """
+        mine = self.image_id.hex()[:16]
+        removed: list[str] = []
+        try:
+            names = os.listdir(self._lock_fd)  # our own description of the directory, not the caller's fd
+        except OSError as e:
+            log.warning("image directory not swept: %s", e.strerror)
+            return removed
+        for name in names:
+            if not is_own_temporary(name) or mine in name:
+                continue
+            try:
+                st = os.stat(name, dir_fd=self._lock_fd, follow_symlinks=False)
+                if stat.S_ISREG(st.st_mode):
+                    os.unlink(name, dir_fd=self._lock_fd)
+                    removed.append(name)
+            except OSError as e:
+                log.warning("stale temporary %s not removed: %s", name, e.strerror)
+        if removed:
+            log.info("removed %d temporaries of an interrupted dump: %s", len(removed), ", ".join(removed))
+        return removed
 
     def data_file(self, gpu_id: int) -> DataFileWriter:
+        """The GPU's data file (created in its writer thread; a creation error fails its first write)."""
         f = self.files.get(gpu_id)
         if f is None:
-            name = data_file_name(self.image_id, gpu_id)
-            tmp = name + ".tmp"
-            try:
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE, dir_fd=self.dir_fd)
-            except OSError as e:
-                raise from_os_error(e, f"cannot create {tmp} in the image directory") from None
-            self._owned.append(tmp)
-            header = encode_data_header(self.image_id)
-            pwrite_all(fd, [header], 0)
-            f = self.files[gpu_id] = DataFileWriter(len(self.files), gpu_id, name, fd, len(header))
+            f = self.files[gpu_id] = DataFileWriter(len(self.files), gpu_id, data_file_name(self.image_id, gpu_id),
+                                                    self.dir_fd, self.image_id)
         return f
 
     async def commit(self, bos: list[pb.BoEntry], totals: pb.Totals, topology_json: bytes = b"") -> pb.Manifest:
-        loop = asyncio.get_running_loop()
+        await asyncio.wrap_future(self._swept)
         files = sorted(self.files.values(), key=lambda f: f.index)
-        await asyncio.gather(*(loop.run_in_executor(None, os.fsync, f.fd) for f in files))
+        await asyncio.gather(*(f.fsync() for f in files))
         try:
             previous = await read_manifest(self.dir_fd)
         except VramdError:
             previous = None
-        for f in files:
-            os.rename(f.name + ".tmp", f.name, src_dir_fd=self.dir_fd, dst_dir_fd=self.dir_fd)
-            self._owned[self._owned.index(f.name + ".tmp")] = f.name
         manifest = pb.Manifest(
             format_version=FORMAT_VERSION, image_id=self.image_id, writer=f"vramd {__version__}",
             created_unix_ns=time.time_ns(), chunk_size=self.chunk_size, compression=self.compression,
             files=[pb.DataFile(name=f.name, gpu_id=f.gpu_id, length=f.end) for f in files],
             bos=bos, totals=totals, topology_json=topology_json,
         )
-        tmp = f".{MANIFEST_NAME}.{self.image_id.hex()}.tmp"
-        self._owned.append(tmp)
-        await loop.run_in_executor(None, self._commit_manifest, tmp, encode_manifest(manifest))
-        self._owned.clear()  # committed: from here on the image is the new one
-        await loop.run_in_executor(None, os.fsync, self.dir_fd)
+        blob = encode_manifest(manifest)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._dirops, self._commit, files, blob, previous)
+        return manifest
+
+    def _commit(self, files: list[DataFileWriter], blob: bytes, previous: pb.Manifest | None) -> None:
+        """In the image thread: data files into place, the manifest written and renamed (the commit), the
+        directory fsynced, the previous image's data files removed."""
+        for f in files:
+            try:
+                os.rename(f.tmp, f.name, src_dir_fd=self.dir_fd, dst_dir_fd=self.dir_fd)
+            except OSError as e:
+                raise image_os_error(e, f"cannot rename {f.tmp} to {f.name}") from None
+            f.created = False
+            self._owned.append(f.name)
+        self._commit_manifest(manifest_tmp_name(self.image_id), blob)
+        self._committed = True  # from here on the image is the new one
+        self._owned.clear()
+        try:
+            os.fsync(self._lock_fd)
+        except OSError as e:
+            raise image_os_error(e, "cannot fsync the image directory") from None
         if previous is not None:
             keep = {f.name for f in files}
-            for old in previous.files:
+            for old in previous.files:  # plain data-file names: decode_manifest admits no other
                 if old.name not in keep:
                     try:
                         os.unlink(old.name, dir_fd=self.dir_fd)
                     except FileNotFoundError:
                         pass
-        return manifest
+                    except OSError as e:
+                        log.warning("data file %s of the replaced image not removed: %s", old.name, e.strerror)
 
     def _commit_manifest(self, tmp: str, blob: bytes) -> None:
-        """Write and fsync the manifest under its temporary name, then rename it into place (in a thread)."""
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE, dir_fd=self.dir_fd)
+        """Write and fsync the manifest under its temporary name, then rename it into place."""
+        try:
+            fd = os.open(tmp, CREATE_FLAGS, FILE_MODE, dir_fd=self.dir_fd)
+        except OSError as e:
+            raise image_os_error(e, f"cannot create {tmp} in the image directory") from None
+        self._owned.append(tmp)
         try:
             pwrite_all(fd, [blob], 0)
             os.fsync(fd)
+        except OSError as e:
+            raise image_os_error(e, f"cannot write {tmp}") from None
         finally:
             os.close(fd)
-        os.rename(tmp, MANIFEST_NAME, src_dir_fd=self.dir_fd, dst_dir_fd=self.dir_fd)
+        try:
+            os.rename(tmp, MANIFEST_NAME, src_dir_fd=self.dir_fd, dst_dir_fd=self.dir_fd)
+        except OSError as e:
+            raise image_os_error(e, f"cannot rename {tmp} to {MANIFEST_NAME}") from None
 
-    def close(self) -> None:
-        """Close files; if the image was not committed, remove everything this dump created."""
+    def _close(self) -> None:
+        """Close files; if the image was not committed, remove everything this dump created; unlock."""
+        try:
+            self._swept.result()
+        except Exception:  # the sweep logs its own trouble; nothing of it can fail the dump
+            pass
         for f in self.files.values():
             f.close()
+        names = [f.tmp for f in self.files.values() if f.created] + self._owned
         self.files.clear()
-        for name in self._owned:
-            try:
-                os.unlink(name, dir_fd=self.dir_fd)
-            except OSError:
-                pass
+        if not self._committed:
+            for name in names:
+                try:
+                    os.unlink(name, dir_fd=self.dir_fd)
+                except OSError:
+                    pass
         self._owned.clear()
         if self._lock_fd >= 0:
             os.close(self._lock_fd)  # drops the lock
             self._lock_fd = -1
 
+    async def aclose(self) -> None:
+        """`close`, in the image thread (waits for the writers to drain; no file I/O on the event loop)."""
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(self._dirops, self._close)
+        finally:
+            self._dirops.shutdown(wait=False)
 
+    def close(self) -> None:
+        """Synchronous close (outside an event loop)."""
+        self._dirops.shutdown(wait=True)
+        self._close()

@@ -56,7 +56,7 @@ class DataFile(_message.Message):
     def __init__(self, name: _Optional[str] = ..., gpu_id: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class BoEntry(_message.Message):
-    __slots__ = ("id", "gpu_id", "size", "alloc_flags", "va_addr", "source", "source_offset", "name", "file_index", "record_offsets", "record_lengths", "stored_bytes", "zero_bytes")
+    __slots__ = ("id", "gpu_id", "size", "alloc_flags", "va_addr", "source", "source_offset", "name", "file_index", "record_offsets", "record_lengths", "stored_bytes", "zero_bytes", "record_checksums")
     ID_FIELD_NUMBER: _ClassVar[int]
     GPU_ID_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +70,7 @@ class BoEntry(_message.Message):
     RECORD_LENGTHS_FIELD_NUMBER: _ClassVar[int]
     STORED_BYTES_FIELD_NUMBER: _ClassVar[int]
     ZERO_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RECORD_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     id: int
     gpu_id: int
     size: int
@@ -83,7 +84,8 @@ class BoEntry(_message.Message):
     record_lengths: _containers.RepeatedScalarFieldContainer[int]
     stored_bytes: int
     zero_bytes: int
-    def __init__(self, id: _Optional[int] = ..., gpu_id: _Optional[int] = ..., size: _Optional[int] = ..., alloc_flags: _Optional[int] = ..., va_addr: _Optional[int] = ..., source: _Optional[_Union[SourceKind, str]] = ..., source_offset: _Optional[int] = ..., name: _Optional[str] = ..., file_index: _Optional[int] = ..., record_offsets: _Optional[_Iterable[int]] = ..., record_lengths: _Optional[_Iterable[int]] = ..., stored_bytes: _Optional[int] = ..., zero_bytes: _Optional[int] = ...) -> None: ...
+    record_checksums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, id: _Optional[int] = ..., gpu_id: _Optional[int] = ..., size: _Optional[int] = ..., alloc_flags: _Optional[int] = ..., va_addr: _Optional[int] = ..., source: _Optional[_Union[SourceKind, str]] = ..., source_offset: _Optional[int] = ..., name: _Optional[str] = ..., file_index: _Optional[int] = ..., record_offsets: _Optional[_Iterable[int]] = ..., record_lengths: _Optional[_Iterable[int]] = ..., stored_bytes: _Optional[int] = ..., zero_bytes: _Optional[int] = ..., record_checksums: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Compression(_message.Message):
     __slots__ = ("codec", "level")

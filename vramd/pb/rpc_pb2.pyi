@@ -34,6 +34,10 @@ class Code(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CORRUPT_CHUNK: _ClassVar[Code]
     TRUNCATED_DATA: _ClassVar[Code]
     FOREIGN_DATA_FILE: _ClassVar[Code]
+    NO_SPACE: _ClassVar[Code]
+    READ_ONLY_FS: _ClassVar[Code]
+    IO_ERROR: _ClassVar[Code]
+    NOT_WRITABLE: _ClassVar[Code]
     TOPOLOGY_ERROR: _ClassVar[Code]
     TOPOLOGY_MISMATCH: _ClassVar[Code]
     VRAMD_ERROR: _ClassVar[Code]
@@ -78,6 +82,10 @@ CORRUPT_MANIFEST: Code
 CORRUPT_CHUNK: Code
 TRUNCATED_DATA: Code
 FOREIGN_DATA_FILE: Code
+NO_SPACE: Code
+READ_ONLY_FS: Code
+IO_ERROR: Code
+NOT_WRITABLE: Code
 TOPOLOGY_ERROR: Code
 TOPOLOGY_MISMATCH: Code
 VRAMD_ERROR: Code

@@ -26,6 +26,7 @@ import sys
 
 import uvloop
 
+from .. import __version__
 from ..paths import default_socket_path, ensure_private_dir, user_run_dir
 from ..units import parse_size
 from . import systemd
@@ -35,8 +36,10 @@ from .daemon import Daemon
 log = logging.getLogger("vramd")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="vramd", description="VRAM checkpoint transfer daemon")
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="vramd", description="VRAM checkpoint transfer daemon: moves GPU buffer-object "
+                                 "contents between the file descriptors its clients pass and checkpoint images.")
+    ap.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     ap.add_argument("--config", help="TOML configuration file")
     ap.add_argument("--socket", help="unix socket path to listen on")
     ap.add_argument("--socket-mode", type=lambda t: int(t, 8), help="permissions of the socket file (octal, e.g. 660)")
@@ -51,7 +54,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--drain-timeout", type=float, help="seconds SIGTERM waits for running sessions")
     ap.add_argument("--metrics-textfile", help="write Prometheus metrics here (atomically)")
     ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    return ap.parse_args(argv)
+    return ap
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def overrides(ns: argparse.Namespace) -> dict[str, object]:

@@ -2,7 +2,11 @@
 
 What it does differently from CRIU's amdgpu plugin loop (docs/sdma.md):
 - one device handle per GPU (render node), opened once and reused;
-- each BO's dmabuf imported and VA-mapped once per job, at open();
+- each BO's dmabuf imported and VA-mapped once per job, before its first
+  copy; open() only checks the fd and its size (no libdrm call on the loop);
+- every libdrm call but the fence wait in one submit thread per GPU (device
+  setup, import, VA mapping, userptr registration, submission, release);
+- a batch that finds every IB slot of its ring in flight waits for one;
 - each staging buffer registered once as a userptr BO per GPU, for its whole
   life in the pool (unregistered when the pool frees it);
 - one context and one IB buffer (with slots) per ring, reused for every
@@ -29,9 +33,11 @@ import array
 import asyncio
 import logging
 import os
+import stat
 import threading
 from collections.abc import Sequence
-from typing import Self
+from concurrent.futures import ThreadPoolExecutor
+from typing import Self, TypeVar
 
 from ...errors import BackendError, BackendUnavailableError, TargetTooSmallError, from_os_error
 from ...hostmem.staging import StagingBuffer, StagingPool
@@ -69,6 +75,9 @@ class SdmaBackend(Backend):
         self.workers_per_gpu = workers_per_gpu
         self.pool: StagingPool | None = None
         self._gpus: dict[int, GpuDevice] = {}
+        # One submit thread per GPU: device setup, BO import and VA mapping, userptr
+        # registration and submission, so a slow ioctl never stalls the event loop.
+        self._submitters: dict[int, ThreadPoolExecutor] = {}
         self._lock = threading.Lock()
 
     # --- plumbing --------------------------------------------------------------
@@ -84,7 +93,16 @@ class SdmaBackend(Backend):
         if rc:
             log.warning("sdma cleanup: %s failed (%d)", call, rc)
 
+    def _submitter(self, gpu_id: int) -> ThreadPoolExecutor:
+        with self._lock:
+            ex = self._submitters.get(gpu_id)
+            if ex is None:
+                ex = self._submitters[gpu_id] = ThreadPoolExecutor(
+                    1, thread_name_prefix=f"vramd-sdma-{gpu_id:x}-submit")
+            return ex
+
     def _gpu(self, gpu_id: int) -> GpuDevice:
+        """The GPU's device, set up on first use (in its submit thread: amdgpu_device_initialize and friends)."""
         with self._lock:
             g = self._gpus.get(gpu_id)
             if g is None:
@@ -125,28 +143,50 @@ class SdmaBackend(Backend):
 
     def open(self, bo_id: int, ref: BoRef, size: int, gpu_id: int, direction: Direction,
              checked: FdMemo | None = None) -> SdmaBo:
-        self.check(ref.fd, direction, bo_id=bo_id, checked=checked)
-        g = self._gpu(gpu_id)
-        ffi, lib = self.ffi, self.lib
-        res = ffi.new("struct amdgpu_bo_import_result *")
-        self._rc(lib.amdgpu_bo_import(g.dev, lib.amdgpu_bo_handle_type_dma_buf_fd, ref.fd, res),
-                   f"amdgpu_bo_import (dmabuf fd {ref.fd})", bo_id=bo_id)
-        bo = res.buf_handle
-        have = res.alloc_size
+        """Validate the dmabuf fd and that it holds the BO; no libdrm call here, on the event loop.
+
+        The BO is imported and VA-mapped in its GPU's submit thread, before its first copy.
+        """
+        st = self.check(ref.fd, direction, bo_id=bo_id, checked=checked)
+        have = _fd_size(ref.fd, st)
+        if have is not None:
+            self._check_fits(ref, size, have, bo_id)
+        return SdmaBo(bo_id, ref, size, gpu_id, direction)
+
+    @staticmethod
+    def _check_fits(ref: BoRef, size: int, have: int, bo_id: int) -> None:
         if ref.offset + size > have:
-            self.cleanup(lib.amdgpu_bo_free(bo), "amdgpu_bo_free")
             raise TargetTooSmallError(f"dmabuf fd {ref.fd} holds {have} bytes; the BO needs {size} bytes at offset "
                                       f"{ref.offset:#x}", bo_id=bo_id, offset=max(0, have - ref.offset))
-        map_size = round_up(max(have, 1), GPU_PAGE)
+
+    def _import(self, g: GpuDevice, h: SdmaBo) -> None:
+        """In the GPU's submit thread: import the BO's dmabuf and map it into the GPU's VM (once per BO and job)."""
+        ffi, lib = self.ffi, self.lib
+        res = ffi.new("struct amdgpu_bo_import_result *")
+        self._rc(lib.amdgpu_bo_import(g.dev, lib.amdgpu_bo_handle_type_dma_buf_fd, h.ref.fd, res),
+                 f"amdgpu_bo_import (dmabuf fd {h.ref.fd})", bo_id=h.bo_id)
+        bo, have = res.buf_handle, res.alloc_size
         try:
-            va, vah = g.map_va(bo, map_size, f"BO {bo_id}", bo_id=bo_id)
+            self._check_fits(h.ref, h.size, have, h.bo_id)
+            map_size = round_up(max(have, 1), GPU_PAGE)
+            h.va, h.va_handle = g.map_va(bo, map_size, f"BO {h.bo_id}", bo_id=h.bo_id)
         except BaseException:
             self.cleanup(lib.amdgpu_bo_free(bo), "amdgpu_bo_free")
             raise
-        return SdmaBo(bo_id, ref, size, gpu_id, direction, bo=bo, va=va, va_handle=vah, map_size=map_size)
+        h.bo, h.map_size = bo, map_size
 
     def release(self, handle: BoHandle) -> None:
+        """Unmap and free the BO in its GPU's submit thread (after every submission queued before)."""
         assert isinstance(handle, SdmaBo)
+        with self._lock:
+            ex = self._submitters.get(handle.gpu_id)
+        if ex is not None:
+            try:
+                ex.submit(self._release, handle)
+            except RuntimeError:  # the backend is closing: do it here
+                self._release(handle)
+
+    def _release(self, handle: SdmaBo) -> None:
         if handle.bo is None:
             return
         g = self._gpus.get(handle.gpu_id)
@@ -160,30 +200,90 @@ class SdmaBackend(Backend):
         return self.submit_many([(handle, bo_offset, buf, buf_offset, length)])
 
     def submit_many(self, items: Sequence[CopyItem]) -> asyncio.Future[None]:
-        """One IB with a COPY_LINEAR run per item, one submission, one fence."""
+        """One IB with a COPY_LINEAR run per item, one submission, one fence.
+
+        On the event loop only the IB slot is taken (waiting for one when the ring has
+        none free); the libdrm calls run in the GPU's submit thread and the fence wait in
+        the ring's waiter thread.  The future completes when the copies have landed (or
+        failed); cancelling it leaves nothing in flight behind it.
+        """
+        return asyncio.ensure_future(self._submit_many(list(items)))
+
+    async def _submit_many(self, items: list[CopyItem]) -> None:
         loop = asyncio.get_running_loop()
         first = items[0][0]
         assert isinstance(first, SdmaBo)
+        submitter = self._submitter(first.gpu_id)
+        g = await loop.run_in_executor(submitter, self._gpu, first.gpu_id)
+        ring = g.ring_for(first.direction)
+        slot = await self._slot(ring)
+        submitted = loop.run_in_executor(submitter, self._prepare_and_submit, g, ring, slot, items)
+        cancelled = False
         try:
-            g = self._gpus.get(first.gpu_id) or self._gpu(first.gpu_id)
-            copies = []
-            for h, bo_off, buf, buf_off, n in items:
-                assert isinstance(h, SdmaBo)
-                bo_va = h.va + h.ref.offset + bo_off
-                st_va = g.userptr_va(buf) + buf_off
-                copies.append((bo_va, st_va, n) if h.direction is Direction.READ else (st_va, bo_va, n))
-            ib = copy_linear_packets(copies, g.family, self.lib.AMDGPU_FAMILY_AI)
-            ring = g.ring_for(first.direction)
-            bo_list = self._bo_list(g, ring, items)
+            seq = await _landed(submitted)
+        except asyncio.CancelledError:
+            if submitted.cancelled() or submitted.exception() is not None:
+                self._free(ring, slot)
+                raise
+            seq, cancelled = submitted.result(), True  # in flight: wait for its fence all the same
+        except BaseException:
+            self._free(ring, slot)
+            raise
+        fence = loop.run_in_executor(ring.waiter, self._wait, g, ring, seq, first, items[0][1], len(items))
+        try:
+            await _landed(fence)
+        finally:
+            self._free(ring, slot)  # the GPU is done with the slot's IB
+        if cancelled:
+            raise asyncio.CancelledError()
+
+    async def _slot(self, ring: Ring) -> int:
+        """A free IB slot of the ring (on the event loop): waits, without blocking the loop, while all are in flight."""
+        while not ring.free_slots:
+            waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            ring.slot_waiters.append(waiter)
             try:
-                seq, slot = self._submit(g, ring, ib, first, items[0][1], bo_list)
-            finally:  # the kernel looked the list up at submit
-                self.cleanup(self.lib.amdgpu_bo_list_destroy(bo_list), "amdgpu_bo_list_destroy")
-        except BaseException as e:
-            fut: asyncio.Future[None] = loop.create_future()
-            fut.set_exception(e)
-            return fut
-        return loop.run_in_executor(ring.waiter, self._wait, g, ring, seq, slot, first, items[0][1], len(copies))
+                await waiter
+            except asyncio.CancelledError:
+                if waiter.done() and not waiter.cancelled():
+                    self._wake(ring)  # we were handed a slot's wake-up: pass it on
+                else:
+                    try:
+                        ring.slot_waiters.remove(waiter)
+                    except ValueError:
+                        pass
+                raise
+        return ring.free_slots.pop()
+
+    def _free(self, ring: Ring, slot: int) -> None:
+        ring.free_slots.append(slot)
+        self._wake(ring)
+
+    @staticmethod
+    def _wake(ring: Ring) -> None:
+        while ring.slot_waiters:
+            w = ring.slot_waiters.popleft()
+            if not w.done():
+                w.set_result(None)
+                return
+
+    def _prepare_and_submit(self, g: GpuDevice, ring: Ring, slot: int, items: list[CopyItem]) -> int:
+        """In the GPU's submit thread: import BOs and register staging on first use, build the IB, submit."""
+        copies = []
+        for h, bo_off, buf, buf_off, n in items:
+            assert isinstance(h, SdmaBo)
+            if h.bo is None:
+                self._import(g, h)
+            bo_va = h.va + h.ref.offset + bo_off
+            st_va = g.userptr_va(buf) + buf_off
+            copies.append((bo_va, st_va, n) if h.direction is Direction.READ else (st_va, bo_va, n))
+        ib = copy_linear_packets(copies, g.family, self.lib.AMDGPU_FAMILY_AI)
+        first = items[0][0]
+        bo_list = self._bo_list(g, ring, items)
+        try:
+            return self._submit(ring, slot, ib, first, items[0][1], bo_list)
+        finally:  # the kernel looked the list up at submit
+            self.cleanup(self.lib.amdgpu_bo_list_destroy(bo_list), "amdgpu_bo_list_destroy")
 
     def _bo_list(self, g: GpuDevice, ring: Ring, items: Sequence[CopyItem]) -> Handle:
         """The BOs a submission touches (BOs, staging userptrs, the IB): the kernel makes them resident."""
@@ -201,63 +301,50 @@ class SdmaBackend(Backend):
                  bo_id=items[0][0].bo_id, offset=items[0][1])
         return out[0]
 
-    def _submit(self, g: GpuDevice, ring: Ring, ib: array.array[int], h: BoHandle, offset: int,
-                bo_list: Handle) -> tuple[int, int]:
+    def _submit(self, ring: Ring, slot: int, ib: array.array[int], h: BoHandle, offset: int,
+                bo_list: Handle) -> int:
         ffi, lib = self.ffi, self.lib
         nbytes = len(ib) * 4
         if nbytes > IB_SLOT_BYTES:
             raise BackendError(f"a batch needs an IB of {nbytes} bytes (slot: {IB_SLOT_BYTES})", bo_id=h.bo_id,
                                offset=offset)
-        with ring.lock:
-            if not ring.free_slots:
-                raise BackendError("all IB slots of the ring are in flight", bo_id=h.bo_id, offset=offset)
-            slot = ring.free_slots.pop()
-        try:
-            ffi.memmove(ffi.cast("char *", ring.ib_cpu) + slot * IB_SLOT_BYTES, ib.tobytes(), nbytes)
-            info = ffi.new("struct amdgpu_cs_ib_info *")
-            info.ib_mc_address = ring.ib_va + slot * IB_SLOT_BYTES
-            info.size = len(ib)
-            req = ffi.new("struct amdgpu_cs_request *")
-            req.ip_type = lib.AMDGPU_HW_IP_DMA
-            req.ring = ring.index
-            req.number_of_ibs = 1
-            req.ibs = info
-            req.resources = bo_list
-            self._rc(lib.amdgpu_cs_submit(ring.ctx, 0, req, 1),
-                       f"amdgpu_cs_submit (ring {ring.index})", bo_id=h.bo_id, offset=offset)
-        except BaseException:
-            with ring.lock:
-                ring.free_slots.append(slot)
-            raise
+        ffi.memmove(ffi.cast("char *", ring.ib_cpu) + slot * IB_SLOT_BYTES, ib.tobytes(), nbytes)
+        info = ffi.new("struct amdgpu_cs_ib_info *")
+        info.ib_mc_address = ring.ib_va + slot * IB_SLOT_BYTES
+        info.size = len(ib)
+        req = ffi.new("struct amdgpu_cs_request *")
+        req.ip_type = lib.AMDGPU_HW_IP_DMA
+        req.ring = ring.index
+        req.number_of_ibs = 1
+        req.ibs = info
+        req.resources = bo_list
+        self._rc(lib.amdgpu_cs_submit(ring.ctx, 0, req, 1),
+                 f"amdgpu_cs_submit (ring {ring.index})", bo_id=h.bo_id, offset=offset)
         seq: int = req.seq_no
-        return seq, slot
+        return seq
 
-    def _wait(self, g: GpuDevice, ring: Ring, seq: int, slot: int, h: BoHandle, offset: int, ncopies: int) -> None:
+    def _wait(self, g: GpuDevice, ring: Ring, seq: int, h: BoHandle, offset: int, ncopies: int) -> None:
         """In the ring's waiter thread: wait for the fence, then ask whether the job faulted."""
         ffi, lib = self.ffi, self.lib
-        try:
-            fence = ffi.new("struct amdgpu_cs_fence *")
-            fence.context = ring.ctx
-            fence.ip_type = lib.AMDGPU_HW_IP_DMA
-            fence.ring = ring.index
-            fence.fence = seq
-            expired = ffi.new("uint32_t *")
-            self._rc(lib.amdgpu_cs_query_fence_status(fence, TIMEOUT_INFINITE, 0, expired),
-                       "amdgpu_cs_query_fence_status", bo_id=h.bo_id, offset=offset)
-            if not expired[0]:
-                raise BackendError("SDMA fence did not signal", bo_id=h.bo_id, offset=offset)
-            flags = ffi.new("uint64_t *")
-            self._rc(lib.amdgpu_cs_query_reset_state2(ring.ctx, flags), "amdgpu_cs_query_reset_state2",
-                       bo_id=h.bo_id, offset=offset)
-            if flags[0] & (lib.AMDGPU_CTX_QUERY2_FLAGS_GUILTY | lib.AMDGPU_CTX_QUERY2_FLAGS_VRAMLOST):
-                self._renew_context(g, ring)
-                raise BackendError(
-                    f"SDMA job of {ncopies} copies failed on ring {ring.index}: the GPU marked the context guilty "
-                    f"(VM fault or invalid packet){' [software model]' if self.model else ''}",
-                    bo_id=h.bo_id, offset=offset)
-        finally:
-            with ring.lock:
-                ring.free_slots.append(slot)
+        fence = ffi.new("struct amdgpu_cs_fence *")
+        fence.context = ring.ctx
+        fence.ip_type = lib.AMDGPU_HW_IP_DMA
+        fence.ring = ring.index
+        fence.fence = seq
+        expired = ffi.new("uint32_t *")
+        self._rc(lib.amdgpu_cs_query_fence_status(fence, TIMEOUT_INFINITE, 0, expired),
+                   "amdgpu_cs_query_fence_status", bo_id=h.bo_id, offset=offset)
+        if not expired[0]:
+            raise BackendError("SDMA fence did not signal", bo_id=h.bo_id, offset=offset)
+        flags = ffi.new("uint64_t *")
+        self._rc(lib.amdgpu_cs_query_reset_state2(ring.ctx, flags), "amdgpu_cs_query_reset_state2",
+                   bo_id=h.bo_id, offset=offset)
+        if flags[0] & (lib.AMDGPU_CTX_QUERY2_FLAGS_GUILTY | lib.AMDGPU_CTX_QUERY2_FLAGS_VRAMLOST):
+            self._renew_context(g, ring)
+            raise BackendError(
+                f"SDMA job of {ncopies} copies failed on ring {ring.index}: the GPU marked the context guilty "
+                f"(VM fault or invalid packet){' [software model]' if self.model else ''}",
+                bo_id=h.bo_id, offset=offset)
 
     def _renew_context(self, g: GpuDevice, ring: Ring) -> None:
         """A guilty context refuses further work: replace it (jobs queued on it fail with it)."""
@@ -268,6 +355,39 @@ class SdmaBackend(Backend):
             ring.ctx = ctx[0]
 
     def close(self) -> None:
+        with self._lock:
+            submitters = list(self._submitters.values())
+            self._submitters.clear()
+        for ex in submitters:  # queued releases run first
+            ex.shutdown(wait=True)
         for g in self._gpus.values():
             g.close()
         self._gpus.clear()
+
+
+def _fd_size(fd: int, st: os.stat_result) -> int | None:
+    """The bytes behind a dmabuf (or, on the model, a memfd): st_size, or lseek(SEEK_END) (a dmabuf's
+    position means nothing); None where the kernel cannot say (the import then checks)."""
+    if stat.S_ISREG(st.st_mode):
+        return st.st_size
+    try:
+        return os.lseek(fd, 0, os.SEEK_END)
+    except OSError:
+        return None
+
+
+T = TypeVar("T")
+
+
+async def _landed(fut: asyncio.Future[T]) -> T:
+    """Await work already handed to a thread (or the GPU) that cannot be called back: if the awaiting
+    task is cancelled, wait for it to finish all the same, then re-raise the cancellation."""
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        while not fut.done():
+            try:
+                await asyncio.wait([fut])
+            except asyncio.CancelledError:
+                pass
+        raise

@@ -1,6 +1,8 @@
 """One GPU as the SDMA backend drives it: device handle, rings (context + IB buffer), registered staging."""
 from __future__ import annotations
 
+import asyncio
+import collections
 import logging
 import os
 import threading
@@ -39,7 +41,10 @@ class Ring:
     ib_va: int
     ib_va_handle: Handle
     waiter: ThreadPoolExecutor
+    # IB slots: taken and given back on the event loop only (SdmaBackend._slot / _free);
+    # a submission that finds none waits in `slot_waiters`, never fails for want of one.
     free_slots: list[int] = field(default_factory=list)
+    slot_waiters: collections.deque[asyncio.Future[None]] = field(default_factory=collections.deque)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
 from ...backends import Backend, BoHandle, BoRef, CopyItem, Direction, FdMemo, land_all
-from ...errors import BackendUnavailableError, VramdError
+from ...errors import BackendUnavailableError, InvalidRequestError, LimitExceededError, VramdError
 from ...hostmem.staging import StagingPool
 from ...pb import image_pb2 as pb
 from ..pipeline import Ends, Pipeline, Progress, ProgressCallback, StageTimes
@@ -81,6 +81,10 @@ def submit_batch(copies: Sequence[tuple[Backend, CopyItem]]) -> asyncio.Future[N
     return land_all(futs)
 
 
+OFF_T_MAX = (1 << 63) - 1  # the largest file offset (off_t) a syscall takes
+DEFAULT_MAX_BO_BYTES = 1 << 40
+
+
 @dataclass
 class JobContext:
     """What jobs share from the engine."""
@@ -92,6 +96,24 @@ class JobContext:
     workers_per_gpu: int  # batches in flight per GPU (EngineConfig.inflight_per_gpu)
     copier: Executor | None = None  # the copy threads that run whole batches (None: the three stages only)
     times: StageTimes | None = None
+    max_bo_bytes: int = DEFAULT_MAX_BO_BYTES  # the largest BO a job takes (a declared size, before any byte moves)
+
+
+def check_bo_range(bo_id: int, size: int, ref: BoRef, max_bo_bytes: int) -> None:
+    """A BO's declared size and offset, checked before anything is allocated or opened for it.
+
+    The size is bounded by the engine's limit (LIMIT_EXCEEDED); the offset and the
+    end must fit a signed 64-bit off_t, which every backend's syscalls take
+    (pread on /proc/<pid>/mem, mmap offsets, dmabuf offsets): INVALID_REQUEST.
+    """
+    if size < 0:
+        raise InvalidRequestError("negative BO size", bo_id=bo_id)
+    if size > max_bo_bytes:
+        raise LimitExceededError(f"BO of {size} bytes is larger than this daemon's limit of {max_bo_bytes} bytes "
+                                 "(max_bo_bytes)", bo_id=bo_id)
+    if ref.offset < 0 or ref.offset + size > OFF_T_MAX:
+        raise InvalidRequestError(f"BO range at {ref.kind} offset {ref.offset:#x} of {size} bytes does not fit a "
+                                  "64-bit file offset", bo_id=bo_id)
 
 
 class Job(Protocol):

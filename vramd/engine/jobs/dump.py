@@ -14,36 +14,28 @@ offset and length, so readers never see them).
 """
 from __future__ import annotations
 
-import os
-import threading
+import array
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from ...backends import Direction, land_all
-from ...errors import InvalidRequestError, VramdError, from_os_error
+from ...errors import InvalidRequestError, JobError, VramdError
 from ...hostmem.batchcopy import HASH, ZERO, copy_batch
 from ...hostmem.libc import ffi as libc_ffi
 from ...hostmem.libc import libc
 from ...hostmem.staging import StagingBuffer
 from ...image.codec import Compression, EncodedChunk, encode_chunk, record_head
-from ...image.fileio import pwrite_all
-from ...image.format import Bytes, chunk_count
+from ...image.format import Bytes, chunk_count, record_checksum
 from ...image.writer import DataFileWriter, ImageWriter
 from ...pb import image_pb2 as pb
 from ...units import PAGE, round_up
 from ..pipeline import HEAD_PAGE, ChunkTask, Clock, ProgressCallback, StageTimes, blame, settle
-from .common import BoSpec, CopiedBo, JobBase, JobContext, submit_batch
+from .common import BoSpec, CopiedBo, JobBase, JobContext, check_bo_range, submit_batch
 
 DIRECT_MIN = 256 << 10  # a piece this big, alone in its batch, is written with O_DIRECT where possible
 
-
-def open_direct(fd: int, flags: int) -> int | None:
-    """A second descriptor of the file behind `fd`, opened with O_DIRECT; None where the file system
-    refuses O_DIRECT (tmpfs: EINVAL)."""
-    try:
-        return os.open(f"/proc/self/fd/{fd}", flags | os.O_DIRECT | os.O_CLOEXEC)
-    except OSError:
-        return None
+# Where a piece's record went: (file offset, record length, all zero, record checksum).
+Placed = tuple[int, int, bool, int]
 
 SOURCE_KINDS = {"procmem": pb.SOURCE_PROCMEM, "mmap": pb.SOURCE_MMAP, "sdma": pb.SOURCE_SDMA}
 
@@ -54,9 +46,30 @@ class DumpBo(CopiedBo):
 
     spec: BoSpec | None = None
     file: DataFileWriter | None = None
-    records: list[tuple[int, int] | None] = field(default_factory=list)  # (file offset, length) per chunk
+    # The records written so far, appended as they land (in any order): chunk index, file
+    # offset, length, record checksum.  Compact, and empty until bytes move, so a BO costs
+    # the same memory whatever size it declares.
+    rec_index: array.array[int] = field(default_factory=lambda: array.array("Q"))
+    rec_offset: array.array[int] = field(default_factory=lambda: array.array("Q"))
+    rec_length: array.array[int] = field(default_factory=lambda: array.array("I"))
+    rec_checksum: array.array[int] = field(default_factory=lambda: array.array("Q"))
     stored_bytes: int = 0
     zero_bytes: int = 0
+
+    def landed(self, index: int, offset: int, length: int, checksum: int) -> None:
+        self.rec_index.append(index)
+        self.rec_offset.append(offset)
+        self.rec_length.append(length)
+        self.rec_checksum.append(checksum)
+
+    def records(self, nchunks: int) -> tuple[list[int], list[int], list[int]]:
+        """(offsets, lengths, checksums) in chunk order; every chunk must have landed exactly once."""
+        if len(self.rec_index) != nchunks or sorted(self.rec_index) != list(range(nchunks)):
+            raise JobError(f"internal error: {len(self.rec_index)} records landed for {nchunks} chunks",
+                           bo_id=self.id)
+        order = sorted(range(nchunks), key=self.rec_index.__getitem__)
+        return ([self.rec_offset[i] for i in order], [self.rec_length[i] for i in order],
+                [self.rec_checksum[i] for i in order])
 
 
 class DumpEnds:
@@ -67,28 +80,7 @@ class DumpEnds:
         # zstd output is a fresh bytes object of at most chunk_size bytes; the
         # second buffer reserves budget for it (it is never touched itself).
         self.buffers_per_chunk = compression.buffers_per_chunk
-        self.direct = direct  # try O_DIRECT for big pieces
-        self._lock = threading.Lock()  # file offsets are reserved from the copy threads too
-        self._direct_fds: dict[int, int | None] = {}  # data file index -> its O_DIRECT fd (None: refused)
-
-    def close(self) -> None:
-        for fd in self._direct_fds.values():
-            if fd is not None:
-                os.close(fd)
-        self._direct_fds.clear()
-
-    def _reserve(self, file: DataFileWriter, length: int, align: int = 1) -> int:
-        with self._lock:
-            pad = -file.end % align
-            if pad:
-                file.reserve(pad)  # a gap no record uses
-            return file.reserve(length)
-
-    def _direct_fd(self, file: DataFileWriter) -> int | None:
-        with self._lock:
-            if file.index not in self._direct_fds:
-                self._direct_fds[file.index] = open_direct(file.fd, os.O_WRONLY)
-            return self._direct_fds[file.index]
+        self.direct = direct  # try O_DIRECT for big pieces (DataFileWriter.direct_fd: the writer's opening rules)
 
     # --- a whole batch in one copy thread (InlineEnds) ----------------------
 
@@ -97,10 +89,11 @@ class DumpEnds:
             t.bo.backend is not None and t.bo.backend.cpu_copies for t in tasks)
 
     def run(self, tasks: list[ChunkTask[DumpBo]], bufs: list[StagingBuffer],
-            times: StageTimes | None) -> list[tuple[int, int, bool]]:
-        """Copy, scan and hash the batch (one batchcopy call), then write its records.
+            times: StageTimes | None) -> list[Placed]:
+        """Copy, scan and hash the batch (one batchcopy call), then write its records (in this copy thread;
+        an OSError of the data file is the writer's typed error naming it and the BO).
 
-        Returns (record offset, record length, all zero) per piece.
+        Returns (record offset, record length, all zero, record checksum) per piece.
         """
         buf = bufs[0]
         clock = Clock(times)
@@ -130,19 +123,16 @@ class DumpEnds:
         file = tasks[0].bo.file
         assert file is not None and all(t.bo.file is file for t in tasks)  # one lane = one GPU = one data file
         clock.lap("python")
-        try:
-            if len(tasks) == 1 and not outcomes[0].zero and tasks[0].length >= DIRECT_MIN and self.direct \
-                    and (dfd := self._direct_fd(file)) is not None:
-                placed = [self._write_direct(dfd, file, tasks[0], buf, heads[0])]
-            else:
-                placed = self._write(file, tasks, buf, heads, [o.zero for o in outcomes])
-        except OSError as e:
-            raise from_os_error(e, f"cannot write data file {file.name}") from None
+        if len(tasks) == 1 and not outcomes[0].zero and tasks[0].length >= DIRECT_MIN and self.direct \
+                and file.direct_fd() is not None:
+            placed = [self._write_direct(file, tasks[0], buf, heads[0])]
+        else:
+            placed = self._write(file, tasks, buf, heads, [o.zero for o in outcomes])
         clock.lap("write")
         return placed
 
-    def _write_direct(self, dfd: int, file: DataFileWriter, t: ChunkTask[DumpBo], buf: StagingBuffer,
-                      head: bytes) -> tuple[int, int, bool]:
+    def _write_direct(self, file: DataFileWriter, t: ChunkTask[DumpBo], buf: StagingBuffer,
+                      head: bytes) -> Placed:
         """One record as one aligned O_DIRECT write: [zeros, head | payload, zeros] at a page-aligned offset."""
         slot, n, h = t.buf_offset, t.length, len(head)
         assert h <= HEAD_PAGE and slot >= HEAD_PAGE
@@ -152,16 +142,16 @@ class DumpEnds:
         buf.view[slot - h:slot] = head
         if end > slot + n:
             libc.memset(libc_ffi.cast("char *", base + slot + n), 0, end - slot - n)
-        at = self._reserve(file, end - slot + HEAD_PAGE, PAGE)
+        at = file.reserve(end - slot + HEAD_PAGE, PAGE)
         view = buf.view[slot - HEAD_PAGE:end]
         try:
-            pwrite_all(dfd, [view], at)
+            file.pwrite([view], at, bo_id=t.bo.id, bo_offset=t.offset, direct=True)
         finally:
             view.release()
-        return at + HEAD_PAGE - h, h + n, False
+        return at + HEAD_PAGE - h, h + n, False, record_checksum(head)
 
     def _write(self, file: DataFileWriter, tasks: list[ChunkTask[DumpBo]], buf: StagingBuffer, heads: list[bytes],
-               zero: list[bool]) -> list[tuple[int, int, bool]]:
+               zero: list[bool]) -> list[Placed]:
         """The batch's records back to back, one buffered pwritev."""
         iov: list[Bytes] = []
         lengths = []
@@ -170,23 +160,24 @@ class DumpEnds:
             if not z:
                 iov.append(buf.view[t.buf_offset:t.buf_offset + t.length])
             lengths.append(len(head) + (0 if z else t.length))
-        at = self._reserve(file, sum(lengths))
+        at = file.reserve(sum(lengths))
         try:
-            pwrite_all(file.fd, iov, at)
+            file.pwrite(iov, at, bo_id=tasks[0].bo.id, bo_offset=tasks[0].offset)
         finally:
             for v in iov:
                 if isinstance(v, memoryview):
                     v.release()
         placed = []
-        for n, z in zip(lengths, zero):
-            placed.append((at, n, z))
+        for n, z, head in zip(lengths, zero, heads):
+            placed.append((at, n, z, record_checksum(head)))
             at += n
         return placed
 
-    def landed(self, tasks: list[ChunkTask[DumpBo]], placed: list[tuple[int, int, bool]]) -> None:
-        for t, (at, n, z) in zip(tasks, placed):
+    def landed(self, tasks: list[ChunkTask[DumpBo]], placed: list[Placed]) -> None:
+        """On the event loop, after `run`: the records into the BOs' compact arrays (as the drain does)."""
+        for t, (at, n, z, rsum) in zip(tasks, placed):
             bo = t.bo
-            bo.records[t.index] = (at, n)
+            bo.landed(t.index, at, n, rsum)
             if z:
                 bo.zero_bytes += t.length
             else:
@@ -235,11 +226,11 @@ class DumpEnds:
                     iov.append(enc.head)
                     if enc.payload:
                         iov.append(enc.payload)
-                off = self._reserve(file, sum(enc.record_length for _, enc in pieces))
-                writes.append(file.write(iov, off))
+                off = file.reserve(sum(enc.record_length for _, enc in pieces))
+                writes.append(file.write(iov, off, bo_id=pieces[0][0].bo.id, bo_offset=pieces[0][0].offset))
                 for t, enc in pieces:
                     bo = t.bo
-                    bo.records[t.index] = (off, enc.record_length)
+                    bo.landed(t.index, off, enc.record_length, enc.record_checksum)
                     off += enc.record_length
                     bo.stored_bytes += len(enc.payload)
                     if enc.codec == pb.CODEC_ZERO:
@@ -267,13 +258,11 @@ class DumpJob(JobBase[DumpBo]):
             for spec in todo:
                 if spec.id in self.bos:
                     raise InvalidRequestError("BO id given twice", bo_id=spec.id)
-                if spec.size < 0:
-                    raise InvalidRequestError("negative BO size", bo_id=spec.id)
+                check_bo_range(spec.id, spec.size, spec.ref, self.ctx.max_bo_bytes)
                 backend = self._backend(spec.ref.kind, spec.id)
                 handle = backend.open(spec.id, spec.ref, spec.size, spec.gpu_id, Direction.READ, checked=self._checked)
-                nchunks = chunk_count(spec.size, self.chunk_size)
                 bo = self.bos[spec.id] = DumpBo(spec.id, spec.gpu_id, spec.size, backend, handle,
-                                                chunks_left=nchunks, spec=spec, records=[None] * nchunks)
+                                                chunks_left=chunk_count(spec.size, self.chunk_size), spec=spec)
                 bo.file = self.writer.data_file(spec.gpu_id) if spec.size else None
             for spec in todo:
                 bo = self.bos[spec.id]
@@ -293,19 +282,19 @@ class DumpJob(JobBase[DumpBo]):
             return await self.writer.commit(self._entries(), self._totals(), self.topology_json)
         finally:
             self._release_all()
-            self.ends.close()
-            self.writer.close()
+            await settle(self.writer.aclose())
 
     def _entries(self) -> list[pb.BoEntry]:
         out = []
         for bo in self.bos.values():
             s = bo.spec
-            assert s is not None and None not in bo.records  # finish() runs after every chunk landed
+            assert s is not None
+            offsets, lengths, checksums = bo.records(chunk_count(s.size, self.chunk_size))
             out.append(pb.BoEntry(
                 id=s.id, gpu_id=s.gpu_id, size=s.size, alloc_flags=s.alloc_flags, va_addr=s.va_addr,
                 source=SOURCE_KINDS.get(s.ref.kind, pb.SOURCE_UNSPECIFIED), source_offset=s.ref.offset,
                 name=s.name, file_index=bo.file.index if bo.file else 0,
-                record_offsets=[r[0] for r in bo.records if r], record_lengths=[r[1] for r in bo.records if r],
+                record_offsets=offsets, record_lengths=lengths, record_checksums=checksums,
                 stored_bytes=bo.stored_bytes, zero_bytes=bo.zero_bytes,
             ))
         return out
@@ -314,4 +303,4 @@ class DumpJob(JobBase[DumpBo]):
         bos = self.bos.values()
         return pb.Totals(bo_count=len(self.bos), bo_bytes=sum(b.size for b in bos),
                          stored_bytes=sum(b.stored_bytes for b in bos), zero_bytes=sum(b.zero_bytes for b in bos),
-                         chunk_count=sum(len(b.records) for b in bos))
+                         chunk_count=sum(len(b.rec_index) for b in bos))

@@ -15,24 +15,24 @@ from __future__ import annotations
 
 import asyncio
 import os
-import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
 from ...backends import Direction
-from ...errors import CorruptChunkError, TruncatedDataError, VramdError, from_os_error
+from ...errors import CorruptChunkError, TruncatedDataError, VramdError
 from ...hostmem.batchcopy import END_OF_FILE, HASH, RECORD, Copy, Outcome, copy_batch
 from ...hostmem.staging import StagingBuffer, StagingPool
 from ...image.codec import DecodedChunk, decode_chunk
+from ...image.fileio import image_os_error
 from ...image.format import HEAD_PEEK, record_head_length
 from ...image.reader import ImageReader
 from ...pb import image_pb2 as pb
 from ...units import PAGE, round_up
 from ..pipeline import HEAD_PAGE, ChunkTask, Clock, ProgressCallback, StageTimes, blame, settle
 from .common import CopiedBo, JobBase, JobContext
-from .dump import DIRECT_MIN, open_direct
+from .dump import DIRECT_MIN
 
 
 @dataclass(eq=False)
@@ -60,22 +60,7 @@ class ImageReadEnds(ABC):
         self.chunk_size = m.chunk_size
         self.buffers_per_chunk = 2 if m.compression.codec == pb.CODEC_ZSTD else 1
         self._names = [f.name for f in m.files]
-        self.direct = True  # try O_DIRECT for big page-aligned records
-        self._lock = threading.Lock()
-        self._direct_fds: dict[int, tuple[int, int] | None] = {}  # file index -> (O_DIRECT fd, file size)
-
-    def close(self) -> None:
-        for d in self._direct_fds.values():
-            if d is not None:
-                os.close(d[0])
-        self._direct_fds.clear()
-
-    def _direct_fd(self, fi: int) -> tuple[int, int] | None:
-        with self._lock:
-            if fi not in self._direct_fds:
-                fd = open_direct(self.reader.fds[fi], os.O_RDONLY)
-                self._direct_fds[fi] = None if fd is None else (fd, os.fstat(fd).st_size)
-            return self._direct_fds[fi]
+        self.direct = True  # try O_DIRECT for big page-aligned records (the reader opens and closes those fds)
 
     # --- a whole batch in one copy thread (InlineEnds) ----------------------
 
@@ -97,7 +82,7 @@ class ImageReadEnds(ABC):
         skip = rec % PAGE
         at = buf.address + t.buf_offset - HEAD_PAGE
         if self.direct and n >= DIRECT_MIN and skip + n <= room:
-            d = self._direct_fd(fi)
+            d = self.reader.direct_fd(fi)  # opened in this copy thread, by the reader's rules
             if d is not None and rec - skip + round_up(skip + n, PAGE) <= d[1]:
                 return Copy(d[0], rec - skip, -1, at, round_up(skip + n, PAGE), skip, n)
         return Copy(self.reader.fds[fi], rec, -1, at, n, 0, n)
@@ -127,8 +112,8 @@ class ImageReadEnds(ABC):
             raise TruncatedDataError(
                 f"data file {self._names[fi]} ends inside a chunk record at {c.src + o.done:#x}",
                 bo_id=t.bo.id, offset=t.offset)
-        raise from_os_error(OSError(o.err, os.strerror(o.err)), f"cannot read data file {self._names[fi]}",
-                            TruncatedDataError, bo_id=t.bo.id, offset=t.offset)
+        raise image_os_error(OSError(o.err, os.strerror(o.err)), f"cannot read data file {self._names[fi]} at "
+                             f"{c.src + o.done:#x}", bo_id=t.bo.id, offset=t.offset)
 
     def _check(self, t: ChunkTask[ImageBo], buf: StagingBuffer, c: Copy, o: Outcome) -> DecodedChunk:
         """The record read into the slot: its head checked, its payload's hash compared (decode_chunk)."""
@@ -142,8 +127,10 @@ class ImageReadEnds(ABC):
             raise CorruptChunkError(f"{where}: record of {c.rec_len} bytes for a {t.length}-byte chunk",
                                     bo_id=t.bo.id, offset=t.offset)
         digest = o.hash if o.payload_at == c.rec_at + head_len else None
+        bound = t.bo.manifest_entry.record_checksums  # empty in images from before records were bound
         return decode_chunk(t.bo.id, t.offset, t.length, bytes(view[start:start + head_len]), buf, stored_len, None,
-                            where=where, buf_offset=start + head_len, digest=digest)
+                            where=where, buf_offset=start + head_len, digest=digest,
+                            record_checksum=bound[t.index] if bound else None)
 
     def _copy_out(self, tasks: list[ChunkTask[ImageBo]], decoded: list[DecodedChunk], clock: Clock) -> None:
         """Restore: the checked bytes into the BOs (verify: nowhere)."""
@@ -214,7 +201,11 @@ class ImageReadEnds(ABC):
         want = sum(len(v) for v in views)
         fi = task.bo.manifest_entry.file_index
         extra = [then[1]] if then is not None else []
-        got = self.reader.readv(fi, [*views, *extra], offset)
+        try:
+            got = self.reader.readv(fi, [*views, *extra], offset)
+        except OSError as e:
+            raise image_os_error(e, f"cannot read data file {self._names[fi]} at {offset:#x}",
+                                 bo_id=task.bo.id, offset=task.offset) from None
         if got < want + sum(len(v) for v in extra):
             cut = task if got < want or then is None else then[0]
             raise TruncatedDataError(
@@ -231,9 +222,11 @@ class ImageReadEnds(ABC):
         stored, out = bufs[-1], (bufs[0] if len(bufs) > 1 else None)
         decoded = []
         for t, head in zip(tasks, heads):
+            bound = t.bo.manifest_entry.record_checksums  # empty in images from before records were bound
             try:
                 decoded.append(decode_chunk(t.bo.id, t.offset, t.length, head, stored, t.record_length - len(head),
-                                            out, where=self._where(t), buf_offset=t.buf_offset))
+                                            out, where=self._where(t), buf_offset=t.buf_offset,
+                                            record_checksum=bound[t.index] if bound else None))
             except VramdError:
                 raise
             except Exception as e:
@@ -277,5 +270,4 @@ class ImageJob(JobBase[ImageBo]):
             return self.manifest
         finally:
             self._release_all()
-            self.ends.close()
             self.reader.close()

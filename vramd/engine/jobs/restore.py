@@ -10,7 +10,7 @@ from ...hostmem.staging import StagingBuffer
 from ...image.codec import DecodedChunk
 from ...image.reader import ImageReader
 from ..pipeline import ChunkTask, Clock, ProgressCallback, settle
-from .common import JobContext, RestoreTarget, submit_batch
+from .common import JobContext, RestoreTarget, check_bo_range, submit_batch
 from .read import ImageBo, ImageJob, ImageReadEnds
 
 
@@ -65,6 +65,7 @@ class RestoreJob(ImageJob):
                     raise InvalidRequestError("the image has no such BO", bo_id=t.bo_id)
                 if t.bo_id in self.bos:
                     raise InvalidRequestError("BO targeted twice", bo_id=t.bo_id)
+                check_bo_range(t.bo_id, entry.size, t.ref, self.ctx.max_bo_bytes)
                 gpu = self.gpu_map.get(entry.gpu_id, entry.gpu_id) if t.gpu_id is None else t.gpu_id
                 backend = self._backend(t.ref.kind, t.bo_id)
                 handle = backend.open(t.bo_id, t.ref, entry.size, gpu, Direction.WRITE, checked=self._checked)

@@ -1,0 +1,335 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * libvramd: the C client of the vramd daemon.
+ *
+ * vramd copies GPU buffer-object (BO) contents between file descriptors a
+ * client hands it (dmabuf, memfd, /proc/<pid>/mem) and checkpoint images in
+ * a directory the client also hands it as an fd.  This library speaks the
+ * daemon's RPC protocol (docs/protocol.md, proto/vramd/pb/rpc.proto): a
+ * 12-byte frame plus one protobuf message per AF_UNIX SOCK_SEQPACKET packet,
+ * fds as SCM_RIGHTS on the same packet.
+ *
+ * Calling conventions
+ *   - Every call is blocking.  A connection (struct vramd_conn) must be used
+ *     by one thread at a time; several threads may each use their own
+ *     connection concurrently.  The library has no global mutable state
+ *     except what the C library itself keeps (errno).
+ *   - Every function that can fail returns 0 (or a documented non-negative
+ *     value) on success and a negative errno-style code on failure, and fills
+ *     *err (when err is not NULL) with the daemon's protocol code (or
+ *     VRAMD_CODE_LOCAL for a failure on this side), a one-line message and,
+ *     when known, the BO id and byte offset involved.
+ *   - The library never aborts, never prints, installs no signal handler,
+ *     starts no thread, and raises no SIGPIPE (sends use MSG_NOSIGNAL).
+ *   - Every fd the library creates is close-on-exec, and is placed at or
+ *     above vramd_options.min_fd when that is set.  fds the caller passes in
+ *     (image directory, BO fds) stay the caller's: the kernel gives the
+ *     daemon its own duplicates.  Any fd the daemon (wrongly) sends back is
+ *     closed at once.  No fd leaks on any error path.
+ *   - A connection whose request/reply pairing can no longer be trusted (a
+ *     client-side timeout, a protocol error, a hang-up) is marked broken;
+ *     every later call on it fails with -ENOTCONN.  vramd_close() it.
+ */
+#ifndef VRAMD_CLIENT_H
+#define VRAMD_CLIENT_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(__GNUC__) && !defined(VRAMD_NO_VISIBILITY)
+#define VRAMD_API __attribute__((visibility("default")))
+#else
+#define VRAMD_API
+#endif
+
+#define VRAMD_PROTOCOL_VERSION 1
+#define VRAMD_SCM_MAX_FD 253           /* fds in one packet, at most (kernel SCM_MAX_FD) */
+#define VRAMD_SYSTEM_SOCKET "/run/vramd/vramd.sock"
+
+/* Status codes: rpc.proto's Code enum, plus VRAMD_CODE_LOCAL. */
+enum vramd_code {
+    VRAMD_CODE_LOCAL = -1,             /* failed on this side (a syscall, bad arguments, ...) */
+    VRAMD_CODE_OK = 0,
+    VRAMD_CODE_PROTOCOL_ERROR = 1,
+    VRAMD_CODE_PERMISSION_DENIED = 2,
+    VRAMD_CODE_NOT_FOUND = 3,
+    VRAMD_CODE_LIMIT_EXCEEDED = 4,
+    VRAMD_CODE_SHUTTING_DOWN = 5,
+    VRAMD_CODE_TIMEOUT = 6,
+    VRAMD_CODE_INTERNAL = 7,
+    VRAMD_CODE_UNSUPPORTED_PROTOCOL = 8,
+    VRAMD_CODE_JOB_ERROR = 20,
+    VRAMD_CODE_INVALID_REQUEST = 21,
+    VRAMD_CODE_CANCELLED = 22,
+    VRAMD_CODE_INCOMPLETE_RESTORE = 23,
+    VRAMD_CODE_BACKEND_ERROR = 40,
+    VRAMD_CODE_UNMAPPED_RANGE = 41,
+    VRAMD_CODE_TARGET_TOO_SMALL = 42,
+    VRAMD_CODE_BAD_DESCRIPTOR = 43,
+    VRAMD_CODE_BACKEND_UNAVAILABLE = 44,
+    VRAMD_CODE_IMAGE_ERROR = 60,
+    VRAMD_CODE_MANIFEST_MISSING = 61,
+    VRAMD_CODE_UNSUPPORTED_VERSION = 62,
+    VRAMD_CODE_CORRUPT_MANIFEST = 63,
+    VRAMD_CODE_CORRUPT_CHUNK = 64,
+    VRAMD_CODE_TRUNCATED_DATA = 65,
+    VRAMD_CODE_FOREIGN_DATA_FILE = 66,
+    VRAMD_CODE_TOPOLOGY_ERROR = 80,
+    VRAMD_CODE_TOPOLOGY_MISMATCH = 81,
+    VRAMD_CODE_VRAMD_ERROR = 99,
+};
+
+/*
+ * What went wrong.  The return value of a failing call is the same number as
+ * `errnum`.  Daemon codes map onto errno values as follows (the code is the
+ * precise answer; the errno is for callers that only pass a number up):
+ *   PERMISSION_DENIED -EACCES, NOT_FOUND -ENOENT, LIMIT_EXCEEDED -E2BIG,
+ *   SHUTTING_DOWN -ESHUTDOWN, TIMEOUT -ETIMEDOUT, PROTOCOL_ERROR -EPROTO,
+ *   UNSUPPORTED_PROTOCOL -EPROTONOSUPPORT, INVALID_REQUEST -EINVAL,
+ *   CANCELLED -ECANCELED, INCOMPLETE_RESTORE -ENODATA, UNMAPPED_RANGE -EFAULT,
+ *   TARGET_TOO_SMALL -ENOSPC, BAD_DESCRIPTOR -EBADF,
+ *   BACKEND_UNAVAILABLE and UNSUPPORTED_VERSION -EOPNOTSUPP,
+ *   MANIFEST_MISSING -ENOMSG, the other image codes -EBADMSG (IMAGE_ERROR
+ *   -EIO), topology codes -ENODEV, JOB_ERROR and BACKEND_ERROR -EIO,
+ *   INTERNAL, VRAMD_ERROR and codes this library does not know -EREMOTEIO
+ *   (vramd_code_errno()).
+ * Local failures: the syscall's errno; a reply that does not follow the
+ * protocol -EPROTO (code PROTOCOL_ERROR); the daemon hanging up -ECONNRESET;
+ * no reply within vramd_options.timeout_ms -ETIME (the connection is then
+ * broken); a call on a broken connection -ENOTCONN.
+ */
+struct vramd_error {
+    int errnum;                        /* the negative return value */
+    int code;                          /* enum vramd_code */
+    bool has_bo_id;
+    bool has_offset;
+    uint64_t bo_id;                    /* the BO involved, if has_bo_id */
+    uint64_t offset;                   /* byte offset within that BO, if has_offset */
+    char message[256];                 /* one line, NUL-terminated, possibly truncated */
+};
+
+/* The name of a code ("CORRUPT_CHUNK"); "UNKNOWN" for a number not listed. */
+VRAMD_API const char *vramd_code_name(int code);
+/* The negative errno value a daemon code maps to (0 for OK). */
+VRAMD_API int vramd_code_errno(int code);
+/* A static description of a return value of this library (like strerror(-ret)). */
+VRAMD_API const char *vramd_strerror(int ret);
+
+/* --- connections ---------------------------------------------------------- */
+
+struct vramd_conn;
+
+struct vramd_options {
+    /* fds the library creates go at or above this number (F_DUPFD_CLOEXEC);
+     * 0: wherever the kernel puts them. */
+    int min_fd;
+    /* Bound on each call's reply (and on connect), in ms; 0 waits as long
+     * as it takes.  vramd_wait() with a timeout waits for its reply up to
+     * that timeout plus this (or plus 5 s when this is 0); vramd_wait()
+     * without one waits as long as the session runs (a daemon that dies
+     * still ends it at once: the socket hangs up). */
+    int timeout_ms;
+    /* Free-form, for the daemon's logs ("criu-amdgpu 4.2"); NULL: "libvramd". */
+    const char *client_name;
+};
+
+/* Defaults: min_fd 0, timeout_ms 0, client_name NULL. */
+VRAMD_API void vramd_options_init(struct vramd_options *opts);
+
+/*
+ * The socket clients use, as vramctl resolves it: $VRAMD_SOCKET if set and
+ * not empty; else the user's own socket ($XDG_RUNTIME_DIR/vramd/vramd.sock,
+ * or /tmp/vramd-<uid>/vramd.sock without XDG_RUNTIME_DIR) if it exists or if
+ * the system socket does not; else /run/vramd/vramd.sock.
+ * Returns the length written (without the NUL), or -ENAMETOOLONG.
+ */
+VRAMD_API int vramd_socket_path(char *buf, size_t size);
+
+/* Connect to vramd_socket_path() and negotiate with Hello. opts may be NULL. */
+VRAMD_API int vramd_connect(struct vramd_conn **out, const struct vramd_options *opts, struct vramd_error *err);
+/* Connect to `path` and negotiate with Hello. */
+VRAMD_API int vramd_connect_path(struct vramd_conn **out, const char *path, const struct vramd_options *opts,
+                                 struct vramd_error *err);
+/*
+ * Adopt `fd`, an AF_UNIX SOCK_SEQPACKET socket already connected to the
+ * daemon (for example connected by another process before it switched
+ * namespaces, and inherited), and negotiate with Hello on it.  The library
+ * takes the fd over in every case: on failure it has been closed.  The fd
+ * keeps its number (min_fd does not move it) and gets FD_CLOEXEC.
+ */
+VRAMD_API int vramd_connect_fd(struct vramd_conn **out, int fd, const struct vramd_options *opts,
+                               struct vramd_error *err);
+/* Close the connection and free it.  NULL is a no-op.  Sessions it opened go
+ * on (the daemon reaps them after its grace period if nobody holds them). */
+VRAMD_API void vramd_close(struct vramd_conn *conn);
+
+/* The connection's socket fd (owned by the connection), -1 once broken. */
+VRAMD_API int vramd_conn_fd(const struct vramd_conn *conn);
+/* Whether a failure made the connection unusable. */
+VRAMD_API bool vramd_conn_broken(const struct vramd_conn *conn);
+
+/* What Hello returned.  The strings live as long as the connection. */
+struct vramd_limits {
+    uint32_t max_message_bytes;
+    uint32_t max_fds_per_message;
+    uint32_t max_bos_per_session;
+    uint32_t max_sessions_per_uid;
+    uint32_t max_fds_per_session;
+};
+VRAMD_API uint32_t vramd_conn_version(const struct vramd_conn *conn);
+VRAMD_API const char *vramd_conn_server(const struct vramd_conn *conn);
+VRAMD_API const struct vramd_limits *vramd_conn_limits(const struct vramd_conn *conn);
+/* Whether the daemon lists backend `name` ("procmem", "mmap", "sdma") as available. */
+VRAMD_API bool vramd_conn_has_backend(const struct vramd_conn *conn, const char *name);
+
+/* --- sessions ------------------------------------------------------------- */
+
+/* A session token: 128 bits.  The daemon writes it as 32 lowercase hex characters. */
+#define VRAMD_TOKEN_BYTES 16
+#define VRAMD_TOKEN_STRLEN 32
+struct vramd_token {
+    uint8_t bytes[VRAMD_TOKEN_BYTES];
+};
+/* Writes 32 hex characters and a NUL into out (33 bytes). */
+VRAMD_API void vramd_token_format(const struct vramd_token *token, char out[VRAMD_TOKEN_STRLEN + 1]);
+/* Parses exactly 32 hex characters; -EINVAL otherwise. */
+VRAMD_API int vramd_token_parse(const char *text, struct vramd_token *token);
+
+enum vramd_session_kind {
+    VRAMD_SESSION_DUMP = 1,            /* BOs -> a new image in the directory */
+    VRAMD_SESSION_RESTORE = 2,         /* the directory's image -> BOs */
+    VRAMD_SESSION_VERIFY = 3,          /* read and check every chunk; takes no BOs */
+};
+
+enum vramd_session_state {
+    VRAMD_STATE_UNSPECIFIED = 0,
+    VRAMD_STATE_OPEN = 1,
+    VRAMD_STATE_SEALED = 2,
+    VRAMD_STATE_DONE = 3,
+    VRAMD_STATE_FAILED = 4,
+    VRAMD_STATE_CANCELLED = 5,
+};
+
+struct vramd_progress {
+    uint32_t bos_total;
+    uint32_t bos_done;
+    uint64_t bytes_total;
+    uint64_t bytes_done;
+    uint64_t chunks_done;
+    double elapsed_s;
+};
+
+struct vramd_image_summary {
+    uint32_t bo_count;
+    uint32_t data_files;
+    uint64_t bo_bytes;
+    uint64_t stored_bytes;
+    uint64_t zero_bytes;
+    uint64_t chunk_size;
+    char compression[32];
+};
+
+/* A session as the daemon reports it (strings truncated to fit). */
+struct vramd_session_info {
+    uint64_t session_id;               /* for logs; not a credential */
+    int kind;                          /* enum vramd_session_kind */
+    int state;                         /* enum vramd_session_state */
+    uint32_t uid;
+    int32_t pid;
+    uint32_t holders;
+    char label[128];
+    struct vramd_progress progress;
+    bool has_image;
+    struct vramd_image_summary image;
+    struct vramd_error error;          /* why it failed or was cancelled; code OK otherwise */
+};
+
+struct vramd_open_args {
+    int kind;                          /* enum vramd_session_kind */
+    int dir_fd;                        /* the image directory, O_RDONLY|O_DIRECTORY; stays the caller's */
+    const char *compression;           /* dump: "none", "zstd", "zstd:LEVEL"; NULL or "": daemon default */
+    uint64_t chunk_size;               /* dump: bytes per chunk (multiple of 4 KiB); 0: daemon default */
+    const char *label;                 /* free-form, for logs; may be NULL */
+    bool allow_partial;                /* restore: image BOs may be left without a target */
+};
+
+/* Open a session; *token receives its token.  info may be NULL. */
+VRAMD_API int vramd_open_session(struct vramd_conn *conn, const struct vramd_open_args *args,
+                                 struct vramd_token *token, struct vramd_session_info *info, struct vramd_error *err);
+
+/* One BO.  Dump: where to read it and what to record; restore: where to write image BO `id`. */
+struct vramd_bo {
+    uint64_t id;
+    int fd;                            /* procmem: /proc/<pid>/mem; mmap/sdma: dmabuf, memfd, file; stays the caller's */
+    uint64_t offset;                   /* procmem: address in that process; else offset in the fd */
+    uint64_t size;                     /* dump: bytes; restore: ignored (the image has it) */
+    const char *backend;               /* "procmem", "mmap", "sdma"; NULL or "": chosen by the daemon from the fd */
+    bool has_gpu_id;
+    uint32_t gpu_id;                   /* dump: recorded (default 0); restore: lane (default: as saved) */
+    uint64_t alloc_flags;              /* dump: recorded */
+    uint64_t va_addr;                  /* dump: recorded */
+    const char *name;                  /* dump: recorded; may be NULL */
+};
+
+/*
+ * Give the session `n` BOs.  The list is split into as many AddBos messages
+ * as the negotiated limits need (bytes per message, fds per message, never
+ * more than 253 fds in one packet); each distinct fd is attached once per
+ * message.  Returns when the daemon has taken every message; info (may be
+ * NULL) is the last reply.  A failure part-way leaves the earlier messages
+ * taken (and, for a job error, fails the whole session: see the protocol).
+ */
+VRAMD_API int vramd_add_bos(struct vramd_conn *conn, const struct vramd_token *token, const struct vramd_bo *bos,
+                            size_t n, struct vramd_session_info *info, struct vramd_error *err);
+
+/* No more BOs: the session completes when every copy has landed. */
+VRAMD_API int vramd_start(struct vramd_conn *conn, const struct vramd_token *token, struct vramd_session_info *info,
+                          struct vramd_error *err);
+
+/* The session's state and progress.  Any call naming a token (this one
+ * included) makes this connection a holder of the session. */
+VRAMD_API int vramd_progress(struct vramd_conn *conn, const struct vramd_token *token,
+                             struct vramd_session_info *info, struct vramd_error *err);
+
+#define VRAMD_WAIT_FOREVER (-1)
+/*
+ * The barrier: returns 0 once the session has ended DONE (a dump's image is
+ * committed, a restore's bytes have landed and the daemon has closed its
+ * copies of the fds), or the session's error.  timeout_ms >= 0 bounds the
+ * wait: -ETIMEDOUT with err->code VRAMD_CODE_TIMEOUT if the session still
+ * runs then; the session goes on and the connection stays usable.  0 polls.
+ * info (may be NULL) is filled in every case where the daemon answered.
+ */
+VRAMD_API int vramd_wait(struct vramd_conn *conn, const struct vramd_token *token, int timeout_ms,
+                         struct vramd_session_info *info, struct vramd_error *err);
+
+/* Cancel a running session (no-op if it has ended).  reason may be NULL. */
+VRAMD_API int vramd_cancel(struct vramd_conn *conn, const struct vramd_token *token, const char *reason,
+                           struct vramd_session_info *info, struct vramd_error *err);
+
+/* End the session (cancelling it if it runs), close its fds, forget its token. */
+VRAMD_API int vramd_close_session(struct vramd_conn *conn, const struct vramd_token *token,
+                                  struct vramd_session_info *info, struct vramd_error *err);
+
+struct vramd_status {
+    char server[64];
+    uint32_t version;
+    double uptime_s;
+    uint32_t connections;
+    uint32_t sessions;
+    uint64_t staging_budget;
+    uint64_t staging_in_use;
+    bool draining;
+};
+VRAMD_API int vramd_status(struct vramd_conn *conn, struct vramd_status *status, struct vramd_error *err);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* VRAMD_CLIENT_H */

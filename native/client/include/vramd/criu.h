@@ -1,0 +1,148 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * libvramd's CRIU hook adapter: the few calls a CRIU device plugin (such as
+ * amdgpu) makes at each hook to have vramd move the BO contents.
+ * docs/criu-integration.md says which hook calls which.
+ *
+ *   dump, DUMP_EXT_FILE (CRIU's dumper, queues evicted):
+ *       vramd_criu_dump()            open, add, start, wait, close: returns
+ *                                    when the image is committed
+ *   restore, RESTORE_EXT_FILE (inside the restored task):
+ *       vramd_criu_restore_submit()  open, add, start: returns at once with
+ *                                    a ticket (pid + session token)
+ *       vramd_criu_table_publish() or vramd_criu_ticket_send()
+ *                                    hand the ticket to CRIU main
+ *   restore, RESUME_DEVICES_LATE (CRIU main, once per restored task):
+ *       vramd_criu_table_take() or vramd_criu_ticket_recv()
+ *       vramd_criu_restore_barrier() attach by token, wait, close
+ *
+ * The calls follow client.h's conventions: blocking, no threads, no signal
+ * handlers, no output, negative errno returns with *err filled, every fd
+ * created close-on-exec and at or above config.min_fd, caller's fds stay
+ * the caller's.
+ */
+#ifndef VRAMD_CRIU_H
+#define VRAMD_CRIU_H
+
+#include <sys/types.h>
+
+#include "vramd/client.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+struct vramd_criu_config {
+    const char *socket_path;  /* NULL: vramd_socket_path() */
+    int sock_fd;              /* >= 0: a connected vramd socket to use instead of connecting (see
+                                 vramd_connect_fd); the call takes it over and closes it. -1: connect */
+    int min_fd;               /* fds created go at or above this (e.g. CRIU's service fd floor); 0: anywhere */
+    int timeout_ms;           /* per-call reply bound (vramd_options.timeout_ms); 0: none */
+    int wait_timeout_ms;      /* bound on the barrier's wait; 0: as long as the copy takes */
+    const char *client_name;  /* for the daemon's logs; NULL: "libvramd" */
+    const char *backend;      /* for every BO: "sdma" for GPU BOs; NULL: the daemon picks from the fd */
+    const char *compression;  /* dump: NULL or "": the daemon's default */
+    uint64_t chunk_size;      /* dump: 0: the daemon's default */
+    const char *label;        /* for session lists and logs */
+    bool allow_partial;       /* restore: image BOs without a target are not an error */
+};
+
+/* Defaults: sock_fd -1, everything else 0 / NULL / false. */
+VRAMD_API void vramd_criu_config_init(struct vramd_criu_config *cfg);
+
+/* One BO as a KFD CRIU ioctl describes it. */
+struct vramd_criu_bo {
+    uint64_t id;              /* stable across dump and restore, e.g. the BO bucket's index */
+    int fd;                   /* the dmabuf fd from KFD_CRIU_OP_CHECKPOINT / _RESTORE; stays the caller's */
+    uint64_t offset;          /* offset in fd (0 for a dmabuf) */
+    uint64_t size;            /* dump: bytes; restore: ignored */
+    uint32_t gpu_id;          /* the user (checkpoint) gpu id */
+    uint64_t alloc_flags;     /* KFD_IOC_ALLOC_MEM_FLAGS_*, recorded */
+    uint64_t va_addr;         /* GPU virtual address, recorded */
+};
+
+/*
+ * Dump: copy every BO into a new image in dir_fd and return once the image
+ * is committed (or the first error; nothing is committed then).  The caller
+ * may close its BO fds when this returns: the daemon has closed its copies.
+ * info (may be NULL) receives the final session state (image summary).
+ */
+VRAMD_API int vramd_criu_dump(const struct vramd_criu_config *cfg, int dir_fd, const struct vramd_criu_bo *bos,
+                              size_t n, struct vramd_session_info *info, struct vramd_error *err);
+
+/* What CRIU main needs to find and wait for one restored task's copy. */
+struct vramd_criu_ticket {
+    int32_t pid;              /* the key CRIU main looks it up by (the pid RESUME_DEVICES_LATE gets) */
+    struct vramd_token token;
+};
+
+/*
+ * Restore, in the restored task: open a restore session on dir_fd, add the
+ * targets, start it and return at once, with the copy running in the
+ * daemon.  ticket->pid is set to `pid` (0: getpid()).  The connection is
+ * closed before returning: the session lives on for the daemon's grace
+ * period, so CRIU main must attach (vramd_criu_restore_attach or _barrier)
+ * within it, or the daemon reaps (cancels) the session.  On failure every
+ * session this call opened is closed (its copies stopped) before it
+ * returns, so the caller can fall back to copying by itself.
+ */
+VRAMD_API int vramd_criu_restore_submit(const struct vramd_criu_config *cfg, int dir_fd,
+                                        const struct vramd_criu_bo *bos, size_t n, pid_t pid,
+                                        struct vramd_criu_ticket *ticket, struct vramd_error *err);
+
+/*
+ * CRIU main: connect and present the ticket's token, which makes this
+ * connection a holder of the session (the grace period no longer runs).
+ * *conn is the caller's, for vramd_criu_restore_finish.
+ */
+VRAMD_API int vramd_criu_restore_attach(const struct vramd_criu_config *cfg, const struct vramd_criu_ticket *ticket,
+                                        struct vramd_conn **conn, struct vramd_error *err);
+
+/*
+ * CRIU main: the barrier on an attached connection.  Waits until every copy
+ * has landed (cfg->wait_timeout_ms bounds it; on expiry the session is
+ * cancelled), then closes the session.  0 when all bytes are in place.
+ * The connection stays the caller's.
+ */
+VRAMD_API int vramd_criu_restore_finish(const struct vramd_criu_config *cfg, struct vramd_conn *conn,
+                                        const struct vramd_criu_ticket *ticket, struct vramd_session_info *info,
+                                        struct vramd_error *err);
+
+/* attach + finish + close: the whole barrier for one restored task. */
+VRAMD_API int vramd_criu_restore_barrier(const struct vramd_criu_config *cfg, const struct vramd_criu_ticket *ticket,
+                                         struct vramd_session_info *info, struct vramd_error *err);
+
+/*
+ * Handing tickets to CRIU main, way 1: over a socket the caller provides
+ * (e.g. one end of a socketpair made before forking).  One 32-byte record
+ * per ticket; any socket type works (records are read whole).  Sends use
+ * MSG_NOSIGNAL; a non-socket fd is refused (-ENOTSOCK), since a write to a
+ * pipe could raise SIGPIPE.  recv waits up to timeout_ms (-1: no bound).
+ */
+VRAMD_API int vramd_criu_ticket_send(int sock, const struct vramd_criu_ticket *ticket, struct vramd_error *err);
+VRAMD_API int vramd_criu_ticket_recv(int sock, struct vramd_criu_ticket *ticket, int timeout_ms,
+                                     struct vramd_error *err);
+
+/*
+ * Way 2: a table in memory shared by CRIU main and every restored task
+ * (MAP_SHARED | MAP_ANONYMOUS, set up by CRIU main before it forks, as the
+ * amdgpu plugin already does for its dmabuf table).  Lock-free; any number
+ * of restored tasks publish concurrently; CRIU main takes each ticket once.
+ */
+struct vramd_criu_table;
+/* Bytes a table of `slots` tickets needs. */
+VRAMD_API size_t vramd_criu_table_size(unsigned slots);
+/* Format `mem` (len bytes, zeroed or not) as an empty table. */
+VRAMD_API int vramd_criu_table_init(void *mem, size_t len, unsigned slots, struct vramd_criu_table **table);
+/* -ENOSPC when every slot is used. */
+VRAMD_API int vramd_criu_table_publish(struct vramd_criu_table *table, const struct vramd_criu_ticket *ticket);
+/* The ticket published for pid, taken out of the table; -ENOENT if none. */
+VRAMD_API int vramd_criu_table_take(struct vramd_criu_table *table, int32_t pid, struct vramd_criu_ticket *ticket);
+/* Take any ticket not taken yet (CRIU main's "wait for all"); -ENOENT when none is left. */
+VRAMD_API int vramd_criu_table_take_any(struct vramd_criu_table *table, struct vramd_criu_ticket *ticket);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* VRAMD_CRIU_H */

@@ -1,0 +1,1153 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * libvramd: connections, framing, fd passing and the session calls.
+ * The wire format is docs/protocol.md; the messages come from rpc.proto
+ * through protoc-c (see native/client/meson.build).
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <poll.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "internal.h"
+#include "rpc.pb-c.h"
+
+typedef Vramd__Rpc__V1__Request Request;
+typedef Vramd__Rpc__V1__Response Response;
+typedef Vramd__Rpc__V1__SessionInfo PbSessionInfo;
+typedef Vramd__Rpc__V1__Bo PbBo;
+
+#define HEADER_SIZE 12
+#define FRAME_VERSION 1
+#define KIND_REQUEST 1
+#define KIND_RESPONSE 2
+#define DEFAULT_MAX_MESSAGE (1u << 20)   /* the daemon's default, used until Hello says otherwise */
+#define MIN_MAX_MESSAGE 4096u            /* the protocol's minimum for max_message_bytes */
+#define MAX_RX_MESSAGE (16u << 20)       /* the most this library ever receives in one packet */
+#define TARGET_MESSAGE_BYTES (64u << 10) /* what AddBos messages aim for, as the Python client */
+#define WAIT_SLACK_MS 5000               /* reply slack for a Wait with a timeout and no timeout_ms */
+#define MAX_BACKENDS 16
+#define FDMAP_SLOTS 512                  /* > 2 x 253: the fd -> index map of one message */
+
+struct vramd_conn {
+    int fd;
+    bool broken;
+    int timeout_ms;
+    uint64_t next_id;
+    uint32_t version;
+    char server[64];
+    struct vramd_limits limits;
+    char backends[MAX_BACKENDS][32];
+    unsigned n_backends;
+    uint8_t *tx;
+    size_t tx_cap;
+    uint8_t *rx;
+    size_t rx_cap;
+    /* AddBos scratch: message BOs, their pointers, the fd -> index map */
+    PbBo *bo_buf;
+    PbBo **bo_ptrs;
+    size_t bo_cap;
+    uint32_t fdmap_gen;
+    uint32_t fdmap_stamp[FDMAP_SLOTS];
+    int fdmap_fd[FDMAP_SLOTS];
+    uint16_t fdmap_index[FDMAP_SLOTS];
+};
+
+/* --- errors ---------------------------------------------------------------- */
+
+static const struct {
+    int code;
+    const char *name;
+    int errnum;
+} codes[] = {
+    {VRAMD_CODE_OK, "OK", 0},
+    {VRAMD_CODE_PROTOCOL_ERROR, "PROTOCOL_ERROR", EPROTO},
+    {VRAMD_CODE_PERMISSION_DENIED, "PERMISSION_DENIED", EACCES},
+    {VRAMD_CODE_NOT_FOUND, "NOT_FOUND", ENOENT},
+    {VRAMD_CODE_LIMIT_EXCEEDED, "LIMIT_EXCEEDED", E2BIG},
+    {VRAMD_CODE_SHUTTING_DOWN, "SHUTTING_DOWN", ESHUTDOWN},
+    {VRAMD_CODE_TIMEOUT, "TIMEOUT", ETIMEDOUT},
+    {VRAMD_CODE_INTERNAL, "INTERNAL", EREMOTEIO},
+    {VRAMD_CODE_UNSUPPORTED_PROTOCOL, "UNSUPPORTED_PROTOCOL", EPROTONOSUPPORT},
+    {VRAMD_CODE_JOB_ERROR, "JOB_ERROR", EIO},
+    {VRAMD_CODE_INVALID_REQUEST, "INVALID_REQUEST", EINVAL},
+    {VRAMD_CODE_CANCELLED, "CANCELLED", ECANCELED},
+    {VRAMD_CODE_INCOMPLETE_RESTORE, "INCOMPLETE_RESTORE", ENODATA},
+    {VRAMD_CODE_BACKEND_ERROR, "BACKEND_ERROR", EIO},
+    {VRAMD_CODE_UNMAPPED_RANGE, "UNMAPPED_RANGE", EFAULT},
+    {VRAMD_CODE_TARGET_TOO_SMALL, "TARGET_TOO_SMALL", ENOSPC},
+    {VRAMD_CODE_BAD_DESCRIPTOR, "BAD_DESCRIPTOR", EBADF},
+    {VRAMD_CODE_BACKEND_UNAVAILABLE, "BACKEND_UNAVAILABLE", EOPNOTSUPP},
+    {VRAMD_CODE_IMAGE_ERROR, "IMAGE_ERROR", EIO},
+    {VRAMD_CODE_MANIFEST_MISSING, "MANIFEST_MISSING", ENOMSG},
+    {VRAMD_CODE_UNSUPPORTED_VERSION, "UNSUPPORTED_VERSION", EOPNOTSUPP},
+    {VRAMD_CODE_CORRUPT_MANIFEST, "CORRUPT_MANIFEST", EBADMSG},
+    {VRAMD_CODE_CORRUPT_CHUNK, "CORRUPT_CHUNK", EBADMSG},
+    {VRAMD_CODE_TRUNCATED_DATA, "TRUNCATED_DATA", EBADMSG},
+    {VRAMD_CODE_FOREIGN_DATA_FILE, "FOREIGN_DATA_FILE", EBADMSG},
+    {VRAMD_CODE_TOPOLOGY_ERROR, "TOPOLOGY_ERROR", ENODEV},
+    {VRAMD_CODE_TOPOLOGY_MISMATCH, "TOPOLOGY_MISMATCH", ENODEV},
+    {VRAMD_CODE_VRAMD_ERROR, "VRAMD_ERROR", EREMOTEIO},
+};
+
+const char *vramd_code_name(int code)
+{
+    if (code == VRAMD_CODE_LOCAL)
+        return "LOCAL";
+    for (size_t i = 0; i < sizeof codes / sizeof codes[0]; i++)
+        if (codes[i].code == code)
+            return codes[i].name;
+    return "UNKNOWN";
+}
+
+int vramd_code_errno(int code)
+{
+    for (size_t i = 0; i < sizeof codes / sizeof codes[0]; i++)
+        if (codes[i].code == code)
+            return -codes[i].errnum;
+    return -EREMOTEIO;
+}
+
+const char *vramd_strerror(int ret)
+{
+    if (ret >= 0)
+        return "success";
+    switch (-ret) {
+    case ETIME:
+        return "no reply from vramd in time (the connection is closed)";
+    case ETIMEDOUT:
+        return "the session still runs (Wait timed out)";
+    case ENOTCONN:
+        return "the connection to vramd is broken";
+    case ECONNRESET:
+        return "vramd closed the connection";
+    case EPROTO:
+        return "vramd protocol error";
+    case EREMOTEIO:
+        return "vramd reported an internal or unknown error";
+    default: {
+        const char *s = strerrordesc_np(-ret);
+        return s ? s : "unknown error";
+    }
+    }
+}
+
+void vramd__clear_error(struct vramd_error *err)
+{
+    if (err)
+        memset(err, 0, sizeof *err);
+}
+
+static void one_line(char *s)
+{
+    for (; *s; s++)
+        if (*s == '\n' || *s == '\r')
+            *s = ' ';
+}
+
+int vramd__fail(struct vramd_error *err, int errnum, int code, const char *fmt, ...)
+{
+    if (err) {
+        va_list ap;
+        memset(err, 0, sizeof *err);
+        err->errnum = errnum;
+        err->code = code;
+        va_start(ap, fmt);
+        vsnprintf(err->message, sizeof err->message, fmt, ap);
+        va_end(ap);
+        one_line(err->message);
+    }
+    return errnum;
+}
+
+static int fail_errno(struct vramd_error *err, int e, const char *what)
+{
+    return vramd__fail(err, -e, VRAMD_CODE_LOCAL, "%s: %s", what, strerrordesc_np(e) ? strerrordesc_np(e) : "error");
+}
+
+static void copy_str(char *dst, size_t size, const char *src)
+{
+    if (!src)
+        src = "";
+    size_t n = strnlen(src, size - 1);
+    memcpy(dst, src, n);
+    dst[n] = '\0';
+}
+
+static int error_from_pb(struct vramd_error *err, const Vramd__Rpc__V1__Error *e)
+{
+    int errnum = vramd_code_errno(e->code);
+    if (err) {
+        memset(err, 0, sizeof *err);
+        err->errnum = errnum;
+        err->code = e->code;
+        copy_str(err->message, sizeof err->message, e->message);
+        one_line(err->message);
+        err->has_bo_id = e->has_bo_id;
+        err->bo_id = e->bo_id;
+        err->has_offset = e->has_offset;
+        err->offset = e->offset;
+    }
+    return errnum;
+}
+
+/* --- fds ------------------------------------------------------------------- */
+
+void vramd__close_fd(int fd)
+{
+    if (fd < 0)
+        return;
+    int saved = errno;
+    (void)close(fd); /* Linux releases the fd even on EINTR: never retry */
+    errno = saved;
+}
+
+int vramd__place_fd(int fd, int min_fd)
+{
+    if (min_fd <= 0 || fd >= min_fd)
+        return fd;
+    int nfd = fcntl(fd, F_DUPFD_CLOEXEC, min_fd);
+    int e = errno;
+    vramd__close_fd(fd);
+    return nfd < 0 ? -e : nfd;
+}
+
+static int64_t now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* Wait for `events` on fd until deadline (-1: none).  0 ready, -ETIME, or -errno. */
+static int wait_fd(int fd, short events, int64_t deadline)
+{
+    for (;;) {
+        int t = -1;
+        if (deadline >= 0) {
+            int64_t left = deadline - now_ms();
+            if (left <= 0)
+                return -ETIME;
+            t = left > INT_MAX ? INT_MAX : (int)left;
+        }
+        struct pollfd p = {.fd = fd, .events = events};
+        int r = poll(&p, 1, t);
+        if (r > 0)
+            return 0; /* readable, writable, or POLLHUP/POLLERR: the next call says which */
+        if (r == 0)
+            continue; /* re-check the deadline */
+        if (errno != EINTR)
+            return -errno;
+    }
+}
+
+/* --- options, paths -------------------------------------------------------- */
+
+void vramd_options_init(struct vramd_options *opts)
+{
+    if (opts)
+        memset(opts, 0, sizeof *opts);
+}
+
+int vramd_socket_path(char *buf, size_t size)
+{
+    char mine[PATH_MAX];
+    const char *env = getenv("VRAMD_SOCKET");
+    const char *path;
+    int n;
+
+    if (env && *env) {
+        path = env;
+    } else {
+        const char *xdg = getenv("XDG_RUNTIME_DIR");
+        if (xdg && *xdg)
+            n = snprintf(mine, sizeof mine, "%s/vramd/vramd.sock", xdg);
+        else
+            n = snprintf(mine, sizeof mine, "/tmp/vramd-%u/vramd.sock", (unsigned)getuid());
+        if (n < 0 || (size_t)n >= sizeof mine)
+            return -ENAMETOOLONG;
+        struct stat st;
+        if (stat(mine, &st) == 0 || stat(VRAMD_SYSTEM_SOCKET, &st) != 0)
+            path = mine;
+        else
+            path = VRAMD_SYSTEM_SOCKET;
+    }
+    size_t len = strlen(path);
+    if (!buf || len >= size)
+        return -ENAMETOOLONG;
+    memcpy(buf, path, len + 1);
+    return (int)len;
+}
+
+/* --- connection ------------------------------------------------------------ */
+
+static void mark_broken(struct vramd_conn *c)
+{
+    if (c->fd >= 0)
+        vramd__close_fd(c->fd);
+    c->fd = -1;
+    c->broken = true;
+}
+
+static int ensure_buf(uint8_t **buf, size_t *cap, size_t need)
+{
+    if (*cap >= need)
+        return 0;
+    uint8_t *p = realloc(*buf, need);
+    if (!p)
+        return -ENOMEM;
+    *buf = p;
+    *cap = need;
+    return 0;
+}
+
+static uint32_t max_message(const struct vramd_conn *c)
+{
+    uint32_t m = c->limits.max_message_bytes ? c->limits.max_message_bytes : DEFAULT_MAX_MESSAGE;
+    return m > MAX_RX_MESSAGE ? MAX_RX_MESSAGE : m;
+}
+
+/* The largest reply accepted: replies are not bound by max_message_bytes (a GetStatus
+ * carries the metrics text), so at least the protocol's default, at most MAX_RX_MESSAGE. */
+static size_t max_reply(const struct vramd_conn *c)
+{
+    uint32_t m = max_message(c);
+    return m < DEFAULT_MAX_MESSAGE ? DEFAULT_MAX_MESSAGE : m;
+}
+
+static void put_le32(uint8_t *p, uint32_t v)
+{
+    p[0] = (uint8_t)v;
+    p[1] = (uint8_t)(v >> 8);
+    p[2] = (uint8_t)(v >> 16);
+    p[3] = (uint8_t)(v >> 24);
+}
+
+static uint32_t get_le32(const uint8_t *p)
+{
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+/* Close every fd that came with a packet: the daemon never sends any. */
+static void close_received_fds(struct msghdr *msg)
+{
+    for (struct cmsghdr *cm = CMSG_FIRSTHDR(msg); cm; cm = CMSG_NXTHDR(msg, cm)) {
+        if (cm->cmsg_level != SOL_SOCKET || cm->cmsg_type != SCM_RIGHTS)
+            continue;
+        size_t n = (cm->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+        const unsigned char *data = CMSG_DATA(cm);
+        for (size_t i = 0; i < n; i++) {
+            int fd;
+            memcpy(&fd, data + i * sizeof fd, sizeof fd);
+            vramd__close_fd(fd);
+        }
+    }
+}
+
+/*
+ * Send one request with `nfds` fds attached and receive its response.
+ * reply_ms: how long to wait for the reply (-1: as long as it takes).
+ * Returns 0 or a negative code; *out is set whenever a response was decoded,
+ * error replies included (the caller frees it).
+ */
+static int call(struct vramd_conn *c, Request *req, const int *fds, size_t nfds, int reply_ms, Response **out,
+                struct vramd_error *err)
+{
+    *out = NULL;
+    if (c->broken || c->fd < 0)
+        return vramd__fail(err, -ENOTCONN, VRAMD_CODE_LOCAL, "the connection to vramd is broken");
+    if (nfds > VRAMD_SCM_MAX_FD)
+        return vramd__fail(err, -E2BIG, VRAMD_CODE_LOCAL, "%zu fds in one message (at most %d)", nfds,
+                           VRAMD_SCM_MAX_FD);
+
+    req->has_id = 1;
+    req->id = c->next_id++;
+    size_t body = protobuf_c_message_get_packed_size(&req->base);
+    uint32_t limit = max_message(c);
+    if (body > limit - HEADER_SIZE)
+        return vramd__fail(err, -E2BIG, VRAMD_CODE_LOCAL, "request of %zu bytes exceeds the daemon's %u-byte limit",
+                           body + HEADER_SIZE, limit);
+    if (ensure_buf(&c->tx, &c->tx_cap, HEADER_SIZE + body) < 0)
+        return fail_errno(err, ENOMEM, "request buffer");
+    memcpy(c->tx, "VRDP", 4);
+    c->tx[4] = FRAME_VERSION;
+    c->tx[5] = KIND_REQUEST;
+    c->tx[6] = c->tx[7] = 0;
+    put_le32(c->tx + 8, (uint32_t)body);
+    if (protobuf_c_message_pack(&req->base, c->tx + HEADER_SIZE) != body)
+        return vramd__fail(err, -EPROTO, VRAMD_CODE_LOCAL, "protobuf-c packed a different size than it measured");
+
+    union {
+        char buf[CMSG_SPACE(sizeof(int) * VRAMD_SCM_MAX_FD)];
+        struct cmsghdr align;
+    } ctl;
+    struct iovec iov = {.iov_base = c->tx, .iov_len = HEADER_SIZE + body};
+    struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1};
+    if (nfds) {
+        memset(ctl.buf, 0, CMSG_SPACE(sizeof(int) * nfds));
+        msg.msg_control = ctl.buf;
+        msg.msg_controllen = CMSG_SPACE(sizeof(int) * nfds);
+        struct cmsghdr *cm = CMSG_FIRSTHDR(&msg);
+        cm->cmsg_level = SOL_SOCKET;
+        cm->cmsg_type = SCM_RIGHTS;
+        cm->cmsg_len = CMSG_LEN(sizeof(int) * nfds);
+        memcpy(CMSG_DATA(cm), fds, sizeof(int) * nfds);
+    }
+
+    int64_t deadline = c->timeout_ms > 0 ? now_ms() + c->timeout_ms : -1;
+    for (;;) {
+        ssize_t n = sendmsg(c->fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (n >= 0) {
+            if ((size_t)n != iov.iov_len) { /* impossible on SEQPACKET; never trust the rest of the stream */
+                mark_broken(c);
+                return vramd__fail(err, -EPROTO, VRAMD_CODE_LOCAL, "short send (%zd of %zu bytes)", n, iov.iov_len);
+            }
+            break;
+        }
+        int e = errno;
+        if (e == EINTR)
+            continue;
+        if (e == EAGAIN || e == EWOULDBLOCK) {
+            int r = wait_fd(c->fd, POLLOUT, deadline);
+            if (r == -ETIME) {
+                mark_broken(c);
+                return vramd__fail(err, -ETIME, VRAMD_CODE_LOCAL, "vramd took no request for %d ms; connection closed",
+                                   c->timeout_ms);
+            }
+            if (r < 0) {
+                mark_broken(c);
+                return fail_errno(err, -r, "poll on the vramd socket");
+            }
+            continue;
+        }
+        if (e == EBADF || e == EMSGSIZE || e == ENOMEM || e == ENOBUFS || e == ETOOMANYREFS)
+            /* nothing was sent: the connection is still in step */
+            return fail_errno(err, e, e == EBADF ? "sending the request: an fd passed to vramd is not open"
+                                                 : "sending the request to vramd");
+        mark_broken(c);
+        return fail_errno(err, e == EPIPE ? ECONNRESET : e, "sending the request to vramd");
+    }
+
+    /* receive */
+    size_t rx_need = max_reply(c) + 1;
+    if (ensure_buf(&c->rx, &c->rx_cap, rx_need) < 0) {
+        mark_broken(c);
+        return fail_errno(err, ENOMEM, "reply buffer");
+    }
+    int64_t rdeadline = reply_ms >= 0 ? now_ms() + reply_ms : -1;
+    ssize_t got;
+    struct msghdr rmsg;
+    for (;;) {
+        union {
+            char buf[CMSG_SPACE(sizeof(int) * 8)];
+            struct cmsghdr align;
+        } rctl;
+        struct iovec riov = {.iov_base = c->rx, .iov_len = c->rx_cap};
+        memset(&rmsg, 0, sizeof rmsg);
+        rmsg.msg_iov = &riov;
+        rmsg.msg_iovlen = 1;
+        rmsg.msg_control = rctl.buf;
+        rmsg.msg_controllen = sizeof rctl.buf;
+        got = recvmsg(c->fd, &rmsg, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
+        if (got >= 0) {
+            close_received_fds(&rmsg);
+            break;
+        }
+        int e = errno;
+        if (e == EINTR)
+            continue;
+        if (e == EAGAIN || e == EWOULDBLOCK) {
+            int r = wait_fd(c->fd, POLLIN, rdeadline);
+            if (r == -ETIME) {
+                mark_broken(c);
+                return vramd__fail(err, -ETIME, VRAMD_CODE_LOCAL, "no reply from vramd in %d ms; connection closed",
+                                   reply_ms);
+            }
+            if (r < 0) {
+                mark_broken(c);
+                return fail_errno(err, -r, "poll on the vramd socket");
+            }
+            continue;
+        }
+        mark_broken(c);
+        return fail_errno(err, e == EPIPE ? ECONNRESET : e, "receiving the reply from vramd");
+    }
+    if (got == 0) {
+        mark_broken(c);
+        return vramd__fail(err, -ECONNRESET, VRAMD_CODE_LOCAL, "vramd closed the connection");
+    }
+    if (rmsg.msg_flags & (MSG_TRUNC | MSG_CTRUNC) || (size_t)got > max_reply(c)) {
+        mark_broken(c);
+        return vramd__fail(err, -EPROTO, VRAMD_CODE_PROTOCOL_ERROR, "reply from vramd truncated (%zd bytes%s)", got,
+                           rmsg.msg_flags & MSG_CTRUNC ? ", unexpected fds" : "");
+    }
+    const uint8_t *p = c->rx;
+    if ((size_t)got < HEADER_SIZE || memcmp(p, "VRDP", 4) != 0 || p[4] != FRAME_VERSION || p[5] != KIND_RESPONSE ||
+        p[6] || p[7] || get_le32(p + 8) != (uint32_t)(got - HEADER_SIZE)) {
+        mark_broken(c);
+        return vramd__fail(err, -EPROTO, VRAMD_CODE_PROTOCOL_ERROR, "bad frame header in a reply from vramd");
+    }
+    Response *resp = vramd__rpc__v1__response__unpack(NULL, (size_t)got - HEADER_SIZE, p + HEADER_SIZE);
+    if (!resp) {
+        mark_broken(c);
+        return vramd__fail(err, -EPROTO, VRAMD_CODE_PROTOCOL_ERROR, "undecodable reply from vramd");
+    }
+    uint64_t rid = resp->has_id ? resp->id : 0;
+    int code = resp->error ? resp->error->code : VRAMD_CODE_OK;
+    if (rid == 0 && code != VRAMD_CODE_OK) {
+        /* the daemon's connection-level refusal or protocol error: it closes the connection */
+        int r = error_from_pb(err, resp->error);
+        vramd__rpc__v1__response__free_unpacked(resp, NULL);
+        mark_broken(c);
+        return r;
+    }
+    if (rid != req->id) {
+        vramd__rpc__v1__response__free_unpacked(resp, NULL);
+        mark_broken(c);
+        return vramd__fail(err, -EPROTO, VRAMD_CODE_PROTOCOL_ERROR, "reply for request %llu, expected %llu",
+                           (unsigned long long)rid, (unsigned long long)req->id);
+    }
+    *out = resp;
+    if (code != VRAMD_CODE_OK)
+        return error_from_pb(err, resp->error);
+    return 0;
+}
+
+static void free_response(Response *resp)
+{
+    if (resp)
+        vramd__rpc__v1__response__free_unpacked(resp, NULL);
+}
+
+static int hello(struct vramd_conn *c, const char *name, struct vramd_error *err)
+{
+    uint32_t versions[] = {VRAMD_PROTOCOL_VERSION};
+    char client[96];
+    snprintf(client, sizeof client, "%s", name && *name ? name : "libvramd " VRAMD_VERSION_STRING);
+    Vramd__Rpc__V1__Hello h = VRAMD__RPC__V1__HELLO__INIT;
+    h.n_versions = 1;
+    h.versions = versions;
+    h.client = client;
+    Request req = VRAMD__RPC__V1__REQUEST__INIT;
+    req.body_case = VRAMD__RPC__V1__REQUEST__BODY_HELLO;
+    req.hello = &h;
+    Response *resp;
+    int r = call(c, &req, NULL, 0, c->timeout_ms > 0 ? c->timeout_ms : -1, &resp, err);
+    if (r < 0) {
+        free_response(resp);
+        return r;
+    }
+    if (resp->body_case != VRAMD__RPC__V1__RESPONSE__BODY_HELLO || !resp->hello) {
+        free_response(resp);
+        mark_broken(c);
+        return vramd__fail(err, -EPROTO, VRAMD_CODE_PROTOCOL_ERROR, "Hello answered without a HelloReply");
+    }
+    const Vramd__Rpc__V1__HelloReply *hr = resp->hello;
+    if (hr->version != VRAMD_PROTOCOL_VERSION) {
+        uint32_t v = hr->version;
+        free_response(resp);
+        mark_broken(c);
+        return vramd__fail(err, -EPROTONOSUPPORT, VRAMD_CODE_UNSUPPORTED_PROTOCOL,
+                           "vramd chose protocol version %u, which this library does not speak", v);
+    }
+    c->version = hr->version;
+    copy_str(c->server, sizeof c->server, hr->server);
+    if (hr->limits) {
+        const Vramd__Rpc__V1__Limits *l = hr->limits;
+        c->limits.max_message_bytes = l->max_message_bytes;
+        c->limits.max_fds_per_message = l->max_fds_per_message;
+        c->limits.max_bos_per_session = l->max_bos_per_session;
+        c->limits.max_sessions_per_uid = l->max_sessions_per_uid;
+        c->limits.max_fds_per_session = l->max_fds_per_session;
+    }
+    if (!c->limits.max_message_bytes)
+        c->limits.max_message_bytes = DEFAULT_MAX_MESSAGE;
+    if (c->limits.max_message_bytes < MIN_MAX_MESSAGE) {
+        uint32_t m = c->limits.max_message_bytes;
+        free_response(resp);
+        mark_broken(c);
+        return vramd__fail(err, -EPROTO, VRAMD_CODE_PROTOCOL_ERROR, "vramd's max_message_bytes %u is below %u", m,
+                           MIN_MAX_MESSAGE);
+    }
+    if (!c->limits.max_fds_per_message || c->limits.max_fds_per_message > VRAMD_SCM_MAX_FD)
+        c->limits.max_fds_per_message = VRAMD_SCM_MAX_FD;
+    c->n_backends = 0;
+    for (size_t i = 0; i < hr->n_backends && c->n_backends < MAX_BACKENDS; i++) {
+        const Vramd__Rpc__V1__BackendInfo *b = hr->backends[i];
+        if (b && b->has_available && b->available && b->name)
+            copy_str(c->backends[c->n_backends++], sizeof c->backends[0], b->name);
+    }
+    free_response(resp);
+    return 0;
+}
+
+static int conn_new(struct vramd_conn **out, int fd, const struct vramd_options *opts, struct vramd_error *err)
+{
+    struct vramd_conn *c = calloc(1, sizeof *c);
+    if (!c) {
+        vramd__close_fd(fd);
+        return fail_errno(err, ENOMEM, "connection");
+    }
+    c->fd = fd;
+    c->next_id = 1;
+    c->timeout_ms = opts && opts->timeout_ms > 0 ? opts->timeout_ms : 0;
+    int r = hello(c, opts ? opts->client_name : NULL, err);
+    if (r < 0) {
+        vramd_close(c);
+        return r;
+    }
+    *out = c;
+    return 0;
+}
+
+int vramd_connect_path(struct vramd_conn **out, const char *path, const struct vramd_options *opts,
+                       struct vramd_error *err)
+{
+    vramd__clear_error(err);
+    if (!out || !path)
+        return vramd__fail(err, -EINVAL, VRAMD_CODE_LOCAL, "vramd_connect_path: NULL argument");
+    *out = NULL;
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    size_t len = strlen(path);
+    if (len == 0 || len >= sizeof sa.sun_path)
+        return vramd__fail(err, -ENAMETOOLONG, VRAMD_CODE_LOCAL, "socket path of %zu bytes (at most %zu)", len,
+                           sizeof sa.sun_path - 1);
+    memcpy(sa.sun_path, path, len + 1);
+
+    int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    if (fd < 0)
+        return fail_errno(err, errno, "socket(AF_UNIX, SOCK_SEQPACKET)");
+    int min_fd = opts ? opts->min_fd : 0;
+    fd = vramd__place_fd(fd, min_fd);
+    if (fd < 0)
+        return vramd__fail(err, fd, VRAMD_CODE_LOCAL, "cannot place the socket at fd >= %d: %s", min_fd,
+                           vramd_strerror(fd));
+    int timeout_ms = opts && opts->timeout_ms > 0 ? opts->timeout_ms : 0;
+    if (timeout_ms) { /* bounds connect() when the daemon's backlog is full */
+        struct timeval tv = {.tv_sec = timeout_ms / 1000, .tv_usec = (timeout_ms % 1000) * 1000};
+        if (setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv) < 0) {
+            int e = errno;
+            vramd__close_fd(fd);
+            return fail_errno(err, e, "setsockopt(SO_SNDTIMEO)");
+        }
+    }
+    int r;
+    do
+        r = connect(fd, (struct sockaddr *)&sa, (socklen_t)(offsetof(struct sockaddr_un, sun_path) + len + 1));
+    while (r < 0 && errno == EINTR);
+    if (r < 0) {
+        int e = errno;
+        vramd__close_fd(fd);
+        if (e == EAGAIN)
+            return vramd__fail(err, -ETIME, VRAMD_CODE_LOCAL, "cannot connect to vramd at %s: no room in its backlog "
+                               "within %d ms", path, timeout_ms);
+        return vramd__fail(err, -e, VRAMD_CODE_LOCAL, "cannot connect to vramd at %s: %s", path,
+                           strerrordesc_np(e) ? strerrordesc_np(e) : "error");
+    }
+    if (timeout_ms) {
+        struct timeval tv = {0};
+        if (setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv) < 0) {
+            int e = errno;
+            vramd__close_fd(fd);
+            return fail_errno(err, e, "setsockopt(SO_SNDTIMEO)");
+        }
+    }
+    return conn_new(out, fd, opts, err);
+}
+
+int vramd_connect(struct vramd_conn **out, const struct vramd_options *opts, struct vramd_error *err)
+{
+    char path[sizeof(((struct sockaddr_un *)0)->sun_path)];
+    vramd__clear_error(err);
+    if (out)
+        *out = NULL;
+    int r = vramd_socket_path(path, sizeof path);
+    if (r < 0)
+        return vramd__fail(err, r, VRAMD_CODE_LOCAL, "the vramd socket path is too long for a unix socket");
+    return vramd_connect_path(out, path, opts, err);
+}
+
+int vramd_connect_fd(struct vramd_conn **out, int fd, const struct vramd_options *opts, struct vramd_error *err)
+{
+    vramd__clear_error(err);
+    if (!out) {
+        vramd__close_fd(fd);
+        return vramd__fail(err, -EINVAL, VRAMD_CODE_LOCAL, "vramd_connect_fd: NULL argument");
+    }
+    *out = NULL;
+    if (fd < 0)
+        return vramd__fail(err, -EBADF, VRAMD_CODE_LOCAL, "vramd_connect_fd: fd %d", fd);
+    int type = 0, domain = 0;
+    socklen_t tl = sizeof type, dl = sizeof domain;
+    if (getsockopt(fd, SOL_SOCKET, SO_TYPE, &type, &tl) < 0 || getsockopt(fd, SOL_SOCKET, SO_DOMAIN, &domain, &dl) < 0) {
+        int e = errno;
+        if (e != EBADF)
+            vramd__close_fd(fd);
+        return fail_errno(err, e, "vramd_connect_fd: not a socket");
+    }
+    if (type != SOCK_SEQPACKET || domain != AF_UNIX) {
+        vramd__close_fd(fd);
+        return vramd__fail(err, -EPROTOTYPE, VRAMD_CODE_LOCAL, "vramd_connect_fd: not an AF_UNIX SOCK_SEQPACKET socket");
+    }
+    int flags = fcntl(fd, F_GETFD);
+    if (flags < 0 || fcntl(fd, F_SETFD, flags | FD_CLOEXEC) < 0) {
+        int e = errno;
+        vramd__close_fd(fd);
+        return fail_errno(err, e, "fcntl(FD_CLOEXEC)");
+    }
+    return conn_new(out, fd, opts, err);
+}
+
+void vramd_close(struct vramd_conn *c)
+{
+    if (!c)
+        return;
+    if (c->fd >= 0)
+        vramd__close_fd(c->fd);
+    free(c->tx);
+    free(c->rx);
+    free(c->bo_buf);
+    free(c->bo_ptrs);
+    free(c);
+}
+
+int vramd_conn_fd(const struct vramd_conn *c)
+{
+    return c && !c->broken ? c->fd : -1;
+}
+
+bool vramd_conn_broken(const struct vramd_conn *c)
+{
+    return !c || c->broken;
+}
+
+uint32_t vramd_conn_version(const struct vramd_conn *c)
+{
+    return c ? c->version : 0;
+}
+
+const char *vramd_conn_server(const struct vramd_conn *c)
+{
+    return c ? c->server : "";
+}
+
+const struct vramd_limits *vramd_conn_limits(const struct vramd_conn *c)
+{
+    return c ? &c->limits : NULL;
+}
+
+bool vramd_conn_has_backend(const struct vramd_conn *c, const char *name)
+{
+    if (!c || !name)
+        return false;
+    for (unsigned i = 0; i < c->n_backends; i++)
+        if (strcmp(c->backends[i], name) == 0)
+            return true;
+    return false;
+}
+
+/* --- tokens ---------------------------------------------------------------- */
+
+void vramd_token_format(const struct vramd_token *t, char out[VRAMD_TOKEN_STRLEN + 1])
+{
+    static const char hex[] = "0123456789abcdef";
+    for (int i = 0; i < VRAMD_TOKEN_BYTES; i++) {
+        out[2 * i] = hex[t->bytes[i] >> 4];
+        out[2 * i + 1] = hex[t->bytes[i] & 15];
+    }
+    out[VRAMD_TOKEN_STRLEN] = '\0';
+}
+
+static int hexval(char ch)
+{
+    if (ch >= '0' && ch <= '9')
+        return ch - '0';
+    if (ch >= 'a' && ch <= 'f')
+        return ch - 'a' + 10;
+    if (ch >= 'A' && ch <= 'F')
+        return ch - 'A' + 10;
+    return -1;
+}
+
+int vramd_token_parse(const char *text, struct vramd_token *t)
+{
+    if (!text || !t || strnlen(text, VRAMD_TOKEN_STRLEN + 1) != VRAMD_TOKEN_STRLEN)
+        return -EINVAL;
+    struct vramd_token tmp;
+    for (int i = 0; i < VRAMD_TOKEN_BYTES; i++) {
+        int hi = hexval(text[2 * i]), lo = hexval(text[2 * i + 1]);
+        if (hi < 0 || lo < 0)
+            return -EINVAL;
+        tmp.bytes[i] = (uint8_t)(hi << 4 | lo);
+    }
+    *t = tmp;
+    return 0;
+}
+
+/* --- sessions -------------------------------------------------------------- */
+
+static void info_from_pb(struct vramd_session_info *info, const PbSessionInfo *s)
+{
+    if (!info || !s)
+        return;
+    memset(info, 0, sizeof *info);
+    info->session_id = s->session_id;
+    info->kind = s->kind;
+    info->state = s->state;
+    info->uid = s->uid;
+    info->pid = s->pid;
+    info->holders = s->holders;
+    copy_str(info->label, sizeof info->label, s->label);
+    if (s->progress) {
+        info->progress.bos_total = s->progress->bos_total;
+        info->progress.bos_done = s->progress->bos_done;
+        info->progress.bytes_total = s->progress->bytes_total;
+        info->progress.bytes_done = s->progress->bytes_done;
+        info->progress.chunks_done = s->progress->chunks_done;
+        info->progress.elapsed_s = s->progress->elapsed_s;
+    }
+    if (s->image) {
+        info->has_image = true;
+        info->image.bo_count = s->image->bo_count;
+        info->image.data_files = s->image->data_files;
+        info->image.bo_bytes = s->image->bo_bytes;
+        info->image.stored_bytes = s->image->stored_bytes;
+        info->image.zero_bytes = s->image->zero_bytes;
+        info->image.chunk_size = s->image->chunk_size;
+        copy_str(info->image.compression, sizeof info->image.compression, s->image->compression);
+    }
+    if (s->error && (int)s->error->code != VRAMD_CODE_OK)
+        error_from_pb(&info->error, s->error);
+}
+
+/* A call whose reply body is a SessionInfo (also on error, when the daemon sends one). */
+static int session_call(struct vramd_conn *c, Request *req, const int *fds, size_t nfds, int reply_ms,
+                        struct vramd_session_info *info, PbSessionInfo **keep, Response **keep_resp,
+                        struct vramd_error *err)
+{
+    Response *resp;
+    if (info)
+        memset(info, 0, sizeof *info);
+    int r = call(c, req, fds, nfds, reply_ms, &resp, err);
+    if (!resp)
+        return r;
+    bool has_body = resp->body_case == VRAMD__RPC__V1__RESPONSE__BODY_SESSION && resp->session;
+    if (r == 0 && !has_body) {
+        free_response(resp);
+        mark_broken(c);
+        return vramd__fail(err, -EPROTO, VRAMD_CODE_PROTOCOL_ERROR, "reply without the SessionInfo it must carry");
+    }
+    if (has_body)
+        info_from_pb(info, resp->session);
+    if (keep && has_body) {
+        *keep = resp->session;
+        *keep_resp = resp;
+        return r;
+    }
+    free_response(resp);
+    return r;
+}
+
+static int reply_ms(const struct vramd_conn *c)
+{
+    return c->timeout_ms > 0 ? c->timeout_ms : -1;
+}
+
+int vramd_open_session(struct vramd_conn *c, const struct vramd_open_args *a, struct vramd_token *token,
+                       struct vramd_session_info *info, struct vramd_error *err)
+{
+    vramd__clear_error(err);
+    if (!c || !a || !token)
+        return vramd__fail(err, -EINVAL, VRAMD_CODE_LOCAL, "vramd_open_session: NULL argument");
+    if (a->dir_fd < 0)
+        return vramd__fail(err, -EBADF, VRAMD_CODE_LOCAL, "image directory fd %d", a->dir_fd);
+    Vramd__Rpc__V1__OpenSession o = VRAMD__RPC__V1__OPEN_SESSION__INIT;
+    o.has_kind = 1;
+    o.kind = (Vramd__Rpc__V1__SessionKind)a->kind;
+    o.has_dir_fd_index = 1;
+    o.dir_fd_index = 0;
+    o.compression = a->compression && *a->compression ? (char *)a->compression : NULL;
+    o.has_chunk_size = a->chunk_size != 0;
+    o.chunk_size = a->chunk_size;
+    o.label = a->label && *a->label ? (char *)a->label : NULL;
+    o.has_allow_partial = a->allow_partial;
+    o.allow_partial = a->allow_partial;
+    Request req = VRAMD__RPC__V1__REQUEST__INIT;
+    req.body_case = VRAMD__RPC__V1__REQUEST__BODY_OPEN_SESSION;
+    req.open_session = &o;
+    PbSessionInfo *s = NULL;
+    Response *resp = NULL;
+    int r = session_call(c, &req, &a->dir_fd, 1, reply_ms(c), info, &s, &resp, err);
+    if (r < 0) {
+        free_response(resp);
+        return r;
+    }
+    r = vramd_token_parse(s->token, token);
+    bool lower = s->token && strspn(s->token, "0123456789abcdef") == VRAMD_TOKEN_STRLEN;
+    free_response(resp);
+    if (r < 0 || !lower) {
+        mark_broken(c);
+        return vramd__fail(err, -EPROTO, VRAMD_CODE_PROTOCOL_ERROR, "OpenSession reply without a valid token");
+    }
+    return 0;
+}
+
+/* A request whose body names only the token: Start, GetProgress, CloseSession. */
+static int token_call(struct vramd_conn *c, const struct vramd_token *t, int which, struct vramd_session_info *info,
+                      struct vramd_error *err)
+{
+    vramd__clear_error(err);
+    if (!c || !t)
+        return vramd__fail(err, -EINVAL, VRAMD_CODE_LOCAL, "NULL argument");
+    char tok[VRAMD_TOKEN_STRLEN + 1];
+    vramd_token_format(t, tok);
+    Request req = VRAMD__RPC__V1__REQUEST__INIT;
+    Vramd__Rpc__V1__Start start = VRAMD__RPC__V1__START__INIT;
+    Vramd__Rpc__V1__GetProgress prog = VRAMD__RPC__V1__GET_PROGRESS__INIT;
+    Vramd__Rpc__V1__CloseSession cs = VRAMD__RPC__V1__CLOSE_SESSION__INIT;
+    req.body_case = (Vramd__Rpc__V1__Request__BodyCase)which;
+    switch (which) {
+    case VRAMD__RPC__V1__REQUEST__BODY_START:
+        start.token = tok;
+        req.start = &start;
+        break;
+    case VRAMD__RPC__V1__REQUEST__BODY_GET_PROGRESS:
+        prog.token = tok;
+        req.get_progress = &prog;
+        break;
+    default:
+        cs.token = tok;
+        req.close_session = &cs;
+        break;
+    }
+    return session_call(c, &req, NULL, 0, reply_ms(c), info, NULL, NULL, err);
+}
+
+int vramd_start(struct vramd_conn *c, const struct vramd_token *t, struct vramd_session_info *info,
+                struct vramd_error *err)
+{
+    return token_call(c, t, VRAMD__RPC__V1__REQUEST__BODY_START, info, err);
+}
+
+int vramd_progress(struct vramd_conn *c, const struct vramd_token *t, struct vramd_session_info *info,
+                   struct vramd_error *err)
+{
+    return token_call(c, t, VRAMD__RPC__V1__REQUEST__BODY_GET_PROGRESS, info, err);
+}
+
+int vramd_close_session(struct vramd_conn *c, const struct vramd_token *t, struct vramd_session_info *info,
+                        struct vramd_error *err)
+{
+    return token_call(c, t, VRAMD__RPC__V1__REQUEST__BODY_CLOSE_SESSION, info, err);
+}
+
+int vramd_wait(struct vramd_conn *c, const struct vramd_token *t, int timeout_ms, struct vramd_session_info *info,
+               struct vramd_error *err)
+{
+    vramd__clear_error(err);
+    if (!c || !t)
+        return vramd__fail(err, -EINVAL, VRAMD_CODE_LOCAL, "vramd_wait: NULL argument");
+    char tok[VRAMD_TOKEN_STRLEN + 1];
+    vramd_token_format(t, tok);
+    Vramd__Rpc__V1__Wait w = VRAMD__RPC__V1__WAIT__INIT;
+    w.token = tok;
+    int rms = -1;
+    if (timeout_ms >= 0) {
+        w.has_timeout_ms = 1;
+        w.timeout_ms = (uint32_t)timeout_ms;
+        int slack = c->timeout_ms > 0 ? c->timeout_ms : WAIT_SLACK_MS;
+        rms = timeout_ms > INT_MAX - slack ? INT_MAX : timeout_ms + slack;
+    }
+    Request req = VRAMD__RPC__V1__REQUEST__INIT;
+    req.body_case = VRAMD__RPC__V1__REQUEST__BODY_WAIT;
+    req.wait = &w;
+    return session_call(c, &req, NULL, 0, rms, info, NULL, NULL, err);
+}
+
+int vramd_cancel(struct vramd_conn *c, const struct vramd_token *t, const char *reason,
+                 struct vramd_session_info *info, struct vramd_error *err)
+{
+    vramd__clear_error(err);
+    if (!c || !t)
+        return vramd__fail(err, -EINVAL, VRAMD_CODE_LOCAL, "vramd_cancel: NULL argument");
+    char tok[VRAMD_TOKEN_STRLEN + 1];
+    vramd_token_format(t, tok);
+    Vramd__Rpc__V1__Cancel cn = VRAMD__RPC__V1__CANCEL__INIT;
+    cn.token = tok;
+    cn.reason = reason && *reason ? (char *)reason : NULL;
+    Request req = VRAMD__RPC__V1__REQUEST__INIT;
+    req.body_case = VRAMD__RPC__V1__REQUEST__BODY_CANCEL;
+    req.cancel = &cn;
+    return session_call(c, &req, NULL, 0, reply_ms(c), info, NULL, NULL, err);
+}
+
+int vramd_status(struct vramd_conn *c, struct vramd_status *st, struct vramd_error *err)
+{
+    vramd__clear_error(err);
+    if (!c || !st)
+        return vramd__fail(err, -EINVAL, VRAMD_CODE_LOCAL, "vramd_status: NULL argument");
+    Vramd__Rpc__V1__GetStatus gs = VRAMD__RPC__V1__GET_STATUS__INIT;
+    Request req = VRAMD__RPC__V1__REQUEST__INIT;
+    req.body_case = VRAMD__RPC__V1__REQUEST__BODY_GET_STATUS;
+    req.get_status = &gs;
+    Response *resp;
+    int r = call(c, &req, NULL, 0, reply_ms(c), &resp, err);
+    if (r < 0) {
+        free_response(resp);
+        return r;
+    }
+    if (resp->body_case != VRAMD__RPC__V1__RESPONSE__BODY_STATUS || !resp->status) {
+        free_response(resp);
+        mark_broken(c);
+        return vramd__fail(err, -EPROTO, VRAMD_CODE_PROTOCOL_ERROR, "GetStatus answered without a StatusReply");
+    }
+    const Vramd__Rpc__V1__StatusReply *s = resp->status;
+    memset(st, 0, sizeof *st);
+    copy_str(st->server, sizeof st->server, s->server);
+    st->version = s->version;
+    st->uptime_s = s->uptime_s;
+    st->connections = s->connections;
+    st->sessions = s->sessions;
+    st->staging_budget = s->staging_budget;
+    st->staging_in_use = s->staging_in_use;
+    st->draining = s->has_draining && s->draining;
+    free_response(resp);
+    return 0;
+}
+
+/* --- AddBos ---------------------------------------------------------------- */
+
+/* Index of fd in this message's fd map, or -1 (then *slot is where to insert it). */
+static int fdmap_find(struct vramd_conn *c, int fd, unsigned *slot)
+{
+    unsigned h = ((unsigned)fd * 2654435761u) % FDMAP_SLOTS;
+    for (;;) {
+        if (c->fdmap_stamp[h] != c->fdmap_gen) {
+            *slot = h;
+            return -1;
+        }
+        if (c->fdmap_fd[h] == fd)
+            return c->fdmap_index[h];
+        h = (h + 1) % FDMAP_SLOTS;
+    }
+}
+
+static void fdmap_reset(struct vramd_conn *c)
+{
+    if (++c->fdmap_gen == 0) { /* wrapped: clear the stamps once */
+        memset(c->fdmap_stamp, 0, sizeof c->fdmap_stamp);
+        c->fdmap_gen = 1;
+    }
+}
+
+static uint32_t message_budget(const struct vramd_conn *c)
+{
+    uint32_t m = max_message(c);
+    uint32_t b = m - 1024; /* room for the header, the token, the Request wrapper */
+    return b < TARGET_MESSAGE_BYTES ? b : TARGET_MESSAGE_BYTES;
+}
+
+int vramd_add_bos(struct vramd_conn *c, const struct vramd_token *t, const struct vramd_bo *bos, size_t n,
+                  struct vramd_session_info *info, struct vramd_error *err)
+{
+    vramd__clear_error(err);
+    if (!c || !t || (n && !bos))
+        return vramd__fail(err, -EINVAL, VRAMD_CODE_LOCAL, "vramd_add_bos: NULL argument");
+    if (n == 0)
+        return vramd_progress(c, t, info, err);
+    for (size_t i = 0; i < n; i++)
+        if (bos[i].fd < 0) {
+            int r = vramd__fail(err, -EBADF, VRAMD_CODE_LOCAL, "BO %llu: fd %d", (unsigned long long)bos[i].id,
+                                bos[i].fd);
+            if (err) {
+                err->has_bo_id = true;
+                err->bo_id = bos[i].id;
+            }
+            return r;
+        }
+    if (c->broken)
+        return vramd__fail(err, -ENOTCONN, VRAMD_CODE_LOCAL, "the connection to vramd is broken");
+
+    uint32_t budget = message_budget(c);
+    unsigned max_fds = c->limits.max_fds_per_message;
+    size_t cap = budget / 8 + 2; /* every BO costs at least 8 bytes of budget */
+    if (c->bo_cap < cap) {
+        PbBo *b = realloc(c->bo_buf, cap * sizeof *b);
+        if (!b)
+            return fail_errno(err, ENOMEM, "AddBos buffer");
+        c->bo_buf = b;
+        PbBo **p = realloc(c->bo_ptrs, cap * sizeof *p);
+        if (!p)
+            return fail_errno(err, ENOMEM, "AddBos buffer");
+        c->bo_ptrs = p;
+        c->bo_cap = cap;
+    }
+    char tok[VRAMD_TOKEN_STRLEN + 1];
+    vramd_token_format(t, tok);
+    int fds[VRAMD_SCM_MAX_FD];
+    size_t i = 0;
+    int r = 0;
+    while (i < n) {
+        fdmap_reset(c);
+        size_t count = 0, nfds = 0;
+        size_t size = VRAMD_TOKEN_STRLEN + 8;
+        for (; i < n; i++) {
+            const struct vramd_bo *in = &bos[i];
+            PbBo *bo = &c->bo_buf[count];
+            PbBo init = VRAMD__RPC__V1__BO__INIT;
+            *bo = init;
+            bo->has_id = in->id != 0, bo->id = in->id;
+            bo->has_gpu_id = in->has_gpu_id, bo->gpu_id = in->gpu_id;
+            bo->has_size = in->size != 0, bo->size = in->size;
+            bo->has_alloc_flags = in->alloc_flags != 0, bo->alloc_flags = in->alloc_flags;
+            bo->has_va_addr = in->va_addr != 0, bo->va_addr = in->va_addr;
+            bo->name = in->name && *in->name ? (char *)in->name : NULL;
+            bo->backend = in->backend && *in->backend ? (char *)in->backend : NULL;
+            bo->has_offset = in->offset != 0, bo->offset = in->offset;
+            unsigned slot = 0;
+            int idx = fdmap_find(c, in->fd, &slot);
+            bool new_fd = idx < 0;
+            bo->fd_index = new_fd ? (uint32_t)nfds : (uint32_t)idx;
+            bo->has_fd_index = bo->fd_index != 0;
+            size_t bo_bytes = protobuf_c_message_get_packed_size(&bo->base) + 8;
+            if (count && (size + bo_bytes > budget || (new_fd && nfds >= max_fds) || count + 1 >= c->bo_cap))
+                break;
+            if (new_fd) {
+                if (fcntl(in->fd, F_GETFD) < 0) {
+                    int e = errno;
+                    r = vramd__fail(err, -e, VRAMD_CODE_LOCAL, "BO %llu: fd %d: %s", (unsigned long long)in->id,
+                                    in->fd, strerrordesc_np(e) ? strerrordesc_np(e) : "error");
+                    if (err)
+                        err->has_bo_id = true, err->bo_id = in->id;
+                    return r;
+                }
+                c->fdmap_stamp[slot] = c->fdmap_gen;
+                c->fdmap_fd[slot] = in->fd;
+                c->fdmap_index[slot] = (uint16_t)nfds;
+                fds[nfds++] = in->fd;
+            }
+            c->bo_ptrs[count++] = bo;
+            size += bo_bytes;
+        }
+        Vramd__Rpc__V1__AddBos ab = VRAMD__RPC__V1__ADD_BOS__INIT;
+        ab.token = tok;
+        ab.n_bos = count;
+        ab.bos = c->bo_ptrs;
+        Request req = VRAMD__RPC__V1__REQUEST__INIT;
+        req.body_case = VRAMD__RPC__V1__REQUEST__BODY_ADD_BOS;
+        req.add_bos = &ab;
+        r = session_call(c, &req, fds, nfds, reply_ms(c), i == n ? info : NULL, NULL, NULL, err);
+        if (r < 0)
+            return r;
+    }
+    return 0;
+}

@@ -1,0 +1,598 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * Failure paths: no daemon, refused uid, bad fds, a corrupt image, a restored
+ * task that dies before CRIU main attaches, a daemon that stops answering or
+ * dies during a Wait, and replies that break the protocol (a fake daemon).
+ *
+ * Tests in groups "grace", "interactive" and "pid" need the driver (tests/test_libvramd.py):
+ *   task_dies_attach_in_grace  wants a daemon with a grace period of seconds, not 0.3 s
+ *   task_dies_reaped       prints "HANDED-OVER", then waits for a line on stdin
+ *                          (sent once the daemon has reaped the session)
+ *   daemon_killed_in_wait  blocks in a Wait until the driver kills the daemon
+ *   daemon_stopped         SIGSTOPs the daemon at $VRAMD_TEST_DAEMON_PID (and SIGCONTs it)
+ */
+#define _GNU_SOURCE
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <grp.h>
+#include <limits.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "harness.h"
+#include "rpc.pb-c.h"
+
+static double since(const struct timespec *t0)
+{
+    struct timespec t1;
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    return (double)(t1.tv_sec - t0->tv_sec) + (double)(t1.tv_nsec - t0->tv_nsec) / 1e9;
+}
+
+static int t_no_daemon(void)
+{
+    struct vramd_conn *c = NULL;
+    struct vramd_error err;
+    struct timespec t0;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    int r = vramd_connect_path(&c, "/nonexistent/vramd.sock", NULL, &err);
+    CHECK(r == -ENOENT && c == NULL && err.code == VRAMD_CODE_LOCAL, "missing socket: %d", r);
+    CHECK(strstr(err.message, "/nonexistent/vramd.sock"), "message does not name the path: %s", err.message);
+    /* a socket file nobody listens on */
+    char path[PATH_MAX];
+    int dfd = make_image_dir(path);
+    CHECK(dfd >= 0, "dir");
+    char sock[PATH_MAX];
+    snprintf(sock, sizeof sock, "%s/dead.sock", path);
+    int s = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    snprintf(sa.sun_path, sizeof sa.sun_path, "%s", sock);
+    CHECK(s >= 0 && bind(s, (struct sockaddr *)&sa, sizeof sa) == 0, "bind");
+    close(s);
+    r = vramd_connect_path(&c, sock, NULL, &err);
+    CHECK(r == -ECONNREFUSED, "nobody listening: %d %s", r, err.message);
+    /* $VRAMD_SOCKET names where vramd_connect goes */
+    char *saved = strdup(daemon_socket());
+    setenv("VRAMD_SOCKET", sock, 1);
+    r = vramd_connect(&c, NULL, &err);
+    setenv("VRAMD_SOCKET", saved, 1);
+    free(saved);
+    CHECK(r == -ECONNREFUSED && strstr(err.message, sock), "vramd_connect: %d %s", r, err.message);
+    CHECK(since(&t0) < 2.0, "failing to connect took %.2f s", since(&t0));
+    close(dfd);
+    remove_dir(path);
+    return 0;
+}
+
+/* The daemon refuses a uid it does not allow (default: root, its own uid, group vramd). */
+static int t_uid_refused(void)
+{
+    if (geteuid() != 0) {
+        printf("  skipped: needs root to drop to uid 65534\n");
+        return 0;
+    }
+    /* open the socket file's mode, so that the daemon's own check is what refuses */
+    struct stat st;
+    CHECK(stat(daemon_socket(), &st) == 0, "stat socket");
+    CHECK(chmod(daemon_socket(), 0666) == 0, "chmod");
+    pid_t pid = fork();
+    CHECK(pid >= 0, "fork");
+    if (pid == 0) {
+        if (setgroups(0, NULL) < 0 || setgid(65534) < 0 || setuid(65534) < 0)
+            _exit(10);
+        struct vramd_conn *c = NULL;
+        struct vramd_error err;
+        int before = count_fds();
+        int r = vramd_connect_path(&c, daemon_socket(), NULL, &err);
+        if (r != -EACCES || err.code != VRAMD_CODE_PERMISSION_DENIED || c) {
+            fprintf(stderr, "  as uid 65534: %d %s: %s\n", r, vramd_code_name(err.code), err.message);
+            _exit(11);
+        }
+        if (!strstr(err.message, "65534")) {
+            fprintf(stderr, "  refusal does not name the uid: %s\n", err.message);
+            _exit(12);
+        }
+        _exit(count_fds() == before ? 0 : 13);
+    }
+    int status = reap(pid);
+    chmod(daemon_socket(), st.st_mode & 07777);
+    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0, "child status %#x", status);
+    /* root is still served */
+    struct vramd_conn *c = NULL;
+    struct vramd_error err;
+    OK(test_connect(&c, &err), &err);
+    vramd_close(c);
+    return 0;
+}
+
+static int t_bad_fds(void)
+{
+    struct vramd_conn *c = NULL;
+    struct vramd_error err;
+    char path[PATH_MAX];
+    int dfd = make_image_dir(path);
+    CHECK(dfd >= 0, "dir");
+    OK(test_connect(&c, &err), &err);
+    struct vramd_token t;
+    /* a directory fd that is not a directory */
+    int mf = make_memfd(4096, 1, 0, 4096);
+    CHECK(mf >= 0, "memfd");
+    struct vramd_open_args a = {.kind = VRAMD_SESSION_DUMP, .dir_fd = mf};
+    int r = vramd_open_session(c, &a, &t, NULL, &err);
+    CHECK(r == -EINVAL && err.code == VRAMD_CODE_INVALID_REQUEST, "memfd as image dir: %d %s", r,
+          vramd_code_name(err.code));
+    a.dir_fd = -1;
+    CHECK(vramd_open_session(c, &a, &t, NULL, &err) == -EBADF, "dir fd -1");
+
+    a.dir_fd = dfd;
+    OK(vramd_open_session(c, &a, &t, NULL, &err), &err);
+    /* refused here, before anything is sent: fd -1, a closed fd */
+    struct vramd_bo bo = {.id = 5, .fd = -1, .size = 4096};
+    r = vramd_add_bos(c, &t, &bo, 1, NULL, &err);
+    CHECK(r == -EBADF && err.has_bo_id && err.bo_id == 5, "fd -1: %d", r);
+    int closed = dup(mf);
+    close(closed);
+    bo.fd = closed;
+    r = vramd_add_bos(c, &t, &bo, 1, NULL, &err);
+    CHECK(r == -EBADF && err.code == VRAMD_CODE_LOCAL && err.bo_id == 5, "closed fd: %d %s", r, err.message);
+    CHECK(!vramd_conn_broken(c), "a refused fd broke the connection");
+    /* refused by the daemon: a directory as a BO fails the session */
+    bo.fd = dfd;
+    r = vramd_add_bos(c, &t, &bo, 1, NULL, &err);
+    CHECK(r == -EBADF && err.code == VRAMD_CODE_BAD_DESCRIPTOR && err.has_bo_id && err.bo_id == 5,
+          "directory as BO: %d %s %s", r, vramd_code_name(err.code), err.message);
+    OK(vramd_start(c, &t, NULL, &err), &err);
+    struct vramd_session_info info;
+    r = vramd_wait(c, &t, 10000, &info, &err);
+    CHECK(r == -EBADF && info.state == VRAMD_STATE_FAILED, "wait after a bad fd: %d state %d", r, info.state);
+    OK(vramd_close_session(c, &t, NULL, &err), &err);
+
+    /* a restore target without write access: the daemon refuses it */
+    bo = (struct vramd_bo){.id = 1, .fd = mf, .size = 4096};
+    OK(vramd_open_session(c, &a, &t, NULL, &err), &err);
+    OK(vramd_add_bos(c, &t, &bo, 1, NULL, &err), &err);
+    OK(vramd_start(c, &t, NULL, &err), &err);
+    OK(vramd_wait(c, &t, 30000, NULL, &err), &err);
+    OK(vramd_close_session(c, &t, NULL, &err), &err);
+    char p[64];
+    snprintf(p, sizeof p, "/proc/self/fd/%d", mf);
+    int ro = open(p, O_RDONLY | O_CLOEXEC);
+    CHECK(ro >= 0, "reopen read-only");
+    a = (struct vramd_open_args){.kind = VRAMD_SESSION_RESTORE, .dir_fd = dfd};
+    OK(vramd_open_session(c, &a, &t, NULL, &err), &err);
+    bo = (struct vramd_bo){.id = 1, .fd = ro};
+    r = vramd_add_bos(c, &t, &bo, 1, NULL, &err);
+    CHECK(r == -EBADF && err.code == VRAMD_CODE_BAD_DESCRIPTOR, "read-only target: %d %s %s", r,
+          vramd_code_name(err.code), err.message);
+    OK(vramd_close_session(c, &t, NULL, &err), &err);
+    /* every fd passed is still ours and still open */
+    CHECK(fcntl(mf, F_GETFD) >= 0 && fcntl(ro, F_GETFD) >= 0 && fcntl(dfd, F_GETFD) >= 0, "caller fd closed");
+    close(ro);
+    close(mf);
+    vramd_close(c);
+    close(dfd);
+    remove_dir(path);
+    return 0;
+}
+
+static int find_data_file(const char *dir, char *out)
+{
+    DIR *d = opendir(dir);
+    if (!d)
+        return -1;
+    struct dirent *e;
+    int found = -1;
+    while ((e = readdir(d)))
+        if (strncmp(e->d_name, "data-", 5) == 0) {
+            snprintf(out, PATH_MAX, "%s/%s", dir, e->d_name);
+            found = 0;
+        }
+    closedir(d);
+    return found;
+}
+
+/* Flip one byte of a chunk's payload: verify and restore name the BO and the chunk's offset. */
+static int t_corrupt_image(void)
+{
+    struct vramd_conn *c = NULL;
+    struct vramd_error err;
+    char path[PATH_MAX], data[PATH_MAX];
+    int dfd = make_image_dir(path);
+    /* chunk 0 is zeros (no payload), chunk 1 random: the file's last byte is chunk 1's */
+    int src = make_memfd(2 << 20, 31, 1 << 20, 1 << 20);
+    CHECK(dfd >= 0 && src >= 0, "setup");
+    OK(test_connect(&c, &err), &err);
+    struct vramd_open_args a = {.kind = VRAMD_SESSION_DUMP, .dir_fd = dfd, .chunk_size = 1 << 20,
+                                .compression = "none"};
+    struct vramd_token t;
+    struct vramd_bo bo = {.id = 42, .fd = src, .size = 2 << 20};
+    OK(vramd_open_session(c, &a, &t, NULL, &err), &err);
+    OK(vramd_add_bos(c, &t, &bo, 1, NULL, &err), &err);
+    OK(vramd_start(c, &t, NULL, &err), &err);
+    OK(vramd_wait(c, &t, 60000, NULL, &err), &err);
+    OK(vramd_close_session(c, &t, NULL, &err), &err);
+    CHECK(find_data_file(path, data) == 0, "no data file in %s", path);
+    int fd = open(data, O_RDWR | O_CLOEXEC);
+    CHECK(fd >= 0, "open %s", data);
+    struct stat st;
+    CHECK(fstat(fd, &st) == 0 && st.st_size > 1 << 20, "data file size");
+    uint8_t byte;
+    CHECK(pread(fd, &byte, 1, st.st_size - 100) == 1, "pread");
+    byte ^= 0x40;
+    CHECK(pwrite(fd, &byte, 1, st.st_size - 100) == 1, "pwrite");
+    close(fd);
+
+    a = (struct vramd_open_args){.kind = VRAMD_SESSION_VERIFY, .dir_fd = dfd};
+    OK(vramd_open_session(c, &a, &t, NULL, &err), &err);
+    struct vramd_session_info info;
+    int r = vramd_wait(c, &t, 60000, &info, &err);
+    CHECK(r == -EBADMSG && err.code == VRAMD_CODE_CORRUPT_CHUNK, "verify: %d %s: %s", r, vramd_code_name(err.code),
+          err.message);
+    CHECK(err.has_bo_id && err.bo_id == 42 && err.has_offset && err.offset == 1 << 20, "error names BO %llu offset %llu",
+          (unsigned long long)err.bo_id, (unsigned long long)err.offset);
+    CHECK(info.state == VRAMD_STATE_FAILED && info.error.code == VRAMD_CODE_CORRUPT_CHUNK, "info state");
+    OK(vramd_close_session(c, &t, NULL, &err), &err);
+
+    int dst = make_memfd(2 << 20, 0, 0, 0);
+    a.kind = VRAMD_SESSION_RESTORE;
+    OK(vramd_open_session(c, &a, &t, NULL, &err), &err);
+    bo = (struct vramd_bo){.id = 42, .fd = dst};
+    OK(vramd_add_bos(c, &t, &bo, 1, NULL, &err), &err);
+    OK(vramd_start(c, &t, NULL, &err), &err);
+    r = vramd_wait(c, &t, 60000, NULL, &err);
+    CHECK(r == -EBADMSG && err.bo_id == 42 && err.offset == 1 << 20, "restore: %d %s", r, err.message);
+    printf("  %s\n", err.message);
+    OK(vramd_close_session(c, &t, NULL, &err), &err);
+    close(dst);
+    close(src);
+    vramd_close(c);
+    close(dfd);
+    remove_dir(path);
+    return 0;
+}
+
+/*
+ * The restored task submits and dies before CRIU main attaches.  With `start`,
+ * the copy finishes; attaching within the grace period gets the result.
+ * Without, the session is reaped after the grace period; see task_dies_reaped.
+ */
+static int task_dies(bool start, struct vramd_criu_ticket *tk, char *path, int *dfd, int *dst)
+{
+    struct vramd_conn *c = NULL;
+    struct vramd_error err;
+    *dfd = make_image_dir(path);
+    int src = make_memfd(1 << 20, 8, 0, 1 << 20);
+    *dst = make_memfd(1 << 20, 0, 0, 0);
+    CHECK(*dfd >= 0 && src >= 0 && *dst >= 0, "setup");
+    OK(test_connect(&c, &err), &err);
+    struct vramd_open_args a = {.kind = VRAMD_SESSION_DUMP, .dir_fd = *dfd};
+    struct vramd_token t;
+    struct vramd_bo bo = {.id = 1, .fd = src, .size = 1 << 20};
+    OK(vramd_open_session(c, &a, &t, NULL, &err), &err);
+    OK(vramd_add_bos(c, &t, &bo, 1, NULL, &err), &err);
+    OK(vramd_start(c, &t, NULL, &err), &err);
+    OK(vramd_wait(c, &t, 60000, NULL, &err), &err);
+    OK(vramd_close_session(c, &t, NULL, &err), &err);
+    vramd_close(c);
+    close(src);
+
+    int sp[2];
+    CHECK(socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sp) == 0, "socketpair");
+    pid_t pid = fork();
+    CHECK(pid >= 0, "fork");
+    if (pid == 0) {
+        close(sp[0]);
+        struct vramd_conn *tc = NULL;
+        struct vramd_token tt;
+        if (test_connect(&tc, &err) < 0)
+            _exit(10);
+        a = (struct vramd_open_args){.kind = VRAMD_SESSION_RESTORE, .dir_fd = *dfd};
+        bo = (struct vramd_bo){.id = 1, .fd = *dst};
+        if (vramd_open_session(tc, &a, &tt, NULL, &err) < 0 || vramd_add_bos(tc, &tt, &bo, 1, NULL, &err) < 0)
+            _exit(11);
+        if (start && vramd_start(tc, &tt, NULL, &err) < 0)
+            _exit(12);
+        struct vramd_criu_ticket k = {.pid = (int32_t)getpid(), .token = tt};
+        if (vramd_criu_ticket_send(sp[1], &k, &err) < 0)
+            _exit(13);
+        _exit(0); /* dies holding its connection: the kernel closes it */
+    }
+    close(sp[1]);
+    int st = reap(pid);
+    CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0, "task status %#x", st);
+    struct vramd_error e2;
+    int r = vramd_criu_ticket_recv(sp[0], tk, 10000, &e2);
+    close(sp[0]);
+    CHECK(r == 0, "ticket: %s", e2.message);
+    return 0;
+}
+
+static int t_task_dies_attach_in_grace(void)
+{
+    char path[PATH_MAX];
+    int dfd = -1, dst = -1;
+    struct vramd_criu_ticket tk;
+    /* CRIU main's connection exists before the task dies; the daemon's grace period
+     * (the driver starts one with 30 s) is far longer than the gap */
+    struct vramd_conn *c = NULL;
+    struct vramd_error err;
+    OK(test_connect(&c, &err), &err);
+    if (task_dies(true, &tk, path, &dfd, &dst)) {
+        vramd_close(c);
+        return 1;
+    }
+    struct vramd_session_info info;
+    OK(vramd_progress(c, &tk.token, &info, &err), &err); /* holder from here on */
+    struct vramd_criu_config cfg;
+    vramd_criu_config_init(&cfg);
+    OK(vramd_criu_restore_finish(&cfg, c, &tk, &info, &err), &err);
+    CHECK(info.state == VRAMD_STATE_DONE, "state %d", info.state);
+    vramd_close(c);
+    long long bad = check_memfd(dst, 1 << 20, 8, 0, 1 << 20);
+    CHECK(bad < 0, "restored bytes differ at %lld", bad);
+    close(dst);
+    close(dfd);
+    remove_dir(path);
+    return 0;
+}
+
+static int t_task_dies_reaped(void)
+{
+    char path[PATH_MAX];
+    int dfd = -1, dst = -1;
+    struct vramd_criu_ticket tk;
+    if (task_dies(false, &tk, path, &dfd, &dst))
+        return 1;
+    char tok[33];
+    vramd_token_format(&tk.token, tok);
+    printf("HANDED-OVER %s\n", tok);
+    fflush(stdout);
+    char line[64];
+    CHECK(fgets(line, sizeof line, stdin), "no go-ahead on stdin");
+    struct vramd_criu_config cfg;
+    vramd_criu_config_init(&cfg);
+    cfg.socket_path = daemon_socket();
+    cfg.timeout_ms = 30000;
+    struct vramd_error err;
+    struct vramd_conn *c = NULL;
+    int r = vramd_criu_restore_attach(&cfg, &tk, &c, &err);
+    CHECK(r == -ENOENT && err.code == VRAMD_CODE_NOT_FOUND && c == NULL, "attach after reaping: %d %s", r,
+          vramd_code_name(err.code));
+    close(dst);
+    close(dfd);
+    remove_dir(path);
+    return 0;
+}
+
+/* Blocks in a Wait until the driver kills the daemon: the Wait must fail at once, not hang. */
+static int t_daemon_killed_in_wait(void)
+{
+    struct vramd_conn *c = NULL;
+    struct vramd_error err;
+    char path[PATH_MAX];
+    int dfd = make_image_dir(path);
+    CHECK(dfd >= 0, "dir");
+    OK(test_connect(&c, &err), &err);
+    struct vramd_open_args a = {.kind = VRAMD_SESSION_DUMP, .dir_fd = dfd};
+    struct vramd_token t;
+    OK(vramd_open_session(c, &a, &t, NULL, &err), &err);
+    printf("WAITING\n");
+    fflush(stdout);
+    int r = vramd_wait(c, &t, VRAMD_WAIT_FOREVER, NULL, &err); /* never started: only the kill ends it */
+    CHECK(r == -ECONNRESET && err.code == VRAMD_CODE_LOCAL, "wait: %d %s", r, err.message);
+    CHECK(vramd_conn_broken(c) && vramd_conn_fd(c) == -1, "connection not marked broken");
+    r = vramd_progress(c, &t, NULL, &err);
+    CHECK(r == -ENOTCONN, "call on a broken connection: %d", r);
+    printf("WAIT-FAILED %s\n", err.message);
+    vramd_close(c);
+    /* and a new connection fails at once: refused, or reset if it reached the listening
+     * socket in the instant before the dying daemon's last fds were closed */
+    r = test_connect(&c, &err);
+    CHECK(r == -ECONNREFUSED || r == -ENOENT || r == -ECONNRESET, "connect to a dead daemon: %d %s", r, err.message);
+    close(dfd);
+    remove_dir(path);
+    return 0;
+}
+
+/* A daemon that stops answering: the call fails after timeout_ms, the connection is closed. */
+static int t_daemon_stopped(void)
+{
+    pid_t dpid = (pid_t)env_num("VRAMD_TEST_DAEMON_PID", 0);
+    CHECK(dpid > 0, "VRAMD_TEST_DAEMON_PID not set");
+    struct vramd_conn *c = NULL;
+    struct vramd_error err;
+    struct vramd_options o;
+    vramd_options_init(&o);
+    o.timeout_ms = 300;
+    OK(vramd_connect_path(&c, daemon_socket(), &o, &err), &err);
+    CHECK(kill(dpid, SIGSTOP) == 0, "SIGSTOP");
+    struct timespec t0;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    struct vramd_status st;
+    int r = vramd_status(c, &st, &err);
+    double took = since(&t0);
+    kill(dpid, SIGCONT);
+    CHECK(r == -ETIME && vramd_conn_broken(c), "status from a stopped daemon: %d %s", r, err.message);
+    CHECK(took >= 0.25 && took < 3.0, "timed out after %.2f s", took);
+    /* a Wait with a timeout gets its timeout plus the socket timeout */
+    vramd_close(c);
+    OK(vramd_connect_path(&c, daemon_socket(), &o, &err), &err);
+    char path[PATH_MAX];
+    int dfd = make_image_dir(path);
+    struct vramd_open_args a = {.kind = VRAMD_SESSION_DUMP, .dir_fd = dfd};
+    struct vramd_token t;
+    OK(vramd_open_session(c, &a, &t, NULL, &err), &err);
+    CHECK(kill(dpid, SIGSTOP) == 0, "SIGSTOP");
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    r = vramd_wait(c, &t, 200, NULL, &err);
+    took = since(&t0);
+    kill(dpid, SIGCONT);
+    CHECK(r == -ETIME && took >= 0.45 && took < 3.0, "wait on a stopped daemon: %d after %.2f s", r, took);
+    vramd_close(c);
+    OK(test_connect(&c, &err), &err); /* close the session from another connection */
+    OK(vramd_close_session(c, &t, NULL, &err), &err);
+    vramd_close(c);
+    close(dfd);
+    remove_dir(path);
+    return 0;
+}
+
+/* --- a fake daemon: replies that break the protocol ------------------------- */
+
+enum fake { FAKE_BAD_MAGIC, FAKE_BAD_KIND, FAKE_BAD_LENGTH, FAKE_WRONG_ID, FAKE_GARBAGE, FAKE_HANGUP, FAKE_REFUSE,
+            FAKE_FD_ATTACHED, FAKE_NO_BODY, FAKE_TRUNCATED };
+
+static size_t frame(uint8_t *out, size_t cap, Vramd__Rpc__V1__Response *resp)
+{
+    size_t n = vramd__rpc__v1__response__get_packed_size(resp);
+    if (n + 12 > cap)
+        return 0;
+    memcpy(out, "VRDP", 4);
+    out[4] = 1;
+    out[5] = 2;
+    out[6] = out[7] = 0;
+    out[8] = (uint8_t)n, out[9] = (uint8_t)(n >> 8), out[10] = (uint8_t)(n >> 16), out[11] = (uint8_t)(n >> 24);
+    vramd__rpc__v1__response__pack(resp, out + 12);
+    return n + 12;
+}
+
+static void fake_daemon(int s, enum fake how)
+{
+    static uint8_t in[1 << 16], out[(1 << 20) + 64];
+    ssize_t n = recv(s, in, sizeof in, 0);
+    if (n < 12)
+        _exit(2);
+    Vramd__Rpc__V1__Request *req = vramd__rpc__v1__request__unpack(NULL, (size_t)n - 12, in + 12);
+    if (!req)
+        _exit(3);
+    Vramd__Rpc__V1__Response resp = VRAMD__RPC__V1__RESPONSE__INIT;
+    Vramd__Rpc__V1__Error e = VRAMD__RPC__V1__ERROR__INIT;
+    Vramd__Rpc__V1__HelloReply hr = VRAMD__RPC__V1__HELLO_REPLY__INIT;
+    resp.has_id = 1;
+    resp.id = how == FAKE_WRONG_ID ? req->id + 6 : req->id;
+    resp.error = &e;
+    e.has_code = 1;
+    hr.has_version = 1;
+    hr.version = 1;
+    hr.server = "fake";
+    resp.body_case = VRAMD__RPC__V1__RESPONSE__BODY_HELLO;
+    resp.hello = &hr;
+    if (how == FAKE_REFUSE) {
+        resp.id = 0;
+        e.code = VRAMD__RPC__V1__CODE__PERMISSION_DENIED;
+        e.message = "peer uid 1234 not allowed";
+        resp.body_case = VRAMD__RPC__V1__RESPONSE__BODY__NOT_SET;
+    }
+    if (how == FAKE_NO_BODY)
+        resp.body_case = VRAMD__RPC__V1__RESPONSE__BODY__NOT_SET;
+    vramd__rpc__v1__request__free_unpacked(req, NULL);
+    size_t len = frame(out, sizeof out, &resp);
+    switch (how) {
+    case FAKE_BAD_MAGIC: out[0] = 'X'; break;
+    case FAKE_BAD_KIND: out[5] = 1; break;
+    case FAKE_BAD_LENGTH: out[8]++; break;
+    case FAKE_GARBAGE: memset(out + 12, 0xff, len - 12); break;
+    case FAKE_HANGUP: _exit(0);
+    case FAKE_TRUNCATED: /* a packet bigger than any reply may be */
+        memset(out + len, 0, sizeof out - len);
+        len = sizeof out;
+        break;
+    default: break;
+    }
+    struct iovec iov = {.iov_base = out, .iov_len = len};
+    struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1};
+    union {
+        char buf[CMSG_SPACE(2 * sizeof(int))];
+        struct cmsghdr align;
+    } ctl;
+    if (how == FAKE_FD_ATTACHED) { /* a daemon must never send fds: the client closes them */
+        int fds[2] = {make_memfd(4096, 1, 0, 0), make_memfd(4096, 1, 0, 0)};
+        msg.msg_control = ctl.buf;
+        msg.msg_controllen = sizeof ctl.buf;
+        struct cmsghdr *cm = CMSG_FIRSTHDR(&msg);
+        cm->cmsg_level = SOL_SOCKET;
+        cm->cmsg_type = SCM_RIGHTS;
+        cm->cmsg_len = CMSG_LEN(sizeof fds);
+        memcpy(CMSG_DATA(cm), fds, sizeof fds);
+    }
+    if (sendmsg(s, &msg, MSG_NOSIGNAL) != (ssize_t)len)
+        _exit(4);
+    /* then answer a GetStatus, if one comes, with garbage-free silence: hang up */
+    _exit(0);
+}
+
+static int t_fake_daemon(void)
+{
+    static const struct {
+        enum fake how;
+        int want;
+        const char *name;
+    } cases[] = {
+        {FAKE_BAD_MAGIC, -EPROTO, "bad magic"},     {FAKE_BAD_KIND, -EPROTO, "request kind in a reply"},
+        {FAKE_BAD_LENGTH, -EPROTO, "bad length"},   {FAKE_WRONG_ID, -EPROTO, "wrong id"},
+        {FAKE_GARBAGE, -EPROTO, "garbage body"},    {FAKE_HANGUP, -ECONNRESET, "hang-up"},
+        {FAKE_REFUSE, -EACCES, "refusal, id 0"},    {FAKE_FD_ATTACHED, 0, "fds attached"},
+        {FAKE_NO_BODY, -EPROTO, "no HelloReply"},   {FAKE_TRUNCATED, -EPROTO, "oversized reply"},
+    };
+    /* SIGPIPE keeps its default action: a send without MSG_NOSIGNAL would kill this process */
+    signal(SIGPIPE, SIG_DFL);
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        int sp[2];
+        CHECK(socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sp) == 0, "socketpair");
+        if (cases[i].how == FAKE_TRUNCATED) {
+            int big = 4 << 20;
+            if (setsockopt(sp[1], SOL_SOCKET, SO_SNDBUFFORCE, &big, sizeof big) < 0)
+                setsockopt(sp[1], SOL_SOCKET, SO_SNDBUF, &big, sizeof big);
+        }
+        pid_t pid = fork();
+        CHECK(pid >= 0, "fork");
+        if (pid == 0) {
+            close(sp[0]);
+            fake_daemon(sp[1], cases[i].how);
+        }
+        close(sp[1]);
+        int before = count_fds();
+        struct vramd_conn *c = NULL;
+        struct vramd_error err;
+        int r = vramd_connect_fd(&c, sp[0], NULL, &err);
+        int st = reap(pid);
+        CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0, "%s: fake daemon status %#x", cases[i].name, st);
+        CHECK(r == cases[i].want, "%s: got %d (%s: %s), want %d", cases[i].name, r, vramd_code_name(err.code),
+              err.message, cases[i].want);
+        if (r == 0) {
+            CHECK(count_fds() == before, "%s: the fds the daemon sent were not closed", cases[i].name);
+            /* the fake hung up: the next call fails without SIGPIPE */
+            struct vramd_status s;
+            r = vramd_status(c, &s, &err);
+            CHECK(r == -ECONNRESET && vramd_conn_broken(c), "%s: status after hang-up: %d", cases[i].name, r);
+            vramd_close(c);
+        } else {
+            CHECK(c == NULL && count_fds() == before - 1, "%s: the socket was not closed", cases[i].name);
+        }
+        if (cases[i].how == FAKE_REFUSE)
+            CHECK(err.code == VRAMD_CODE_PERMISSION_DENIED && strstr(err.message, "1234"), "refusal message");
+    }
+    return 0;
+}
+
+const struct test failure_tests[] = {
+    {"no_daemon", t_no_daemon, "all quick"},
+    {"fake_daemon", t_fake_daemon, "all quick"},
+    {"bad_fds", t_bad_fds, "all quick"},
+    {"uid_refused", t_uid_refused, "all quick"},
+    {"corrupt_image", t_corrupt_image, "all quick"},
+    {"task_dies_attach_in_grace", t_task_dies_attach_in_grace, "grace"},
+    {"task_dies_reaped", t_task_dies_reaped, "interactive"},
+    {"daemon_stopped", t_daemon_stopped, "pid"},
+    {"daemon_killed_in_wait", t_daemon_killed_in_wait, "destructive"},
+    {NULL, NULL, NULL},
+};

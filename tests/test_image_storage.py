@@ -1,0 +1,208 @@
+"""The storage under an image: full, read-only, failing, and what a crashed dump left behind.
+
+Every OSError of image I/O reaches the client as a typed error naming the file
+(NO_SPACE, READ_ONLY_FS, IO_ERROR, NOT_WRITABLE), never as INTERNAL; a failed dump
+leaves nothing; the next dump into a directory removes a crashed dump's temporaries.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from helpers import Workload, engine, memfd, open_dir, run
+
+from vramd import errors
+from vramd.backends import BoRef
+from vramd.engine import BoSpec
+from vramd.image.format import MANIFEST_NAME
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A 2 MiB tmpfs (needs root and mount rights): (path, mount options) -> mounted dir."""
+    mounted = []
+
+    def mount(options: str):
+        d = tmp_path / f"fs{len(mounted)}"
+        d.mkdir()
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "none", str(d)], capture_output=True, text=True)
+        if r.returncode:
+            pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip() or 'mount refused'})")
+        mounted.append(d)
+        return d
+    yield mount
+    for d in mounted:
+        subprocess.run(["umount", "-l", str(d)], capture_output=True)
+
+
+def _dump(dfd, size, chunk=MiB):
+    fd = memfd(os.urandom(size))
+
+    async def go():
+        async with engine(staging_budget=16 * MiB, chunk_size=chunk) as e:
+            return await e.dump(dfd, [BoSpec(1, size, BoRef("mmap", fd))])
+    try:
+        return run(go())
+    finally:
+        os.close(fd)
+
+
+def test_a_full_filesystem_is_no_space_naming_the_file(small_fs):
+    d = small_fs("size=2m")
+    dfd = open_dir(d)
+    try:
+        with pytest.raises(errors.NoSpaceError) as ei:
+            _dump(dfd, 4 * MiB)  # random bytes: 4 MiB cannot fit in 2
+    finally:
+        os.close(dfd)
+    assert ".vrd.tmp" in str(ei.value) and "No space left" in str(ei.value)
+    assert os.listdir(d) == []  # no partial image, no temporaries
+
+
+def test_no_space_reaches_a_client_of_the_daemon_as_its_code(small_fs, daemon):
+    from vramd.client import SESSION_DUMP, Client, ClientBo
+    d = small_fs("size=2m")
+    dfd = open_dir(d)
+    fd = memfd(os.urandom(4 * MiB))
+    try:
+        with Client(daemon.socket, timeout=60) as c, pytest.raises(errors.VramdError) as ei:
+            c.run_session(SESSION_DUMP, dfd, [ClientBo(1, fd, size=4 * MiB, backend="mmap")])
+    finally:
+        os.close(fd)
+        os.close(dfd)
+    assert ei.value.code == "NO_SPACE" and ".vrd.tmp" in ei.value.message
+    assert os.listdir(d) == []
+
+
+def test_a_read_only_filesystem_is_read_only_fs(small_fs):
+    d = small_fs("size=2m,ro")
+    dfd = open_dir(d)
+    try:
+        with pytest.raises(errors.ReadOnlyFsError) as ei:
+            _dump(dfd, MiB)
+    finally:
+        os.close(dfd)
+    assert ".vrd.tmp" in str(ei.value)
+
+
+def _failing(monkeypatch, name: str, err: int, when=lambda *a: True):
+    real = getattr(os, name)
+
+    def fail(*a, **kw):
+        if when(*a):
+            raise OSError(err, os.strerror(err))
+        return real(*a, **kw)
+    monkeypatch.setattr(os, name, fail)
+
+
+def test_an_io_error_writing_is_io_error_naming_the_file(image_dir, monkeypatch):
+    path, dfd = image_dir
+    _failing(monkeypatch, "pwritev", errno.EIO, lambda fd, iov, off: off > 0)  # the records, not the header
+    with pytest.raises(errors.ImageIoError) as ei:
+        _dump(dfd, 2 * MiB)
+    assert ".vrd.tmp" in str(ei.value) and ei.value.bo_id == 1
+    assert os.listdir(path) == []
+
+
+@pytest.mark.parametrize("flavour", ["python", "native"])
+def test_an_io_error_reading_is_io_error_naming_file_bo_and_offset(image_dir, monkeypatch, flavour):
+    """Both read paths: the three stages and the Python batch copier read with os.preadv (failed here);
+    the C batch copier's pread cannot be patched, so its errno is injected into its outcome."""
+    from vramd.engine.jobs import read
+    from vramd.hostmem import batchcopy
+    _path, dfd = image_dir
+    m = _dump(dfd, 3 * MiB)
+    if flavour == "python":
+        monkeypatch.setattr(batchcopy, "_copy", None)
+        _failing(monkeypatch, "preadv", errno.EIO, lambda fd, views, off: off >= 32)  # the records, not the header
+    else:
+        if not batchcopy.NATIVE:
+            pytest.skip("vramd.hostmem._copy is not built (needs <xxhash.h>: libxxhash-dev)")
+        real = read.copy_batch
+
+        def eio(copies, flags=0):
+            outcomes, _failed = real(copies, flags)
+            outcomes[0].err, outcomes[0].done = errno.EIO, 0
+            return outcomes, 0
+        monkeypatch.setattr(read, "copy_batch", eio)
+
+    async def go():
+        async with engine(staging_budget=16 * MiB) as e:
+            await e.verify(dfd)
+    with pytest.raises(errors.ImageIoError) as ei:
+        run(go())
+    assert m.files[0].name in str(ei.value) and ei.value.bo_id == 1 and ei.value.offset is not None
+
+
+def test_a_directory_that_may_not_be_written_is_not_writable(image_dir, monkeypatch):
+    path, dfd = image_dir
+    real = os.open
+
+    def deny(name, flags, *a, **kw):
+        if isinstance(name, str) and name.endswith(".tmp") and flags & os.O_CREAT:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+        return real(name, flags, *a, **kw)
+    monkeypatch.setattr(os, "open", deny)
+    with pytest.raises(errors.NotWritableError) as ei:
+        _dump(dfd, MiB)
+    assert ".vrd.tmp" in str(ei.value)
+    assert os.listdir(path) == []
+
+
+# --- temporaries of a crashed dump --------------------------------------------------------
+
+KILLED_DUMP = textwrap.dedent("""
+    import os, sys, uvloop
+    from vramd.engine import Engine, EngineConfig, BoSpec
+    from vramd.backends import BoRef
+    pid, addr, size, dirpath = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    def progress(p):
+        if p.chunks_done == 3:
+            print("mid-dump", flush=True)
+            sys.stdin.readline()   # blocks the loop here until the test kills us
+    async def main():
+        dfd = os.open(dirpath, os.O_RDONLY | os.O_DIRECTORY)
+        mem = os.open(f"/proc/{pid}/mem", os.O_RDONLY)
+        async with Engine(EngineConfig(staging_budget=16 << 20, chunk_size=1 << 20)) as e:
+            await e.dump(dfd, [BoSpec(1 + g, size, BoRef("procmem", mem, addr), gpu_id=g) for g in (0, 1)],
+                         on_progress=progress)
+    uvloop.run(main())
+""")
+
+
+def test_the_next_dump_removes_a_killed_dumps_temporaries_and_nothing_else(image_dir, tmp_path):
+    path, dfd = image_dir
+    with Workload([{"size": 16 * MiB, "fill": "random"}]) as w:
+        r = w.regions[0]
+        p = subprocess.Popen([sys.executable, "-c", KILLED_DUMP, str(w.pid), str(r["addr"]), str(r["size"]),
+                              str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            assert p.stdout.readline().strip() == "mid-dump"
+        finally:
+            p.send_signal(signal.SIGKILL)
+            p.wait()
+            p.stdout.close()
+            p.stdin.close()
+    stale = sorted(os.listdir(path))
+    assert stale and all(n.startswith("data-") and n.endswith(".vrd.tmp") for n in stale), stale
+    # What is not a temporary of vramd's own naming, or not a regular file, stays.
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"keep me")
+    keep = ["notes.tmp", "data-0123456789abcdef-00000000.vrd.tmp.bak", ".manifest.vrdm.x.tmp"]
+    for n in keep:
+        (path / n).write_bytes(b"user file")
+    link = "data-00000000000000ff-00000000.vrd.tmp"
+    os.symlink(outside, path / link)
+    subdir = "data-00000000000000fe-00000000.vrd.tmp"
+    os.mkdir(path / subdir)
+    m = _dump(dfd, MiB)
+    left = set(os.listdir(path))
+    assert left == {MANIFEST_NAME, m.files[0].name, *keep, link, subdir}
+    assert outside.read_bytes() == b"keep me"
