@@ -11,7 +11,7 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 
-APT_PACKAGES=(python3 python3-venv python3-dev gcc pkg-config libdrm-dev
+APT_PACKAGES=(python3 python3-venv python3-dev gcc pkg-config libdrm-dev libxxhash-dev
               meson ninja-build libprotobuf-c-dev protobuf-c-compiler valgrind)
 
 have_python() {
@@ -23,13 +23,17 @@ have_libdrm() {  # headers and .pc for the SDMA binding and its software model
     command -v pkg-config >/dev/null && pkg-config --exists libdrm_amdgpu
 }
 
+have_xxhash() {  # <xxhash.h> for the batch copier (vramd.hostmem._copy)
+    [ -f /usr/include/xxhash.h ]
+}
+
 have_c_client_tools() {  # libvramd: Meson, protoc-c, libprotobuf-c; valgrind for its tests
     command -v meson >/dev/null && command -v ninja >/dev/null && command -v protoc-c >/dev/null &&
         command -v valgrind >/dev/null && command -v pkg-config >/dev/null && pkg-config --exists libprotobuf-c
 }
 
 ensure_system() {
-    have_python && have_libdrm && have_c_client_tools && return 0
+    have_python && have_libdrm && have_xxhash && have_c_client_tools && return 0
     local sudo=""
     [ "$(id -u)" = 0 ] || sudo="sudo"
     echo "dev.sh: installing ${APT_PACKAGES[*]} with apt-get" >&2
@@ -37,6 +41,7 @@ ensure_system() {
     $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${APT_PACKAGES[@]}" >/dev/null
     have_python || { echo "dev.sh: need Python >= 3.11 with venv" >&2; exit 1; }
     have_libdrm || echo "dev.sh: libdrm_amdgpu headers still missing: the SDMA backend will be unavailable" >&2
+    have_xxhash || echo "dev.sh: xxhash.h still missing: the batch copier runs in Python" >&2
     have_c_client_tools || { echo "dev.sh: need meson, ninja, protoc-c, libprotobuf-c and valgrind for libvramd" >&2; exit 1; }
 }
 

@@ -1,4 +1,10 @@
-"""Build hooks pyproject.toml cannot express: the cffi binding and the SDMA model.
+"""Build hooks pyproject.toml cannot express: the cffi modules and the SDMA model.
+
+- vramd.hostmem._copy (native/copy_build.py): the CPU backends' per-batch copy loop in
+  C (copy, zero scan, xxh3 in one call without the GIL).  Built wherever a C compiler,
+  the Python headers and <xxhash.h> (Debian: libxxhash-dev) exist; without it vramd
+  runs the same loop in Python (vramd.hostmem.batchcopy).  VRAMD_BUILD_NATIVE=0 skips
+  it too.
 
 - vramd.backends.sdma._amdgpu (native/amdgpu_build.py): built when pkg-config finds
   libdrm_amdgpu (Debian: libdrm-dev).  Without it vramd installs and runs,
@@ -24,7 +30,19 @@ def have_libdrm_amdgpu() -> bool:
         return False
 
 
-NATIVE = os.environ.get("VRAMD_BUILD_NATIVE", "1") != "0" and have_libdrm_amdgpu()
+def have_header(name: str) -> bool:
+    """True when the C compiler finds <name> (it preprocesses an #include of it)."""
+    cc = os.environ.get("CC", "cc").split()
+    try:
+        return subprocess.run([*cc, "-E", "-x", "c", "-o", os.devnull, "-"], input=f"#include <{name}>\n".encode(),
+                              stderr=subprocess.DEVNULL).returncode == 0
+    except FileNotFoundError:
+        return False
+
+
+BUILD = os.environ.get("VRAMD_BUILD_NATIVE", "1") != "0"
+NATIVE = BUILD and have_libdrm_amdgpu()
+COPY = BUILD and have_header("xxhash.h")
 MODEL = NATIVE and os.environ.get("VRAMD_BUILD_MODEL") == "1"
 
 
@@ -41,6 +59,7 @@ class BuildExtWithModel(build_ext):
 
 
 setup(
-    cffi_modules=["native/amdgpu_build.py:ffibuilder"] if NATIVE else [],
+    cffi_modules=(["native/amdgpu_build.py:ffibuilder"] if NATIVE else [])
+    + (["native/copy_build.py:ffibuilder"] if COPY else []),
     cmdclass={"build_ext": BuildExtWithModel},
 )

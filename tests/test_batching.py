@@ -16,8 +16,8 @@ from vramd import errors
 from vramd.backends import BoRef, MmapBackend, ProcMemBackend
 from vramd.backends.base import Backend, BoHandle, Capabilities
 from vramd.engine import BoSpec, Engine, EngineConfig, RestoreTarget
-from vramd.engine.pipeline import MAX_BATCH, SLOT_ALIGN, ChunkTask, Pipeline, slot_size
-from vramd.hostmem.staging import StagingPool
+from vramd.engine.pipeline import HEAD_PAGE, MAX_BATCH, SLOT_ALIGN, ChunkTask, Pipeline, slot_size
+from vramd.hostmem.staging import StagingPool, buffer_unit
 from vramd.image.codec import Compression
 from vramd.image.format import RECORD_PREFIX
 
@@ -94,12 +94,13 @@ def _check_batches(ends, sizes, chunk_size):
     assert len(seen) == len(set(seen)) and set(seen) == want  # every chunk exactly once: none lost to a carry
     for batch in ends.batches:
         assert 1 <= len(batch) <= MAX_BATCH
-        assert batch[0][3] == 0
+        assert batch[0][3] == HEAD_PAGE  # every piece has its head page before it
         end = 0
         for _, _, length, off in batch:
-            assert off % SLOT_ALIGN == 0 and off >= end  # page-aligned slots that do not overlap
-            end = off + slot_size(length)
-        assert end <= chunk_size or len(batch) == 1
+            # page-aligned slots (head page, then the bytes) that do not overlap
+            assert off % SLOT_ALIGN == 0 and off - HEAD_PAGE >= end
+            end = off - HEAD_PAGE + slot_size(length)
+        assert end <= buffer_unit(chunk_size)
         if any(length == chunk_size for _, _, length, _ in batch):
             assert len(batch) == 1  # a whole chunk is a batch of its own
     n = len(ends.batches)
@@ -211,8 +212,9 @@ class _CountingMmap(MmapBackend):
 
 
 def _counting_engine(**kw):
+    """An engine whose backends count submissions, and which counts its batches (stage_times)."""
     backends = {"procmem": _CountingProcMem(workers_per_gpu=4), "mmap": _CountingMmap(workers_per_gpu=4)}
-    return Engine(EngineConfig(**kw), backends=backends), backends
+    return Engine(EngineConfig(stage_times=True, **kw), backends=backends), backends
 
 
 def _small_spec(n, seed):
@@ -271,11 +273,11 @@ def test_two_thousand_small_bos_round_trip(image_dir, compression):
             mixed += mspecs
             try:
                 async def dump():
-                    e, backends = _counting_engine(staging_budget=4 * MiB, chunk_size=CHUNK)
+                    e, _ = _counting_engine(staging_budget=4 * MiB, chunk_size=CHUNK)
                     async with e:
                         m = await e.dump(dfd, mixed, compression=Compression.parse(compression))
-                    return m, backends
-                manifest, backends = run(dump())
+                    return m, e.stage_times
+                manifest, times = run(dump())
             finally:
                 os.close(mem)
         assert manifest.totals.bo_count == len(spec) + len(contents)
@@ -284,11 +286,9 @@ def test_two_thousand_small_bos_round_trip(image_dir, compression):
         zero_bo = next(b for b in manifest.bos if b.size == 2 * CHUNK)
         assert zero_bo.zero_bytes == 2 * CHUNK
         pieces = manifest.totals.chunk_count
-        copies = sum(backends["procmem"].batches) + sum(backends["mmap"].batches)
-        assert copies == pieces
-        calls = len(backends["procmem"].batches) + len(backends["mmap"].batches)
-        assert calls * 10 < pieces  # batched: far fewer submissions (thread hops) than pieces
-        assert max(backends["procmem"].batches) > 20 and max(backends["mmap"].batches) > 1
+        assert times.pieces == pieces
+        assert times.batches * 10 < pieces  # batched: far fewer batches (thread hops) than pieces
+        assert times.largest > 20
 
         target = blank_spec_like(regions)
         for r in target:  # keep the spec (one argv string) short
@@ -298,15 +298,16 @@ def test_two_thousand_small_bos_round_trip(image_dir, compression):
             mem = dst.open_mem(os.O_RDWR)
             try:
                 async def restore():
-                    e, backends = _counting_engine(staging_budget=4 * MiB, chunk_size=CHUNK)
+                    e, _ = _counting_engine(staging_budget=4 * MiB, chunk_size=CHUNK)
                     async with e:
                         targets = [RestoreTarget(i + 1, BoRef("procmem", mem, r["addr"]))
                                    for i, r in enumerate(regions)]
                         targets += [RestoreTarget(10_001 + i, BoRef("mmap", fd)) for i, fd in enumerate(dst_fds)]
                         p = await e.restore(dfd, targets)
+                        batches = e.stage_times.batches
                         report = await e.verify(dfd)
-                    return p, report, backends
-                progress, report, backends = run(restore())
+                    return p, report, batches
+                progress, report, batches = run(restore())
             finally:
                 os.close(mem)
             assert dst.digests() == want
@@ -315,7 +316,7 @@ def test_two_thousand_small_bos_round_trip(image_dir, compression):
         assert progress.bos_done == progress.bos_total == len(spec) + len(contents)
         assert progress.chunks_done == pieces and progress.bytes_done == manifest.totals.bo_bytes
         assert report.progress.chunks_done == pieces
-        assert len(backends["procmem"].batches) * 10 < pieces
+        assert batches * 10 < pieces
     finally:
         for fd in src_fds + dst_fds:
             os.close(fd)
@@ -460,12 +461,12 @@ def test_unmapped_page_in_one_piece_of_a_dump_batch(image_dir):
             specs[10:10] = [BoSpec(500 + i, len(c), BoRef("mmap", fd)) for i, (c, fd) in enumerate(zip(contents, fds))]
             try:
                 async def go():
-                    e, backends = _counting_engine(staging_budget=4 * MiB, chunk_size=CHUNK, workers_per_gpu=1)
+                    e, _ = _counting_engine(staging_budget=4 * MiB, chunk_size=CHUNK, workers_per_gpu=1)
                     async with e:
                         with pytest.raises(errors.UnmappedRangeError) as ei:
                             await e.dump(dfd, specs)
-                    return ei.value, backends
-                err, backends = run(go())
+                    return ei.value, e.stage_times
+                err, times = run(go())
             finally:
                 os.close(mem)
             addr = w.regions[59]["addr"]
@@ -473,7 +474,7 @@ def test_unmapped_page_in_one_piece_of_a_dump_batch(image_dir):
         for fd in fds:
             os.close(fd)
     assert (err.bo_id, err.offset, err.address) == (60, 4096, addr + 4096)
-    assert max(backends["procmem"].batches) > 1  # the failing copy was one piece of a batch
+    assert times.largest > 1  # the failing copy was one piece of a batch
     assert os.listdir(path) == []  # a failed dump leaves nothing
 
 
@@ -499,16 +500,16 @@ def test_unmapped_page_in_one_piece_of_a_restore_batch(image_dir):
         targets.insert(20, targets.pop())
         try:
             async def restore():
-                e, backends = _counting_engine(staging_budget=4 * MiB, chunk_size=CHUNK, workers_per_gpu=1)
+                e, _ = _counting_engine(staging_budget=4 * MiB, chunk_size=CHUNK, workers_per_gpu=1)
                 async with e:
                     with pytest.raises(errors.UnmappedRangeError) as ei:
                         await e.restore(dfd, targets)
-                return ei.value, backends
-            err, backends = run(restore())
+                return ei.value, e.stage_times
+            err, times = run(restore())
         finally:
             os.close(mem)
     assert (err.bo_id, err.offset, err.address) == (40, 4096, regions[39]["addr"] + 4096)
-    assert max(backends["procmem"].batches) > 1
+    assert times.largest > 1
 
 
 def test_internal_error_in_one_piece_is_attributed_to_it(image_dir, monkeypatch):
@@ -517,13 +518,14 @@ def test_internal_error_in_one_piece_is_attributed_to_it(image_dir, monkeypatch)
     from vramd.engine.jobs import dump as jobs
 
     _, dfd = image_dir
-    real = jobs.encode_chunk
-
-    def buggy(bo_id, offset, *a, **kw):
-        if bo_id == 250:  # in the fourth batch of the only worker, not at its start
-            raise ZeroDivisionError("boom")
-        return real(bo_id, offset, *a, **kw)
-    monkeypatch.setattr(jobs, "encode_chunk", buggy)
+    def buggy(real):
+        def encode(bo_id, offset, *a, **kw):
+            if bo_id == 250:  # in the fourth batch of the only worker, not at its start
+                raise ZeroDivisionError("boom")
+            return real(bo_id, offset, *a, **kw)
+        return encode
+    monkeypatch.setattr(jobs, "encode_chunk", buggy(jobs.encode_chunk))  # the three stages
+    monkeypatch.setattr(jobs, "record_head", buggy(jobs.record_head))    # a whole batch in a copy thread
     fds = [memfd(os.urandom(100)) for _ in range(300)]
     try:
         async def go():

@@ -13,7 +13,7 @@ import pytest
 from helpers import ROOT, memfd
 
 from vramd.client import SESSION_DUMP, Client, ClientBo
-from vramd.errors import JobCancelledError, NotFoundError, PermissionDeniedError
+from vramd.errors import JobCancelledError, NotFoundError, PermissionDeniedError, TargetTooSmallError
 from vramd.pb import rpc_pb2 as rpc
 from vramd.protocol import decode_response, encode_request
 from vramd.testing import DaemonProcess
@@ -228,3 +228,45 @@ def test_restore_failing_before_start_ends_the_session(daemon, image_dir):
             assert c.progress(r.token).state == rpc.SESSION_FAILED
             os.close(mem)
     os.close(src)
+
+
+def test_memfd_truncated_mid_dump_fails_that_session_only(daemon, image_dir, tmp_path):
+    """A client passes a 4 GiB memfd as an mmap BO and truncates it to 0 while the daemon dumps it.
+
+    Mapping the memfd would make the next access SIGBUS and kill the daemon;
+    memfds are read with pread instead, which comes back short: one typed
+    error for that session, naming the BO and where the bytes ended, and the
+    daemon goes on serving."""
+    _, dfd = image_dir
+    size = 4 << 30
+    fd = os.memfd_create("shrinks")
+    try:
+        os.ftruncate(fd, size)  # sparse: reads as zeros, costs no memory until written
+        os.pwrite(fd, os.urandom(1 << 20), 0)
+        with Client(daemon.socket) as c:
+            s = c.open_session(SESSION_DUMP, dfd)
+            c.add_bos(s.token, [ClientBo(7, fd, size=size, backend="mmap")])
+            c.start(s.token)
+            while c.progress(s.token).progress.bytes_done == 0:  # the copy has begun
+                pass
+            os.ftruncate(fd, 0)
+            with pytest.raises(TargetTooSmallError) as ei:
+                c.wait(s.token)
+            assert ei.value.bo_id == 7 and 0 < ei.value.offset < size
+            assert "truncated" in ei.value.message
+    finally:
+        os.close(fd)
+    # the daemon is alive and serves another client
+    other = tmp_path / "other"
+    other.mkdir()
+    ofd = os.open(other, os.O_RDONLY | os.O_DIRECTORY)
+    data = os.urandom(3 << 20)
+    src = memfd(data)
+    try:
+        with Client(daemon.socket) as c:
+            info = c.run_session(SESSION_DUMP, ofd, [ClientBo(1, src, size=len(data), backend="mmap")])
+            assert info.image.bo_bytes == len(data)
+    finally:
+        os.close(src)
+        os.close(ofd)
+    assert daemon.proc.poll() is None

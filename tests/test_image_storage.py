@@ -111,10 +111,27 @@ def test_an_io_error_writing_is_io_error_naming_the_file(image_dir, monkeypatch)
     assert os.listdir(path) == []
 
 
-def test_an_io_error_reading_is_io_error_naming_file_bo_and_offset(image_dir, monkeypatch):
+@pytest.mark.parametrize("flavour", ["python", "native"])
+def test_an_io_error_reading_is_io_error_naming_file_bo_and_offset(image_dir, monkeypatch, flavour):
+    """Both read paths: the three stages and the Python batch copier read with os.preadv (failed here);
+    the C batch copier's pread cannot be patched, so its errno is injected into its outcome."""
+    from vramd.engine.jobs import read
+    from vramd.hostmem import batchcopy
     _path, dfd = image_dir
     m = _dump(dfd, 3 * MiB)
-    _failing(monkeypatch, "preadv", errno.EIO, lambda fd, views, off: off >= 32)  # the records, not the header
+    if flavour == "python":
+        monkeypatch.setattr(batchcopy, "_copy", None)
+        _failing(monkeypatch, "preadv", errno.EIO, lambda fd, views, off: off >= 32)  # the records, not the header
+    else:
+        if not batchcopy.NATIVE:
+            pytest.skip("vramd.hostmem._copy is not built (needs <xxhash.h>: libxxhash-dev)")
+        real = read.copy_batch
+
+        def eio(copies, flags=0):
+            outcomes, _failed = real(copies, flags)
+            outcomes[0].err, outcomes[0].done = errno.EIO, 0
+            return outcomes, 0
+        monkeypatch.setattr(read, "copy_batch", eio)
 
     async def go():
         async with engine(staging_budget=16 * MiB) as e:

@@ -26,7 +26,8 @@ from collections.abc import Awaitable, Iterable, Mapping, MutableMapping, Sequen
 from dataclasses import dataclass, field
 from typing import ClassVar, Self
 
-from ..errors import BadDescriptorError, from_os_error
+from ..errors import BadDescriptorError, VramdError, from_os_error
+from ..hostmem.batchcopy import Copy
 from ..hostmem.staging import StagingBuffer, StagingPool
 
 
@@ -56,7 +57,8 @@ class BackendOptions:
     A backend takes what applies to it and ignores the rest.
     """
 
-    workers_per_gpu: int = 4
+    workers_per_gpu: int = 4  # batches in flight per GPU
+    copy_threads: int = 0     # threads for CPU copies (0: workers_per_gpu)
     # SDMA: library None = $VRAMD_AMDGPU_LIBRARY ("" the system libdrm_amdgpu, "model", or a path)
     sdma_library: str | None = None
     render_nodes: Mapping[int, str] = field(default_factory=dict)      # gpu_id -> /dev/dri/renderD<minor>
@@ -150,6 +152,38 @@ class Backend(ABC):
 
     def release(self, handle: BoHandle) -> None:
         """The job is done with this BO."""
+
+    # --- CPU copies the engine runs itself ----------------------------------
+    # A backend whose copies are plain CPU copies (procmem, mmap) says so with
+    # `cpu_copies`; the engine may then run a whole batch (copy, zero scan,
+    # checksum, file I/O) as one call in its own copy threads
+    # (vramd.hostmem.batchcopy) instead of going through `submit_many`.
+
+    cpu_copies: ClassVar[bool] = False
+
+    def endpoint(self, handle: BoHandle, bo_offset: int, length: int) -> tuple[int, int]:
+        """Where a CPU copy reaches bytes [bo_offset, bo_offset + length) of the BO.
+
+        `(fd, file offset)` for pread/pwrite, or `(-1, address)` for memory
+        that stays valid until `release` (e.g. a mapping).  Blocking; called
+        in a copy thread.  Only for backends with `cpu_copies`.
+        """
+        raise NotImplementedError(f"backend {self.name!r} has no CPU endpoints")
+
+    def plan(self, handle: BoHandle, bo_offset: int, address: int, length: int) -> Copy:
+        """The CPU copy between bytes [bo_offset, +length) of the BO and staging memory at `address`."""
+        fd, pos = self.endpoint(handle, bo_offset, length)
+        if handle.direction is Direction.READ:
+            return Copy(fd, pos, -1, address, length)
+        return Copy(-1, address, fd, pos, length)
+
+    def copy_error(self, handle: BoHandle, bo_offset: int, err: int) -> VramdError:
+        """The typed error for a CPU copy that stopped at BO offset `bo_offset`
+        (`err`: an errno, or batchcopy.END_OF_FILE when the fd ended there)."""
+        raise NotImplementedError(f"backend {self.name!r} has no CPU endpoints")
+
+    def after_copy(self, handle: BoHandle, bo_offset: int, length: int) -> None:
+        """Called in the copy thread after a CPU copy of the BO landed (e.g. to unmap a BO copied whole)."""
 
     def close(self) -> None:
         """The job is over; drop per-job resources."""

@@ -3,6 +3,16 @@
 On AMD hardware the fd is a dmabuf (or render node at the BO's mmap
 offset) of a CPU-visible BO; in tests it is a memfd or a regular file.
 
+A regular file or memfd is never mapped: it is read and written with
+pread/pwrite at the BO's offset (the same single CPU copy, without the page
+table work).  Mapping one would let its owner kill the daemon: a caller that
+truncates a file it passed in while the daemon copies from a mapping of it
+makes the next access SIGBUS, and SIGBUS in a copy thread ends the whole
+process.  pread instead returns short, which becomes a typed error naming
+the BO and offset.  Only objects that cannot shrink are mapped: a dmabuf
+keeps its size for its life, and a render node's driver refuses a mapping
+outside the BO.
+
 Each BO is mapped once, at its first chunk, and unmapped as soon as its
 last chunk has landed (the engine releases a BO's handle then).  Mapping
 per chunk instead was measured 4x slower on 2 cores: every mmap/munmap
@@ -11,9 +21,8 @@ other copy threads for a TLB shootdown.  Each chunk's window is prefaulted
 in one call (MADV_POPULATE_READ/WRITE, Linux 5.14+) rather than a fault
 per page.
 
-The fd's size is checked up front, so a copy can never touch a page beyond
-the end of the object (which would SIGBUS the whole daemon).  Copies are
-libc memcpy through cffi, so they run without the GIL.
+The fd's size is checked up front, so a copy never starts beyond the end
+of the object.  Copies run in vramd.hostmem.batchcopy, without the GIL.
 """
 from __future__ import annotations
 
@@ -24,8 +33,7 @@ import threading
 from dataclasses import dataclass, field
 
 from ..errors import BackendError, TargetTooSmallError
-from ..hostmem.libc import Pointer, address, copy_ptr, ffi, pointer, populate
-from ..hostmem.staging import StagingBuffer
+from ..hostmem.libc import Pointer, address, ffi, pointer, populate
 from ..units import PAGE
 from .base import BoHandle, BoRef, Capabilities, Direction, FdMemo
 from .threaded import ThreadedBackend
@@ -53,6 +61,7 @@ class _MappedBo(BoHandle):
     mm: mmap.mmap | None = None
     base: Pointer = None  # cdata pointer to the BO's first byte in the mapping
     anchor: Pointer = None  # the from_buffer cdata keeping the mapping's buffer exported
+    by_fd: bool = False  # a regular file or memfd: pread/pwrite, never mapped
 
 
 class MmapBackend(ThreadedBackend):
@@ -75,7 +84,7 @@ class MmapBackend(ThreadedBackend):
                 f"fd {ref.fd} holds {have} bytes; the BO needs {size} bytes at offset {ref.offset:#x}",
                 bo_id=bo_id, offset=max(0, have - ref.offset),
             )
-        return _MappedBo(bo_id, ref, size, gpu_id, direction)
+        return _MappedBo(bo_id, ref, size, gpu_id, direction, by_fd=stat.S_ISREG(st.st_mode))
 
     def _map(self, h: _MappedBo) -> None:
         writing = h.direction is Direction.WRITE
@@ -90,25 +99,35 @@ class MmapBackend(ThreadedBackend):
         h.anchor = pointer(h.mm, writable=writing)
         h.base = h.anchor + delta
 
-    def _copy(self, handle: BoHandle, bo_offset: int, buf: StagingBuffer, buf_offset: int, length: int) -> None:
+    def endpoint(self, handle: BoHandle, bo_offset: int, length: int) -> tuple[int, int]:
         assert isinstance(handle, _MappedBo)
         h = handle
+        if h.by_fd:
+            return h.ref.fd, h.ref.offset + bo_offset
         with h.lock:
             if h.mm is None:
                 self._map(h)
-        writing = h.direction is Direction.WRITE
         start = h.base + bo_offset
         # prefault the window in one call; where unsupported, the copy faults pages in itself
         lo = address(start) % PAGE
-        populate(start - lo, lo + length, writing=writing)
-        if writing:
-            copy_ptr(start, buf.ptr + buf_offset, length)
-        else:
-            copy_ptr(buf.ptr + buf_offset, start, length)
-        if bo_offset == 0 and length == h.size:
+        populate(start - lo, lo + length, writing=h.direction is Direction.WRITE)
+        return -1, address(start)
+
+    def copy_error(self, handle: BoHandle, bo_offset: int, err: int) -> BackendError:
+        fd = handle.ref.fd
+        if err > 0:
+            return BackendError(f"copy {'from' if handle.direction is Direction.READ else 'to'} fd {fd} at "
+                                f"{handle.ref.offset + bo_offset:#x} failed: {os.strerror(err)}",
+                                bo_id=handle.bo_id, offset=bo_offset)
+        return TargetTooSmallError(f"fd {fd} ends at {handle.ref.offset + bo_offset:#x}, inside the BO: "
+                                   f"it was truncated during the copy", bo_id=handle.bo_id, offset=bo_offset)
+
+    def after_copy(self, handle: BoHandle, bo_offset: int, length: int) -> None:
+        assert isinstance(handle, _MappedBo)
+        if bo_offset == 0 and length == handle.size and handle.mm is not None:
             # A BO copied in one piece (every small BO) needs its mapping no longer:
             # unmap here, in the copy thread, not in the event loop at release.
-            self._unmap(h)
+            self._unmap(handle)
 
     def release(self, handle: BoHandle) -> None:
         assert isinstance(handle, _MappedBo)

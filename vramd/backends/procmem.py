@@ -2,8 +2,8 @@
 
 The caller opens /proc/<pid>/mem (O_RDONLY to dump, O_RDWR to restore) and
 passes the fd; this backend never opens a /proc path itself.  Copies are
-positional vectored I/O (preadv/pwritev) straight into staging buffers,
-continued after short transfers.  A range with nothing mapped is reported
+positional I/O (pread/pwrite, vramd.hostmem.batchcopy) straight into staging
+buffers, continued after short transfers.  A range with nothing mapped is reported
 with the first address that failed.
 """
 from __future__ import annotations
@@ -12,7 +12,6 @@ import errno
 import os
 
 from ..errors import BackendError, UnmappedRangeError
-from ..hostmem.staging import StagingBuffer
 from ..units import PAGE
 from .base import BoHandle, BoRef, Capabilities, Direction, FdMemo
 from .threaded import ThreadedBackend
@@ -62,20 +61,8 @@ class ProcMemBackend(ThreadedBackend):
         return BackendError(f"/proc/<pid>/mem access at {addr:#x} failed: {err.strerror}",
                             bo_id=handle.bo_id, offset=off)
 
-    def _copy(self, handle: BoHandle, bo_offset: int, buf: StagingBuffer, buf_offset: int, length: int) -> None:
-        fd, base = handle.ref.fd, handle.ref.offset + bo_offset
-        view = buf.view[buf_offset:buf_offset + length]
-        reading = handle.direction is Direction.READ
-        done = 0
-        try:
-            while done < length:
-                try:
-                    rest = [view[done:]]
-                    n = os.preadv(fd, rest, base + done) if reading else os.pwritev(fd, rest, base + done)
-                except OSError as e:
-                    raise self._unmapped(handle, bo_offset + done, e) from None
-                if n == 0:
-                    raise self._unmapped(handle, bo_offset + done, None)
-                done += n
-        finally:
-            view.release()
+    def endpoint(self, handle: BoHandle, bo_offset: int, length: int) -> tuple[int, int]:
+        return handle.ref.fd, handle.ref.offset + bo_offset
+
+    def copy_error(self, handle: BoHandle, bo_offset: int, err: int) -> BackendError:
+        return self._unmapped(handle, bo_offset, OSError(err, os.strerror(err)) if err > 0 else None)

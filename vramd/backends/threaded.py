@@ -1,12 +1,20 @@
-"""Base of the CPU-copy backends: a copy is a blocking call run in a per-GPU worker thread pool."""
+"""Base of the CPU-copy backends: copies are CPU copies, a batch is one blocking call in a worker thread.
+
+A batch's copies run as one `vramd.hostmem.batchcopy.copy_batch` call (one C
+call without the GIL where the C module is built), in a per-GPU worker pool
+when they come through `submit_many`.  The engine can also run such copies
+itself, in its own copy threads, fused with the rest of a batch's work: a
+subclass only says where each BO's bytes are (`endpoint`) and what a failed
+copy means (`copy_error`).
+"""
 from __future__ import annotations
 
 import asyncio
-from abc import abstractmethod
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Self
 
+from ..hostmem.batchcopy import copy_batch
 from ..hostmem.staging import StagingBuffer
 from .base import Backend, BackendOptions, BoHandle, CopyItem
 
@@ -14,13 +22,15 @@ from .base import Backend, BackendOptions, BoHandle, CopyItem
 class ThreadedBackend(Backend):
     """Base for CPU-copy backends: a submit runs in a per-GPU worker thread pool."""
 
+    cpu_copies = True
+
     def __init__(self, workers_per_gpu: int = 2) -> None:
-        self.workers_per_gpu = workers_per_gpu
+        self.workers_per_gpu = workers_per_gpu  # threads per GPU for copies that come through submit
         self._pools: dict[int, ThreadPoolExecutor] = {}
 
     @classmethod
     def create(cls, options: BackendOptions) -> Self:
-        return cls(options.workers_per_gpu)
+        return cls(options.copy_threads or options.workers_per_gpu)
 
     def _executor(self, gpu_id: int) -> ThreadPoolExecutor:
         ex = self._pools.get(gpu_id)
@@ -39,8 +49,6 @@ class ThreadedBackend(Backend):
     def submit_many(self, items: Sequence[CopyItem]) -> asyncio.Future[None]:
         """All copies in one executor call, one after another in one worker thread; the first error stops them."""
         items = list(items)
-        if len(items) == 1:
-            return self.submit(*items[0])
         loop = asyncio.get_running_loop()
         if not items:
             fut: asyncio.Future[None] = loop.create_future()
@@ -49,13 +57,17 @@ class ThreadedBackend(Backend):
         return loop.run_in_executor(self._executor(items[0][0].gpu_id), self._copy_many, items)
 
     def _copy_many(self, items: Sequence[CopyItem]) -> None:
-        copy = self._copy
-        for handle, bo_offset, buf, buf_offset, length in items:
-            copy(handle, bo_offset, buf, buf_offset, length)
+        copies = [self.plan(h, bo_off, buf.address + buf_off, n) for h, bo_off, buf, buf_off, n in items]
+        outcomes, failed = copy_batch(copies)
+        for h, bo_off, _, _, n in items[:failed if failed >= 0 else len(items)]:
+            self.after_copy(h, bo_off, n)
+        if failed >= 0:
+            h, bo_off = items[failed][0], items[failed][1]
+            raise self.copy_error(h, bo_off + outcomes[failed].done, outcomes[failed].err)
 
-    @abstractmethod
     def _copy(self, handle: BoHandle, bo_offset: int, buf: StagingBuffer, buf_offset: int, length: int) -> None:
-        """Blocking copy, run in a worker thread."""
+        """One blocking copy (what a submit runs in a worker thread)."""
+        self._copy_many([(handle, bo_offset, buf, buf_offset, length)])
 
     def close(self) -> None:
         for ex in self._pools.values():

@@ -25,32 +25,63 @@ from ..pb import image_pb2 as pb
 from ..units import PAGE, MiB
 from .jobs import BoSpec, DumpJob, JobContext, RestoreJob, RestoreTarget, VerifyJob
 from .jobs.common import DEFAULT_MAX_BO_BYTES, OFF_T_MAX
-from .pipeline import Progress, ProgressCallback
+from .pipeline import Progress, ProgressCallback, StageTimes
 
 # image manifest -> {image gpu_id: present gpu_id}, or None to keep the saved ones
 GpuMap = Callable[[pb.Manifest], "dict[int, int] | None"]
 
 
+def cores() -> int:
+    """The CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 2
+
+
 @dataclass
 class EngineConfig:
+    """The engine's settings; 0 in a count means "chosen from the core count" (see __post_init__).
+
+    `copy_threads` run CPU copies: each takes a whole batch (copy, zero scan,
+    checksum, file write; or read, verify, copy out) at a time.  More than
+    the machine has cores only makes them take turns on a core and contend
+    for the GIL.  `inflight_per_gpu` batches are in flight per GPU lane:
+    enough to keep every copy thread (or a DMA engine) busy while the event
+    loop books the batches that landed.  `workers_per_gpu` is the old name of
+    `inflight_per_gpu`, still accepted.
+    """
+
     staging_budget: int = 512 * MiB
     chunk_size: int = 8 * MiB
     max_bo_bytes: int = DEFAULT_MAX_BO_BYTES  # the largest BO size a client may declare (LIMIT_EXCEEDED above)
-    workers_per_gpu: int = 4
+    inflight_per_gpu: int = 0   # 0: copy threads + 2 (at least 4)
+    copy_threads: int = 0       # 0: the core count
+    workers_per_gpu: int | None = None  # alias of inflight_per_gpu (the setting's old name)
     compression: Compression = field(default_factory=Compression)
-    cpu_threads: int = field(default_factory=lambda: os.cpu_count() or 2)
+    cpu_threads: int = field(default_factory=cores)
     io_threads: int = 4
+    stage_times: bool = False   # time every batch's stages (Engine.stage_times); off: no clock is read
     # SDMA: library None = $VRAMD_AMDGPU_LIBRARY ("" system libdrm_amdgpu, "model", or a path)
     sdma: bool = True  # False: the sdma backend is not even tried
     sdma_library: str | None = None
     render_nodes: dict[int, str] = field(default_factory=dict)      # gpu_id -> /dev/dri/renderD<minor>
     recommended_mask: dict[int, int] = field(default_factory=dict)  # gpu_id -> SDMA engines for host copies
 
+    def __post_init__(self) -> None:
+        if self.workers_per_gpu is not None and not self.inflight_per_gpu:
+            self.inflight_per_gpu = self.workers_per_gpu
+        if not self.copy_threads:
+            self.copy_threads = cores()
+        if not self.inflight_per_gpu:
+            self.inflight_per_gpu = max(4, self.copy_threads + 2)
+        self.workers_per_gpu = self.inflight_per_gpu
+
     def check(self) -> None:
         if not PAGE <= self.chunk_size <= 1 << 30 or self.chunk_size % PAGE:
             raise InvalidRequestError(f"chunk size {self.chunk_size} must be a multiple of 4 KiB, at most 1 GiB")
-        if self.workers_per_gpu < 1 or self.cpu_threads < 1 or self.io_threads < 1:
-            raise InvalidRequestError("worker and thread counts must be at least 1")
+        if min(self.inflight_per_gpu, self.copy_threads, self.cpu_threads, self.io_threads) < 1:
+            raise InvalidRequestError("batches in flight and thread counts must be at least 1")
         if not 0 <= self.max_bo_bytes <= OFF_T_MAX:
             raise InvalidRequestError(f"max_bo_bytes {self.max_bo_bytes} must be between 0 and 2**63 - 1")
 
@@ -70,15 +101,20 @@ class Engine:
         self.backends = self._create_backends() if backends is None else backends
         for b in self.backends.values():
             b.attach(self.pool)
-        self._cpu = ThreadPoolExecutor(self.config.cpu_threads, thread_name_prefix="vramd-cpu")
-        self._io = ThreadPoolExecutor(self.config.io_threads, thread_name_prefix="vramd-io")
-        self.ctx = JobContext(self.pool, self.backends, self._cpu, self._io, self.config.workers_per_gpu,
-                              max_bo_bytes=self.config.max_bo_bytes)
+        c = self.config
+        self._cpu = ThreadPoolExecutor(c.cpu_threads, thread_name_prefix="vramd-cpu")
+        self._io = ThreadPoolExecutor(c.io_threads, thread_name_prefix="vramd-io")
+        self._copy = ThreadPoolExecutor(c.copy_threads, thread_name_prefix="vramd-copy")
+        # every job's stage timings add up here (None: not measured)
+        self.stage_times: StageTimes | None = StageTimes() if c.stage_times else None
+        self.ctx = JobContext(self.pool, self.backends, self._cpu, self._io, c.inflight_per_gpu, self._copy,
+                              self.stage_times, max_bo_bytes=c.max_bo_bytes)
 
     def _create_backends(self) -> dict[str, Backend]:
         """Every registered backend that can work here; the others go to `unavailable`, with the reason."""
         c = self.config
-        options = BackendOptions(workers_per_gpu=c.workers_per_gpu, sdma_library=c.sdma_library,
+        options = BackendOptions(workers_per_gpu=c.inflight_per_gpu, copy_threads=c.copy_threads,
+                                 sdma_library=c.sdma_library,
                                  render_nodes=c.render_nodes, recommended_mask=c.recommended_mask)
         disabled = set() if c.sdma else {"sdma"}
         backends: dict[str, Backend] = {}
@@ -103,6 +139,7 @@ class Engine:
             b.close()
         self._cpu.shutdown(wait=True)
         self._io.shutdown(wait=True)
+        self._copy.shutdown(wait=True)
         self.pool.close()
 
     # --- jobs --------------------------------------------------------------

@@ -16,12 +16,25 @@ many small chunks (pieces of small BOs, tails of big ones) as fit, each in
 its own page-aligned slot of the buffer (`ChunkTask.buf_offset`).  Each end
 is called once per batch, so a batch costs one thread hand-off per stage
 however many pieces it holds; progress, `bo_done` and errors stay per piece.
+
+Every piece's slot starts with one free page (its *head page*) before its
+bytes: a dump puts the record's head there, right before the payload, so a
+record can go to the image file in one aligned write (O_DIRECT), and a
+restore reads a whole record into a slot in one call.
+
+Ends whose every piece is a CPU copy may run a whole batch as one blocking
+call (`InlineEnds.run`) in one of the engine's copy threads: fill, transform
+and drain of one batch together, with one thread hand-off per batch and the
+bytes still in that core's cache from one step to the next.  On a machine
+with few cores that beats handing each stage to another thread.
 """
 from __future__ import annotations
 
 import asyncio
 import collections
 import logging
+import threading
+import time
 import traceback
 from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import Executor
@@ -30,20 +43,21 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from ..backends import Backend
 from ..errors import JobCancelledError, JobError, VramdError
-from ..hostmem.staging import StagingBuffer, StagingPool
+from ..hostmem.staging import StagingBuffer, StagingPool, buffer_unit
 from ..units import PAGE, round_up
 
 log = logging.getLogger(__name__)
 
 SLOT_ALIGN = PAGE  # pieces of a batch start at page-aligned offsets of the staging buffer
+HEAD_PAGE = PAGE  # free bytes before every piece in its slot (a record's head goes there)
 # At most this many pieces per batch: a dump writes a batch's records with one
 # pwritev of two iovecs (head, payload) per piece, which must stay under IOV_MAX (1024).
 MAX_BATCH = 256
 
 
 def slot_size(length: int) -> int:
-    """The bytes of staging buffer a piece of `length` bytes occupies in a batch."""
-    return round_up(length, SLOT_ALIGN)
+    """The bytes of staging buffer a piece of `length` bytes occupies in a batch (its head page included)."""
+    return HEAD_PAGE + round_up(length, SLOT_ALIGN)
 
 
 T = TypeVar("T")
@@ -89,7 +103,7 @@ class ChunkTask(Generic[BoT]):
     length: int      # raw bytes
     record_offset: int = 0  # restore: where the record is in its data file
     record_length: int = 0
-    buf_offset: int = 0     # where in the batch's staging buffer(s) this piece's bytes go (its slot)
+    buf_offset: int = HEAD_PAGE  # where in the batch's staging buffer(s) this piece's bytes go (after its head page)
 
 
 def blame(exc: BaseException, task: ChunkTask[Any]) -> BaseException:
@@ -133,6 +147,68 @@ class Ends(Protocol[BoT]):
     def bo_done(self, bo: BoT) -> None: ...
 
 
+class InlineEnds(Ends[BoT], Protocol[BoT]):
+    """Ends that can also run a whole batch as one blocking call in a copy thread."""
+
+    def inline(self, tasks: list[ChunkTask[BoT]]) -> bool:
+        """True when `run` can do this batch (every piece a CPU copy); else the three stages do it."""
+
+    def run(self, tasks: list[ChunkTask[BoT]], bufs: list[StagingBuffer], times: StageTimes | None) -> Any:
+        """Fill, transform and drain the batch (blocking, in a copy thread); returns what `landed` takes."""
+
+    def landed(self, tasks: list[ChunkTask[BoT]], product: Any) -> None:
+        """Back on the event loop after `run`: record what the batch produced."""
+
+
+class StageTimes:
+    """Where a job's batches spend their time, per stage: wall and thread-CPU seconds, summed over batches.
+
+    Off by default (EngineConfig.stage_times): when on, each stage is timed
+    with two clock reads.  Stages: `staging` (waiting for a staging buffer),
+    `fill`, `transform`, `drain` (the three-stage path, wall time on the event
+    loop for fill/drain); `queue` (an inline batch waiting for a copy thread),
+    `copy` (batchcopy: copy + zero scan + xxh3, GIL released), `python`
+    (per-piece Python work of an inline batch: heads, checks; its wall time
+    beyond its CPU time is time spent waiting for the GIL), `write`/`read`
+    (file I/O of an inline batch), `out` (restore: staging -> BO).
+    """
+
+    def __init__(self) -> None:
+        self.batches = 0   # batches run
+        self.pieces = 0    # pieces in them
+        self.largest = 0   # pieces in the largest batch
+        self.wall: dict[str, float] = {}
+        self.cpu: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def add(self, stage: str, wall: float, cpu: float = 0.0) -> None:
+        with self._lock:
+            self.wall[stage] = self.wall.get(stage, 0.0) + wall
+            self.cpu[stage] = self.cpu.get(stage, 0.0) + cpu
+
+    def as_dict(self) -> dict[str, Any]:
+        with self._lock:
+            return {"batches": self.batches, "pieces": self.pieces, "largest": self.largest,
+                    "wall": dict(self.wall), "cpu": dict(self.cpu)}
+
+
+class Clock:
+    """Times consecutive steps of one thread into a StageTimes (nothing at all when `times` is None)."""
+
+    __slots__ = ("cpu", "times", "wall")
+
+    def __init__(self, times: StageTimes | None) -> None:
+        self.times = times
+        if times is not None:
+            self.wall, self.cpu = time.perf_counter(), time.thread_time()
+
+    def lap(self, stage: str) -> None:
+        if self.times is not None:
+            wall, cpu = time.perf_counter(), time.thread_time()
+            self.times.add(stage, wall - self.wall, cpu - self.cpu)
+            self.wall, self.cpu = wall, cpu
+
+
 @dataclass
 class Progress:
     bos_total: int = 0
@@ -159,10 +235,16 @@ class _Lane(Generic[BoT]):
 
 class Pipeline(Generic[BoT]):
     def __init__(self, ends: Ends[BoT], pool: StagingPool, cpu: Executor, *, workers_per_gpu: int,
-                 on_progress: ProgressCallback | None = None) -> None:
+                 on_progress: ProgressCallback | None = None, copier: Executor | None = None,
+                 times: StageTimes | None = None) -> None:
+        """`workers_per_gpu`: batches in flight per GPU lane.  `copier`: the copy threads that
+        run inline batches (None: always the three stages).  `times`: where to add stage timings."""
         self.ends = ends
         self.pool = pool
         self.cpu = cpu
+        self.copier = copier
+        self.times = times
+        self._inline: InlineEnds[BoT] | None = ends if copier is not None and hasattr(ends, "inline") else None  # type: ignore[assignment]
         self.workers_per_gpu = max(1, workers_per_gpu)
         self.on_progress = on_progress
         # called once, with the first error (e.g. to end an RPC session at once)
@@ -267,9 +349,9 @@ class Pipeline(Generic[BoT]):
 
     def _batch(self, lane: _Lane[BoT], first: ChunkTask[BoT]) -> list[ChunkTask[BoT]]:
         """`first` plus whatever ready chunks of the lane fit beside it in one staging buffer."""
-        first.buf_offset = 0
+        first.buf_offset = HEAD_PAGE
         tasks = [first]
-        limit = self.ends.chunk_size
+        limit = buffer_unit(self.ends.chunk_size)  # a whole chunk and its head page fill a buffer
         end = slot_size(first.length)
         while end < limit and len(tasks) < MAX_BATCH:
             task = self._take(lane)
@@ -280,23 +362,42 @@ class Pipeline(Generic[BoT]):
                 lane.carry = task  # not lost: the lane's next batch starts with it
                 self._poke(lane)
                 break
-            task.buf_offset = end
+            task.buf_offset = end + HEAD_PAGE
             end += slot
             tasks.append(task)
         return tasks
 
     async def _stages(self, tasks: list[ChunkTask[BoT]], bufs: list[StagingBuffer]) -> None:
         # Its own frame: what the stages hand on (views into `bufs`) dies with it.
+        loop = asyncio.get_running_loop()
+        times = self.times
+        inline = self._inline
+        if inline is not None and inline.inline(tasks):
+            assert self.copier is not None
+            queued = time.perf_counter() if times is not None else 0.0
+            product = await settle(loop.run_in_executor(self.copier, self._run_inline, inline, tasks, bufs, queued))
+            inline.landed(tasks, product)
+            return
         ends = self.ends
+        clock = Clock(times)
         filled = await ends.fill(tasks, bufs)
-        product = await settle(asyncio.get_running_loop().run_in_executor(
-            self.cpu, ends.transform, tasks, bufs, filled))
+        clock.lap("fill")
+        product = await settle(loop.run_in_executor(self.cpu, ends.transform, tasks, bufs, filled))
+        clock.lap("transform")
         await ends.drain(tasks, bufs, product)
+        clock.lap("drain")
+
+    def _run_inline(self, inline: InlineEnds[BoT], tasks: list[ChunkTask[BoT]], bufs: list[StagingBuffer],
+                    queued: float) -> Any:
+        if self.times is not None:
+            self.times.add("queue", time.perf_counter() - queued)
+        return inline.run(tasks, bufs, self.times)
 
     async def _worker(self, lane: _Lane[BoT]) -> None:
         ends = self.ends
         while (first := await self._next(lane)) is not None:
             tasks: list[ChunkTask[BoT]] = [first]
+            clock = Clock(self.times)
             try:  # e.g. a chunk larger than the whole budget: the job fails with it, never silently
                 bufs = await self.pool.acquire(ends.chunk_size, ends.buffers_per_chunk)
             except VramdError as e:
@@ -309,10 +410,15 @@ class Pipeline(Generic[BoT]):
                 log.exception("internal error in pipeline")
                 self.fail(JobError(f"internal error: {e!r}", bo_id=first.bo.id, offset=first.offset))
                 break
+            clock.lap("staging")
             try:
                 if self.error is not None:
                     break
                 tasks = self._batch(lane, first)
+                if self.times is not None:
+                    self.times.batches += 1
+                    self.times.pieces += len(tasks)
+                    self.times.largest = max(self.times.largest, len(tasks))
                 await self._stages(tasks, bufs)
             except VramdError as e:
                 _unpin(e)

@@ -16,6 +16,7 @@ ffi = cffi.FFI()
 ffi.cdef(
     """
     void *memcpy(void *dest, const void *src, size_t n);
+    void *memset(void *s, int c, size_t n);
     int memcmp(const void *s1, const void *s2, size_t n);
     int madvise(void *addr, size_t length, int advice);
     void *mmap(void *addr, size_t length, int prot, int flags, int fd, long offset);

@@ -48,10 +48,11 @@ class StagingBuffer:
     def __post_init__(self) -> None:
         self.view = memoryview(self.mm)
         self.ptr: Pointer = pointer(self.mm, writable=self.writable)
+        self._address = address(self.ptr)
 
     @property
     def address(self) -> int:
-        return address(self.ptr)
+        return self._address
 
     def unmap(self) -> None:
         ffi.release(self.ptr)

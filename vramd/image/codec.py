@@ -97,11 +97,15 @@ def encode_chunk(bo_id: int, offset: int, buf: StagingBuffer, length: int, compr
             packed = _compressor(compression.level).compress(payload)
             if len(packed) < length:
                 codec, payload = pb.CODEC_ZSTD, packed
-    header = pb.ChunkHeader(
-        bo_id=bo_id, offset=offset, raw_length=length, stored_length=len(payload), codec=codec,
-        checksum=checksum(payload) if payload else EMPTY_CHECKSUM,
-    )
-    return EncodedChunk(encode_record_head(header), payload, codec)
+    return EncodedChunk(record_head(bo_id, offset, length, codec, len(payload), checksum(payload) if payload else
+                                    EMPTY_CHECKSUM), payload, codec)
+
+
+def record_head(bo_id: int, offset: int, length: int, codec: pb.Codec, stored_length: int, digest: int) -> bytes:
+    """The head (prefix + chunk header) of a record whose payload's xxh3-64 is `digest` (computed elsewhere)."""
+    header = pb.ChunkHeader(bo_id=bo_id, offset=offset, raw_length=length, stored_length=stored_length, codec=codec,
+                            checksum=digest if stored_length else EMPTY_CHECKSUM)
+    return encode_record_head(header)
 
 
 @dataclass
@@ -115,14 +119,16 @@ class DecodedChunk:
 
 def decode_chunk(bo_id: int, offset: int, raw_length: int, head: bytes, stored: StagingBuffer,
                  stored_length: int, out: StagingBuffer | None, *, where: str, buf_offset: int = 0,
-                 record_checksum: int | None = None) -> DecodedChunk:
+                 digest: int | None = None, record_checksum: int | None = None) -> DecodedChunk:
     """Validate a record whose head is `head` and whose payload sits at `buf_offset` in `stored`.
 
     Returns where the raw bytes are: `stored` itself (RAW), `out` after
     decompressing into it at the same `buf_offset` (ZSTD), or no buffer for
     a hole.  The payload checksum is verified before anything else looks at
-    the payload.  `record_checksum`: the manifest's entry for this record, if
-    the image binds its records (see decode_record_head).
+    the payload.  `digest`: the payload's xxh3-64 where the caller computed
+    it already (vramd.hostmem.batchcopy hashes while it reads).
+    `record_checksum`: the manifest's entry for this record, if the image
+    binds its records (see decode_record_head).
     """
     header, head_len = decode_record_head(head, bo_id=bo_id, offset=offset, where=where,
                                           record_checksum=record_checksum)
@@ -141,7 +147,7 @@ def decode_chunk(bo_id: int, offset: int, raw_length: int, head: bytes, stored: 
         return DecodedChunk(None, header.codec)
     payload = stored.view[buf_offset:buf_offset + stored_length]
     try:
-        if checksum(payload) != header.checksum:
+        if (checksum(payload) if digest is None else digest) != header.checksum:
             raise bad("payload checksum mismatch; the stored bytes are damaged")
         if header.codec == pb.CODEC_RAW:
             return DecodedChunk(stored, header.codec, buf_offset)

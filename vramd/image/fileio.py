@@ -73,6 +73,27 @@ def open_regular(name: str, dir_fd: int, not_regular: type[VramdError]) -> int:
     return fd
 
 
+def reopen_direct(name: str, dir_fd: int, fd: int, flags: int) -> int | None:
+    """`name` in the image directory opened once more with O_DIRECT (for page-aligned I/O), by the same
+    rules as every image file (O_NOFOLLOW|O_NONBLOCK, no O_CREAT); it must be the very file `fd` has open
+    (same device and inode, regular), else None.  None too where the file system refuses O_DIRECT (tmpfs:
+    EINVAL) or the open fails otherwise: the caller keeps using `fd`.  Call it in a thread, never on the
+    event loop.
+    """
+    try:
+        dfd = os.open(name, flags | os.O_DIRECT | OPEN_FLAGS, dir_fd=dir_fd)
+    except OSError:
+        return None
+    try:
+        st, want = os.fstat(dfd), os.fstat(fd)
+        if stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_ino) == (want.st_dev, want.st_ino):
+            return dfd
+    except OSError:
+        pass
+    os.close(dfd)
+    return None
+
+
 def pwrite_all(fd: int, iov: Sequence[Bytes], offset: int) -> None:
     """pwritev until every byte of iov is written (short writes continue)."""
     views = [memoryview(b).cast("B") for b in iov]

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 from collections.abc import Sequence
 
 from ..errors import ForeignDataFileError, TruncatedDataError
 from ..pb import image_pb2 as pb
-from .fileio import image_os_error, open_regular, pread_into, preadv_all, read_manifest
+from .fileio import image_os_error, open_regular, pread_into, preadv_all, read_manifest, reopen_direct
 from .format import DATA_HEADER, check_data_header
 
 
@@ -19,6 +20,8 @@ class ImageReader:
         self.manifest = manifest
         self.fds = fds
         self.bos = {bo.id: bo for bo in manifest.bos}
+        self._lock = threading.Lock()
+        self._direct: dict[int, tuple[int, int] | None] = {}  # file index -> (O_DIRECT fd, file size), or None
 
     @classmethod
     async def open(cls, dir_fd: int) -> ImageReader:
@@ -74,7 +77,30 @@ class ImageReader:
         """Fill `views` from consecutive file bytes at `offset`; returns bytes read (short at end of file)."""
         return preadv_all(self.fds[file_index], views, offset)
 
+    def direct_fd(self, file_index: int) -> tuple[int, int] | None:
+        """(the data file opened a second time with O_DIRECT, its size), by the same opening rules as
+        every image file and checked to be the file already open (fileio.reopen_direct); None where
+        the file system refuses O_DIRECT.  Opened on first use, in the calling thread (never the loop)."""
+        with self._lock:
+            if file_index not in self._direct:
+                fd = reopen_direct(self.manifest.files[file_index].name, self.dir_fd, self.fds[file_index],
+                                   os.O_RDONLY)
+                if fd is not None:
+                    try:
+                        self._direct[file_index] = (fd, os.fstat(fd).st_size)
+                    except OSError:
+                        os.close(fd)
+                        self._direct[file_index] = None
+                else:
+                    self._direct[file_index] = None
+            return self._direct[file_index]
+
     def close(self) -> None:
+        with self._lock:
+            for d in self._direct.values():
+                if d is not None:
+                    os.close(d[0])
+            self._direct.clear()
         for fd in self.fds:
             os.close(fd)
         self.fds = []

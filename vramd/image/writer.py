@@ -23,6 +23,7 @@ import fcntl
 import logging
 import os
 import stat
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -31,7 +32,7 @@ from dataclasses import dataclass, field
 from .. import __version__
 from ..errors import InvalidRequestError, VramdError, from_os_error
 from ..pb import image_pb2 as pb
-from .fileio import FILE_MODE, OPEN_FLAGS, image_os_error, pwrite_all, read_manifest
+from .fileio import FILE_MODE, OPEN_FLAGS, image_os_error, pwrite_all, read_manifest, reopen_direct
 from .format import (
     FORMAT_VERSION,
     MANIFEST_NAME,
@@ -55,7 +56,12 @@ class DataFileWriter:
     concurrent writes to one file only contend on its inode lock (measured: 4
     writers into one tmpfs file ran 3x slower than one).  Its creation is the
     thread's first task, so every write finds the file there (or fails with
-    the creation's error)."""
+    the creation's error).
+
+    The engine's copy threads also write whole batches themselves (`pwrite`,
+    in the calling thread, never on the event loop), page-aligned ones through
+    a second descriptor opened with O_DIRECT (`direct_fd`) where the file
+    system allows it; offsets are reserved under a lock for that."""
 
     index: int
     gpu_id: int
@@ -67,6 +73,9 @@ class DataFileWriter:
     created: bool = field(default=False, init=False)  # the .tmp exists and is ours: remove it unless committed
     writer: ThreadPoolExecutor = field(init=False, repr=False)
     _opened: Future[None] = field(init=False, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
+    _direct: int | None = field(default=None, init=False, repr=False)  # the O_DIRECT descriptor, once opened
+    _direct_tried: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.end = len(encode_data_header(self.image_id))
@@ -88,19 +97,42 @@ class DataFileWriter:
         except OSError as e:
             raise image_os_error(e, f"cannot write {self.tmp}") from None
 
-    def reserve(self, length: int) -> int:
-        off = self.end
-        self.end += length
-        return off
+    def reserve(self, length: int, align: int = 1) -> int:
+        """`length` bytes of the file, at an offset that is a multiple of `align` (the bytes skipped to get
+        there are a gap no record uses: the manifest lists every record's offset and length)."""
+        with self._lock:  # the copy threads reserve too
+            self.end += -self.end % align
+            off = self.end
+            self.end += length
+            return off
 
-    def _pwrite(self, iov: Sequence[Bytes], offset: int, bo_id: int | None, bo_offset: int | None) -> None:
-        self._opened.result()  # done: it ran first in this thread; raises the creation's error
-        assert self.fd is not None
+    def _pwrite(self, iov: Sequence[Bytes], offset: int, bo_id: int | None, bo_offset: int | None,
+                direct: bool = False) -> None:
+        self._opened.result()  # in the writer thread: done, it ran first; elsewhere: waits for it
+        fd = self._direct if direct else self.fd
+        assert fd is not None
         try:
-            pwrite_all(self.fd, iov, offset)
+            pwrite_all(fd, iov, offset)
         except OSError as e:
             raise image_os_error(e, f"cannot write {self.tmp} at {offset:#x}", bo_id=bo_id,
                                  offset=bo_offset) from None
+
+    def pwrite(self, iov: Sequence[Bytes], offset: int, *, bo_id: int | None = None, bo_offset: int | None = None,
+               direct: bool = False) -> None:
+        """Write `iov` at `offset` in the calling thread (a copy thread: never the event loop); `direct`:
+        through `direct_fd` (page-aligned offset, length and memory).  Errors as `write`'s."""
+        self._pwrite(iov, offset, bo_id, bo_offset, direct)
+
+    def direct_fd(self) -> int | None:
+        """The file opened a second time with O_DIRECT, by the image's opening rules (fileio.reopen_direct);
+        None where the file system refuses it.  Opened on first use, in the calling thread (never the loop)."""
+        self._opened.result()
+        with self._lock:
+            if not self._direct_tried:
+                self._direct_tried = True
+                assert self.fd is not None
+                self._direct = reopen_direct(self.tmp, self.dir_fd, self.fd, os.O_WRONLY)
+            return self._direct
 
     def write(self, iov: Sequence[Bytes], offset: int, *, bo_id: int | None = None,
               bo_offset: int | None = None) -> asyncio.Future[None]:
@@ -121,6 +153,9 @@ class DataFileWriter:
 
     def close(self) -> None:
         self.writer.shutdown(wait=True)
+        if self._direct is not None:
+            os.close(self._direct)
+            self._direct = None
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None

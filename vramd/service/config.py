@@ -5,7 +5,8 @@
     staging_budget = "512M"
     chunk_size = "8M"
     compression = "none"
-    workers_per_gpu = 4
+    inflight_per_gpu = 4               # batches in flight per GPU (0: from the core count)
+    copy_threads = 2                   # threads doing CPU copies (0: the core count)
     allowed_uids = [0]                 # the daemon's own uid is always allowed
     allowed_groups = ["vramd"]
     grace_period = 30                  # seconds a session outlives its last connection
@@ -41,7 +42,9 @@ class DaemonConfig:
     staging_budget: int = 512 * MiB
     chunk_size: int = 8 * MiB
     compression: str = "none"
-    workers_per_gpu: int = 4
+    inflight_per_gpu: int = 0  # 0: chosen from the core count (EngineConfig)
+    copy_threads: int = 0      # 0: the core count
+    workers_per_gpu: int | None = None  # the old name of inflight_per_gpu, still accepted
     io_threads: int = 4
     allowed_uids: list[int] = field(default_factory=lambda: sorted({0, os.getuid()}))
     allowed_groups: list[str | int] = field(default_factory=lambda: [DEFAULT_GROUP])

@@ -80,6 +80,7 @@ class Daemon:
         gpus = self.topology.gpus if self.topology else []
         self.engine = engine or Engine(EngineConfig(
             staging_budget=cfg.staging_budget, chunk_size=cfg.chunk_size, workers_per_gpu=cfg.workers_per_gpu,
+            inflight_per_gpu=cfg.inflight_per_gpu, copy_threads=cfg.copy_threads,
             compression=Compression.parse(cfg.compression), io_threads=cfg.io_threads, sdma=cfg.sdma,
             sdma_library=cfg.sdma_library, render_nodes={g.gpu_id: topology.render_node(g) for g in gpus}))
         self.metrics = Metrics()

@@ -17,7 +17,7 @@ from ...backends import Backend, BoHandle, BoRef, CopyItem, Direction, FdMemo, l
 from ...errors import BackendUnavailableError, InvalidRequestError, LimitExceededError, VramdError
 from ...hostmem.staging import StagingPool
 from ...pb import image_pb2 as pb
-from ..pipeline import Ends, Pipeline, Progress, ProgressCallback
+from ..pipeline import Ends, Pipeline, Progress, ProgressCallback, StageTimes
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,9 @@ class JobContext:
     backends: dict[str, Backend]
     cpu: Executor
     io: Executor
-    workers_per_gpu: int
+    workers_per_gpu: int  # batches in flight per GPU (EngineConfig.inflight_per_gpu)
+    copier: Executor | None = None  # the copy threads that run whole batches (None: the three stages only)
+    times: StageTimes | None = None
     max_bo_bytes: int = DEFAULT_MAX_BO_BYTES  # the largest BO a job takes (a declared size, before any byte moves)
 
 
@@ -148,7 +150,7 @@ class JobBase(Generic[BoT]):
         self._usable: dict[str, Backend] = {}
         self._checked: FdMemo = {}  # fds validated once per job (see check_fd)
         self.pipeline: Pipeline[BoT] = Pipeline(ends, ctx.pool, ctx.cpu, workers_per_gpu=ctx.workers_per_gpu,
-                                                on_progress=on_progress)
+                                                on_progress=on_progress, copier=ctx.copier, times=ctx.times)
 
     @property
     def progress(self) -> Progress:

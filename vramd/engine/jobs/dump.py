@@ -1,7 +1,16 @@
 """The dump job: BOs -> a new image.
 
 Fill copies BO bytes into staging, transform encodes the chunk records,
-drain writes them; finish commits the image.
+drain writes them; finish commits the image.  Where every piece of a batch
+is a CPU copy and the image is uncompressed, one copy thread does all three
+for the batch (`DumpEnds.run`): one batchcopy call copies, scans for zeros
+and hashes, then the records are written.  A batch that is one big piece is
+written with O_DIRECT where the file system allows it (`DIRECT_MIN`): its
+head sits in the slot's head page right before the payload, so the record
+goes from staging to the disk with no CPU copy, at a page-aligned file
+offset (the bytes before the head in that page, and after the payload up to
+the next page, are zeros between records; the manifest lists each record's
+offset and length, so readers never see them).
 """
 from __future__ import annotations
 
@@ -11,13 +20,22 @@ from dataclasses import dataclass, field
 
 from ...backends import Direction, land_all
 from ...errors import InvalidRequestError, JobError, VramdError
+from ...hostmem.batchcopy import HASH, ZERO, copy_batch
+from ...hostmem.libc import ffi as libc_ffi
+from ...hostmem.libc import libc
 from ...hostmem.staging import StagingBuffer
-from ...image.codec import Compression, EncodedChunk, encode_chunk
-from ...image.format import Bytes, chunk_count
+from ...image.codec import Compression, EncodedChunk, encode_chunk, record_head
+from ...image.format import Bytes, chunk_count, record_checksum
 from ...image.writer import DataFileWriter, ImageWriter
 from ...pb import image_pb2 as pb
-from ..pipeline import ChunkTask, ProgressCallback, blame, settle
+from ...units import PAGE, round_up
+from ..pipeline import HEAD_PAGE, ChunkTask, Clock, ProgressCallback, StageTimes, blame, settle
 from .common import BoSpec, CopiedBo, JobBase, JobContext, check_bo_range, submit_batch
+
+DIRECT_MIN = 256 << 10  # a piece this big, alone in its batch, is written with O_DIRECT where possible
+
+# Where a piece's record went: (file offset, record length, all zero, record checksum).
+Placed = tuple[int, int, bool, int]
 
 SOURCE_KINDS = {"procmem": pb.SOURCE_PROCMEM, "mmap": pb.SOURCE_MMAP, "sdma": pb.SOURCE_SDMA}
 
@@ -55,13 +73,117 @@ class DumpBo(CopiedBo):
 
 
 class DumpEnds:
-    def __init__(self, writer: ImageWriter, compression: Compression, chunk_size: int) -> None:
+    def __init__(self, writer: ImageWriter, compression: Compression, chunk_size: int, direct: bool = True) -> None:
         self.writer = writer
         self.compression = compression
         self.chunk_size = chunk_size
         # zstd output is a fresh bytes object of at most chunk_size bytes; the
         # second buffer reserves budget for it (it is never touched itself).
         self.buffers_per_chunk = compression.buffers_per_chunk
+        self.direct = direct  # try O_DIRECT for big pieces (DataFileWriter.direct_fd: the writer's opening rules)
+
+    # --- a whole batch in one copy thread (InlineEnds) ----------------------
+
+    def inline(self, tasks: list[ChunkTask[DumpBo]]) -> bool:
+        return self.compression.codec == pb.CODEC_RAW and all(
+            t.bo.backend is not None and t.bo.backend.cpu_copies for t in tasks)
+
+    def run(self, tasks: list[ChunkTask[DumpBo]], bufs: list[StagingBuffer],
+            times: StageTimes | None) -> list[Placed]:
+        """Copy, scan and hash the batch (one batchcopy call), then write its records (in this copy thread;
+        an OSError of the data file is the writer's typed error naming it and the BO).
+
+        Returns (record offset, record length, all zero, record checksum) per piece.
+        """
+        buf = bufs[0]
+        clock = Clock(times)
+        copies = []
+        for t in tasks:
+            backend, handle = t.bo.backend, t.bo.handle
+            assert backend is not None and handle is not None  # set by add(), dropped only when done
+            copies.append(backend.plan(handle, t.offset, buf.address + t.buf_offset, t.length))
+        clock.lap("python")
+        outcomes, failed = copy_batch(copies, HASH | ZERO)
+        clock.lap("copy")
+        for t in tasks[:failed if failed >= 0 else len(tasks)]:
+            assert t.bo.backend is not None and t.bo.handle is not None
+            t.bo.backend.after_copy(t.bo.handle, t.offset, t.length)
+        if failed >= 0:
+            t, o = tasks[failed], outcomes[failed]
+            assert t.bo.backend is not None and t.bo.handle is not None
+            raise t.bo.backend.copy_error(t.bo.handle, t.offset + o.done, o.err)
+        heads = []
+        for t, o in zip(tasks, outcomes):
+            try:
+                heads.append(record_head(t.bo.id, t.offset, t.length, pb.CODEC_ZERO if o.zero else pb.CODEC_RAW,
+                                         0 if o.zero else t.length, o.hash))
+            except Exception as e:
+                blame(e, t)
+                raise
+        file = tasks[0].bo.file
+        assert file is not None and all(t.bo.file is file for t in tasks)  # one lane = one GPU = one data file
+        clock.lap("python")
+        if len(tasks) == 1 and not outcomes[0].zero and tasks[0].length >= DIRECT_MIN and self.direct \
+                and file.direct_fd() is not None:
+            placed = [self._write_direct(file, tasks[0], buf, heads[0])]
+        else:
+            placed = self._write(file, tasks, buf, heads, [o.zero for o in outcomes])
+        clock.lap("write")
+        return placed
+
+    def _write_direct(self, file: DataFileWriter, t: ChunkTask[DumpBo], buf: StagingBuffer,
+                      head: bytes) -> Placed:
+        """One record as one aligned O_DIRECT write: [zeros, head | payload, zeros] at a page-aligned offset."""
+        slot, n, h = t.buf_offset, t.length, len(head)
+        assert h <= HEAD_PAGE and slot >= HEAD_PAGE
+        end = slot + round_up(n, PAGE)
+        base = buf.address
+        libc.memset(libc_ffi.cast("char *", base + slot - HEAD_PAGE), 0, HEAD_PAGE - h)
+        buf.view[slot - h:slot] = head
+        if end > slot + n:
+            libc.memset(libc_ffi.cast("char *", base + slot + n), 0, end - slot - n)
+        at = file.reserve(end - slot + HEAD_PAGE, PAGE)
+        view = buf.view[slot - HEAD_PAGE:end]
+        try:
+            file.pwrite([view], at, bo_id=t.bo.id, bo_offset=t.offset, direct=True)
+        finally:
+            view.release()
+        return at + HEAD_PAGE - h, h + n, False, record_checksum(head)
+
+    def _write(self, file: DataFileWriter, tasks: list[ChunkTask[DumpBo]], buf: StagingBuffer, heads: list[bytes],
+               zero: list[bool]) -> list[Placed]:
+        """The batch's records back to back, one buffered pwritev."""
+        iov: list[Bytes] = []
+        lengths = []
+        for t, head, z in zip(tasks, heads, zero):
+            iov.append(head)
+            if not z:
+                iov.append(buf.view[t.buf_offset:t.buf_offset + t.length])
+            lengths.append(len(head) + (0 if z else t.length))
+        at = file.reserve(sum(lengths))
+        try:
+            file.pwrite(iov, at, bo_id=tasks[0].bo.id, bo_offset=tasks[0].offset)
+        finally:
+            for v in iov:
+                if isinstance(v, memoryview):
+                    v.release()
+        placed = []
+        for n, z, head in zip(lengths, zero, heads):
+            placed.append((at, n, z, record_checksum(head)))
+            at += n
+        return placed
+
+    def landed(self, tasks: list[ChunkTask[DumpBo]], placed: list[Placed]) -> None:
+        """On the event loop, after `run`: the records into the BOs' compact arrays (as the drain does)."""
+        for t, (at, n, z, rsum) in zip(tasks, placed):
+            bo = t.bo
+            bo.landed(t.index, at, n, rsum)
+            if z:
+                bo.zero_bytes += t.length
+            else:
+                bo.stored_bytes += t.length
+
+    # --- the three stages ----------------------------------------------------
 
     def bo_done(self, bo: DumpBo) -> None:
         bo.release()
@@ -126,7 +248,8 @@ class DumpJob(JobBase[DumpBo]):
         self.writer = ImageWriter(dir_fd, chunk_size=chunk_size, compression=compression.to_pb())
         self.chunk_size = chunk_size
         self.topology_json = b""  # the machine's KFD topology, saved in the manifest
-        super().__init__(ctx, DumpEnds(self.writer, compression, chunk_size), on_progress)
+        self.ends = DumpEnds(self.writer, compression, chunk_size)
+        super().__init__(ctx, self.ends, on_progress)
 
     def add(self, specs: Iterable[BoSpec]) -> None:
         """Validate and queue BOs; a bad BO fails the whole dump (an image is all or nothing)."""

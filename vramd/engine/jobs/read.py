@@ -2,10 +2,19 @@
 
 Both are the same pipeline: fill reads records into staging, transform
 checks and decodes them; only the drain differs (restore.py, verify.py).
+
+For an uncompressed image whose targets are all CPU copies, one copy thread
+does a whole batch (`ImageReadEnds.run`): one batchcopy call reads each
+record whole into its slot (the head into the slot's head page) and hashes
+its payload as it arrives, the heads are checked against the manifest and the
+hashes, and only then are the bytes copied into the BOs.  A record written
+page-aligned by an O_DIRECT dump, alone in its batch, is read with O_DIRECT
+where the file system allows it: no CPU copy on the way in.
 """
 from __future__ import annotations
 
 import asyncio
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from concurrent.futures import Executor
@@ -13,14 +22,17 @@ from dataclasses import dataclass
 
 from ...backends import Direction
 from ...errors import CorruptChunkError, TruncatedDataError, VramdError
+from ...hostmem.batchcopy import END_OF_FILE, HASH, RECORD, Copy, Outcome, copy_batch
 from ...hostmem.staging import StagingBuffer, StagingPool
 from ...image.codec import DecodedChunk, decode_chunk
 from ...image.fileio import image_os_error
 from ...image.format import HEAD_PEEK, record_head_length
 from ...image.reader import ImageReader
 from ...pb import image_pb2 as pb
-from ..pipeline import ChunkTask, ProgressCallback, blame, settle
+from ...units import PAGE, round_up
+from ..pipeline import HEAD_PAGE, ChunkTask, Clock, ProgressCallback, StageTimes, blame, settle
 from .common import CopiedBo, JobBase, JobContext
+from .dump import DIRECT_MIN
 
 
 @dataclass(eq=False)
@@ -48,9 +60,85 @@ class ImageReadEnds(ABC):
         self.chunk_size = m.chunk_size
         self.buffers_per_chunk = 2 if m.compression.codec == pb.CODEC_ZSTD else 1
         self._names = [f.name for f in m.files]
+        self.direct = True  # try O_DIRECT for big page-aligned records (the reader opens and closes those fds)
+
+    # --- a whole batch in one copy thread (InlineEnds) ----------------------
+
+    def inline(self, tasks: list[ChunkTask[ImageBo]]) -> bool:
+        return self.buffers_per_chunk == 1 and all(t.bo.backend is None or t.bo.backend.cpu_copies for t in tasks)
+
+    def run(self, tasks: list[ChunkTask[ImageBo]], bufs: list[StagingBuffer], times: StageTimes | None) -> None:
+        clock = Clock(times)
+        decoded = self._read_checked(tasks, bufs[0], clock)
+        self._copy_out(tasks, decoded, clock)
+
+    def landed(self, tasks: list[ChunkTask[ImageBo]], product: None) -> None:
+        return None
+
+    def _read_plan(self, t: ChunkTask[ImageBo], buf: StagingBuffer) -> Copy:
+        """Read the record whole into the piece's slot, from its head page on (O_DIRECT where it can be)."""
+        fi = t.bo.manifest_entry.file_index
+        rec, n, room = t.record_offset, t.record_length, HEAD_PAGE + round_up(t.length, PAGE)
+        skip = rec % PAGE
+        at = buf.address + t.buf_offset - HEAD_PAGE
+        if self.direct and n >= DIRECT_MIN and skip + n <= room:
+            d = self.reader.direct_fd(fi)  # opened in this copy thread, by the reader's rules
+            if d is not None and rec - skip + round_up(skip + n, PAGE) <= d[1]:
+                return Copy(d[0], rec - skip, -1, at, round_up(skip + n, PAGE), skip, n)
+        return Copy(self.reader.fds[fi], rec, -1, at, n, 0, n)
+
+    def _read_checked(self, tasks: list[ChunkTask[ImageBo]], buf: StagingBuffer, clock: Clock) -> list[DecodedChunk]:
+        copies = [self._read_plan(t, buf) for t in tasks]
+        clock.lap("python")
+        outcomes, failed = copy_batch(copies, HASH | RECORD)
+        clock.lap("read")
+        if failed >= 0:
+            self._read_failed(tasks[failed], copies[failed], outcomes[failed])
+        decoded = []
+        for t, c, o in zip(tasks, copies, outcomes):
+            try:
+                decoded.append(self._check(t, buf, c, o))
+            except VramdError:
+                raise
+            except Exception as e:
+                blame(e, t)
+                raise
+        clock.lap("python")
+        return decoded
+
+    def _read_failed(self, t: ChunkTask[ImageBo], c: Copy, o: Outcome) -> None:
+        fi = t.bo.manifest_entry.file_index
+        if o.err == END_OF_FILE:
+            raise TruncatedDataError(
+                f"data file {self._names[fi]} ends inside a chunk record at {c.src + o.done:#x}",
+                bo_id=t.bo.id, offset=t.offset)
+        raise image_os_error(OSError(o.err, os.strerror(o.err)), f"cannot read data file {self._names[fi]} at "
+                             f"{c.src + o.done:#x}", bo_id=t.bo.id, offset=t.offset)
+
+    def _check(self, t: ChunkTask[ImageBo], buf: StagingBuffer, c: Copy, o: Outcome) -> DecodedChunk:
+        """The record read into the slot: its head checked, its payload's hash compared (decode_chunk)."""
+        start = t.buf_offset - HEAD_PAGE + c.rec_at  # where the record is in the buffer
+        where = self._where(t)
+        view = buf.view
+        head_len = record_head_length(view[start:start + min(c.rec_len, HEAD_PEEK)], bo_id=t.bo.id, offset=t.offset,
+                                      where=where)
+        stored_len = c.rec_len - head_len
+        if stored_len > t.length:
+            raise CorruptChunkError(f"{where}: record of {c.rec_len} bytes for a {t.length}-byte chunk",
+                                    bo_id=t.bo.id, offset=t.offset)
+        digest = o.hash if o.payload_at == c.rec_at + head_len else None
+        bound = t.bo.manifest_entry.record_checksums  # empty in images from before records were bound
+        return decode_chunk(t.bo.id, t.offset, t.length, bytes(view[start:start + head_len]), buf, stored_len, None,
+                            where=where, buf_offset=start + head_len, digest=digest,
+                            record_checksum=bound[t.index] if bound else None)
+
+    def _copy_out(self, tasks: list[ChunkTask[ImageBo]], decoded: list[DecodedChunk], clock: Clock) -> None:
+        """Restore: the checked bytes into the BOs (verify: nowhere)."""
 
     def bo_done(self, bo: ImageBo) -> None:
         bo.release()
+
+    # --- the three stages ----------------------------------------------------
 
     async def fill(self, tasks: list[ChunkTask[ImageBo]], bufs: list[StagingBuffer]) -> list[bytes]:
         loop = asyncio.get_running_loop()
@@ -156,6 +244,7 @@ class ImageJob(JobBase[ImageBo]):
     def __init__(self, ctx: JobContext, reader: ImageReader, ends: ImageReadEnds,
                  on_progress: ProgressCallback | None = None) -> None:
         self.reader = reader
+        self.ends = ends
         super().__init__(ctx, ends, on_progress)
 
     @property

@@ -5,16 +5,35 @@ from collections.abc import Iterable
 
 from ...backends import Backend, CopyItem, Direction
 from ...errors import IncompleteRestoreError, InvalidRequestError, VramdError
+from ...hostmem.batchcopy import copy_batch
 from ...hostmem.staging import StagingBuffer
 from ...image.codec import DecodedChunk
 from ...image.reader import ImageReader
-from ..pipeline import ChunkTask, ProgressCallback, settle
+from ..pipeline import ChunkTask, Clock, ProgressCallback, settle
 from .common import JobContext, RestoreTarget, check_bo_range, submit_batch
 from .read import ImageBo, ImageJob, ImageReadEnds
 
 
 class RestoreEnds(ImageReadEnds):
     """Drain: copy each decoded chunk into its BO (holes from the pool's zero mapping)."""
+
+    def _copy_out(self, tasks: list[ChunkTask[ImageBo]], decoded: list[DecodedChunk], clock: Clock) -> None:
+        copies = []
+        for t, d in zip(tasks, decoded):
+            backend, handle = t.bo.backend, t.bo.handle
+            assert backend is not None and handle is not None  # set by add(), dropped only when done
+            src = d.buf.address + d.offset if d.buf is not None else self.pool.zeros(self.chunk_size).address
+            copies.append(backend.plan(handle, t.offset, src, t.length))
+        clock.lap("python")
+        outcomes, failed = copy_batch(copies)
+        clock.lap("out")
+        for t in tasks[:failed if failed >= 0 else len(tasks)]:
+            assert t.bo.backend is not None and t.bo.handle is not None
+            t.bo.backend.after_copy(t.bo.handle, t.offset, t.length)
+        if failed >= 0:
+            t, o = tasks[failed], outcomes[failed]
+            assert t.bo.backend is not None and t.bo.handle is not None
+            raise t.bo.backend.copy_error(t.bo.handle, t.offset + o.done, o.err)
 
     async def drain(self, tasks: list[ChunkTask[ImageBo]], bufs: list[StagingBuffer],
                     decoded: list[DecodedChunk]) -> None:

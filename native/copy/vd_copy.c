@@ -1,0 +1,121 @@
+/* vramd's batch copier (see vd_copy.h).  No Python API is used here: cffi calls it
+ * with the GIL released. */
+#define _GNU_SOURCE
+#include "vd_copy.h"
+
+#include <errno.h>
+#include <string.h>
+#include <unistd.h>
+
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
+/* Bytes moved, then hashed and scanned, at a time: small enough to still be in this
+ * core's L2 cache when the hash reads them back. */
+#define VD_BLOCK ((size_t)256 << 10)
+/* A chunk record's prefix: magic (4), header length (u32 LE), header checksum (8). */
+#define VD_RECORD_PREFIX 16u
+#define VD_MAX_CHUNK_HEADER 256u
+
+static int all_zero(const unsigned char *p, size_t n)
+{
+    /* p[0] == 0 and every byte equals the next one: all are 0.  libc's memcmp is
+     * vectorised and stops at the first difference (at once on random data). */
+    return n == 0 || (p[0] == 0 && (n == 1 || memcmp(p, p + 1, n - 1) == 0));
+}
+
+/* Move up to n bytes at `off` of the piece; returns bytes moved, 0 at the end of an
+ * fd, or -errno. */
+static ssize_t move(const struct vd_copy *c, uint64_t off, size_t n)
+{
+    ssize_t r;
+    if (c->src_fd >= 0 && c->dst_fd >= 0)
+        return -EINVAL;
+    do {
+        if (c->src_fd >= 0)
+            r = pread(c->src_fd, (void *)(uintptr_t)(c->dst + off), n, (off_t)(c->src + off));
+        else if (c->dst_fd >= 0)
+            r = pwrite(c->dst_fd, (const void *)(uintptr_t)(c->src + off), n, (off_t)(c->dst + off));
+        else {
+            memcpy((void *)(uintptr_t)(c->dst + off), (const void *)(uintptr_t)(c->src + off), n);
+            r = (ssize_t)n;
+        }
+    } while (r < 0 && errno == EINTR);
+    return r < 0 ? -errno : r;
+}
+
+static uint32_t le32(const unsigned char *p)
+{
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+static void run_one(struct vd_copy *c, unsigned flags)
+{
+    XXH3_state_t st;
+    const unsigned char *mem = (const unsigned char *)(uintptr_t)(c->dst_fd >= 0 ? c->src : c->dst);
+    int hashing = (flags & VD_HASH) != 0, zero = 1;
+    int known = !(flags & VD_RECORD);  /* the hashed range is known */
+    uint64_t lo = 0, hi = c->length, hashed = 0, off = 0;
+
+    c->hash = 0;
+    c->done = 0;
+    c->payload_at = 0;
+    c->err = 0;
+    if (flags & VD_RECORD) {
+        hi = c->rec_at + c->rec_len;
+        if (hi > c->length || hi < c->rec_at)
+            hi = c->length;
+    }
+    if (hashing)
+        XXH3_64bits_reset(&st);
+    while (off < c->length) {
+        size_t n = c->length - off < VD_BLOCK ? (size_t)(c->length - off) : VD_BLOCK;
+        ssize_t got = move(c, off, n);
+        if (got <= 0) {
+            c->err = got == 0 ? -1 : (int32_t)-got;
+            break;
+        }
+        if ((flags & VD_ZERO) && zero)
+            zero = all_zero(mem + off, (size_t)got);
+        off += (uint64_t)got;
+        if (!hashing)
+            continue;
+        if (!known && off >= c->rec_at + VD_RECORD_PREFIX) {
+            uint32_t hlen = le32(mem + c->rec_at + 4);
+            known = 1;
+            lo = c->rec_at + VD_RECORD_PREFIX + hlen;
+            if (hlen > VD_MAX_CHUNK_HEADER || lo > hi) {
+                hashing = 0;  /* not a record: the caller's header check rejects it */
+                continue;
+            }
+            c->payload_at = lo;
+            hashed = lo;
+        }
+        if (known) {
+            uint64_t upto = off < hi ? off : hi;
+            if (upto > hashed) {
+                XXH3_64bits_update(&st, mem + hashed, (size_t)(upto - hashed));
+                hashed = upto;
+            }
+        }
+    }
+    c->done = off;
+    c->zero = (flags & VD_ZERO) ? zero : 0;
+    if (hashing && known)
+        c->hash = XXH3_64bits_digest(&st);
+}
+
+long vd_copy_batch(struct vd_copy *c, size_t n, unsigned flags)
+{
+    for (size_t i = 0; i < n; i++) {
+        run_one(&c[i], flags);
+        if (c[i].err)
+            return (long)i;
+    }
+    return -1;
+}
+
+uint64_t vd_xxh3(uint64_t p, size_t n)
+{
+    return XXH3_64bits((const void *)(uintptr_t)p, n);
+}

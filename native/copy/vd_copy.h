@@ -1,0 +1,44 @@
+/* vramd's batch copier: the CPU copy backends' per-batch loop in one C call.
+ *
+ * One call moves every piece of a batch, one after another, between a BO (an fd read
+ * or written with pread/pwrite, or memory) and a staging buffer, and on the way
+ * computes what the transform needs: whether the piece is all zeros, and the xxh3-64
+ * of its bytes (or of a chunk record's payload).  The bytes are hashed block by block
+ * right after each block was moved, while they are still in the CPU cache.
+ * Python calls it through cffi with the GIL released.
+ */
+#ifndef VD_COPY_H
+#define VD_COPY_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define VD_HASH 1u      /* compute `hash` over the moved bytes (or the record payload) */
+#define VD_ZERO 2u      /* compute `zero`: every moved byte is 0 */
+#define VD_RECORD 4u    /* the bytes hold a chunk record starting at `rec_at`: hash only its payload */
+
+struct vd_copy {
+    /* in */
+    int32_t src_fd;       /* >= 0: pread(src_fd, ..., src); < 0: copy from memory at address src */
+    int32_t dst_fd;       /* >= 0: pwrite(dst_fd, ..., dst); < 0: copy to memory at address dst */
+    uint64_t src;         /* file offset or address */
+    uint64_t dst;         /* file offset or address */
+    uint64_t length;
+    uint64_t rec_at;      /* VD_RECORD: where the record starts within the moved bytes */
+    uint64_t rec_len;     /* VD_RECORD: the record's length */
+    /* out */
+    uint64_t hash;        /* xxh3-64 (VD_HASH) */
+    uint64_t done;        /* bytes moved; < length only on error */
+    uint64_t payload_at;  /* VD_RECORD: where the payload starts within the moved bytes (0: no valid prefix) */
+    int32_t err;          /* 0; an errno; or -1: the fd ended (a read of 0 bytes, a write of 0 bytes) */
+    int32_t zero;         /* VD_ZERO: 1 when every byte is zero */
+};
+
+/* Runs c[0..n) in order and stops at the first that fails.  Returns the index of the
+ * failed piece, or -1 when all succeeded.  Pieces after a failure are not touched. */
+long vd_copy_batch(struct vd_copy *c, size_t n, unsigned flags);
+
+/* xxh3-64 of n bytes at address p (the image format's checksum). */
+uint64_t vd_xxh3(uint64_t p, size_t n);
+
+#endif

@@ -1,0 +1,36 @@
+"""cffi (API mode) build of vramd's batch copier: vramd.hostmem._copy (native/copy/).
+
+Built at install time through setup.py's `cffi_modules` wherever a C compiler,
+the Python headers and <xxhash.h> (Debian: libxxhash-dev; header only, nothing
+is linked) exist.  Without it vramd still works: vramd.hostmem.batchcopy runs
+the same loop in Python.
+"""
+import os
+
+from cffi import FFI
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+CDEF = r"""
+#define VD_HASH ...
+#define VD_ZERO ...
+#define VD_RECORD ...
+struct vd_copy {
+    int32_t src_fd; int32_t dst_fd; uint64_t src; uint64_t dst; uint64_t length; uint64_t rec_at; uint64_t rec_len;
+    uint64_t hash; uint64_t done; uint64_t payload_at; int32_t err; int32_t zero;
+};
+long vd_copy_batch(struct vd_copy *c, size_t n, unsigned flags);
+uint64_t vd_xxh3(uint64_t p, size_t n);
+"""
+
+ffibuilder = FFI()
+ffibuilder.cdef(CDEF)
+ffibuilder.set_source(
+    "vramd.hostmem._copy", '#include "vd_copy.h"\n',
+    sources=[os.path.relpath(os.path.join(HERE, "copy", "vd_copy.c"))],
+    include_dirs=[os.path.join(HERE, "copy")],
+    extra_compile_args=["-O2", "-Wall", "-Wextra"],
+)
+
+if __name__ == "__main__":
+    ffibuilder.compile(verbose=True)

@@ -1,0 +1,243 @@
+"""vramd.hostmem.batchcopy: the C module and the Python fallback give the same results, and the engine
+round-trips through either."""
+from __future__ import annotations
+
+import mmap
+import os
+
+import pytest
+import xxhash
+from helpers import Workload, blank_spec_like, engine, memfd, run
+
+from vramd.backends import BoRef
+from vramd.engine import BoSpec, RestoreTarget
+from vramd.hostmem import batchcopy
+from vramd.hostmem.batchcopy import END_OF_FILE, HASH, RECORD, ZERO, Copy, copy_batch
+from vramd.hostmem.staging import StagingBuffer
+from vramd.image.codec import record_head
+from vramd.pb import image_pb2 as pb
+from vramd.units import MiB
+
+
+@pytest.fixture(params=["native", "python"])
+def flavour(request, monkeypatch):
+    if request.param == "native":
+        if not batchcopy.NATIVE:
+            pytest.skip("vramd.hostmem._copy is not built (needs <xxhash.h>: libxxhash-dev)")
+    else:
+        monkeypatch.setattr(batchcopy, "_copy", None)
+    return request.param
+
+
+def _buffer(n: int) -> StagingBuffer:
+    return StagingBuffer(n, mmap.mmap(-1, n))
+
+
+def test_copies_hash_and_zero_scan(flavour):
+    data = os.urandom(3 * batchcopy.BLOCK + 123)  # several C blocks and a ragged end
+    src, dst = memfd(data), memfd(b"\0" * len(data))
+    buf, zeros = _buffer(4 << 20), _buffer(1 << 20)
+    try:
+        n = len(data)
+        copies = [Copy(src, 0, -1, buf.address, n), Copy(-1, zeros.address, -1, buf.address + n, 5000)]
+        outs, failed = copy_batch(copies, HASH | ZERO)
+        assert failed == -1
+        assert bytes(buf.view[:n]) == data and bytes(buf.view[n:n + 5000]) == bytes(5000)
+        assert outs[0].hash == xxhash.xxh3_64_intdigest(data) and not outs[0].zero and outs[0].done == n
+        assert outs[1].zero and outs[1].hash == xxhash.xxh3_64_intdigest(bytes(5000))
+        outs, failed = copy_batch([Copy(-1, buf.address, dst, 0, n)])  # memory -> fd
+        assert failed == -1 and os.pread(dst, n + 1, 0) == data
+    finally:
+        os.close(src)
+        os.close(dst)
+
+
+def test_record_payload_hash_and_end_of_file(flavour):
+    payload = os.urandom(700_000)
+    head = record_head(5, 0, len(payload), pb.CODEC_RAW, len(payload), xxhash.xxh3_64_intdigest(payload))
+    f = memfd(b"x" * 100 + head + payload)
+    buf = _buffer(1 << 20)
+    try:
+        n = len(head) + len(payload)
+        outs, failed = copy_batch([Copy(f, 100, -1, buf.address, n, 0, n)], HASH | RECORD)
+        assert failed == -1 and outs[0].payload_at == len(head)
+        assert outs[0].hash == xxhash.xxh3_64_intdigest(payload)
+        # a record read that runs past the end of the file: where it stopped, and why
+        outs, failed = copy_batch([Copy(f, 0, -1, buf.address, 64), Copy(f, 100, -1, buf.address, n + 10, 0, n)],
+                                  HASH | RECORD)
+        assert failed == 1 and outs[1].err == END_OF_FILE and outs[1].done == n
+    finally:
+        os.close(f)
+
+
+def test_engine_round_trip(flavour, image_dir):
+    """Dump and restore procmem and memfd BOs, big and small, through whichever copier is in use."""
+    _, dfd = image_dir
+    spec = [{"size": 3 * MiB + 5, "seed": 1}, {"size": 4096, "seed": 2}, {"size": 2 * MiB, "fill": "zero"}]
+    content = os.urandom(5 * MiB + 17)
+    src, dst = memfd(content), memfd(b"\xee" * len(content))
+    try:
+        with Workload(spec) as w:
+            mem = w.open_mem()
+            try:
+                bos = [BoSpec(i + 1, r["size"], BoRef("procmem", mem, r["addr"])) for i, r in enumerate(w.regions)]
+                bos.append(BoSpec(9, len(content), BoRef("mmap", src)))
+
+                async def dump():
+                    async with engine(chunk_size=1 * MiB, staging_budget=16 * MiB) as e:
+                        await e.dump(dfd, bos)
+                run(dump())
+            finally:
+                os.close(mem)
+            regions, want = w.regions, w.digests()
+        with Workload(blank_spec_like(regions)) as t:
+            mem = t.open_mem(os.O_RDWR)
+            try:
+                async def restore():
+                    async with engine(chunk_size=1 * MiB, staging_budget=16 * MiB) as e:
+                        targets = [RestoreTarget(i + 1, BoRef("procmem", mem, r["addr"]))
+                                   for i, r in enumerate(regions)]
+                        await e.restore(dfd, [*targets, RestoreTarget(9, BoRef("mmap", dst))])
+                        await e.verify(dfd)
+                run(restore())
+            finally:
+                os.close(mem)
+            assert t.digests() == want
+        assert os.pread(dst, len(content) + 1, 0) == content
+    finally:
+        os.close(src)
+        os.close(dst)
+
+
+# --- the one-thread batch path keeps the image's guarantees (issue #12) -------------------
+
+def _o_direct_here(path) -> bool:
+    probe = os.path.join(path, "probe")
+    with open(probe, "wb"):
+        pass
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_DIRECT))
+        return True
+    except OSError:
+        return False
+    finally:
+        os.unlink(probe)
+
+
+def test_inline_dump_binds_every_record_and_writes_off_the_loop(flavour, image_dir, monkeypatch):
+    """Records written by the copy threads (buffered and O_DIRECT) are listed with their record_checksums,
+    every write and every O_DIRECT open runs in a copy thread, and the image reads back bound."""
+    import threading
+
+    from vramd.image import fileio, writer
+    from vramd.image.format import RECORD_PREFIX, record_checksum
+    from vramd.image.reader import ImageReader
+    path, dfd = image_dir
+    seen: dict[str, set[str]] = {"pwrite": set(), "direct": set(), "reopen": set()}
+    real_pwrite, real_reopen = writer.DataFileWriter.pwrite, fileio.reopen_direct
+
+    def pwrite(self, iov, offset, **kw):
+        seen["direct" if kw.get("direct") else "pwrite"].add(threading.current_thread().name)
+        return real_pwrite(self, iov, offset, **kw)
+
+    def reopen(*a):
+        seen["reopen"].add(threading.current_thread().name)
+        return real_reopen(*a)
+    monkeypatch.setattr(writer.DataFileWriter, "pwrite", pwrite)
+    monkeypatch.setattr(writer, "reopen_direct", reopen)
+    content = os.urandom(3 * MiB) + bytes(MiB) + os.urandom(5000)
+    src = memfd(content)
+    small = memfd(os.urandom(3000))
+    try:
+        async def dump():
+            async with engine(chunk_size=MiB, staging_budget=16 * MiB) as e:
+                return await e.dump(dfd, [BoSpec(1, len(content), BoRef("mmap", src)),
+                                          BoSpec(2, 3000, BoRef("mmap", small))])
+        m = run(dump())
+    finally:
+        os.close(src)
+        os.close(small)
+    assert seen["pwrite"] and all(n.startswith("vramd-copy") for s in seen.values() for n in s), seen
+    direct = _o_direct_here(path)
+    assert bool(seen["direct"]) == direct  # O_DIRECT wherever the file system takes it (not tmpfs)
+    data = (path / m.files[0].name).read_bytes()
+    for bo in m.bos:
+        assert len(bo.record_checksums) == len(bo.record_offsets) == len(bo.record_lengths) > 0
+        for off, ln, rsum in zip(bo.record_offsets, bo.record_lengths, bo.record_checksums):
+            assert record_checksum(data[off:off + RECORD_PREFIX.size]) == rsum and off + ln <= len(data)
+        if direct and bo.id == 1:
+            # the head right before a page-aligned payload: gaps between records, listed exactly
+            assert any((off + ln - 5000) % 4096 == 0 or (off + ln) % 4096 == 0
+                       for off, ln in zip(bo.record_offsets, bo.record_lengths))
+
+    async def check():
+        reader = await ImageReader.open(dfd)  # the manifest checks accept the layout
+        reader.close()
+        async with engine(chunk_size=MiB, staging_budget=16 * MiB) as e:
+            await e.verify(dfd)
+            dst = memfd(size=len(content))
+            try:
+                await e.restore(dfd, [RestoreTarget(1, BoRef("mmap", dst))], allow_partial=True)
+                return os.pread(dst, len(content) + 1, 0)
+            finally:
+                os.close(dst)
+    assert run(check()) == content
+
+
+def test_a_record_of_another_image_is_refused_on_the_inline_read(flavour, image_dir, tmp_path):
+    """Same BO, offset and length in two images: swapping the data file is caught by record_checksums."""
+    from vramd import errors
+    path, dfd = image_dir
+    other = tmp_path / "other"
+    other.mkdir()
+    odfd = os.open(other, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        ms = []
+        for d in (dfd, odfd):
+            src = memfd(os.urandom(2 * MiB))
+            try:
+                async def dump(d=d, src=src):  # one batch at a time: the same record layout in both
+                    async with engine(chunk_size=MiB, staging_budget=16 * MiB, copy_threads=1,
+                                      inflight_per_gpu=1) as e:
+                        return await e.dump(d, [BoSpec(1, 2 * MiB, BoRef("mmap", src))])
+                ms.append(run(dump()))
+            finally:
+                os.close(src)
+        a, b = ms
+        # the other image's data bytes under this image's name, with this image's file header
+        mine = (path / a.files[0].name).read_bytes()
+        theirs = (other / b.files[0].name).read_bytes()
+        (path / a.files[0].name).write_bytes(mine[:32] + theirs[32:])
+        assert list(a.bos[0].record_offsets) == list(b.bos[0].record_offsets)
+
+        async def verify():
+            async with engine(chunk_size=MiB, staging_budget=16 * MiB) as e:
+                await e.verify(dfd)
+        with pytest.raises(errors.CorruptChunkError, match="record checksum mismatch"):
+            run(verify())
+    finally:
+        os.close(odfd)
+
+
+def test_reopen_direct_follows_the_image_opening_rules(tmp_path):
+    """The O_DIRECT descriptor is the very file already open, never through a symlink, never another file."""
+    from vramd.image.fileio import reopen_direct
+    d = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        (tmp_path / "a").write_bytes(b"x" * 4096)
+        (tmp_path / "b").write_bytes(b"y" * 4096)
+        os.symlink("a", tmp_path / "link")
+        fd = os.open(tmp_path / "a", os.O_RDONLY)
+        try:
+            assert reopen_direct("link", d, fd, os.O_RDONLY) is None
+            assert reopen_direct("b", d, fd, os.O_RDONLY) is None
+            got = reopen_direct("a", d, fd, os.O_RDONLY)
+            if _o_direct_here(tmp_path):
+                assert got is not None and os.fstat(got).st_ino == os.fstat(fd).st_ino
+                os.close(got)
+            else:
+                assert got is None
+        finally:
+            os.close(fd)
+    finally:
+        os.close(d)
