@@ -15,9 +15,10 @@ from typing import Generic, Protocol, TypeVar
 
 from ...backends import Backend, BoHandle, BoRef, CopyItem, Direction, FdMemo, land_all
 from ...errors import BackendUnavailableError, InvalidRequestError, LimitExceededError, VramdError
+from ...hostmem.batchcopy import Outcome
 from ...hostmem.staging import StagingPool
 from ...pb import image_pb2 as pb
-from ..pipeline import Ends, Pipeline, Progress, ProgressCallback, StageTimes
+from ..pipeline import ChunkTask, Ends, Pipeline, Progress, ProgressCallback, StageTimes
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,21 @@ OFF_T_MAX = (1 << 63) - 1  # the largest file offset (off_t) a syscall takes
 DEFAULT_MAX_BO_BYTES = 1 << 40
 
 
+BoT = TypeVar("BoT", bound=CopiedBo)
+
+
+def landed(tasks: Sequence[ChunkTask[BoT]], outcomes: Sequence[Outcome], failed: int) -> None:
+    """After one `copy_batch` over `tasks`: tell each backend which pieces landed, then raise the
+    first failure as its backend's typed error, naming the BO and the offset where it stopped."""
+    for t in tasks[:failed if failed >= 0 else len(tasks)]:
+        assert t.bo.backend is not None and t.bo.handle is not None  # set by add(), dropped only when done
+        t.bo.backend.after_copy(t.bo.handle, t.offset, t.length)
+    if failed >= 0:
+        t, o = tasks[failed], outcomes[failed]
+        assert t.bo.backend is not None and t.bo.handle is not None
+        raise t.bo.backend.copy_error(t.bo.handle, t.offset + o.done, o.err)
+
+
 @dataclass
 class JobContext:
     """What jobs share from the engine."""
@@ -134,9 +150,6 @@ class Job(Protocol):
     def precheck(self, refs: Iterable[tuple[int, BoRef]]) -> None: ...
 
     async def finish(self) -> pb.Manifest: ...
-
-
-BoT = TypeVar("BoT", bound=CopiedBo)
 
 
 class JobBase(Generic[BoT]):

@@ -30,7 +30,7 @@ from ...image.writer import DataFileWriter, ImageWriter
 from ...pb import image_pb2 as pb
 from ...units import PAGE, round_up
 from ..pipeline import HEAD_PAGE, ChunkTask, Clock, ProgressCallback, StageTimes, blame, settle
-from .common import BoSpec, CopiedBo, JobBase, JobContext, check_bo_range, submit_batch
+from .common import BoSpec, CopiedBo, JobBase, JobContext, check_bo_range, landed, submit_batch
 
 DIRECT_MIN = 256 << 10  # a piece this big, alone in its batch, is written with O_DIRECT where possible
 
@@ -105,13 +105,7 @@ class DumpEnds:
         clock.lap("python")
         outcomes, failed = copy_batch(copies, HASH | ZERO)
         clock.lap("copy")
-        for t in tasks[:failed if failed >= 0 else len(tasks)]:
-            assert t.bo.backend is not None and t.bo.handle is not None
-            t.bo.backend.after_copy(t.bo.handle, t.offset, t.length)
-        if failed >= 0:
-            t, o = tasks[failed], outcomes[failed]
-            assert t.bo.backend is not None and t.bo.handle is not None
-            raise t.bo.backend.copy_error(t.bo.handle, t.offset + o.done, o.err)
+        landed(tasks, outcomes, failed)
         heads = []
         for t, o in zip(tasks, outcomes):
             try:

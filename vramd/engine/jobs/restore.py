@@ -10,7 +10,7 @@ from ...hostmem.staging import StagingBuffer
 from ...image.codec import DecodedChunk
 from ...image.reader import ImageReader
 from ..pipeline import ChunkTask, Clock, ProgressCallback, settle
-from .common import JobContext, RestoreTarget, check_bo_range, submit_batch
+from .common import JobContext, RestoreTarget, check_bo_range, landed, submit_batch
 from .read import ImageBo, ImageJob, ImageReadEnds
 
 
@@ -27,13 +27,7 @@ class RestoreEnds(ImageReadEnds):
         clock.lap("python")
         outcomes, failed = copy_batch(copies)
         clock.lap("out")
-        for t in tasks[:failed if failed >= 0 else len(tasks)]:
-            assert t.bo.backend is not None and t.bo.handle is not None
-            t.bo.backend.after_copy(t.bo.handle, t.offset, t.length)
-        if failed >= 0:
-            t, o = tasks[failed], outcomes[failed]
-            assert t.bo.backend is not None and t.bo.handle is not None
-            raise t.bo.backend.copy_error(t.bo.handle, t.offset + o.done, o.err)
+        landed(tasks, outcomes, failed)
 
     async def drain(self, tasks: list[ChunkTask[ImageBo]], bufs: list[StagingBuffer],
                     decoded: list[DecodedChunk]) -> None:
