@@ -27,7 +27,7 @@ import time
 from typing import Any
 
 from .. import __version__
-from ..client import SESSION_DUMP, SESSION_RESTORE, Client, ClientBo
+from ..client import SESSION_DUMP, SESSION_RESTORE, Client, ClientBo, topology_checks_from_env
 from ..errors import VramdError
 from ..pb import image_pb2 as pb
 from ..pb import rpc_pb2 as rpc
@@ -236,7 +236,8 @@ def cmd_restore(ns: argparse.Namespace) -> int:
                               "vramctl cannot target; restore it through the plugin that dumped it")
         if targets:
             raise Failure(f"the image has no file BO {min(targets)} (--bo-file {min(targets)}=...)")
-        info, secs = transfer(ns, SESSION_RESTORE, dfd, bos, "restore")
+        # CRIU's KFD_*_CHECK switches travel with the request (the daemon never reads its own environment)
+        info, secs = transfer(ns, SESSION_RESTORE, dfd, bos, "restore", topology_checks=topology_checks_from_env())
     finally:
         for fd in fds:
             os.close(fd)
