@@ -260,3 +260,19 @@ def _check_fd(fd: int, direction: Direction, *, bo_id: int, write_needs_rdwr: bo
     if direction is Direction.WRITE and write_needs_rdwr and acc != os.O_RDWR:
         raise BadDescriptorError(f"fd {fd} must be open read-write to map it for writing", bo_id=bo_id)
     return st
+
+
+def fd_size(fd: int, st: os.stat_result) -> int | None:
+    """The byte size of the object behind fd, or None where the kernel cannot say.
+
+    Regular files and memfds report st_size.  A dmabuf reports its size
+    through lseek(SEEK_END) (its position is meaningless, so moving it is
+    harmless).  A DRM render node cannot say; the driver itself rejects an
+    mmap outside the BO behind the offset, so no SIGBUS is possible there.
+    """
+    if stat.S_ISREG(st.st_mode):
+        return st.st_size
+    try:
+        return os.lseek(fd, 0, os.SEEK_END)
+    except OSError:
+        return None

@@ -35,24 +35,8 @@ from dataclasses import dataclass, field
 from ..errors import BackendError, TargetTooSmallError
 from ..hostmem.libc import Pointer, address, ffi, pointer, populate
 from ..units import PAGE
-from .base import BoHandle, BoRef, Capabilities, Direction, FdMemo
+from .base import BoHandle, BoRef, Capabilities, Direction, FdMemo, fd_size
 from .threaded import ThreadedBackend
-
-
-def fd_size(fd: int, st: os.stat_result) -> int | None:
-    """The byte size of the object behind fd, or None where the kernel cannot say.
-
-    Regular files and memfds report st_size.  A dmabuf reports its size
-    through lseek(SEEK_END) (its position is meaningless, so moving it is
-    harmless).  A DRM render node cannot say; the driver itself rejects an
-    mmap outside the BO behind the offset, so no SIGBUS is possible there.
-    """
-    if stat.S_ISREG(st.st_mode):
-        return st.st_size
-    try:
-        return os.lseek(fd, 0, os.SEEK_END)
-    except OSError:
-        return None
 
 
 @dataclass(eq=False)

@@ -33,7 +33,6 @@ import array
 import asyncio
 import logging
 import os
-import stat
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -42,7 +41,7 @@ from typing import Self, TypeVar
 from ...errors import BackendError, BackendUnavailableError, TargetTooSmallError, from_os_error
 from ...hostmem.staging import StagingBuffer, StagingPool
 from ...units import round_up
-from ..base import Backend, BackendOptions, BoHandle, BoRef, Capabilities, CopyItem, Direction, FdMemo
+from ..base import Backend, BackendOptions, BoHandle, BoRef, Capabilities, CopyItem, Direction, FdMemo, fd_size
 from .binding import Unavailable, is_model, load, resolve
 from .device import GpuDevice, Handle, Ring, SdmaBo
 from .packets import GPU_PAGE, IB_SLOT_BYTES, IB_SLOTS_PER_RING, TIMEOUT_INFINITE, copy_linear_packets
@@ -148,7 +147,7 @@ class SdmaBackend(Backend):
         The BO is imported and VA-mapped in its GPU's submit thread, before its first copy.
         """
         st = self.check(ref.fd, direction, bo_id=bo_id, checked=checked)
-        have = _fd_size(ref.fd, st)
+        have = fd_size(ref.fd, st)
         if have is not None:
             self._check_fits(ref, size, have, bo_id)
         return SdmaBo(bo_id, ref, size, gpu_id, direction)
@@ -363,17 +362,6 @@ class SdmaBackend(Backend):
         for g in self._gpus.values():
             g.close()
         self._gpus.clear()
-
-
-def _fd_size(fd: int, st: os.stat_result) -> int | None:
-    """The bytes behind a dmabuf (or, on the model, a memfd): st_size, or lseek(SEEK_END) (a dmabuf's
-    position means nothing); None where the kernel cannot say (the import then checks)."""
-    if stat.S_ISREG(st.st_mode):
-        return st.st_size
-    try:
-        return os.lseek(fd, 0, os.SEEK_END)
-    except OSError:
-        return None
 
 
 T = TypeVar("T")
