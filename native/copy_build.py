@@ -21,6 +21,7 @@ struct vd_copy {
 };
 long vd_copy_batch(struct vd_copy *c, size_t n, unsigned flags);
 uint64_t vd_xxh3(uint64_t p, size_t n);
+void vd_xor(unsigned char *dst, const unsigned char *src, size_t n);
 """
 
 ffibuilder = FFI()

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+import random
+import shutil
 from pathlib import Path
 
 import uvloop
@@ -41,3 +43,22 @@ def memfd(data: bytes = b"", size: int | None = None) -> int:
 
 def open_dir(path) -> int:
     return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+
+
+V1_IMAGE = Path(__file__).parent / "fixtures" / "image-v1"
+
+
+def v1_contents() -> dict[int, bytes]:
+    """The BOs of tests/fixtures/image-v1: an image written by the format v1 writer (before format v2), kept
+    to prove v1 images stay readable.  Chunk size 64 KiB, zstd:3; BO 1 compresses, BO 2 is a hole and a raw
+    chunk, BO 3 is empty, BO 4 is raw with a short last chunk; BOs 1 and 3 on GPU 0x1001, 2 and 4 on 0x1000."""
+    rnd = random.Random(20261123)
+    text = (b"the quick brown fox %d " * 20000)[:200 * 1024]
+    return {1: text, 2: bytes(64 * 1024) + rnd.randbytes(64 * 1024), 3: b"", 4: rnd.randbytes(4096 + 17)}
+
+
+def v1_image(tmp_path: Path) -> tuple[Path, int]:
+    """A copy of the v1 fixture image in `tmp_path` (tests damage their copy), and its directory fd."""
+    dst = tmp_path / "image-v1"
+    shutil.copytree(V1_IMAGE, dst)
+    return dst, open_dir(dst)

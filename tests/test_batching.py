@@ -19,7 +19,7 @@ from vramd.engine import BoSpec, Engine, EngineConfig, RestoreTarget
 from vramd.engine.pipeline import HEAD_PAGE, MAX_BATCH, SLOT_ALIGN, ChunkTask, Pipeline, slot_size
 from vramd.hostmem.staging import StagingPool, buffer_unit
 from vramd.image.codec import Compression
-from vramd.image.format import RECORD_PREFIX
+from vramd.image.format import RECORD_PREFIX, chunk_record
 
 KiB, MiB = 1 << 10, 1 << 20
 CHUNK = 256 * KiB
@@ -346,7 +346,8 @@ def batched_image(request, image_dir):
 
 def _rec(manifest, bo_id, chunk=0):
     bo = next(b for b in manifest.bos if b.id == bo_id)
-    return manifest.files[bo.file_index].name, bo.record_offsets[chunk], bo.record_lengths[chunk]
+    fi, off, ln, _ = chunk_record(manifest, bo, chunk)
+    return manifest.files[fi].name, off, ln
 
 
 def _flip(path, offset):

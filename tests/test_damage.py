@@ -9,7 +9,7 @@ from vramd import errors
 from vramd.backends import BoRef
 from vramd.engine import BoSpec, RestoreTarget
 from vramd.image.codec import Compression
-from vramd.image.format import MANIFEST_NAME, MANIFEST_PREFIX, RECORD_PREFIX, decode_manifest
+from vramd.image.format import MANIFEST_NAME, MANIFEST_PREFIX, RECORD_PREFIX, chunk_record, decode_manifest
 
 MiB = 1 << 20
 CHUNK = 1 * MiB
@@ -54,7 +54,8 @@ def _verify(dfd):
 
 def _record(manifest, bo_id, chunk):
     bo = next(b for b in manifest.bos if b.id == bo_id)
-    return manifest.files[bo.file_index].name, bo.record_offsets[chunk], bo.record_lengths[chunk]
+    fi, off, ln, _ = chunk_record(manifest, bo, chunk)
+    return manifest.files[fi].name, off, ln
 
 
 def _flip(path, offset):
@@ -132,9 +133,9 @@ def test_missing_manifest(dumped):
 def test_foreign_version_manifest(dumped):
     path, dfd, _, data = dumped
     blob = bytearray((path / MANIFEST_NAME).read_bytes())
-    struct.pack_into("<I", blob, 8, 2)  # a future format version
+    struct.pack_into("<I", blob, 8, 3)  # a future format version
     (path / MANIFEST_NAME).write_bytes(blob)
-    with pytest.raises(errors.UnsupportedVersionError, match="version 2"):
+    with pytest.raises(errors.UnsupportedVersionError, match="version 3"):
         _restore(dfd, data)
 
 

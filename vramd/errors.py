@@ -94,6 +94,18 @@ class NotWritableError(ImageError):
     code = "NOT_WRITABLE"
 
 
+class ParentMissingError(ImageError):
+    """An incremental image's parent (or an ancestor) was not given; the message names it."""
+
+    code = "PARENT_MISSING"
+
+
+class ParentMismatchError(ImageError):
+    """A directory given as a parent is not the image the child recorded (another image, or altered)."""
+
+    code = "PARENT_MISMATCH"
+
+
 # --- backends --------------------------------------------------------------
 
 class BackendError(VramdError):
@@ -230,6 +242,7 @@ WIRE_ERRORS: dict[str, type[VramdError]] = {cls.code: cls for cls in (
     BackendError, UnmappedRangeError, TargetTooSmallError, BadDescriptorError, BackendUnavailableError,
     ImageError, ManifestMissingError, UnsupportedVersionError, CorruptManifestError, CorruptChunkError,
     TruncatedDataError, ForeignDataFileError, NoSpaceError, ReadOnlyFsError, ImageIoError, NotWritableError,
+    ParentMissingError, ParentMismatchError,
     TopologyError, TopologyMismatchError,
     VramdError,
 )}

@@ -119,3 +119,17 @@ uint64_t vd_xxh3(uint64_t p, size_t n)
 {
     return XXH3_64bits((const void *)(uintptr_t)p, n);
 }
+
+void vd_xor(unsigned char *dst, const unsigned char *src, size_t n)
+{
+    size_t i = 0;
+    for (; i + sizeof(uint64_t) <= n; i += sizeof(uint64_t)) {
+        uint64_t a, b;
+        memcpy(&a, dst + i, sizeof a);
+        memcpy(&b, src + i, sizeof b);
+        a ^= b;
+        memcpy(dst + i, &a, sizeof a);
+    }
+    for (; i < n; i++)
+        dst[i] ^= src[i];
+}

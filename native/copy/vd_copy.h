@@ -41,4 +41,7 @@ long vd_copy_batch(struct vd_copy *c, size_t n, unsigned flags);
 /* xxh3-64 of n bytes at address p (the image format's checksum). */
 uint64_t vd_xxh3(uint64_t p, size_t n);
 
+/* dst[i] ^= src[i] for n bytes (format v2's delta records against their base chunk). */
+void vd_xor(unsigned char *dst, const unsigned char *src, size_t n);
+
 #endif

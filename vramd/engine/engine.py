@@ -11,7 +11,7 @@ the engine never opens a path it is given and never closes a caller's fd.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +25,8 @@ from ..pb import image_pb2 as pb
 from ..units import PAGE, MiB
 from .jobs import BoSpec, DumpJob, JobContext, RestoreJob, RestoreTarget, VerifyJob
 from .jobs.common import DEFAULT_MAX_BO_BYTES, OFF_T_MAX
+from .jobs.dump import DEFAULT_MAX_CHAIN
+from .jobs.read import buffers_to_read
 from .pipeline import Progress, ProgressCallback, StageTimes
 
 # image manifest -> {image gpu_id: present gpu_id}, or None to keep the saved ones
@@ -65,6 +67,7 @@ class EngineConfig:
     # SDMA: library None = $VRAMD_AMDGPU_LIBRARY ("" system libdrm_amdgpu, "model", or a path)
     sdma: bool = True  # False: the sdma backend is not even tried
     sdma_library: str | None = None
+    max_chain_depth: int = DEFAULT_MAX_CHAIN  # parents an incremental image may have (then: flatten)
     render_nodes: dict[int, str] = field(default_factory=dict)      # gpu_id -> /dev/dri/renderD<minor>
     recommended_mask: dict[int, int] = field(default_factory=dict)  # gpu_id -> SDMA engines for host copies
 
@@ -145,31 +148,51 @@ class Engine:
     # --- jobs --------------------------------------------------------------
 
     def start_dump(self, dir_fd: int, *, compression: Compression | None = None, chunk_size: int | None = None,
-                   on_progress: ProgressCallback | None = None) -> DumpJob:
-        cs = chunk_size or self.config.chunk_size
-        if cs != self.config.chunk_size:
-            EngineConfig(chunk_size=cs).check()
-        self._check_staging(cs, (compression or self.config.compression).buffers_per_chunk, "chunk size")
-        return DumpJob(self.ctx, dir_fd, chunk_size=cs, compression=compression or self.config.compression,
-                       on_progress=on_progress)
+                   on_progress: ProgressCallback | None = None, parent: ImageReader | None = None,
+                   parent_hint: str = "", dedup: bool = True) -> DumpJob:
+        """`parent` (from `open_parent`): an incremental dump; the job owns and closes it, even on error."""
+        try:
+            cs = chunk_size or self.config.chunk_size
+            if cs != self.config.chunk_size:
+                EngineConfig(chunk_size=cs).check()
+            if parent is not None and parent.manifest.chunk_size != cs:
+                raise InvalidRequestError(f"the parent image's chunk size is {parent.manifest.chunk_size}; an "
+                                          f"incremental image must use the same (asked: {cs})")
+            comp = compression or self.config.compression
+            self._check_staging(cs, comp.buffers_per_chunk if parent is None else 4, "chunk size")
+        except BaseException:
+            if parent is not None:
+                parent.close()
+            raise
+        return DumpJob(self.ctx, dir_fd, chunk_size=cs, compression=comp, on_progress=on_progress, parent=parent,
+                       parent_hint=parent_hint, dedup=dedup, max_chain=self.config.max_chain_depth)
+
+    async def open_parent(self, parent_fds: Sequence[int]) -> ImageReader:
+        """An incremental dump's parent: `parent_fds` are its directory, then those of its own parents."""
+        if not parent_fds:
+            raise InvalidRequestError("no parent directory given")
+        return await ImageReader.open(parent_fds[0], parent_fds[1:])
 
     async def start_restore(self, dir_fd: int, *, on_progress: ProgressCallback | None = None,
-                            gpu_map: GpuMap | None = None, allow_partial: bool = False) -> RestoreJob:
-        """`gpu_map(manifest) -> {image gpu_id: present gpu_id}` places each BO on its present GPU."""
-        reader = await ImageReader.open(dir_fd)
+                            gpu_map: GpuMap | None = None, allow_partial: bool = False,
+                            parent_fds: Sequence[int] = ()) -> RestoreJob:
+        """`gpu_map(manifest) -> {image gpu_id: present gpu_id}` places each BO on its present GPU.
+        `parent_fds`: an incremental image's parents' directories, nearest first."""
+        reader = await ImageReader.open(dir_fd, parent_fds)
         try:
-            self._check_image_staging(reader.manifest)
+            self._check_image_staging(reader)
             mapping = gpu_map(reader.manifest) if gpu_map is not None else None
         except BaseException:
             reader.close()
             raise
         return RestoreJob(self.ctx, reader, on_progress=on_progress, gpu_map=mapping, allow_partial=allow_partial)
 
-    async def start_verify(self, dir_fd: int, *, on_progress: ProgressCallback | None = None) -> VerifyJob:
+    async def start_verify(self, dir_fd: int, *, on_progress: ProgressCallback | None = None,
+                           parent_fds: Sequence[int] = ()) -> VerifyJob:
         """A job that reads and checks every chunk of the image, writing nowhere."""
-        reader = await ImageReader.open(dir_fd)
+        reader = await ImageReader.open(dir_fd, parent_fds)
         try:
-            self._check_image_staging(reader.manifest)
+            self._check_image_staging(reader)
             return VerifyJob(self.ctx, reader, on_progress=on_progress)
         except BaseException:
             reader.close()
@@ -183,10 +206,12 @@ class Engine:
                 f"{what} {chunk_size} needs {buffers} x {buffer_unit(chunk_size)} bytes of staging per batch; "
                 f"the staging budget is {self.pool.budget} bytes")
 
-    def _check_image_staging(self, m: pb.Manifest) -> None:
-        self._check_staging(m.chunk_size, 2 if m.compression.codec == pb.CODEC_ZSTD else 1, "the image's chunk size")
+    def _check_image_staging(self, reader: ImageReader) -> None:
+        self._check_staging(reader.manifest.chunk_size, buffers_to_read(reader), "the image's chunk size")
 
-    async def dump(self, dir_fd: int, bos: list[BoSpec], **kw: Any) -> pb.Manifest:
+    async def dump(self, dir_fd: int, bos: list[BoSpec], *, parent_fds: Sequence[int] = (), **kw: Any) -> pb.Manifest:
+        if parent_fds:
+            kw["parent"] = await self.open_parent(parent_fds)
         job = self.start_dump(dir_fd, **kw)
         try:
             job.add(bos)
@@ -195,15 +220,17 @@ class Engine:
         return manifest
 
     async def restore(self, dir_fd: int, targets: list[RestoreTarget], *, allow_partial: bool = False,
-                      on_progress: ProgressCallback | None = None) -> Progress:
-        job = await self.start_restore(dir_fd, on_progress=on_progress, allow_partial=allow_partial)
+                      on_progress: ProgressCallback | None = None, parent_fds: Sequence[int] = ()) -> Progress:
+        job = await self.start_restore(dir_fd, on_progress=on_progress, allow_partial=allow_partial,
+                                       parent_fds=parent_fds)
         try:
             job.add(targets)
         finally:
             await job.finish()
         return job.progress
 
-    async def verify(self, dir_fd: int, *, on_progress: ProgressCallback | None = None) -> VerifyReport:
+    async def verify(self, dir_fd: int, *, on_progress: ProgressCallback | None = None,
+                     parent_fds: Sequence[int] = ()) -> VerifyReport:
         """Read every chunk and check it (checksums, lengths, zstd frames) without writing anywhere."""
-        job = await self.start_verify(dir_fd, on_progress=on_progress)
+        job = await self.start_verify(dir_fd, on_progress=on_progress, parent_fds=parent_fds)
         return VerifyReport(await job.finish(), job.progress)

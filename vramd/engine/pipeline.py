@@ -44,6 +44,7 @@ from typing import Any, Generic, Protocol, TypeVar
 from ..backends import Backend
 from ..errors import JobCancelledError, JobError, VramdError
 from ..hostmem.staging import StagingBuffer, StagingPool, buffer_unit
+from ..image.reader import Loc
 from ..units import PAGE, round_up
 
 log = logging.getLogger(__name__)
@@ -103,6 +104,7 @@ class ChunkTask(Generic[BoT]):
     length: int      # raw bytes
     record_offset: int = 0  # restore: where the record is in its data file
     record_length: int = 0
+    loc: Loc | None = None  # restore: the record (None: a format v2 hole, no record)
     buf_offset: int = HEAD_PAGE  # where in the batch's staging buffer(s) this piece's bytes go (after its head page)
 
 

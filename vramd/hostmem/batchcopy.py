@@ -154,3 +154,15 @@ def _one(c: Copy, flags: int) -> Outcome:
             o.payload_at = lo
         o.hash = xxhash.xxh3_64_intdigest(mem[lo:min(hi, done)])
     return o
+
+
+def xor_into(dest: memoryview, src: memoryview | bytes) -> None:
+    """dest[i] ^= src[i] for every byte (a delta record's bytes against its base chunk)."""
+    n = len(dest)
+    if len(src) != n:
+        raise ValueError(f"xor of {n} bytes with {len(src)}")
+    if _copy is not None:
+        _copy.lib.vd_xor(_copy.ffi.from_buffer(dest), _copy.ffi.from_buffer(src), n)
+        return
+    x = int.from_bytes(dest, "little") ^ int.from_bytes(src, "little")
+    dest[:] = x.to_bytes(n, "little")

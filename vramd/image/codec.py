@@ -16,10 +16,13 @@ from dataclasses import dataclass
 import zstandard
 
 from ..errors import CorruptChunkError
+from ..hostmem.batchcopy import xor_into
 from ..hostmem.libc import is_zero_ptr
 from ..hostmem.staging import StagingBuffer
 from ..pb import image_pb2 as pb
 from .format import EMPTY_CHECKSUM, Bytes, checksum, decode_record_head, encode_record_head, record_checksum
+from .format import content_hash as content_hash_of
+from .planes import decompress_planes
 
 
 @dataclass(frozen=True)
@@ -85,11 +88,14 @@ class EncodedChunk:
 
 
 def encode_chunk(bo_id: int, offset: int, buf: StagingBuffer, length: int, compression: Compression,
-                 buf_offset: int = 0) -> EncodedChunk:
-    """Build the record for `length` staged bytes at `buf_offset` in `buf`."""
+                 buf_offset: int = 0, chash: bytes | None = None) -> EncodedChunk:
+    """Build the record for `length` staged bytes at `buf_offset` in `buf`.
+
+    `chash`: format v2, the bytes' content hash (the caller found them not all zero).
+    """
     codec: pb.Codec
     payload: Bytes
-    if is_zero_ptr(buf.ptr + buf_offset, length):
+    if chash is None and is_zero_ptr(buf.ptr + buf_offset, length):
         codec, payload = pb.CODEC_ZERO, b""
     else:
         codec, payload = pb.CODEC_RAW, buf.view[buf_offset:buf_offset + length]
@@ -98,13 +104,24 @@ def encode_chunk(bo_id: int, offset: int, buf: StagingBuffer, length: int, compr
             if len(packed) < length:
                 codec, payload = pb.CODEC_ZSTD, packed
     return EncodedChunk(record_head(bo_id, offset, length, codec, len(payload), checksum(payload) if payload else
-                                    EMPTY_CHECKSUM), payload, codec)
+                                    EMPTY_CHECKSUM, chash or b""), payload, codec)
 
 
-def record_head(bo_id: int, offset: int, length: int, codec: pb.Codec, stored_length: int, digest: int) -> bytes:
-    """The head (prefix + chunk header) of a record whose payload's xxh3-64 is `digest` (computed elsewhere)."""
+def encode_delta(bo_id: int, offset: int, xored: memoryview, level: int, chash: bytes,
+                 base_hash: bytes) -> EncodedChunk:
+    """The record of a chunk stored as a delta: `xored` is its bytes XOR its base chunk's."""
+    payload = _compressor(max(level, 1)).compress(xored)
+    return EncodedChunk(record_head(bo_id, offset, len(xored), pb.CODEC_XOR, len(payload), checksum(payload), chash,
+                                    base_hash=base_hash), payload, pb.CODEC_XOR)
+
+
+def record_head(bo_id: int, offset: int, length: int, codec: pb.Codec, stored_length: int, digest: int,
+                chash: bytes = b"", *, word_size: int = 0, base_hash: bytes = b"") -> bytes:
+    """The head (prefix + chunk header) of a record whose payload's xxh3-64 is `digest` (computed elsewhere);
+    `chash` (format v2): the content hash of its raw bytes."""
     header = pb.ChunkHeader(bo_id=bo_id, offset=offset, raw_length=length, stored_length=stored_length, codec=codec,
-                            checksum=digest if stored_length else EMPTY_CHECKSUM)
+                            checksum=digest if stored_length else EMPTY_CHECKSUM, content_hash=chash,
+                            word_size=word_size, base_hash=base_hash)
     return encode_record_head(header)
 
 
@@ -119,7 +136,9 @@ class DecodedChunk:
 
 def decode_chunk(bo_id: int, offset: int, raw_length: int, head: bytes, stored: StagingBuffer,
                  stored_length: int, out: StagingBuffer | None, *, where: str, buf_offset: int = 0,
-                 digest: int | None = None, record_checksum: int | None = None) -> DecodedChunk:
+                 digest: int | None = None, record_checksum: int | None = None,
+                 content_hash: bytes | None = None, base: memoryview | None = None,
+                 check_content: bool = False) -> DecodedChunk:
     """Validate a record whose head is `head` and whose payload sits at `buf_offset` in `stored`.
 
     Returns where the raw bytes are: `stored` itself (RAW), `out` after
@@ -129,9 +148,13 @@ def decode_chunk(bo_id: int, offset: int, raw_length: int, head: bytes, stored: 
     it already (vramd.hostmem.batchcopy hashes while it reads).
     `record_checksum`: the manifest's entry for this record, if the image
     binds its records (see decode_record_head).
+    `content_hash` (format v2): the chunk table's hash of the record; with
+    `check_content`, the decoded bytes' BLAKE3 must equal it (records of a
+    parent image, and deltas).  `base`: a CODEC_XOR record's base chunk,
+    raw (the caller read and checked it).
     """
     header, head_len = decode_record_head(head, bo_id=bo_id, offset=offset, where=where,
-                                          record_checksum=record_checksum)
+                                          record_checksum=record_checksum, content_hash=content_hash)
 
     def bad(what: str) -> CorruptChunkError:
         return CorruptChunkError(f"{where}: {what}", bo_id=bo_id, offset=offset)
@@ -150,13 +173,31 @@ def decode_chunk(bo_id: int, offset: int, raw_length: int, head: bytes, stored: 
         if (checksum(payload) if digest is None else digest) != header.checksum:
             raise bad("payload checksum mismatch; the stored bytes are damaged")
         if header.codec == pb.CODEC_RAW:
-            return DecodedChunk(stored, header.codec, buf_offset)
-        if out is None:
-            raise bad("compressed chunk in an image whose manifest says it is uncompressed")
-        _unzstd(payload, out.view, buf_offset, raw_length, bad)
-        return DecodedChunk(out, header.codec, buf_offset)
+            result = DecodedChunk(stored, header.codec, buf_offset)
+        else:
+            if out is None:
+                raise bad("compressed chunk in an image whose manifest says it is uncompressed")
+            if header.codec == pb.CODEC_PLANES:
+                decompress_planes(payload, header.word_size, raw_length, out.view[buf_offset:buf_offset + raw_length],
+                                  bad)
+            else:
+                _unzstd(payload, out.view, buf_offset, raw_length, bad)
+            if header.codec == pb.CODEC_XOR:
+                if base is None or len(base) != raw_length:
+                    raise bad("delta record without its base chunk")
+                xor_into(out.view[buf_offset:buf_offset + raw_length], base)
+            result = DecodedChunk(out, header.codec, buf_offset)
     finally:
         payload.release()
+    if content_hash is not None and (check_content or header.codec == pb.CODEC_XOR):
+        assert result.buf is not None
+        view = result.buf.view[result.offset:result.offset + raw_length]
+        try:
+            if content_hash_of(view) != content_hash:
+                raise bad("decoded bytes do not match the chunk's content hash")
+        finally:
+            view.release()
+    return result
 
 
 def _unzstd(payload: memoryview, dest: memoryview, dest_offset: int, raw_length: int,

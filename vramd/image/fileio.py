@@ -24,7 +24,7 @@ from ..errors import (
     from_os_error,
 )
 from ..pb import image_pb2 as pb
-from .format import MANIFEST_NAME, MAX_MANIFEST_BYTES, Bytes, decode_manifest
+from .format import MANIFEST_NAME, MAX_MANIFEST_BYTES, Bytes, content_hash, decode_manifest
 
 FILE_MODE = 0o600  # images hold process memory
 
@@ -144,10 +144,15 @@ def _read_manifest_blob(dir_fd: int) -> bytes:
 
 async def read_manifest(dir_fd: int) -> pb.Manifest:
     """The committed manifest of the image in `dir_fd`, decoded and checked (the read in a thread)."""
+    return (await read_manifest_hashed(dir_fd))[0]
+
+
+async def read_manifest_hashed(dir_fd: int) -> tuple[pb.Manifest, bytes]:
+    """`read_manifest`, and the BLAKE3-256 of the whole manifest file (how a child names its parent)."""
     try:
         blob = await asyncio.get_running_loop().run_in_executor(None, _read_manifest_blob, dir_fd)
     except FileNotFoundError:
         raise ManifestMissingError(
             f"no committed image here: {MANIFEST_NAME} is missing (an interrupted dump never commits one)"
         ) from None
-    return decode_manifest(blob)
+    return decode_manifest(blob), content_hash(blob)

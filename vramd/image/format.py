@@ -1,4 +1,4 @@
-"""Image format v1: the byte layout, as pure functions (no I/O).
+"""Image formats v1 and v2: the byte layout, as pure functions (no I/O).
 
 See docs/image-format.md for the specification.  Everything here turns
 bytes into validated values or values into bytes, raising typed errors that
@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 import struct
 
+import blake3
 import xxhash
 from google.protobuf.message import DecodeError
 
@@ -33,8 +34,17 @@ def checksum(data: Bytes) -> int:
 # xxh3-64 of the empty string: the checksum of a payload-less (hole) chunk.
 EMPTY_CHECKSUM = checksum(b"")
 
-FORMAT_VERSION = 1
-SUPPORTED_VERSIONS = frozenset({1})
+HASH_LEN = 32  # BLAKE3-256: a chunk's identity in format v2 (dedup, parents)
+
+
+def content_hash(data: Bytes) -> bytes:
+    """BLAKE3-256 of a chunk's raw bytes (format v2's chunk identity; see docs/image-format.md)."""
+    # blake3 releases the GIL on large inputs, so copy threads hash in parallel.
+    return blake3.blake3(data).digest()
+
+
+FORMAT_VERSION = 2  # what this writer writes
+SUPPORTED_VERSIONS = frozenset({1, 2})
 
 MANIFEST_NAME = "manifest.vrdm"
 MANIFEST_MAGIC = b"VRAMDMAN"
@@ -52,7 +62,9 @@ RECORD_PREFIX = struct.Struct("<4sIQ")
 MAX_CHUNK_HEADER = 256  # a ChunkHeader encodes to at most ~45 bytes
 
 Codec = pb.Codec
-CODEC_NAMES = {pb.CODEC_RAW: "raw", pb.CODEC_ZERO: "zero", pb.CODEC_ZSTD: "zstd"}
+CODEC_NAMES = {pb.CODEC_RAW: "raw", pb.CODEC_ZERO: "zero", pb.CODEC_ZSTD: "zstd", pb.CODEC_PLANES: "bplanes",
+               pb.CODEC_XOR: "xor"}
+V1_CODECS = frozenset({pb.CODEC_RAW, pb.CODEC_ZERO, pb.CODEC_ZSTD})
 
 
 def data_file_name(image_id: bytes, gpu_id: int) -> str:
@@ -134,6 +146,11 @@ def _check_manifest(m: pb.Manifest, name: str) -> None:
         if df.name in names:
             raise CorruptManifestError(f"{name}: files[{i}].name lists a data file twice")
         names.add(df.name)
+    if m.format_version >= 2:
+        _check_v2(m, name)
+        return
+    if m.HasField("chunks") or m.parents:
+        raise CorruptManifestError(f"{name}: a format v1 manifest with a v2 chunk table or parents")
     bound = None  # whether the BOs' records carry record_checksums (all of them or none)
     seen = set()
     for bo in m.bos:
@@ -162,14 +179,70 @@ def _check_manifest(m: pb.Manifest, name: str) -> None:
             raise CorruptManifestError(f"{name}: bos[].record_checksums for a BO without records", bo_id=bo.id)
 
 
+def _check_v2(m: pb.Manifest, name: str) -> None:
+    """A v2 manifest: BOs reach their records through the chunk table; parents name whole images."""
+    t = m.chunks
+    n = len(t.image)
+    if len(t.hashes) != HASH_LEN * n or any(
+            len(lst) != n for lst in (t.file_index, t.offset, t.length, t.record_checksum, t.raw_length, t.base)):
+        raise CorruptManifestError(f"{name}: chunk table lists differ in length")
+    ids = {m.image_id}
+    for i, p in enumerate(m.parents):
+        if len(p.image_id) != 16 or len(p.manifest_hash) != HASH_LEN:
+            raise CorruptManifestError(f"{name}: parents[{i}] has a malformed image id or manifest hash")
+        if p.image_id in ids:
+            raise CorruptManifestError(f"{name}: parents[{i}] repeats an image of the chain (a parent chain loop)")
+        ids.add(p.image_id)
+    nparents, nfiles = len(m.parents), len(m.files)
+    for i in range(n):
+        img, base = t.image[i], t.base[i]
+        if img > nparents:
+            raise CorruptManifestError(f"{name}: chunks[{i}] refers to parent #{img}; the image lists {nparents}")
+        if img == 0 and t.file_index[i] >= nfiles:
+            raise CorruptManifestError(f"{name}: chunks[{i}] refers to data file #{t.file_index[i]}")
+        if not 0 < t.raw_length[i] <= m.chunk_size:
+            raise CorruptManifestError(f"{name}: chunks[{i}] holds {t.raw_length[i]} bytes at chunk size "
+                                       f"{m.chunk_size}")
+        if base and (base > n or base - 1 == i or t.base[base - 1]):
+            raise CorruptManifestError(f"{name}: chunks[{i}] has a base that is missing, itself or a delta")
+        if base and t.raw_length[base - 1] != t.raw_length[i]:
+            raise CorruptManifestError(f"{name}: chunks[{i}] and its base differ in length")
+    seen = set()
+    for bo in m.bos:
+        if bo.id in seen:
+            raise CorruptManifestError(f"{name}: BO listed twice", bo_id=bo.id)
+        seen.add(bo.id)
+        if bo.record_offsets or bo.record_lengths or bo.record_checksums:
+            raise CorruptManifestError(f"{name}: a format v2 BO with v1 record lists", bo_id=bo.id)
+        nchunks = chunk_count(bo.size, m.chunk_size)
+        if len(bo.chunk_refs) != nchunks:
+            raise CorruptManifestError(
+                f"{name}: {len(bo.chunk_refs)} chunk refs for {bo.size} bytes at chunk size {m.chunk_size}",
+                bo_id=bo.id)
+        for c, ref in enumerate(bo.chunk_refs):
+            if ref > n:
+                raise CorruptManifestError(f"{name}: chunk {c} refers to chunk table entry #{ref - 1}; the table "
+                                           f"has {n}", bo_id=bo.id)
+            if ref:
+                want = min(m.chunk_size, bo.size - c * m.chunk_size)
+                if t.raw_length[ref - 1] != want:
+                    raise CorruptManifestError(f"{name}: chunk {c} ({want} bytes) refers to a record of "
+                                               f"{t.raw_length[ref - 1]} bytes", bo_id=bo.id)
+
+
+def entry_hash(table: pb.ChunkTable, i: int) -> bytes:
+    """Entry `i`'s content hash (the chunk table keeps them in one blob)."""
+    return table.hashes[i * HASH_LEN:(i + 1) * HASH_LEN]
+
+
 def chunk_count(size: int, chunk_size: int) -> int:
     return ceil_div(size, chunk_size)
 
 
 # --- data files ------------------------------------------------------------
 
-def encode_data_header(image_id: bytes) -> bytes:
-    return DATA_HEADER.pack(DATA_MAGIC, FORMAT_VERSION, 0, image_id)
+def encode_data_header(image_id: bytes, version: int = FORMAT_VERSION) -> bytes:
+    return DATA_HEADER.pack(DATA_MAGIC, version, 0, image_id)
 
 
 def check_data_header(blob: bytes, image_id: bytes, name: str) -> None:
@@ -216,7 +289,8 @@ def record_head_length(peek: Bytes, *, bo_id: int, offset: int, where: str) -> i
 
 
 def decode_record_head(buf: Bytes, *, bo_id: int, offset: int, where: str,
-                       record_checksum: int | None = None) -> tuple[pb.ChunkHeader, int]:
+                       record_checksum: int | None = None,
+                       content_hash: bytes | None = None) -> tuple[pb.ChunkHeader, int]:
     """Validate a record's prefix and header; returns (header, bytes before the payload).
 
     `bo_id`/`offset` are what the manifest says this record holds; a record
@@ -224,6 +298,9 @@ def decode_record_head(buf: Bytes, *, bo_id: int, offset: int, where: str,
     manifest's `record_checksums` entry for it (None for an image written
     before records were bound): the record's header checksum must equal it,
     so a record of another image (same BO, offset and length) is rejected.
+    `content_hash`: format v2, the chunk table's hash for the record; the
+    header must carry it (and then its BO id and offset, which name the
+    chunk that stored it first, are not compared: dedup shares records).
     """
     def bad(what: str) -> CorruptChunkError:
         return CorruptChunkError(f"{where}: {what}", bo_id=bo_id, offset=offset)
@@ -240,12 +317,38 @@ def decode_record_head(buf: Bytes, *, bo_id: int, offset: int, where: str,
         header.ParseFromString(raw)
     except DecodeError:
         raise bad("undecodable chunk header") from None
-    if header.bo_id != bo_id or header.offset != offset:
-        raise bad("record holds another chunk than the manifest expects here")
-    if header.codec not in CODEC_NAMES:
-        raise bad(f"unknown codec {header.codec}")
+    if content_hash is None:
+        if header.bo_id != bo_id or header.offset != offset:
+            raise bad("record holds another chunk than the manifest expects here")
+        if header.codec not in V1_CODECS:
+            raise bad(f"unknown codec {header.codec}")
+    else:
+        if header.content_hash != content_hash:
+            raise bad("record holds another chunk than the manifest expects here (content hash)")
+        if header.codec not in CODEC_NAMES or header.codec == pb.CODEC_ZERO:
+            raise bad(f"codec {header.codec} is not one a format v2 record has")
+        if header.codec == pb.CODEC_PLANES and header.word_size not in (2, 4):
+            raise bad(f"byte-plane record with word size {header.word_size}")
+        if (header.codec == pb.CODEC_XOR) != bool(header.base_hash):
+            raise bad("a delta record without a base, or a base for a record that is no delta")
     if header.codec == pb.CODEC_ZERO and header.stored_length:
         raise bad("hole chunk with a payload")
     if header.codec == pb.CODEC_RAW and header.stored_length != header.raw_length:
         raise bad("raw chunk whose stored and raw lengths differ")
     return header, head_len
+
+
+# --- where a chunk's record is (either version) -----------------------------
+
+def chunk_record(m: pb.Manifest, bo: pb.BoEntry, i: int) -> tuple[int, int, int, int | None] | None:
+    """Chunk `i` of `bo`'s record in this image's own data files: (file index, offset, length, record
+    checksum or None); None where the image holds no record of its own for it (a v2 hole, or a chunk
+    referring to a parent's record).  A v1 hole has a record (a header without payload)."""
+    if m.format_version < 2:
+        bound = bo.record_checksums
+        return bo.file_index, bo.record_offsets[i], bo.record_lengths[i], bound[i] if bound else None
+    ref = bo.chunk_refs[i]
+    if not ref or m.chunks.image[ref - 1]:
+        return None
+    t = m.chunks
+    return t.file_index[ref - 1], t.offset[ref - 1], t.length[ref - 1], t.record_checksum[ref - 1]

@@ -1,38 +1,141 @@
-"""A committed image opened for reading: the manifest checked, every data file opened and checked up front."""
+"""A committed image opened for reading: the manifest checked, every data file opened and checked up front.
+
+A format v2 image may refer to records of its parents (an incremental
+image): the caller hands each parent's directory as an fd, nearest first;
+each is checked to be the very image the child recorded (image id and the
+BLAKE3 of its manifest) before anything is read, and its data files join
+the reader's file list after the image's own (`fds`, `names`: the image's
+own files keep their manifest index, so a v1 image reads as before).
+"""
 from __future__ import annotations
 
 import asyncio
 import os
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-from ..errors import ForeignDataFileError, TruncatedDataError
+from ..errors import (
+    CorruptChunkError,
+    ForeignDataFileError,
+    InvalidRequestError,
+    ManifestMissingError,
+    ParentMismatchError,
+    ParentMissingError,
+    TruncatedDataError,
+)
+from ..hostmem.staging import StagingBuffer
 from ..pb import image_pb2 as pb
-from .fileio import image_os_error, open_regular, pread_into, preadv_all, read_manifest, reopen_direct
-from .format import DATA_HEADER, check_data_header
+from .codec import DecodedChunk, decode_chunk
+from .fileio import image_os_error, open_regular, pread_into, preadv_all, read_manifest_hashed, reopen_direct
+from .format import DATA_HEADER, check_data_header, entry_hash, record_head_length
+
+
+@dataclass(frozen=True)
+class Loc:
+    """Where one chunk's record is: a slot of the reader's file list, and how to check it."""
+
+    slot: int                      # index into ImageReader.fds / names
+    offset: int                    # the record's file offset
+    length: int                    # the whole record's length
+    record_checksum: int | None    # the manifest's binding (None: a v1 image from before binding)
+    chash: bytes | None = None     # format v2: the content hash the record must carry
+    base: Loc | None = None        # a delta record's base chunk
+    foreign: bool = False          # a parent's record: its decoded bytes are checked against `chash`
+
+
+def parent_label(ref: pb.ParentRef, k: int) -> str:
+    """How errors name parent #k: its position, and where the child's dump said it was."""
+    hint = f" (recorded at {ref.relative_path!r})" if ref.relative_path else ""
+    return f"parent #{k} of the chain{hint}"
 
 
 class ImageReader:
     """A committed image, its data files opened and checked up front."""
 
-    def __init__(self, dir_fd: int, manifest: pb.Manifest, fds: list[int]) -> None:
+    def __init__(self, dir_fd: int, manifest: pb.Manifest, fds: list[int], *,
+                 parents: Sequence[tuple[int, pb.Manifest]] = (), names: list[str] | None = None,
+                 manifest_hash: bytes = b"") -> None:
         self.dir_fd = dir_fd
         self.manifest = manifest
-        self.fds = fds
+        self.manifest_hash = manifest_hash  # BLAKE3 of manifest.vrdm (how a child would name this image)
+        self.fds = fds  # the image's own data files (manifest order), then each parent's
+        self.names = names if names is not None else [f.name for f in manifest.files]
+        self.parents = list(parents)  # (directory fd, manifest), nearest first
+        # (image, file index) -> slot in fds: image 0 is this one, k its parents[k - 1]
+        self._slot: dict[tuple[int, int], int] = {}
+        slot = 0
+        for k, m in enumerate([manifest, *(pm for _, pm in self.parents)]):
+            for fi in range(len(m.files)):
+                self._slot[(k, fi)] = slot
+                slot += 1
+        self._dirs = [dir_fd, *(fd for fd, _ in self.parents)]
+        self._slot_dir = [k for (k, _fi) in sorted(self._slot, key=self._slot.__getitem__)]
         self.bos = {bo.id: bo for bo in manifest.bos}
+        self._locs: dict[int, Loc] = {}  # v2 chunk table index -> its Loc
+        t = manifest.chunks
+        self.has_deltas = any(t.base)
         self._lock = threading.Lock()
-        self._direct: dict[int, tuple[int, int] | None] = {}  # file index -> (O_DIRECT fd, file size), or None
+        self._direct: dict[int, tuple[int, int] | None] = {}  # slot -> (O_DIRECT fd, file size), or None
+
+    @property
+    def version(self) -> int:
+        return int(self.manifest.format_version)
 
     @classmethod
-    async def open(cls, dir_fd: int) -> ImageReader:
+    async def open(cls, dir_fd: int, parent_fds: Sequence[int] = ()) -> ImageReader:
         """Read and check the manifest, then open and check every data file (file I/O in a thread).
 
         The manifest's file names were checked by decode_manifest (plain names of this
         format only); each is opened O_NOFOLLOW|O_NONBLOCK and must be a regular file.
+        `parent_fds`: the directories of the image's parents, nearest first (format v2);
+        each must hold the image the child recorded, else PARENT_MISMATCH; one the
+        chain needs and the caller did not give is PARENT_MISSING.  All before any
+        chunk is read.
         """
-        manifest = await read_manifest(dir_fd)
-        fds = await asyncio.get_running_loop().run_in_executor(None, cls._open_files, dir_fd, manifest)
-        return cls(dir_fd, manifest, fds)
+        manifest, digest = await read_manifest_hashed(dir_fd)
+        parents = await cls._parents(manifest, parent_fds)
+        run = asyncio.get_running_loop().run_in_executor
+        fds: list[int] = []
+        names: list[str] = []
+        try:
+            for k, (fd, m) in enumerate([(dir_fd, manifest), *parents]):
+                fds += await run(None, cls._open_files, fd, m)
+                prefix = "" if k == 0 else f"{parent_label(manifest.parents[k - 1], k)}: "
+                names += [prefix + f.name for f in m.files]
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        return cls(dir_fd, manifest, fds, parents=parents, names=names, manifest_hash=digest)
+
+    @staticmethod
+    async def _parents(manifest: pb.Manifest, parent_fds: Sequence[int]) -> list[tuple[int, pb.Manifest]]:
+        """Each parent the manifest lists, from the fd given for it, checked to be that very image."""
+        chain = manifest.parents
+        if len(parent_fds) > len(chain):
+            raise InvalidRequestError(f"{len(parent_fds)} parent directories given; the image's chain has "
+                                      f"{len(chain)}")
+        out: list[tuple[int, pb.Manifest]] = []
+        for k, ref in enumerate(chain, 1):
+            what = parent_label(ref, k)
+            if k > len(parent_fds):
+                raise ParentMissingError(f"the image is incremental and needs {what}, which was not given")
+            fd = parent_fds[k - 1]
+            try:
+                pm, digest = await read_manifest_hashed(fd)
+            except ManifestMissingError:
+                raise ParentMismatchError(f"the directory given as {what} holds no committed image") from None
+            if pm.image_id != ref.image_id:
+                raise ParentMismatchError(f"the directory given as {what} holds another image")
+            if digest != ref.manifest_hash:
+                raise ParentMismatchError(f"the image given as {what} was altered since the child was dumped "
+                                          "(its manifest's hash differs)")
+            if [p.image_id for p in pm.parents] != [p.image_id for p in chain[k:]]:
+                raise ParentMismatchError(f"the image given as {what} has another chain of parents than the "
+                                          "child recorded")
+            out.append((fd, pm))
+        return out
 
     @classmethod
     def _open_files(cls, dir_fd: int, manifest: pb.Manifest) -> list[int]:
@@ -63,18 +166,79 @@ class ImageReader:
     def _truncation(manifest: pb.Manifest, df: pb.DataFile, index: int, size: int) -> TruncatedDataError:
         msg = f"data file {df.name} is {size} bytes; the manifest says {df.length}"
         first = None  # the first chunk (by file position) that is cut short
+        t = manifest.chunks
         for bo in manifest.bos:
-            if bo.file_index != index:
+            if manifest.format_version >= 2:
+                recs = [(i, t.offset[r - 1], t.length[r - 1]) for i, r in enumerate(bo.chunk_refs)
+                        if r and t.image[r - 1] == 0 and t.file_index[r - 1] == index]
+            elif bo.file_index == index:
+                recs = list(zip(range(len(bo.record_offsets)), bo.record_offsets, bo.record_lengths))
+            else:
                 continue
-            for i, (off, ln) in enumerate(zip(bo.record_offsets, bo.record_lengths)):
+            for i, off, ln in recs:
                 if off + ln > size and (first is None or off < first[0]):
                     first = (off, bo.id, i * manifest.chunk_size)
         if first:
             return TruncatedDataError(msg, bo_id=first[1], offset=first[2])
         return TruncatedDataError(msg)
 
+    # --- where a chunk's record is ----------------------------------------
+
+    def locate(self, entry: pb.BoEntry, i: int) -> Loc | None:
+        """Chunk `i` of a BO of this image: where its record is (None: a hole, all zeros, no record)."""
+        if self.manifest.format_version < 2:
+            bound = entry.record_checksums  # empty in images from before records were bound
+            return Loc(entry.file_index, entry.record_offsets[i], entry.record_lengths[i],
+                       bound[i] if bound else None)
+        ref = entry.chunk_refs[i]
+        return self._table_loc(ref - 1) if ref else None
+
+    def _table_loc(self, index: int) -> Loc:
+        loc = self._locs.get(index)
+        if loc is None:
+            t = self.manifest.chunks
+            image = t.image[index]
+            base = self._table_loc(t.base[index] - 1) if t.base[index] else None
+            loc = self._locs[index] = Loc(self._slot[(image, t.file_index[index])], t.offset[index],
+                                          t.length[index], t.record_checksum[index], entry_hash(t, index), base,
+                                          foreign=image > 0)
+        return loc
+
+    def file_slot(self, image: int, file_index: int) -> int:
+        """The slot of data file `file_index` of image `image` (0: this one; k: parents[k - 1])."""
+        return self._slot[(image, file_index)]
+
+    def read_raw(self, loc: Loc, stored: StagingBuffer, out: StagingBuffer, at: int, raw_length: int, *,
+                 bo_id: int, offset: int) -> DecodedChunk:
+        """Read and decode one record (not a delta) in the calling thread (never the event loop): the
+        record lands at `at` in `stored`, a compressed one is decoded at the same place in `out`.
+        Errors name `bo_id` and `offset`: the chunk that needed the record."""
+        where = f"{self.names[loc.slot]} @ {loc.offset:#x}"
+        if loc.base is not None:
+            raise CorruptChunkError(f"{where}: a delta's base is itself a delta", bo_id=bo_id, offset=offset)
+        view = stored.view[at:at + loc.length]
+        try:
+            got = self.readv(loc.slot, [view], loc.offset)
+        except OSError as e:
+            raise image_os_error(e, f"cannot read data file {self.names[loc.slot]} at {loc.offset:#x}",
+                                 bo_id=bo_id, offset=offset) from None
+        finally:
+            view.release()
+        if got < loc.length:
+            raise TruncatedDataError(f"data file {self.names[loc.slot]} ends inside a chunk record at "
+                                     f"{loc.offset + got:#x}", bo_id=bo_id, offset=offset)
+        head_len = record_head_length(stored.view[at:at + min(loc.length, 512)], bo_id=bo_id, offset=offset,
+                                      where=where)
+        if loc.length - head_len > raw_length:
+            raise CorruptChunkError(f"{where}: record of {loc.length} bytes for a {raw_length}-byte chunk",
+                                    bo_id=bo_id, offset=offset)
+        return decode_chunk(bo_id, offset, raw_length, bytes(stored.view[at:at + head_len]), stored,
+                            loc.length - head_len, out, where=where, buf_offset=at + head_len,
+                            record_checksum=loc.record_checksum, content_hash=loc.chash, check_content=loc.foreign)
+
     def readv(self, file_index: int, views: Sequence[memoryview], offset: int) -> int:
-        """Fill `views` from consecutive file bytes at `offset`; returns bytes read (short at end of file)."""
+        """Fill `views` from consecutive file bytes at `offset` of file slot `file_index`; returns bytes read
+        (short at end of file)."""
         return preadv_all(self.fds[file_index], views, offset)
 
     def direct_fd(self, file_index: int) -> tuple[int, int] | None:
@@ -83,7 +247,10 @@ class ImageReader:
         the file system refuses O_DIRECT.  Opened on first use, in the calling thread (never the loop)."""
         with self._lock:
             if file_index not in self._direct:
-                fd = reopen_direct(self.manifest.files[file_index].name, self.dir_fd, self.fds[file_index],
+                k = self._slot_dir[file_index]
+                images = [self.manifest, *(m for _, m in self.parents)]
+                base = min(s for (img, _fi), s in self._slot.items() if img == k)
+                fd = reopen_direct(images[k].files[file_index - base].name, self._dirs[k], self.fds[file_index],
                                    os.O_RDONLY)
                 if fd is not None:
                     try:

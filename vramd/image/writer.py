@@ -226,7 +226,8 @@ class ImageWriter:
                                                     self.dir_fd, self.image_id)
         return f
 
-    async def commit(self, bos: list[pb.BoEntry], totals: pb.Totals, topology_json: bytes = b"") -> pb.Manifest:
+    async def commit(self, bos: list[pb.BoEntry], totals: pb.Totals, topology_json: bytes = b"", *,
+                     chunks: pb.ChunkTable | None = None, parents: Sequence[pb.ParentRef] = ()) -> pb.Manifest:
         await asyncio.wrap_future(self._swept)
         files = sorted(self.files.values(), key=lambda f: f.index)
         await asyncio.gather(*(f.fsync() for f in files))
@@ -238,7 +239,7 @@ class ImageWriter:
             format_version=FORMAT_VERSION, image_id=self.image_id, writer=f"vramd {__version__}",
             created_unix_ns=time.time_ns(), chunk_size=self.chunk_size, compression=self.compression,
             files=[pb.DataFile(name=f.name, gpu_id=f.gpu_id, length=f.end) for f in files],
-            bos=bos, totals=totals, topology_json=topology_json,
+            bos=bos, totals=totals, topology_json=topology_json, chunks=chunks or pb.ChunkTable(), parents=parents,
         )
         blob = encode_manifest(manifest)
         loop = asyncio.get_running_loop()

@@ -38,6 +38,8 @@ class Code(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     READ_ONLY_FS: _ClassVar[Code]
     IO_ERROR: _ClassVar[Code]
     NOT_WRITABLE: _ClassVar[Code]
+    PARENT_MISSING: _ClassVar[Code]
+    PARENT_MISMATCH: _ClassVar[Code]
     TOPOLOGY_ERROR: _ClassVar[Code]
     TOPOLOGY_MISMATCH: _ClassVar[Code]
     VRAMD_ERROR: _ClassVar[Code]
@@ -86,6 +88,8 @@ NO_SPACE: Code
 READ_ONLY_FS: Code
 IO_ERROR: Code
 NOT_WRITABLE: Code
+PARENT_MISSING: Code
+PARENT_MISMATCH: Code
 TOPOLOGY_ERROR: Code
 TOPOLOGY_MISMATCH: Code
 VRAMD_ERROR: Code
@@ -147,7 +151,7 @@ class Hello(_message.Message):
     def __init__(self, versions: _Optional[_Iterable[int]] = ..., client: _Optional[str] = ...) -> None: ...
 
 class OpenSession(_message.Message):
-    __slots__ = ("kind", "dir_fd_index", "compression", "chunk_size", "label", "allow_partial", "topology_checks")
+    __slots__ = ("kind", "dir_fd_index", "compression", "chunk_size", "label", "allow_partial", "topology_checks", "parent_fd_indexes", "parent_hint", "no_dedup")
     class TopologyChecksEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -162,6 +166,9 @@ class OpenSession(_message.Message):
     LABEL_FIELD_NUMBER: _ClassVar[int]
     ALLOW_PARTIAL_FIELD_NUMBER: _ClassVar[int]
     TOPOLOGY_CHECKS_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FD_INDEXES_FIELD_NUMBER: _ClassVar[int]
+    PARENT_HINT_FIELD_NUMBER: _ClassVar[int]
+    NO_DEDUP_FIELD_NUMBER: _ClassVar[int]
     kind: SessionKind
     dir_fd_index: int
     compression: str
@@ -169,7 +176,10 @@ class OpenSession(_message.Message):
     label: str
     allow_partial: bool
     topology_checks: _containers.ScalarMap[str, bool]
-    def __init__(self, kind: _Optional[_Union[SessionKind, str]] = ..., dir_fd_index: _Optional[int] = ..., compression: _Optional[str] = ..., chunk_size: _Optional[int] = ..., label: _Optional[str] = ..., allow_partial: _Optional[bool] = ..., topology_checks: _Optional[_Mapping[str, bool]] = ...) -> None: ...
+    parent_fd_indexes: _containers.RepeatedScalarFieldContainer[int]
+    parent_hint: str
+    no_dedup: bool
+    def __init__(self, kind: _Optional[_Union[SessionKind, str]] = ..., dir_fd_index: _Optional[int] = ..., compression: _Optional[str] = ..., chunk_size: _Optional[int] = ..., label: _Optional[str] = ..., allow_partial: _Optional[bool] = ..., topology_checks: _Optional[_Mapping[str, bool]] = ..., parent_fd_indexes: _Optional[_Iterable[int]] = ..., parent_hint: _Optional[str] = ..., no_dedup: _Optional[bool] = ...) -> None: ...
 
 class Bo(_message.Message):
     __slots__ = ("id", "gpu_id", "size", "alloc_flags", "va_addr", "name", "backend", "fd_index", "offset")

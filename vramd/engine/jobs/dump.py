@@ -14,18 +14,21 @@ offset and length, so readers never see them).
 """
 from __future__ import annotations
 
-import array
+import os
+import posixpath
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from ...backends import Direction, land_all
-from ...errors import InvalidRequestError, JobError, VramdError
-from ...hostmem.batchcopy import HASH, ZERO, copy_batch
+from ...errors import InvalidRequestError, JobError, LimitExceededError, VramdError
+from ...hostmem.batchcopy import HASH, ZERO, copy_batch, xor_into
 from ...hostmem.libc import ffi as libc_ffi
-from ...hostmem.libc import libc
+from ...hostmem.libc import is_zero_ptr, libc
 from ...hostmem.staging import StagingBuffer
-from ...image.codec import Compression, EncodedChunk, encode_chunk, record_head
-from ...image.format import Bytes, chunk_count, record_checksum
+from ...image.chunks import PARENT, STORE, ChunkIndex, Entry
+from ...image.codec import Compression, EncodedChunk, encode_chunk, encode_delta, record_head
+from ...image.format import Bytes, chunk_count, content_hash, record_checksum
+from ...image.reader import ImageReader
 from ...image.writer import DataFileWriter, ImageWriter
 from ...pb import image_pb2 as pb
 from ...units import PAGE, round_up
@@ -34,67 +37,79 @@ from .common import BoSpec, CopiedBo, JobBase, JobContext, check_bo_range, lande
 
 DIRECT_MIN = 256 << 10  # a piece this big, alone in its batch, is written with O_DIRECT where possible
 
-# Where a piece's record went: (file offset, record length, all zero, record checksum).
-Placed = tuple[int, int, bool, int]
+HOLE = "hole"  # a piece's kind besides chunks.STORE / DUP / PARENT: all zero, no record
+
+DEFAULT_MAX_CHAIN = 8  # parents an incremental image may have (EngineConfig.max_chain_depth)
+DELTA_GIVE_UP = 4      # a BO whose chunks lost this many delta trials in a row stops trying
+
+
+@dataclass
+class Piece:
+    """What became of one piece of a batch: a hole, a reference to a record stored elsewhere, or a record."""
+
+    kind: str
+    chash: bytes = b""
+    enc: EncodedChunk | None = None  # STORE, three-stage path: the encoded record
+    base: bytes = b""                # STORE as a delta: the base chunk's content hash
+    at: int = 0                      # STORE, once written: the record's file offset, length and checksum,
+    length: int = 0                  # and its payload's length
+    rsum: int = 0
+    payload: int = 0
 
 SOURCE_KINDS = {"procmem": pb.SOURCE_PROCMEM, "mmap": pb.SOURCE_MMAP, "sdma": pb.SOURCE_SDMA}
 
 
 @dataclass(eq=False)
 class DumpBo(CopiedBo):
-    """A BO being dumped: where its bytes come from, and where its records went."""
+    """A BO being dumped: where its bytes come from, and what became of each chunk."""
 
     spec: BoSpec | None = None
     file: DataFileWriter | None = None
-    # The records written so far, appended as they land (in any order): chunk index, file
-    # offset, length, record checksum.  Compact, and empty until bytes move, so a BO costs
-    # the same memory whatever size it declares.
-    rec_index: array.array[int] = field(default_factory=lambda: array.array("Q"))
-    rec_offset: array.array[int] = field(default_factory=lambda: array.array("Q"))
-    rec_length: array.array[int] = field(default_factory=lambda: array.array("I"))
-    rec_checksum: array.array[int] = field(default_factory=lambda: array.array("Q"))
+    # Per chunk, appended as they land (in any order): chunk index -> (record number in the image's
+    # ChunkIndex, or -1: refers to a record by hash, -2: a hole; the content hash).  Empty until bytes
+    # move, so a BO costs the same memory whatever size it declares.
+    refs: dict[int, tuple[int, bytes]] = field(default_factory=dict)
+    alias_of: DumpBo | None = None  # the same dmabuf (inode, offset, size) as that BO: copied once, by it
     stored_bytes: int = 0
     zero_bytes: int = 0
+    dedup_bytes: int = 0
+    parent_bytes: int = 0
+    delta_bytes: int = 0
+    delta_misses: int = 0  # delta trials lost in a row (DELTA_GIVE_UP)
 
-    def landed(self, index: int, offset: int, length: int, checksum: int) -> None:
-        self.rec_index.append(index)
-        self.rec_offset.append(offset)
-        self.rec_length.append(length)
-        self.rec_checksum.append(checksum)
-
-    def records(self, nchunks: int) -> tuple[list[int], list[int], list[int]]:
-        """(offsets, lengths, checksums) in chunk order; every chunk must have landed exactly once."""
-        if len(self.rec_index) != nchunks or sorted(self.rec_index) != list(range(nchunks)):
-            raise JobError(f"internal error: {len(self.rec_index)} records landed for {nchunks} chunks",
-                           bo_id=self.id)
-        order = sorted(range(nchunks), key=self.rec_index.__getitem__)
-        return ([self.rec_offset[i] for i in order], [self.rec_length[i] for i in order],
-                [self.rec_checksum[i] for i in order])
+    def chunk_refs(self, nchunks: int) -> list[tuple[int, bytes]]:
+        """Every chunk's (record number | -1 | -2, hash), in chunk order; every chunk must have landed once."""
+        src = self.alias_of if self.alias_of is not None else self
+        if len(src.refs) != nchunks or any(i not in src.refs for i in range(nchunks)):
+            raise JobError(f"internal error: {len(src.refs)} chunks landed of {nchunks}", bo_id=self.id)
+        return [src.refs[i] for i in range(nchunks)]
 
 
 class DumpEnds:
-    def __init__(self, writer: ImageWriter, compression: Compression, chunk_size: int, direct: bool = True) -> None:
+    def __init__(self, writer: ImageWriter, compression: Compression, chunk_size: int, direct: bool = True, *,
+                 index: ChunkIndex | None = None, parent: ImageReader | None = None) -> None:
         self.writer = writer
         self.compression = compression
         self.chunk_size = chunk_size
+        self.index = index if index is not None else ChunkIndex()
+        self.parent = parent  # an incremental dump: chunks changed since the parent are tried as deltas
         # zstd output is a fresh bytes object of at most chunk_size bytes; the
         # second buffer reserves budget for it (it is never touched itself).
-        self.buffers_per_chunk = compression.buffers_per_chunk
+        # A delta trial reads the parent's chunk: two more (its record, its bytes).
+        self.buffers_per_chunk = compression.buffers_per_chunk if parent is None else 4
         self.direct = direct  # try O_DIRECT for big pieces (DataFileWriter.direct_fd: the writer's opening rules)
 
     # --- a whole batch in one copy thread (InlineEnds) ----------------------
 
     def inline(self, tasks: list[ChunkTask[DumpBo]]) -> bool:
-        return self.compression.codec == pb.CODEC_RAW and all(
+        return self.compression.codec == pb.CODEC_RAW and self.parent is None and all(
             t.bo.backend is not None and t.bo.backend.cpu_copies for t in tasks)
 
     def run(self, tasks: list[ChunkTask[DumpBo]], bufs: list[StagingBuffer],
-            times: StageTimes | None) -> list[Placed]:
-        """Copy, scan and hash the batch (one batchcopy call), then write its records (in this copy thread;
-        an OSError of the data file is the writer's typed error naming it and the BO).
-
-        Returns (record offset, record length, all zero, record checksum) per piece.
-        """
+            times: StageTimes | None) -> list[Piece]:
+        """Copy, scan and hash the batch (one batchcopy call), hash each non-zero piece's content, then write
+        the records of the pieces no record holds yet (in this copy thread; an OSError of the data file is the
+        writer's typed error naming it and the BO)."""
         buf = bufs[0]
         clock = Clock(times)
         copies = []
@@ -106,27 +121,42 @@ class DumpEnds:
         outcomes, failed = copy_batch(copies, HASH | ZERO)
         clock.lap("copy")
         landed(tasks, outcomes, failed)
-        heads = []
-        for t, o in zip(tasks, outcomes):
-            try:
-                heads.append(record_head(t.bo.id, t.offset, t.length, pb.CODEC_ZERO if o.zero else pb.CODEC_RAW,
-                                         0 if o.zero else t.length, o.hash))
-            except Exception as e:
-                blame(e, t)
-                raise
-        file = tasks[0].bo.file
-        assert file is not None and all(t.bo.file is file for t in tasks)  # one lane = one GPU = one data file
-        clock.lap("python")
-        if len(tasks) == 1 and not outcomes[0].zero and tasks[0].length >= DIRECT_MIN and self.direct \
-                and file.direct_fd() is not None:
-            placed = [self._write_direct(file, tasks[0], buf, heads[0])]
-        else:
-            placed = self._write(file, tasks, buf, heads, [o.zero for o in outcomes])
-        clock.lap("write")
-        return placed
+        pieces = [self._identify(t, buf, o.zero) for t, o in zip(tasks, outcomes)]
+        clock.lap("hash")
+        recs: list[tuple[ChunkTask[DumpBo], Piece, bytes]] = []
+        for t, o, p in zip(tasks, outcomes, pieces):
+            if p.kind == STORE:
+                try:
+                    recs.append((t, p, record_head(t.bo.id, t.offset, t.length, pb.CODEC_RAW, t.length, o.hash,
+                                                   p.chash)))
+                except Exception as e:
+                    blame(e, t)
+                    raise
+        if recs:
+            file = tasks[0].bo.file
+            assert file is not None and all(t.bo.file is file for t in tasks)  # one lane = one GPU = one file
+            clock.lap("python")
+            t0 = recs[0][0]
+            if len(recs) == 1 and t0.length >= DIRECT_MIN and self.direct and file.direct_fd() is not None:
+                self._write_direct(file, t0, buf, recs[0][2], recs[0][1])
+            else:
+                self._write(file, buf, recs)
+            clock.lap("write")
+        return pieces
 
-    def _write_direct(self, file: DataFileWriter, t: ChunkTask[DumpBo], buf: StagingBuffer,
-                      head: bytes) -> Placed:
+    def _identify(self, t: ChunkTask[DumpBo], buf: StagingBuffer, zero: bool) -> Piece:
+        """A piece's bytes: a hole, or their content hash and whether a record holds them already."""
+        if zero:
+            return Piece(HOLE)
+        view = buf.view[t.buf_offset:t.buf_offset + t.length]
+        try:
+            chash = content_hash(view)
+        finally:
+            view.release()
+        return Piece(self.index.claim(chash), chash)
+
+    def _write_direct(self, file: DataFileWriter, t: ChunkTask[DumpBo], buf: StagingBuffer, head: bytes,
+                      p: Piece) -> None:
         """One record as one aligned O_DIRECT write: [zeros, head | payload, zeros] at a page-aligned offset."""
         slot, n, h = t.buf_offset, t.length, len(head)
         assert h <= HEAD_PAGE and slot >= HEAD_PAGE
@@ -142,40 +172,47 @@ class DumpEnds:
             file.pwrite([view], at, bo_id=t.bo.id, bo_offset=t.offset, direct=True)
         finally:
             view.release()
-        return at + HEAD_PAGE - h, h + n, False, record_checksum(head)
+        p.at, p.length, p.rsum, p.payload = at + HEAD_PAGE - h, h + n, record_checksum(head), n
 
-    def _write(self, file: DataFileWriter, tasks: list[ChunkTask[DumpBo]], buf: StagingBuffer, heads: list[bytes],
-               zero: list[bool]) -> list[Placed]:
+    def _write(self, file: DataFileWriter, buf: StagingBuffer,
+               recs: list[tuple[ChunkTask[DumpBo], Piece, bytes]]) -> None:
         """The batch's records back to back, one buffered pwritev."""
         iov: list[Bytes] = []
-        lengths = []
-        for t, head, z in zip(tasks, heads, zero):
+        for t, _p, head in recs:
             iov.append(head)
-            if not z:
-                iov.append(buf.view[t.buf_offset:t.buf_offset + t.length])
-            lengths.append(len(head) + (0 if z else t.length))
-        at = file.reserve(sum(lengths))
+            iov.append(buf.view[t.buf_offset:t.buf_offset + t.length])
+        at = file.reserve(sum(len(head) + t.length for t, _p, head in recs))
         try:
-            file.pwrite(iov, at, bo_id=tasks[0].bo.id, bo_offset=tasks[0].offset)
+            file.pwrite(iov, at, bo_id=recs[0][0].bo.id, bo_offset=recs[0][0].offset)
         finally:
             for v in iov:
                 if isinstance(v, memoryview):
                     v.release()
-        placed = []
-        for n, z, head in zip(lengths, zero, heads):
-            placed.append((at, n, z, record_checksum(head)))
-            at += n
-        return placed
+        for t, p, head in recs:
+            p.at, p.length, p.rsum, p.payload = at, len(head) + t.length, record_checksum(head), t.length
+            at += p.length
 
-    def landed(self, tasks: list[ChunkTask[DumpBo]], placed: list[Placed]) -> None:
-        """On the event loop, after `run`: the records into the BOs' compact arrays (as the drain does)."""
-        for t, (at, n, z, rsum) in zip(tasks, placed):
+    def landed(self, tasks: list[ChunkTask[DumpBo]], pieces: list[Piece]) -> None:
+        """On the event loop, after `run` or `drain`: what became of each piece, into its BO."""
+        for t, p in zip(tasks, pieces):
             bo = t.bo
-            bo.landed(t.index, at, n, rsum)
-            if z:
+            if p.kind == HOLE:
+                bo.refs[t.index] = (-2, b"")
                 bo.zero_bytes += t.length
-            else:
-                bo.stored_bytes += t.length
+                continue
+            if p.kind != STORE:
+                bo.refs[t.index] = (-1, p.chash)
+                if p.kind == PARENT:
+                    bo.parent_bytes += t.length
+                else:
+                    bo.dedup_bytes += t.length
+                continue
+            assert bo.file is not None  # every BO with bytes has a data file
+            number = self.index.stored(Entry(0, bo.file.index, p.at, p.length, p.rsum, t.length, p.chash, p.base))
+            bo.refs[t.index] = (number, p.chash)
+            bo.stored_bytes += p.payload
+            if p.base:
+                bo.delta_bytes += t.length
 
     # --- the three stages ----------------------------------------------------
 
@@ -190,12 +227,17 @@ class DumpEnds:
             copies.append((t.bo.backend, (t.bo.handle, t.offset, buf, t.buf_offset, t.length)))
         await settle(submit_batch(copies))
 
-    def transform(self, tasks: list[ChunkTask[DumpBo]], bufs: list[StagingBuffer], _filled: None) -> list[EncodedChunk]:
+    def transform(self, tasks: list[ChunkTask[DumpBo]], bufs: list[StagingBuffer], _filled: None) -> list[Piece]:
         buf, compression = bufs[0], self.compression
         out = []
         for t in tasks:
             try:
-                out.append(encode_chunk(t.bo.id, t.offset, buf, t.length, compression, t.buf_offset))
+                p = self._identify(t, buf, is_zero_ptr(buf.ptr + t.buf_offset, t.length))
+                if p.kind == STORE:
+                    p.enc = encode_chunk(t.bo.id, t.offset, buf, t.length, compression, t.buf_offset, p.chash)
+                    if self.parent is not None:
+                        self._try_delta(t, bufs, p)
+                out.append(p)
             except VramdError:
                 raise
             except Exception as e:
@@ -203,67 +245,150 @@ class DumpEnds:
                 raise
         return out
 
-    async def drain(self, tasks: list[ChunkTask[DumpBo]], bufs: list[StagingBuffer],
-                    encs: list[EncodedChunk]) -> None:
+    def _try_delta(self, t: ChunkTask[DumpBo], bufs: list[StagingBuffer], p: Piece) -> None:
+        """Store the piece as its XOR against the parent's chunk at the same BO offset, where that is smaller.
+
+        The base is always a plain record (a delta's own base where the parent's chunk is a delta), so a
+        restore reads at most two records for a chunk, however deep the chain."""
+        parent, bo = self.parent, t.bo
+        assert parent is not None and p.enc is not None
+        entry = parent.bos.get(bo.id)
+        if entry is None or entry.size != bo.size or bo.delta_misses >= DELTA_GIVE_UP:
+            return
+        loc = parent.locate(entry, t.index)
+        if loc is None:
+            return  # a hole in the parent: XOR against zeros is the chunk itself
+        if loc.base is not None:
+            loc = loc.base
+        assert loc.chash is not None  # a v2 parent: every record has its hash
+        at = t.buf_offset - HEAD_PAGE
+        got = parent.read_raw(loc, bufs[2], bufs[3], at, t.length, bo_id=bo.id, offset=t.offset)
+        assert got.buf is not None
+        base = got.buf.view[got.offset:got.offset + t.length]
+        new = bufs[0].view[t.buf_offset:t.buf_offset + t.length]
+        try:
+            xor_into(base, new)
+            enc = encode_delta(bo.id, t.offset, base, max(self.compression.level, 1), p.chash, loc.chash)
+        finally:
+            base.release()
+            new.release()
+        if len(enc.payload) < len(p.enc.payload):
+            p.enc, p.base = enc, loc.chash
+            bo.delta_misses = 0
+        else:
+            bo.delta_misses += 1
+
+    async def drain(self, tasks: list[ChunkTask[DumpBo]], bufs: list[StagingBuffer], pieces: list[Piece]) -> None:
         # A batch is one GPU lane, so its records all go to that GPU's data file:
         # one reservation, one vectored write (at most 2 x MAX_BATCH iovecs).
-        by_file: dict[DataFileWriter, list[tuple[ChunkTask[DumpBo], EncodedChunk]]] = {}
-        for t, enc in zip(tasks, encs):
-            assert t.bo.file is not None  # every BO with bytes has a data file
-            by_file.setdefault(t.bo.file, []).append((t, enc))
-        writes = []
+        recs = [(t, p) for t, p in zip(tasks, pieces) if p.kind == STORE]
+        write = None
         error: BaseException | None = None
         try:
-            for file, pieces in by_file.items():
+            if recs:
+                file = recs[0][0].bo.file
+                assert file is not None and all(t.bo.file is file for t, _ in recs)  # one lane = one data file
                 iov: list[Bytes] = []
-                for _, enc in pieces:
-                    iov.append(enc.head)
-                    if enc.payload:
-                        iov.append(enc.payload)
-                off = file.reserve(sum(enc.record_length for _, enc in pieces))
-                writes.append(file.write(iov, off, bo_id=pieces[0][0].bo.id, bo_offset=pieces[0][0].offset))
-                for t, enc in pieces:
-                    bo = t.bo
-                    bo.landed(t.index, off, enc.record_length, enc.record_checksum)
-                    off += enc.record_length
-                    bo.stored_bytes += len(enc.payload)
-                    if enc.codec == pb.CODEC_ZERO:
-                        bo.zero_bytes += t.length
-        except BaseException as e:  # let the writes already started land before reporting
+                for _, p in recs:
+                    assert p.enc is not None
+                    iov.append(p.enc.head)
+                    if p.enc.payload:
+                        iov.append(p.enc.payload)
+                off = file.reserve(sum(p.enc.record_length for _, p in recs if p.enc is not None))
+                write = file.write(iov, off, bo_id=recs[0][0].bo.id, bo_offset=recs[0][0].offset)
+                for _, p in recs:
+                    assert p.enc is not None
+                    p.at, p.length, p.rsum = off, p.enc.record_length, p.enc.record_checksum
+                    p.payload = len(p.enc.payload)
+                    off += p.length
+        except BaseException as e:  # let the write already started land before reporting
             error = e
-        await settle(land_all(writes, error=error))
+        await settle(land_all([write] if write is not None else [], error=error))
+        self.landed(tasks, pieces)
 
 
 class DumpJob(JobBase[DumpBo]):
     direction = Direction.READ
 
     def __init__(self, ctx: JobContext, dir_fd: int, *, chunk_size: int, compression: Compression,
-                 on_progress: ProgressCallback | None = None) -> None:
-        self.writer = ImageWriter(dir_fd, chunk_size=chunk_size, compression=compression.to_pb())
+                 on_progress: ProgressCallback | None = None, parent: ImageReader | None = None,
+                 parent_hint: str = "", dedup: bool = True, max_chain: int = DEFAULT_MAX_CHAIN) -> None:
+        """`parent`: an incremental dump's parent image, opened with its own parents (the job closes it)."""
+        self.parents: list[pb.ParentRef] = []
+        self.index = ChunkIndex(dedup=dedup)
+        try:
+            if parent is not None:
+                self._chain(parent, parent_hint, max_chain)
+            self.writer = ImageWriter(dir_fd, chunk_size=chunk_size, compression=compression.to_pb())
+        except BaseException:
+            if parent is not None:
+                parent.close()
+            raise
+        self.parent = parent
         self.chunk_size = chunk_size
         self.topology_json = b""  # the machine's KFD topology, saved in the manifest
-        self.ends = DumpEnds(self.writer, compression, chunk_size)
+        self._inodes: dict[tuple[int, int, int, int], DumpBo] = {}  # one dmabuf given twice is copied once
+        self.ends = DumpEnds(self.writer, compression, chunk_size, index=self.index, parent=parent)
         super().__init__(ctx, self.ends, on_progress)
+
+    def _chain(self, parent: ImageReader, hint: str, max_chain: int) -> None:
+        """The child's parents: the parent, then the parent's own, each with where it lies from the child."""
+        m = parent.manifest
+        if m.format_version < 2:
+            raise InvalidRequestError("the parent image is format v1: it has no content hashes to refer to")
+        if len(m.parents) + 1 > max_chain:
+            raise LimitExceededError(f"the parent's chain is {len(m.parents) + 1} images deep; at most {max_chain} "
+                                     "are allowed (max_chain_depth): write a full image, or flatten the parent "
+                                     "(vramctl flatten)")
+        if posixpath.isabs(hint):
+            raise InvalidRequestError("the parent hint must be a path relative to the image directory")
+        self.parents = [pb.ParentRef(image_id=m.image_id, manifest_hash=parent.manifest_hash,
+                                     relative_path=posixpath.normpath(hint) if hint else "")]
+        for ref in m.parents:
+            rel = posixpath.normpath(posixpath.join(hint, ref.relative_path)) if hint and ref.relative_path else ""
+            self.parents.append(pb.ParentRef(image_id=ref.image_id, manifest_hash=ref.manifest_hash,
+                                             relative_path=rel))
+        self.index.add_parent(m, 1)
 
     def add(self, specs: Iterable[BoSpec]) -> None:
         """Validate and queue BOs; a bad BO fails the whole dump (an image is all or nothing)."""
         todo = list(specs)
+        queue = []
         try:
             for spec in todo:
                 if spec.id in self.bos:
                     raise InvalidRequestError("BO id given twice", bo_id=spec.id)
                 check_bo_range(spec.id, spec.size, spec.ref, self.ctx.max_bo_bytes)
                 backend = self._backend(spec.ref.kind, spec.id)
+                nchunks = chunk_count(spec.size, self.chunk_size)
+                key, same = self._same_buffer(spec)
+                if same is not None:  # the BO another process (or this one) passed already: its chunks serve
+                    self.bos[spec.id] = DumpBo(spec.id, spec.gpu_id, spec.size, None, None, spec=spec, alias_of=same)
+                    continue
                 handle = backend.open(spec.id, spec.ref, spec.size, spec.gpu_id, Direction.READ, checked=self._checked)
                 bo = self.bos[spec.id] = DumpBo(spec.id, spec.gpu_id, spec.size, backend, handle,
-                                                chunks_left=chunk_count(spec.size, self.chunk_size), spec=spec)
+                                                chunks_left=nchunks, spec=spec)
+                if key is not None:
+                    self._inodes[key] = bo
                 bo.file = self.writer.data_file(spec.gpu_id) if spec.size else None
-            for spec in todo:
-                bo = self.bos[spec.id]
+                queue.append(bo)
+            for bo in queue:
                 self.pipeline.add(bo.gpu_id, self._chunks(bo), bo.size)
         except VramdError as e:
             self._fail(e)
             raise
+
+    def _same_buffer(self, spec: BoSpec) -> tuple[tuple[int, int, int, int] | None, DumpBo | None]:
+        """A dmabuf (or memfd) given before, as the same inode, offset and size: (its key, the BO first given
+        with it, or None)."""
+        if spec.ref.kind == "procmem" or not spec.size:
+            return None, None
+        try:
+            st = os.fstat(spec.ref.fd)
+        except OSError:
+            return None, None  # the backend's open reports the fd
+        key = (st.st_dev, st.st_ino, spec.ref.offset, spec.size)
+        return key, self._inodes.get(key)
 
     def _chunks(self, bo: DumpBo) -> Iterator[ChunkTask[DumpBo]]:
         for i, off in enumerate(range(0, bo.size, self.chunk_size)):
@@ -273,28 +398,40 @@ class DumpJob(JobBase[DumpBo]):
         """Wait for every chunk, then commit the image; returns the manifest."""
         try:
             await self.pipeline.wait()
-            return await self.writer.commit(self._entries(), self._totals(), self.topology_json)
+            entries, table = self._entries()
+            return await self.writer.commit(entries, self._totals(entries, table), self.topology_json,
+                                            chunks=table, parents=self.parents)
         finally:
             self._release_all()
+            if self.parent is not None:
+                self.parent.close()
             await settle(self.writer.aclose())
 
-    def _entries(self) -> list[pb.BoEntry]:
+    def _entries(self) -> tuple[list[pb.BoEntry], pb.ChunkTable]:
+        bos = list(self.bos.values())
+        table, refs = self.index.table([bo.chunk_refs(chunk_count(bo.size, self.chunk_size)) for bo in bos])
         out = []
-        for bo in self.bos.values():
+        for bo, chunk_refs in zip(bos, refs):
             s = bo.spec
             assert s is not None
-            offsets, lengths, checksums = bo.records(chunk_count(s.size, self.chunk_size))
+            src = bo.alias_of or bo
+            alias = bo.alias_of is not None
             out.append(pb.BoEntry(
                 id=s.id, gpu_id=s.gpu_id, size=s.size, alloc_flags=s.alloc_flags, va_addr=s.va_addr,
                 source=SOURCE_KINDS.get(s.ref.kind, pb.SOURCE_UNSPECIFIED), source_offset=s.ref.offset,
-                name=s.name, file_index=bo.file.index if bo.file else 0,
-                record_offsets=offsets, record_lengths=lengths, record_checksums=checksums,
-                stored_bytes=bo.stored_bytes, zero_bytes=bo.zero_bytes,
+                name=s.name, file_index=src.file.index if src.file else 0, chunk_refs=chunk_refs,
+                stored_bytes=0 if alias else bo.stored_bytes, zero_bytes=src.zero_bytes,
+                dedup_bytes=s.size - src.zero_bytes if alias else bo.dedup_bytes,
+                parent_bytes=0 if alias else bo.parent_bytes, delta_bytes=0 if alias else bo.delta_bytes,
             ))
-        return out
+        return out, table
 
-    def _totals(self) -> pb.Totals:
-        bos = self.bos.values()
-        return pb.Totals(bo_count=len(self.bos), bo_bytes=sum(b.size for b in bos),
-                         stored_bytes=sum(b.stored_bytes for b in bos), zero_bytes=sum(b.zero_bytes for b in bos),
-                         chunk_count=sum(len(b.rec_index) for b in bos))
+    def _totals(self, entries: list[pb.BoEntry], table: pb.ChunkTable) -> pb.Totals:
+        return pb.Totals(bo_count=len(entries), bo_bytes=sum(e.size for e in entries),
+                         stored_bytes=sum(e.stored_bytes for e in entries),
+                         zero_bytes=sum(e.zero_bytes for e in entries),
+                         chunk_count=sum(len(e.chunk_refs) for e in entries),
+                         dedup_bytes=sum(e.dedup_bytes for e in entries),
+                         parent_bytes=sum(e.parent_bytes for e in entries),
+                         delta_bytes=sum(e.delta_bytes for e in entries),
+                         record_count=sum(1 for img in table.image if img == 0))

@@ -26,8 +26,8 @@ from ...hostmem.batchcopy import END_OF_FILE, HASH, RECORD, Copy, Outcome, copy_
 from ...hostmem.staging import StagingBuffer, StagingPool
 from ...image.codec import DecodedChunk, decode_chunk
 from ...image.fileio import image_os_error
-from ...image.format import HEAD_PEEK, record_head_length
-from ...image.reader import ImageReader
+from ...image.format import HEAD_PEEK, chunk_count, record_head_length
+from ...image.reader import ImageReader, Loc
 from ...pb import image_pb2 as pb
 from ...units import PAGE, round_up
 from ..pipeline import HEAD_PAGE, ChunkTask, Clock, ProgressCallback, StageTimes, blame, settle
@@ -47,6 +47,25 @@ class ImageBo(CopiedBo):
         return self.entry
 
 
+HOLE = DecodedChunk(None, pb.CODEC_ZERO)  # a format v2 hole: no record, zeros
+
+
+def _loc(t: ChunkTask[ImageBo]) -> Loc:
+    assert t.loc is not None  # only pieces with a record are read
+    return t.loc
+
+
+def buffers_to_read(reader: ImageReader) -> int:
+    """Staging buffers a batch of this image needs: the records; a second to decompress into where any
+    record of the chain may be compressed; two more to read a delta's base chunk."""
+    if reader.has_deltas:
+        return 4
+    images = [reader.manifest, *(m for _, m in reader.parents)]
+    compressed = any(m.compression.codec not in (pb.CODEC_RAW, pb.CODEC_UNSPECIFIED) or m.compression.automatic
+                     for m in images)
+    return 2 if compressed else 1
+
+
 class ImageReadEnds(ABC):
     """Fill and transform of every job that reads an image: records into staging, then checked and decoded.
 
@@ -58,8 +77,8 @@ class ImageReadEnds(ABC):
         self.pool = pool
         self.io = io
         self.chunk_size = m.chunk_size
-        self.buffers_per_chunk = 2 if m.compression.codec == pb.CODEC_ZSTD else 1
-        self._names = [f.name for f in m.files]
+        self.buffers_per_chunk = buffers_to_read(reader)
+        self._names = reader.names
         self.direct = True  # try O_DIRECT for big page-aligned records (the reader opens and closes those fds)
 
     # --- a whole batch in one copy thread (InlineEnds) ----------------------
@@ -77,7 +96,7 @@ class ImageReadEnds(ABC):
 
     def _read_plan(self, t: ChunkTask[ImageBo], buf: StagingBuffer) -> Copy:
         """Read the record whole into the piece's slot, from its head page on (O_DIRECT where it can be)."""
-        fi = t.bo.manifest_entry.file_index
+        fi = _loc(t).slot
         rec, n, room = t.record_offset, t.record_length, HEAD_PAGE + round_up(t.length, PAGE)
         skip = rec % PAGE
         at = buf.address + t.buf_offset - HEAD_PAGE
@@ -88,14 +107,20 @@ class ImageReadEnds(ABC):
         return Copy(self.reader.fds[fi], rec, -1, at, n, 0, n)
 
     def _read_checked(self, tasks: list[ChunkTask[ImageBo]], buf: StagingBuffer, clock: Clock) -> list[DecodedChunk]:
-        copies = [self._read_plan(t, buf) for t in tasks]
+        recs = [t for t in tasks if t.loc is not None]  # a format v2 hole has no record to read
+        copies = [self._read_plan(t, buf) for t in recs]
         clock.lap("python")
         outcomes, failed = copy_batch(copies, HASH | RECORD)
         clock.lap("read")
         if failed >= 0:
-            self._read_failed(tasks[failed], copies[failed], outcomes[failed])
+            self._read_failed(recs[failed], copies[failed], outcomes[failed])
         decoded = []
-        for t, c, o in zip(tasks, copies, outcomes):
+        read = iter(zip(copies, outcomes))
+        for t in tasks:
+            if t.loc is None:
+                decoded.append(HOLE)
+                continue
+            c, o = next(read)
             try:
                 decoded.append(self._check(t, buf, c, o))
             except VramdError:
@@ -107,7 +132,7 @@ class ImageReadEnds(ABC):
         return decoded
 
     def _read_failed(self, t: ChunkTask[ImageBo], c: Copy, o: Outcome) -> None:
-        fi = t.bo.manifest_entry.file_index
+        fi = _loc(t).slot
         if o.err == END_OF_FILE:
             raise TruncatedDataError(
                 f"data file {self._names[fi]} ends inside a chunk record at {c.src + o.done:#x}",
@@ -127,10 +152,10 @@ class ImageReadEnds(ABC):
             raise CorruptChunkError(f"{where}: record of {c.rec_len} bytes for a {t.length}-byte chunk",
                                     bo_id=t.bo.id, offset=t.offset)
         digest = o.hash if o.payload_at == c.rec_at + head_len else None
-        bound = t.bo.manifest_entry.record_checksums  # empty in images from before records were bound
+        loc = _loc(t)
         return decode_chunk(t.bo.id, t.offset, t.length, bytes(view[start:start + head_len]), buf, stored_len, None,
                             where=where, buf_offset=start + head_len, digest=digest,
-                            record_checksum=bound[t.index] if bound else None)
+                            record_checksum=loc.record_checksum, content_hash=loc.chash, check_content=loc.foreign)
 
     def _copy_out(self, tasks: list[ChunkTask[ImageBo]], decoded: list[DecodedChunk], clock: Clock) -> None:
         """Restore: the checked bytes into the BOs (verify: nowhere)."""
@@ -145,7 +170,7 @@ class ImageReadEnds(ABC):
         return await settle(loop.run_in_executor(self.io, self._read_records, tasks, bufs[-1]))
 
     def _where(self, task: ChunkTask[ImageBo]) -> str:
-        return f"{self._names[task.bo.manifest_entry.file_index]} @ {task.record_offset:#x}"
+        return f"{self._names[_loc(task).slot]} @ {task.record_offset:#x}"
 
     def _read_records(self, tasks: list[ChunkTask[ImageBo]], stored: StagingBuffer) -> list[bytes]:
         """Read a batch's records (in an io thread): payloads to their slots; returns their heads.
@@ -161,7 +186,10 @@ class ImageReadEnds(ABC):
         try:
             peeked = False  # the scratch already holds tasks[i]'s peek
             for i, t in enumerate(tasks):
-                fi, bo_id = t.bo.manifest_entry.file_index, t.bo.id
+                if t.loc is None:  # a format v2 hole: no record
+                    heads.append(b"")
+                    continue
+                fi, bo_id = t.loc.slot, t.bo.id
                 rec_off, rec_len, slot = t.record_offset, t.record_length, t.buf_offset
                 peek_len = min(rec_len, HEAD_PEEK)
                 if not peeked:
@@ -178,8 +206,8 @@ class ImageReadEnds(ABC):
                 views = [view[slot + in_peek:slot + stored_len]] if stored_len > in_peek else []
                 nxt = tasks[i + 1] if i + 1 < len(tasks) else None
                 then = None
-                if nxt is not None and nxt.record_offset == rec_off + rec_len \
-                        and nxt.bo.manifest_entry.file_index == fi:
+                if nxt is not None and nxt.loc is not None and nxt.record_offset == rec_off + rec_len \
+                        and nxt.loc.slot == fi:
                     then = (nxt, scratch[:min(nxt.record_length, HEAD_PEEK)])
                 peeked = then is not None
                 try:
@@ -199,7 +227,7 @@ class ImageReadEnds(ABC):
         """Fill `views` (bytes of `task`'s record), then optionally `then` = (next task, view of its
         peek), from consecutive file bytes at `offset`; a short read names the record it cuts."""
         want = sum(len(v) for v in views)
-        fi = task.bo.manifest_entry.file_index
+        fi = _loc(task).slot
         extra = [then[1]] if then is not None else []
         try:
             got = self.reader.readv(fi, [*views, *extra], offset)
@@ -222,11 +250,25 @@ class ImageReadEnds(ABC):
         stored, out = bufs[-1], (bufs[0] if len(bufs) > 1 else None)
         decoded = []
         for t, head in zip(tasks, heads):
-            bound = t.bo.manifest_entry.record_checksums  # empty in images from before records were bound
+            loc = t.loc
+            if loc is None:
+                decoded.append(HOLE)
+                continue
             try:
-                decoded.append(decode_chunk(t.bo.id, t.offset, t.length, head, stored, t.record_length - len(head),
-                                            out, where=self._where(t), buf_offset=t.buf_offset,
-                                            record_checksum=bound[t.index] if bound else None))
+                base = None
+                if loc.base is not None:  # a delta: its base chunk first, into the two scratch buffers
+                    got = self.reader.read_raw(loc.base, bufs[1], bufs[2], t.buf_offset - HEAD_PAGE, t.length,
+                                               bo_id=t.bo.id, offset=t.offset)
+                    assert got.buf is not None
+                    base = got.buf.view[got.offset:got.offset + t.length]
+                try:
+                    decoded.append(decode_chunk(t.bo.id, t.offset, t.length, head, stored,
+                                                t.record_length - len(head), out, where=self._where(t),
+                                                buf_offset=t.buf_offset, record_checksum=loc.record_checksum,
+                                                content_hash=loc.chash, base=base, check_content=loc.foreign))
+                finally:
+                    if base is not None:
+                        base.release()
             except VramdError:
                 raise
             except Exception as e:
@@ -256,8 +298,10 @@ class ImageJob(JobBase[ImageBo]):
 
     def _chunks(self, bo: ImageBo) -> Iterator[ChunkTask[ImageBo]]:
         e, cs = bo.manifest_entry, self.manifest.chunk_size
-        for i, (off, ln) in enumerate(zip(e.record_offsets, e.record_lengths)):
-            yield ChunkTask(bo, i, i * cs, min(cs, e.size - i * cs), off, ln)
+        for i in range(chunk_count(e.size, cs)):
+            loc = self.reader.locate(e, i)
+            yield ChunkTask(bo, i, i * cs, min(cs, e.size - i * cs), loc.offset if loc else 0,
+                            loc.length if loc else 0, loc=loc)
 
     def _check_complete(self) -> None:
         """Called after every chunk landed, before the job reports success."""

@@ -8,6 +8,7 @@ from ...errors import IncompleteRestoreError, InvalidRequestError, VramdError
 from ...hostmem.batchcopy import copy_batch
 from ...hostmem.staging import StagingBuffer
 from ...image.codec import DecodedChunk
+from ...image.format import chunk_count
 from ...image.reader import ImageReader
 from ..pipeline import ChunkTask, Clock, ProgressCallback, settle
 from .common import JobContext, RestoreTarget, check_bo_range, landed, submit_batch
@@ -64,7 +65,7 @@ class RestoreJob(ImageJob):
                 backend = self._backend(t.ref.kind, t.bo_id)
                 handle = backend.open(t.bo_id, t.ref, entry.size, gpu, Direction.WRITE, checked=self._checked)
                 self.bos[t.bo_id] = ImageBo(t.bo_id, gpu, entry.size, backend, handle,
-                                            chunks_left=len(entry.record_offsets), entry=entry)
+                                            chunks_left=chunk_count(entry.size, self.manifest.chunk_size), entry=entry)
             for t in todo:
                 self._queue(self.bos[t.bo_id])
         except VramdError as e:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from ...hostmem.staging import StagingBuffer
 from ...image.codec import DecodedChunk
+from ...image.format import chunk_count
 from ...image.reader import ImageReader
 from ..pipeline import ChunkTask, ProgressCallback
 from .common import JobContext
@@ -23,6 +24,7 @@ class VerifyJob(ImageJob):
     def __init__(self, ctx: JobContext, reader: ImageReader, *, on_progress: ProgressCallback | None = None) -> None:
         super().__init__(ctx, reader, VerifyEnds(reader, ctx.pool, ctx.io), on_progress)
         for entry in self.manifest.bos:
+            nchunks = chunk_count(entry.size, self.manifest.chunk_size)
             bo = self.bos[entry.id] = ImageBo(entry.id, entry.gpu_id, entry.size, None, None,
-                                              chunks_left=len(entry.record_offsets), entry=entry)
+                                              chunks_left=nchunks, entry=entry)
             self._queue(bo)

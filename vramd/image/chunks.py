@@ -1,0 +1,136 @@
+"""Format v2's chunk table, as a dump builds it: content-addressed records, shared by every chunk that holds them.
+
+A dump hashes each non-zero chunk (BLAKE3-256 of its raw bytes) and asks the
+index whether the bytes are stored already: by another chunk of this image
+(dedup across BOs, GPUs and processes), or by a parent image (incremental).
+Only the first chunk to `claim` a hash stores a record; the others refer to
+it.  A claim is decided at once, without waiting for the record to land: the
+references are resolved when the manifest is built (`ChunkIndex.table`),
+after every record landed; a record that never lands fails the whole dump
+(an image is all or nothing), so no reference can dangle.
+
+Thread-safe: copy threads, CPU workers and the event loop all call it.  No I/O.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from ..errors import JobError
+from ..pb import image_pb2 as pb
+from .format import HASH_LEN, entry_hash
+
+# What `claim` answers: store a record; refer to one of this image; refer to a parent's.
+STORE, DUP, PARENT = "store", "dup", "parent"
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A record some chunk table lists: where it is, what it holds."""
+
+    image: int          # 0: the image being written; k: its parents[k - 1]
+    file_index: int
+    offset: int
+    length: int
+    record_checksum: int
+    raw_length: int
+    chash: bytes
+    base: bytes = b""   # a delta record: its base chunk's content hash
+
+
+class ChunkIndex:
+    def __init__(self, *, dedup: bool = True) -> None:
+        self.dedup = dedup
+        self._lock = threading.Lock()
+        self._claimed: set[bytes] = set()    # hashes this image stores (or is storing) a record for
+        self._stored: dict[bytes, Entry] = {}  # hash -> the record that holds it (this image's or a parent's)
+        self._own: list[Entry] = []          # every record this image stored, in landing order
+
+    def add_parent(self, manifest: pb.Manifest, depth: int) -> None:
+        """Make a parent image's records referable: `depth` 1 is the parent, 2 its parent, ...
+
+        Its own table's images are renumbered by `depth` (its parent k is our k + depth)."""
+        t = manifest.chunks
+        with self._lock:
+            for i in range(len(t.image)):
+                h = entry_hash(t, i)
+                if h in self._stored:
+                    continue
+                base = entry_hash(t, t.base[i] - 1) if t.base[i] else b""
+                self._stored[h] = Entry(t.image[i] + depth, t.file_index[i], t.offset[i], t.length[i],
+                                        t.record_checksum[i], t.raw_length[i], h, base)
+
+    def parent_entry(self, chash: bytes) -> Entry | None:
+        """The parent record holding these bytes, if the parent chain has them."""
+        with self._lock:
+            e = self._stored.get(chash)
+        return e if e is not None and e.image > 0 else None
+
+    def claim(self, chash: bytes) -> str:
+        """STORE: the caller stores a record for these bytes.  DUP / PARENT: they are stored (or being
+        stored) already, by this image / by a parent; the chunk refers to that record."""
+        with self._lock:
+            known = self._stored.get(chash)
+            if known is not None and known.image > 0:
+                return PARENT
+            if chash in self._claimed and self.dedup:
+                return DUP
+            self._claimed.add(chash)
+            return STORE
+
+    def stored(self, entry: Entry) -> int:
+        """A record of this image landed; returns its number (what a chunk that stored it refers to)."""
+        with self._lock:
+            self._own.append(entry)
+            self._stored.setdefault(entry.chash, entry)
+            return len(self._own) - 1
+
+    def table(self, chunk_refs: list[list[tuple[int, bytes]]]) -> tuple[pb.ChunkTable, list[list[int]]]:
+        """The manifest's chunk table and each BO's chunk_refs, once every record landed.
+
+        `chunk_refs[b]`, per BO, per chunk: (own record number, hash): a record number >= 0 for a chunk
+        that stored its own record, -1 for one that refers by hash, -2 for a hole (hash unused).
+        """
+        out = pb.ChunkTable()
+        index: dict[Entry, int] = {}  # a record -> its table position
+        hashes = bytearray()
+
+        def put(e: Entry) -> int:
+            pos = index.get(e)
+            if pos is not None:
+                return pos
+            base = 0
+            if e.base:
+                b = self._stored.get(e.base)
+                if b is None:
+                    raise JobError("internal error: a delta record's base is in no table")
+                base = put(b) + 1
+            pos = index[e] = len(out.image)
+            hashes.extend(e.chash)
+            out.image.append(e.image)
+            out.file_index.append(e.file_index)
+            out.offset.append(e.offset)
+            out.length.append(e.length)
+            out.record_checksum.append(e.record_checksum)
+            out.raw_length.append(e.raw_length)
+            out.base.append(base)
+            return pos
+
+        refs: list[list[int]] = []
+        with self._lock:
+            for bo in chunk_refs:
+                r = []
+                for own, chash in bo:
+                    if own == -2:
+                        r.append(0)
+                    elif own >= 0:
+                        r.append(put(self._own[own]) + 1)
+                    else:
+                        e = self._stored.get(chash)
+                        if e is None:
+                            raise JobError("internal error: a chunk refers to bytes no record holds")
+                        r.append(put(e) + 1)
+                refs.append(r)
+        out.hashes = bytes(hashes)
+        assert len(out.hashes) == HASH_LEN * len(out.image)
+        return out, refs
