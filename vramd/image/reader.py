@@ -79,6 +79,11 @@ class ImageReader:
         self._direct: dict[int, tuple[int, int] | None] = {}  # slot -> (O_DIRECT fd, file size), or None
 
     @property
+    def dir_fds(self) -> list[int]:
+        """The directory fds of the image and of each parent (the caller's; never closed here)."""
+        return list(self._dirs)
+
+    @property
     def version(self) -> int:
         return int(self.manifest.format_version)
 

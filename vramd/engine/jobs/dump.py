@@ -319,6 +319,7 @@ class DumpJob(JobBase[DumpBo]):
         try:
             if parent is not None:
                 self._chain(parent, parent_hint, max_chain)
+                self._not_into_the_chain(dir_fd, parent)
             self.writer = ImageWriter(dir_fd, chunk_size=chunk_size, compression=compression.to_pb())
         except BaseException:
             if parent is not None:
@@ -349,6 +350,19 @@ class DumpJob(JobBase[DumpBo]):
             self.parents.append(pb.ParentRef(image_id=ref.image_id, manifest_hash=ref.manifest_hash,
                                              relative_path=rel))
         self.index.add_parent(m, 1)
+
+    @staticmethod
+    def _not_into_the_chain(dir_fd: int, parent: ImageReader) -> None:
+        """A dump replaces the image in its directory: never one its own chain needs."""
+        try:
+            here = os.fstat(dir_fd)
+            for fd in parent.dir_fds:
+                st = os.fstat(fd)
+                if (st.st_dev, st.st_ino) == (here.st_dev, here.st_ino):
+                    raise InvalidRequestError("the image directory is one of the parent chain's: an incremental "
+                                              "image goes into a directory of its own")
+        except OSError:
+            return  # the writer reports an unusable directory fd
 
     def add(self, specs: Iterable[BoSpec]) -> None:
         """Validate and queue BOs; a bad BO fails the whole dump (an image is all or nothing)."""

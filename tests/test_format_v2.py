@@ -1,0 +1,301 @@
+"""Image format v2: content-hashed chunks, dedup inside an image, incremental images over parents, v1 still read.
+
+Every test dumps real bytes from memfds through the engine, then restores into fresh memfds and compares
+byte for byte; damage is done to the real files.
+"""
+import os
+import random
+
+import pytest
+from helpers import engine, memfd, open_dir, run, v1_contents, v1_image
+
+from vramd import errors
+from vramd.backends import BoRef
+from vramd.engine import BoSpec, RestoreTarget
+from vramd.image.codec import Compression
+from vramd.image.format import MANIFEST_NAME, chunk_record, decode_manifest, encode_manifest
+
+MiB = 1 << 20
+CHUNK = 256 << 10
+SENTINEL = 0xA5
+
+
+def _dump(dfd, data, *, gpus=None, parent_fds=(), hint="", dedup=True, compression="none", same=None):
+    """Dump {bo id: bytes}; `same`: {bo id: other bo id} passes the other BO's memfd again (one dmabuf)."""
+    fds = {i: memfd(d) for i, d in data.items() if not same or i not in same}
+    specs = [BoSpec(i, len(d), BoRef("mmap", fds[(same or {}).get(i, i)]), gpu_id=(gpus or {}).get(i, 0))
+             for i, d in data.items()]
+
+    async def go():
+        async with engine(staging_budget=16 * MiB, chunk_size=CHUNK) as e:
+            return await e.dump(dfd, specs, parent_fds=parent_fds, parent_hint=hint, dedup=dedup,
+                                compression=Compression.parse(compression))
+    try:
+        return run(go())
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
+def _restore(dfd, sizes, parent_fds=(), allow_partial=False):
+    """Restore into memfds pre-filled with a sentinel; returns {bo id: bytes} (also when the restore fails:
+    the exception carries `.after`, what the targets hold)."""
+    targets = {i: memfd(bytes([SENTINEL]) * n) for i, n in sizes.items()}
+
+    async def go():
+        async with engine(staging_budget=16 * MiB) as e:
+            await e.restore(dfd, [RestoreTarget(i, BoRef("mmap", fd)) for i, fd in targets.items()],
+                            parent_fds=parent_fds, allow_partial=allow_partial)
+    try:
+        try:
+            run(go())
+        except errors.VramdError as e:
+            e.after = {i: os.pread(fd, sizes[i], 0) for i, fd in targets.items()}
+            raise
+        return {i: os.pread(fd, sizes[i], 0) for i, fd in targets.items()}
+    finally:
+        for fd in targets.values():
+            os.close(fd)
+
+
+def _verify(dfd, parent_fds=()):
+    async def go():
+        async with engine(staging_budget=16 * MiB) as e:
+            return await e.verify(dfd, parent_fds=parent_fds)
+    return run(go())
+
+
+def _bf16_like(n, seed):
+    """Bytes shaped like bf16 weights: random mantissas, a narrow band of exponents."""
+    rnd = random.Random(seed)
+    out = bytearray(n)
+    for i in range(0, n, 2):
+        out[i] = rnd.getrandbits(8)
+        out[i + 1] = 0x3C + rnd.getrandbits(2)
+    return bytes(out)
+
+
+def _dirs(tmp_path, *names):
+    out = []
+    for n in names:
+        (tmp_path / n).mkdir()
+        out.append((tmp_path / n, open_dir(tmp_path / n)))
+    return out
+
+
+# --- v1 images stay readable ------------------------------------------------------------------
+
+def test_a_v1_image_restores_and_verifies(tmp_path):
+    path, dfd = v1_image(tmp_path)
+    data = v1_contents()
+    m = decode_manifest((path / MANIFEST_NAME).read_bytes())
+    assert m.format_version == 1 and not m.chunks.image
+    assert _restore(dfd, {i: len(d) for i, d in data.items()}) == data
+    assert _verify(dfd).manifest.format_version == 1
+
+
+# --- dedup inside one image ---------------------------------------------------------------------
+
+def test_data_parallel_replicas_are_stored_once(tmp_path):
+    (_path, dfd), = _dirs(tmp_path, "img")
+    state = os.urandom(3 * CHUNK + 1000)
+    data = {10 + g: state for g in range(4)}  # the same state on 4 GPUs
+    data[20] = os.urandom(CHUNK)  # and something of its own
+    m = _dump(dfd, data, gpus={10 + g: g for g in range(4)} | {20: 1})
+    assert m.format_version == 2
+    assert m.totals.record_count == 4 + 1
+    assert m.totals.dedup_bytes == 3 * len(state)
+    assert m.totals.stored_bytes == len(state) + CHUNK
+    assert _restore(dfd, {i: len(d) for i, d in data.items()}) == data
+    _verify(dfd)
+
+
+def test_without_dedup_every_chunk_is_stored(tmp_path):
+    (_path, dfd), = _dirs(tmp_path, "img")
+    state = os.urandom(2 * CHUNK)
+    data = {1: state, 2: state}
+    m = _dump(dfd, data, dedup=False)
+    assert m.totals.record_count == 4 and m.totals.dedup_bytes == 0
+    assert _restore(dfd, {i: len(d) for i, d in data.items()}) == data
+
+
+def test_repeated_chunks_inside_a_bo_and_holes(tmp_path):
+    (_path, dfd), = _dirs(tmp_path, "img")
+    block = os.urandom(CHUNK)
+    data = {1: block + bytes(CHUNK) + block + block[:100]}
+    m = _dump(dfd, data, compression="zstd")
+    assert m.totals.record_count == 2  # the block, its 100-byte tail; the repeat refers; the hole is no record
+    assert m.totals.zero_bytes == CHUNK and m.totals.dedup_bytes == CHUNK
+    assert list(m.bos[0].chunk_refs)[1] == 0
+    assert _restore(dfd, {1: len(data[1])}) == data
+
+
+def test_one_dmabuf_passed_by_two_processes_is_copied_once(tmp_path):
+    (_path, dfd), = _dirs(tmp_path, "img")
+    shared = os.urandom(2 * CHUNK)
+    data = {1: shared, 2: shared}
+    m = _dump(dfd, data, same={2: 1})  # BO 2 is the same memfd (inode) as BO 1
+    assert m.totals.record_count == 2 and m.totals.dedup_bytes == len(shared)
+    e2 = next(b for b in m.bos if b.id == 2)
+    assert e2.stored_bytes == 0 and e2.dedup_bytes == len(shared)
+    assert _restore(dfd, {1: len(shared), 2: len(shared)}) == data
+
+
+def test_a_dedup_reference_to_a_corrupt_record_names_the_bo_that_needs_it(tmp_path):
+    (path, dfd), = _dirs(tmp_path, "img")
+    shared = os.urandom(CHUNK)
+    data = {1: shared, 2: shared}
+    m = _dump(dfd, data)
+    owner = next(b for b in m.bos if chunk_record(m, b, 0) is not None and b.chunk_refs[0])
+    fi, off, ln, _ = chunk_record(m, owner, 0)
+    f = path / m.files[fi].name
+    blob = bytearray(f.read_bytes())
+    blob[off + ln - 10] ^= 0xFF
+    f.write_bytes(blob)
+    for bo in (1, 2):  # whichever BO restores it, the error names that BO
+        with pytest.raises(errors.CorruptChunkError, match="payload checksum") as ei:
+            _restore(dfd, {bo: CHUNK}, allow_partial=True)
+        assert (ei.value.bo_id, ei.value.offset) == (bo, 0)
+
+
+# --- incremental images ---------------------------------------------------------------------------
+
+def _three_bos(seed):
+    rnd = random.Random(seed)
+    return {1: rnd.randbytes(4 * CHUNK), 2: _bf16_like(2 * CHUNK, seed), 3: rnd.randbytes(CHUNK + 77)}
+
+
+def test_an_incremental_image_stores_only_what_changed(tmp_path):
+    (_pp, pfd), (_cp, cfd) = _dirs(tmp_path, "parent", "child")
+    parent = _three_bos(1)
+    _dump(pfd, parent)
+    child = dict(parent)
+    child[3] = os.urandom(len(parent[3]))  # "the KV cache" changed; weights did not
+    m = _dump(cfd, child, parent_fds=[pfd], hint="../parent")
+    assert [p.relative_path for p in m.parents] == ["../parent"]
+    assert m.totals.parent_bytes == len(parent[1]) + len(parent[2])
+    assert m.totals.stored_bytes <= len(child[3]) * 1.02
+    assert _restore(cfd, {i: len(d) for i, d in child.items()}, parent_fds=[pfd]) == child
+    _verify(cfd, parent_fds=[pfd])
+
+
+def test_slightly_changed_chunks_are_stored_as_deltas(tmp_path):
+    (_pp, pfd), (_cp, cfd) = _dirs(tmp_path, "parent", "child")
+    parent = {1: _bf16_like(4 * CHUNK, 7)}
+    _dump(pfd, parent, compression="zstd")
+    w = bytearray(parent[1])
+    rnd = random.Random(8)
+    for _ in range(len(w) // 200):  # about 1% of the bf16 elements nudged
+        i = rnd.randrange(0, len(w), 2)
+        w[i] ^= 1 << rnd.randrange(3)
+    child = {1: bytes(w)}
+    m = _dump(cfd, child, parent_fds=[pfd], compression="zstd")
+    assert m.totals.delta_bytes == len(w)
+    assert m.totals.stored_bytes < 0.10 * len(w)
+    assert all(m.chunks.base[r - 1] for r in m.bos[0].chunk_refs)
+    assert _restore(cfd, {1: len(w)}, parent_fds=[pfd]) == child
+
+
+def test_a_three_deep_chain_restores_and_deltas_keep_a_plain_base(tmp_path):
+    dirs = _dirs(tmp_path, "g0", "g1", "g2", "g3")
+    states = [{1: _bf16_like(3 * CHUNK, 3), 2: os.urandom(CHUNK)}]
+    _dump(dirs[0][1], states[0])
+    for k in range(1, 4):
+        w = bytearray(states[-1][1])
+        rnd = random.Random(k)
+        for _ in range(len(w) // 300):
+            w[rnd.randrange(0, len(w), 2)] ^= 1
+        states.append({1: bytes(w), 2: states[-1][2]})
+        fds = [d[1] for d in reversed(dirs[:k])]  # the parent, then its parents
+        m = _dump(dirs[k][1], states[k], parent_fds=fds, hint=f"../g{k - 1}")
+        assert len(m.parents) == k
+        t = m.chunks
+        assert all(not t.base[b - 1] for b in t.base if b)  # a base is never a delta
+    assert [p.relative_path for p in m.parents] == ["../g2", "../g1", "../g0"]
+    fds = [d[1] for d in reversed(dirs[:3])]
+    assert _restore(dirs[3][1], {1: 3 * CHUNK, 2: CHUNK}, parent_fds=fds) == states[3]
+
+
+def test_missing_or_wrong_parents_fail_before_any_byte_is_written(tmp_path):
+    (pp, pfd), (_cp, cfd), (_op, ofd) = _dirs(tmp_path, "parent", "child", "other")
+    parent = _three_bos(2)
+    _dump(pfd, parent)
+    _dump(ofd, parent)  # the same bytes, but another image
+    child = dict(parent)
+    child[1] = os.urandom(len(parent[1]))
+    _dump(cfd, child, parent_fds=[pfd], hint="../parent")
+    sizes = {i: len(d) for i, d in child.items()}
+    untouched = {i: bytes([SENTINEL]) * n for i, n in sizes.items()}
+    with pytest.raises(errors.ParentMissingError, match=r"parent #1 .*'\.\./parent'") as ei:
+        _restore(cfd, sizes)
+    assert ei.value.after == untouched
+    with pytest.raises(errors.ParentMismatchError, match="another image") as ei:
+        _restore(cfd, sizes, parent_fds=[ofd])
+    assert ei.value.after == untouched
+    with pytest.raises(errors.ParentMismatchError, match="no committed image"):
+        _restore(cfd, sizes, parent_fds=[open_dir(tmp_path)])
+    # the parent altered after the child was written (its manifest rewritten: same id, other bytes)
+    m = decode_manifest((pp / MANIFEST_NAME).read_bytes())
+    m.writer = "someone else"
+    (pp / MANIFEST_NAME).write_bytes(encode_manifest(m))
+    with pytest.raises(errors.ParentMismatchError, match="altered") as ei:
+        _restore(cfd, sizes, parent_fds=[pfd])
+    assert ei.value.after == untouched
+    with pytest.raises(errors.ParentMismatchError):
+        _verify(cfd, parent_fds=[pfd])
+
+
+def test_a_corrupt_parent_record_names_the_child_bo_that_needs_it(tmp_path):
+    (pp, pfd), (_cp, cfd) = _dirs(tmp_path, "parent", "child")
+    parent = {1: os.urandom(2 * CHUNK), 2: os.urandom(CHUNK)}
+    pm = _dump(pfd, parent)
+    child = {1: parent[1], 2: os.urandom(CHUNK)}
+    _dump(cfd, child, parent_fds=[pfd])
+    bo1 = next(b for b in pm.bos if b.id == 1)
+    fi, off, ln, _ = chunk_record(pm, bo1, 1)
+    f = pp / pm.files[fi].name
+    blob = bytearray(f.read_bytes())
+    blob[off + ln - 1] ^= 0x01
+    f.write_bytes(blob)
+    with pytest.raises(errors.CorruptChunkError, match="parent #1") as ei:
+        _restore(cfd, {1: 2 * CHUNK, 2: CHUNK}, parent_fds=[pfd])
+    assert (ei.value.bo_id, ei.value.offset) == (1, CHUNK)
+
+
+def test_a_parent_chain_loop_is_a_corrupt_manifest(tmp_path):
+    (_pp, pfd), (cp, cfd) = _dirs(tmp_path, "parent", "child")
+    _dump(pfd, {1: os.urandom(CHUNK)})
+    _dump(cfd, {1: os.urandom(CHUNK)}, parent_fds=[pfd])
+    m = decode_manifest((cp / MANIFEST_NAME).read_bytes())
+    m.parents[0].image_id = m.image_id  # the child claims to be its own parent
+    (cp / MANIFEST_NAME).write_bytes(encode_manifest(m))
+    with pytest.raises(errors.CorruptManifestError, match="loop"):
+        _verify(cfd, parent_fds=[pfd])
+
+
+def test_chains_stop_at_the_configured_depth(tmp_path):
+    dirs = _dirs(tmp_path, *(f"g{k}" for k in range(3)))
+    data = {1: os.urandom(CHUNK)}
+    _dump(dirs[0][1], data)
+
+    async def go(k):
+        async with engine(staging_budget=16 * MiB, chunk_size=CHUNK, max_chain_depth=1) as e:
+            fd = memfd(data[1])
+            try:
+                return await e.dump(dirs[k][1], [BoSpec(1, CHUNK, BoRef("mmap", fd))],
+                                    parent_fds=[d[1] for d in reversed(dirs[:k])])
+            finally:
+                os.close(fd)
+    run(go(1))
+    with pytest.raises(errors.LimitExceededError, match="flatten"):
+        run(go(2))
+    assert not (dirs[2][0] / MANIFEST_NAME).exists()
+
+
+def test_a_dump_into_its_parents_directory_is_refused(tmp_path):
+    (pp, pfd), = _dirs(tmp_path, "parent")
+    parent = {1: os.urandom(CHUNK)}
+    _dump(pfd, parent)
+    with pytest.raises(errors.InvalidRequestError, match="parent"):
+        _dump(pfd, {1: os.urandom(CHUNK)}, parent_fds=[open_dir(pp)])
+    assert _restore(pfd, {1: CHUNK}) == parent
