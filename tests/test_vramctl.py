@@ -112,3 +112,58 @@ def test_verify_fails_on_damage(daemon, tmp_path):
     assert r.returncode == 1
     err = json.loads(r.stdout)["error"]
     assert err["code"] == "CORRUPT_CHUNK" and err["bo_id"] == 1
+
+
+def test_incremental_dump_restore_verify_flatten(daemon, tmp_path):
+    """A child image needs only its own directory while its parent sits where the child recorded it;
+    elsewhere --parent names it; flatten makes a copy that needs no parent."""
+    weights, cache = tmp_path / "weights.bin", tmp_path / "cache.bin"
+    w_bytes, c_bytes = os.urandom(3 << 20), os.urandom(1 << 20)
+    weights.write_bytes(w_bytes)
+    cache.write_bytes(c_bytes)
+    parent, child = tmp_path / "ckpt" / "step1", tmp_path / "ckpt" / "step2"
+
+    def dump(img, *more):
+        r = vramctl("dump", "--pid", str(os.getpid()), "--bo-file", str(weights), "--bo-file", str(cache),
+                    "--image", str(img), "--json", *more, socket=daemon.socket)
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)
+    dump(parent)
+    c2 = os.urandom(1 << 20)
+    cache.write_bytes(c2)  # the KV cache moved on; the weights did not
+    dump(child, "--parent", str(parent))
+    info = json.loads(vramctl("inspect", str(child), "--json").stdout)
+    assert info["format_version"] == 2 and info["parents"][0]["recorded_at"] == "../step1"
+    assert info["totals"]["referenced_bytes"] == len(w_bytes)
+    assert info["totals"]["stored_bytes"] == len(c2)
+
+    def restore(img, *more):
+        out_w, out_c = tmp_path / "out_w.bin", tmp_path / "out_c.bin"
+        out_w.write_bytes(bytes(len(w_bytes)))
+        out_c.write_bytes(bytes(len(c2)))
+        r = vramctl("restore", "--pid", str(os.getpid()), "--image", str(img), "--bo-file", f"1={out_w}",
+                    "--bo-file", f"2={out_c}", *more, socket=daemon.socket)
+        return r, out_w.read_bytes(), out_c.read_bytes()
+    r, got_w, got_c = restore(child)
+    assert r.returncode == 0, r.stderr
+    assert (got_w, got_c) == (w_bytes, c2)
+    assert vramctl("verify", str(child)).returncode == 0
+
+    moved = tmp_path / "elsewhere"
+    parent.rename(moved)
+    r, got_w, _ = restore(child)
+    assert r.returncode == 1 and "--parent" in r.stderr and got_w == bytes(len(w_bytes))
+    r, got_w, got_c = restore(child, "--parent", str(moved))
+    assert r.returncode == 0, r.stderr
+    assert (got_w, got_c) == (w_bytes, c2)
+
+    flat = tmp_path / "flat"
+    r = vramctl("flatten", str(child), str(flat), "--parent", str(moved), "--json")
+    assert r.returncode == 0, r.stderr
+    info = json.loads(vramctl("inspect", str(flat), "--json").stdout)
+    assert info["parents"] == [] and info["totals"]["referenced_bytes"] == 0
+    assert info["totals"]["stored_bytes"] == len(w_bytes) + len(c2)
+    moved.rename(tmp_path / "gone")  # the flattened copy needs no parent
+    r, got_w, got_c = restore(flat)
+    assert r.returncode == 0, r.stderr
+    assert (got_w, got_c) == (w_bytes, c2)

@@ -5,8 +5,10 @@
     vramctl [--socket S] dump --pid PID --range ADDR:LEN [--range ...] [--bo-file PATH[:OFF:LEN] ...]
                               --image DIR [--compress none|zstd[:LEVEL]] [--json]
     vramctl [--socket S] restore --pid PID --image DIR [--json]
-    vramctl verify DIR [--json]          (offline: no daemon)
-    vramctl inspect DIR [--json]         (offline: no daemon)
+    vramctl [--socket S] dump ... --parent PARENT_DIR    (an incremental image)
+    vramctl verify DIR [--parent DIR] [--json]          (offline: no daemon)
+    vramctl inspect DIR [--json]                        (offline: no daemon)
+    vramctl flatten DIR OUT [--parent DIR] [--json]     (offline: a self-contained copy)
     vramctl [--socket S] selftest [--size 64M] [--json]
 
 vramctl opens /proc/PID/mem, the BO files and the image directory itself
@@ -29,6 +31,8 @@ from typing import Any
 from .. import __version__
 from ..client import SESSION_DUMP, SESSION_RESTORE, Client, ClientBo, topology_checks_from_env
 from ..errors import VramdError
+from ..image.codec import compression_name
+from ..image.format import chunk_count
 from ..pb import image_pb2 as pb
 from ..pb import rpc_pb2 as rpc
 from ..units import format_size, parse_size
@@ -150,6 +154,46 @@ def open_procmem(pid: int, flags: int) -> int:
         raise Failure(f"cannot open /proc/{pid}/mem: {e.strerror}") from None
 
 
+def open_parents(image_dir: str, manifest: pb.Manifest, first: str | None) -> tuple[list[str], list[int]]:
+    """The directories of an image's parents, nearest first, and an fd of each (the caller closes them).
+
+    The first is `first` (--parent) or where the image recorded it, relative to itself; each next one is
+    where the one before recorded its own parent.  vramctl opens them (the daemon opens no path); the
+    daemon then checks each is the very image the chain names (image id and manifest hash)."""
+    paths: list[str] = []
+    fds: list[int] = []
+    here, m = image_dir, manifest
+    try:
+        for k, ref in enumerate(manifest.parents, 1):
+            rel = m.parents[0].relative_path if m.parents else ""
+            if k == 1 and first:
+                path = first
+            elif rel and not os.path.isabs(rel):
+                path = os.path.normpath(os.path.join(here, rel))
+            else:
+                raise Failure(f"{image_dir} is incremental and its parent #{k} was not recorded where vramctl can "
+                              "find it; name the parent with --parent DIR")
+            try:
+                fd = open_image_dir(path, create=False)
+            except Failure as e:
+                raise Failure(f"{e}; {image_dir} is incremental: name its parent #{k} with --parent DIR") from None
+            fds.append(fd)
+            try:
+                m = read_manifest_offline(fd)
+            except VramdError as e:
+                raise Failure(f"{path} (parent #{k} of {image_dir}): {e.message}") from None
+            if m.image_id != ref.image_id:
+                raise Failure(f"{path} holds another image than parent #{k} of {image_dir}; name the parent with "
+                              "--parent DIR")
+            paths.append(path)
+            here = path
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return paths, fds
+
+
 def cmd_dump(ns: argparse.Namespace) -> int:
     if not ns.range and not ns.bo_file:
         raise Failure("nothing to dump: give --range and/or --bo-file")
@@ -176,7 +220,17 @@ def cmd_dump(ns: argparse.Namespace) -> int:
         if not ns.force and _holds_image(dfd):
             raise Failure(f"{ns.image} already holds an image; --force replaces it (atomically, when the new one "
                           "commits)")
-        info, secs = transfer(ns, SESSION_DUMP, dfd, bos, "dump", compression=ns.compress or "")
+        parent_fds: list[int] = []
+        hint = ""
+        if ns.parent:
+            pfd = open_image_dir(ns.parent, create=False)
+            fds.append(pfd)
+            _paths, chain = open_parents(ns.parent, read_manifest_offline(pfd), None)
+            fds += chain
+            parent_fds = [pfd, *chain]
+            hint = os.path.relpath(os.path.abspath(ns.parent), os.path.abspath(ns.image))
+        info, secs = transfer(ns, SESSION_DUMP, dfd, bos, "dump", compression=ns.compress or "",
+                              parent_fds=parent_fds, parent_hint=hint, dedup=not ns.no_dedup)
     finally:
         for fd in fds:
             os.close(fd)
@@ -236,8 +290,11 @@ def cmd_restore(ns: argparse.Namespace) -> int:
                               "vramctl cannot target; restore it through the plugin that dumped it")
         if targets:
             raise Failure(f"the image has no file BO {min(targets)} (--bo-file {min(targets)}=...)")
+        _paths, parent_fds = open_parents(ns.image, manifest, ns.parent)
+        fds += parent_fds
         # CRIU's KFD_*_CHECK switches travel with the request (the daemon never reads its own environment)
-        info, secs = transfer(ns, SESSION_RESTORE, dfd, bos, "restore", topology_checks=topology_checks_from_env())
+        info, secs = transfer(ns, SESSION_RESTORE, dfd, bos, "restore", topology_checks=topology_checks_from_env(),
+                              parent_fds=parent_fds)
     finally:
         for fd in fds:
             os.close(fd)
@@ -254,15 +311,20 @@ def cmd_verify(ns: argparse.Namespace) -> int:
 
     from ..engine import Engine, VerifyReport
     dfd = open_image_dir(ns.dir, create=False)
+    fds = [dfd]
     try:
+        _paths, parent_fds = open_parents(ns.dir, read_manifest_offline(dfd), ns.parent)
+        fds += parent_fds
+
         async def go() -> VerifyReport:
             async with Engine() as eng:
-                return await eng.verify(dfd)
+                return await eng.verify(dfd, parent_fds=parent_fds)
         t0 = time.monotonic()
         report = uvloop.run(go())
         secs = time.monotonic() - t0
     finally:
-        os.close(dfd)
+        for fd in fds:
+            os.close(fd)
     p = report.progress
     emit(ns, {"ok": True, "bos": p.bos_done, "bytes": p.bytes_done, "chunks": p.chunks_done, "seconds": round(secs, 6)},
          f"{ns.dir}: OK, {p.bos_done} BO(s), {format_size(p.bytes_done)} in {p.chunks_done} chunk(s) verified "
@@ -276,20 +338,33 @@ def cmd_inspect(ns: argparse.Namespace) -> int:
         m = read_manifest_offline(dfd)
     finally:
         os.close(dfd)
-    comp = "none" if m.compression.codec != pb.CODEC_ZSTD else f"zstd:{m.compression.level}"
+    comp = compression_name(m.compression)
+    nchunks = chunk_count
     bos = [{"id": e.id, "gpu_id": e.gpu_id, "size": e.size, "source": SOURCE_NAMES.get(e.source, "unknown"),
             "source_offset": e.source_offset, "va_addr": e.va_addr, "alloc_flags": e.alloc_flags, "name": e.name,
-            "chunks": len(e.record_offsets), "stored_bytes": e.stored_bytes, "zero_bytes": e.zero_bytes,
-            "file": m.files[e.file_index].name if e.record_offsets else None} for e in m.bos]
+            "chunks": nchunks(e.size, m.chunk_size), "stored_bytes": e.stored_bytes, "zero_bytes": e.zero_bytes,
+            "deduplicated_bytes": e.dedup_bytes, "referenced_bytes": e.parent_bytes, "delta_bytes": e.delta_bytes,
+            "file": m.files[e.file_index].name if e.size and m.files else None} for e in m.bos]
     t = m.totals
-    data = {"format_version": m.format_version, "chunk_size": m.chunk_size, "compression": comp,
+    parents = [{"image_id": p.image_id.hex(), "recorded_at": p.relative_path} for p in m.parents]
+    data = {"format_version": m.format_version, "image_id": m.image_id.hex(), "chunk_size": m.chunk_size,
+            "compression": comp, "parents": parents,
             "files": [{"name": f.name, "length": f.length, "gpu_id": f.gpu_id} for f in m.files],
             "totals": {"bo_count": t.bo_count, "bo_bytes": t.bo_bytes, "stored_bytes": t.stored_bytes,
-                       "zero_bytes": t.zero_bytes, "chunk_count": t.chunk_count}, "bos": bos}
+                       "zero_bytes": t.zero_bytes, "chunk_count": t.chunk_count, "record_count": t.record_count,
+                       "deduplicated_bytes": t.dedup_bytes, "referenced_bytes": t.parent_bytes,
+                       "delta_bytes": t.delta_bytes,
+                       "file_bytes": sum(f.length for f in m.files)}, "bos": bos}
     lines = [f"{ns.dir}: image format v{m.format_version}, chunk {format_size(m.chunk_size)}, compression {comp}",
              f"{t.bo_count} BO(s), {format_size(t.bo_bytes)}; stored {format_size(t.stored_bytes)} "
-             f"({format_size(t.zero_bytes)} zero) in {t.chunk_count} chunk(s), {len(m.files)} data file(s)",
-             f"{'id':>8} {'gpu':>6} {'size':>12} {'source':>8} {'offset':>18}  name"]
+             f"({format_size(t.zero_bytes)} zero) in {t.chunk_count} chunk(s), {len(m.files)} data file(s)"]
+    if m.format_version >= 2:
+        lines.append(f"deduplicated {format_size(t.dedup_bytes)}, referenced from parents "
+                     f"{format_size(t.parent_bytes)}, stored as deltas {format_size(t.delta_bytes)}; "
+                     f"{t.record_count} record(s)")
+    for k, p in enumerate(m.parents, 1):
+        lines.append(f"parent #{k}: image {p.image_id.hex()[:16]}, recorded at {p.relative_path or '(not recorded)'}")
+    lines.append(f"{'id':>8} {'gpu':>6} {'size':>12} {'source':>8} {'offset':>18}  name")
     lines += [f"{b['id']:>8} {b['gpu_id']:>6x} {b['size']:>12} {b['source']:>8} {b['source_offset']:>#18x}  {b['name']}"
               for b in bos]
     emit(ns, data, "\n".join(lines))
@@ -348,6 +423,37 @@ def cmd_selftest(ns: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+PARENT_HELP = ("an incremental image's parent directory, where it is not where the image recorded it (its own "
+               "parents are then found where it recorded them)")
+
+
+def cmd_flatten(ns: argparse.Namespace) -> int:
+    import uvloop
+
+    from ..image.flatten import flatten
+    dfd = open_image_dir(ns.dir, create=False)
+    fds = [dfd]
+    try:
+        _paths, parent_fds = open_parents(ns.dir, read_manifest_offline(dfd), ns.parent)
+        fds += parent_fds
+        out = open_image_dir(ns.out, create=True)
+        fds.append(out)
+        if _holds_image(out):
+            raise Failure(f"{ns.out} already holds an image; flatten into a new directory")
+        t0 = time.monotonic()
+        m = uvloop.run(flatten(dfd, parent_fds, out))
+        secs = time.monotonic() - t0
+    finally:
+        for fd in fds:
+            os.close(fd)
+    t = m.totals
+    emit(ns, {"ok": True, "image_id": m.image_id.hex(), "stored_bytes": t.stored_bytes, "records": t.record_count,
+              "seconds": round(secs, 6)},
+         f"{ns.out}: self-contained copy of {ns.dir}, {t.bo_count} BO(s), stored {format_size(t.stored_bytes)} in "
+         f"{t.record_count} record(s) ({secs:.2f} s)")
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="vramctl", description="Control the vramd VRAM checkpoint daemon.",
                                  epilog="exit codes: 0 success, 1 failure (reason on stderr), 2 usage error")
@@ -372,6 +478,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--image", required=True, metavar="DIR")
     p.add_argument("--compress", metavar="none|zstd[:LEVEL]")
     p.add_argument("--force", action="store_true", help="replace an image the directory already holds")
+    p.add_argument("--parent", metavar="DIR",
+                   help="an incremental image: chunks DIR's image (and its parents) holds are referred to")
+    p.add_argument("--no-dedup", action="store_true", help="store every chunk, even one the image holds already")
     p = cmd("restore", cmd_restore, "write an image back: ranges into PID at their addresses, file BOs into the files "
             "you name")
     p.add_argument("--pid", type=int, required=True)
@@ -381,8 +490,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "opened unless --to-recorded-paths)")
     p.add_argument("--to-recorded-paths", action="store_true",
                    help="write file BOs to the paths the image recorded (only for images you trust)")
+    p.add_argument("--parent", metavar="DIR", help=PARENT_HELP)
     p = cmd("verify", cmd_verify, "check every chunk of an image (offline); exit 1 on any damage")
     p.add_argument("dir", metavar="DIR")
+    p.add_argument("--parent", metavar="DIR", help=PARENT_HELP)
+    p = cmd("flatten", cmd_flatten, "copy an image into a self-contained one: no parents needed (offline)")
+    p.add_argument("dir", metavar="DIR")
+    p.add_argument("out", metavar="OUT", help="an empty or new directory for the self-contained copy")
+    p.add_argument("--parent", metavar="DIR", help=PARENT_HELP)
     p = cmd("selftest", cmd_selftest, "round-trip known data through every backend, per GPU; GB/s")
     p.add_argument("--size", type=parse_size, default=64 << 20, help="bytes per BO (default 64M)")
     p.add_argument("--workdir", default="/var/tmp", help="where the temporary images go")

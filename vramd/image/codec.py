@@ -51,6 +51,17 @@ class Compression:
         return 2 if self.codec == pb.CODEC_ZSTD else 1
 
 
+def compression_name(c: pb.Compression) -> str:
+    """How an image's manifest names its compression (as `--compress` takes it)."""
+    if c.automatic:
+        return f"auto:{c.level}" if c.level else "auto"
+    if c.codec == pb.CODEC_ZSTD:
+        return f"zstd:{c.level}"
+    if c.codec == pb.CODEC_PLANES:
+        return f"bplanes:{c.level}"
+    return "none"
+
+
 _local = threading.local()  # zstd contexts are not thread-safe: one per thread and level
 
 

@@ -213,14 +213,24 @@ class ImageReader:
         """The slot of data file `file_index` of image `image` (0: this one; k: parents[k - 1])."""
         return self._slot[(image, file_index)]
 
+    def locate_entry(self, index: int) -> Loc:
+        """Entry `index` of this image's (v2) chunk table."""
+        return self._table_loc(index)
+
     def read_raw(self, loc: Loc, stored: StagingBuffer, out: StagingBuffer, at: int, raw_length: int, *,
                  bo_id: int, offset: int) -> DecodedChunk:
-        """Read and decode one record (not a delta) in the calling thread (never the event loop): the
-        record lands at `at` in `stored`, a compressed one is decoded at the same place in `out`.
+        """Read and decode one plain record (a delta's base) in the calling thread (never the event loop):
+        the record lands at `at` in `stored`, a compressed one is decoded at the same place in `out`.
         Errors name `bo_id` and `offset`: the chunk that needed the record."""
-        where = f"{self.names[loc.slot]} @ {loc.offset:#x}"
         if loc.base is not None:
-            raise CorruptChunkError(f"{where}: a delta's base is itself a delta", bo_id=bo_id, offset=offset)
+            raise CorruptChunkError(f"{self.names[loc.slot]} @ {loc.offset:#x}: a delta's base is itself a delta",
+                                    bo_id=bo_id, offset=offset)
+        return self.read_record(loc, stored, out, at, raw_length, bo_id=bo_id, offset=offset)[0]
+
+    def read_record(self, loc: Loc, stored: StagingBuffer, out: StagingBuffer, at: int, raw_length: int, *,
+                    bo_id: int, offset: int, base: memoryview | None = None) -> tuple[DecodedChunk, int]:
+        """`read_raw` for any record (a delta given its base's bytes); also returns the record's head length."""
+        where = f"{self.names[loc.slot]} @ {loc.offset:#x}"
         view = stored.view[at:at + loc.length]
         try:
             got = self.readv(loc.slot, [view], loc.offset)
@@ -239,7 +249,8 @@ class ImageReader:
                                     bo_id=bo_id, offset=offset)
         return decode_chunk(bo_id, offset, raw_length, bytes(stored.view[at:at + head_len]), stored,
                             loc.length - head_len, out, where=where, buf_offset=at + head_len,
-                            record_checksum=loc.record_checksum, content_hash=loc.chash, check_content=loc.foreign)
+                            record_checksum=loc.record_checksum, content_hash=loc.chash, base=base,
+                            check_content=loc.foreign), head_len
 
     def readv(self, file_index: int, views: Sequence[memoryview], offset: int) -> int:
         """Fill `views` from consecutive file bytes at `offset` of file slot `file_index`; returns bytes read

@@ -25,12 +25,27 @@ from ..errors import (
 from ..image.codec import Compression
 from ..pb import image_pb2 as pb
 from ..pb import rpc_pb2 as rpc
-from ..protocol.fds import FdBundle
+from ..protocol.fds import FdBundle, close_fds
 from ..topology import CHECK_ENV, Checks, Topology, map_gpus
 from .metrics import Metrics
 from .sessions import KIND_NAMES, Session, SessionLimits, UidLimits, UidUsage, image_summary
 
 log = logging.getLogger("vramd.service.sessions")
+
+
+MAX_PARENT_FDS = 64  # parent directories one OpenSession may pass (a chain is at most max_chain_depth deep)
+
+
+def _check_dir_fd(fd: int, what: str) -> None:
+    """A directory fd a client passed: a directory, open for I/O (not O_PATH: a dump could not fsync it)."""
+    try:
+        st = os.fstat(fd)
+    except OSError as e:
+        raise from_os_error(e, f"{what} is not usable", InvalidRequestError) from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise InvalidRequestError(f"{what} is not a directory")
+    if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_PATH:
+        raise InvalidRequestError(f"{what} is an O_PATH fd; open it O_RDONLY | O_DIRECTORY")
 
 
 class SessionTable:
@@ -69,15 +84,24 @@ class SessionTable:
             raise InvalidRequestError(f"unknown session kind {req.kind}")
         checks = self._checks(req)
         usage = self.usage.setdefault(uid, UidUsage(self.uid_limits))
-        if usage.fds + 1 > self.uid_limits.max_fds:
+        nparents = len(req.parent_fd_indexes)
+        if nparents > MAX_PARENT_FDS:
+            raise LimitExceededError(f"{nparents} parent directories; at most {MAX_PARENT_FDS} are taken")
+        if usage.fds + 1 + nparents > self.uid_limits.max_fds:
             raise LimitExceededError(f"uid {uid}'s sessions hold {usage.fds} fds (max_fds_per_uid)")
         dir_fd = bundle.take(req.dir_fd_index)
+        parent_fds: list[int] = []
         try:
-            job, manifest = await self._job(req, dir_fd, checks)
+            for i in req.parent_fd_indexes:  # held, like the image's, until the session ends
+                parent_fds.append(bundle.take(i))
+            for fd in parent_fds:
+                _check_dir_fd(fd, "a parent directory fd")
+            job, manifest = await self._job(req, dir_fd, checks, parent_fds)
         except BaseException:
-            os.close(dir_fd)
+            close_fds([dir_fd, *parent_fds])
             raise
-        s = Session(self._next_id, req.kind, uid, pid, req.label, job, dir_fd, self.limits, self.metrics, usage)
+        s = Session(self._next_id, req.kind, uid, pid, req.label, job, dir_fd, self.limits, self.metrics, usage,
+                    fds=parent_fds)
         self._next_id += 1
         if manifest is not None:  # the image a restore or verify reads
             s.image = image_summary(manifest)
@@ -97,30 +121,27 @@ class SessionTable:
                                       f"{', '.join(sorted(CHECK_ENV.values()))})")
         return Checks(**{attr: switches.get(var, True) for attr, var in CHECK_ENV.items()})
 
-    async def _job(self, req: rpc.OpenSession, dir_fd: int, checks: Checks) -> tuple[Job, pb.Manifest | None]:
+    async def _job(self, req: rpc.OpenSession, dir_fd: int, checks: Checks,
+                   parent_fds: list[int]) -> tuple[Job, pb.Manifest | None]:
         """The session's job, and the manifest of the image it reads (None for a dump)."""
-        try:
-            st = os.fstat(dir_fd)
-        except OSError as e:
-            raise from_os_error(e, "image directory fd is not usable", InvalidRequestError) from None
-        if not stat.S_ISDIR(st.st_mode):
-            raise InvalidRequestError("the image directory fd is not a directory")
-        if fcntl.fcntl(dir_fd, fcntl.F_GETFL) & os.O_PATH:  # no I/O through it (a dump could not fsync it)
-            raise InvalidRequestError("the image directory fd is an O_PATH fd; open it O_RDONLY | O_DIRECTORY")
+        _check_dir_fd(dir_fd, "the image directory fd")
         if req.kind == rpc.SESSION_DUMP:
             try:
                 comp = Compression.parse(req.compression) if req.compression else self.default_compression
             except ValueError as e:
                 raise InvalidRequestError(str(e)) from None
-            job = self.engine.start_dump(dir_fd, compression=comp,
-                                         chunk_size=req.chunk_size or self.default_chunk_size)
+            parent = await self.engine.open_parent(parent_fds) if parent_fds else None
+            job = self.engine.start_dump(dir_fd, compression=comp, chunk_size=req.chunk_size or self.default_chunk_size,
+                                         parent=parent, parent_hint=req.parent_hint, dedup=not req.no_dedup)
             job.topology_json = self._topology_json
             return job, None
+        if req.parent_hint or req.no_dedup:
+            raise InvalidRequestError("parent_hint and no_dedup are dump options")
         if req.kind == rpc.SESSION_RESTORE:
             restore = await self.engine.start_restore(dir_fd, gpu_map=lambda m: self._gpu_map(m, checks),
-                                                      allow_partial=req.allow_partial)
+                                                      allow_partial=req.allow_partial, parent_fds=parent_fds)
             return restore, restore.manifest
-        verify = await self.engine.start_verify(dir_fd)
+        verify = await self.engine.start_verify(dir_fd, parent_fds=parent_fds)
         return verify, verify.manifest
 
     def _gpu_map(self, manifest: pb.Manifest, checks: Checks) -> dict[int, int] | None:

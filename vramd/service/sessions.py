@@ -31,6 +31,7 @@ from ..errors import (
     WaitTimeoutError,
     from_os_error,
 )
+from ..image.codec import compression_name
 from ..pb import image_pb2 as pb
 from ..pb import rpc_pb2 as rpc
 from ..protocol.fds import FdBundle, close_fds
@@ -69,7 +70,7 @@ def outcome_state(error: VramdError | None) -> rpc.SessionState:
 
 
 def image_summary(m: pb.Manifest) -> rpc.ImageSummary:
-    comp = "none" if m.compression.codec != pb.CODEC_ZSTD else f"zstd:{m.compression.level}"
+    comp = compression_name(m.compression)
     return rpc.ImageSummary(bo_count=m.totals.bo_count, bo_bytes=m.totals.bo_bytes,
                             stored_bytes=m.totals.stored_bytes, zero_bytes=m.totals.zero_bytes,
                             chunk_size=m.chunk_size, compression=comp, data_files=len(m.files))
@@ -145,8 +146,8 @@ class Session:
     reap_task: asyncio.Task[None] | None = None
 
     def __post_init__(self) -> None:
-        self.fds.append(self.dir_fd)
-        self.usage.fds += 1
+        self.fds.append(self.dir_fd)  # with the parents' directories given at open, held until the end
+        self.usage.fds += len(self.fds)
         self._done = asyncio.Event()
         self._adding = asyncio.Lock()  # one AddBos at a time; Start waits for the one under way
         # A copy that fails while the client is still adding BOs ends the session now,

@@ -1,0 +1,140 @@
+"""`vramctl flatten`: an incremental image copied into a self-contained one (no parents needed).
+
+Every record the image's chunk table lists is read from wherever it lies
+(the image or a parent), checked as a restore checks it (record binding,
+payload checksum, a parent's decoded bytes against their content hash), and
+written into the new image: a plain record byte for byte (its header and
+checksum stay valid), a delta decoded against its base and stored whole
+(zstd where that is smaller).  BOs keep their chunk references: the table
+keeps its order, only where each record is changes.  Memory: four chunk
+buffers, whatever the image's size.  Offline: runs in the calling process
+(file I/O in a worker thread), never in the daemon.
+"""
+from __future__ import annotations
+
+import asyncio
+import mmap
+from collections.abc import Sequence
+
+from ..errors import InvalidRequestError
+from ..hostmem.staging import StagingBuffer
+from ..pb import image_pb2 as pb
+from ..units import PAGE
+from .codec import Compression, encode_chunk
+from .format import Bytes
+from .reader import ImageReader
+from .writer import DataFileWriter, ImageWriter
+
+
+async def flatten(dir_fd: int, parent_fds: Sequence[int], out_fd: int) -> pb.Manifest:
+    """Copy the image in `dir_fd` (its parents' directories: `parent_fds`, nearest first) into `out_fd`."""
+    reader = await ImageReader.open(dir_fd, parent_fds)
+    try:
+        m = reader.manifest
+        if m.format_version < 2:
+            raise InvalidRequestError("a format v1 image has no parents: it is self-contained already")
+        writer = ImageWriter(out_fd, chunk_size=m.chunk_size, compression=m.compression)
+        try:
+            table, payloads = await asyncio.get_running_loop().run_in_executor(None, _copy, reader, writer)
+            return await writer.commit(_bos(m, table, payloads), _totals(m, table, payloads), m.topology_json,
+                                       chunks=table)
+        finally:
+            await writer.aclose()
+    finally:
+        reader.close()
+
+
+def _copy(reader: ImageReader, writer: ImageWriter) -> tuple[pb.ChunkTable, list[int]]:
+    """In a worker thread: every table entry's record into the new image; the new table, payload bytes each."""
+    m = reader.manifest
+    t = m.chunks
+    unit = PAGE + m.chunk_size + PAGE  # a record (head + payload) at offset PAGE, with room
+    bufs = [StagingBuffer(unit, mmap.mmap(-1, unit)) for _ in range(4)]
+    images = [m, *(pm for _, pm in reader.parents)]
+    out = pb.ChunkTable(hashes=t.hashes)
+    payloads: list[int] = []
+    holder = _first_holders(m)  # entry -> (bo id, offset) of the first chunk that needs it: errors name it
+    compression = Compression(pb.CODEC_ZSTD, 3)
+    try:
+        for i in range(len(t.image)):
+            bo_id, bo_off = holder.get(i, (0, 0))
+            loc = reader.locate_entry(i)
+            raw_len = t.raw_length[i]
+            gpu = images[t.image[i]].files[t.file_index[i]].gpu_id
+            dst = writer.data_file(gpu)
+            if loc.base is None:  # checked as a restore checks it, then copied byte for byte
+                _dec, head_len = reader.read_record(loc, bufs[0], bufs[1], PAGE, raw_len, bo_id=bo_id, offset=bo_off)
+                record = bufs[0].view[PAGE:PAGE + loc.length]
+                try:
+                    at = _put(dst, [record], loc.length, bo_id, bo_off)
+                finally:
+                    record.release()
+                rsum, length, payload = loc.record_checksum, loc.length, loc.length - head_len
+            else:  # a delta: decoded against its base, stored whole
+                got = reader.read_raw(loc.base, bufs[2], bufs[3], PAGE, raw_len, bo_id=bo_id, offset=bo_off)
+                assert got.buf is not None
+                base = got.buf.view[got.offset:got.offset + raw_len]
+                try:
+                    dec, _ = reader.read_record(loc, bufs[0], bufs[1], PAGE, raw_len, bo_id=bo_id, offset=bo_off,
+                                                base=base)
+                finally:
+                    base.release()
+                assert dec.buf is not None
+                enc = encode_chunk(bo_id, bo_off, dec.buf, raw_len, compression, dec.offset, loc.chash)
+                at = _put(dst, [enc.head, enc.payload], enc.record_length, bo_id, bo_off)
+                rsum, length, payload = enc.record_checksum, enc.record_length, len(enc.payload)
+            out.image.append(0)
+            out.file_index.append(dst.index)
+            out.offset.append(at)
+            out.length.append(length)
+            assert rsum is not None  # v2 records are always bound
+            out.record_checksum.append(rsum)
+            out.raw_length.append(raw_len)
+            out.base.append(0)
+            payloads.append(payload)
+    finally:
+        for b in bufs:
+            b.unmap()
+    return out, payloads
+
+
+def _put(dst: DataFileWriter, iov: Sequence[Bytes], length: int, bo_id: int, bo_off: int) -> int:
+    at = dst.reserve(length)
+    dst.pwrite(iov, at, bo_id=bo_id, bo_offset=bo_off)
+    return at
+
+
+def _first_holders(m: pb.Manifest) -> dict[int, tuple[int, int]]:
+    out: dict[int, tuple[int, int]] = {}
+    for bo in m.bos:
+        for c, ref in enumerate(bo.chunk_refs):
+            if ref:
+                out.setdefault(ref - 1, (bo.id, c * m.chunk_size))
+    return out
+
+
+def _bos(m: pb.Manifest, table: pb.ChunkTable, payloads: list[int]) -> list[pb.BoEntry]:
+    """The BOs as they were, their byte counts as the new image holds them (nothing from parents)."""
+    seen: set[int] = set()
+    out = []
+    for bo in m.bos:
+        e = pb.BoEntry()
+        e.CopyFrom(bo)
+        e.stored_bytes = e.dedup_bytes = e.parent_bytes = e.delta_bytes = 0
+        for ref in bo.chunk_refs:
+            if not ref:
+                continue
+            if ref - 1 in seen:
+                e.dedup_bytes += table.raw_length[ref - 1]
+            else:
+                seen.add(ref - 1)
+                e.stored_bytes += payloads[ref - 1]
+        out.append(e)
+    return out
+
+
+def _totals(m: pb.Manifest, table: pb.ChunkTable, payloads: list[int]) -> pb.Totals:
+    bos = _bos(m, table, payloads)
+    return pb.Totals(bo_count=len(bos), bo_bytes=sum(b.size for b in bos), stored_bytes=sum(payloads),
+                     zero_bytes=sum(b.zero_bytes for b in bos), chunk_count=sum(len(b.chunk_refs) for b in bos),
+                     dedup_bytes=sum(b.dedup_bytes for b in bos), record_count=len(payloads))
