@@ -1,5 +1,7 @@
 """cffi (API mode) build of vramd's batch copier: vramd.hostmem._copy (native/copy/).
 
+Also holds the byte-plane transform of the planes codec (vramd/image/planes.py).
+
 Built at install time through setup.py's `cffi_modules` wherever a C compiler,
 the Python headers and <xxhash.h> (Debian: libxxhash-dev; header only, nothing
 is linked) exist.  Without it vramd still works: vramd.hostmem.batchcopy runs
@@ -22,6 +24,8 @@ struct vd_copy {
 long vd_copy_batch(struct vd_copy *c, size_t n, unsigned flags);
 uint64_t vd_xxh3(uint64_t p, size_t n);
 void vd_xor(unsigned char *dst, const unsigned char *src, size_t n);
+void vd_planes_split(const uint8_t *src, uint8_t *dst, size_t n, unsigned word);
+void vd_planes_merge(const uint8_t *src, uint8_t *dst, size_t n, unsigned word);
 """
 
 ffibuilder = FFI()

@@ -14,6 +14,7 @@ from vramd.backends import BoRef
 from vramd.engine import BoSpec, RestoreTarget
 from vramd.image.codec import Compression
 from vramd.image.format import MANIFEST_NAME, chunk_record, decode_manifest, encode_manifest
+from vramd.pb import image_pb2 as pb
 
 MiB = 1 << 20
 CHUNK = 256 << 10
@@ -299,3 +300,38 @@ def test_a_dump_into_its_parents_directory_is_refused(tmp_path):
     with pytest.raises(errors.InvalidRequestError, match="parent"):
         _dump(pfd, {1: os.urandom(CHUNK)}, parent_fds=[open_dir(pp)])
     assert _restore(pfd, {1: CHUNK}) == parent
+
+
+# --- codecs -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("compression", ["bplanes", "bplanes:3", "auto", "zstd:3"])
+def test_float_aware_and_auto_codecs_round_trip(tmp_path, compression):
+    (_path, dfd), = _dirs(tmp_path, "img")
+    data = {1: _bf16_like(3 * CHUNK + 10, 11), 2: os.urandom(CHUNK), 3: bytes(CHUNK) + b"tail"}
+    m = _dump(dfd, data, compression=compression)
+    assert _restore(dfd, {i: len(d) for i, d in data.items()}) == data
+    _verify(dfd)
+    if compression.startswith("bplanes"):  # the bf16-like BO compresses as byte planes of 2-byte words
+        bo = next(b for b in m.bos if b.id == 1)
+        assert bo.stored_bytes < 0.8 * len(data[1])
+        heads = []
+        for i in range(len(bo.chunk_refs)):
+            fi, off, ln, _ = chunk_record(m, bo, i)
+            blob = (_path / m.files[fi].name).read_bytes()[off:off + ln]
+            from vramd.image.format import decode_record_head
+            heads.append(decode_record_head(blob, bo_id=1, offset=i * CHUNK, where="t",
+                                            content_hash=m.chunks.hashes[(bo.chunk_refs[i] - 1) * 32:
+                                                                         bo.chunk_refs[i] * 32])[0])
+        assert {(h.codec, h.word_size) for h in heads[:-1]} == {(pb.CODEC_PLANES, 2)}
+        assert heads[-1].raw_length == 10  # too short to shrink: stored raw
+
+
+def test_a_truncated_zstd_frame_is_corrupt(tmp_path):
+    """zstd accepts a frame whose trailing checksum is cut short; the reader does not."""
+    from vramd.image.codec import _compressor, _unzstd
+    frame = _compressor(1).compress(b"abc" * 1000)
+    out = memoryview(bytearray(3000))
+    _unzstd(memoryview(frame), out, 0, 3000, lambda m: errors.CorruptChunkError(m))
+    for cut in (1, 3, 4):
+        with pytest.raises(errors.CorruptChunkError, match="cut short"):
+            _unzstd(memoryview(frame[:-cut]), out, 0, 3000, lambda m: errors.CorruptChunkError(m))

@@ -19,8 +19,10 @@ def test_parse_size_rejects(text):
 
 def test_compression_parse():
     assert Compression.parse("none").codec == pb.CODEC_RAW
-    assert Compression.parse("zstd") == Compression(pb.CODEC_ZSTD, 1)
+    assert Compression.parse("zstd") == Compression("zstd", 1)
     assert Compression.parse("zstd:9").level == 9
-    for bad in ("lz4", "zstd:99", "none:3"):
+    assert Compression.parse("bplanes:3").to_pb() == pb.Compression(codec=pb.CODEC_PLANES, level=3)
+    assert Compression.parse("auto").to_pb().automatic
+    for bad in ("lz4", "zstd:99", "none:3", "bplanes:x", "auto:"):
         with pytest.raises(ValueError):
             Compression.parse(bad)

@@ -44,4 +44,12 @@ uint64_t vd_xxh3(uint64_t p, size_t n);
 /* dst[i] ^= src[i] for n bytes (format v2's delta records against their base chunk). */
 void vd_xor(unsigned char *dst, const unsigned char *src, size_t n);
 
+/* The byte-plane transform of the planes codec (vramd/image/planes.py).  The n bytes at
+ * src, read as n / word little-endian words of `word` bytes (2 or 4), are written to dst
+ * as `word` planes: every word's byte 0, then every word's byte 1, ...; the last
+ * n % word bytes follow unchanged.  vd_planes_merge is its inverse.  src and dst must not
+ * overlap; any other `word` copies the bytes unchanged. */
+void vd_planes_split(const uint8_t *src, uint8_t *dst, size_t n, unsigned word);
+void vd_planes_merge(const uint8_t *src, uint8_t *dst, size_t n, unsigned word);
+
 #endif

@@ -111,7 +111,8 @@ class Engine:
         # every job's stage timings add up here (None: not measured)
         self.stage_times: StageTimes | None = StageTimes() if c.stage_times else None
         self.ctx = JobContext(self.pool, self.backends, self._cpu, self._io, c.inflight_per_gpu, self._copy,
-                              self.stage_times, max_bo_bytes=c.max_bo_bytes)
+                              self.stage_times, max_bo_bytes=c.max_bo_bytes,
+                              compress_workers=min(c.copy_threads, cores()))
 
     def _create_backends(self) -> dict[str, Backend]:
         """Every registered backend that can work here; the others go to `unavailable`, with the reason."""

@@ -10,6 +10,7 @@ are verified end to end.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -22,33 +23,51 @@ from ..hostmem.staging import StagingBuffer
 from ..pb import image_pb2 as pb
 from .format import EMPTY_CHECKSUM, Bytes, checksum, decode_record_head, encode_record_head, record_checksum
 from .format import content_hash as content_hash_of
-from .planes import decompress_planes
+from .planes import compress_planes, decompress_planes, zstd_frame_length
+from .policy import AutoPolicy, Choice, CompressionSpec, Mode, candidates, choose, parse_compression, sample_slices
 
 
 @dataclass(frozen=True)
 class Compression:
-    codec: pb.Codec = pb.CODEC_RAW  # CODEC_RAW (no compression) or CODEC_ZSTD
+    """What a dump asks for: `none`, `zstd[:L]`, `bplanes[:L]` (per chunk, a trial on a sample picks byte
+    planes of 2- or 4-byte words or plain zstd), `auto[:L]` (bplanes' choice, but a chunk is compressed
+    only where that makes the dump faster at the sink's measured speed: image.policy.AutoPolicy)."""
+
+    mode: Mode = "none"
     level: int = 1
 
     @classmethod
     def parse(cls, text: str) -> Compression:
-        """'none', 'zstd' or 'zstd:LEVEL'."""
-        name, _, level = text.partition(":")
-        if name == "none" and not level:
-            return cls()
-        if name == "zstd":
-            lvl = int(level) if level else 1
-            if not -7 <= lvl <= 22:
-                raise ValueError(f"zstd level {lvl} out of range (-7..22)")
-            return cls(pb.CODEC_ZSTD, lvl)
-        raise ValueError(f"unknown compression {text!r} (none, zstd, zstd:LEVEL)")
+        spec = parse_compression(text)  # ValueError naming the accepted forms
+        return cls(spec.mode, spec.level or 1) if spec.mode != "none" else cls()
+
+    @property
+    def codec(self) -> pb.Codec:
+        """The codec the manifest names (auto: CODEC_PLANES, with `automatic`)."""
+        return {"none": pb.CODEC_RAW, "zstd": pb.CODEC_ZSTD}.get(self.mode, pb.CODEC_PLANES)
 
     def to_pb(self) -> pb.Compression:
-        return pb.Compression(codec=self.codec, level=self.level if self.codec == pb.CODEC_ZSTD else 0)
+        if self.mode == "none":
+            return pb.Compression(codec=pb.CODEC_RAW)
+        return pb.Compression(codec=self.codec, level=self.level, automatic=self.mode == "auto")
 
     @property
     def buffers_per_chunk(self) -> int:
-        return 2 if self.codec == pb.CODEC_ZSTD else 1
+        return 1 if self.mode == "none" else 2
+
+    def chooser(self, workers: int) -> Chooser | None:
+        """Per chunk, which codec (None for plain zstd or none: no trial).  `workers`: the threads that
+        compress at once (auto weighs its CPU cost against the sink's speed with it)."""
+        if self.mode == "bplanes":
+            cands = candidates(CompressionSpec("bplanes", self.level))
+            return lambda view: choose(sample_slices(view), cands)
+        if self.mode == "auto":
+            return AutoPolicy(self.level, workers)
+        return None
+
+
+# Picks a chunk's codec: image.policy.AutoPolicy (whose `decide` learns what pays), or bplanes' trial.
+Chooser = AutoPolicy | Callable[[memoryview], Choice]
 
 
 def compression_name(c: pb.Compression) -> str:
@@ -99,23 +118,39 @@ class EncodedChunk:
 
 
 def encode_chunk(bo_id: int, offset: int, buf: StagingBuffer, length: int, compression: Compression,
-                 buf_offset: int = 0, chash: bytes | None = None) -> EncodedChunk:
+                 buf_offset: int = 0, chash: bytes | None = None, chooser: Chooser | None = None) -> EncodedChunk:
     """Build the record for `length` staged bytes at `buf_offset` in `buf`.
 
     `chash`: format v2, the bytes' content hash (the caller found them not all zero).
+    `chooser`: bplanes and auto, the per-chunk choice (`Compression.chooser`).
     """
     codec: pb.Codec
     payload: Bytes
+    word = 0
     if chash is None and is_zero_ptr(buf.ptr + buf_offset, length):
         codec, payload = pb.CODEC_ZERO, b""
     else:
         codec, payload = pb.CODEC_RAW, buf.view[buf_offset:buf_offset + length]
-        if compression.codec == pb.CODEC_ZSTD:
-            packed = _compressor(compression.level).compress(payload)
-            if len(packed) < length:
-                codec, payload = pb.CODEC_ZSTD, packed
+        packed = None
+        if compression.mode == "zstd":
+            packed, kind = _compressor(compression.level).compress(payload), pb.CODEC_ZSTD
+        elif chooser is not None:
+            choice = chooser.decide(payload) if isinstance(chooser, AutoPolicy) else chooser(payload)
+            c = choice.codec
+            if c.kind != "raw":
+                t0 = time.thread_time()
+                if c.kind == "planes":
+                    packed, kind, word = compress_planes(payload, c.word, c.level), pb.CODEC_PLANES, c.word
+                else:
+                    packed, kind = _compressor(c.level).compress(payload), pb.CODEC_ZSTD
+                if isinstance(chooser, AutoPolicy):
+                    chooser.observe_compress(c, length, len(packed), time.thread_time() - t0)
+        if packed is not None and len(packed) < length:
+            codec, payload = kind, packed
+        else:
+            word = 0
     return EncodedChunk(record_head(bo_id, offset, length, codec, len(payload), checksum(payload) if payload else
-                                    EMPTY_CHECKSUM, chash or b""), payload, codec)
+                                    EMPTY_CHECKSUM, chash or b"", word_size=word), payload, codec)
 
 
 def encode_delta(bo_id: int, offset: int, xored: memoryview, level: int, chash: bytes,
@@ -215,6 +250,9 @@ def _unzstd(payload: memoryview, dest: memoryview, dest_offset: int, raw_length:
             bad: Callable[[str], CorruptChunkError]) -> None:
     out = dest[dest_offset:dest_offset + raw_length]
     try:
+        # exactly one whole frame, its 4-byte checksum included (zstd itself accepts a frame cut short there)
+        if zstd_frame_length(payload) != len(payload):
+            raise bad("zstd frame is cut short or followed by other bytes")
         reader = _decompressor().stream_reader(payload, read_across_frames=False)
         got = 0
         while got < raw_length:

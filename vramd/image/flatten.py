@@ -54,7 +54,7 @@ def _copy(reader: ImageReader, writer: ImageWriter) -> tuple[pb.ChunkTable, list
     out = pb.ChunkTable(hashes=t.hashes)
     payloads: list[int] = []
     holder = _first_holders(m)  # entry -> (bo id, offset) of the first chunk that needs it: errors name it
-    compression = Compression(pb.CODEC_ZSTD, 3)
+    compression = Compression("zstd", 3)
     try:
         for i in range(len(t.image)):
             bo_id, bo_off = holder.get(i, (0, 0))

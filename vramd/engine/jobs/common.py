@@ -113,6 +113,7 @@ class JobContext:
     copier: Executor | None = None  # the copy threads that run whole batches (None: the three stages only)
     times: StageTimes | None = None
     max_bo_bytes: int = DEFAULT_MAX_BO_BYTES  # the largest BO a job takes (a declared size, before any byte moves)
+    compress_workers: int = 1  # threads that compress at once (auto mode weighs CPU against the sink with it)
 
 
 def check_bo_range(bo_id: int, size: int, ref: BoRef, max_bo_bytes: int) -> None:

@@ -14,9 +14,11 @@ offset and length, so readers never see them).
 """
 from __future__ import annotations
 
+import asyncio
 import os
 import posixpath
-from collections.abc import Iterable, Iterator
+import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from ...backends import Direction, land_all
@@ -28,6 +30,7 @@ from ...hostmem.staging import StagingBuffer
 from ...image.chunks import PARENT, STORE, ChunkIndex, Entry
 from ...image.codec import Compression, EncodedChunk, encode_chunk, encode_delta, record_head
 from ...image.format import Bytes, chunk_count, content_hash, record_checksum
+from ...image.policy import AutoPolicy
 from ...image.reader import ImageReader
 from ...image.writer import DataFileWriter, ImageWriter
 from ...pb import image_pb2 as pb
@@ -87,7 +90,7 @@ class DumpBo(CopiedBo):
 
 class DumpEnds:
     def __init__(self, writer: ImageWriter, compression: Compression, chunk_size: int, direct: bool = True, *,
-                 index: ChunkIndex | None = None, parent: ImageReader | None = None) -> None:
+                 index: ChunkIndex | None = None, parent: ImageReader | None = None, workers: int = 1) -> None:
         self.writer = writer
         self.compression = compression
         self.chunk_size = chunk_size
@@ -98,12 +101,14 @@ class DumpEnds:
         # A delta trial reads the parent's chunk: two more (its record, its bytes).
         self.buffers_per_chunk = compression.buffers_per_chunk if parent is None else 4
         self.direct = direct  # try O_DIRECT for big pieces (DataFileWriter.direct_fd: the writer's opening rules)
+        self.chooser = compression.chooser(workers)  # bplanes / auto: each chunk's codec
+        self.policy = self.chooser if isinstance(self.chooser, AutoPolicy) else None
+        self.plain = compression.mode == "none" and parent is None  # records are the staged bytes as they are
 
     # --- a whole batch in one copy thread (InlineEnds) ----------------------
 
     def inline(self, tasks: list[ChunkTask[DumpBo]]) -> bool:
-        return self.compression.codec == pb.CODEC_RAW and self.parent is None and all(
-            t.bo.backend is not None and t.bo.backend.cpu_copies for t in tasks)
+        return all(t.bo.backend is not None and t.bo.backend.cpu_copies for t in tasks)
 
     def run(self, tasks: list[ChunkTask[DumpBo]], bufs: list[StagingBuffer],
             times: StageTimes | None) -> list[Piece]:
@@ -127,22 +132,40 @@ class DumpEnds:
         for t, o, p in zip(tasks, outcomes, pieces):
             if p.kind == STORE:
                 try:
-                    recs.append((t, p, record_head(t.bo.id, t.offset, t.length, pb.CODEC_RAW, t.length, o.hash,
-                                                   p.chash)))
+                    if self.plain:
+                        head = record_head(t.bo.id, t.offset, t.length, pb.CODEC_RAW, t.length, o.hash, p.chash)
+                    else:
+                        head = self._encode(t, bufs, p).head
+                    recs.append((t, p, head))
+                except VramdError:
+                    raise
                 except Exception as e:
                     blame(e, t)
                     raise
+        clock.lap("encode")
         if recs:
             file = tasks[0].bo.file
             assert file is not None and all(t.bo.file is file for t in tasks)  # one lane = one GPU = one file
-            clock.lap("python")
             t0 = recs[0][0]
-            if len(recs) == 1 and t0.length >= DIRECT_MIN and self.direct and file.direct_fd() is not None:
+            start = time.perf_counter()
+            if len(recs) == 1 and recs[0][1].enc is None and t0.length >= DIRECT_MIN and self.direct \
+                    and file.direct_fd() is not None:
                 self._write_direct(file, t0, buf, recs[0][2], recs[0][1])
             else:
                 self._write(file, buf, recs)
+            if self.policy is not None:
+                self.policy.observe_sink(sum(p.length for _t, p, _h in recs), time.perf_counter() - start)
             clock.lap("write")
         return pieces
+
+    def _encode(self, t: ChunkTask[DumpBo], bufs: list[StagingBuffer], p: Piece) -> EncodedChunk:
+        """A piece that needs a record of its own: compressed by the image's choice, or a delta against the
+        parent's chunk where that is smaller."""
+        p.enc = encode_chunk(t.bo.id, t.offset, bufs[0], t.length, self.compression, t.buf_offset, p.chash,
+                             self.chooser)
+        if self.parent is not None:
+            self._try_delta(t, bufs, p)
+        return p.enc
 
     def _identify(self, t: ChunkTask[DumpBo], buf: StagingBuffer, zero: bool) -> Piece:
         """A piece's bytes: a hole, or their content hash and whether a record holds them already."""
@@ -176,20 +199,25 @@ class DumpEnds:
 
     def _write(self, file: DataFileWriter, buf: StagingBuffer,
                recs: list[tuple[ChunkTask[DumpBo], Piece, bytes]]) -> None:
-        """The batch's records back to back, one buffered pwritev."""
+        """The batch's records back to back, one buffered pwritev (a payload: the encoded one, else the
+        staged bytes)."""
         iov: list[Bytes] = []
-        for t, _p, head in recs:
+        sizes = []
+        for t, p, head in recs:
             iov.append(head)
-            iov.append(buf.view[t.buf_offset:t.buf_offset + t.length])
-        at = file.reserve(sum(len(head) + t.length for t, _p, head in recs))
+            payload = p.enc.payload if p.enc is not None else buf.view[t.buf_offset:t.buf_offset + t.length]
+            if len(payload):
+                iov.append(payload)
+            sizes.append(len(payload))
+        at = file.reserve(sum(len(head) + n for (_t, _p, head), n in zip(recs, sizes)))
         try:
             file.pwrite(iov, at, bo_id=recs[0][0].bo.id, bo_offset=recs[0][0].offset)
         finally:
             for v in iov:
                 if isinstance(v, memoryview):
                     v.release()
-        for t, p, head in recs:
-            p.at, p.length, p.rsum, p.payload = at, len(head) + t.length, record_checksum(head), t.length
+        for (_t, p, head), n in zip(recs, sizes):
+            p.at, p.length, p.rsum, p.payload = at, len(head) + n, record_checksum(head), n
             at += p.length
 
     def landed(self, tasks: list[ChunkTask[DumpBo]], pieces: list[Piece]) -> None:
@@ -228,15 +256,13 @@ class DumpEnds:
         await settle(submit_batch(copies))
 
     def transform(self, tasks: list[ChunkTask[DumpBo]], bufs: list[StagingBuffer], _filled: None) -> list[Piece]:
-        buf, compression = bufs[0], self.compression
+        buf = bufs[0]
         out = []
         for t in tasks:
             try:
                 p = self._identify(t, buf, is_zero_ptr(buf.ptr + t.buf_offset, t.length))
                 if p.kind == STORE:
-                    p.enc = encode_chunk(t.bo.id, t.offset, buf, t.length, compression, t.buf_offset, p.chash)
-                    if self.parent is not None:
-                        self._try_delta(t, bufs, p)
+                    self._encode(t, bufs, p)
                 out.append(p)
             except VramdError:
                 raise
@@ -244,6 +270,16 @@ class DumpEnds:
                 blame(e, t)
                 raise
         return out
+
+    def _sink_observer(self, nbytes: int) -> Callable[[asyncio.Future[None]], None]:
+        """Tells auto how fast the sink took `nbytes` (queued in the writer thread: an upper bound of the
+        write's own time, which is what the pipeline waits for)."""
+        start = time.perf_counter()
+
+        def done(f: asyncio.Future[None]) -> None:
+            if self.policy is not None and not f.cancelled() and f.exception() is None:
+                self.policy.observe_sink(nbytes, time.perf_counter() - start)
+        return done
 
     def _try_delta(self, t: ChunkTask[DumpBo], bufs: list[StagingBuffer], p: Piece) -> None:
         """Store the piece as its XOR against the parent's chunk at the same BO offset, where that is smaller.
@@ -296,6 +332,8 @@ class DumpEnds:
                         iov.append(p.enc.payload)
                 off = file.reserve(sum(p.enc.record_length for _, p in recs if p.enc is not None))
                 write = file.write(iov, off, bo_id=recs[0][0].bo.id, bo_offset=recs[0][0].offset)
+                if self.policy is not None:
+                    write.add_done_callback(self._sink_observer(sum(len(v) for v in iov)))
                 for _, p in recs:
                     assert p.enc is not None
                     p.at, p.length, p.rsum = off, p.enc.record_length, p.enc.record_checksum
@@ -329,7 +367,8 @@ class DumpJob(JobBase[DumpBo]):
         self.chunk_size = chunk_size
         self.topology_json = b""  # the machine's KFD topology, saved in the manifest
         self._inodes: dict[tuple[int, int, int, int], DumpBo] = {}  # one dmabuf given twice is copied once
-        self.ends = DumpEnds(self.writer, compression, chunk_size, index=self.index, parent=parent)
+        self.ends = DumpEnds(self.writer, compression, chunk_size, index=self.index, parent=parent,
+                             workers=ctx.compress_workers)
         super().__init__(ctx, self.ends, on_progress)
 
     def _chain(self, parent: ImageReader, hint: str, max_chain: int) -> None:
