@@ -76,12 +76,12 @@ def parse_codec(name: str) -> Compression | None:
 
 
 def _dump_options() -> set[str]:
-    return set(inspect.signature(Engine.start_dump).parameters)
+    return set(inspect.signature(Engine.start_dump).parameters) | set(inspect.signature(Engine.dump).parameters)
 
 
 def engine_supports_parent() -> bool:
-    """Incremental dumps: Engine.start_dump (hence Engine.dump) takes `parent`."""
-    return "parent" in _dump_options()
+    """Incremental dumps: Engine.dump takes `parent_fds` (the parent's directory, then its parents')."""
+    return "parent_fds" in _dump_options()
 
 
 def engine_supports_dedup_switch() -> bool:
@@ -90,13 +90,13 @@ def engine_supports_dedup_switch() -> bool:
 
 
 async def dump_image(engine: Engine, dir_fd: int, bos: list[BoSpec], compression: Compression, *,
-                     parent: int | None = None, dedup: bool | None = None) -> pb.Manifest:
-    """The one call every dump of this bench goes through.  `parent`: the directory fd of
-    the parent image (incremental dump); `dedup`: False for the no-dedup baseline.  Each is
-    passed only when given, so this runs on builds that have neither."""
+                     parents: list[int] | None = None, dedup: bool | None = None) -> pb.Manifest:
+    """The one call every dump of this bench goes through.  `parents`: the directory fds of
+    the parent image and its own parents, nearest first (incremental dump); `dedup`: False for
+    the no-dedup baseline.  Each is passed only when given."""
     kw: dict = {"compression": compression}
-    if parent is not None:
-        kw["parent"] = parent
+    if parents:
+        kw["parent_fds"] = parents
     if dedup is not None:
         kw["dedup"] = dedup
     return await engine.dump(dir_fd, bos, **kw)
@@ -174,18 +174,19 @@ def _open_dir(path: str) -> int:
     return os.open(path, os.O_RDONLY | os.O_DIRECTORY)
 
 
-def run_dump(loaded: Loaded, image: str, compression: Compression, parent: str | None = None,
+def run_dump(loaded: Loaded, image: str, compression: Compression, parents: list[str] | None = None,
              dedup: bool | None = None) -> dict:
-    """Dump `loaded` into the (emptied) directory `image`; wall, CPU and the stored sizes."""
+    """Dump `loaded` into the (emptied) directory `image`; wall, CPU and the stored sizes.
+    `parents`: an incremental dump's parent directory, then its own parents'."""
     _clear(image)
     warm_memory(loaded.size + min(256 << 20, 2 * loaded.size))  # the image, and staging
     dfd = _open_dir(image)
-    pfd = _open_dir(parent) if parent else None
+    pfds = [_open_dir(p) for p in parents or []]
 
     async def go():
         async with Engine(EngineConfig(chunk_size=CHUNK)) as e:
             t = time.perf_counter()
-            m = await dump_image(e, dfd, loaded.specs(), compression, parent=pfd, dedup=dedup)
+            m = await dump_image(e, dfd, loaded.specs(), compression, parents=pfds, dedup=dedup)
             return time.perf_counter() - t, m
     try:
         c0 = cpu_seconds()
@@ -193,16 +194,34 @@ def run_dump(loaded: Loaded, image: str, compression: Compression, parent: str |
         cpu = cpu_seconds() - c0
     finally:
         os.close(dfd)
-        if pfd is not None:
-            os.close(pfd)
-    per_bo = {b.name: sum(b.record_lengths) for b in manifest.bos}
+        for fd in pfds:
+            os.close(fd)
+    per_bo = {b.name: b.stored_bytes for b in manifest.bos}
     return {"wall": wall, "cpu": cpu, "stored": manifest.totals.stored_bytes, "on_disk": du(image),
             "zero": manifest.totals.zero_bytes, "per_bo": per_bo}
 
 
-def run_restore(loaded: Loaded, image: str, check: bool) -> dict:
-    """Restore the image into fresh memfds (pages allocated first, as VRAM is); check bytes if asked."""
+def flatten_image(image: str, parents: list[str], out: str) -> dict:
+    """`vramctl flatten`'s work: the incremental `image` copied into a self-contained `out`."""
+    from vramd.image.flatten import flatten
+    _clear(out)
+    fds = [_open_dir(p) for p in [image, *parents, out]]
+    try:
+        c0, t = cpu_seconds(), time.perf_counter()
+        m = uvloop.run(flatten(fds[0], fds[1:-1], fds[-1]))
+        wall, cpu = time.perf_counter() - t, cpu_seconds() - c0
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return {"wall": wall, "cpu": cpu, "stored": m.totals.stored_bytes, "on_disk": du(out),
+            "zero": m.totals.zero_bytes, "per_bo": {b.name: b.stored_bytes for b in m.bos}}
+
+
+def run_restore(loaded: Loaded, image: str, check: bool, parents: list[str] | None = None) -> dict:
+    """Restore the image into fresh memfds (pages allocated first, as VRAM is); check bytes if asked.
+    `parents`: an incremental image's parent directories, nearest first."""
     fds = []
+    pfds = [_open_dir(p) for p in parents or []]
     try:
         targets = []
         for b in loaded.bos:
@@ -216,7 +235,7 @@ def run_restore(loaded: Loaded, image: str, check: bool) -> dict:
         async def go():
             async with Engine(EngineConfig(chunk_size=CHUNK)) as e:
                 t = time.perf_counter()
-                await e.restore(dfd, targets)
+                await e.restore(dfd, targets, parent_fds=pfds)
                 return time.perf_counter() - t
         try:
             c0 = cpu_seconds()
@@ -230,7 +249,7 @@ def run_restore(loaded: Loaded, image: str, check: bool) -> dict:
                     raise SystemExit(f"{image}: restored bytes of {b.spec.name} differ from the source")
         return {"wall": wall, "cpu": cpu}
     finally:
-        for fd in fds:
+        for fd in fds + pfds:
             os.close(fd)
 
 
@@ -289,8 +308,8 @@ def bench_incremental(c: corpus_mod.Corpus, scenario: str, codecs: dict[str, Com
             incr, rest, full = [], [], []
             for rep in range(reps):
                 run_dump(base, parent, comp)
-                incr.append(run_dump(nxt, child, comp, parent=parent))
-                rest.append(run_restore(nxt, child, check=rep == 0))
+                incr.append(run_dump(nxt, child, comp, parents=[parent]))
+                rest.append(run_restore(nxt, child, check=rep == 0, parents=[parent]))
                 full.append(run_dump(nxt, whole, comp))
             weights = [b.name for b in c.bos if b.group == "train" and b.kind == "weights"]  # the tuned ones
             names = {b.spec.name.split("/", 1)[1]: b.spec.name for b in nxt.bos}
@@ -321,10 +340,11 @@ def bench_chain(c: corpus_mod.Corpus, codecs: dict[str, Compression], sink: str,
         for name, comp in codecs.items():
             chain_r, flat_r = [], []
             for i, (ld, d) in enumerate(zip(loaded, dirs)):
-                run_dump(ld, d, comp, parent=dirs[i - 1] if i else None)
-            flat_d = [run_dump(loaded[-1], flat, comp)]
+                run_dump(ld, d, comp, parents=dirs[:i][::-1])
+            chain = dirs[:-1][::-1]  # the newest image's parents, nearest first
+            flat_d = [flatten_image(dirs[-1], chain, flat)]
             for rep in range(reps):
-                chain_r.append(run_restore(loaded[-1], dirs[-1], check=rep == 0))
+                chain_r.append(run_restore(loaded[-1], dirs[-1], check=rep == 0, parents=chain))
                 flat_r.append(run_restore(loaded[-1], flat, check=rep == 0))
             gib = loaded[-1].size / GiB
             rows.append(_row("chain3", name, sink, loaded[-1].size, loaded[-1].nonzero, flat_d, flat_r,
