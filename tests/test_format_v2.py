@@ -335,3 +335,47 @@ def test_a_truncated_zstd_frame_is_corrupt(tmp_path):
     for cut in (1, 3, 4):
         with pytest.raises(errors.CorruptChunkError, match="cut short"):
             _unzstd(memoryview(frame[:-cut]), out, 0, 3000, lambda m: errors.CorruptChunkError(m))
+
+
+def test_a_parent_is_not_replaced_while_a_child_needs_it(tmp_path):
+    (pp, pfd), (_cp, cfd) = _dirs(tmp_path, "parent", "child")
+    parent = {1: os.urandom(CHUNK)}
+    pm = _dump(pfd, parent)
+    cm = _dump(cfd, {1: os.urandom(CHUNK)}, parent_fds=[pfd])
+    assert (pp / f".child.{cm.image_id.hex()}").exists()
+    with pytest.raises(errors.InvalidRequestError, match="replacing it would break them"):
+        _dump(pfd, {1: os.urandom(CHUNK)})
+    assert decode_manifest((pp / MANIFEST_NAME).read_bytes()).image_id == pm.image_id
+
+    async def replace():
+        async with engine(staging_budget=16 * MiB, chunk_size=CHUNK) as e:
+            fd = memfd(os.urandom(CHUNK))
+            try:
+                job = e.start_dump(pfd, replace_parent=True)
+                job.add([BoSpec(1, CHUNK, BoRef("mmap", fd))])
+                return await job.finish()
+            finally:
+                os.close(fd)
+    assert run(replace()).image_id != pm.image_id
+    with pytest.raises(errors.ParentMismatchError):
+        _restore(cfd, {1: CHUNK}, parent_fds=[pfd])
+
+
+def test_a_failed_child_dump_leaves_no_mark(tmp_path):
+    (pp, pfd), (cp, cfd) = _dirs(tmp_path, "parent", "child")
+    _dump(pfd, {1: os.urandom(CHUNK)})
+    fd = memfd(os.urandom(CHUNK))
+
+    async def go():
+        async with engine(staging_budget=16 * MiB, chunk_size=CHUNK) as e:
+            job = e.start_dump(cfd, parent=await e.open_parent([pfd]))
+            job.add([BoSpec(1, CHUNK, BoRef("mmap", fd))])
+            job.cancel("test")
+            await job.finish()
+    try:
+        with pytest.raises(errors.JobCancelledError):
+            run(go())
+    finally:
+        os.close(fd)
+    assert not [n for n in os.listdir(pp) if n.startswith(".child.")]
+    assert not (cp / MANIFEST_NAME).exists()

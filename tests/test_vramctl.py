@@ -167,3 +167,19 @@ def test_incremental_dump_restore_verify_flatten(daemon, tmp_path):
     r, got_w, got_c = restore(flat)
     assert r.returncode == 0, r.stderr
     assert (got_w, got_c) == (w_bytes, c2)
+
+    # nothing removes a parent from under its child: rm refuses, a dump into it refuses
+    gone = tmp_path / "gone"
+    r = vramctl("rm", str(gone))
+    assert r.returncode == 1 and "parent of 1 incremental image" in r.stderr
+    r = vramctl("dump", "--pid", str(os.getpid()), "--bo-file", str(weights), "--image", str(gone), "--force",
+                socket=daemon.socket)
+    assert r.returncode == 1 and "replacing it would break them" in r.stderr
+    assert vramctl("verify", str(child), "--parent", str(gone)).returncode == 0
+    # removing the child first unmarks it; then the parent goes
+    r = vramctl("rm", str(child), "--parent", str(gone))
+    assert r.returncode == 0, r.stderr
+    assert not child.exists()
+    r = vramctl("rm", str(gone))
+    assert r.returncode == 0, r.stderr
+    assert not gone.exists()

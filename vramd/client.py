@@ -113,16 +113,18 @@ class Client:
     def open_session(self, kind: rpc.SessionKind, dir_fd: int, *, compression: str = "", chunk_size: int = 0,
                      label: str = "", allow_partial: bool = False,
                      topology_checks: Mapping[str, bool] | None = None, parent_fds: Sequence[int] = (),
-                     parent_hint: str = "", dedup: bool = True) -> rpc.SessionInfo:
+                     parent_hint: str = "", dedup: bool = True, replace_parent: bool = False) -> rpc.SessionInfo:
         """`topology_checks`: a restore's CRIU switches by name, e.g. {"KFD_FW_VER_CHECK": False}
         (`topology_checks_from_env()` reads them from an environment as CRIU's plugin does).
         `parent_fds`: an incremental image's parent directories, nearest first (a dump: the parent and its
         own parents; a restore or verify: the image's); `parent_hint`: a dump's parent path relative to the
-        image directory (recorded for tools, never opened); `dedup` False stores every chunk."""
+        image directory (recorded for tools, never opened); `dedup` False stores every chunk;
+        `replace_parent`: a dump may replace an image that incremental images need."""
         return self._session_call([dir_fd, *parent_fds], open_session=rpc.OpenSession(
             kind=kind, dir_fd_index=0, compression=compression, chunk_size=chunk_size, label=label,
             allow_partial=allow_partial, topology_checks=dict(topology_checks or {}),
-            parent_fd_indexes=range(1, 1 + len(parent_fds)), parent_hint=parent_hint, no_dedup=not dedup))
+            parent_fd_indexes=range(1, 1 + len(parent_fds)), parent_hint=parent_hint, no_dedup=not dedup,
+            replace_parent=replace_parent))
 
     def add_bos(self, token: str, bos: Sequence[ClientBo]) -> rpc.SessionInfo:
         """Add BOs in as many messages as the daemon's limits need; returns the session's info after the last."""

@@ -9,6 +9,7 @@
     vramctl verify DIR [--parent DIR] [--json]          (offline: no daemon)
     vramctl inspect DIR [--json]                        (offline: no daemon)
     vramctl flatten DIR OUT [--parent DIR] [--json]     (offline: a self-contained copy)
+    vramctl rm DIR [--parent DIR] [--json]              (offline: an image no child needs)
     vramctl [--socket S] selftest [--size 64M] [--json]
 
 vramctl opens /proc/PID/mem, the BO files and the image directory itself
@@ -230,7 +231,8 @@ def cmd_dump(ns: argparse.Namespace) -> int:
             parent_fds = [pfd, *chain]
             hint = os.path.relpath(os.path.abspath(ns.parent), os.path.abspath(ns.image))
         info, secs = transfer(ns, SESSION_DUMP, dfd, bos, "dump", compression=ns.compress or "",
-                              parent_fds=parent_fds, parent_hint=hint, dedup=not ns.no_dedup)
+                              parent_fds=parent_fds, parent_hint=hint, dedup=not ns.no_dedup,
+                              replace_parent=ns.replace_parent)
     finally:
         for fd in fds:
             os.close(fd)
@@ -427,6 +429,45 @@ PARENT_HELP = ("an incremental image's parent directory, where it is not where t
                "parents are then found where it recorded them)")
 
 
+def cmd_rm(ns: argparse.Namespace) -> int:
+    """Remove an image: refused while incremental images are marked as needing it; an incremental image
+    first removes its marks from its parents.  Only vramd's own files go (the manifest first: from then on
+    the directory holds no image), then the directory if nothing else is left in it."""
+    from ..image.format import CHILD_MARK, MANIFEST_NAME, child_mark_name, is_data_file_name, is_own_temporary
+    dfd = open_image_dir(ns.dir, create=False)
+    fds = [dfd]
+    try:
+        m = read_manifest_offline(dfd)
+        children = sorted(n for n in os.listdir(dfd) if CHILD_MARK.fullmatch(n))
+        if children:
+            raise Failure(f"{ns.dir} is the parent of {len(children)} incremental image(s) ({children[0]}...): "
+                          "remove or flatten them first")
+        if m.parents:
+            try:
+                _paths, parent_fds = open_parents(ns.dir, m, ns.parent)
+            except Failure as e:
+                raise Failure(f"{e} (vramctl rm unmarks the image in its parents)") from None
+            fds += parent_fds
+            for fd in parent_fds:
+                try:
+                    os.unlink(child_mark_name(m.image_id), dir_fd=fd)
+                except FileNotFoundError:
+                    pass
+        os.unlink(MANIFEST_NAME, dir_fd=dfd)
+        for name in os.listdir(dfd):
+            if is_data_file_name(name) or is_own_temporary(name):
+                os.unlink(name, dir_fd=dfd)
+        left = os.listdir(dfd)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    if not left:
+        os.rmdir(ns.dir)
+    emit(ns, {"ok": True, "removed": os.path.abspath(ns.dir), "directory_kept": bool(left)},
+         f"removed the image in {ns.dir}" + (f" (kept the directory: {len(left)} other file(s))" if left else ""))
+    return EXIT_OK
+
+
 def cmd_flatten(ns: argparse.Namespace) -> int:
     import uvloop
 
@@ -481,6 +522,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--parent", metavar="DIR",
                    help="an incremental image: chunks DIR's image (and its parents) holds are referred to")
     p.add_argument("--no-dedup", action="store_true", help="store every chunk, even one the image holds already")
+    p.add_argument("--replace-parent", action="store_true",
+                   help="with --force: replace an image even though incremental images need it (they break)")
     p = cmd("restore", cmd_restore, "write an image back: ranges into PID at their addresses, file BOs into the files "
             "you name")
     p.add_argument("--pid", type=int, required=True)
@@ -492,6 +535,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write file BOs to the paths the image recorded (only for images you trust)")
     p.add_argument("--parent", metavar="DIR", help=PARENT_HELP)
     p = cmd("verify", cmd_verify, "check every chunk of an image (offline); exit 1 on any damage")
+    p.add_argument("dir", metavar="DIR")
+    p.add_argument("--parent", metavar="DIR", help=PARENT_HELP)
+    p = cmd("rm", cmd_rm, "remove an image: an incremental one also unmarks itself in its parents (offline); "
+            "an image incremental images need is kept")
     p.add_argument("dir", metavar="DIR")
     p.add_argument("--parent", metavar="DIR", help=PARENT_HELP)
     p = cmd("flatten", cmd_flatten, "copy an image into a self-contained one: no parents needed (offline)")

@@ -150,7 +150,7 @@ class Engine:
 
     def start_dump(self, dir_fd: int, *, compression: Compression | None = None, chunk_size: int | None = None,
                    on_progress: ProgressCallback | None = None, parent: ImageReader | None = None,
-                   parent_hint: str = "", dedup: bool = True) -> DumpJob:
+                   parent_hint: str = "", dedup: bool = True, replace_parent: bool = False) -> DumpJob:
         """`parent` (from `open_parent`): an incremental dump; the job owns and closes it, even on error."""
         try:
             cs = chunk_size or self.config.chunk_size
@@ -166,7 +166,8 @@ class Engine:
                 parent.close()
             raise
         return DumpJob(self.ctx, dir_fd, chunk_size=cs, compression=comp, on_progress=on_progress, parent=parent,
-                       parent_hint=parent_hint, dedup=dedup, max_chain=self.config.max_chain_depth)
+                       parent_hint=parent_hint, dedup=dedup, max_chain=self.config.max_chain_depth,
+                       replace_parent=replace_parent)
 
     async def open_parent(self, parent_fds: Sequence[int]) -> ImageReader:
         """An incremental dump's parent: `parent_fds` are its directory, then those of its own parents."""

@@ -80,6 +80,15 @@ DATA_FILE_TMP = re.compile(r"data-[0-9a-f]{16}-[0-9a-f]{8}\.vrd\.tmp")
 MANIFEST_TMP = re.compile(r"\.manifest\.vrdm\.[0-9a-f]{32}\.tmp")
 
 
+# A child image's mark in each directory of its parent chain (format v2): `.child.<child image id, 32 hex>`.
+# An image with marks is needed by incremental images; a dump does not replace it unless told to.
+CHILD_MARK = re.compile(r"\.child\.[0-9a-f]{32}")
+
+
+def child_mark_name(image_id: bytes) -> str:
+    return f".child.{image_id.hex()}"
+
+
 def is_data_file_name(name: str) -> bool:
     return DATA_FILE_NAME.fullmatch(name) is not None
 

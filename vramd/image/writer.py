@@ -34,9 +34,11 @@ from ..errors import InvalidRequestError, VramdError, from_os_error
 from ..pb import image_pb2 as pb
 from .fileio import FILE_MODE, OPEN_FLAGS, image_os_error, pwrite_all, read_manifest, reopen_direct
 from .format import (
+    CHILD_MARK,
     FORMAT_VERSION,
     MANIFEST_NAME,
     Bytes,
+    child_mark_name,
     data_file_name,
     encode_data_header,
     encode_manifest,
@@ -162,7 +164,11 @@ class DataFileWriter:
 
 
 class ImageWriter:
-    def __init__(self, dir_fd: int, *, chunk_size: int, compression: pb.Compression) -> None:
+    def __init__(self, dir_fd: int, *, chunk_size: int, compression: pb.Compression,
+                 parent_dirs: Sequence[int] = (), replace_parent: bool = False) -> None:
+        """`parent_dirs`: an incremental image's parent chain (directory fds, the caller's): the commit marks
+        the child in each (`.child.<id>`), so that no dump replaces an image a child needs by accident.
+        `replace_parent`: replace this directory's image even when children are marked in it."""
         # flock is per open file description: lock a description of our own
         # (the same directory, reopened through the fd) so that two jobs given
         # the same fd still exclude each other.
@@ -178,6 +184,19 @@ class ImageWriter:
                 raise InvalidRequestError("another dump is writing into this image directory") from None
             raise from_os_error(e, "cannot lock the image directory", InvalidRequestError) from None
         self.dir_fd = dir_fd
+        self.parent_dirs = list(parent_dirs)
+        self._marked: list[int] = []  # parent directories this dump marked (unmarked again unless it commits)
+        if not replace_parent:
+            try:
+                children = sorted(n for n in os.listdir(self._lock_fd) if CHILD_MARK.fullmatch(n))
+            except OSError:
+                children = []
+            if children:
+                os.close(self._lock_fd)
+                raise InvalidRequestError(
+                    f"the image in this directory is the parent of {len(children)} incremental image(s) "
+                    f"(marked {children[0]}...); replacing it would break them: flatten or remove them first "
+                    "(vramctl flatten, vramctl rm), or replace it anyway (replace_parent)")
         self.image_id = os.urandom(16)
         self.chunk_size = chunk_size
         self.compression = compression
@@ -256,6 +275,7 @@ class ImageWriter:
                 raise image_os_error(e, f"cannot rename {f.tmp} to {f.name}") from None
             f.created = False
             self._owned.append(f.name)
+        self._mark_parents()
         self._commit_manifest(manifest_tmp_name(self.image_id), blob)
         self._committed = True  # from here on the image is the new one
         self._owned.clear()
@@ -273,6 +293,19 @@ class ImageWriter:
                         pass
                     except OSError as e:
                         log.warning("data file %s of the replaced image not removed: %s", old.name, e.strerror)
+
+    def _mark_parents(self) -> None:
+        """Before the commit: this child's mark in every directory of its parent chain, each fsynced."""
+        name = child_mark_name(self.image_id)
+        for fd in self.parent_dirs:
+            try:
+                mark = os.open(name, CREATE_FLAGS, FILE_MODE, dir_fd=fd)
+                os.close(mark)
+                self._marked.append(fd)
+                os.fsync(fd)
+            except OSError as e:
+                raise image_os_error(e, f"cannot mark this incremental image ({name}) in a parent's directory") \
+                    from None
 
     def _commit_manifest(self, tmp: str, blob: bytes) -> None:
         """Write and fsync the manifest under its temporary name, then rename it into place."""
@@ -309,6 +342,12 @@ class ImageWriter:
                     os.unlink(name, dir_fd=self.dir_fd)
                 except OSError:
                     pass
+            for fd in self._marked:
+                try:
+                    os.unlink(child_mark_name(self.image_id), dir_fd=fd)
+                except OSError:
+                    pass
+        self._marked.clear()
         self._owned.clear()
         if self._lock_fd >= 0:
             os.close(self._lock_fd)  # drops the lock

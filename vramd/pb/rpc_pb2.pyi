@@ -151,7 +151,7 @@ class Hello(_message.Message):
     def __init__(self, versions: _Optional[_Iterable[int]] = ..., client: _Optional[str] = ...) -> None: ...
 
 class OpenSession(_message.Message):
-    __slots__ = ("kind", "dir_fd_index", "compression", "chunk_size", "label", "allow_partial", "topology_checks", "parent_fd_indexes", "parent_hint", "no_dedup")
+    __slots__ = ("kind", "dir_fd_index", "compression", "chunk_size", "label", "allow_partial", "topology_checks", "parent_fd_indexes", "parent_hint", "no_dedup", "replace_parent")
     class TopologyChecksEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -169,6 +169,7 @@ class OpenSession(_message.Message):
     PARENT_FD_INDEXES_FIELD_NUMBER: _ClassVar[int]
     PARENT_HINT_FIELD_NUMBER: _ClassVar[int]
     NO_DEDUP_FIELD_NUMBER: _ClassVar[int]
+    REPLACE_PARENT_FIELD_NUMBER: _ClassVar[int]
     kind: SessionKind
     dir_fd_index: int
     compression: str
@@ -179,7 +180,8 @@ class OpenSession(_message.Message):
     parent_fd_indexes: _containers.RepeatedScalarFieldContainer[int]
     parent_hint: str
     no_dedup: bool
-    def __init__(self, kind: _Optional[_Union[SessionKind, str]] = ..., dir_fd_index: _Optional[int] = ..., compression: _Optional[str] = ..., chunk_size: _Optional[int] = ..., label: _Optional[str] = ..., allow_partial: _Optional[bool] = ..., topology_checks: _Optional[_Mapping[str, bool]] = ..., parent_fd_indexes: _Optional[_Iterable[int]] = ..., parent_hint: _Optional[str] = ..., no_dedup: _Optional[bool] = ...) -> None: ...
+    replace_parent: bool
+    def __init__(self, kind: _Optional[_Union[SessionKind, str]] = ..., dir_fd_index: _Optional[int] = ..., compression: _Optional[str] = ..., chunk_size: _Optional[int] = ..., label: _Optional[str] = ..., allow_partial: _Optional[bool] = ..., topology_checks: _Optional[_Mapping[str, bool]] = ..., parent_fd_indexes: _Optional[_Iterable[int]] = ..., parent_hint: _Optional[str] = ..., no_dedup: _Optional[bool] = ..., replace_parent: _Optional[bool] = ...) -> None: ...
 
 class Bo(_message.Message):
     __slots__ = ("id", "gpu_id", "size", "alloc_flags", "va_addr", "name", "backend", "fd_index", "offset")

@@ -132,11 +132,12 @@ class SessionTable:
                 raise InvalidRequestError(str(e)) from None
             parent = await self.engine.open_parent(parent_fds) if parent_fds else None
             job = self.engine.start_dump(dir_fd, compression=comp, chunk_size=req.chunk_size or self.default_chunk_size,
-                                         parent=parent, parent_hint=req.parent_hint, dedup=not req.no_dedup)
+                                         parent=parent, parent_hint=req.parent_hint, dedup=not req.no_dedup,
+                                         replace_parent=req.replace_parent)
             job.topology_json = self._topology_json
             return job, None
-        if req.parent_hint or req.no_dedup:
-            raise InvalidRequestError("parent_hint and no_dedup are dump options")
+        if req.parent_hint or req.no_dedup or req.replace_parent:
+            raise InvalidRequestError("parent_hint, no_dedup and replace_parent are dump options")
         if req.kind == rpc.SESSION_RESTORE:
             restore = await self.engine.start_restore(dir_fd, gpu_map=lambda m: self._gpu_map(m, checks),
                                                       allow_partial=req.allow_partial, parent_fds=parent_fds)

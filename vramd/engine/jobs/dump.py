@@ -350,15 +350,19 @@ class DumpJob(JobBase[DumpBo]):
 
     def __init__(self, ctx: JobContext, dir_fd: int, *, chunk_size: int, compression: Compression,
                  on_progress: ProgressCallback | None = None, parent: ImageReader | None = None,
-                 parent_hint: str = "", dedup: bool = True, max_chain: int = DEFAULT_MAX_CHAIN) -> None:
-        """`parent`: an incremental dump's parent image, opened with its own parents (the job closes it)."""
+                 parent_hint: str = "", dedup: bool = True, max_chain: int = DEFAULT_MAX_CHAIN,
+                 replace_parent: bool = False) -> None:
+        """`parent`: an incremental dump's parent image, opened with its own parents (the job closes it).
+        `replace_parent`: replace the directory's image even when incremental images need it."""
         self.parents: list[pb.ParentRef] = []
         self.index = ChunkIndex(dedup=dedup)
         try:
             if parent is not None:
                 self._chain(parent, parent_hint, max_chain)
                 self._not_into_the_chain(dir_fd, parent)
-            self.writer = ImageWriter(dir_fd, chunk_size=chunk_size, compression=compression.to_pb())
+            self.writer = ImageWriter(dir_fd, chunk_size=chunk_size, compression=compression.to_pb(),
+                                      parent_dirs=parent.dir_fds[:1 + len(self.parents)] if parent else (),
+                                      replace_parent=replace_parent)
         except BaseException:
             if parent is not None:
                 parent.close()
