@@ -887,12 +887,32 @@ int vramd_open_session(struct vramd_conn *c, const struct vramd_open_args *a, st
     o.label = a->label && *a->label ? (char *)a->label : NULL;
     o.has_allow_partial = a->allow_partial;
     o.allow_partial = a->allow_partial;
+    size_t np = a->n_parent_dir_fds;
+    if (np > VRAMD_MAX_PARENTS || (np && !a->parent_dir_fds))
+        return vramd__fail(err, -EINVAL, VRAMD_CODE_LOCAL, "%zu parent directory fds (at most %d)", np,
+                           VRAMD_MAX_PARENTS);
+    int fds[1 + VRAMD_MAX_PARENTS];
+    uint32_t indexes[VRAMD_MAX_PARENTS];
+    fds[0] = a->dir_fd;
+    for (size_t i = 0; i < np; i++) {
+        if (a->parent_dir_fds[i] < 0)
+            return vramd__fail(err, -EBADF, VRAMD_CODE_LOCAL, "parent directory fd %d", a->parent_dir_fds[i]);
+        fds[1 + i] = a->parent_dir_fds[i];
+        indexes[i] = (uint32_t)(1 + i);
+    }
+    o.n_parent_fd_indexes = np;
+    o.parent_fd_indexes = indexes;
+    o.parent_hint = a->parent_hint && *a->parent_hint ? (char *)a->parent_hint : NULL;
+    o.has_no_dedup = a->no_dedup;
+    o.no_dedup = a->no_dedup;
+    o.has_replace_parent = a->replace_parent;
+    o.replace_parent = a->replace_parent;
     Request req = VRAMD__RPC__V1__REQUEST__INIT;
     req.body_case = VRAMD__RPC__V1__REQUEST__BODY_OPEN_SESSION;
     req.open_session = &o;
     PbSessionInfo *s = NULL;
     Response *resp = NULL;
-    int r = session_call(c, &req, &a->dir_fd, 1, reply_ms(c), info, &s, &resp, err);
+    int r = session_call(c, &req, fds, 1 + np, reply_ms(c), info, &s, &resp, err);
     if (r < 0) {
         free_response(resp);
         return r;

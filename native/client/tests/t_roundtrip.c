@@ -530,6 +530,66 @@ static int t_tight_limits(void)
     return 0;
 }
 
+/* One session of `kind` over dfd with parents, BOs added, run to its end; returns its rc (err filled). */
+static int run_with_parents(struct vramd_conn *c, int kind, int dfd, const int *parents, size_t np,
+                            struct vramd_bo *bos, size_t n, struct vramd_session_info *info, struct vramd_error *err)
+{
+    struct vramd_open_args a = {.kind = kind, .dir_fd = dfd, .chunk_size = 1 << 20, .parent_dir_fds = parents,
+                                .n_parent_dir_fds = np, .parent_hint = kind == VRAMD_SESSION_DUMP && np ? "../p" : NULL};
+    struct vramd_token t;
+    int r = vramd_open_session(c, &a, &t, NULL, err);
+    if (r < 0)
+        return r;
+    if ((r = vramd_add_bos(c, &t, bos, n, NULL, err)) >= 0 && (r = vramd_start(c, &t, NULL, err)) >= 0)
+        r = vramd_wait(c, &t, VRAMD_WAIT_FOREVER, info, err);
+    struct vramd_error ignored;
+    vramd_close_session(c, &t, NULL, &ignored);
+    return r;
+}
+
+static int t_incremental(void)
+{
+    /* parent: weights + cache; child: same weights, new cache, dumped with the parent's directory fd */
+    struct vramd_conn *c = NULL;
+    struct vramd_error err;
+    struct vramd_session_info info;
+    char ppath[PATH_MAX], cpath[PATH_MAX];
+    int pfd = make_image_dir(ppath), cfd = make_image_dir(cpath);
+    int w = make_memfd(3 << 20, 21, 0, 3 << 20), k1 = make_memfd(1 << 20, 22, 0, 1 << 20);
+    int k2 = make_memfd(1 << 20, 23, 0, 1 << 20);
+    int ow = make_memfd(3 << 20, 99, 0, 3 << 20), ok2 = make_memfd(1 << 20, 98, 0, 1 << 20);
+    CHECK(pfd >= 0 && cfd >= 0 && w >= 0 && k1 >= 0 && k2 >= 0 && ow >= 0 && ok2 >= 0, "setup");
+    OK(test_connect(&c, &err), &err);
+    struct vramd_bo bos[2] = {{.id = 1, .fd = w, .size = 3 << 20}, {.id = 2, .fd = k1, .size = 1 << 20}};
+    OK(run_with_parents(c, VRAMD_SESSION_DUMP, pfd, NULL, 0, bos, 2, &info, &err), &err);
+    bos[1].fd = k2;
+    OK(run_with_parents(c, VRAMD_SESSION_DUMP, cfd, &pfd, 1, bos, 2, &info, &err), &err);
+    CHECK(info.image.stored_bytes == 1 << 20, "child stored %llu (only the new cache)",
+          (unsigned long long)info.image.stored_bytes);
+    struct vramd_bo tg[2] = {{.id = 1, .fd = ow}, {.id = 2, .fd = ok2}};
+    /* without its parent: PARENT_MISSING at open, before any byte is written */
+    int r = run_with_parents(c, VRAMD_SESSION_RESTORE, cfd, NULL, 0, tg, 2, &info, &err);
+    CHECK(r == -ENOENT && err.code == VRAMD_CODE_PARENT_MISSING, "no parent: %d %s", r, vramd_code_name(err.code));
+    CHECK(check_memfd(ow, 3 << 20, 99, 0, 3 << 20) < 0, "a restore without its parent wrote a byte");
+    /* another image as its parent: PARENT_MISMATCH */
+    r = run_with_parents(c, VRAMD_SESSION_RESTORE, cfd, &cfd, 1, tg, 2, &info, &err);
+    CHECK(r == -EBADMSG && err.code == VRAMD_CODE_PARENT_MISMATCH, "wrong parent: %d %s", r,
+          vramd_code_name(err.code));
+    int bad = -1;
+    r = run_with_parents(c, VRAMD_SESSION_RESTORE, cfd, &bad, 1, tg, 2, &info, &err);
+    CHECK(r == -EBADF && err.code == VRAMD_CODE_LOCAL, "negative parent fd: %d", r);
+    OK(run_with_parents(c, VRAMD_SESSION_RESTORE, cfd, &pfd, 1, tg, 2, &info, &err), &err);
+    CHECK(compare_fds(w, ow, 3 << 20) < 0 && compare_fds(k2, ok2, 1 << 20) < 0, "restored bytes differ");
+    OK(run_with_parents(c, VRAMD_SESSION_VERIFY, cfd, &pfd, 1, NULL, 0, &info, &err), &err);
+    vramd_close(c);
+    int fds[] = {pfd, cfd, w, k1, k2, ow, ok2};
+    for (size_t i = 0; i < sizeof fds / sizeof fds[0]; i++)
+        close(fds[i]);
+    remove_dir(cpath);
+    remove_dir(ppath);
+    return 0;
+}
+
 const struct test roundtrip_tests[] = {
     {"tokens", t_tokens, "all unit"},
     {"socket_path", t_socket_path, "all unit"},
@@ -540,6 +600,7 @@ const struct test roundtrip_tests[] = {
     {"procmem_roundtrip", t_procmem_roundtrip, "all quick"},
     {"many_fds", t_many_fds, "all quick"},
     {"verify", t_verify, "all quick"},
+    {"incremental", t_incremental, "all quick"},
     {"big_sparse", t_big_sparse, "all big"},
     {"tight_limits", t_tight_limits, "limits"},
     {NULL, NULL, NULL},

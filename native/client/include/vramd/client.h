@@ -263,7 +263,18 @@ struct vramd_open_args {
     uint64_t chunk_size;               /* dump: bytes per chunk (multiple of 4 KiB); 0: daemon default */
     const char *label;                 /* free-form, for logs; may be NULL */
     bool allow_partial;                /* restore: image BOs may be left without a target */
+    /* Incremental images (format v2).  Dump: the parent image's directory, then those of its own parents
+     * (its chain); chunks they hold are referred to, not stored.  Restore/verify: the image's parents'
+     * directories, nearest first (its manifest's ParentRef list).  Each O_RDONLY|O_DIRECTORY, stays the
+     * caller's.  At most VRAMD_MAX_PARENTS.  In CRIU: the --prev-images-dir chain. */
+    const int *parent_dir_fds;
+    size_t n_parent_dir_fds;
+    const char *parent_hint;           /* dump: the parent's path relative to dir_fd's (recorded, never opened) */
+    bool no_dedup;                     /* dump: store every chunk, even one the image holds already */
+    bool replace_parent;               /* dump: replace an image incremental images need (they break) */
 };
+
+#define VRAMD_MAX_PARENTS 64
 
 /* Open a session; *token receives its token.  info may be NULL. */
 VRAMD_API int vramd_open_session(struct vramd_conn *conn, const struct vramd_open_args *args,
