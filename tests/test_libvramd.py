@@ -102,7 +102,7 @@ def test_c_suite(build, daemon):
     """Round trips (memfd BOs, procmem ranges, many fds), the hook adapter, failure paths."""
     out = run_suite(daemon, [str(build / TESTS_BIN)], ["unit", "quick"], 300)
     for name in ("memfd_roundtrip", "procmem_roundtrip", "many_fds", "criu_adapter", "uid_refused", "corrupt_image",
-                 "bad_fds", "no_daemon", "fake_daemon", "fd_placement", "wait_timeout"):
+                 "bad_fds", "no_daemon", "fake_daemon", "fd_placement", "wait_timeout", "incremental"):
         assert f"PASS {name} " in out, out
 
 
