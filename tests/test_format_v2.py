@@ -379,3 +379,25 @@ def test_a_failed_child_dump_leaves_no_mark(tmp_path):
         os.close(fd)
     assert not [n for n in os.listdir(pp) if n.startswith(".child.")]
     assert not (cp / MANIFEST_NAME).exists()
+
+
+def test_parent_records_anyone_else_may_write_are_checked_by_content_hash(tmp_path):
+    """A parent whose data files only the child's owner can write is trusted as the child's own records;
+    one that others may write is verified against BLAKE3 content hashes (xxh3 does not stop a forger)."""
+    from vramd.image.reader import ImageReader
+    (pp, pfd), (_cp, cfd) = _dirs(tmp_path, "parent", "child")
+    parent = {1: os.urandom(2 * CHUNK)}
+    pm = _dump(pfd, parent)
+    _dump(cfd, {1: parent[1], 2: os.urandom(CHUNK)}, parent_fds=[pfd])
+
+    async def trust():
+        r = await ImageReader.open(cfd, [pfd])
+        try:
+            locs = [r.locate(r.bos[1], i) for i in range(2)]
+            return r._trusted, [loc.foreign for loc in locs]
+        finally:
+            r.close()
+    assert run(trust()) == ([True, True], [False, False])
+    (pp / pm.files[0].name).chmod(0o664)  # group-writable: someone else could have forged its records
+    assert run(trust()) == ([True, False], [True, True])
+    assert _restore(cfd, {1: 2 * CHUNK, 2: CHUNK}, parent_fds=[pfd])[1] == parent[1]

@@ -196,7 +196,7 @@ def decode_chunk(bo_id: int, offset: int, raw_length: int, head: bytes, stored: 
     binds its records (see decode_record_head).
     `content_hash` (format v2): the chunk table's hash of the record; with
     `check_content`, the decoded bytes' BLAKE3 must equal it (records of a
-    parent image, and deltas).  `base`: a CODEC_XOR record's base chunk,
+    parent image less trusted than the child: ImageReader._parents_trusted).  `base`: a CODEC_XOR record's base chunk,
     raw (the caller read and checked it).
     """
     header, head_len = decode_record_head(head, bo_id=bo_id, offset=offset, where=where,
@@ -235,7 +235,7 @@ def decode_chunk(bo_id: int, offset: int, raw_length: int, head: bytes, stored: 
             result = DecodedChunk(out, header.codec, buf_offset)
     finally:
         payload.release()
-    if content_hash is not None and (check_content or header.codec == pb.CODEC_XOR):
+    if content_hash is not None and check_content:
         assert result.buf is not None
         view = result.buf.view[result.offset:result.offset + raw_length]
         try:

@@ -41,7 +41,7 @@ class Loc:
     record_checksum: int | None    # the manifest's binding (None: a v1 image from before binding)
     chash: bytes | None = None     # format v2: the content hash the record must carry
     base: Loc | None = None        # a delta record's base chunk
-    foreign: bool = False          # a parent's record: its decoded bytes are checked against `chash`
+    foreign: bool = False          # a less trusted parent's record: its decoded bytes are checked against `chash`
 
 
 def parent_label(ref: pb.ParentRef, k: int) -> str:
@@ -73,6 +73,8 @@ class ImageReader:
         self._slot_dir = [k for (k, _fi) in sorted(self._slot, key=self._slot.__getitem__)]
         self.bos = {bo.id: bo for bo in manifest.bos}
         self._locs: dict[int, Loc] = {}  # v2 chunk table index -> its Loc
+        # per image of the chain: its records are trusted as the image's own (else verified by content hash)
+        self._trusted: list[bool] = [True] + [False] * len(self.parents)
         t = manifest.chunks
         self.has_deltas = any(t.base)
         self._lock = threading.Lock()
@@ -112,7 +114,30 @@ class ImageReader:
             for fd in fds:
                 os.close(fd)
             raise
-        return cls(dir_fd, manifest, fds, parents=parents, names=names, manifest_hash=digest)
+        reader = cls(dir_fd, manifest, fds, parents=parents, names=names, manifest_hash=digest)
+        if parents:
+            try:
+                reader._trusted = await run(None, reader._parents_trusted)
+            except BaseException:
+                reader.close()
+                raise
+        return reader
+
+    def _parents_trusted(self) -> list[bool]:
+        """Per image of the chain: are its data files as trusted as the image's own?  Yes where every one is
+        owned by the owner of the image's directory and writable by no one else (then only that owner could
+        have forged a record, as it could the image's own).  Otherwise a parent's record is verified against
+        its BLAKE3 content hash before use: its xxh3 checksums do not stop a forger who chose its bytes."""
+        try:
+            owner = os.fstat(self.dir_fd).st_uid
+            out = [True]
+            for k in range(1, len(self.parents) + 1):
+                slots = [slot for (img, _fi), slot in self._slot.items() if img == k]
+                sts = [os.fstat(self.fds[slot]) for slot in slots]
+                out.append(all(st.st_uid == owner and not st.st_mode & 0o022 for st in sts))
+            return out
+        except OSError:
+            return [True] + [False] * len(self.parents)
 
     @staticmethod
     async def _parents(manifest: pb.Manifest, parent_fds: Sequence[int]) -> list[tuple[int, pb.Manifest]]:
@@ -206,7 +231,7 @@ class ImageReader:
             base = self._table_loc(t.base[index] - 1) if t.base[index] else None
             loc = self._locs[index] = Loc(self._slot[(image, t.file_index[index])], t.offset[index],
                                           t.length[index], t.record_checksum[index], entry_hash(t, index), base,
-                                          foreign=image > 0)
+                                          foreign=not self._trusted[image])
         return loc
 
     def file_slot(self, image: int, file_index: int) -> int:
