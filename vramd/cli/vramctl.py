@@ -3,7 +3,7 @@
     vramctl [--socket S] status [--json]
     vramctl [--socket S] sessions [--json]
     vramctl [--socket S] dump --pid PID --range ADDR:LEN [--range ...] [--bo-file PATH[:OFF:LEN] ...]
-                              --image DIR [--compress none|zstd[:LEVEL]] [--json]
+                              --image DIR [--compress none|zstd|bplanes|auto[:LEVEL]] [--json]
     vramctl [--socket S] restore --pid PID --image DIR [--json]
     vramctl [--socket S] dump ... --parent PARENT_DIR    (an incremental image)
     vramctl verify DIR [--parent DIR] [--json]          (offline: no daemon)
@@ -517,7 +517,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bo-file", type=parse_bo_file, action="append", metavar="PATH[:OFF:LEN]",
                    help="a file (memfd, dmabuf, regular file) holding a BO, repeatable")
     p.add_argument("--image", required=True, metavar="DIR")
-    p.add_argument("--compress", metavar="none|zstd[:LEVEL]")
+    p.add_argument("--compress", metavar="none|zstd|bplanes|auto[:LEVEL]",
+                   help="default: the daemon's (auto: compressed only where that makes the dump faster)")
     p.add_argument("--force", action="store_true", help="replace an image the directory already holds")
     p.add_argument("--parent", metavar="DIR",
                    help="an incremental image: chunks DIR's image (and its parents) holds are referred to")

@@ -4,7 +4,7 @@
     socket = "/run/vramd/vramd.sock"   # ignored under socket activation
     staging_budget = "512M"
     chunk_size = "8M"
-    compression = "none"
+    compression = "auto"
     inflight_per_gpu = 4               # batches in flight per GPU (0: from the core count)
     copy_threads = 2                   # threads doing CPU copies (0: the core count)
     allowed_uids = [0]                 # the daemon's own uid is always allowed
@@ -41,7 +41,7 @@ class DaemonConfig:
     socket_mode: int = 0o660
     staging_budget: int = 512 * MiB
     chunk_size: int = 8 * MiB
-    compression: str = "none"
+    compression: str = "auto"
     inflight_per_gpu: int = 0  # 0: chosen from the core count (EngineConfig)
     copy_threads: int = 0      # 0: the core count
     workers_per_gpu: int | None = None  # the old name of inflight_per_gpu, still accepted
