@@ -129,8 +129,40 @@ def _manifest(nbos: int, chunk: int, sizes: list[int]) -> pb.Manifest:
     return m
 
 
-manifests = st.builds(_manifest, st.integers(0, 4), st.sampled_from([4096, 1 << 20]),
-                      st.lists(st.integers(0, 3 << 20), min_size=4, max_size=4)).map(encode_manifest)
+def _manifest_v2(nbos: int, chunk: int, sizes: list[int], nparents: int, delta: bool) -> pb.Manifest:
+    """A valid format v2 manifest: a chunk table (deltas against a base, entries of parents), BOs refering to it."""
+    m = pb.Manifest(format_version=2, image_id=bytes(range(16)), writer="fuzz", chunk_size=chunk,
+                    files=[pb.DataFile(name="data-0123456789abcdef-00000000.vrd", gpu_id=0, length=1 << 20)])
+    for k in range(nparents):
+        m.parents.append(pb.ParentRef(image_id=bytes([k + 1]) * 16, manifest_hash=bytes([k]) * 32,
+                                      relative_path=f"../p{k}"))
+    t = m.chunks
+    for i, size in enumerate(sizes[:nbos]):
+        refs = []
+        for c in range(-(-size // chunk)):
+            n = min(chunk, size - c * chunk)
+            if c % 3 == 2:
+                refs.append(0)  # a hole
+                continue
+            t.image.append((c % (nparents + 1)) if nparents else 0)
+            t.file_index.append(0)
+            t.offset.append(64 * len(t.offset))
+            t.length.append(64)
+            t.record_checksum.append(c)
+            t.raw_length.append(n)
+            t.base.append(len(t.image) - 1 if delta and c % 3 == 1 and n == chunk else 0)  # the previous: a full one
+            refs.append(len(t.image))
+        m.bos.append(pb.BoEntry(id=i + 1, size=size, chunk_refs=refs))
+    t.hashes = bytes(32 * len(t.image))
+    return m
+
+
+manifests = st.one_of(
+    st.builds(_manifest, st.integers(0, 4), st.sampled_from([4096, 1 << 20]),
+              st.lists(st.integers(0, 3 << 20), min_size=4, max_size=4)),
+    st.builds(_manifest_v2, st.integers(0, 4), st.sampled_from([4096, 1 << 20]),
+              st.lists(st.integers(0, 3 << 20), min_size=4, max_size=4), st.integers(0, 3), st.booleans()),
+).map(encode_manifest)
 
 
 @st.composite
@@ -139,9 +171,16 @@ def manifest_blobs(draw) -> bytes:
     blob = draw(st.one_of(blobs(manifests), mutated(manifests)))
     if draw(st.booleans()) and len(blob) >= MANIFEST_PREFIX.size:
         body = blob[MANIFEST_PREFIX.size:]
-        version = draw(st.sampled_from([1, 1, 1, 2]))
+        version = draw(st.sampled_from([1, 1, 2, 2, 3]))
         blob = MANIFEST_PREFIX.pack(MANIFEST_MAGIC, version, 0, len(body), checksum(body)) + body
     return blob
+
+
+def test_the_v2_seed_manifests_are_valid():
+    """The fuzzer's v2 seeds pass the checks, so mutations start from manifests the decoder accepts."""
+    for parents, delta in ((0, False), (2, True)):
+        m = decode_manifest(encode_manifest(_manifest_v2(3, 4096, [3 * 4096, 8192, 5000, 0], parents, delta)))
+        assert m.format_version == 2 and len(m.chunks.image) == 6 and len(m.parents) == parents
 
 
 @given(blob=manifest_blobs())
