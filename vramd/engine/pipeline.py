@@ -258,6 +258,17 @@ class Pipeline(Generic[BoT]):
 
     # --- feeding -----------------------------------------------------------
 
+    def add_covered(self, nbytes: int) -> None:
+        """A BO whose bytes another BO of the job moves (the same dmabuf given twice): done on arrival."""
+        if self.error is not None:
+            raise self.error
+        if self._closed:
+            raise JobError("the job takes no more BOs")
+        self.progress.bos_total += 1
+        self.progress.bos_done += 1
+        self.progress.bytes_total += nbytes
+        self.progress.bytes_done += nbytes
+
     def add(self, gpu_id: int, chunks: Iterator[ChunkTask[BoT]], nbytes: int) -> None:
         """Queue one BO's chunks (generated lazily) on its GPU's lane."""
         if self.error is not None:

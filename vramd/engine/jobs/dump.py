@@ -421,6 +421,7 @@ class DumpJob(JobBase[DumpBo]):
                 key, same = self._same_buffer(spec)
                 if same is not None:  # the BO another process (or this one) passed already: its chunks serve
                     self.bos[spec.id] = DumpBo(spec.id, spec.gpu_id, spec.size, None, None, spec=spec, alias_of=same)
+                    queue.append(self.bos[spec.id])
                     continue
                 handle = backend.open(spec.id, spec.ref, spec.size, spec.gpu_id, Direction.READ, checked=self._checked)
                 bo = self.bos[spec.id] = DumpBo(spec.id, spec.gpu_id, spec.size, backend, handle,
@@ -430,7 +431,10 @@ class DumpJob(JobBase[DumpBo]):
                 bo.file = self.writer.data_file(spec.gpu_id) if spec.size else None
                 queue.append(bo)
             for bo in queue:
-                self.pipeline.add(bo.gpu_id, self._chunks(bo), bo.size)
+                if bo.alias_of is not None:
+                    self.pipeline.add_covered(bo.size)
+                else:
+                    self.pipeline.add(bo.gpu_id, self._chunks(bo), bo.size)
         except VramdError as e:
             self._fail(e)
             raise
