@@ -401,3 +401,21 @@ def test_parent_records_anyone_else_may_write_are_checked_by_content_hash(tmp_pa
     (pp / pm.files[0].name).chmod(0o664)  # group-writable: someone else could have forged its records
     assert run(trust()) == ([True, False], [True, True])
     assert _restore(cfd, {1: 2 * CHUNK, 2: CHUNK}, parent_fds=[pfd])[1] == parent[1]
+
+
+def test_flatten_of_a_chain_with_deltas_restores_without_parents(tmp_path):
+    from vramd.image.flatten import flatten
+    dirs = _dirs(tmp_path, "g0", "g1", "g2", "flat")
+    states = [{1: _bf16_like(3 * CHUNK, 5)}]
+    _dump(dirs[0][1], states[0])  # codec none: the flattened deltas still decode
+    for k in (1, 2):
+        w = bytearray(states[-1][1])
+        for i in range(k * 13, len(w), 997):  # other bytes each step
+            w[i] ^= 1
+        states.append({1: bytes(w)})
+        m = _dump(dirs[k][1], states[k], parent_fds=[d[1] for d in reversed(dirs[:k])])
+    assert m.totals.delta_bytes == 3 * CHUNK
+    flat = run(flatten(dirs[2][1], [dirs[1][1], dirs[0][1]], dirs[3][1]))
+    assert not flat.parents and flat.totals.record_count == 3 and flat.compression.codec == pb.CODEC_ZSTD
+    assert _restore(dirs[3][1], {1: 3 * CHUNK}) == states[2]
+    _verify(dirs[3][1])

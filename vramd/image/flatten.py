@@ -5,8 +5,8 @@ Every record the image's chunk table lists is read from wherever it lies
 payload checksum, a parent's decoded bytes against their content hash), and
 written into the new image: a plain record byte for byte (its header and
 checksum stay valid), a delta decoded against its base and stored whole
-(zstd where that is smaller).  BOs keep their chunk references: the table
-keeps its order, only where each record is changes.  Memory: four chunk
+(zstd where that is smaller).  Entries no BO refers to (the bases of deltas)
+are dropped; the others keep their order.  Memory: four chunk
 buffers, whatever the image's size.  Offline: runs in the calling process
 (file I/O in a worker thread), never in the daemon.
 """
@@ -21,9 +21,12 @@ from ..hostmem.staging import StagingBuffer
 from ..pb import image_pb2 as pb
 from ..units import PAGE
 from .codec import Compression, encode_chunk
-from .format import Bytes
+from .format import Bytes, entry_hash
 from .reader import ImageReader
 from .writer import DataFileWriter, ImageWriter
+
+
+FLATTENED_DELTAS = Compression("zstd", 3)  # how a delta, decoded against its base, is stored again
 
 
 async def flatten(dir_fd: int, parent_fds: Sequence[int], out_fd: int) -> pb.Manifest:
@@ -33,7 +36,11 @@ async def flatten(dir_fd: int, parent_fds: Sequence[int], out_fd: int) -> pb.Man
         m = reader.manifest
         if m.format_version < 2:
             raise InvalidRequestError("a format v1 image has no parents: it is self-contained already")
-        writer = ImageWriter(out_fd, chunk_size=m.chunk_size, compression=m.compression)
+        # deltas are stored again as zstd: a reader of an image that says "none" has no buffer to decompress into
+        comp = m.compression
+        if reader.has_deltas and comp.codec == pb.CODEC_RAW and not comp.automatic:
+            comp = FLATTENED_DELTAS.to_pb()
+        writer = ImageWriter(out_fd, chunk_size=m.chunk_size, compression=comp)
         try:
             table, payloads = await asyncio.get_running_loop().run_in_executor(None, _copy, reader, writer)
             return await writer.commit(_bos(m, table, payloads), _totals(m, table, payloads), m.topology_json,
@@ -51,12 +58,14 @@ def _copy(reader: ImageReader, writer: ImageWriter) -> tuple[pb.ChunkTable, list
     unit = PAGE + m.chunk_size + PAGE  # a record (head + payload) at offset PAGE, with room
     bufs = [StagingBuffer(unit, mmap.mmap(-1, unit)) for _ in range(4)]
     images = [m, *(pm for _, pm in reader.parents)]
-    out = pb.ChunkTable(hashes=t.hashes)
+    out = pb.ChunkTable()
+    hashes = bytearray()
     payloads: list[int] = []
     holder = _first_holders(m)  # entry -> (bo id, offset) of the first chunk that needs it: errors name it
-    compression = Compression("zstd", 3)
+    compression = FLATTENED_DELTAS
     try:
-        for i in range(len(t.image)):
+        for i in sorted(holder):  # the entries BOs refer to (a delta's base only serves to decode it)
+            hashes += entry_hash(t, i)
             bo_id, bo_off = holder.get(i, (0, 0))
             loc = reader.locate_entry(i)
             raw_len = t.raw_length[i]
@@ -95,6 +104,7 @@ def _copy(reader: ImageReader, writer: ImageWriter) -> tuple[pb.ChunkTable, list
     finally:
         for b in bufs:
             b.unmap()
+    out.hashes = bytes(hashes)
     return out, payloads
 
 
@@ -114,21 +124,27 @@ def _first_holders(m: pb.Manifest) -> dict[int, tuple[int, int]]:
 
 
 def _bos(m: pb.Manifest, table: pb.ChunkTable, payloads: list[int]) -> list[pb.BoEntry]:
-    """The BOs as they were, their byte counts as the new image holds them (nothing from parents)."""
+    """The BOs as they were, referring to the new table (its entries: the old ones BOs refer to, in order),
+    their byte counts as the new image holds them (nothing from parents)."""
+    new = {old: i for i, old in enumerate(sorted(_first_holders(m)))}
     seen: set[int] = set()
     out = []
     for bo in m.bos:
         e = pb.BoEntry()
         e.CopyFrom(bo)
         e.stored_bytes = e.dedup_bytes = e.parent_bytes = e.delta_bytes = 0
+        del e.chunk_refs[:]
         for ref in bo.chunk_refs:
             if not ref:
+                e.chunk_refs.append(0)
                 continue
-            if ref - 1 in seen:
-                e.dedup_bytes += table.raw_length[ref - 1]
+            i = new[ref - 1]
+            e.chunk_refs.append(i + 1)
+            if i in seen:
+                e.dedup_bytes += table.raw_length[i]
             else:
-                seen.add(ref - 1)
-                e.stored_bytes += payloads[ref - 1]
+                seen.add(i)
+                e.stored_bytes += payloads[i]
         out.append(e)
     return out
 
