@@ -539,7 +539,7 @@ def main(argv: list[str] | None = None) -> int:
         if "single" in scenarios:
             loaded = Loaded(c, "base", c.bos)
             try:
-                rows += bench_full("single", loaded, codecs, sink, ns.reps)
+                rows += shown(bench_full("single", loaded, codecs, sink, ns.reps))
                 if "references" in scenarios and sink == ns.shm:
                     refs = references(loaded, sink, ns.reps)
             finally:
@@ -548,17 +548,17 @@ def main(argv: list[str] | None = None) -> int:
             loaded = Loaded(c, "base", c.replica_bos(), copies=corpus_mod.REPLICAS)
             try:
                 if dedup_switch:
-                    rows += bench_full("replicas", loaded, codecs, sink, ns.reps, dedup=True)
-                    rows += bench_full("replicas", loaded, codecs, sink, ns.reps, dedup=False)
+                    rows += shown(bench_full("replicas", loaded, codecs, sink, ns.reps, dedup=True))
+                    rows += shown(bench_full("replicas", loaded, codecs, sink, ns.reps, dedup=False))
                 else:
-                    rows += bench_full("replicas", loaded, codecs, sink, ns.reps)
+                    rows += shown(bench_full("replicas", loaded, codecs, sink, ns.reps))
             finally:
                 loaded.close()
         if incremental and "incremental" in scenarios:
             for scenario in INCREMENTAL:
-                rows += bench_incremental(c, scenario, codecs, sink, ns.reps)
+                rows += shown(bench_incremental(c, scenario, codecs, sink, ns.reps))
         if incremental and "chain" in scenarios:
-            rows += bench_chain(c, codecs, sink, ns.reps)
+            rows += shown(bench_chain(c, codecs, sink, ns.reps))
     group_of = {b.name: b.group for b in c.bos}
     for r in rows:  # per corpus group (minilm_fp32, train, kv, ...): what each codec stores of it
         per: dict[str, int] = {}
@@ -582,6 +582,14 @@ def main(argv: list[str] | None = None) -> int:
                        "dedup_switch": dedup_switch, "rows": rows, "references": refs, "targets": verdicts}, f,
                       indent=1)
     return 0
+
+
+def shown(new: list[dict]) -> list[dict]:
+    """Rows as they are measured, one line each (a long run shows where it is, and what it had if it dies)."""
+    for r in new:
+        print(f"  {r['scenario']:<22} {r['codec']:<10} stored {r['stored_bytes'] / (1 << 20):9.1f} MiB  "
+              f"dump {r['dump_gbps']:.2f} GB/s  restore {r['restore_gbps']:.2f} GB/s", flush=True)
+    return new
 
 
 if __name__ == "__main__":
