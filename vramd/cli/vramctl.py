@@ -195,6 +195,30 @@ def open_parents(image_dir: str, manifest: pb.Manifest, first: str | None) -> tu
     return paths, fds
 
 
+class ImageAndParents:
+    """`with ImageAndParents(dir, parent) as (dir_fd, parent_fds)`: an image directory and its parents'
+    (open_parents), all closed on the way out."""
+
+    def __init__(self, path: str, first_parent: str | None) -> None:
+        self.path, self.first_parent = path, first_parent
+        self.fds: list[int] = []
+
+    def __enter__(self) -> tuple[int, list[int]]:
+        dfd = open_image_dir(self.path, create=False)
+        self.fds.append(dfd)
+        try:
+            _paths, parent_fds = open_parents(self.path, read_manifest_offline(dfd), self.first_parent)
+        except BaseException:
+            os.close(dfd)
+            raise
+        self.fds += parent_fds
+        return dfd, parent_fds
+
+    def __exit__(self, *exc: object) -> None:
+        for fd in self.fds:
+            os.close(fd)
+
+
 def cmd_dump(ns: argparse.Namespace) -> int:
     if not ns.range and not ns.bo_file:
         raise Failure("nothing to dump: give --range and/or --bo-file")
@@ -312,21 +336,13 @@ def cmd_verify(ns: argparse.Namespace) -> int:
     import uvloop
 
     from ..engine import Engine, VerifyReport
-    dfd = open_image_dir(ns.dir, create=False)
-    fds = [dfd]
-    try:
-        _paths, parent_fds = open_parents(ns.dir, read_manifest_offline(dfd), ns.parent)
-        fds += parent_fds
-
+    with ImageAndParents(ns.dir, ns.parent) as (dfd, parent_fds):
         async def go() -> VerifyReport:
             async with Engine() as eng:
                 return await eng.verify(dfd, parent_fds=parent_fds)
         t0 = time.monotonic()
         report = uvloop.run(go())
         secs = time.monotonic() - t0
-    finally:
-        for fd in fds:
-            os.close(fd)
     p = report.progress
     emit(ns, {"ok": True, "bos": p.bos_done, "bytes": p.bytes_done, "chunks": p.chunks_done, "seconds": round(secs, 6)},
          f"{ns.dir}: OK, {p.bos_done} BO(s), {format_size(p.bytes_done)} in {p.chunks_done} chunk(s) verified "
@@ -472,21 +488,16 @@ def cmd_flatten(ns: argparse.Namespace) -> int:
     import uvloop
 
     from ..image.flatten import flatten
-    dfd = open_image_dir(ns.dir, create=False)
-    fds = [dfd]
-    try:
-        _paths, parent_fds = open_parents(ns.dir, read_manifest_offline(dfd), ns.parent)
-        fds += parent_fds
+    with ImageAndParents(ns.dir, ns.parent) as (dfd, parent_fds):
         out = open_image_dir(ns.out, create=True)
-        fds.append(out)
-        if _holds_image(out):
-            raise Failure(f"{ns.out} already holds an image; flatten into a new directory")
-        t0 = time.monotonic()
-        m = uvloop.run(flatten(dfd, parent_fds, out))
-        secs = time.monotonic() - t0
-    finally:
-        for fd in fds:
-            os.close(fd)
+        try:
+            if _holds_image(out):
+                raise Failure(f"{ns.out} already holds an image; flatten into a new directory")
+            t0 = time.monotonic()
+            m = uvloop.run(flatten(dfd, parent_fds, out))
+            secs = time.monotonic() - t0
+        finally:
+            os.close(out)
     t = m.totals
     emit(ns, {"ok": True, "image_id": m.image_id.hex(), "stored_bytes": t.stored_bytes, "records": t.record_count,
               "seconds": round(secs, 6)},

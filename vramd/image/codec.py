@@ -9,7 +9,6 @@ are verified end to end.
 """
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,6 +23,8 @@ from ..pb import image_pb2 as pb
 from .format import EMPTY_CHECKSUM, Bytes, checksum, decode_record_head, encode_record_head, record_checksum
 from .format import content_hash as content_hash_of
 from .planes import compress_planes, decompress_planes, zstd_frame_length
+from .planes import zstd_compressor as _compressor
+from .planes import zstd_decompressor as _decompressor
 from .policy import AutoPolicy, Choice, CompressionSpec, Mode, candidates, choose, parse_compression, sample_slices
 
 
@@ -79,26 +80,6 @@ def compression_name(c: pb.Compression) -> str:
     if c.codec == pb.CODEC_PLANES:
         return f"bplanes:{c.level}"
     return "none"
-
-
-_local = threading.local()  # zstd contexts are not thread-safe: one per thread and level
-
-
-def _compressor(level: int) -> zstandard.ZstdCompressor:
-    cache: dict[int, zstandard.ZstdCompressor] | None = getattr(_local, "cctx", None)
-    if cache is None:
-        cache = _local.cctx = {}
-    c = cache.get(level)
-    if c is None:
-        c = cache[level] = zstandard.ZstdCompressor(level=level, write_checksum=True, write_content_size=True)
-    return c
-
-
-def _decompressor() -> zstandard.ZstdDecompressor:
-    d: zstandard.ZstdDecompressor | None = getattr(_local, "dctx", None)
-    if d is None:
-        d = _local.dctx = zstandard.ZstdDecompressor()
-    return d
 
 
 @dataclass

@@ -25,7 +25,6 @@ from .format import Bytes, entry_hash
 from .reader import ImageReader
 from .writer import DataFileWriter, ImageWriter
 
-
 FLATTENED_DELTAS = Compression("zstd", 3)  # how a delta, decoded against its base, is stored again
 
 

@@ -58,15 +58,22 @@ def _bytes_view(b: Buffer) -> memoryview:
     return m
 
 
-def split_into(src: Buffer, word: int, dest: memoryview) -> None:
-    """Write the planes of `src` into `dest` (writable, exactly len(src) bytes; must not overlap `src`)."""
+def _pair(src: Buffer, word: int, dest: memoryview) -> tuple[memoryview, memoryview]:
+    """Byte views of a transform's source and destination, checked: a word size of 2 or 4, a writable
+    destination of the source's length."""
     _check_word(word)
     s, d = _bytes_view(src), _bytes_view(dest)
-    n = len(s)
-    if len(d) != n:
-        raise ValueError(f"planes: destination holds {len(d)} bytes, source {n}")
+    if len(d) != len(s):
+        raise ValueError(f"planes: destination holds {len(d)} bytes, source {len(s)}")
     if d.readonly:
         raise ValueError("planes: destination is read-only")
+    return s, d
+
+
+def split_into(src: Buffer, word: int, dest: memoryview) -> None:
+    """Write the planes of `src` into `dest` (writable, exactly len(src) bytes; must not overlap `src`)."""
+    s, d = _pair(src, word, dest)
+    n = len(s)
     if not n:
         return
     if _copy is not None:
@@ -82,13 +89,8 @@ def split_into(src: Buffer, word: int, dest: memoryview) -> None:
 
 def merge_into(planes: Buffer, word: int, dest: memoryview) -> None:
     """Inverse of split_into: write the words whose planes are `planes` into `dest` (exactly len(planes) bytes)."""
-    _check_word(word)
-    s, d = _bytes_view(planes), _bytes_view(dest)
+    s, d = _pair(planes, word, dest)
     n = len(s)
-    if len(d) != n:
-        raise ValueError(f"planes: destination holds {len(d)} bytes, planes {n}")
-    if d.readonly:
-        raise ValueError("planes: destination is read-only")
     if not n:
         return
     if _copy is not None:
@@ -120,7 +122,8 @@ def merge_planes(planes: Buffer, word: int, dest: memoryview) -> None:
 _local = threading.local()  # zstd contexts are not thread-safe: one per thread (and level); so is the scratch
 
 
-def _compressor(level: int) -> zstandard.ZstdCompressor:
+def zstd_compressor(level: int) -> zstandard.ZstdCompressor:
+    """This thread's zstd compressor for `level` (checksum and content size in every frame)."""
     cache: dict[int, zstandard.ZstdCompressor] | None = getattr(_local, "cctx", None)
     if cache is None:
         cache = _local.cctx = {}
@@ -130,7 +133,8 @@ def _compressor(level: int) -> zstandard.ZstdCompressor:
     return c
 
 
-def _decompressor() -> zstandard.ZstdDecompressor:
+def zstd_decompressor() -> zstandard.ZstdDecompressor:
+    """This thread's zstd decompressor."""
     d: zstandard.ZstdDecompressor | None = getattr(_local, "dctx", None)
     if d is None:
         d = _local.dctx = zstandard.ZstdDecompressor()
@@ -151,14 +155,14 @@ def compress_planes(src: memoryview, word: int, level: int) -> bytes:
     scratch = _scratch(len(s))
     try:
         split_into(s, word, scratch)
-        return _compressor(level).compress(scratch)
+        return zstd_compressor(level).compress(scratch)
     finally:
         scratch.release()
 
 
 def compress_zstd(src: Buffer, level: int) -> bytes:
     """One plain zstd frame (content size, content checksum) of `src`, as codec.py writes them."""
-    return _compressor(level).compress(src)
+    return zstd_compressor(level).compress(src)
 
 
 def zstd_frame_length(p: memoryview) -> int:
@@ -219,7 +223,7 @@ def decompress_planes(payload: Buffer, word: int, raw_length: int, dest: memoryv
         raise ValueError(f"planes: destination holds {len(d)} bytes, expected {raw_length}")
     scratch = _scratch(raw_length)
     try:
-        reader = _decompressor().stream_reader(p, read_across_frames=False)
+        reader = zstd_decompressor().stream_reader(p, read_across_frames=False)
         got = 0
         while got < raw_length:
             n = reader.readinto(scratch[got:])
