@@ -99,11 +99,13 @@ class EncodedChunk:
 
 
 def encode_chunk(bo_id: int, offset: int, buf: StagingBuffer, length: int, compression: Compression,
-                 buf_offset: int = 0, chash: bytes | None = None, chooser: Chooser | None = None) -> EncodedChunk:
+                 buf_offset: int = 0, chash: bytes | None = None, chooser: Chooser | None = None,
+                 digest: int | None = None) -> EncodedChunk:
     """Build the record for `length` staged bytes at `buf_offset` in `buf`.
 
     `chash`: format v2, the bytes' content hash (the caller found them not all zero).
     `chooser`: bplanes and auto, the per-chunk choice (`Compression.chooser`).
+    `digest`: the bytes' xxh3-64 where the caller has it (a raw record's payload checksum).
     """
     codec: pb.Codec
     payload: Bytes
@@ -130,8 +132,12 @@ def encode_chunk(bo_id: int, offset: int, buf: StagingBuffer, length: int, compr
             codec, payload = kind, packed
         else:
             word = 0
-    return EncodedChunk(record_head(bo_id, offset, length, codec, len(payload), checksum(payload) if payload else
-                                    EMPTY_CHECKSUM, chash or b"", word_size=word), payload, codec)
+    if not payload:
+        digest = EMPTY_CHECKSUM
+    elif codec != pb.CODEC_RAW or digest is None:
+        digest = checksum(payload)
+    return EncodedChunk(record_head(bo_id, offset, length, codec, len(payload), digest, chash or b"",
+                                    word_size=word), payload, codec)
 
 
 def encode_delta(bo_id: int, offset: int, xored: memoryview, level: int, chash: bytes,

@@ -135,7 +135,9 @@ class DumpEnds:
                     if self.plain:
                         head = record_head(t.bo.id, t.offset, t.length, pb.CODEC_RAW, t.length, o.hash, p.chash)
                     else:
-                        head = self._encode(t, bufs, p).head
+                        head = self._encode(t, bufs, p, o.hash).head
+                        if p.enc is not None and p.enc.codec == pb.CODEC_RAW:
+                            p.enc = None  # raw after all: written from staging as `none` writes it
                     recs.append((t, p, head))
                 except VramdError:
                     raise
@@ -158,11 +160,12 @@ class DumpEnds:
             clock.lap("write")
         return pieces
 
-    def _encode(self, t: ChunkTask[DumpBo], bufs: list[StagingBuffer], p: Piece) -> EncodedChunk:
+    def _encode(self, t: ChunkTask[DumpBo], bufs: list[StagingBuffer], p: Piece,
+                digest: int | None = None) -> EncodedChunk:
         """A piece that needs a record of its own: compressed by the image's choice, or a delta against the
-        parent's chunk where that is smaller."""
+        parent's chunk where that is smaller.  `digest`: the staged bytes' xxh3-64, where known."""
         p.enc = encode_chunk(t.bo.id, t.offset, bufs[0], t.length, self.compression, t.buf_offset, p.chash,
-                             self.chooser)
+                             self.chooser, digest)
         if self.parent is not None:
             self._try_delta(t, bufs, p)
         return p.enc
