@@ -13,7 +13,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
-from ...backends import Backend, BoHandle, BoRef, CopyItem, Direction, FdMemo, land_all
+from ...backends import Backend, BoHandle, BoRef, CopyItem, Direction, FdMemo, OpenItem, land_all
 from ...errors import BackendUnavailableError, InvalidRequestError, LimitExceededError, VramdError
 from ...hostmem.batchcopy import Outcome
 from ...hostmem.staging import StagingPool
@@ -195,6 +195,26 @@ class JobBase(Generic[BoT]):
             raise BackendUnavailableError(f"backend {kind!r} cannot {self.direction.value}", bo_id=bo_id)
         self._usable[kind] = backend
         return backend
+
+    def _open_all(self, items: Sequence[tuple[Backend, OpenItem]]) -> list[BoHandle]:
+        """Open validated BOs in order, each run of one backend with one `open_many` (procmem: every
+        probe of the run in one call).  The first BO that fails raises its error after the handles
+        opened here are released; the BOs after it are not opened."""
+        handles: list[BoHandle] = []
+        i = 0
+        try:
+            while i < len(items):
+                backend = items[i][0]
+                j = i + 1
+                while j < len(items) and items[j][0] is backend:
+                    j += 1
+                handles += backend.open_many([item for _, item in items[i:j]], self.direction, checked=self._checked)
+                i = j
+        except BaseException:
+            for (backend, _), h in zip(items, handles):
+                backend.release(h)
+            raise
+        return handles
 
     def cancel(self, reason: str = "job cancelled") -> None:
         self.pipeline.cancel(reason)

@@ -18,7 +18,7 @@ import array
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from ...backends import Direction, land_all
+from ...backends import Backend, Direction, OpenItem, land_all
 from ...errors import InvalidRequestError, JobError, VramdError
 from ...hostmem.batchcopy import HASH, ZERO, copy_batch
 from ...hostmem.libc import ffi as libc_ffi
@@ -249,15 +249,24 @@ class DumpJob(JobBase[DumpBo]):
         """Validate and queue BOs; a bad BO fails the whole dump (an image is all or nothing)."""
         todo = list(specs)
         try:
-            for spec in todo:
-                if spec.id in self.bos:
-                    raise InvalidRequestError("BO id given twice", bo_id=spec.id)
-                check_bo_range(spec.id, spec.size, spec.ref, self.ctx.max_bo_bytes)
-                backend = self._backend(spec.ref.kind, spec.id)
-                handle = backend.open(spec.id, spec.ref, spec.size, spec.gpu_id, Direction.READ, checked=self._checked)
+            valid: list[tuple[Backend, OpenItem]] = []
+            error: VramdError | None = None
+            seen: set[int] = set()
+            try:  # the checks that need no syscall first, then the opens together (_open_all)
+                for spec in todo:
+                    if spec.id in self.bos or spec.id in seen:
+                        raise InvalidRequestError("BO id given twice", bo_id=spec.id)
+                    seen.add(spec.id)
+                    check_bo_range(spec.id, spec.size, spec.ref, self.ctx.max_bo_bytes)
+                    valid.append((self._backend(spec.ref.kind, spec.id), (spec.id, spec.ref, spec.size, spec.gpu_id)))
+            except VramdError as e:
+                error = e  # raised once the BOs before it are open: the first error in BO order wins
+            for spec, (backend, _), handle in zip(todo, valid, self._open_all(valid)):
                 bo = self.bos[spec.id] = DumpBo(spec.id, spec.gpu_id, spec.size, backend, handle,
                                                 chunks_left=chunk_count(spec.size, self.chunk_size), spec=spec)
                 bo.file = self.writer.data_file(spec.gpu_id) if spec.size else None
+            if error is not None:
+                raise error
             for spec in todo:
                 bo = self.bos[spec.id]
                 self.pipeline.add(bo.gpu_id, self._chunks(bo), bo.size)

@@ -3,12 +3,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from ...backends import Backend, CopyItem, Direction
+from ...backends import Backend, CopyItem, OpenItem
 from ...errors import IncompleteRestoreError, InvalidRequestError, VramdError
 from ...hostmem.batchcopy import copy_batch
 from ...hostmem.staging import StagingBuffer
 from ...image.codec import DecodedChunk
 from ...image.reader import ImageReader
+from ...pb import image_pb2 as pb
 from ..pipeline import ChunkTask, Clock, ProgressCallback, settle
 from .common import JobContext, RestoreTarget, check_bo_range, landed, submit_batch
 from .read import ImageBo, ImageJob, ImageReadEnds
@@ -53,18 +54,29 @@ class RestoreJob(ImageJob):
         """Validate targets and start copying into them at once (the offload)."""
         todo = list(targets)
         try:
-            for t in todo:
-                entry = self.reader.bos.get(t.bo_id)
-                if entry is None:
-                    raise InvalidRequestError("the image has no such BO", bo_id=t.bo_id)
-                if t.bo_id in self.bos:
-                    raise InvalidRequestError("BO targeted twice", bo_id=t.bo_id)
-                check_bo_range(t.bo_id, entry.size, t.ref, self.ctx.max_bo_bytes)
-                gpu = self.gpu_map.get(entry.gpu_id, entry.gpu_id) if t.gpu_id is None else t.gpu_id
-                backend = self._backend(t.ref.kind, t.bo_id)
-                handle = backend.open(t.bo_id, t.ref, entry.size, gpu, Direction.WRITE, checked=self._checked)
-                self.bos[t.bo_id] = ImageBo(t.bo_id, gpu, entry.size, backend, handle,
-                                            chunks_left=len(entry.record_offsets), entry=entry)
+            valid: list[tuple[Backend, OpenItem]] = []
+            entries: list[pb.BoEntry] = []
+            error: VramdError | None = None
+            seen: set[int] = set()
+            try:  # the checks that need no syscall first, then the opens together (_open_all)
+                for t in todo:
+                    entry = self.reader.bos.get(t.bo_id)
+                    if entry is None:
+                        raise InvalidRequestError("the image has no such BO", bo_id=t.bo_id)
+                    if t.bo_id in self.bos or t.bo_id in seen:
+                        raise InvalidRequestError("BO targeted twice", bo_id=t.bo_id)
+                    seen.add(t.bo_id)
+                    check_bo_range(t.bo_id, entry.size, t.ref, self.ctx.max_bo_bytes)
+                    gpu = self.gpu_map.get(entry.gpu_id, entry.gpu_id) if t.gpu_id is None else t.gpu_id
+                    valid.append((self._backend(t.ref.kind, t.bo_id), (t.bo_id, t.ref, entry.size, gpu)))
+                    entries.append(entry)
+            except VramdError as e:
+                error = e  # raised once the BOs before it are open: the first error in BO order wins
+            for (backend, (bo_id, _, size, gpu)), entry, handle in zip(valid, entries, self._open_all(valid)):
+                self.bos[bo_id] = ImageBo(bo_id, gpu, size, backend, handle,
+                                          chunks_left=len(entry.record_offsets), entry=entry)
+            if error is not None:
+                raise error
             for t in todo:
                 self._queue(self.bos[t.bo_id])
         except VramdError as e:
