@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..backends import BoRef
-from ..engine import BoSpec, DumpJob, Job, RestoreJob, RestoreTarget
+from ..engine import Ahead, BoSpec, DumpJob, Job, RestoreJob, RestoreTarget
 from ..errors import (
     InternalError,
     InvalidRequestError,
@@ -225,24 +225,29 @@ class Session:
             self.usage.fds += len(fds)
             # the backend of a BO that names none follows from its fd: looked at once per fd, not per BO
             kinds = {i: pick_backend(fd) for i, fd in fds.items()}
-            refs = []
+            refs: list[BoRef] = []
+            items: list[BoSpec | RestoreTarget] = []  # what the job takes: specs (dump) or targets (restore)
+            make = self._spec if isinstance(job, DumpJob) else self._target
             for i in range(0, n, _CHECK_EVERY):
-                if i:
-                    await step.tick()
-                refs.extend([BoRef(bo.backend or kinds[bo.fd_index], fds[bo.fd_index], bo.offset)
-                             for bo in bos[i:i + _CHECK_EVERY]])
-            if len(fds) > 1:  # fds of many BOs: check them in a worker thread, off the event loop
-                distinct = {ref.fd: (bo.id, ref) for bo, ref in zip(bos, refs)}
-                await asyncio.get_running_loop().run_in_executor(job.ctx.io, job.precheck, distinct.values())
+                await step.tick()
+                some = [BoRef(bo.backend or kinds[bo.fd_index], fds[bo.fd_index], bo.offset)
+                        for bo in bos[i:i + _CHECK_EVERY]]
+                refs += some
+                items += [make(bo, ref) for bo, ref in zip(bos[i:i + _CHECK_EVERY], some)]
+
+            def prepare() -> Ahead:
+                """In a worker thread: check the fds of many BOs, open the BOs the job can open there."""
+                if len(fds) > 1:
+                    job.precheck({ref.fd: (bo.id, ref) for bo, ref in zip(bos, refs)}.values())
+                return job.open_ahead(items)
+            # the syscalls of opening (procmem probes, fd checks) happen off the event loop
+            ahead = await asyncio.get_running_loop().run_in_executor(job.ctx.io, prepare)
             try:
                 self._raise_failure()  # failed while we were checking
                 i, since = 0, time.perf_counter()
                 while i < n:  # the job takes them a few at a time, yielding between steps
                     j = min(n, i + _CHECK_EVERY)
-                    if isinstance(job, DumpJob):
-                        job.add([self._spec(bo, ref) for bo, ref in zip(bos[i:j], refs[i:j])])
-                    else:
-                        job.add([self._target(bo, ref) for bo, ref in zip(bos[i:j], refs[i:j])])
+                    job.add(items[i:j], ahead)  # type: ignore[arg-type]  # specs for a dump, targets for a restore
                     i = j
                     if i < n and time.perf_counter() - since > ADD_STEP_SECONDS:
                         await asyncio.sleep(0)
@@ -251,6 +256,8 @@ class Session:
             except VramdError as e:
                 self._end_soon()  # the job has failed: clean up now, the error stays for Wait
                 raise e
+            finally:
+                job.drop_ahead(ahead)  # what the job did not take
 
     def _check_open(self) -> None:
         self._raise_failure()

@@ -15,7 +15,7 @@ offset and length, so readers never see them).
 from __future__ import annotations
 
 import array
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from ...backends import Backend, Direction, OpenItem, land_all
@@ -30,7 +30,7 @@ from ...image.writer import DataFileWriter, ImageWriter
 from ...pb import image_pb2 as pb
 from ...units import PAGE, round_up
 from ..pipeline import HEAD_PAGE, ChunkTask, Clock, ProgressCallback, StageTimes, blame, settle
-from .common import BoSpec, CopiedBo, JobBase, JobContext, check_bo_range, landed, submit_batch
+from .common import Ahead, BoSpec, CopiedBo, JobBase, JobContext, check_bo_range, landed, submit_batch
 
 DIRECT_MIN = 256 << 10  # a piece this big, alone in its batch, is written with O_DIRECT where possible
 
@@ -245,23 +245,30 @@ class DumpJob(JobBase[DumpBo]):
         self.ends = DumpEnds(self.writer, compression, chunk_size)
         super().__init__(ctx, self.ends, on_progress)
 
-    def add(self, specs: Iterable[BoSpec]) -> None:
-        """Validate and queue BOs; a bad BO fails the whole dump (an image is all or nothing)."""
+    def _validate(self, specs: Sequence[BoSpec]) -> tuple[list[tuple[Backend, OpenItem]], VramdError | None]:
+        """The checks that need no syscall, in BO order: what to open for the BOs before the first
+        that fails, and its error (reads the job's state only: also run in a worker thread, open_ahead)."""
+        valid: list[tuple[Backend, OpenItem]] = []
+        seen: set[int] = set()
+        try:
+            for spec in specs:
+                if spec.id in self.bos or spec.id in seen:
+                    raise InvalidRequestError("BO id given twice", bo_id=spec.id)
+                seen.add(spec.id)
+                check_bo_range(spec.id, spec.size, spec.ref, self.ctx.max_bo_bytes)
+                valid.append((self._backend(spec.ref.kind, spec.id), (spec.id, spec.ref, spec.size, spec.gpu_id)))
+        except VramdError as e:
+            return valid, e
+        return valid, None
+
+    def add(self, specs: Iterable[BoSpec], ahead: Ahead | None = None) -> None:
+        """Validate and queue BOs; a bad BO fails the whole dump (an image is all or nothing).
+
+        `ahead`: BOs opened by `open_ahead` in a worker thread; those used are taken from it."""
         todo = list(specs)
         try:
-            valid: list[tuple[Backend, OpenItem]] = []
-            error: VramdError | None = None
-            seen: set[int] = set()
-            try:  # the checks that need no syscall first, then the opens together (_open_all)
-                for spec in todo:
-                    if spec.id in self.bos or spec.id in seen:
-                        raise InvalidRequestError("BO id given twice", bo_id=spec.id)
-                    seen.add(spec.id)
-                    check_bo_range(spec.id, spec.size, spec.ref, self.ctx.max_bo_bytes)
-                    valid.append((self._backend(spec.ref.kind, spec.id), (spec.id, spec.ref, spec.size, spec.gpu_id)))
-            except VramdError as e:
-                error = e  # raised once the BOs before it are open: the first error in BO order wins
-            for spec, (backend, _), handle in zip(todo, valid, self._open_all(valid)):
+            valid, error = self._validate(todo)  # raised once the BOs before it are open: the first error wins
+            for spec, (backend, _), handle in zip(todo, valid, self._open_all(valid, ahead)):
                 bo = self.bos[spec.id] = DumpBo(spec.id, spec.gpu_id, spec.size, backend, handle,
                                                 chunks_left=chunk_count(spec.size, self.chunk_size), spec=spec)
                 bo.file = self.writer.data_file(spec.gpu_id) if spec.size else None
