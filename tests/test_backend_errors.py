@@ -137,3 +137,34 @@ def test_many_small_bos_in_one_add_name_the_first_failure_in_order(image_dir):
             b.close()
             os.close(mem)
             os.close(wo)
+
+
+def test_open_ahead_is_only_a_head_start(image_dir):
+    """JobBase.open_ahead (what a session runs in its io thread) opens what add would; add takes a
+    handle only for the very same BO; an error in the thread keeps nothing and add raises it, in order."""
+    page = 4096
+    with Workload([{"size": 8 * page, "fill": "random", "holes": [[5 * page, page]]}]) as w:
+        base = w.regions[0]["addr"]
+        mem = w.open_mem()
+        specs = [BoSpec(i + 1, page, BoRef("procmem", mem, base + i * page)) for i in range(8)]
+
+        async def go():
+            async with engine(staging_budget=8 * MiB, chunk_size=MiB) as e:
+                job = e.start_dump(image_dir[1])
+                ahead = job.open_ahead(specs[:5])
+                assert sorted(ahead) == [1, 2, 3, 4, 5]
+                moved = BoSpec(4, page, BoRef("procmem", mem, base + 6 * page))  # not what was opened for BO 4
+                job.add([specs[0], specs[1], moved], ahead)
+                assert sorted(ahead) == [3, 5]  # BO 4's handle was dropped, not used for another range
+                job.drop_ahead(ahead)
+                assert ahead == {}
+                assert job.open_ahead(specs[4:]) == {}  # BO 6 is unmapped: nothing is kept
+                with pytest.raises(errors.UnmappedRangeError) as ei:
+                    job.add([*specs[4:], BoSpec(9, 1 << 62, BoRef("procmem", mem, base))], {})
+                assert (ei.value.bo_id, ei.value.address) == (6, base + 5 * page)
+                with pytest.raises(errors.UnmappedRangeError):
+                    await job.finish()
+        try:
+            run(go())
+        finally:
+            os.close(mem)
