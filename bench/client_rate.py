@@ -15,8 +15,10 @@ between repetitions.  Sources:
   procmem  BOs are ranges of one process's memory, one /proc/<pid>/mem fd.
 Setup (creating the BOs, the source and target processes) is not timed.
 rate = BOs / wall seconds of a session; also the client process's own CPU
-time per session (getrusage), which does not depend on what else the
-machine runs; medians over --reps, every repetition kept in the JSON.  Targets (issue #9): C >= 1.0 x Python, and
+time per session (getrusage), and the daemon's CPU time (all its threads,
+/proc/<pid>/stat) over each run of one dump and one restore session, which
+depend much less on what else the machine runs than the wall time does;
+medians over --reps, every repetition kept in the JSON.  Targets (issue #9): C >= 1.0 x Python, and
 >= 20,000 BOs/s for procmem ranges.
 """
 from __future__ import annotations
@@ -61,6 +63,13 @@ def holder() -> tuple[int, int]:
 def cpu() -> float:
     ru = resource.getrusage(resource.RUSAGE_SELF)
     return ru.ru_utime + ru.ru_stime
+
+
+def daemon_cpu(pid: int) -> float:
+    """CPU seconds (user + system, every thread) the daemon has used so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def py_session(c: Client, kind: int, dfd: int, bos: list[ClientBo]) -> tuple[float, float]:
@@ -147,6 +156,11 @@ def summarise(runs: list[dict], n: int) -> dict:
                 cpus = [r[f"{direction}_client_cpu_s"] for r in runs if r["mode"] == mode and r["client"] == client]
                 row[client] = {"seconds_all": secs, "seconds_median": med, "bos_per_s_median": n / med,
                                "bos_per_s_worst": n / max(secs), "client_cpu_s_median": statistics.median(cpus)}
+            if direction == "dump":  # one figure per run of a dump and a restore session
+                row["daemon_cpu_s_per_run_median"] = {
+                    client: statistics.median(r["daemon_cpu_s"] for r in runs
+                                              if r["mode"] == mode and r["client"] == client)
+                    for client in ("c", "python")}
             row["c_over_python"] = row["c"]["bos_per_s_median"] / row["python"]["bos_per_s_median"]
             row["c_target_met"] = row["c_over_python"] >= 1.0 and (mode != "procmem" or
                                                                   row["c"]["bos_per_s_median"] >= 20_000)
@@ -164,6 +178,7 @@ def main() -> None:
     ap.add_argument("--out")
     args = ap.parse_args()
     raise_fd_limit()
+    load_before = list(os.getloadavg())
     run_dir = tempfile.mkdtemp(prefix="vramd-bench-", dir="/tmp")
     base = tempfile.mkdtemp(prefix="vramd-bench-img-", dir=args.image_dir)
     daemon = DaemonProcess(run_dir, log_level="warning", stderr=subprocess.DEVNULL)
@@ -176,8 +191,10 @@ def main() -> None:
                     for mode in ("memfd", "procmem"):
                         order = ("c", "python") if rep % 2 == 0 else ("python", "c")
                         for who in order:
+                            d0 = daemon_cpu(daemon.pid)
                             r = (c_run(args.client_c, daemon.socket, base, mode, args.bos, args.bo_size)
                                  if who == "c" else py.run(c, mode, base))
+                            r["daemon_cpu_s"] = daemon_cpu(daemon.pid) - d0  # its dump and its restore
                             r["rep"] = rep
                             runs.append(r)
                             print(f"rep {rep} {mode:8s} {who:6s} dump {args.bos / r['dump_s']:9.0f} BOs/s  "
@@ -192,10 +209,15 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d"),
         "machine": f"{platform.machine()}, {os.cpu_count()} cpus, {platform.platform()}",
         "image_dir": args.image_dir, "bos": args.bos, "bo_size": args.bo_size, "reps": args.reps,
+        "loadavg_before": load_before, "loadavg_after": list(os.getloadavg()),
         "summary": summarise(runs, args.bos), "runs": runs,
     }
-    print()
+    print(f"\nload average before {load_before[0]:.2f}, after {result['loadavg_after'][0]:.2f} "
+          f"({os.cpu_count()} cpus)")
     for mode, dirs in result["summary"].items():
+        cpu_run = dirs["dump"]["daemon_cpu_s_per_run_median"]
+        print(f"{mode:8s} daemon CPU per dump + restore of {args.bos} BOs: with C {cpu_run['c']:.2f} s, "
+              f"with Python {cpu_run['python']:.2f} s")
         for direction, row in dirs.items():
             print(f"{mode:8s} {direction:8s} C {row['c']['bos_per_s_median']:9.0f} BOs/s  "
                   f"Python {row['python']['bos_per_s_median']:9.0f} BOs/s  C/Python {row['c_over_python']:.2f}  "

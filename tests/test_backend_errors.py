@@ -97,3 +97,74 @@ def test_read_only_target_is_refused(image_dir):
     finally:
         os.close(ro)
         os.close(src)
+
+
+def test_many_small_bos_in_one_add_name_the_first_failure_in_order(image_dir):
+    """One add of many BOs probes their ranges together (ProcMemBackend.open_many): an unmapped
+    BO among them is still named with its address, before a later BO's own error, and a
+    write-only fd is still left for the copy to report (as `open` alone does)."""
+    from vramd.backends import Direction, ProcMemBackend
+
+    page = 4096
+    with Workload([{"size": 8 * page, "fill": "random", "holes": [[5 * page, page]]}]) as w:
+        base = w.regions[0]["addr"]
+        mem = w.open_mem()
+        wo = w.open_mem(os.O_WRONLY)
+        b = ProcMemBackend()
+        try:
+            items = [(i + 1, BoRef("procmem", mem, base + i * page), page, 0) for i in range(8)]
+            assert len(b.open_many(items[:5], Direction.READ)) == 5
+            with pytest.raises(errors.UnmappedRangeError) as ei:
+                b.open_many(items, Direction.READ)
+            assert (ei.value.bo_id, ei.value.address, ei.value.offset) == (6, base + 5 * page, 0)
+            # spanning into the hole from BO 5: its last byte is the one named
+            with pytest.raises(errors.UnmappedRangeError) as ei:
+                b.open_many([items[0], (5, BoRef("procmem", mem, base + 4 * page + 8), page, 0)], Direction.READ)
+            assert (ei.value.bo_id, ei.value.address) == (5, base + 5 * page + 7)
+            # a write-only fd: open_many answers as open does (nothing to probe with; the copy reports)
+            wo_items = [(i + 1, BoRef("procmem", wo, base + i * page), page, 0) for i in range(8)]
+            assert len(b.open_many(wo_items, Direction.WRITE)) == 8
+            # through a job: the unmapped BO 6 is reported, not BO 9's size past the limit after it
+            specs = [BoSpec(i + 1, page, BoRef("procmem", mem, base + i * page)) for i in range(8)]
+            specs.append(BoSpec(9, 1 << 62, BoRef("procmem", mem, base)))
+            with pytest.raises(errors.UnmappedRangeError) as ei:
+                _dump(image_dir[1], specs)
+            assert (ei.value.bo_id, ei.value.address) == (6, base + 5 * page)
+            with pytest.raises(errors.LimitExceededError) as ei2:
+                _dump(image_dir[1], specs[:5] + specs[8:])
+            assert ei2.value.bo_id == 9
+        finally:
+            b.close()
+            os.close(mem)
+            os.close(wo)
+
+
+def test_open_ahead_is_only_a_head_start(image_dir):
+    """JobBase.open_ahead (what a session runs in its io thread) opens what add would; add takes a
+    handle only for the very same BO; an error in the thread keeps nothing and add raises it, in order."""
+    page = 4096
+    with Workload([{"size": 8 * page, "fill": "random", "holes": [[5 * page, page]]}]) as w:
+        base = w.regions[0]["addr"]
+        mem = w.open_mem()
+        specs = [BoSpec(i + 1, page, BoRef("procmem", mem, base + i * page)) for i in range(8)]
+
+        async def go():
+            async with engine(staging_budget=8 * MiB, chunk_size=MiB) as e:
+                job = e.start_dump(image_dir[1])
+                ahead = job.open_ahead(specs[:5])
+                assert sorted(ahead) == [1, 2, 3, 4, 5]
+                moved = BoSpec(4, page, BoRef("procmem", mem, base + 6 * page))  # not what was opened for BO 4
+                job.add([specs[0], specs[1], moved], ahead)
+                assert sorted(ahead) == [3, 5]  # BO 4's handle was dropped, not used for another range
+                job.drop_ahead(ahead)
+                assert ahead == {}
+                assert job.open_ahead(specs[4:]) == {}  # BO 6 is unmapped: nothing is kept
+                with pytest.raises(errors.UnmappedRangeError) as ei:
+                    job.add([*specs[4:], BoSpec(9, 1 << 62, BoRef("procmem", mem, base))], {})
+                assert (ei.value.bo_id, ei.value.address) == (6, base + 5 * page)
+                with pytest.raises(errors.UnmappedRangeError):
+                    await job.finish()
+        try:
+            run(go())
+        finally:
+            os.close(mem)

@@ -7,7 +7,18 @@ this package names a backend class.
 """
 from __future__ import annotations
 
-from .base import Backend, BackendOptions, BoHandle, BoRef, Capabilities, CopyItem, Direction, FdMemo, land_all
+from .base import (
+    Backend,
+    BackendOptions,
+    BoHandle,
+    BoRef,
+    Capabilities,
+    CopyItem,
+    Direction,
+    FdMemo,
+    OpenItem,
+    land_all,
+)
 from .mmapfd import MmapBackend
 from .procmem import ProcMemBackend
 from .sdma import SdmaBackend
@@ -19,4 +30,4 @@ REGISTRY: dict[str, type[Backend]] = {
 }
 
 __all__ = ["REGISTRY", "Backend", "BackendOptions", "BoHandle", "BoRef", "Capabilities", "CopyItem", "Direction",
-           "FdMemo", "MmapBackend", "ProcMemBackend", "SdmaBackend", "land_all"]
+           "FdMemo", "MmapBackend", "OpenItem", "ProcMemBackend", "SdmaBackend", "land_all"]

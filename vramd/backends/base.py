@@ -119,6 +119,25 @@ class Backend(ABC):
         however many BOs share it.
         """
 
+    def open_many(self, items: Sequence[OpenItem], direction: Direction,
+                  checked: FdMemo | None = None) -> list[BoHandle]:
+        """`open` of several BOs, each `(bo_id, ref, size, gpu_id)`, in order: their handles.
+
+        The first BO that fails raises its error, exactly as `open` would,
+        after the handles already opened here are released; the BOs after it
+        are not opened.  A backend may do the work of many opens at once (for
+        procmem: every range probe in one call that releases the GIL once).
+        """
+        handles: list[BoHandle] = []
+        try:
+            for bo_id, ref, size, gpu_id in items:
+                handles.append(self.open(bo_id, ref, size, gpu_id, direction, checked=checked))
+        except BaseException:
+            for h in handles:
+                self.release(h)
+            raise
+        return handles
+
     write_needs_rdwr: ClassVar[bool] = False  # restoring needs O_RDWR, not just O_WRONLY (e.g. to map it)
 
     def check(self, fd: int, direction: Direction, *, bo_id: int, checked: FdMemo | None = None) -> os.stat_result:
@@ -191,6 +210,8 @@ class Backend(ABC):
 
 # (handle, bo_offset, staging buffer, buffer offset, length): one copy of a batch
 CopyItem = tuple[BoHandle, int, StagingBuffer, int, int]
+# (bo_id, ref, size, gpu_id): one BO to open (Backend.open_many)
+OpenItem = tuple[int, BoRef, int, int]
 
 
 def land_all(futs: Iterable[Awaitable[None]], *, error: BaseException | None = None) -> asyncio.Future[None]:

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import errno
 import os
+from collections.abc import Sequence
 
-from ..errors import BackendError, UnmappedRangeError
+from ..errors import BackendError, UnmappedRangeError, VramdError
+from ..hostmem.batchcopy import Copy, copy_batch
+from ..hostmem.libc import ffi as libc_ffi
 from ..units import PAGE
-from .base import BoHandle, BoRef, Capabilities, Direction, FdMemo
+from .base import BoHandle, BoRef, Capabilities, Direction, FdMemo, OpenItem
 from .threaded import ThreadedBackend
 
 
@@ -38,6 +41,44 @@ class ProcMemBackend(ThreadedBackend):
             if (ref.offset + size - 1) // PAGE != ref.offset // PAGE:
                 self._probe(handle, size - 1)
         return handle
+
+    def open_many(self, items: Sequence[OpenItem], direction: Direction,
+                  checked: FdMemo | None = None) -> list[BoHandle]:
+        """`open` of many BOs with their range probes in one batchcopy call (one GIL release, not one
+        per probe).  A BO whose probes that call did not all pass (unmapped, a write-only fd, or
+        after one that failed) is opened by `open` itself, which probes again and raises its error."""
+        memo: FdMemo = checked if checked is not None else {}
+        probes: list[Copy] = []
+        ends: list[int] = []  # per BO: the number of probes planned up to and including its own
+        scratch = libc_ffi.new("char[]", 1)  # every probe's byte lands here
+        dst = int(libc_ffi.cast("uintptr_t", scratch))
+        for bo_id, ref, size, _gpu in items:
+            try:
+                self.check(ref.fd, direction, bo_id=bo_id, checked=memo)
+            except VramdError:
+                break  # `open` reports it, in order; nothing from here on is probed
+            if size:
+                probes.append(Copy(ref.fd, ref.offset, -1, dst, 1))
+                if (ref.offset + size - 1) // PAGE != ref.offset // PAGE:
+                    probes.append(Copy(ref.fd, ref.offset + size - 1, -1, dst, 1))
+            ends.append(len(probes))
+        passed = len(probes)
+        if probes:
+            _, failed = copy_batch(probes)
+            if failed >= 0:
+                passed = failed
+        handles: list[BoHandle] = []
+        try:
+            for i, (bo_id, ref, size, gpu_id) in enumerate(items):
+                if i < len(ends) and ends[i] <= passed:  # its fd checked, its ends probed: mapped
+                    handles.append(BoHandle(bo_id, ref, size, gpu_id, direction))
+                else:
+                    handles.append(self.open(bo_id, ref, size, gpu_id, direction, checked=memo))
+        except BaseException:
+            for h in handles:
+                self.release(h)
+            raise
+        return handles
 
     def _probe(self, handle: BoHandle, off: int) -> None:
         addr = handle.ref.offset + off

@@ -3,8 +3,8 @@
     from vramd.engine import Engine, EngineConfig, BoSpec, RestoreTarget
 """
 from .engine import Engine, EngineConfig, VerifyReport
-from .jobs import BoSpec, DumpJob, Job, RestoreJob, RestoreTarget, VerifyJob
+from .jobs import Ahead, BoSpec, DumpJob, Job, RestoreJob, RestoreTarget, VerifyJob
 from .pipeline import Progress
 
-__all__ = ["BoSpec", "DumpJob", "Engine", "EngineConfig", "Job", "Progress", "RestoreJob", "RestoreTarget",
+__all__ = ["Ahead", "BoSpec", "DumpJob", "Engine", "EngineConfig", "Job", "Progress", "RestoreJob", "RestoreTarget",
            "VerifyJob", "VerifyReport"]

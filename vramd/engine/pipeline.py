@@ -445,10 +445,33 @@ class Pipeline(Generic[BoT]):
                 task = getattr(e, "vramd_task", first)
                 self.fail(JobError(f"internal error: {e!r}", bo_id=task.bo.id, offset=task.offset))
             else:
-                for task in tasks:
-                    self._count(lane, task)
+                if self.on_progress is None:  # nobody watches each piece land: count the batch at once
+                    self._count_batch(lane, tasks)
+                else:
+                    for task in tasks:
+                        self._count(lane, task)
             finally:
                 self.pool.release(bufs)
+
+    def _count_batch(self, lane: _Lane[BoT], tasks: list[ChunkTask[BoT]]) -> None:
+        """`_count` of every piece of a landed batch, with the totals added once (the same sums)."""
+        p = self.progress
+        nbytes = 0
+        by_backend: dict[str, int] = {}
+        for task in tasks:
+            nbytes += task.length
+            backend = task.bo.backend  # None: verify copies nowhere
+            if backend is not None:
+                by_backend[backend.name] = by_backend.get(backend.name, 0) + task.length
+            task.bo.chunks_left -= 1
+            if task.bo.chunks_left == 0:
+                p.bos_done += 1
+                self.ends.bo_done(task.bo)  # e.g. unmap it now, not at the end of the job
+        p.bytes_done += nbytes
+        p.chunks_done += len(tasks)
+        p.per_gpu_bytes[lane.gpu_id] = p.per_gpu_bytes.get(lane.gpu_id, 0) + nbytes
+        for name, n in by_backend.items():
+            p.per_backend_bytes[name] = p.per_backend_bytes.get(name, 0) + n
 
     def _count(self, lane: _Lane[BoT], task: ChunkTask[BoT]) -> None:
         p = self.progress

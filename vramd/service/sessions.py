@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..backends import BoRef
-from ..engine import BoSpec, DumpJob, Job, RestoreJob, RestoreTarget
+from ..engine import Ahead, BoSpec, DumpJob, Job, RestoreJob, RestoreTarget
 from ..errors import (
     InternalError,
     InvalidRequestError,
@@ -106,15 +106,17 @@ _CHECK_EVERY = 32  # BOs between looks at the clock
 
 
 class _Stepper:
-    """Yield to the event loop whenever ADD_STEP_SECONDS have passed since the last yield."""
+    """Yield to the event loop whenever ADD_STEP_SECONDS have passed since the last yield.
+
+    Callers work in slices of _CHECK_EVERY BOs and call `tick` between slices,
+    so the clock is read once per slice, not once per BO.
+    """
 
     def __init__(self) -> None:
-        self.n = 0
         self.since = time.perf_counter()
 
     async def tick(self) -> None:
-        self.n += 1
-        if self.n % _CHECK_EVERY == 0 and time.perf_counter() - self.since > ADD_STEP_SECONDS:
+        if time.perf_counter() - self.since > ADD_STEP_SECONDS:
             await asyncio.sleep(0)
             self.since = time.perf_counter()
 
@@ -193,13 +195,18 @@ class Session:
             fds: dict[int, int] = {}
             chunks = 0
             chunk_size = job.chunk_size if isinstance(job, DumpJob) else 0
-            for bo in bos:  # validate every BO before taking any fd
-                if bo.fd_index not in fds:
-                    fds[bo.fd_index] = bundle.peek(bo.fd_index)
-                self._check_gpu(job, bo)
-                if chunk_size:
-                    chunks += -(-bo.size // chunk_size)
-                await step.tick()
+            gpu_ids = self.limits.gpu_ids
+            default_gpu = 0 in gpu_ids and isinstance(job, DumpJob)  # a dump BO naming no gpu_id is on GPU 0
+            for i in range(0, n, _CHECK_EVERY):  # validate every BO before taking any fd
+                if i:
+                    await step.tick()
+                for bo in bos[i:i + _CHECK_EVERY]:
+                    if bo.fd_index not in fds:
+                        fds[bo.fd_index] = bundle.peek(bo.fd_index)
+                    if not (default_gpu and not bo.HasField("gpu_id")):
+                        self._check_gpu(job, bo)
+                    if chunk_size:
+                        chunks += -(-bo.size // chunk_size)
             self._check_open()  # still open after the steps
             if self.chunks + chunks > self.limits.max_chunks:
                 raise LimitExceededError(
@@ -218,23 +225,30 @@ class Session:
                 self.fds.append(bundle.take(index))
             self.usage.fds += len(fds)
             # the backend of a BO that names none follows from its fd: looked at once per fd, not per BO
-            kinds = {i: pick_backend(fds[i]) for i in {bo.fd_index for bo in bos if not bo.backend}}
-            refs = []
-            for bo in bos:
-                refs.append(BoRef(bo.backend or kinds[bo.fd_index], fds[bo.fd_index], bo.offset))
+            kinds = {i: pick_backend(fd) for i, fd in fds.items()}
+            refs: list[BoRef] = []
+            items: list[BoSpec | RestoreTarget] = []  # what the job takes: specs (dump) or targets (restore)
+            make = self._spec if isinstance(job, DumpJob) else self._target
+            for i in range(0, n, _CHECK_EVERY):
                 await step.tick()
-            if len(fds) > 1:  # fds of many BOs: check them in a worker thread, off the event loop
-                distinct = {ref.fd: (bo.id, ref) for bo, ref in zip(bos, refs)}
-                await asyncio.get_running_loop().run_in_executor(job.ctx.io, job.precheck, distinct.values())
+                some = [BoRef(bo.backend or kinds[bo.fd_index], fds[bo.fd_index], bo.offset)
+                        for bo in bos[i:i + _CHECK_EVERY]]
+                refs += some
+                items += [make(bo, ref) for bo, ref in zip(bos[i:i + _CHECK_EVERY], some)]
+
+            def prepare() -> Ahead:
+                """In a worker thread: check the fds of many BOs, open the BOs the job can open there."""
+                if len(fds) > 1:
+                    job.precheck({ref.fd: (bo.id, ref) for bo, ref in zip(bos, refs)}.values())
+                return job.open_ahead(items)
+            # the syscalls of opening (procmem probes, fd checks) happen off the event loop
+            ahead = await asyncio.get_running_loop().run_in_executor(job.ctx.io, prepare)
             try:
                 self._raise_failure()  # failed while we were checking
                 i, since = 0, time.perf_counter()
                 while i < n:  # the job takes them a few at a time, yielding between steps
                     j = min(n, i + _CHECK_EVERY)
-                    if isinstance(job, DumpJob):
-                        job.add([self._spec(bo, ref) for bo, ref in zip(bos[i:j], refs[i:j])])
-                    else:
-                        job.add([self._target(bo, ref) for bo, ref in zip(bos[i:j], refs[i:j])])
+                    job.add(items[i:j], ahead)  # type: ignore[arg-type]  # specs for a dump, targets for a restore
                     i = j
                     if i < n and time.perf_counter() - since > ADD_STEP_SECONDS:
                         await asyncio.sleep(0)
@@ -243,6 +257,8 @@ class Session:
             except VramdError as e:
                 self._end_soon()  # the job has failed: clean up now, the error stays for Wait
                 raise e
+            finally:
+                job.drop_ahead(ahead)  # what the job did not take
 
     def _check_open(self) -> None:
         self._raise_failure()
@@ -275,8 +291,8 @@ class Session:
 
     @staticmethod
     def _spec(bo: rpc.Bo, ref: BoRef) -> BoSpec:
-        return BoSpec(bo.id, bo.size, ref, gpu_id=bo.gpu_id if bo.HasField("gpu_id") else 0,
-                      alloc_flags=bo.alloc_flags, va_addr=bo.va_addr, name=bo.name)
+        # an unset gpu_id reads as 0, the default GPU of a dump (positional: this runs once per BO)
+        return BoSpec(bo.id, bo.size, ref, bo.gpu_id, bo.alloc_flags, bo.va_addr, bo.name)
 
     @staticmethod
     def _target(bo: rpc.Bo, ref: BoRef) -> RestoreTarget:

@@ -11,9 +11,9 @@ import asyncio
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
-from ...backends import Backend, BoHandle, BoRef, CopyItem, Direction, FdMemo, land_all
+from ...backends import Backend, BoHandle, BoRef, CopyItem, Direction, FdMemo, OpenItem, land_all
 from ...errors import BackendUnavailableError, InvalidRequestError, LimitExceededError, VramdError
 from ...hostmem.batchcopy import Outcome
 from ...hostmem.staging import StagingPool
@@ -81,6 +81,9 @@ def submit_batch(copies: Sequence[tuple[Backend, CopyItem]]) -> asyncio.Future[N
         return land_all(futs, error=e)
     return land_all(futs)
 
+
+# BOs opened ahead in a worker thread (JobBase.open_ahead): bo_id -> (backend, what was opened, handle)
+Ahead = dict[int, tuple[Backend, OpenItem, BoHandle]]
 
 OFF_T_MAX = (1 << 63) - 1  # the largest file offset (off_t) a syscall takes
 DEFAULT_MAX_BO_BYTES = 1 << 40
@@ -196,6 +199,59 @@ class JobBase(Generic[BoT]):
             raise BackendUnavailableError(f"backend {kind!r} cannot {self.direction.value}", bo_id=bo_id)
         self._usable[kind] = backend
         return backend
+
+    def _validate(self, todo: Sequence[Any]) -> tuple[list[tuple[Backend, OpenItem]], VramdError | None]:
+        """The job's checks that need no syscall (dump.py, restore.py); nothing to open by default."""
+        return [], None
+
+    def open_ahead(self, todo: Sequence[Any]) -> Ahead:
+        """In a worker thread, before `add(todo, ahead)`: open what `add` will open, so that the
+        event loop makes no syscall for these BOs (procmem's probes) and never waits for the GIL
+        after one.  Only CPU-copy backends (procmem, mmap: fd checks, probes, sizes); nothing is
+        raised here: on any error nothing is kept, and `add` meets the error again, in order.
+        The caller passes what is returned to `add`, then to `drop_ahead`."""
+        valid, _ = self._validate(todo)
+        valid = [v for v in valid if v[0].cpu_copies]
+        try:
+            handles = self._open_all(valid)
+        except VramdError:
+            return {}
+        return {item[0]: (backend, item, h) for (backend, item), h in zip(valid, handles)}
+
+    @staticmethod
+    def drop_ahead(ahead: Ahead) -> None:
+        """Release the handles of `open_ahead` that `add` did not take (it failed, or stopped early)."""
+        for backend, _, handle in ahead.values():
+            backend.release(handle)
+        ahead.clear()
+
+    def _open_all(self, items: Sequence[tuple[Backend, OpenItem]], ahead: Ahead | None = None) -> list[BoHandle]:
+        """Open validated BOs in order, each run of one backend with one `open_many` (procmem: every
+        probe of the run in one call); a BO that `ahead` holds opened for the very same item is
+        taken from there.  The first BO that fails raises its error after the handles opened
+        or taken here are released; the BOs after it are not opened."""
+        handles: list[BoHandle] = []
+        i = 0
+        try:
+            while i < len(items):
+                backend, item = items[i]
+                got = ahead.pop(item[0], None) if ahead else None
+                if got is not None:
+                    if got[0] is backend and got[1] == item:
+                        handles.append(got[2])
+                        i += 1
+                        continue
+                    got[0].release(got[2])  # opened for something else: not this BO's handle
+                j = i + 1
+                while j < len(items) and items[j][0] is backend and not (ahead and items[j][1][0] in ahead):
+                    j += 1
+                handles += backend.open_many([it for _, it in items[i:j]], self.direction, checked=self._checked)
+                i = j
+        except BaseException:
+            for (backend, _), h in zip(items, handles):
+                backend.release(h)
+            raise
+        return handles
 
     def cancel(self, reason: str = "job cancelled") -> None:
         self.pipeline.cancel(reason)

@@ -18,10 +18,10 @@ import asyncio
 import os
 import posixpath
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from ...backends import Direction, land_all
+from ...backends import Backend, Direction, OpenItem, land_all
 from ...errors import InvalidRequestError, JobError, LimitExceededError, VramdError
 from ...hostmem.batchcopy import HASH, ZERO, copy_batch, xor_into
 from ...hostmem.libc import ffi as libc_ffi
@@ -36,7 +36,7 @@ from ...image.writer import DataFileWriter, ImageWriter
 from ...pb import image_pb2 as pb
 from ...units import PAGE, round_up
 from ..pipeline import HEAD_PAGE, ChunkTask, Clock, ProgressCallback, StageTimes, blame, settle
-from .common import BoSpec, CopiedBo, JobBase, JobContext, check_bo_range, landed, submit_batch
+from .common import Ahead, BoSpec, CopiedBo, JobBase, JobContext, check_bo_range, landed, submit_batch
 
 DIRECT_MIN = 256 << 10  # a piece this big, alone in its batch, is written with O_DIRECT where possible
 
@@ -410,29 +410,45 @@ class DumpJob(JobBase[DumpBo]):
         except OSError:
             return  # the writer reports an unusable directory fd
 
-    def add(self, specs: Iterable[BoSpec]) -> None:
-        """Validate and queue BOs; a bad BO fails the whole dump (an image is all or nothing)."""
+    def _validate(self, specs: Sequence[BoSpec]) -> tuple[list[tuple[Backend, OpenItem]], VramdError | None]:
+        """The checks that need no syscall, in BO order: what to open for the BOs before the first
+        that fails, and its error (reads the job's state only: also run in a worker thread, open_ahead)."""
+        valid: list[tuple[Backend, OpenItem]] = []
+        seen: set[int] = set()
+        try:
+            for spec in specs:
+                if spec.id in self.bos or spec.id in seen:
+                    raise InvalidRequestError("BO id given twice", bo_id=spec.id)
+                seen.add(spec.id)
+                check_bo_range(spec.id, spec.size, spec.ref, self.ctx.max_bo_bytes)
+                valid.append((self._backend(spec.ref.kind, spec.id), (spec.id, spec.ref, spec.size, spec.gpu_id)))
+        except VramdError as e:
+            return valid, e
+        return valid, None
+
+    def add(self, specs: Iterable[BoSpec], ahead: Ahead | None = None) -> None:
+        """Validate and queue BOs; a bad BO fails the whole dump (an image is all or nothing).
+
+        `ahead`: BOs opened by `open_ahead` in a worker thread; those used are taken from it."""
         todo = list(specs)
         queue = []
         try:
-            for spec in todo:
-                if spec.id in self.bos:
-                    raise InvalidRequestError("BO id given twice", bo_id=spec.id)
-                check_bo_range(spec.id, spec.size, spec.ref, self.ctx.max_bo_bytes)
-                backend = self._backend(spec.ref.kind, spec.id)
-                nchunks = chunk_count(spec.size, self.chunk_size)
+            valid, error = self._validate(todo)  # raised once the BOs before it are open: the first error wins
+            for spec, (backend, _), handle in zip(todo, valid, self._open_all(valid, ahead)):
                 key, same = self._same_buffer(spec)
                 if same is not None:  # the BO another process (or this one) passed already: its chunks serve
-                    self.bos[spec.id] = DumpBo(spec.id, spec.gpu_id, spec.size, None, None, spec=spec, alias_of=same)
-                    queue.append(self.bos[spec.id])
-                    continue
-                handle = backend.open(spec.id, spec.ref, spec.size, spec.gpu_id, Direction.READ, checked=self._checked)
-                bo = self.bos[spec.id] = DumpBo(spec.id, spec.gpu_id, spec.size, backend, handle,
-                                                chunks_left=nchunks, spec=spec)
-                if key is not None:
-                    self._inodes[key] = bo
-                bo.file = self.writer.data_file(spec.gpu_id) if spec.size else None
+                    backend.release(handle)
+                    bo = DumpBo(spec.id, spec.gpu_id, spec.size, None, None, spec=spec, alias_of=same)
+                else:
+                    bo = DumpBo(spec.id, spec.gpu_id, spec.size, backend, handle,
+                                chunks_left=chunk_count(spec.size, self.chunk_size), spec=spec)
+                    bo.file = self.writer.data_file(spec.gpu_id) if spec.size else None
+                    if key is not None:
+                        self._inodes[key] = bo
+                self.bos[spec.id] = bo
                 queue.append(bo)
+            if error is not None:
+                raise error
             for bo in queue:
                 if bo.alias_of is not None:
                     self.pipeline.add_covered(bo.size)

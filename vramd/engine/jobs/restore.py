@@ -1,9 +1,9 @@
 """The restore job: image -> BOs.  Copying starts as soon as targets are added (the offload)."""
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
-from ...backends import Backend, CopyItem, Direction
+from ...backends import Backend, CopyItem, OpenItem
 from ...errors import IncompleteRestoreError, InvalidRequestError, VramdError
 from ...hostmem.batchcopy import copy_batch
 from ...hostmem.staging import StagingBuffer
@@ -11,7 +11,7 @@ from ...image.codec import DecodedChunk
 from ...image.format import chunk_count
 from ...image.reader import ImageReader
 from ..pipeline import ChunkTask, Clock, ProgressCallback, settle
-from .common import JobContext, RestoreTarget, check_bo_range, landed, submit_batch
+from .common import Ahead, JobContext, RestoreTarget, check_bo_range, landed, submit_batch
 from .read import ImageBo, ImageJob, ImageReadEnds
 
 
@@ -50,22 +50,39 @@ class RestoreJob(ImageJob):
         self.allow_partial = allow_partial  # BOs of the image may be left without a target
         super().__init__(ctx, reader, RestoreEnds(reader, ctx.pool, ctx.io), on_progress)
 
-    def add(self, targets: Iterable[RestoreTarget]) -> None:
-        """Validate targets and start copying into them at once (the offload)."""
-        todo = list(targets)
+    def _validate(self, targets: Sequence[RestoreTarget]) -> tuple[list[tuple[Backend, OpenItem]], VramdError | None]:
+        """The checks that need no syscall, in BO order: what to open for the BOs before the first
+        that fails, and its error (reads the job's state only: also run in a worker thread, open_ahead)."""
+        valid: list[tuple[Backend, OpenItem]] = []
+        seen: set[int] = set()
         try:
-            for t in todo:
+            for t in targets:
                 entry = self.reader.bos.get(t.bo_id)
                 if entry is None:
                     raise InvalidRequestError("the image has no such BO", bo_id=t.bo_id)
-                if t.bo_id in self.bos:
+                if t.bo_id in self.bos or t.bo_id in seen:
                     raise InvalidRequestError("BO targeted twice", bo_id=t.bo_id)
+                seen.add(t.bo_id)
                 check_bo_range(t.bo_id, entry.size, t.ref, self.ctx.max_bo_bytes)
                 gpu = self.gpu_map.get(entry.gpu_id, entry.gpu_id) if t.gpu_id is None else t.gpu_id
-                backend = self._backend(t.ref.kind, t.bo_id)
-                handle = backend.open(t.bo_id, t.ref, entry.size, gpu, Direction.WRITE, checked=self._checked)
-                self.bos[t.bo_id] = ImageBo(t.bo_id, gpu, entry.size, backend, handle,
-                                            chunks_left=chunk_count(entry.size, self.manifest.chunk_size), entry=entry)
+                valid.append((self._backend(t.ref.kind, t.bo_id), (t.bo_id, t.ref, entry.size, gpu)))
+        except VramdError as e:
+            return valid, e
+        return valid, None
+
+    def add(self, targets: Iterable[RestoreTarget], ahead: Ahead | None = None) -> None:
+        """Validate targets and start copying into them at once (the offload).
+
+        `ahead`: BOs opened by `open_ahead` in a worker thread; those used are taken from it."""
+        todo = list(targets)
+        try:
+            valid, error = self._validate(todo)  # raised once the BOs before it are open: the first error wins
+            for (backend, (bo_id, _, size, gpu)), handle in zip(valid, self._open_all(valid, ahead)):
+                entry = self.reader.bos[bo_id]
+                self.bos[bo_id] = ImageBo(bo_id, gpu, size, backend, handle,
+                                          chunks_left=chunk_count(size, self.manifest.chunk_size), entry=entry)
+            if error is not None:
+                raise error
             for t in todo:
                 self._queue(self.bos[t.bo_id])
         except VramdError as e:
