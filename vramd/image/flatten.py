@@ -41,17 +41,20 @@ async def flatten(dir_fd: int, parent_fds: Sequence[int], out_fd: int) -> pb.Man
             comp = FLATTENED_DELTAS.to_pb()
         writer = ImageWriter(out_fd, chunk_size=m.chunk_size, compression=comp)
         try:
-            table, payloads = await asyncio.get_running_loop().run_in_executor(None, _copy, reader, writer)
-            return await writer.commit(_bos(m, table, payloads), _totals(m, table, payloads), m.topology_json,
-                                       chunks=table)
+            table, payloads, compressed = await asyncio.get_running_loop().run_in_executor(None, _copy, reader,
+                                                                                            writer)
+            totals = _totals(m, table, payloads)
+            totals.compressed_records = compressed
+            return await writer.commit(_bos(m, table, payloads), totals, m.topology_json, chunks=table)
         finally:
             await writer.aclose()
     finally:
         reader.close()
 
 
-def _copy(reader: ImageReader, writer: ImageWriter) -> tuple[pb.ChunkTable, list[int]]:
-    """In a worker thread: every table entry's record into the new image; the new table, payload bytes each."""
+def _copy(reader: ImageReader, writer: ImageWriter) -> tuple[pb.ChunkTable, list[int], int]:
+    """In a worker thread: every table entry's record into the new image; the new table, payload bytes each,
+    how many records are compressed."""
     m = reader.manifest
     t = m.chunks
     unit = PAGE + m.chunk_size + PAGE  # a record (head + payload) at offset PAGE, with room
@@ -60,6 +63,7 @@ def _copy(reader: ImageReader, writer: ImageWriter) -> tuple[pb.ChunkTable, list
     out = pb.ChunkTable()
     hashes = bytearray()
     payloads: list[int] = []
+    compressed = 0
     holder = _first_holders(m)  # entry -> (bo id, offset) of the first chunk that needs it: errors name it
     compression = FLATTENED_DELTAS
     try:
@@ -71,7 +75,8 @@ def _copy(reader: ImageReader, writer: ImageWriter) -> tuple[pb.ChunkTable, list
             gpu = images[t.image[i]].files[t.file_index[i]].gpu_id
             dst = writer.data_file(gpu)
             if loc.base is None:  # checked as a restore checks it, then copied byte for byte
-                _dec, head_len = reader.read_record(loc, bufs[0], bufs[1], PAGE, raw_len, bo_id=bo_id, offset=bo_off)
+                dec, head_len = reader.read_record(loc, bufs[0], bufs[1], PAGE, raw_len, bo_id=bo_id, offset=bo_off)
+                compressed += dec.codec != pb.CODEC_RAW
                 record = bufs[0].view[PAGE:PAGE + loc.length]
                 try:
                     at = _put(dst, [record], loc.length, bo_id, bo_off)
@@ -91,6 +96,7 @@ def _copy(reader: ImageReader, writer: ImageWriter) -> tuple[pb.ChunkTable, list
                 enc = encode_chunk(bo_id, bo_off, dec.buf, raw_len, compression, dec.offset, loc.chash)
                 at = _put(dst, [enc.head, enc.payload], enc.record_length, bo_id, bo_off)
                 rsum, length, payload = enc.record_checksum, enc.record_length, len(enc.payload)
+                compressed += enc.codec != pb.CODEC_RAW
             out.image.append(0)
             out.file_index.append(dst.index)
             out.offset.append(at)
@@ -104,7 +110,7 @@ def _copy(reader: ImageReader, writer: ImageWriter) -> tuple[pb.ChunkTable, list
         for b in bufs:
             b.unmap()
     out.hashes = bytes(hashes)
-    return out, payloads
+    return out, payloads, compressed
 
 
 def _put(dst: DataFileWriter, iov: Sequence[Bytes], length: int, bo_id: int, bo_off: int) -> int:

@@ -116,7 +116,7 @@ class Compression(_message.Message):
     def __init__(self, codec: _Optional[_Union[Codec, str]] = ..., level: _Optional[int] = ..., automatic: _Optional[bool] = ...) -> None: ...
 
 class Totals(_message.Message):
-    __slots__ = ("bo_count", "bo_bytes", "stored_bytes", "zero_bytes", "chunk_count", "dedup_bytes", "parent_bytes", "delta_bytes", "record_count")
+    __slots__ = ("bo_count", "bo_bytes", "stored_bytes", "zero_bytes", "chunk_count", "dedup_bytes", "parent_bytes", "delta_bytes", "record_count", "compressed_records")
     BO_COUNT_FIELD_NUMBER: _ClassVar[int]
     BO_BYTES_FIELD_NUMBER: _ClassVar[int]
     STORED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +126,7 @@ class Totals(_message.Message):
     PARENT_BYTES_FIELD_NUMBER: _ClassVar[int]
     DELTA_BYTES_FIELD_NUMBER: _ClassVar[int]
     RECORD_COUNT_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSED_RECORDS_FIELD_NUMBER: _ClassVar[int]
     bo_count: int
     bo_bytes: int
     stored_bytes: int
@@ -135,7 +136,8 @@ class Totals(_message.Message):
     parent_bytes: int
     delta_bytes: int
     record_count: int
-    def __init__(self, bo_count: _Optional[int] = ..., bo_bytes: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., zero_bytes: _Optional[int] = ..., chunk_count: _Optional[int] = ..., dedup_bytes: _Optional[int] = ..., parent_bytes: _Optional[int] = ..., delta_bytes: _Optional[int] = ..., record_count: _Optional[int] = ...) -> None: ...
+    compressed_records: int
+    def __init__(self, bo_count: _Optional[int] = ..., bo_bytes: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., zero_bytes: _Optional[int] = ..., chunk_count: _Optional[int] = ..., dedup_bytes: _Optional[int] = ..., parent_bytes: _Optional[int] = ..., delta_bytes: _Optional[int] = ..., record_count: _Optional[int] = ..., compressed_records: _Optional[int] = ...) -> None: ...
 
 class ChunkTable(_message.Message):
     __slots__ = ("hashes", "image", "file_index", "offset", "length", "record_checksum", "raw_length", "base")

@@ -79,6 +79,7 @@ class DumpBo(CopiedBo):
     parent_bytes: int = 0
     delta_bytes: int = 0
     delta_misses: int = 0  # delta trials lost in a row (DELTA_GIVE_UP)
+    compressed_records: int = 0
 
     def chunk_refs(self, nchunks: int) -> list[tuple[int, bytes]]:
         """Every chunk's (record number | -1 | -2, hash), in chunk order; every chunk must have landed once."""
@@ -242,6 +243,8 @@ class DumpEnds:
             number = self.index.stored(Entry(0, bo.file.index, p.at, p.length, p.rsum, t.length, p.chash, p.base))
             bo.refs[t.index] = (number, p.chash)
             bo.stored_bytes += p.payload
+            if p.enc is not None and p.enc.codec != pb.CODEC_RAW:
+                bo.compressed_records += 1
             if p.base:
                 bo.delta_bytes += t.length
 
@@ -507,7 +510,8 @@ class DumpJob(JobBase[DumpBo]):
         return out, table
 
     def _totals(self, entries: list[pb.BoEntry], table: pb.ChunkTable) -> pb.Totals:
-        return pb.Totals(bo_count=len(entries), bo_bytes=sum(e.size for e in entries),
+        return pb.Totals(compressed_records=sum(bo.compressed_records for bo in self.bos.values()),
+                         bo_count=len(entries), bo_bytes=sum(e.size for e in entries),
                          stored_bytes=sum(e.stored_bytes for e in entries),
                          zero_bytes=sum(e.zero_bytes for e in entries),
                          chunk_count=sum(len(e.chunk_refs) for e in entries),

@@ -61,9 +61,14 @@ def buffers_to_read(reader: ImageReader) -> int:
     if reader.has_deltas:
         return 4
     images = [reader.manifest, *(m for _, m in reader.parents)]
-    compressed = any(m.compression.codec not in (pb.CODEC_RAW, pb.CODEC_UNSPECIFIED) or m.compression.automatic
-                     for m in images)
-    return 2 if compressed else 1
+    return 2 if any(_compressed(m) for m in images) else 1
+
+
+def _compressed(m: pb.Manifest) -> bool:
+    """Whether any record of the image may be compressed: v2 counts them; v1 says what it asked for."""
+    if m.format_version >= 2:
+        return m.totals.compressed_records > 0
+    return m.compression.codec not in (pb.CODEC_RAW, pb.CODEC_UNSPECIFIED)
 
 
 class ImageReadEnds(ABC):
