@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from ..errors import JobError
 from ..pb import image_pb2 as pb
-from .format import HASH_LEN, entry_hash
+from .format import HASH_LEN, TableView
 
 # What `claim` answers: store a record; refer to one of this image; refer to a parent's.
 STORE, DUP, PARENT = "store", "dup", "parent"
@@ -50,13 +50,13 @@ class ChunkIndex:
         """Make a parent image's records referable: `depth` 1 is the parent, 2 its parent, ...
 
         Its own table's images are renumbered by `depth` (its parent k is our k + depth)."""
-        t = manifest.chunks
+        t = TableView(manifest.chunks)
         with self._lock:
-            for i in range(len(t.image)):
-                h = entry_hash(t, i)
+            for i in range(len(t)):
+                h = t.hash(i)
                 if h in self._stored:
                     continue
-                base = entry_hash(t, t.base[i] - 1) if t.base[i] else b""
+                base = t.hash(t.base[i] - 1) if t.base[i] else b""
                 self._stored[h] = Entry(t.image[i] + depth, t.file_index[i], t.offset[i], t.length[i],
                                         t.record_checksum[i], t.raw_length[i], h, base)
 

@@ -21,7 +21,7 @@ from ..hostmem.staging import StagingBuffer
 from ..pb import image_pb2 as pb
 from ..units import PAGE
 from .codec import Compression, encode_chunk
-from .format import Bytes, entry_hash
+from .format import Bytes, TableView
 from .reader import ImageReader
 from .writer import DataFileWriter, ImageWriter
 
@@ -56,7 +56,7 @@ def _copy(reader: ImageReader, writer: ImageWriter) -> tuple[pb.ChunkTable, list
     """In a worker thread: every table entry's record into the new image; the new table, payload bytes each,
     how many records are compressed."""
     m = reader.manifest
-    t = m.chunks
+    t = TableView(m.chunks)
     unit = PAGE + m.chunk_size + PAGE  # a record (head + payload) at offset PAGE, with room
     bufs = [StagingBuffer(unit, mmap.mmap(-1, unit)) for _ in range(4)]
     images = [m, *(pm for _, pm in reader.parents)]
@@ -68,7 +68,7 @@ def _copy(reader: ImageReader, writer: ImageWriter) -> tuple[pb.ChunkTable, list
     compression = FLATTENED_DELTAS
     try:
         for i in sorted(holder):  # the entries BOs refer to (a delta's base only serves to decode it)
-            hashes += entry_hash(t, i)
+            hashes += t.hash(i)
             bo_id, bo_off = holder.get(i, (0, 0))
             loc = reader.locate_entry(i)
             raw_len = t.raw_length[i]

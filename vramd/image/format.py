@@ -190,7 +190,7 @@ def _check_manifest(m: pb.Manifest, name: str) -> None:
 
 def _check_v2(m: pb.Manifest, name: str) -> None:
     """A v2 manifest: BOs reach their records through the chunk table; parents name whole images."""
-    t = m.chunks
+    t = TableView(m.chunks)
     n = len(t.image)
     if len(t.hashes) != HASH_LEN * n or any(
             len(lst) != n for lst in (t.file_index, t.offset, t.length, t.record_checksum, t.raw_length, t.base)):
@@ -239,9 +239,23 @@ def _check_v2(m: pb.Manifest, name: str) -> None:
                                                f"{t.raw_length[ref - 1]} bytes", bo_id=bo.id)
 
 
-def entry_hash(table: pb.ChunkTable, i: int) -> bytes:
-    """Entry `i`'s content hash (the chunk table keeps them in one blob)."""
-    return table.hashes[i * HASH_LEN:(i + 1) * HASH_LEN]
+class TableView:
+    """A v2 chunk table read once into plain lists (each access to a protobuf field builds a new object:
+    the hashes blob alone is 32 bytes per entry, copied on every read of `hashes`)."""
+
+    def __init__(self, table: pb.ChunkTable) -> None:
+        self.hashes = bytes(table.hashes)
+        self.image, self.file_index = list(table.image), list(table.file_index)
+        self.offset, self.length = list(table.offset), list(table.length)
+        self.record_checksum, self.raw_length = list(table.record_checksum), list(table.raw_length)
+        self.base = list(table.base)
+
+    def __len__(self) -> int:
+        return len(self.image)
+
+    def hash(self, i: int) -> bytes:
+        """Entry `i`'s content hash."""
+        return self.hashes[i * HASH_LEN:(i + 1) * HASH_LEN]
 
 
 def chunk_count(size: int, chunk_size: int) -> int:

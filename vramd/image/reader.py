@@ -28,7 +28,7 @@ from ..hostmem.staging import StagingBuffer
 from ..pb import image_pb2 as pb
 from .codec import DecodedChunk, decode_chunk
 from .fileio import image_os_error, open_regular, pread_into, preadv_all, read_manifest_hashed, reopen_direct
-from .format import DATA_HEADER, check_data_header, entry_hash, record_head_length
+from .format import DATA_HEADER, TableView, check_data_header, record_head_length
 
 
 @dataclass(frozen=True)
@@ -73,10 +73,10 @@ class ImageReader:
         self._slot_dir = [k for (k, _fi) in sorted(self._slot, key=self._slot.__getitem__)]
         self.bos = {bo.id: bo for bo in manifest.bos}
         self._locs: dict[int, Loc] = {}  # v2 chunk table index -> its Loc
+        self._table = TableView(manifest.chunks)
         # per image of the chain: its records are trusted as the image's own (else verified by content hash)
         self._trusted: list[bool] = [True] + [False] * len(self.parents)
-        t = manifest.chunks
-        self.has_deltas = any(t.base)
+        self.has_deltas = any(self._table.base)
         self._lock = threading.Lock()
         self._direct: dict[int, tuple[int, int] | None] = {}  # slot -> (O_DIRECT fd, file size), or None
 
@@ -226,11 +226,11 @@ class ImageReader:
     def _table_loc(self, index: int) -> Loc:
         loc = self._locs.get(index)
         if loc is None:
-            t = self.manifest.chunks
+            t = self._table
             image = t.image[index]
             base = self._table_loc(t.base[index] - 1) if t.base[index] else None
             loc = self._locs[index] = Loc(self._slot[(image, t.file_index[index])], t.offset[index],
-                                          t.length[index], t.record_checksum[index], entry_hash(t, index), base,
+                                          t.length[index], t.record_checksum[index], t.hash(index), base,
                                           foreign=not self._trusted[image])
         return loc
 
