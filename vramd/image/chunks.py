@@ -91,9 +91,9 @@ class ChunkIndex:
         `chunk_refs[b]`, per BO, per chunk: (own record number, hash): a record number >= 0 for a chunk
         that stored its own record, -1 for one that refers by hash, -2 for a hole (hash unused).
         """
-        out = pb.ChunkTable()
         index: dict[Entry, int] = {}  # a record -> its table position
-        hashes = bytearray()
+        entries: list[Entry] = []
+        bases: list[int] = []
 
         def put(e: Entry) -> int:
             pos = index.get(e)
@@ -105,15 +105,9 @@ class ChunkIndex:
                 if b is None:
                     raise JobError("internal error: a delta record's base is in no table")
                 base = put(b) + 1
-            pos = index[e] = len(out.image)
-            hashes.extend(e.chash)
-            out.image.append(e.image)
-            out.file_index.append(e.file_index)
-            out.offset.append(e.offset)
-            out.length.append(e.length)
-            out.record_checksum.append(e.record_checksum)
-            out.raw_length.append(e.raw_length)
-            out.base.append(base)
+            pos = index[e] = len(entries)
+            entries.append(e)
+            bases.append(base)
             return pos
 
         refs: list[list[int]] = []
@@ -131,6 +125,11 @@ class ChunkIndex:
                             raise JobError("internal error: a chunk refers to bytes no record holds")
                         r.append(put(e) + 1)
                 refs.append(r)
-        out.hashes = bytes(hashes)
-        assert len(out.hashes) == HASH_LEN * len(out.image)
+        # one bulk assignment a field (appending to a protobuf list one entry at a time is slow)
+        out = pb.ChunkTable(hashes=b"".join(e.chash for e in entries), image=[e.image for e in entries],
+                            file_index=[e.file_index for e in entries], offset=[e.offset for e in entries],
+                            length=[e.length for e in entries],
+                            record_checksum=[e.record_checksum for e in entries],
+                            raw_length=[e.raw_length for e in entries], base=bases)
+        assert len(out.hashes) == HASH_LEN * len(entries)
         return out, refs
