@@ -8,9 +8,9 @@ of a few ms (sessions.ADD_STEP_SECONDS), and the full garbage collection
 waits for a quiet moment, so the round trips stay short throughout.  (On
 main, before this, one such message held the loop for seconds.)
 
-What is measured is the adding; the commit that follows is the engine's
-(it builds the manifest on the loop: about 60 ms for max_bos_per_session
-BOs here, more for the 49,152 BOs this test's daemon allows).
+The round trips are measured while the BOs are added and while the image
+is committed: the chunk table, the BO entries and the manifest are built
+and encoded off the event loop (in a CPU thread and the image's thread).
 """
 from __future__ import annotations
 
@@ -64,6 +64,7 @@ def test_getstatus_answers_quickly_while_another_client_adds_many_bos(daemon, im
             c.start(s.token)
             assert c.wait(s.token).progress.bos_done == {N}
             c.close_session(s.token)
+            print("done", flush=True)
     """)
     probe = textwrap.dedent(f"""
         import sys, time
@@ -93,8 +94,16 @@ def test_getstatus_answers_quickly_while_another_client_adds_many_bos(daemon, im
             prober.stdin.flush()
             rtts.append(float(prober.stdout.readline()))
             added = loader.stdout.readline()
-        os.set_blocking(loader.stdout.fileno(), True)
         assert added.split() == ["added", str(N)], added
+        adding = len(rtts)
+        done = ""
+        while not done:  # and while the image is committed: manifest, chunk table, files
+            prober.stdin.write("\n")
+            prober.stdin.flush()
+            rtts.append(float(prober.stdout.readline()))
+            done = loader.stdout.readline()
+        os.set_blocking(loader.stdout.fileno(), True)
+        assert done.strip() == "done", done
         prober.stdin.write("stop\n")
         prober.stdin.flush()
         assert loader.wait(120) == 0
@@ -106,11 +115,14 @@ def test_getstatus_answers_quickly_while_another_client_adds_many_bos(daemon, im
             child.stdin.close()
             child.stdout.close()
     rtts.sort()
-    report = (f"{N} BOs; {len(rtts)} GetStatus: p50 {rtts[len(rtts) // 2] * 1e3:.1f} ms, "
+    committing = len(rtts) - adding
+    report = (f"{N} BOs; {len(rtts)} GetStatus ({committing} while it committed): "
+              f"p50 {rtts[len(rtts) // 2] * 1e3:.1f} ms, "
               f"p99 {rtts[int(len(rtts) * 0.99)] * 1e3:.1f} ms, max {rtts[-1] * 1e3:.1f} ms")
     print(report)
     assert len(rtts) > 100, report
     # The loop holds no step longer than a few ms; on a 2-core machine shared with other work the scheduler
     # and the GIL (the daemon's copy threads) still delay the odd round trip, hence p99 and a looser maximum.
+    # Measured here: max 42-56 ms with the commit off the loop, 649 ms with it on the loop (49,152 BOs).
     assert rtts[int(len(rtts) * 0.99)] < 0.100, report
-    assert rtts[-1] < 0.500, report
+    assert rtts[-1] < 0.200, report

@@ -142,6 +142,12 @@ def _read_manifest_blob(dir_fd: int) -> bytes:
         os.close(fd)
 
 
+def read_manifest_now(dir_fd: int) -> pb.Manifest:
+    """`read_manifest` in the calling thread (never the event loop); a missing manifest raises
+    FileNotFoundError."""
+    return decode_manifest(_read_manifest_blob(dir_fd))
+
+
 async def read_manifest(dir_fd: int) -> pb.Manifest:
     """The committed manifest of the image in `dir_fd`, decoded and checked (the read in a thread)."""
     return (await read_manifest_hashed(dir_fd))[0]
@@ -150,9 +156,14 @@ async def read_manifest(dir_fd: int) -> pb.Manifest:
 async def read_manifest_hashed(dir_fd: int) -> tuple[pb.Manifest, bytes]:
     """`read_manifest`, and the BLAKE3-256 of the whole manifest file (how a child names its parent)."""
     try:
-        blob = await asyncio.get_running_loop().run_in_executor(None, _read_manifest_blob, dir_fd)
+        # read, decoded and checked in a thread: the checks grow with the image (never on the event loop)
+        return await asyncio.get_running_loop().run_in_executor(None, _read_and_decode, dir_fd)
     except FileNotFoundError:
         raise ManifestMissingError(
             f"no committed image here: {MANIFEST_NAME} is missing (an interrupted dump never commits one)"
         ) from None
+
+
+def _read_and_decode(dir_fd: int) -> tuple[pb.Manifest, bytes]:
+    blob = _read_manifest_blob(dir_fd)
     return decode_manifest(blob), content_hash(blob)

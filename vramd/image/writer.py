@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from .. import __version__
 from ..errors import InvalidRequestError, VramdError, from_os_error
 from ..pb import image_pb2 as pb
-from .fileio import FILE_MODE, OPEN_FLAGS, image_os_error, pwrite_all, read_manifest, reopen_direct
+from .fileio import FILE_MODE, OPEN_FLAGS, image_os_error, pwrite_all, read_manifest_now, reopen_direct
 from .format import (
     CHILD_MARK,
     FORMAT_VERSION,
@@ -250,9 +250,18 @@ class ImageWriter:
         await asyncio.wrap_future(self._swept)
         files = sorted(self.files.values(), key=lambda f: f.index)
         await asyncio.gather(*(f.fsync() for f in files))
+        loop = asyncio.get_running_loop()
+        # Building and encoding the manifest is CPU work that grows with the BOs: in the image's thread too,
+        # so the event loop keeps answering other clients while a big image commits.
+        return await loop.run_in_executor(self._dirops, self._build_and_commit, files, bos, totals, topology_json,
+                                          chunks, parents)
+
+    def _build_and_commit(self, files: list[DataFileWriter], bos: list[pb.BoEntry], totals: pb.Totals,
+                          topology_json: bytes, chunks: pb.ChunkTable | None,
+                          parents: Sequence[pb.ParentRef]) -> pb.Manifest:
         try:
-            previous = await read_manifest(self.dir_fd)
-        except VramdError:
+            previous = read_manifest_now(self.dir_fd)
+        except (VramdError, FileNotFoundError):
             previous = None
         manifest = pb.Manifest(
             format_version=FORMAT_VERSION, image_id=self.image_id, writer=f"vramd {__version__}",
@@ -260,9 +269,7 @@ class ImageWriter:
             files=[pb.DataFile(name=f.name, gpu_id=f.gpu_id, length=f.end) for f in files],
             bos=bos, totals=totals, topology_json=topology_json, chunks=chunks or pb.ChunkTable(), parents=parents,
         )
-        blob = encode_manifest(manifest)
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._dirops, self._commit, files, blob, previous)
+        self._commit(files, encode_manifest(manifest), previous)
         return manifest
 
     def _commit(self, files: list[DataFileWriter], blob: bytes, previous: pb.Manifest | None) -> None:

@@ -481,7 +481,8 @@ class DumpJob(JobBase[DumpBo]):
         """Wait for every chunk, then commit the image; returns the manifest."""
         try:
             await self.pipeline.wait()
-            entries, table = self._entries()
+            # CPU work that grows with the BOs: off the event loop (other clients are answered meanwhile)
+            entries, table = await asyncio.get_running_loop().run_in_executor(self.ctx.cpu, self._entries)
             return await self.writer.commit(entries, self._totals(entries, table), self.topology_json,
                                             chunks=table, parents=self.parents)
         finally:
