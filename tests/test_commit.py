@@ -117,3 +117,39 @@ def test_sigkill_mid_dump_leaves_no_image(image_dir):
             await e.verify(dfd)
     with pytest.raises(errors.ManifestMissingError):
         run(go())
+
+
+def test_vramctl_gc_removes_a_killed_dumps_temporaries_and_waits_for_a_live_dump(image_dir, tmp_path):
+    """A dump killed mid-way leaves only temporaries; `vramctl gc` removes them (vramd's own names only),
+    and refuses while a dump holds the directory."""
+    from helpers import ROOT
+
+    from vramd.image.writer import lock_directory
+    path, dfd = image_dir
+    with Workload([{"size": 64 * MiB, "fill": "random"}]) as w:
+        r = w.regions[0]
+        p = subprocess.Popen([sys.executable, "-c", KILLED_DUMP, str(w.pid), str(r["addr"]), str(r["size"]),
+                              str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert p.stdout.readline().strip() == "mid-dump"
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        p.stdout.close()
+        p.stdin.close()
+    left = sorted(os.listdir(path))
+    assert left and all(n.endswith(".tmp") for n in left)
+    (path / "notes.txt.tmp").write_text("not vramd's")
+
+    def gc():
+        return subprocess.run([sys.executable, "-m", "vramd.cli", "gc", str(path), "--json"], cwd=ROOT,
+                              capture_output=True, text=True, timeout=60)
+    held = lock_directory(dfd)  # a dump writing into it: nothing is garbage
+    try:
+        r = gc()
+        assert r.returncode == 1 and "another dump" in r.stderr, r.stderr
+    finally:
+        os.close(held)
+    r = gc()
+    assert r.returncode == 0, r.stderr
+    import json
+    assert sorted(json.loads(r.stdout)["removed"]) == left
+    assert os.listdir(path) == ["notes.txt.tmp"]

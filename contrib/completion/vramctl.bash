@@ -5,7 +5,7 @@ _vramctl() {
     cmd=""
     for ((i = 1; i < COMP_CWORD; i++)); do
         case "${COMP_WORDS[i]}" in
-            status|sessions|dump|restore|verify|rm|flatten|selftest|inspect) cmd="${COMP_WORDS[i]}"; break ;;
+            status|sessions|dump|restore|verify|rm|gc|flatten|selftest|inspect) cmd="${COMP_WORDS[i]}"; break ;;
         esac
     done
     case "$cmd" in
@@ -15,10 +15,11 @@ _vramctl() {
         restore) COMPREPLY=($(compgen -W "-h --help --json --pid --image --bo-file --to-recorded-paths --parent" -- "$cur")) ;;
         verify) COMPREPLY=($(compgen -W "-h --help --json --parent" -- "$cur")) ;;
         rm) COMPREPLY=($(compgen -W "-h --help --json --parent" -- "$cur")) ;;
+        gc) COMPREPLY=($(compgen -W "-h --help --json" -- "$cur")) ;;
         flatten) COMPREPLY=($(compgen -W "-h --help --json --parent" -- "$cur")) ;;
         selftest) COMPREPLY=($(compgen -W "-h --help --json --size --workdir" -- "$cur")) ;;
         inspect) COMPREPLY=($(compgen -W "-h --help --json" -- "$cur")) ;;
-        "") COMPREPLY=($(compgen -W "-h --help --version --socket status sessions dump restore verify rm flatten selftest inspect" -- "$cur")) ;;
+        "") COMPREPLY=($(compgen -W "-h --help --version --socket status sessions dump restore verify rm gc flatten selftest inspect" -- "$cur")) ;;
     esac
     case "${COMP_WORDS[COMP_CWORD-1]}" in
         --image|--workdir|--socket) COMPREPLY=($(compgen -f -- "$cur")) ;;

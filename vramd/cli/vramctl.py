@@ -10,6 +10,7 @@
     vramctl inspect DIR [--json]                        (offline: no daemon)
     vramctl flatten DIR OUT [--parent DIR] [--json]     (offline: a self-contained copy)
     vramctl rm DIR [--parent DIR] [--json]              (offline: an image no child needs)
+    vramctl gc DIR [--json]                             (offline: an interrupted dump's temporaries)
     vramctl [--socket S] selftest [--size 64M] [--json]
 
 vramctl opens /proc/PID/mem, the BO files and the image directory itself
@@ -484,6 +485,24 @@ def cmd_rm(ns: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_gc(ns: argparse.Namespace) -> int:
+    """Remove what interrupted dumps left in an image directory (as the next dump into it would)."""
+    from ..image.writer import lock_directory, sweep_temporaries
+    dfd = open_image_dir(ns.dir, create=False)
+    try:
+        lock = lock_directory(dfd)  # a dump under way holds it: its temporaries are not garbage
+        try:
+            removed = sweep_temporaries(lock)
+        finally:
+            os.close(lock)
+    finally:
+        os.close(dfd)
+    emit(ns, {"ok": True, "removed": removed},
+         f"{ns.dir}: removed {len(removed)} temporary file(s) of interrupted dumps" +
+         "".join(f"\n  {n}" for n in removed))
+    return EXIT_OK
+
+
 def cmd_flatten(ns: argparse.Namespace) -> int:
     import uvloop
 
@@ -553,6 +572,9 @@ def build_parser() -> argparse.ArgumentParser:
             "an image incremental images need is kept")
     p.add_argument("dir", metavar="DIR")
     p.add_argument("--parent", metavar="DIR", help=PARENT_HELP)
+    p = cmd("gc", cmd_gc, "remove what interrupted dumps left in an image directory (offline; refused while a "
+            "dump writes into it)")
+    p.add_argument("dir", metavar="DIR")
     p = cmd("flatten", cmd_flatten, "copy an image into a self-contained one: no parents needed (offline)")
     p.add_argument("dir", metavar="DIR")
     p.add_argument("out", metavar="OUT", help="an empty or new directory for the self-contained copy")

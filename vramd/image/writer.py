@@ -163,6 +163,52 @@ class DataFileWriter:
             self.fd = None
 
 
+def sweep_temporaries(dir_fd: int, keep: str = "") -> list[str]:
+    """Remove the temporaries crashed dumps left in the directory `dir_fd` (whose flock the caller holds:
+    a dump that died cannot hold it, so whatever matches is garbage); returns their names.
+
+    Only vramd's own patterns (data-<16 hex>-<8 hex>.vrd.tmp, .manifest.vrdm.<32 hex>.tmp), only
+    regular files (never a symlink: lstat, then unlinkat of the name), never a name containing `keep`
+    (a dump's own image id).
+    """
+    removed: list[str] = []
+    try:
+        names = os.listdir(dir_fd)
+    except OSError as e:
+        log.warning("image directory not swept: %s", e.strerror)
+        return removed
+    for name in names:
+        if not is_own_temporary(name) or (keep and keep in name):
+            continue
+        try:
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            if stat.S_ISREG(st.st_mode):
+                os.unlink(name, dir_fd=dir_fd)
+                removed.append(name)
+        except OSError as e:
+            log.warning("stale temporary %s not removed: %s", name, e.strerror)
+    if removed:
+        log.info("removed %d temporaries of an interrupted dump: %s", len(removed), ", ".join(removed))
+    return removed
+
+
+def lock_directory(dir_fd: int) -> int:
+    """A description of the image directory of our own, flocked (one dump, or gc, at a time): the caller
+    closes it to unlock.  Another holder is INVALID_REQUEST."""
+    try:
+        lock_fd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError as e:
+        raise from_os_error(e, f"image directory fd {dir_fd} is unusable", InvalidRequestError) from None
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(lock_fd)
+        if e.errno == errno.EWOULDBLOCK:
+            raise InvalidRequestError("another dump is writing into this image directory") from None
+        raise from_os_error(e, "cannot lock the image directory", InvalidRequestError) from None
+    return lock_fd
+
+
 class ImageWriter:
     def __init__(self, dir_fd: int, *, chunk_size: int, compression: pb.Compression,
                  parent_dirs: Sequence[int] = (), replace_parent: bool = False) -> None:
@@ -172,17 +218,7 @@ class ImageWriter:
         # flock is per open file description: lock a description of our own
         # (the same directory, reopened through the fd) so that two jobs given
         # the same fd still exclude each other.
-        try:
-            self._lock_fd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=dir_fd)
-        except OSError as e:
-            raise from_os_error(e, f"image directory fd {dir_fd} is unusable", InvalidRequestError) from None
-        try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            os.close(self._lock_fd)
-            if e.errno == errno.EWOULDBLOCK:
-                raise InvalidRequestError("another dump is writing into this image directory") from None
-            raise from_os_error(e, "cannot lock the image directory", InvalidRequestError) from None
+        self._lock_fd = lock_directory(dir_fd)
         self.dir_fd = dir_fd
         self.parent_dirs = list(parent_dirs)
         self._marked: list[int] = []  # parent directories this dump marked (unmarked again unless it commits)
@@ -211,31 +247,8 @@ class ImageWriter:
 
     def sweep(self) -> list[str]:
         """Remove the temporaries a crashed dump left (in the image thread, under the lock); returns their names.
-
-        Only vramd's own patterns (data-<16 hex>-<8 hex>.vrd.tmp, .manifest.vrdm.<32 hex>.tmp), only
-        regular files (never a symlink: lstat, then unlinkat of the name), never this dump's own.
-        A dump that died cannot hold the lock, so whatever matches while we hold it is garbage.
-        """
-        mine = self.image_id.hex()[:16]
-        removed: list[str] = []
-        try:
-            names = os.listdir(self._lock_fd)  # our own description of the directory, not the caller's fd
-        except OSError as e:
-            log.warning("image directory not swept: %s", e.strerror)
-            return removed
-        for name in names:
-            if not is_own_temporary(name) or mine in name:
-                continue
-            try:
-                st = os.stat(name, dir_fd=self._lock_fd, follow_symlinks=False)
-                if stat.S_ISREG(st.st_mode):
-                    os.unlink(name, dir_fd=self._lock_fd)
-                    removed.append(name)
-            except OSError as e:
-                log.warning("stale temporary %s not removed: %s", name, e.strerror)
-        if removed:
-            log.info("removed %d temporaries of an interrupted dump: %s", len(removed), ", ".join(removed))
-        return removed
+        Never this dump's own (see sweep_temporaries)."""
+        return sweep_temporaries(self._lock_fd, keep=self.image_id.hex()[:16])
 
     def data_file(self, gpu_id: int) -> DataFileWriter:
         """The GPU's data file (created in its writer thread; a creation error fails its first write)."""
