@@ -6,8 +6,10 @@ import os
 import subprocess
 import sys
 
+import pytest
 from helpers import ROOT
 
+from vramd.pb import rpc_pb2 as rpc
 from vramd.testing import Workload, blank_spec_like
 
 SPEC = [{"size": (2 << 20) + 5, "fill": "random", "seed": 7}, {"size": 64 << 10, "fill": "zero"},
@@ -183,3 +185,206 @@ def test_incremental_dump_restore_verify_flatten(daemon, tmp_path):
     r = vramctl("rm", str(gone))
     assert r.returncode == 0, r.stderr
     assert not gone.exists()
+
+
+def test_socket_goes_before_or_after_the_command(daemon, tmp_path):
+    for args in (["--socket", daemon.socket, "status", "--json"], ["status", "--socket", daemon.socket, "--json"],
+                 ["sessions", "--json", "--socket", daemon.socket]):
+        r = vramctl(*args)
+        assert r.returncode == 0, (args, r.stderr)
+    # given after the command, it is the one used (not the default, nor one given before)
+    r = vramctl("--socket", str(tmp_path / "nobody-listens.sock"), "status", "--socket", daemon.socket)
+    assert r.returncode == 0, r.stderr
+    r = vramctl("--socket", daemon.socket, "status", "--socket", str(tmp_path / "nobody-listens.sock"))
+    assert r.returncode == 1 and "nobody-listens.sock" in r.stderr
+
+
+def test_dump_of_files_needs_no_pid_and_a_failed_dump_leaves_no_directory(daemon, tmp_path):
+    bo = tmp_path / "bo.bin"
+    bo.write_bytes(os.urandom(100_000))
+    r = vramctl("dump", "--bo-file", str(bo), "--image", str(tmp_path / "img"), "--json", socket=daemon.socket)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["image"]["bo_count"] == 1
+    r = vramctl("dump", "--range", "0x1000:4K", "--image", str(tmp_path / "img2"), socket=daemon.socket)
+    assert r.returncode == 2 and "--range needs --pid" in r.stderr
+    assert not (tmp_path / "img2").exists()
+
+    # a dump the daemon fails: the directories vramctl made for it are gone again, others stay
+    with Workload([{"size": 8192, "fill": "random", "seed": 1}]) as w:
+        new = tmp_path / "new" / "deeper" / "img"
+        r = vramctl("dump", "--pid", str(w.pid), "--range", "0x1000:4K", "--image", str(new), socket=daemon.socket)
+        assert r.returncode == 1 and "UNMAPPED_RANGE" in r.stderr
+        assert not (tmp_path / "new").exists()
+        mine = tmp_path / "mine"
+        mine.mkdir()
+        r = vramctl("dump", "--pid", str(w.pid), "--range", "0x1000:4K", "--image", str(mine), socket=daemon.socket)
+        assert r.returncode == 1 and mine.is_dir() and list(mine.iterdir()) == []
+    # a dump that fails before the daemon is reached (a BO file that cannot be opened) makes none
+    r = vramctl("dump", "--bo-file", str(tmp_path / "missing"), "--image", str(tmp_path / "img3"), socket=daemon.socket)
+    assert r.returncode == 1 and not (tmp_path / "img3").exists()
+    r = vramctl("dump", "--bo-file", str(bo), "--image", str(tmp_path / "img4"),
+                socket=str(tmp_path / "nobody-listens.sock"))
+    assert r.returncode == 1 and "cannot connect" in r.stderr and not (tmp_path / "img4").exists()
+
+
+def test_unmapped_range_names_the_first_unmapped_byte(daemon, tmp_path):
+    mib = 1 << 20
+    with Workload([{"size": 3 * mib, "fill": "random", "seed": 2, "holes": [[mib, mib]]}]) as w:
+        addr = w.regions[0]["addr"]
+        # the range's first and last bytes are mapped, the hole is in between
+        r = vramctl("dump", "--pid", str(w.pid), "--range", f"{addr:#x}:3M", "--image", str(tmp_path / "a"), "--json",
+                    socket=daemon.socket)
+        assert r.returncode == 1 and "UNMAPPED_RANGE" in r.stderr
+        assert f"{addr + mib:#x}" in r.stderr, r.stderr
+        assert json.loads(r.stdout)["error"]["offset"] == mib
+        # the range ends in the hole: the hole's start is named, not the last byte that was probed
+        r = vramctl("dump", "--pid", str(w.pid), "--range", f"{addr + 4096:#x}:{mib + 8192}", "--image",
+                    str(tmp_path / "b"), "--json", socket=daemon.socket)
+        assert r.returncode == 1 and f"{addr + mib:#x}" in r.stderr, r.stderr
+        assert json.loads(r.stdout)["error"]["offset"] == mib - 4096
+
+
+def test_a_closed_pipe_ends_quietly(daemon, tmp_path):
+    """`vramctl ... | head`: the reader is gone before vramctl writes; no traceback, exit 0 or 141."""
+    img = tmp_path / "img"
+    bo = tmp_path / "bo.bin"
+    bo.write_bytes(os.urandom(5000))
+    assert vramctl("dump", "--bo-file", str(bo), "--image", str(img), socket=daemon.socket).returncode == 0
+    for args in (["--socket", daemon.socket, "status"], ["inspect", str(img)], ["inspect", str(img), "--json"],
+                 ["--help"], ["--socket", daemon.socket, "sessions", "--all"]):
+        rfd, wfd = os.pipe()
+        os.close(rfd)
+        try:
+            r = subprocess.run([sys.executable, "-m", "vramd.cli", *args], cwd=ROOT, stdout=wfd,
+                               stderr=subprocess.PIPE, text=True, timeout=120)
+        finally:
+            os.close(wfd)
+        assert r.returncode in (0, 141), (args, r.returncode, r.stderr)
+        assert r.stderr == "", (args, r.stderr)
+
+
+def test_rates_are_decimal_gb_per_s(daemon, tmp_path):
+    from vramd.cli.vramctl import rate
+    assert rate(3_000_000_000, 2.0) == "1.50 GB/s"  # 10^9 bytes a GB, not 2^30
+    bo = tmp_path / "bo.bin"
+    bo.write_bytes(os.urandom(1 << 20))
+    r = vramctl("dump", "--bo-file", str(bo), "--image", str(tmp_path / "img"), socket=daemon.socket)
+    assert r.returncode == 0 and " GB/s)" in r.stdout and "GiB" not in r.stdout, r.stdout
+    r = vramctl("verify", str(tmp_path / "img"))
+    assert r.returncode == 0 and " GB/s)" in r.stdout, r.stdout
+
+
+NOBODY = 65534
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="acting as another uid needs root (CI runs as root)")
+# (after the imports: the interpreter's own files need not be readable by that uid)
+DROP = f"import os; os.setgroups([]); os.setgid({NOBODY}); os.setuid({NOBODY})\n"
+# As uid 65534: a child holds 1 MiB of known memory; a dump session of it is opened and left open (held by
+# this connection) until a line comes on stdin; then Wait reports how the session ended.
+HOLDER = """
+import ctypes, mmap, os, sys
+from vramd.client import Client, ClientBo, SESSION_DUMP
+from vramd.errors import VramdError
+""" + DROP + """
+ctypes.CDLL(None).prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE: setuid cleared it; the child inherits it
+sock, img = sys.argv[1], sys.argv[2]
+buf = mmap.mmap(-1, 1 << 20)
+buf.write(os.urandom(1 << 20))
+addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+r, w = os.pipe()
+child = os.fork()
+if child == 0:
+    os.close(w)
+    os.read(r, 1)
+    os._exit(0)
+os.close(r)
+with Client(sock) as c:
+    os.mkdir(img)
+    dfd = os.open(img, os.O_RDONLY | os.O_DIRECTORY)
+    s = c.open_session(SESSION_DUMP, dfd, label="held by nobody")
+    mem = os.open(f"/proc/{child}/mem", os.O_RDONLY)
+    c.add_bos(s.token, [ClientBo(1, mem, offset=addr, size=1 << 20)])
+    print("READY", s.session_id, os.getpid(), child, flush=True)
+    sys.stdin.readline()
+    try:
+        c.wait(s.token)
+        print("DONE", flush=True)
+    except VramdError as e:
+        print("ENDED", e.code, e.message, flush=True)
+os.close(w)
+os.waitpid(child, 0)
+"""
+
+
+@needs_root
+def test_operator_lists_and_cancels_every_uids_sessions(run_dir, image_dir):
+    """Root sees another uid's session with its client and target pids and cancels it by id; that uid
+    sees only its own sessions and may not cancel by id; a holder cancels by token."""
+    from vramd.client import SESSION_DUMP, Client
+    from vramd.errors import JobCancelledError, NotFoundError
+    from vramd.testing import DaemonProcess
+    work = os.path.join(run_dir, "work")
+    os.mkdir(work)
+    os.chmod(work, 0o777)
+    with DaemonProcess(run_dir, "--socket-mode", "666", "--allow-uid", "0", "--allow-uid", str(NOBODY)) as d, \
+            Client(d.socket) as c:
+        mine = c.open_session(SESSION_DUMP, image_dir[1], label="held by root")
+        holder = subprocess.Popen([sys.executable, "-c", HOLDER, d.socket, os.path.join(work, "img")], cwd=ROOT,
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            line = holder.stdout.readline().split()
+            assert line and line[0] == "READY", (line, holder.stderr.read() if holder.poll() is not None else "")
+            sid, client_pid, target_pid = map(int, line[1:])
+
+            def ctl(*args, uid=0):
+                code = "import sys\nfrom vramd.cli.vramctl import main\n" + (DROP if uid else "") + "sys.exit(main())"
+                return subprocess.run([sys.executable, "-c", code, *args, "--socket", d.socket], cwd=ROOT,
+                                      capture_output=True, text=True, timeout=120)
+            r = ctl("sessions", "--all", "--json")
+            assert r.returncode == 0, r.stderr
+            rows = {s["session_id"]: s for s in json.loads(r.stdout)["sessions"]}
+            assert set(rows) == {mine.session_id, sid}
+            theirs = rows[sid]
+            assert (theirs["uid"], theirs["pid"], theirs["target_pids"]) == (NOBODY, client_pid, [target_pid])
+            assert theirs["state"] == "open" and theirs["progress"]["bytes_total"] == 1 << 20
+            assert theirs["age_s"] > 0 and theirs["rate_bytes_per_s"] >= 0
+            assert rows[mine.session_id]["target_pids"] == [] and rows[mine.session_id]["uid"] == 0
+            r = ctl("sessions", "--all")
+            assert r.returncode == 0 and "GB/s" in r.stdout and "held by nobody" in r.stdout
+            row = next(ln for ln in r.stdout.splitlines() if "held by nobody" in ln).split()
+            assert row[:4] == [str(sid), str(NOBODY), str(client_pid), str(target_pid)], row
+            # without --all: the caller's own uid's sessions
+            r = ctl("sessions", "--json")
+            assert [s["session_id"] for s in json.loads(r.stdout)["sessions"]] == [mine.session_id]
+            # the other uid sees only its own, and may not cancel by id, not even its own session
+            r = ctl("sessions", "--all", "--json", uid=NOBODY)
+            assert r.returncode == 0, r.stderr
+            assert [s["session_id"] for s in json.loads(r.stdout)["sessions"]] == [sid]
+            for target in (mine.session_id, sid):
+                r = ctl("cancel", str(target), uid=NOBODY)
+                assert r.returncode == 1 and "PERMISSION_DENIED" in r.stderr, r.stderr
+                assert f"session {target}" in r.stderr and f"uid {NOBODY}" in r.stderr, r.stderr
+            assert c.progress(mine.token).state == rpc.SESSION_OPEN
+            # root cancels the other uid's session by its id; its holder's Wait ends CANCELLED with the reason
+            r = ctl("cancel", str(sid), "--reason", "operator says stop", "--json")
+            assert r.returncode == 0, r.stderr
+            assert json.loads(r.stdout)["session_id"] == sid
+            holder.stdin.write("\n")
+            holder.stdin.flush()
+            assert holder.stdout.readline().split()[:2] == ["ENDED", "CANCELLED"]
+        finally:
+            holder.stdin.close()
+            holder.wait(60)
+        assert holder.returncode == 0, holder.stderr.read()
+        d.expect_log(rf"session {sid} \(uid {NOBODY}\) cancelled by id by uid 0")
+        # a holder cancels by token
+        r = vramctl("cancel", mine.token, socket=d.socket)
+        assert r.returncode == 0, r.stderr
+        with pytest.raises(JobCancelledError):
+            c.wait(mine.token)
+        # the Python client: exactly one of token and id; an unknown id is NOT_FOUND
+        with pytest.raises(NotFoundError, match="no session 999999"):
+            c.cancel_by_id(999999)
+        r = c.request(cancel=rpc.Cancel(token=mine.token, session_id=mine.session_id))
+        assert rpc.Code.Name(r.error.code) == "INVALID_REQUEST"
+        assert vramctl("cancel", "not-a-session", socket=d.socket).returncode == 2
+        c.close_session(mine.token)

@@ -173,7 +173,13 @@ class Client:
                 yield self.progress(token)
 
     def cancel(self, token: str, reason: str = "") -> rpc.SessionInfo:
-        return self._session_call(cancel=rpc.Cancel(token=token, reason=reason))
+        return raise_for_error(self._exchange(self.protocol.cancel_request(token=token, reason=reason))).session
+
+    def cancel_by_id(self, session_id: int, reason: str = "") -> rpc.SessionInfo:
+        """Cancel any uid's session by its id (an operator's call: only uid 0 and the daemon's own uid may;
+        PermissionDeniedError for others).  This connection does not become a holder."""
+        out = self.protocol.cancel_request(session_id=session_id, reason=reason)
+        return raise_for_error(self._exchange(out)).session
 
     def close_session(self, token: str) -> rpc.SessionInfo:
         return self._session_call(close_session=rpc.CloseSession(token=token))
@@ -182,4 +188,5 @@ class Client:
         return raise_for_error(self.request(get_status=rpc.GetStatus())).status
 
     def sessions(self) -> list[rpc.SessionInfo]:
-        return list(raise_for_error(self.request(list_sessions=rpc.ListSessions())).sessions.sessions)
+        """The caller's uid's sessions; every uid's for uid 0 and the daemon's own uid (the admin listing)."""
+        return list(raise_for_error(self._exchange(self.protocol.list_sessions_request())).sessions.sessions)

@@ -87,9 +87,28 @@ class ProcMemBackend(ThreadedBackend):
         except OSError as e:
             if e.errno == errno.EBADF:
                 return  # write-only fd: the copy itself will report a bad address
-            raise self._unmapped(handle, off, e) from None
+            raise self._unmapped(handle, self._first_unmapped(handle, off), e) from None
         if not got:
-            raise self._unmapped(handle, off, None)
+            raise self._unmapped(handle, self._first_unmapped(handle, off), None)
+
+    @staticmethod
+    def _first_unmapped(handle: BoHandle, off: int) -> int:
+        """The BO offset of the first unmapped byte, knowing that byte `off` is unmapped: the error names
+        where the hole starts, not the probe that found it.  Only on the error path: the bytes before `off`
+        are read in blocks, and a read of /proc/<pid>/mem stops short at the first page it cannot reach."""
+        fd, base = handle.ref.fd, handle.ref.offset
+        buf = bytearray(min(off, 1 << 20))
+        pos = 0
+        while pos < off:
+            view = memoryview(buf)[:min(len(buf), off - pos)]
+            try:
+                n = os.preadv(fd, [view], base + pos)
+            except OSError:
+                return pos
+            if n < len(view):
+                return pos + n
+            pos += n
+        return off
 
     def _unmapped(self, handle: BoHandle, off: int, err: OSError | None) -> BackendError:
         addr = handle.ref.offset + off

@@ -35,7 +35,7 @@ class Bar:
 
     def __init__(self, what: str) -> None:
         from tqdm import tqdm
-        self.bar: Any = tqdm(total=0, unit="B", unit_scale=True, unit_divisor=1024, desc=what, file=sys.stderr,
+        self.bar: Any = tqdm(total=0, unit="B", unit_scale=True, unit_divisor=1000, desc=what, file=sys.stderr,
                              leave=True)
 
     def __call__(self, p: rpc.Progress) -> None:

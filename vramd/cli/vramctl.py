@@ -1,8 +1,9 @@
 """`vramctl`: a thin client of the daemon, plus offline image tools.
 
     vramctl [--socket S] status [--json]
-    vramctl [--socket S] sessions [--json]
-    vramctl [--socket S] dump --pid PID --range ADDR:LEN [--range ...] [--bo-file PATH[:OFF:LEN] ...]
+    vramctl [--socket S] sessions [--all] [--json]      (--all: every uid's, for root and the daemon's uid)
+    vramctl [--socket S] cancel TOKEN|ID [--reason TEXT] [--json]
+    vramctl [--socket S] dump [--pid PID --range ADDR:LEN [--range ...]] [--bo-file PATH[:OFF:LEN] ...]
                               --image DIR [--compress none|zstd|bplanes|auto[:LEVEL]] [--json]
     vramctl [--socket S] restore --pid PID --image DIR [--json]
     vramctl [--socket S] dump ... --parent PARENT_DIR    (an incremental image)
@@ -14,9 +15,11 @@
     vramctl [--socket S] selftest [--size 64M] [--json]
 
 vramctl opens /proc/PID/mem, the BO files and the image directory itself
-and passes the fds; the daemon never opens a path.  Exit codes: 0 success;
-1 failure, with a one-line reason on stderr (and in the JSON with --json);
-2 usage error.
+and passes the fds; the daemon never opens a path.  --socket may come
+before or after the command.  Rates are in GB/s (decimal: 1 GB = 10^9
+bytes).  Exit codes: 0 success; 1 failure, with a one-line reason on stderr
+(and in the JSON with --json); 2 usage error; output cut short by a closed
+pipe (`vramctl ... | head`) ends quietly with 141, as SIGPIPE would.
 """
 from __future__ import annotations
 
@@ -24,6 +27,8 @@ import argparse
 import asyncio
 import json
 import os
+import re
+import select
 import shutil
 import sys
 import tempfile
@@ -40,7 +45,7 @@ from ..pb import rpc_pb2 as rpc
 from ..units import format_size, parse_size
 from .progress import Bar, follow
 
-EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_PIPE = 0, 1, 2, 128 + 13  # 141: as if killed by SIGPIPE
 SOURCE_NAMES = {pb.SOURCE_PROCMEM: "procmem", pb.SOURCE_MMAP: "mmap", pb.SOURCE_SDMA: "sdma"}
 
 
@@ -86,7 +91,8 @@ def session_dict(info: rpc.SessionInfo) -> dict[str, Any]:
     d: dict[str, Any] = {
         "session_id": info.session_id, "kind": rpc.SessionKind.Name(info.kind).removeprefix("SESSION_").lower(),
         "state": rpc.SessionState.Name(info.state).removeprefix("SESSION_").lower(), "uid": info.uid,
-        "pid": info.pid, "label": info.label, "holders": info.holders,
+        "pid": info.pid, "label": info.label, "holders": info.holders, "target_pids": list(info.target_pids),
+        "rate_bytes_per_s": round(info.rate_bytes_per_s, 3), "age_s": round(info.age_s, 6),
         "progress": {"bos_total": p.bos_total, "bos_done": p.bos_done, "bytes_total": p.bytes_total,
                      "bytes_done": p.bytes_done, "chunks_done": p.chunks_done, "elapsed_s": round(p.elapsed_s, 6)},
     }
@@ -106,8 +112,13 @@ def emit(ns: argparse.Namespace, data: dict[str, Any], text: str) -> None:
     print(json.dumps(data, indent=2, sort_keys=True) if ns.json else text)
 
 
+def gbps(bytes_per_s: float) -> str:
+    """A rate as vramctl prints every rate: GB/s, decimal (1 GB = 10^9 bytes), like the daemon's log."""
+    return f"{bytes_per_s / 1e9:.2f} GB/s"
+
+
 def rate(nbytes: int, seconds: float) -> str:
-    return f"{nbytes / seconds / (1 << 30):.2f} GiB/s" if seconds > 0 else "-"
+    return gbps(nbytes / seconds) if seconds > 0 else "-"
 
 
 # --- sessions ----------------------------------------------------------------
@@ -117,7 +128,8 @@ def transfer(ns: argparse.Namespace, kind: rpc.SessionKind, dfd: int, bos: list[
     """One dump or restore session through the daemon: (its final info, seconds it took)."""
     with Client(ns.socket, name="vramctl") as c:
         t0 = time.monotonic()
-        s = c.open_session(kind, dfd, label=f"vramctl {what} pid {ns.pid}", **open_kw)
+        label = f"vramctl {what}" + (f" pid {ns.pid}" if ns.pid is not None else "")
+        s = c.open_session(kind, dfd, label=label, **open_kw)
         c.add_bos(s.token, bos)
         info = run_session(ns, c, s.token, what)
         return info, time.monotonic() - t0
@@ -140,13 +152,31 @@ def run_session(ns: argparse.Namespace, client: Client, token: str, what: str) -
 
 # --- commands ----------------------------------------------------------------
 
-def open_image_dir(path: str, *, create: bool) -> int:
+def open_image_dir(path: str, *, create: bool, created: list[str] | None = None) -> int:
+    """An fd of the image directory; with `create`, made first where missing (`created` then gets the
+    directories this call made, deepest first, for `remove_created`)."""
     try:
         if create:
+            made = []
+            d = os.path.abspath(path)
+            while not os.path.lexists(d):
+                made.append(d)
+                d = os.path.dirname(d)
             os.makedirs(path, exist_ok=True)
+            if created is not None:
+                created += made
         return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as e:
         raise Failure(f"cannot open image directory {path}: {e.strerror}") from None
+
+
+def remove_created(created: list[str]) -> None:
+    """Remove the directories vramctl made (deepest first) that are still empty: a failed dump leaves none."""
+    for d in created:
+        try:
+            os.rmdir(d)
+        except OSError:
+            return  # not empty (or no longer ours to remove): it and its parents stay
 
 
 def open_procmem(pid: int, flags: int) -> int:
@@ -225,6 +255,8 @@ def cmd_dump(ns: argparse.Namespace) -> int:
         raise Failure("nothing to dump: give --range and/or --bo-file")
     fds: list[int] = []
     bos: list[ClientBo] = []
+    created: list[str] = []  # directories this dump made: removed again if it fails
+    ok = False
     try:
         if ns.range:
             mem = open_procmem(ns.pid, os.O_RDONLY)
@@ -241,7 +273,7 @@ def cmd_dump(ns: argparse.Namespace) -> int:
                 length = max(0, os.fstat(fd).st_size - off)
             bos.append(ClientBo(len(bos) + 1, fd, offset=off, size=length, backend="mmap",
                                 name=os.path.abspath(path)))
-        dfd = open_image_dir(ns.image, create=True)
+        dfd = open_image_dir(ns.image, create=True, created=created)
         fds.append(dfd)
         if not ns.force and _holds_image(dfd):
             raise Failure(f"{ns.image} already holds an image; --force replaces it (atomically, when the new one "
@@ -258,9 +290,12 @@ def cmd_dump(ns: argparse.Namespace) -> int:
         info, secs = transfer(ns, SESSION_DUMP, dfd, bos, "dump", compression=ns.compress or "",
                               parent_fds=parent_fds, parent_hint=hint, dedup=not ns.no_dedup,
                               replace_parent=ns.replace_parent)
+        ok = True
     finally:
         for fd in fds:
             os.close(fd)
+        if not ok:
+            remove_created(created)
     d = session_dict(info)
     total = info.progress.bytes_total
     stored = info.image.stored_bytes
@@ -410,17 +445,74 @@ def cmd_status(ns: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def cmd_sessions(ns: argparse.Namespace) -> int:
-    with Client(ns.socket, name="vramctl") as c:
-        infos = c.sessions()
-    rows = [session_dict(i) for i in infos]
-    lines = [f"{'id':>6} {'kind':>8} {'state':>10} {'uid':>6} {'pid':>8} {'bos':>13} {'bytes':>21}  label"]
+def format_age(seconds: float) -> str:
+    s = int(seconds)
+    if s < 60:
+        return f"{seconds:.1f}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s // 60 % 60:02d}m"
+
+
+def sessions_table(rows: list[dict[str, Any]]) -> list[str]:
+    """The admin view: every column an operator needs to decide what to cancel."""
+    head = (f"{'id':>6} {'uid':>6} {'pid':>8} {'target':>8} {'kind':>7} {'state':>9} {'bytes done/total':>21} "
+            f"{'rate':>11} {'age':>7}  label / error")
+    lines = [head]
     for r in rows:
         p = r["progress"]
-        lines.append(f"{r['session_id']:>6} {r['kind']:>8} {r['state']:>10} {r['uid']:>6} {r['pid']:>8} "
-                     f"{p['bos_done']:>6}/{p['bos_total']:<6} {format_size(p['bytes_done']):>10}/"
-                     f"{format_size(p['bytes_total']):<10}  {r['label']}")
-    emit(ns, {"sessions": rows}, "\n".join(lines) if rows else "no sessions")
+        targets = ",".join(map(str, r["target_pids"])) or "-"
+        err = r.get("error")
+        note = r["label"] + (f"  {err['code']}: {err['message']}" if err else "")
+        lines.append(f"{r['session_id']:>6} {r['uid']:>6} {r['pid']:>8} {targets:>8} {r['kind']:>7} "
+                     f"{r['state']:>9} {format_size(p['bytes_done']):>10}/{format_size(p['bytes_total']):<10} "
+                     f"{gbps(r['rate_bytes_per_s']):>11} {format_age(r['age_s']):>7}  {note}")
+    return lines
+
+
+def cmd_sessions(ns: argparse.Namespace) -> int:
+    with Client(ns.socket, name="vramctl") as c:
+        infos = c.sessions()  # root and the daemon's uid get every uid's; others their own
+    if not ns.all:
+        infos = [i for i in infos if i.uid == os.getuid()]
+    rows = [session_dict(i) for i in infos]
+    if ns.all:
+        text = sessions_table(rows)
+    else:
+        text = [f"{'id':>6} {'kind':>8} {'state':>10} {'uid':>6} {'pid':>8} {'bos':>13} {'bytes':>21}  label"]
+        for r in rows:
+            p = r["progress"]
+            text.append(f"{r['session_id']:>6} {r['kind']:>8} {r['state']:>10} {r['uid']:>6} {r['pid']:>8} "
+                        f"{p['bos_done']:>6}/{p['bos_total']:<6} {format_size(p['bytes_done']):>10}/"
+                        f"{format_size(p['bytes_total']):<10}  {r['label']}")
+    emit(ns, {"sessions": rows}, "\n".join(text) if rows else "no sessions")
+    return EXIT_OK
+
+
+_TOKEN = re.compile(r"[0-9a-f]{32}")
+
+
+def parse_session_ref(text: str) -> tuple[str, int | None]:
+    """TOKEN (32 hex characters) or a session ID (a number): (token, None) or ("", id)."""
+    text = text.strip()
+    if _TOKEN.fullmatch(text.lower()):
+        return text.lower(), None
+    if text.isdigit():
+        return "", int(text)
+    raise argparse.ArgumentTypeError(f"{text!r}: expected a session token (32 hex characters) or a session id")
+
+
+def cmd_cancel(ns: argparse.Namespace) -> int:
+    token, sid = ns.session
+    with Client(ns.socket, name="vramctl") as c:
+        if sid is None:
+            info = c.cancel(token, ns.reason or "")
+        else:
+            info = c.cancel_by_id(sid, ns.reason or "")
+    d = session_dict(info)
+    d.update(ok=True)
+    emit(ns, d, f"session {info.session_id} (uid {info.uid}, pid {info.pid}): cancel requested; it was "
+                f"{d['state']}")
     return EXIT_OK
 
 
@@ -529,19 +621,29 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="vramctl", description="Control the vramd VRAM checkpoint daemon.",
                                  epilog="exit codes: 0 success, 1 failure (reason on stderr), 2 usage error")
     ap.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    ap.add_argument("--socket", help="daemon socket (default: $VRAMD_SOCKET, the user's daemon, /run/vramd/vramd.sock)")
+    socket_help = "daemon socket (default: $VRAMD_SOCKET, the user's daemon, /run/vramd/vramd.sock)"
+    ap.add_argument("--socket", help=socket_help)
     sub = ap.add_subparsers(dest="command", required=True)
 
-    def cmd(name: str, fn: Any, help_text: str) -> argparse.ArgumentParser:
+    def cmd(name: str, fn: Any, help_text: str, *, daemon: bool = True) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text)
         p.add_argument("--json", action="store_true", help="print one JSON document")
+        if daemon:  # also after the command; SUPPRESS keeps a --socket given before it
+            p.add_argument("--socket", default=argparse.SUPPRESS, help=socket_help)
         p.set_defaults(fn=fn)
         return p
 
     cmd("status", cmd_status, "daemon status and metrics")
-    cmd("sessions", cmd_sessions, "sessions the daemon holds")
+    p = cmd("sessions", cmd_sessions, "sessions the daemon holds")
+    p.add_argument("--all", action="store_true",
+                   help="every session the daemon shows you (root and the daemon's uid: every uid's) with uid, "
+                        "client and target pids, rate (GB/s), age and error; default: your uid's")
+    p = cmd("cancel", cmd_cancel, "cancel a session: by its token (its holders) or by its id (root and the "
+            "daemon's uid)")
+    p.add_argument("session", type=parse_session_ref, metavar="TOKEN|ID")
+    p.add_argument("--reason", help="recorded as the session's error message")
     p = cmd("dump", cmd_dump, "dump memory ranges of a process and/or files into an image")
-    p.add_argument("--pid", type=int, required=True)
+    p.add_argument("--pid", type=int, help="the process of the --range addresses (needed with --range)")
     p.add_argument("--range", type=parse_range, action="append", metavar="ADDR:LEN",
                    help="address range in PID (hex or sizes with K/M/G), repeatable")
     p.add_argument("--bo-file", type=parse_bo_file, action="append", metavar="PATH[:OFF:LEN]",
@@ -565,34 +667,70 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--to-recorded-paths", action="store_true",
                    help="write file BOs to the paths the image recorded (only for images you trust)")
     p.add_argument("--parent", metavar="DIR", help=PARENT_HELP)
-    p = cmd("verify", cmd_verify, "check every chunk of an image (offline); exit 1 on any damage")
+    p = cmd("verify", cmd_verify, "check every chunk of an image (offline); exit 1 on any damage", daemon=False)
     p.add_argument("dir", metavar="DIR")
     p.add_argument("--parent", metavar="DIR", help=PARENT_HELP)
     p = cmd("rm", cmd_rm, "remove an image: an incremental one also unmarks itself in its parents (offline); "
-            "an image incremental images need is kept")
+            "an image incremental images need is kept", daemon=False)
     p.add_argument("dir", metavar="DIR")
     p.add_argument("--parent", metavar="DIR", help=PARENT_HELP)
     p = cmd("gc", cmd_gc, "remove what interrupted dumps left in an image directory (offline; refused while a "
-            "dump writes into it)")
+            "dump writes into it)", daemon=False)
     p.add_argument("dir", metavar="DIR")
-    p = cmd("flatten", cmd_flatten, "copy an image into a self-contained one: no parents needed (offline)")
+    p = cmd("flatten", cmd_flatten, "copy an image into a self-contained one: no parents needed (offline)",
+            daemon=False)
     p.add_argument("dir", metavar="DIR")
     p.add_argument("out", metavar="OUT", help="an empty or new directory for the self-contained copy")
     p.add_argument("--parent", metavar="DIR", help=PARENT_HELP)
     p = cmd("selftest", cmd_selftest, "round-trip known data through every backend, per GPU; GB/s")
     p.add_argument("--size", type=parse_size, default=64 << 20, help="bytes per BO (default 64M)")
     p.add_argument("--workdir", default="/var/tmp", help="where the temporary images go")
-    p = cmd("inspect", cmd_inspect, "describe an image (offline)")
+    p = cmd("inspect", cmd_inspect, "describe an image (offline)", daemon=False)
     p.add_argument("dir", metavar="DIR")
     return ap
 
 
+def stdout_closed() -> bool:
+    """Whether stdout is a pipe nobody reads any more (poll reports an error on its write end)."""
+    try:
+        p = select.poll()
+        p.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(ev & select.POLLERR for _fd, ev in p.poll(0))
+    except (OSError, ValueError):
+        return False
+
+
+def quiet_broken_pipe() -> int:
+    """stdout's reader went away (`vramctl ... | head`): no traceback, no message; 141 as for SIGPIPE.
+    stdout now points at /dev/null, so the interpreter's last flush cannot fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+    return EXIT_PIPE
+
+
 def main(argv: list[str] | None = None) -> int:
-    ns = build_parser().parse_args(argv)  # exits 2 on usage errors
+    try:
+        return _main(argv)
+    except BrokenPipeError:  # the output, the --help text or the error report met a closed pipe
+        return quiet_broken_pipe()
+
+
+def _main(argv: list[str] | None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)  # exits 2 on usage errors
+    if ns.command == "dump" and ns.range and ns.pid is None:
+        parser.error("dump: --range needs --pid (the process the addresses are in)")
     try:
         rc: int = ns.fn(ns)
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
         return rc
     except (Failure, VramdError, OSError) as e:
+        if isinstance(e, BrokenPipeError) and stdout_closed():
+            raise  # not a failure to report: main ends quietly (a daemon that hung up is reported)
         err: dict[str, Any]
         if isinstance(e, VramdError):
             reason, err = f"{e.code}: {e.describe()}", e.to_dict()

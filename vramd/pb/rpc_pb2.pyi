@@ -234,12 +234,14 @@ class Wait(_message.Message):
     def __init__(self, token: _Optional[str] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
 
 class Cancel(_message.Message):
-    __slots__ = ("token", "reason")
+    __slots__ = ("token", "reason", "session_id")
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     token: str
     reason: str
-    def __init__(self, token: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    session_id: int
+    def __init__(self, token: _Optional[str] = ..., reason: _Optional[str] = ..., session_id: _Optional[int] = ...) -> None: ...
 
 class CloseSession(_message.Message):
     __slots__ = ("token",)
@@ -366,7 +368,7 @@ class ImageSummary(_message.Message):
     def __init__(self, bo_count: _Optional[int] = ..., bo_bytes: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., zero_bytes: _Optional[int] = ..., chunk_size: _Optional[int] = ..., compression: _Optional[str] = ..., data_files: _Optional[int] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
-    __slots__ = ("session_id", "token", "kind", "state", "uid", "pid", "label", "progress", "error", "holders", "image")
+    __slots__ = ("session_id", "token", "kind", "state", "uid", "pid", "label", "progress", "error", "holders", "image", "target_pids", "rate_bytes_per_s", "age_s")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -378,6 +380,9 @@ class SessionInfo(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     HOLDERS_FIELD_NUMBER: _ClassVar[int]
     IMAGE_FIELD_NUMBER: _ClassVar[int]
+    TARGET_PIDS_FIELD_NUMBER: _ClassVar[int]
+    RATE_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    AGE_S_FIELD_NUMBER: _ClassVar[int]
     session_id: int
     token: str
     kind: SessionKind
@@ -389,7 +394,10 @@ class SessionInfo(_message.Message):
     error: Error
     holders: int
     image: ImageSummary
-    def __init__(self, session_id: _Optional[int] = ..., token: _Optional[str] = ..., kind: _Optional[_Union[SessionKind, str]] = ..., state: _Optional[_Union[SessionState, str]] = ..., uid: _Optional[int] = ..., pid: _Optional[int] = ..., label: _Optional[str] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., holders: _Optional[int] = ..., image: _Optional[_Union[ImageSummary, _Mapping]] = ...) -> None: ...
+    target_pids: _containers.RepeatedScalarFieldContainer[int]
+    rate_bytes_per_s: float
+    age_s: float
+    def __init__(self, session_id: _Optional[int] = ..., token: _Optional[str] = ..., kind: _Optional[_Union[SessionKind, str]] = ..., state: _Optional[_Union[SessionState, str]] = ..., uid: _Optional[int] = ..., pid: _Optional[int] = ..., label: _Optional[str] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., holders: _Optional[int] = ..., image: _Optional[_Union[ImageSummary, _Mapping]] = ..., target_pids: _Optional[_Iterable[int]] = ..., rate_bytes_per_s: _Optional[float] = ..., age_s: _Optional[float] = ...) -> None: ...
 
 class StatusReply(_message.Message):
     __slots__ = ("server", "version", "uptime_s", "connections", "sessions", "staging_budget", "staging_in_use", "backends", "metrics", "draining")

@@ -109,6 +109,20 @@ class ClientProtocol:
     def hello_request(self) -> Outgoing:
         return self.request(hello=rpc.Hello(versions=PROTOCOL_VERSIONS, client=self.client_name))
 
+    def cancel_request(self, *, token: str = "", session_id: int | None = None, reason: str = "") -> Outgoing:
+        """Cancel one session: by its token (as a holder) or by its session id (an operator: uid 0 or the
+        daemon's uid).  Exactly one of the two."""
+        if bool(token) == (session_id is not None):
+            raise ValueError("cancel a session by its token or by its session id: exactly one of them")
+        body = rpc.Cancel(token=token, reason=reason)
+        if session_id is not None:
+            body.session_id = session_id
+        return self.request(cancel=body)
+
+    def list_sessions_request(self) -> Outgoing:
+        """The caller's uid's sessions; every uid's for uid 0 and the daemon's own uid."""
+        return self.request(list_sessions=rpc.ListSessions())
+
     def receive(self, data: bytes, fds: Sequence[int] = (), flags: int = 0) -> rpc.Response:
         """The response in one received packet (its error not raised).
 

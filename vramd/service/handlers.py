@@ -18,6 +18,7 @@ from ..errors import (
     InternalError,
     InvalidRequestError,
     JobError,
+    PermissionDeniedError,
     ShuttingDownError,
     VramdError,
     WaitTimeoutError,
@@ -114,9 +115,28 @@ async def wait(daemon: Daemon, conn: Connection, rid: int, body: rpc.Wait, fds: 
     return reply(rid, s.error, session=s.info())
 
 
+def is_operator(conn: Connection) -> bool:
+    """uid 0 and the daemon's own uid see and may cancel every session of every uid."""
+    return conn.uid in (0, os.getuid())
+
+
 async def cancel(daemon: Daemon, conn: Connection, rid: int, body: rpc.Cancel, fds: FdBundle) -> Reply:
-    s = _session(daemon, conn, body.token)
-    s.cancel(body.reason or f"cancelled by pid {conn.pid}")
+    if not body.HasField("session_id"):
+        s = _session(daemon, conn, body.token)
+        s.cancel(body.reason or f"cancelled by pid {conn.pid}")
+        return reply(rid, session=s.info())
+    if body.token:
+        raise InvalidRequestError("Cancel names a session by its token or by its session_id, not both")
+    sid = body.session_id
+    if not is_operator(conn):
+        raise PermissionDeniedError(f"uid {conn.uid} may not cancel session {sid} by its id: only uid 0 and the "
+                                    f"daemon's uid ({os.getuid()}) may; its holders cancel it by its token")
+    s = daemon.sessions.by_id(sid)  # the operator does not become a holder
+    reason = body.reason or f"cancelled by uid {conn.uid} pid {conn.pid} (by session id)"
+    if not s.done:
+        log.warning("session %d (uid %d) cancelled by id by uid %d pid %d: %s", s.id, s.uid, conn.uid, conn.pid,
+                    reason)
+    s.cancel(reason)
     return reply(rid, session=s.info())
 
 
@@ -138,7 +158,7 @@ async def get_status(daemon: Daemon, conn: Connection, rid: int, body: rpc.GetSt
 
 
 async def list_sessions(daemon: Daemon, conn: Connection, rid: int, body: rpc.ListSessions, fds: FdBundle) -> Reply:
-    see_all = conn.uid in (0, os.getuid())
+    see_all = is_operator(conn)
     infos = [s.info() for s in daemon.sessions if see_all or s.uid == conn.uid]
     return reply(rid, sessions=rpc.SessionList(sessions=infos))
 

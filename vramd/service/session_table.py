@@ -170,6 +170,13 @@ class SessionTable:
             raise PermissionDeniedError(f"the session belongs to another uid; uid {uid} may not use its token")
         return s
 
+    def by_id(self, session_id: int) -> Session:
+        """The live session with that id (an operator's handle: ids are small numbers, not credentials)."""
+        for s in self.by_token.values():
+            if s.id == session_id:
+                return s
+        raise NotFoundError(f"no session {session_id} (closed, reaped, or never opened)")
+
     # --- holders and reaping -------------------------------------------------
 
     def hold(self, s: Session, conn: object) -> None:

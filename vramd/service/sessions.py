@@ -16,6 +16,7 @@ import os
 import re
 import secrets
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -49,17 +50,26 @@ TRANSITIONS: dict[rpc.SessionState, frozenset[rpc.SessionState]] = {
     rpc.SESSION_CANCELLED: frozenset(),
 }
 
-_PROCMEM_LINK = re.compile(r"^/proc/\d+/mem$")
+_PROCMEM_LINK = re.compile(r"^/proc/(\d+)/mem$")
+RATE_WINDOW = 5.0  # seconds: a running session's rate is measured over looks at most this far back
 KIND_NAMES = {rpc.SESSION_DUMP: "dump", rpc.SESSION_RESTORE: "restore", rpc.SESSION_VERIFY: "verify"}
+
+
+def procmem_pid(fd: int) -> int | None:
+    """The pid of the process whose memory `fd` is, when it is a /proc/<pid>/mem fd; else None.
+
+    Read from the link of our own fd table, never from a path a client named."""
+    try:
+        target = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return None
+    m = _PROCMEM_LINK.match(target)
+    return int(m.group(1)) if m else None
 
 
 def pick_backend(fd: int) -> str:
     """The backend for an fd whose client named none: procmem for /proc/<pid>/mem, else mmap."""
-    try:
-        target = os.readlink(f"/proc/self/fd/{fd}")  # our own fd table, not a client-named path
-    except OSError:
-        return "mmap"
-    return "procmem" if _PROCMEM_LINK.match(target) else "mmap"
+    return "procmem" if procmem_pid(fd) is not None else "mmap"
 
 
 def outcome_state(error: VramdError | None) -> rpc.SessionState:
@@ -146,6 +156,8 @@ class Session:
     finisher: asyncio.Task[None] | None = None
     reap_timer: asyncio.TimerHandle | None = None
     reap_task: asyncio.Task[None] | None = None
+    target_pids: set[int] = field(default_factory=set)  # the pids of the /proc/<pid>/mem fds it was given
+    rate_samples: deque[tuple[float, int]] = field(default_factory=deque)  # (when, bytes_done) of recent looks
 
     def __post_init__(self) -> None:
         self.fds.append(self.dir_fd)  # with the parents' directories given at open, held until the end
@@ -225,7 +237,9 @@ class Session:
                 self.fds.append(bundle.take(index))
             self.usage.fds += len(fds)
             # the backend of a BO that names none follows from its fd: looked at once per fd, not per BO
-            kinds = {i: pick_backend(fd) for i, fd in fds.items()}
+            pids = {i: procmem_pid(fd) for i, fd in fds.items()}
+            kinds = {i: "mmap" if pid is None else "procmem" for i, pid in pids.items()}
+            self.target_pids.update(pid for pid in pids.values() if pid is not None)
             refs: list[BoRef] = []
             items: list[BoSpec | RestoreTarget] = []  # what the job takes: specs (dump) or targets (restore)
             make = self._spec if isinstance(job, DumpJob) else self._target
@@ -306,6 +320,7 @@ class Session:
             self._end_soon()
 
     def cancel(self, reason: str) -> None:
+        """End the session CANCELLED with `reason`, unless it has ended already."""
         if not self.done:
             self.job.cancel(reason)
             self._end_soon()
@@ -379,12 +394,29 @@ class Session:
 
     # --- reporting -----------------------------------------------------------
 
+    def rate(self, now: float) -> float:
+        """Bytes per second: while running, since the oldest look of the last RATE_WINDOW seconds (this look
+        is remembered; with no earlier one, since the session opened); once ended, the session's average."""
+        done = self.job.progress.bytes_done
+        if self.ended is not None:
+            secs = self.ended - self.started
+            return done / secs if secs > 0 else 0.0
+        samples = self.rate_samples
+        while samples and now - samples[0][0] > RATE_WINDOW:
+            samples.popleft()
+        since, then = samples[0] if samples else (self.started, 0)
+        if not samples or now - samples[-1][0] >= RATE_WINDOW / 20:  # a bounded number of looks kept
+            samples.append((now, done))
+        return (done - then) / (now - since) if now > since else 0.0
+
     def info(self, *, with_token: bool = False) -> rpc.SessionInfo:
         p = self.job.progress
-        end = self.ended if self.ended is not None else time.monotonic()
+        now = time.monotonic()
+        end = self.ended if self.ended is not None else now
         info = rpc.SessionInfo(
             session_id=self.id, kind=self.kind, state=self.state, uid=self.uid, pid=self.pid, label=self.label,
-            holders=len(self.holders),
+            holders=len(self.holders), target_pids=sorted(self.target_pids), rate_bytes_per_s=self.rate(now),
+            age_s=now - self.started,
             progress=rpc.Progress(bos_total=p.bos_total, bos_done=p.bos_done, bytes_total=p.bytes_total,
                                   bytes_done=p.bytes_done, chunks_done=p.chunks_done, elapsed_s=end - self.started))
         if with_token:

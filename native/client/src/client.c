@@ -1016,6 +1016,65 @@ int vramd_cancel(struct vramd_conn *c, const struct vramd_token *t, const char *
     return session_call(c, &req, NULL, 0, reply_ms(c), info, NULL, NULL, err);
 }
 
+int vramd_cancel_by_id(struct vramd_conn *c, uint64_t session_id, const char *reason,
+                       struct vramd_session_info *info, struct vramd_error *err)
+{
+    vramd__clear_error(err);
+    if (!c)
+        return vramd__fail(err, -EINVAL, VRAMD_CODE_LOCAL, "vramd_cancel_by_id: NULL argument");
+    Vramd__Rpc__V1__Cancel cn = VRAMD__RPC__V1__CANCEL__INIT;
+    cn.has_session_id = 1;
+    cn.session_id = session_id;
+    cn.reason = reason && *reason ? (char *)reason : NULL;
+    Request req = VRAMD__RPC__V1__REQUEST__INIT;
+    req.body_case = VRAMD__RPC__V1__REQUEST__BODY_CANCEL;
+    req.cancel = &cn;
+    return session_call(c, &req, NULL, 0, reply_ms(c), info, NULL, NULL, err);
+}
+
+int vramd_list_sessions(struct vramd_conn *c, struct vramd_session_entry *out, size_t cap, struct vramd_error *err)
+{
+    vramd__clear_error(err);
+    if (!c || (cap && !out))
+        return vramd__fail(err, -EINVAL, VRAMD_CODE_LOCAL, "vramd_list_sessions: NULL argument");
+    Vramd__Rpc__V1__ListSessions ls = VRAMD__RPC__V1__LIST_SESSIONS__INIT;
+    Request req = VRAMD__RPC__V1__REQUEST__INIT;
+    req.body_case = VRAMD__RPC__V1__REQUEST__BODY_LIST_SESSIONS;
+    req.list_sessions = &ls;
+    Response *resp;
+    int r = call(c, &req, NULL, 0, reply_ms(c), &resp, err);
+    if (r < 0) {
+        free_response(resp);
+        return r;
+    }
+    if (resp->body_case != VRAMD__RPC__V1__RESPONSE__BODY_SESSIONS || !resp->sessions) {
+        free_response(resp);
+        mark_broken(c);
+        return vramd__fail(err, -EPROTO, VRAMD_CODE_PROTOCOL_ERROR, "ListSessions answered without a SessionList");
+    }
+    size_t n = resp->sessions->n_sessions;
+    if (n > INT_MAX) {
+        free_response(resp);
+        mark_broken(c);
+        return vramd__fail(err, -EPROTO, VRAMD_CODE_PROTOCOL_ERROR, "%zu sessions listed", n);
+    }
+    for (size_t i = 0; i < n && i < cap; i++) {
+        const PbSessionInfo *s = resp->sessions->sessions[i];
+        struct vramd_session_entry *e = &out[i];
+        memset(e, 0, sizeof *e);
+        info_from_pb(&e->info, s);
+        if (!s)
+            continue;
+        e->n_target_pids = s->n_target_pids;
+        for (size_t k = 0; k < s->n_target_pids && k < VRAMD_MAX_TARGET_PIDS; k++)
+            e->target_pids[k] = s->target_pids[k];
+        e->rate_bytes_per_s = s->rate_bytes_per_s;
+        e->age_s = s->age_s;
+    }
+    free_response(resp);
+    return (int)n;
+}
+
 int vramd_status(struct vramd_conn *c, struct vramd_status *st, struct vramd_error *err)
 {
     vramd__clear_error(err);

@@ -459,6 +459,76 @@ static int t_wait_timeout(void)
 }
 
 /*
+ * The operator's calls: a session that copies a child's memory is listed with that child as its target;
+ * another connection cancels it by its session id (without its token); an unknown id is NOT_FOUND.
+ */
+static int t_cancel_by_id(void)
+{
+    static uint8_t region[64 << 10];
+    fill_pattern(region, sizeof region, 77, 0);
+    struct child ch = {0};
+    CHECK(spawn_holder(&ch) == 0, "fork");
+    char p[64];
+    snprintf(p, sizeof p, "/proc/%d/mem", (int)ch.pid);
+    int mem = open(p, O_RDONLY | O_CLOEXEC);
+    CHECK(mem >= 0, "open %s: %s", p, strerror(errno));
+    struct vramd_conn *c = NULL, *op = NULL;
+    struct vramd_error err;
+    char path[PATH_MAX];
+    int dfd = make_image_dir(path);
+    CHECK(dfd >= 0, "dir");
+    OK(test_connect(&c, &err), &err);
+    OK(test_connect(&op, &err), &err);
+    struct vramd_open_args a = {.kind = VRAMD_SESSION_DUMP, .dir_fd = dfd, .label = "ctest cancel_by_id"};
+    struct vramd_token t;
+    struct vramd_session_info info;
+    OK(vramd_open_session(c, &a, &t, &info, &err), &err);
+    uint64_t id = info.session_id;
+    struct vramd_bo bo = {.id = 1, .fd = mem, .offset = (uint64_t)(uintptr_t)region, .size = sizeof region};
+    OK(vramd_add_bos(c, &t, &bo, 1, NULL, &err), &err);
+    close(mem); /* the daemon has its own copy: the target pid comes from that */
+
+    int n = vramd_list_sessions(op, NULL, 0, &err);
+    CHECK(n >= 1, "list_sessions(cap 0) -> %d %s", n, err.message);
+    struct vramd_session_entry list[16];
+    n = vramd_list_sessions(op, list, 16, &err);
+    CHECK(n >= 1 && n <= 16, "list_sessions -> %d %s", n, err.message);
+    const struct vramd_session_entry *e = NULL;
+    for (int i = 0; i < n; i++)
+        if (list[i].info.session_id == id)
+            e = &list[i];
+    CHECK(e, "session %llu not listed", (unsigned long long)id);
+    CHECK(e->info.uid == geteuid() && e->info.pid == getpid(), "uid %u pid %d", e->info.uid, e->info.pid);
+    CHECK(e->n_target_pids == 1 && e->target_pids[0] == ch.pid, "target pids: %zu, first %d (child %d)",
+          e->n_target_pids, e->n_target_pids ? e->target_pids[0] : -1, (int)ch.pid);
+    CHECK(e->info.state == VRAMD_STATE_OPEN, "state %d", e->info.state);
+    CHECK(e->info.progress.bytes_total == sizeof region, "bytes_total %llu",
+          (unsigned long long)e->info.progress.bytes_total);
+    CHECK(e->age_s >= 0 && e->rate_bytes_per_s >= 0, "age %g rate %g", e->age_s, e->rate_bytes_per_s);
+
+    /* the operator's connection cancels it by id: the opener's Wait sees CANCELLED with the reason */
+    OK(vramd_cancel_by_id(op, id, "ctest operator", &info, &err), &err);
+    CHECK(info.session_id == id, "cancel answered session %llu", (unsigned long long)info.session_id);
+    int r = vramd_wait(c, &t, VRAMD_WAIT_FOREVER, &info, &err);
+    CHECK(r == -ECANCELED && err.code == VRAMD_CODE_CANCELLED, "after cancel by id: %d %s", r,
+          vramd_code_name(err.code));
+    CHECK(strstr(info.error.message, "ctest operator"), "reason lost: %s", info.error.message);
+    r = vramd_cancel_by_id(op, UINT64_MAX, NULL, NULL, &err);
+    CHECK(r == -ENOENT && err.code == VRAMD_CODE_NOT_FOUND, "unknown id: %d %s", r, vramd_code_name(err.code));
+    CHECK(!vramd_conn_broken(op), "a refused cancel broke the connection");
+    OK(vramd_close_session(c, &t, NULL, &err), &err);
+    n = vramd_list_sessions(op, list, 16, &err);
+    for (int i = 0; i < n; i++)
+        CHECK(list[i].info.session_id != id, "closed session %llu still listed", (unsigned long long)id);
+    vramd_close(op);
+    vramd_close(c);
+    close(dfd);
+    remove_dir(path);
+    CHECK(release_holder(&ch) == 0, "child");
+    return 0;
+}
+
+/*
  * Against a daemon configured with max_message_bytes 4096 and max_fds_per_message 7
  * (tests/test_libvramd.py starts one): AddBos lists are split to fit, and a BO that
  * cannot fit in any message is refused here without breaking the connection.
@@ -596,6 +666,7 @@ const struct test roundtrip_tests[] = {
     {"hello_status", t_hello_status, "all quick"},
     {"fd_placement", t_fd_placement, "all quick"},
     {"wait_timeout", t_wait_timeout, "all quick"},
+    {"cancel_by_id", t_cancel_by_id, "all quick"},
     {"memfd_roundtrip", t_memfd_roundtrip, "all quick"},
     {"procmem_roundtrip", t_procmem_roundtrip, "all quick"},
     {"many_fds", t_many_fds, "all quick"},

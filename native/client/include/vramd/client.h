@@ -330,6 +330,38 @@ VRAMD_API int vramd_wait(struct vramd_conn *conn, const struct vramd_token *toke
 VRAMD_API int vramd_cancel(struct vramd_conn *conn, const struct vramd_token *token, const char *reason,
                            struct vramd_session_info *info, struct vramd_error *err);
 
+/*
+ * The operator's cancel: cancel any uid's session by its session_id (as
+ * vramd_session_info and vramd_list_sessions report it).  Only uid 0 and the
+ * daemon's own uid may: any other uid gets -EACCES, code PERMISSION_DENIED
+ * (the message names the session id); no such session -ENOENT, NOT_FOUND.
+ * The connection does not become a holder.  No-op if the session has ended.
+ * reason may be NULL.  info (may be NULL) is the session as it was answered.
+ */
+VRAMD_API int vramd_cancel_by_id(struct vramd_conn *conn, uint64_t session_id, const char *reason,
+                                 struct vramd_session_info *info, struct vramd_error *err);
+
+/* One entry of vramd_list_sessions: the session and what only the listing carries. */
+#define VRAMD_MAX_TARGET_PIDS 8
+struct vramd_session_entry {
+    struct vramd_session_info info;
+    /* the processes whose memory it copies: pids of the /proc/<pid>/mem fds it was given, ascending
+     * (the first VRAMD_MAX_TARGET_PIDS; n_target_pids counts them all) */
+    int32_t target_pids[VRAMD_MAX_TARGET_PIDS];
+    size_t n_target_pids;
+    double rate_bytes_per_s;           /* running: over the last few seconds; ended: its average */
+    double age_s;                      /* seconds since it opened */
+};
+
+/*
+ * The sessions the daemon shows this connection's uid: its own, or for uid 0
+ * and the daemon's own uid every uid's (the admin listing).  Fills at most
+ * `cap` entries of `out` (out may be NULL when cap is 0) and returns the
+ * number of sessions listed, which may exceed cap.  Tokens are never listed.
+ */
+VRAMD_API int vramd_list_sessions(struct vramd_conn *conn, struct vramd_session_entry *out, size_t cap,
+                                  struct vramd_error *err);
+
 /* End the session (cancelling it if it runs), close its fds, forget its token. */
 VRAMD_API int vramd_close_session(struct vramd_conn *conn, const struct vramd_token *token,
                                   struct vramd_session_info *info, struct vramd_error *err);
