@@ -87,10 +87,14 @@ VRAMD_TAIL = [
     ".SH SIGNALS",
     "SIGTERM and SIGINT drain running sessions for up to the drain timeout, cancel the rest (a cancelled dump "
     "commits no image) and exit 0.",
+    "SIGHUP re-reads the configuration file and applies what can change at run time (log level, allowed uids and "
+    "groups, connection limits, grace period, drain timeout, metrics file); other changes wait for a restart.",
     ".SH FILES",
     ".TP", "\\fI/etc/vramd/vramd.toml\\fR", "the configuration (every setting and its default: the vramd.toml vramd "
     "ships).",
     ".TP", "\\fI/run/vramd/vramd.sock\\fR", "the socket systemd creates (vramd.socket).",
+    ".SH EXIT STATUS", "0 after a drain or \\-\\-check\\-config; 2 for a bad configuration, with one line naming "
+    "the key.",
     ".SH SEE ALSO", "\\fBvramctl\\fR(1), \\fBsystemd.socket\\fR(5)",
 ]
 VRAMCTL_TAIL = [

@@ -148,7 +148,7 @@ def test_client_killed_mid_session_leaves_no_fds(daemon, image_dir):
         assert len(daemon.fds()) >= len(baseline) + 21  # its connection, image dir, 20 BO fds
         child.send_signal(signal.SIGKILL)
         child.wait()
-        daemon.expect_log(f"session {sid} \\(dump, uid 0\\): SESSION_CANCELLED")
+        daemon.expect_log(f"session {sid} \\(dump, uid 0, pid \\d+\\): SESSION_CANCELLED")
         assert daemon.fds() == baseline
         assert c.status().sessions == 0
         child.stdin.close()

@@ -173,7 +173,8 @@ def test_restored_task_dies_and_session_is_reaped(build, daemon):
                          stderr=subprocess.PIPE, text=True, env=c_env(daemon))
     read_line(p, "HANDED-OVER ")
     daemon.expect_log(r"session \d+: no client holds it any more \(grace period over\); cancelling")
-    daemon.expect_log(r"session \d+ \(restore, uid 0\): SESSION_CANCELLED: .*session reaped: grace period over")
+    daemon.expect_log(r"session \d+ \(restore, uid 0, pid \d+\): SESSION_CANCELLED: "
+                      r".*session reaped: grace period over")
     out, err = p.communicate("go\n", timeout=60)
     assert p.returncode == 0 and "PASS task_dies_reaped" in out, out + err
 

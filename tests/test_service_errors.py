@@ -142,7 +142,7 @@ def test_an_oserror_ending_a_session_is_typed_and_logged_once(caplog):
     logged = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(logged) == 1 and not logged[0].exc_info  # one line, no traceback
     line = logged[0].getMessage()
-    assert line.startswith("session 1 (dump, uid 0): SESSION_FAILED: 2/2 BOs, 8192/8192 bytes in ")
+    assert line.startswith("session 1 (dump, uid 0, pid 123): SESSION_FAILED: 2/2 BOs, 8192/8192 bytes in ")
     assert " GB/s [lbl]: JOB_ERROR: dump failed: Input/output error" in line
 
 
@@ -193,7 +193,7 @@ def test_a_wait_whose_client_hung_up_does_not_hold_the_session(daemon, image_dir
         daemon.expect_log(rf"connection {m.group(1)} closed")
         assert opener.progress(s.token).holders == 1  # the waiter let go
     # the opener is gone too: nobody holds it, so it is reaped after the grace period
-    daemon.expect_log(rf"session {s.session_id} \(dump, uid \d+\): SESSION_CANCELLED")
+    daemon.expect_log(rf"session {s.session_id} \(dump, uid \d+, pid \d+\): SESSION_CANCELLED")
 
 
 def test_an_error_code_this_client_does_not_know_is_still_typed():

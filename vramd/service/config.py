@@ -2,6 +2,7 @@
 
     # /etc/vramd/vramd.toml (contrib/systemd/vramd.toml lists every setting)
     socket = "/run/vramd/vramd.sock"   # ignored under socket activation
+    socket_mode = "0660"               # a string of octal digits (a TOML integer is refused)
     staging_budget = "512M"
     chunk_size = "8M"
     compression = "auto"
@@ -12,27 +13,200 @@
     grace_period = 30                  # seconds a session outlives its last connection
     drain_timeout = 30                 # seconds SIGTERM waits for running sessions
     metrics_textfile = "/var/lib/prometheus/node-exporter/vramd.prom"
+    metrics_interval = 15              # seconds between rewrites of metrics_textfile
     hello_timeout = 5                  # seconds a new connection has to say Hello
+    log_level = "info"                 # debug, info, warning, error
     [topology_checks]                  # CRIU's KFD_*_CHECK switches, for every restore (a request may override)
     KFD_FW_VER_CHECK = false
 
 Sizes take the same forms as everywhere in vramd (4096, 0x1000, 8M, 1G).
+Validation is strict: every key has a type and a range (`KEYS`), an unknown
+key, a wrong type or a value out of range is a `ConfigError` naming the key,
+and a file with one never starts a daemon.  On SIGHUP the daemon re-reads its
+file and applies the keys in `RELOADABLE` (see docs/protocol.md, Configuration).
 """
 from __future__ import annotations
 
 import dataclasses
 import grp
+import math
 import os
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 from ..image.codec import Compression
 from ..protocol.frames import DEFAULT_MAX_MESSAGE, SCM_MAX_FD
 from ..topology import CHECK_ENV, DEFAULT_ROOT
-from ..units import MiB, parse_size
+from ..units import PAGE, MiB, parse_size
 
 DEFAULT_GROUP = "vramd"
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+class ConfigError(ValueError):
+    """A setting that cannot be used; str() is one line naming the key."""
+
+    def __init__(self, origin: str, key: str, problem: str) -> None:
+        super().__init__(f"{origin}: {key}: {problem}")
+        self.origin, self.key, self.problem = origin, key, problem
+
+
+def _type_name(v: object) -> str:
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
+            dict: "a table"}.get(type(v), type(v).__name__)
+
+
+def _int(lo: int, hi: int | None = None) -> Callable[[object], int]:
+    def conv(v: object) -> int:
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError(f"expected an integer, got {_type_name(v)} {v!r}")
+        if v < lo or (hi is not None and v > hi):
+            raise ValueError(f"{v} is out of range ({lo}..{hi if hi is not None else ''})")
+        return v
+    return conv
+
+
+def _seconds(lo: float, *, positive: bool = False) -> Callable[[object], float]:
+    def conv(v: object) -> float:
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ValueError(f"expected a number of seconds, got {_type_name(v)} {v!r}")
+        f = float(v)
+        if not math.isfinite(f) or f < lo or (positive and f <= 0):
+            raise ValueError(f"{v!r} seconds is out of range (must be {'> 0' if positive else f'>= {lo:g}'})")
+        return f
+    return conv
+
+
+def _size(lo: int, hi: int | None = None, *, page: bool = False) -> Callable[[object], int]:
+    def conv(v: object) -> int:
+        if isinstance(v, bool) or not isinstance(v, (int, str)):
+            raise ValueError(f"expected a size (4096, \"0x1000\", \"8M\"), got {_type_name(v)} {v!r}")
+        n = parse_size(v)  # ValueError on a negative or malformed one
+        if n < lo or (hi is not None and n > hi):
+            raise ValueError(f"{v!r} is out of range ({lo}..{hi if hi is not None else ''} bytes)")
+        if page and n % PAGE:
+            raise ValueError(f"{v!r} is not a multiple of {PAGE} bytes")
+        return n
+    return conv
+
+
+def _mode(v: object) -> int:
+    # A TOML integer 660 is decimal 660 (0o1224): refused rather than guessed at.
+    if not isinstance(v, str):
+        raise ValueError(f"expected a string of octal digits such as \"0660\", got {_type_name(v)} {v!r}")
+    text = v.removeprefix("0o")
+    if not text or any(c not in "01234567" for c in text) or int(text, 8) > 0o777:
+        raise ValueError(f"{v!r} is not an octal mode between \"0000\" and \"0777\"")
+    return int(text, 8)
+
+
+def _str(*, optional: bool = False, nonempty: bool = True) -> Callable[[object], str | None]:
+    def conv(v: object) -> str | None:
+        if not isinstance(v, str):
+            raise ValueError(f"expected a string, got {_type_name(v)} {v!r}")
+        if nonempty and not v and not optional:
+            raise ValueError("must not be empty")
+        return v or None if optional else v
+    return conv
+
+
+def _bool(v: object) -> bool:
+    if not isinstance(v, bool):
+        raise ValueError(f"expected true or false, got {_type_name(v)} {v!r}")
+    return v
+
+
+def _compression(v: object) -> str:
+    if not isinstance(v, str):
+        raise ValueError(f"expected a string such as \"zstd:3\", got {_type_name(v)} {v!r}")
+    try:
+        Compression.parse(v)
+    except Exception as e:  # whatever the codec parser says, as one line
+        raise ValueError(str(e).splitlines()[0] if str(e) else f"{v!r} is not a compression") from None
+    return v
+
+
+def _log_level(v: object) -> str:
+    if not isinstance(v, str) or v.lower() not in LOG_LEVELS:
+        raise ValueError(f"expected one of {', '.join(LOG_LEVELS)}, got {v!r}")
+    return v.lower()
+
+
+def _list(item: Callable[[object], Any], what: str) -> Callable[[object], list[Any]]:
+    def conv(v: object) -> list[Any]:
+        if not isinstance(v, list):
+            raise ValueError(f"expected an array of {what}, got {_type_name(v)} {v!r}")
+        out = []
+        for x in v:
+            try:
+                out.append(item(x))
+            except ValueError as e:
+                raise ValueError(f"element {x!r}: {e}") from None
+        return out
+    return conv
+
+
+def _group(v: object) -> str | int:
+    if isinstance(v, str) and v:
+        return int(v) if v.isdigit() else v
+    return _int(0, 2**32 - 2)(v)
+
+
+def _checks(v: object) -> dict[str, bool]:
+    if not isinstance(v, dict):
+        raise ValueError(f"expected a table of CRIU switch = true/false, got {_type_name(v)} {v!r}")
+    names = sorted(CHECK_ENV.values())
+    for name, on in v.items():
+        if name not in names or not isinstance(on, bool):
+            raise ValueError(f"{name!r} = {on!r}: expected one of {', '.join(names)} = true/false")
+    return dict(v)
+
+
+_UID = _int(0, 2**32 - 2)
+_COUNT = _int(1, 2**31 - 1)
+
+# key -> converter (type and range); every key of DaemonConfig is here
+KEYS: dict[str, Callable[[object], Any]] = {
+    "socket": _str(optional=True),
+    "socket_mode": _mode,
+    "staging_budget": _size(PAGE, page=False),
+    "chunk_size": _size(PAGE, 1 << 30, page=True),
+    "compression": _compression,
+    "inflight_per_gpu": _int(0, 4096),
+    "copy_threads": _int(0, 4096),
+    "workers_per_gpu": _int(1, 4096),
+    "io_threads": _int(1, 4096),
+    "allowed_uids": _list(_UID, "uids"),
+    "allowed_groups": _list(_group, "group names or gids"),
+    "grace_period": _seconds(0),
+    "drain_timeout": _seconds(0),
+    "max_message_bytes": _size(4096, 1 << 30),
+    "max_fds_per_message": _int(1, SCM_MAX_FD),
+    "max_bos_per_session": _COUNT,
+    "max_fds_per_session": _COUNT,
+    "max_chunks_per_session": _COUNT,
+    "max_sessions_per_uid": _COUNT,
+    "max_bos_per_uid": _COUNT,
+    "max_fds_per_uid": _COUNT,
+    "max_connections": _COUNT,
+    "max_connections_per_uid": _COUNT,
+    "max_queued_requests": _COUNT,
+    "hello_timeout": _seconds(0, positive=True),
+    "gpu_ids": _list(_int(0, 2**32 - 1), "gpu_ids"),
+    "topology_checks": _checks,
+    "metrics_textfile": _str(optional=True),
+    "metrics_interval": _seconds(0, positive=True),
+    "topology_root": _str(),
+    "sdma": _bool,
+    "sdma_library": _str(nonempty=False),
+    "log_level": _log_level,
+}
+
+# What SIGHUP applies to a running daemon; any other key changed in the file waits for a restart.
+RELOADABLE = ("log_level", "allowed_uids", "allowed_groups", "grace_period", "drain_timeout", "hello_timeout",
+              "max_connections", "max_connections_per_uid", "metrics_textfile", "metrics_interval")
 
 
 @dataclass
@@ -65,44 +239,39 @@ class DaemonConfig:
     gpu_ids: list[int] = field(default_factory=list)  # with no KFD topology: gpu_ids allowed besides 0
     topology_checks: dict[str, bool] = field(default_factory=dict)  # CRIU's KFD_*_CHECK names -> on/off
     metrics_textfile: str | None = None
-    metrics_interval: float = 15.0
+    metrics_interval: float = 15.0         # seconds between rewrites of metrics_textfile
     topology_root: str = DEFAULT_ROOT  # KFD topology (a fixture tree in tests)
     sdma: bool = True
     sdma_library: str | None = None  # None: $VRAMD_AMDGPU_LIBRARY; "" the system libdrm_amdgpu; "model"; a path
-
-    SIZE_KEYS: ClassVar[tuple[str, ...]] = ("staging_budget", "chunk_size", "max_message_bytes")
+    log_level: str = "info"
 
     def update(self, values: dict[str, Any], *, origin: str) -> None:
-        names = {f.name for f in dataclasses.fields(self)}
+        """Apply `values` (a TOML document or flags), each checked by KEYS; ConfigError names the first bad one."""
         for key, value in values.items():
             key = key.replace("-", "_")
-            if key not in names:
-                raise ValueError(f"{origin}: unknown setting {key!r}")
-            if key in self.SIZE_KEYS and isinstance(value, str):
-                value = parse_size(value)
-            if key == "socket_mode" and isinstance(value, str):
-                value = int(value, 8)
-            setattr(self, key, value)
+            conv = KEYS.get(key)
+            if conv is None:
+                raise ConfigError(origin, key, "unknown setting")
+            try:
+                setattr(self, key, conv(value))
+            except ValueError as e:
+                raise ConfigError(origin, key, str(e)) from None
 
-    def check(self) -> None:
-        Compression.parse(self.compression)
-        if not 0 < self.max_fds_per_message <= SCM_MAX_FD:
-            raise ValueError(f"max_fds_per_message must be 1..{SCM_MAX_FD}")
-        if self.max_message_bytes < 4096:
-            raise ValueError("max_message_bytes must be at least 4096")
-        if self.grace_period < 0 or self.drain_timeout < 0:
-            raise ValueError("grace_period and drain_timeout must not be negative")
-        if self.hello_timeout <= 0:
-            raise ValueError("hello_timeout must be positive")
-        for key in ("max_bos_per_session", "max_fds_per_session", "max_chunks_per_session", "max_sessions_per_uid",
-                    "max_bos_per_uid", "max_fds_per_uid", "max_connections", "max_connections_per_uid",
-                    "max_queued_requests"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"{key} must be at least 1")
-        for name, value in self.topology_checks.items():
-            if name not in CHECK_ENV.values() or not isinstance(value, bool):
-                raise ValueError(f"topology_checks: {name!r} = {value!r}: expected one of "
-                                 f"{', '.join(sorted(CHECK_ENV.values()))} = true/false")
+    def check(self, origin: str = "configuration") -> None:
+        """What no single key can say: the relations between them."""
+        if self.staging_budget < self.chunk_size:
+            raise ConfigError(origin, "staging_budget",
+                              f"{self.staging_budget} bytes is less than one chunk (chunk_size = {self.chunk_size})")
+        if self.max_fds_per_session < 2:
+            raise ConfigError(origin, "max_fds_per_session", "must be at least 2 (the directory and a BO)")
+
+    def effective(self) -> dict[str, Any]:
+        """Every setting as a TOML-ready value (sizes in bytes, socket_mode as an octal string)."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            out[f.name] = f"{v:04o}" if f.name == "socket_mode" else v
+        return out
 
     def allowed_gids(self) -> set[int]:
         """Configured groups as gids; a group name that does not exist is skipped."""
@@ -118,11 +287,45 @@ class DaemonConfig:
         return gids
 
 
+def read_file(path: str) -> dict[str, Any]:
+    """The TOML document at `path`; ConfigError (one line) if it cannot be read or parsed."""
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except OSError as e:
+        raise ConfigError(path, "(file)", e.strerror or str(e)) from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(path, "(syntax)", str(e)) from None
+
+
 def load_config(path: str | None, overrides: dict[str, Any]) -> DaemonConfig:
     cfg = DaemonConfig()
     if path:
-        with open(path, "rb") as f:
-            cfg.update(tomllib.load(f), origin=path)
+        cfg.update(read_file(path), origin=path)
     cfg.update({k: v for k, v in overrides.items() if v is not None}, origin="command line")
-    cfg.check()
+    cfg.check(path or "command line")
     return cfg
+
+
+def to_toml(values: dict[str, Any]) -> str:
+    """`values` (DaemonConfig.effective()) as a TOML document; None values as comments."""
+    def fmt(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, (int, float)):
+            return repr(v)
+        if isinstance(v, str):
+            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        if isinstance(v, list):
+            return "[" + ", ".join(fmt(x) for x in v) + "]"
+        raise TypeError(type(v))
+    lines, tables = [], []
+    for k, v in values.items():
+        if isinstance(v, dict):
+            tables.append(f"\n[{k}]")
+            tables += [f"{name} = {fmt(on)}" for name, on in sorted(v.items())]
+        elif v is None:
+            lines.append(f"# {k} is not set")
+        else:
+            lines.append(f"{k} = {fmt(v)}")
+    return "\n".join(lines + tables) + "\n"

@@ -16,15 +16,16 @@ import time
 from .. import __version__, topology
 from ..backends import REGISTRY
 from ..engine import Engine, EngineConfig
+from ..errors import WIRE_ERRORS
 from ..image.codec import Compression
 from ..pb import rpc_pb2 as rpc
 from ..protocol.server import ServerProtocol
 from . import systemd
-from .config import DaemonConfig
+from .config import RELOADABLE, DaemonConfig
 from .connection import Connection, serve_connection
 from .metrics import Metrics
 from .session_table import SessionTable
-from .sessions import SessionLimits, UidLimits
+from .sessions import KIND_NAMES, SessionLimits, UidLimits
 from .transport import PacketChannel
 
 log = logging.getLogger("vramd.service.daemon")
@@ -74,6 +75,8 @@ class GcPolicy:
 
 
 class Daemon:
+    EXTEND_STEP = 5.0  # seconds between EXTEND_TIMEOUT_USEC notes while draining (each asks for twice that)
+
     def __init__(self, cfg: DaemonConfig, engine: Engine | None = None) -> None:
         self.cfg = cfg
         self.topology = self._read_topology()
@@ -102,9 +105,13 @@ class Daemon:
         self.refusing = 0  # refused peers being answered
         self._conn_tasks: set[asyncio.Task[None]] = set()
         self._stop = asyncio.Event()
+        self._wake = asyncio.Event()  # housekeeping runs now (a reload)
         self.server = SERVER
         self.hello = self._hello_reply()
         self.gc = GcPolicy()
+        self._metrics_written = float("-inf")  # when metrics_textfile was last written (monotonic)
+        self.metrics.set("vramd_build_info", 1, version=__version__)
+        self._declare_counters()
 
     # --- what the daemon says about itself -----------------------------------
 
@@ -143,6 +150,18 @@ class Daemon:
             max_queued_requests=cfg.max_queued_requests, max_connections_per_uid=cfg.max_connections_per_uid,
             hello_timeout_ms=int(cfg.hello_timeout * 1000)))
 
+    def _declare_counters(self) -> None:
+        """Every counter at 0 for each label value it can take, from the start."""
+        m = self.metrics
+        m.declare("vramd_bytes_total", *({"backend": b, "direction": d} for b in REGISTRY for d in ("read", "write")))
+        m.declare("vramd_sessions_total", *({"kind": k, "outcome": o} for k in KIND_NAMES.values()
+                                            for o in ("done", "cancelled", "failed")))
+        m.declare("vramd_bos_total", *({"kind": k} for k in KIND_NAMES.values()))
+        m.declare("vramd_errors_total", *({"code": code} for code in WIRE_ERRORS))
+        body = rpc.Request.DESCRIPTOR.oneofs_by_name["body"]
+        m.declare("vramd_requests_total", *({"type": f.name} for f in body.fields))
+        m.declare("vramd_connections_refused_total")
+
     def update_gauges(self) -> None:
         m, pool = self.metrics, self.engine.pool
         m.set("vramd_sessions_active", len(self.sessions))
@@ -156,6 +175,24 @@ class Daemon:
         running = sum(1 for s in self.sessions if not s.done)
         return (f"{'draining; ' if self.draining else ''}{running} session(s) running, {len(self.sessions)} open, "
                 f"{len(self.connections)} connection(s)")
+
+    def reconfigure(self, new: DaemonConfig) -> None:
+        """SIGHUP: apply the keys of RELOADABLE from `new`; other changed keys wait for a restart (logged)."""
+        systemd.notify("RELOADING=1", f"STATUS=reloading; {self.status_line()}")
+        old = self.cfg
+        changed = [k for k in RELOADABLE if getattr(old, k) != getattr(new, k)]
+        for key in changed:
+            setattr(old, key, getattr(new, key))
+        self.allowed_uids = set(old.allowed_uids) | {os.getuid()}
+        self.allowed_gids = old.allowed_gids()  # group names looked up again: a group created since counts now
+        self.sessions.grace_period = old.grace_period
+        self._metrics_written = float("-inf")  # a new textfile (or interval) is written at the next tick
+        self._wake.set()
+        later = sorted(k for k in old.effective() if k not in RELOADABLE and getattr(old, k) != getattr(new, k))
+        log.info("SIGHUP: configuration reloaded; changed: %s", ", ".join(changed) or "nothing")
+        if later:
+            log.warning("SIGHUP: %s changed in the file but take effect only at a restart", ", ".join(later))
+        systemd.notify("READY=1", f"STATUS={self.status_line()}")
 
     # --- serving -------------------------------------------------------------
 
@@ -191,7 +228,14 @@ class Daemon:
         pending = [s for s in self.sessions if not s.done]
         if pending:
             done_waits = [asyncio.ensure_future(s.wait(None)) for s in pending]
-            _, late = await asyncio.wait(done_waits, timeout=self.cfg.drain_timeout)
+            deadline = time.monotonic() + self.cfg.drain_timeout
+            late: set[asyncio.Future[None]] = set(done_waits)
+            while late and (left := deadline - time.monotonic()) > 0:
+                # the manager's stop timeout must not kill a drain that is within drain_timeout:
+                # each note asks for EXTEND_STEP more (and the drain ends by the deadline anyway)
+                systemd.notify(f"EXTEND_TIMEOUT_USEC={int(self.EXTEND_STEP * 2e6)}",
+                               f"STATUS=draining: {len(late)} session(s) running, {left:.0f} s left")
+                _, late = await asyncio.wait(late, timeout=min(left, self.EXTEND_STEP))
             for w in late:
                 w.cancel()
             if late:
@@ -217,18 +261,26 @@ class Daemon:
 
     async def _housekeeping(self) -> None:
         interval = systemd.watchdog_interval()
-        period = min(x for x in (interval, self.cfg.metrics_interval if self.cfg.metrics_textfile else None, 5.0)
-                     if x is not None)
         was_idle = False
         while True:
             if interval is not None:
                 systemd.notify("WATCHDOG=1")
             systemd.notify(f"STATUS={self.status_line()}")
-            await self._write_metrics()
+            now = time.monotonic()
+            if now - self._metrics_written >= self.cfg.metrics_interval:  # the textfile every metrics_interval
+                self._metrics_written = now
+                await self._write_metrics()
             idle = not any(not s.done for s in self.sessions)
             self.gc.tick(idle=idle and was_idle)  # idle for a whole period: a full collection stalls nobody's copy
             was_idle = idle
-            await asyncio.sleep(period)
+            period = min(x for x in (interval, 5.0) if x is not None)
+            if self.cfg.metrics_textfile:  # the next tick when the textfile is due, if that is sooner
+                period = min(period, max(0.0, self._metrics_written + self.cfg.metrics_interval - time.monotonic()))
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), period)
+            except TimeoutError:
+                pass
 
     async def _write_metrics(self) -> None:
         """Render on the loop (a consistent snapshot), write the file in a thread (a slow disk stalls no client)."""

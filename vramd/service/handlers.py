@@ -48,7 +48,7 @@ async def dispatch(daemon: Daemon, conn: Connection, req: rpc.Request, fds: FdBu
             raise InvalidRequestError(f"request type {kind!r} is not handled here")
         return await handler(daemon, conn, req.id, getattr(req, kind or ""), fds)
     except VramdError as e:
-        daemon.metrics.inc("vramd_errors_total", code=e.code)
+        daemon.metrics.count_error(e, e.code)
         return reply(req.id, e)
     except asyncio.CancelledError:
         task = asyncio.current_task()
@@ -58,11 +58,11 @@ async def dispatch(daemon: Daemon, conn: Connection, req: rpc.Request, fds: FdBu
     except OSError as e:  # the daemon's own I/O failed (e.g. a full disk): an everyday error, typed, one line
         err = from_os_error(e, f"{kind} failed", JobError)
         log.warning("connection %d (pid %d uid %d): %s: %s", conn.id, conn.pid, conn.uid, kind, err)
-        daemon.metrics.inc("vramd_errors_total", code=err.code)
+        daemon.metrics.count_error(err, err.code)
         return reply(req.id, err)
     except Exception as e:
         log.exception("internal error handling %s", kind)
-        daemon.metrics.inc("vramd_errors_total", code=InternalError.code)
+        daemon.metrics.count_error(e, InternalError.code)
         return reply(req.id, InternalError(f"internal error handling {kind}: {e!r}"))
 
 

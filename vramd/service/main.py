@@ -3,13 +3,16 @@
     vramd [--config FILE] [--socket PATH] [--socket-mode OCTAL] [--staging-budget SIZE] [--chunk-size SIZE]
           [--compression none|zstd[:N]] [--workers-per-gpu N] [--allow-uid UID ...]
           [--allow-group GROUP ...] [--grace-period S] [--drain-timeout S]
-          [--metrics-textfile PATH] [--log-level LEVEL]
+          [--metrics-textfile PATH] [--log-level LEVEL] [--check-config]
 
 Listens on the socket passed by systemd (socket activation) if there is
 one, else on --socket / the config's socket / $VRAMD_SOCKET /
 $XDG_RUNTIME_DIR/vramd/vramd.sock / /tmp/vramd-<uid>/vramd.sock.
 SIGTERM or SIGINT drains running sessions (up to --drain-timeout), then
-exits 0.
+exits 0.  SIGHUP re-reads --config and applies what can change at run time
+(config.RELOADABLE); a bad file is logged and the running settings stay.
+`--check-config` validates, prints the effective settings as TOML and exits:
+0, or 2 with one line naming the bad key.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ import signal
 import socket
 import stat
 import sys
+from collections.abc import Callable
 
 import uvloop
 
@@ -30,7 +34,7 @@ from .. import __version__
 from ..paths import default_socket_path, ensure_private_dir, user_run_dir
 from ..units import parse_size
 from . import systemd
-from .config import DaemonConfig, load_config
+from .config import LOG_LEVELS, ConfigError, DaemonConfig, load_config, to_toml
 from .daemon import Daemon
 
 log = logging.getLogger("vramd")
@@ -42,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     ap.add_argument("--config", help="TOML configuration file")
     ap.add_argument("--socket", help="unix socket path to listen on")
-    ap.add_argument("--socket-mode", type=lambda t: int(t, 8), help="permissions of the socket file (octal, e.g. 660)")
+    ap.add_argument("--socket-mode", help="permissions of the socket file (octal, e.g. 0660)")
     ap.add_argument("--staging-budget", type=parse_size, help="host staging memory budget (e.g. 512M)")
     ap.add_argument("--chunk-size", type=parse_size, help="chunk size (e.g. 8M)")
     ap.add_argument("--compression", help="default dump compression: none, zstd, zstd:LEVEL")
@@ -53,7 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--grace-period", type=float, help="seconds a session outlives its last connection")
     ap.add_argument("--drain-timeout", type=float, help="seconds SIGTERM waits for running sessions")
     ap.add_argument("--metrics-textfile", help="write Prometheus metrics here (atomically)")
-    ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    ap.add_argument("--log-level", choices=list(LOG_LEVELS), help="log level (default: the config's log_level, info)")
+    ap.add_argument("--check-config", action="store_true",
+                    help="validate the configuration, print the effective settings and exit (0, or 2 if invalid)")
     return ap
 
 
@@ -63,7 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def overrides(ns: argparse.Namespace) -> dict[str, object]:
     keys = ("socket", "socket_mode", "staging_budget", "chunk_size", "compression", "workers_per_gpu", "allowed_uids",
-            "allowed_groups", "grace_period", "drain_timeout", "metrics_textfile")
+            "allowed_groups", "grace_period", "drain_timeout", "metrics_textfile", "log_level")
     out = {k: getattr(ns, k) for k in keys}
     if ns.allowed_groups:
         out["allowed_groups"] = [int(g) if g.isdigit() else g for g in ns.allowed_groups]
@@ -113,7 +119,7 @@ def bind_socket(path: str, mode: int) -> socket.socket:
     return sock
 
 
-async def run(cfg: DaemonConfig) -> int:
+async def run(cfg: DaemonConfig, reload: Callable[[], DaemonConfig] | None = None) -> int:
     inherited = systemd.listen_fds()
     if inherited:
         listener, path = inherited[0], None
@@ -126,14 +132,16 @@ async def run(cfg: DaemonConfig) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, daemon.shutdown)
+    loop.add_signal_handler(signal.SIGHUP, reload_config, daemon, reload)
     log.info("listening on %s", path or "the socket passed by systemd")
     try:
         await daemon.serve(listener)
     finally:
         # Drained: a further SIGTERM must not kill the process half-way through its exit.
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.remove_signal_handler(sig)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
         listener.close()
         if path is not None:
             try:
@@ -145,28 +153,53 @@ async def run(cfg: DaemonConfig) -> int:
     return 0
 
 
+def reload_config(daemon: Daemon, reload: Callable[[], DaemonConfig] | None) -> None:
+    """SIGHUP: read the configuration again and apply what can change at run time."""
+    if reload is None:
+        log.warning("SIGHUP: no configuration file (--config) to reload; ignored")
+        return
+    try:
+        new = reload()
+    except ConfigError as e:
+        log.error("SIGHUP: configuration not reloaded (the running settings stay): %s", e)
+        return
+    set_log_level(new.log_level)
+    daemon.reconfigure(new)
+
+
+def set_log_level(level: str) -> None:
+    logging.getLogger().setLevel(level.upper())
+
+
 def setup_logging(level: str) -> None:
-    """Log to stderr; under systemd without timestamps (journald adds them) and with priority prefixes."""
+    """Log to stderr; into the journal without timestamps (journald adds them) and with priority prefixes."""
     handler = logging.StreamHandler(sys.stderr)
-    if systemd.under_systemd():
+    if systemd.stderr_is_journal():
         handler.setFormatter(systemd.JournalFormatter("%(levelname)s %(name)s: %(message)s"))
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
-    root.setLevel(level.upper())
+    set_log_level(level)
 
 
 def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
-    setup_logging(ns.log_level)
+    flags = overrides(ns)
     try:
-        cfg = load_config(ns.config, overrides(ns))
-    except (OSError, ValueError) as e:
+        cfg = load_config(ns.config, flags)
+    except ConfigError as e:
         print(f"vramd: bad configuration: {e}", file=sys.stderr)
         return 2
+    if ns.check_config:
+        sys.stdout.write(f"# vramd {__version__}: effective configuration"
+                         f"{' from ' + ns.config if ns.config else ''} (defaults, file, flags)\n")
+        sys.stdout.write(to_toml(cfg.effective()))
+        return 0
+    setup_logging(cfg.log_level)
     raise_fd_limit()
-    return uvloop.run(run(cfg))
+    config = ns.config
+    return uvloop.run(run(cfg, (lambda: load_config(config, flags)) if config else None))
 
 
 if __name__ == "__main__":

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Mapping
 
 _HELP = {
+    "vramd_build_info": ("gauge", "Always 1; the version that runs is its label"),
     "vramd_bytes_total": ("counter", "BO bytes moved, by backend and direction (read = dump, write = restore)"),
     "vramd_sessions_total": ("counter", "Sessions ended, by kind and outcome"),
     "vramd_bos_total": ("counter", "BOs handled by ended sessions, by kind"),
@@ -28,7 +30,7 @@ _HELP = {
 LabelKey = tuple[tuple[str, str], ...]
 
 
-def _labels(labels: dict[str, object]) -> LabelKey:
+def _labels(labels: Mapping[str, object]) -> LabelKey:
     return tuple(sorted((k, str(v)) for k, v in labels.items()))
 
 
@@ -41,11 +43,32 @@ class Metrics:
         self._values: dict[str, dict[LabelKey, float]] = {name: {} for name in _HELP}
         self._lock = threading.Lock()
 
+    def declare(self, name: str, *label_sets: Mapping[str, object]) -> None:
+        """Start each series of `name` at 0 (a counter's known label values), so that rate() sees its first step."""
+        with self._lock:
+            series = self._values[name]
+            for labels in label_sets or ({},):
+                series.setdefault(_labels(labels), 0)
+
     def inc(self, name: str, value: float = 1, **labels: object) -> None:
         key = _labels(labels)
         with self._lock:
             series = self._values[name]
             series[key] = series.get(key, 0) + value
+
+    def count_error(self, err: BaseException, code: str) -> None:
+        """vramd_errors_total{code}: each error once, however many replies carry it.
+
+        A failed AddBos fails its session with the same error: the reply to the
+        AddBos counts it, the session's end (and a Wait that reports it) does not again.
+        """
+        if getattr(err, "_vramd_counted", False):
+            return
+        try:
+            err._vramd_counted = True  # type: ignore[attr-defined]
+        except AttributeError:
+            pass
+        self.inc("vramd_errors_total", code=code)
 
     def set(self, name: str, value: float, **labels: object) -> None:
         with self._lock:
@@ -73,6 +96,7 @@ class Metrics:
         data = text.encode()
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
         try:
+            os.fchmod(fd, 0o644)  # node_exporter reads it: not the service's UMask=0077
             os.write(fd, data)
             os.fsync(fd)
         finally:

@@ -371,7 +371,8 @@ class Session:
         secs = (self.ended if self.ended is not None else time.monotonic()) - self.started
         rate = p.bytes_done / secs / 1e9 if secs > 0 else 0.0
         label = f" [{self.label}]" if self.label else ""
-        line = (f"session {self.id} ({self.kind_name}, uid {self.uid}): {rpc.SessionState.Name(self.state)}: "
+        line = (f"session {self.id} ({self.kind_name}, uid {self.uid}, pid {self.pid}): "
+                f"{rpc.SessionState.Name(self.state)}: "
                 f"{p.bos_done}/{p.bos_total} BOs, {p.bytes_done}/{p.bytes_total} bytes in {secs:.3f} s, "
                 f"{rate:.3f} GB/s{label}")
         return f"{line}: {self.error.code}: {self.error}" if self.error is not None else line
@@ -390,7 +391,7 @@ class Session:
         m.inc("vramd_sessions_total", kind=self.kind_name, outcome=outcome)
         m.inc("vramd_bos_total", p.bos_done, kind=self.kind_name)
         if self.error is not None:
-            m.inc("vramd_errors_total", code=self.error.code)
+            m.count_error(self.error, self.error.code)  # not again if a reply (a failed AddBos) counted it
 
     # --- reporting -----------------------------------------------------------
 

@@ -1,10 +1,12 @@
 """The systemd protocols vramd speaks, without libsystemd.
 
 Socket activation (LISTEN_FDS/LISTEN_PID, fds from 3), readiness and status
-(NOTIFY_SOCKET datagrams: READY=1, STATUS=..., STOPPING=1) and the watchdog
+(NOTIFY_SOCKET datagrams: READY=1, STATUS=..., STOPPING=1, RELOADING=1,
+EXTEND_TIMEOUT_USEC=... while a drain runs), the journal stream
+(JOURNAL_STREAM: stderr lines prefixed with their priority) and the watchdog
 (WATCHDOG_USEC/WATCHDOG_PID: ping WATCHDOG=1 at half the interval).  All of
-them are stable interfaces documented in sd_listen_fds(3), sd_notify(3) and
-sd_watchdog_enabled(3).  Outside systemd every function is a no-op.
+them are stable interfaces documented in sd_listen_fds(3), sd_notify(3),
+sd-daemon(3), systemd.exec(5) and sd_watchdog_enabled(3).  Outside systemd every function is a no-op.
 """
 from __future__ import annotations
 
@@ -88,5 +90,18 @@ def watchdog_interval() -> float | None:
     return int(usec) / 2e6
 
 
-def under_systemd() -> bool:
-    return "INVOCATION_ID" in os.environ or "NOTIFY_SOCKET" in os.environ
+def stderr_is_journal(fd: int = 2) -> bool:
+    """Whether `fd` is the journal stream systemd connected (JOURNAL_STREAM="dev:ino" names it).
+
+    The variable is inherited by children whose stderr may go elsewhere (a
+    pipe, a file): only an fd whose device and inode match is the journal.
+    """
+    value = os.environ.get("JOURNAL_STREAM", "")
+    dev, _, ino = value.partition(":")
+    if not (dev.isdigit() and ino.isdigit()):
+        return False
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return False
+    return (st.st_dev, st.st_ino) == (int(dev), int(ino))

@@ -26,10 +26,11 @@ ROOT = str(Path(__file__).resolve().parents[2])  # the source tree (the daemon r
 
 class DaemonProcess:
     def __init__(self, run_dir: str, *args: str, env: dict[str, str] | None = None, stderr: IO[str] | None = None,
-                 listener: socket.socket | None = None, log_level: str = "debug", ready_timeout: float = 60.0,
+                 listener: socket.socket | None = None, log_level: str | None = "debug", ready_timeout: float = 60.0,
                  argv_prefix: list[str] | None = None, drain_notes: bool = True) -> None:
         """`argv_prefix`: what runs the interpreter (default [sys.executable]; e.g. ["nice", "-n", "10", python]).
 
+        `log_level=None` passes no --log-level (the config's log_level decides).
         `drain_notes=False` stops reading the notify socket after READY=1: a
         service manager that never reads (to test that the daemon does not block).
         """
@@ -61,7 +62,7 @@ class DaemonProcess:
             self.socket = listener.getsockname()
         else:
             self.socket = os.path.join(run_dir, "vramd.sock")
-        cmd = [*argv, "-m", "vramd", "--log-level", log_level, *args]
+        cmd = [*argv, "-m", "vramd", *(["--log-level", log_level] if log_level else []), *args]
         if listener is None and "--socket" not in args:
             cmd += ["--socket", self.socket]
         self.proc = subprocess.Popen(cmd, env=e, stderr=subprocess.PIPE if self.capturing else stderr, text=True,
