@@ -97,8 +97,8 @@ KILLED_DUMP = textwrap.dedent("""
 """)
 
 
-def test_sigkill_mid_dump_leaves_no_image(image_dir):
-    path, dfd = image_dir
+def _kill_a_dump_mid_way(path):
+    """A process dumping 64 MiB into `path`, SIGKILLed once it is mid-dump."""
     with Workload([{"size": 64 * MiB, "fill": "random"}]) as w:
         r = w.regions[0]
         p = subprocess.Popen([sys.executable, "-c", KILLED_DUMP, str(w.pid), str(r["addr"]), str(r["size"]),
@@ -108,6 +108,11 @@ def test_sigkill_mid_dump_leaves_no_image(image_dir):
         p.wait()
         p.stdout.close()
         p.stdin.close()
+
+
+def test_sigkill_mid_dump_leaves_no_image(image_dir):
+    path, dfd = image_dir
+    _kill_a_dump_mid_way(path)
     left = os.listdir(path)
     assert MANIFEST_NAME not in left
     assert left and all(n.endswith(".tmp") for n in left)  # only temporaries, never a final name
@@ -126,15 +131,7 @@ def test_vramctl_gc_removes_a_killed_dumps_temporaries_and_waits_for_a_live_dump
 
     from vramd.image.writer import lock_directory
     path, dfd = image_dir
-    with Workload([{"size": 64 * MiB, "fill": "random"}]) as w:
-        r = w.regions[0]
-        p = subprocess.Popen([sys.executable, "-c", KILLED_DUMP, str(w.pid), str(r["addr"]), str(r["size"]),
-                              str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        assert p.stdout.readline().strip() == "mid-dump"
-        p.send_signal(signal.SIGKILL)
-        p.wait()
-        p.stdout.close()
-        p.stdin.close()
+    _kill_a_dump_mid_way(path)
     left = sorted(os.listdir(path))
     assert left and all(n.endswith(".tmp") for n in left)
     (path / "notes.txt.tmp").write_text("not vramd's")

@@ -13,8 +13,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import zstandard
-
 from ..errors import CorruptChunkError
 from ..hostmem.batchcopy import xor_into
 from ..hostmem.libc import is_zero_ptr
@@ -22,9 +20,8 @@ from ..hostmem.staging import StagingBuffer
 from ..pb import image_pb2 as pb
 from .format import EMPTY_CHECKSUM, Bytes, checksum, decode_record_head, encode_record_head, record_checksum
 from .format import content_hash as content_hash_of
-from .planes import compress_planes, decompress_planes, zstd_frame_length
+from .planes import compress_planes, decompress_planes, unzstd_exact, zstd_frame_length
 from .planes import zstd_compressor as _compressor
-from .planes import zstd_decompressor as _decompressor
 from .policy import AutoPolicy, Choice, CompressionSpec, Mode, candidates, choose, parse_compression, sample_slices
 
 
@@ -235,22 +232,11 @@ def decode_chunk(bo_id: int, offset: int, raw_length: int, head: bytes, stored: 
 
 def _unzstd(payload: memoryview, dest: memoryview, dest_offset: int, raw_length: int,
             bad: Callable[[str], CorruptChunkError]) -> None:
+    # exactly one whole frame, its 4-byte checksum included (zstd itself accepts a frame cut short there)
+    if zstd_frame_length(payload) != len(payload):
+        raise bad("zstd frame is cut short or followed by other bytes")
     out = dest[dest_offset:dest_offset + raw_length]
     try:
-        # exactly one whole frame, its 4-byte checksum included (zstd itself accepts a frame cut short there)
-        if zstd_frame_length(payload) != len(payload):
-            raise bad("zstd frame is cut short or followed by other bytes")
-        reader = _decompressor().stream_reader(payload, read_across_frames=False)
-        got = 0
-        while got < raw_length:
-            n = reader.readinto(out[got:])
-            if not n:
-                break
-            got += n
-        # Reading past the end makes zstd check the frame's content checksum.
-        if got != raw_length or reader.read(1):
-            raise bad(f"zstd frame holds {'more than' if got == raw_length else got} bytes, expected {raw_length}")
-    except zstandard.ZstdError as e:
-        raise bad(f"zstd frame does not decode: {e}") from None
+        unzstd_exact(payload, out, raw_length, bad)
     finally:
         out.release()

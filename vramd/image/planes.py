@@ -223,18 +223,25 @@ def decompress_planes(payload: Buffer, word: int, raw_length: int, dest: memoryv
         raise ValueError(f"planes: destination holds {len(d)} bytes, expected {raw_length}")
     scratch = _scratch(raw_length)
     try:
-        reader = zstd_decompressor().stream_reader(p, read_across_frames=False)
+        unzstd_exact(p, scratch, raw_length, bad, "planes frame")
+        merge_into(scratch, word, d[:raw_length])
+    finally:
+        scratch.release()
+
+
+def unzstd_exact(payload: Buffer, out: memoryview, raw_length: int, bad: Callable[[str], Exception],
+                 what: str = "zstd frame") -> None:
+    """Decompress one zstd frame into out[:raw_length]: exactly raw_length bytes, and its content checksum
+    checked (zstd checks it when reading past the end); anything else is `bad(...)` naming `what`."""
+    try:
+        reader = zstd_decompressor().stream_reader(payload, read_across_frames=False)
         got = 0
         while got < raw_length:
-            n = reader.readinto(scratch[got:])
+            n = reader.readinto(out[got:raw_length])
             if not n:
                 break
             got += n
-        # Reading past the end makes zstd check the frame's content checksum (and rejects trailing bytes).
         if got != raw_length or reader.read(1):
-            raise bad(f"planes frame holds {'more than' if got == raw_length else got} bytes, expected {raw_length}")
-        merge_into(scratch, word, d[:raw_length])
+            raise bad(f"{what} holds {'more than' if got == raw_length else got} bytes, expected {raw_length}")
     except zstandard.ZstdError as e:
-        raise bad(f"planes frame does not decode: {e}") from None
-    finally:
-        scratch.release()
+        raise bad(f"{what} does not decode: {e}") from None
