@@ -422,3 +422,69 @@ def test_flatten_of_a_chain_with_deltas_restores_without_parents(tmp_path):
     assert not flat.parents and flat.totals.record_count == 3 and flat.compression.codec == pb.CODEC_ZSTD
     assert _restore(dirs[3][1], {1: 3 * CHUNK}) == states[2]
     _verify(dirs[3][1])
+
+
+def test_a_record_longer_than_its_chunk_is_a_corrupt_manifest(tmp_path):
+    """A reader reads a whole record into its staging slot: a manifest may not make it longer than any record
+    of its chunk can be (v2's chunk table and v1's record lists alike)."""
+    (path, dfd), = _dirs(tmp_path, "img")
+    _dump(dfd, {1: os.urandom(CHUNK)})
+    m = decode_manifest((path / MANIFEST_NAME).read_bytes())
+    m.chunks.length[0] = 64 << 20
+    (path / MANIFEST_NAME).write_bytes(encode_manifest(m))
+    with pytest.raises(errors.CorruptManifestError, match="longer"):
+        _restore(dfd, {1: CHUNK})
+    v1path, v1fd = v1_image(tmp_path)
+    m = decode_manifest((v1path / MANIFEST_NAME).read_bytes())
+    m.bos[3].record_lengths[0] = 1 << 20
+    (v1path / MANIFEST_NAME).write_bytes(encode_manifest(m))
+    with pytest.raises(errors.CorruptManifestError, match="longer"):
+        _verify(v1fd)
+
+
+def test_a_parent_entry_naming_a_file_the_parent_lacks_is_a_corrupt_manifest(tmp_path):
+    (_pp, pfd), (cp, cfd) = _dirs(tmp_path, "parent", "child")
+    parent = {1: os.urandom(CHUNK)}
+    _dump(pfd, parent)
+    _dump(cfd, {1: parent[1], 2: os.urandom(CHUNK)}, parent_fds=[pfd])
+    m = decode_manifest((cp / MANIFEST_NAME).read_bytes())
+    i = list(m.chunks.image).index(1)
+    m.chunks.file_index[i] = 7
+    (cp / MANIFEST_NAME).write_bytes(encode_manifest(m))
+    with pytest.raises(errors.CorruptManifestError, match="no such file"):
+        _restore(cfd, {1: CHUNK, 2: CHUNK}, parent_fds=[pfd])
+
+
+def test_a_delta_against_a_parent_dumped_without_dedup_keeps_a_plain_base(tmp_path):
+    """A parent without dedup may hold the same bytes twice, once as a delta: a child's base is the plain one."""
+    dirs = _dirs(tmp_path, "g0", "g1", "g2")
+    w0 = _bf16_like(CHUNK, 21)
+    w1 = bytearray(w0)
+    w1[100] ^= 1
+    _dump(dirs[0][1], {1: w0})
+    # g1: BO 1 is a delta of g0's chunk; BO 2 holds the same bytes again, stored plain (no dedup)
+    m1 = _dump(dirs[1][1], {2: bytes(w1), 1: bytes(w1)}, parent_fds=[dirs[0][1]], dedup=False)
+    assert m1.totals.delta_bytes >= CHUNK
+    w2 = bytearray(w1)
+    w2[200] ^= 1
+    m2 = _dump(dirs[2][1], {1: bytes(w2), 2: bytes(w1)}, parent_fds=[dirs[1][1], dirs[0][1]])
+    t = m2.chunks
+    assert all(not t.base[b - 1] for b in t.base if b)
+    assert _restore(dirs[2][1], {1: CHUNK, 2: CHUNK}, parent_fds=[dirs[1][1], dirs[0][1]]) == {1: bytes(w2),
+                                                                                                2: bytes(w1)}
+
+
+def test_flatten_of_deltas_stored_raw_and_its_bo_files(tmp_path):
+    """flatten stores a decoded delta raw where zstd would not shrink it, and gives BOs its own data files."""
+    from vramd.image.flatten import flatten
+    dirs = _dirs(tmp_path, "p", "c", "flat")
+    rnd = os.urandom(CHUNK)
+    _dump(dirs[0][1], {1: rnd}, gpus={1: 5})
+    c = bytearray(rnd)
+    c[7] ^= 1
+    _dump(dirs[1][1], {1: bytes(c), 2: bytes(CHUNK)}, gpus={1: 5, 2: 9}, parent_fds=[dirs[0][1]],
+          compression="zstd")
+    flat = run(flatten(dirs[1][1], [dirs[0][1]], dirs[2][1]))
+    assert [f.gpu_id for f in flat.files] == [5]
+    assert [b.file_index for b in flat.bos] == [0, 0]
+    assert _restore(dirs[2][1], {1: CHUNK, 2: CHUNK}) == {1: bytes(c), 2: bytes(CHUNK)}

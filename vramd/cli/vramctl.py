@@ -398,7 +398,7 @@ def cmd_inspect(ns: argparse.Namespace) -> int:
             "source_offset": e.source_offset, "va_addr": e.va_addr, "alloc_flags": e.alloc_flags, "name": e.name,
             "chunks": nchunks(e.size, m.chunk_size), "stored_bytes": e.stored_bytes, "zero_bytes": e.zero_bytes,
             "deduplicated_bytes": e.dedup_bytes, "referenced_bytes": e.parent_bytes, "delta_bytes": e.delta_bytes,
-            "file": m.files[e.file_index].name if e.size and m.files else None} for e in m.bos]
+            "file": m.files[e.file_index].name if e.size and e.file_index < len(m.files) else None} for e in m.bos]
     t = m.totals
     parents = [{"image_id": p.image_id.hex(), "recorded_at": p.relative_path} for p in m.parents]
     data = {"format_version": m.format_version, "image_id": m.image_id.hex(), "chunk_size": m.chunk_size,

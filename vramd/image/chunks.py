@@ -45,6 +45,7 @@ class ChunkIndex:
         self._claimed: set[bytes] = set()    # hashes this image stores (or is storing) a record for
         self._stored: dict[bytes, Entry] = {}  # hash -> the record that holds it (this image's or a parent's)
         self._own: list[Entry] = []          # every record this image stored, in landing order
+        self._plain: dict[bytes, Entry] = {}  # hash -> a record holding the bytes that is no delta (a base)
 
     def add_parent(self, manifest: pb.Manifest, depth: int) -> None:
         """Make a parent image's records referable: `depth` 1 is the parent, 2 its parent, ...
@@ -54,11 +55,12 @@ class ChunkIndex:
         with self._lock:
             for i in range(len(t)):
                 h = t.hash(i)
-                if h in self._stored:
-                    continue
                 base = t.hash(t.base[i] - 1) if t.base[i] else b""
-                self._stored[h] = Entry(t.image[i] + depth, t.file_index[i], t.offset[i], t.length[i],
-                                        t.record_checksum[i], t.raw_length[i], h, base)
+                e = Entry(t.image[i] + depth, t.file_index[i], t.offset[i], t.length[i], t.record_checksum[i],
+                          t.raw_length[i], h, base)
+                self._stored.setdefault(h, e)
+                if not base:  # a parent dumped without dedup may hold the same bytes as a delta and plainly
+                    self._plain.setdefault(h, e)
 
     def parent_entry(self, chash: bytes) -> Entry | None:
         """The parent record holding these bytes, if the parent chain has them."""
@@ -83,6 +85,8 @@ class ChunkIndex:
         with self._lock:
             self._own.append(entry)
             self._stored.setdefault(entry.chash, entry)
+            if not entry.base:
+                self._plain.setdefault(entry.chash, entry)
             return len(self._own) - 1
 
     def table(self, chunk_refs: list[list[tuple[int, bytes]]]) -> tuple[pb.ChunkTable, list[list[int]]]:
@@ -101,7 +105,7 @@ class ChunkIndex:
                 return pos
             base = 0
             if e.base:
-                b = self._stored.get(e.base)
+                b = self._plain.get(e.base)  # a base is never a delta
                 if b is None:
                     raise JobError("internal error: a delta record's base is in no table")
                 base = put(b) + 1

@@ -45,7 +45,8 @@ async def flatten(dir_fd: int, parent_fds: Sequence[int], out_fd: int) -> pb.Man
                                                                                             writer)
             totals = _totals(m, table, payloads)
             totals.compressed_records = compressed
-            return await writer.commit(_bos(m, table, payloads), totals, m.topology_json, chunks=table)
+            file_of = {f.gpu_id: f.index for f in writer.files.values()}
+            return await writer.commit(_bos(m, table, payloads, file_of), totals, m.topology_json, chunks=table)
         finally:
             await writer.aclose()
     finally:
@@ -94,8 +95,12 @@ def _copy(reader: ImageReader, writer: ImageWriter) -> tuple[pb.ChunkTable, list
                     base.release()
                 assert dec.buf is not None
                 enc = encode_chunk(bo_id, bo_off, dec.buf, raw_len, compression, dec.offset, loc.chash)
-                at = _put(dst, [enc.head, enc.payload], enc.record_length, bo_id, bo_off)
                 rsum, length, payload = enc.record_checksum, enc.record_length, len(enc.payload)
+                try:
+                    at = _put(dst, [enc.head, enc.payload], length, bo_id, bo_off)
+                finally:
+                    if isinstance(enc.payload, memoryview):  # stored raw: a view of the buffer to unmap
+                        enc.payload.release()
                 compressed += enc.codec != pb.CODEC_RAW
             out.image.append(0)
             out.file_index.append(dst.index)
@@ -128,7 +133,8 @@ def _first_holders(m: pb.Manifest) -> dict[int, tuple[int, int]]:
     return out
 
 
-def _bos(m: pb.Manifest, table: pb.ChunkTable, payloads: list[int]) -> list[pb.BoEntry]:
+def _bos(m: pb.Manifest, table: pb.ChunkTable, payloads: list[int],
+         file_of: dict[int, int] | None = None) -> list[pb.BoEntry]:
     """The BOs as they were, referring to the new table (its entries: the old ones BOs refer to, in order),
     their byte counts as the new image holds them (nothing from parents)."""
     new = {old: i for i, old in enumerate(sorted(_first_holders(m)))}
@@ -138,6 +144,7 @@ def _bos(m: pb.Manifest, table: pb.ChunkTable, payloads: list[int]) -> list[pb.B
         e = pb.BoEntry()
         e.CopyFrom(bo)
         e.stored_bytes = e.dedup_bytes = e.parent_bytes = e.delta_bytes = 0
+        e.file_index = (file_of or {}).get(bo.gpu_id, 0)  # the new image's data file of the BO's GPU
         del e.chunk_refs[:]
         for ref in bo.chunk_refs:
             if not ref:

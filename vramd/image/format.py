@@ -59,7 +59,8 @@ DATA_HEADER = struct.Struct("<8sII16s")
 RECORD_MAGIC = b"VRDC"
 # magic, header length, xxh3-64 of the header bytes
 RECORD_PREFIX = struct.Struct("<4sIQ")
-MAX_CHUNK_HEADER = 256  # a ChunkHeader encodes to at most ~45 bytes
+MAX_CHUNK_HEADER = 256  # a ChunkHeader encodes to at most ~45 bytes (v2: ~120)
+RECORD_OVERHEAD = RECORD_PREFIX.size + MAX_CHUNK_HEADER  # a record is at most this plus its raw bytes
 
 Codec = pb.Codec
 CODEC_NAMES = {pb.CODEC_RAW: "raw", pb.CODEC_ZERO: "zero", pb.CODEC_ZSTD: "zstd", pb.CODEC_PLANES: "bplanes",
@@ -175,6 +176,10 @@ def _check_manifest(m: pb.Manifest, name: str) -> None:
                 f"{name}: {len(bo.record_offsets)} records for {bo.size} bytes at chunk size {m.chunk_size}",
                 bo_id=bo.id,
             )
+        for i, length in enumerate(bo.record_lengths):
+            if length > RECORD_OVERHEAD + min(m.chunk_size, bo.size - i * m.chunk_size):
+                raise CorruptManifestError(f"{name}: record of chunk {i} is longer than any record of its chunk",
+                                           bo_id=bo.id)
         if bo.record_offsets:
             has = len(bo.record_checksums) > 0
             if has and len(bo.record_checksums) != len(bo.record_offsets):
@@ -212,6 +217,8 @@ def _check_v2(m: pb.Manifest, name: str) -> None:
         if not 0 < t.raw_length[i] <= m.chunk_size:
             raise CorruptManifestError(f"{name}: chunks[{i}] holds {t.raw_length[i]} bytes at chunk size "
                                        f"{m.chunk_size}")
+        if t.length[i] > RECORD_OVERHEAD + t.raw_length[i]:  # a reader reads the whole record into the slot
+            raise CorruptManifestError(f"{name}: chunks[{i}] is a record longer than any of its bytes")
         if base and (base > n or base - 1 == i or t.base[base - 1]):
             raise CorruptManifestError(f"{name}: chunks[{i}] has a base that is missing, itself or a delta")
         if base and t.raw_length[base - 1] != t.raw_length[i]:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from ..errors import (
     CorruptChunkError,
+    CorruptManifestError,
     ForeignDataFileError,
     InvalidRequestError,
     ManifestMissingError,
@@ -28,7 +29,7 @@ from ..hostmem.staging import StagingBuffer
 from ..pb import image_pb2 as pb
 from .codec import DecodedChunk, decode_chunk
 from .fileio import image_os_error, open_regular, pread_into, preadv_all, read_manifest_hashed, reopen_direct
-from .format import DATA_HEADER, TableView, check_data_header, record_head_length
+from .format import DATA_HEADER, MANIFEST_NAME, TableView, check_data_header, record_head_length
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,8 @@ class Loc:
 
 def parent_label(ref: pb.ParentRef, k: int) -> str:
     """How errors name parent #k: its position, and where the child's dump said it was."""
-    hint = f" (recorded at {ref.relative_path!r})" if ref.relative_path else ""
+    path = ref.relative_path if len(ref.relative_path) <= 200 else ref.relative_path[:200] + "..."
+    hint = f" (recorded at {path!r})" if path else ""
     return f"parent #{k} of the chain{hint}"
 
 
@@ -117,11 +119,21 @@ class ImageReader:
         reader = cls(dir_fd, manifest, fds, parents=parents, names=names, manifest_hash=digest)
         if parents:
             try:
+                reader._check_parent_files()
                 reader._trusted = await run(None, reader._parents_trusted)
             except BaseException:
                 reader.close()
                 raise
         return reader
+
+    def _check_parent_files(self) -> None:
+        """Every table entry of a parent names a data file that parent lists (the parents' manifests
+        were read only now: decode_manifest could check the image's own entries alone)."""
+        t = self._table
+        for i in range(len(t)):
+            if (t.image[i], t.file_index[i]) not in self._slot:
+                raise CorruptManifestError(f"{MANIFEST_NAME}: chunks[{i}] refers to data file #{t.file_index[i]} "
+                                           f"of parent #{t.image[i]}, which has no such file")
 
     def _parents_trusted(self) -> list[bool]:
         """Per image of the chain: are its data files as trusted as the image's own?  Yes where every one is

@@ -318,6 +318,9 @@ class ImageWriter:
         """Before the commit: this child's mark in every directory of its parent chain, each fsynced."""
         name = child_mark_name(self.image_id)
         for fd in self.parent_dirs:
+            # under the parent directory's lock: a dump replacing that image, which checked for marks when it
+            # began, holds it to its end, so this child either fails here or is seen by every later dump
+            lock = lock_directory(fd)
             try:
                 mark = os.open(name, CREATE_FLAGS, FILE_MODE, dir_fd=fd)
                 os.close(mark)
@@ -326,6 +329,8 @@ class ImageWriter:
             except OSError as e:
                 raise image_os_error(e, f"cannot mark this incremental image ({name}) in a parent's directory") \
                     from None
+            finally:
+                os.close(lock)
 
     def _commit_manifest(self, tmp: str, blob: bytes) -> None:
         """Write and fsync the manifest under its temporary name, then rename it into place."""

@@ -362,24 +362,27 @@ class DumpJob(JobBase[DumpBo]):
         `replace_parent`: replace the directory's image even when incremental images need it."""
         self.parents: list[pb.ParentRef] = []
         self.index = ChunkIndex(dedup=dedup)
+        writer = None
         try:
             if parent is not None:
                 self._chain(parent, parent_hint, max_chain)
                 self._not_into_the_chain(dir_fd, parent)
-            self.writer = ImageWriter(dir_fd, chunk_size=chunk_size, compression=compression.to_pb(),
-                                      parent_dirs=parent.dir_fds[:1 + len(self.parents)] if parent else (),
-                                      replace_parent=replace_parent)
+            writer = self.writer = ImageWriter(dir_fd, chunk_size=chunk_size, compression=compression.to_pb(),
+                                               parent_dirs=parent.dir_fds[:1 + len(self.parents)] if parent else (),
+                                               replace_parent=replace_parent)
+            self.parent = parent
+            self.chunk_size = chunk_size
+            self.topology_json = b""  # the machine's KFD topology, saved in the manifest
+            self._inodes: dict[tuple[int, int, int, int], DumpBo] = {}  # one dmabuf given twice is copied once
+            self.ends = DumpEnds(self.writer, compression, chunk_size, index=self.index, parent=parent,
+                                 workers=ctx.compress_workers)
+            super().__init__(ctx, self.ends, on_progress)
         except BaseException:
+            if writer is not None:
+                writer.close()
             if parent is not None:
                 parent.close()
             raise
-        self.parent = parent
-        self.chunk_size = chunk_size
-        self.topology_json = b""  # the machine's KFD topology, saved in the manifest
-        self._inodes: dict[tuple[int, int, int, int], DumpBo] = {}  # one dmabuf given twice is copied once
-        self.ends = DumpEnds(self.writer, compression, chunk_size, index=self.index, parent=parent,
-                             workers=ctx.compress_workers)
-        super().__init__(ctx, self.ends, on_progress)
 
     def _chain(self, parent: ImageReader, hint: str, max_chain: int) -> None:
         """The child's parents: the parent, then the parent's own, each with where it lies from the child."""
@@ -505,8 +508,8 @@ class DumpJob(JobBase[DumpBo]):
                 source=SOURCE_KINDS.get(s.ref.kind, pb.SOURCE_UNSPECIFIED), source_offset=s.ref.offset,
                 name=s.name, file_index=src.file.index if src.file else 0, chunk_refs=chunk_refs,
                 stored_bytes=0 if alias else bo.stored_bytes, zero_bytes=src.zero_bytes,
-                dedup_bytes=s.size - src.zero_bytes if alias else bo.dedup_bytes,
-                parent_bytes=0 if alias else bo.parent_bytes, delta_bytes=0 if alias else bo.delta_bytes,
+                dedup_bytes=s.size - src.zero_bytes - src.parent_bytes if alias else bo.dedup_bytes,
+                parent_bytes=src.parent_bytes, delta_bytes=0 if alias else bo.delta_bytes,
             ))
         return out, table
 

@@ -103,6 +103,9 @@ class ImageReadEnds(ABC):
         """Read the record whole into the piece's slot, from its head page on (O_DIRECT where it can be)."""
         fi = _loc(t).slot
         rec, n, room = t.record_offset, t.record_length, HEAD_PAGE + round_up(t.length, PAGE)
+        if n > room:  # the manifest checks keep it out; the read must never pass the slot's end regardless
+            raise CorruptChunkError(f"{self._where(t)}: record of {n} bytes for a {t.length}-byte chunk",
+                                    bo_id=t.bo.id, offset=t.offset)
         skip = rec % PAGE
         at = buf.address + t.buf_offset - HEAD_PAGE
         if self.direct and n >= DIRECT_MIN and skip + n <= room:
