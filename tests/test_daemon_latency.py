@@ -89,19 +89,19 @@ def test_getstatus_answers_quickly_while_another_client_adds_many_bos(daemon, im
         rtts = []
         os.set_blocking(loader.stdout.fileno(), False)
         added = ""
-        while not added:  # round trips until the loader's AddBos are all answered
+        while not added.endswith("\n"):  # round trips until the loader's AddBos are all answered
             prober.stdin.write("\n")
             prober.stdin.flush()
             rtts.append(float(prober.stdout.readline()))
-            added = loader.stdout.readline()
+            added += loader.stdout.readline()  # non-blocking: a line may come in pieces
         assert added.split() == ["added", str(N)], added
         adding = len(rtts)
         done = ""
-        while not done:  # and while the image is committed: manifest, chunk table, files
+        while not done.endswith("\n"):  # and while the image is committed: manifest, chunk table, files
             prober.stdin.write("\n")
             prober.stdin.flush()
             rtts.append(float(prober.stdout.readline()))
-            done = loader.stdout.readline()
+            done += loader.stdout.readline()
         os.set_blocking(loader.stdout.fileno(), True)
         assert done.strip() == "done", done
         prober.stdin.write("stop\n")
