@@ -488,3 +488,26 @@ def test_flatten_of_deltas_stored_raw_and_its_bo_files(tmp_path):
     assert [f.gpu_id for f in flat.files] == [5]
     assert [b.file_index for b in flat.bos] == [0, 0]
     assert _restore(dirs[2][1], {1: CHUNK, 2: CHUNK}) == {1: bytes(c), 2: bytes(CHUNK)}
+
+
+def test_a_child_marks_only_parent_directories_its_client_owns(tmp_path):
+    """No client can block another user's image with a mark: the daemon marks a parent's directory only
+    where the requesting uid owns it (or is root); the child still restores."""
+    (pp, pfd), (_cp, cfd) = _dirs(tmp_path, "parent", "child")
+    parent = {1: os.urandom(CHUNK)}
+    _dump(pfd, parent)
+    assert os.fstat(pfd).st_uid != 54321
+
+    async def go():
+        async with engine(staging_budget=16 * MiB, chunk_size=CHUNK) as e:
+            fd = memfd(os.urandom(CHUNK))
+            try:
+                job = e.start_dump(cfd, parent=await e.open_parent([pfd]), client_uid=54321)
+                job.add([BoSpec(1, CHUNK, BoRef("mmap", fd)), BoSpec(2, CHUNK, BoRef("mmap", memfd(parent[1])))])
+                return await job.finish()
+            finally:
+                os.close(fd)
+    m = run(go())
+    assert m.totals.parent_bytes == CHUNK
+    assert not [n for n in os.listdir(pp) if n.startswith(".child.")]
+    assert _restore(cfd, {2: CHUNK}, parent_fds=[pfd], allow_partial=True)[2] == parent[1]

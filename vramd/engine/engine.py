@@ -10,6 +10,7 @@ the engine never opens a path it is given and never closes a caller's fd.
 """
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -19,6 +20,7 @@ from typing import Any
 from ..backends import REGISTRY, Backend, BackendOptions
 from ..errors import BackendUnavailableError, InvalidRequestError, LimitExceededError
 from ..hostmem.staging import StagingPool, buffer_unit
+from ..image.chunks import parent_entries
 from ..image.codec import Compression
 from ..image.reader import ImageReader
 from ..pb import image_pb2 as pb
@@ -150,7 +152,8 @@ class Engine:
 
     def start_dump(self, dir_fd: int, *, compression: Compression | None = None, chunk_size: int | None = None,
                    on_progress: ProgressCallback | None = None, parent: ImageReader | None = None,
-                   parent_hint: str = "", dedup: bool = True, replace_parent: bool = False) -> DumpJob:
+                   parent_hint: str = "", dedup: bool = True, replace_parent: bool = False,
+                   client_uid: int | None = None) -> DumpJob:
         """`parent` (from `open_parent`): an incremental dump; the job owns and closes it, even on error."""
         try:
             cs = chunk_size or self.config.chunk_size
@@ -167,13 +170,21 @@ class Engine:
             raise
         return DumpJob(self.ctx, dir_fd, chunk_size=cs, compression=comp, on_progress=on_progress, parent=parent,
                        parent_hint=parent_hint, dedup=dedup, max_chain=self.config.max_chain_depth,
-                       replace_parent=replace_parent)
+                       replace_parent=replace_parent, client_uid=client_uid)
 
     async def open_parent(self, parent_fds: Sequence[int]) -> ImageReader:
         """An incremental dump's parent: `parent_fds` are its directory, then those of its own parents."""
         if not parent_fds:
             raise InvalidRequestError("no parent directory given")
-        return await ImageReader.open(parent_fds[0], parent_fds[1:])
+        reader = await ImageReader.open(parent_fds[0], parent_fds[1:])
+        try:
+            if reader.manifest.format_version >= 2:  # its records by hash: work that grows with it, off the loop
+                reader.chunk_entries = await asyncio.get_running_loop().run_in_executor(
+                    self._cpu, parent_entries, reader.manifest, 1)
+        except BaseException:
+            reader.close()
+            raise
+        return reader
 
     async def start_restore(self, dir_fd: int, *, on_progress: ProgressCallback | None = None,
                             gpu_map: GpuMap | None = None, allow_partial: bool = False,

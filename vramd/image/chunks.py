@@ -38,6 +38,27 @@ class Entry:
     base: bytes = b""   # a delta record: its base chunk's content hash
 
 
+# hash -> a record holding the bytes; hash -> such a record that is no delta (what a delta's base may be)
+ParentEntries = tuple[dict[bytes, Entry], dict[bytes, Entry]]
+
+
+def parent_entries(manifest: pb.Manifest, depth: int) -> ParentEntries:
+    """A parent image's records by content hash, its images renumbered by `depth` (see ChunkIndex.add_parent).
+    Pure: may run in any thread."""
+    t = TableView(manifest.chunks)
+    stored: dict[bytes, Entry] = {}
+    plain: dict[bytes, Entry] = {}
+    for i in range(len(t)):
+        h = t.hash(i)
+        base = t.hash(t.base[i] - 1) if t.base[i] else b""
+        e = Entry(t.image[i] + depth, t.file_index[i], t.offset[i], t.length[i], t.record_checksum[i],
+                  t.raw_length[i], h, base)
+        stored.setdefault(h, e)
+        if not base:  # a parent dumped without dedup may hold the same bytes as a delta and plainly
+            plain.setdefault(h, e)
+    return stored, plain
+
+
 class ChunkIndex:
     def __init__(self, *, dedup: bool = True) -> None:
         self.dedup = dedup
@@ -51,16 +72,19 @@ class ChunkIndex:
         """Make a parent image's records referable: `depth` 1 is the parent, 2 its parent, ...
 
         Its own table's images are renumbered by `depth` (its parent k is our k + depth)."""
-        t = TableView(manifest.chunks)
+        self.adopt(parent_entries(manifest, depth))
+
+    def adopt(self, entries: ParentEntries) -> None:
+        """A parent's records, as `parent_entries` found them (in a worker thread: they grow with the parent)."""
+        stored, plain = entries
         with self._lock:
-            for i in range(len(t)):
-                h = t.hash(i)
-                base = t.hash(t.base[i] - 1) if t.base[i] else b""
-                e = Entry(t.image[i] + depth, t.file_index[i], t.offset[i], t.length[i], t.record_checksum[i],
-                          t.raw_length[i], h, base)
+            if not self._stored and not self._plain:  # a new index: a copy at C speed
+                self._stored, self._plain = dict(stored), dict(plain)
+                return
+            for h, e in stored.items():
                 self._stored.setdefault(h, e)
-                if not base:  # a parent dumped without dedup may hold the same bytes as a delta and plainly
-                    self._plain.setdefault(h, e)
+            for h, e in plain.items():
+                self._plain.setdefault(h, e)
 
     def parent_entry(self, chash: bytes) -> Entry | None:
         """The parent record holding these bytes, if the parent chain has them."""

@@ -27,6 +27,7 @@ from ..errors import (
 )
 from ..hostmem.staging import StagingBuffer
 from ..pb import image_pb2 as pb
+from .chunks import ParentEntries
 from .codec import DecodedChunk, decode_chunk
 from .fileio import image_os_error, open_regular, pread_into, preadv_all, read_manifest_hashed, reopen_direct
 from .format import DATA_HEADER, MANIFEST_NAME, TableView, check_data_header, record_head_length
@@ -75,6 +76,8 @@ class ImageReader:
         self._slot_dir = [k for (k, _fi) in sorted(self._slot, key=self._slot.__getitem__)]
         self.bos = {bo.id: bo for bo in manifest.bos}
         self._locs: dict[int, Loc] = {}  # v2 chunk table index -> its Loc
+        # set by Engine.open_parent for a dump's parent: its records by hash (image.chunks.parent_entries)
+        self.chunk_entries: ParentEntries | None = None
         self._table = TableView(manifest.chunks)
         # per image of the chain: its records are trusted as the image's own (else verified by content hash)
         self._trusted: list[bool] = [True] + [False] * len(self.parents)

@@ -211,16 +211,19 @@ def lock_directory(dir_fd: int) -> int:
 
 class ImageWriter:
     def __init__(self, dir_fd: int, *, chunk_size: int, compression: pb.Compression,
-                 parent_dirs: Sequence[int] = (), replace_parent: bool = False) -> None:
+                 parent_dirs: Sequence[int] = (), replace_parent: bool = False, client_uid: int | None = None) -> None:
         """`parent_dirs`: an incremental image's parent chain (directory fds, the caller's): the commit marks
         the child in each (`.child.<id>`), so that no dump replaces an image a child needs by accident.
-        `replace_parent`: replace this directory's image even when children are marked in it."""
+        `replace_parent`: replace this directory's image even when children are marked in it.
+        `client_uid`: the client's uid, where it is not the daemon's own: a parent directory is marked only
+        where that uid owns it (or is root), so no client can block another user's image with a mark."""
         # flock is per open file description: lock a description of our own
         # (the same directory, reopened through the fd) so that two jobs given
         # the same fd still exclude each other.
         self._lock_fd = lock_directory(dir_fd)
         self.dir_fd = dir_fd
         self.parent_dirs = list(parent_dirs)
+        self.client_uid = client_uid
         self._marked: list[int] = []  # parent directories this dump marked (unmarked again unless it commits)
         if not replace_parent:
             try:
@@ -318,6 +321,10 @@ class ImageWriter:
         """Before the commit: this child's mark in every directory of its parent chain, each fsynced."""
         name = child_mark_name(self.image_id)
         for fd in self.parent_dirs:
+            if self.client_uid not in (None, 0) and os.fstat(fd).st_uid != self.client_uid:
+                log.info("parent directory not marked: uid %d does not own it (its owner is not protected from "
+                         "replacing it)", self.client_uid)
+                continue
             # under the parent directory's lock: a dump replacing that image, which checked for marks when it
             # began, holds it to its end, so this child either fails here or is seen by every later dump
             lock = lock_directory(fd)

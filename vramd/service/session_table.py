@@ -96,7 +96,7 @@ class SessionTable:
                 parent_fds.append(bundle.take(i))
             for fd in parent_fds:
                 _check_dir_fd(fd, "a parent directory fd")
-            job, manifest = await self._job(req, dir_fd, checks, parent_fds)
+            job, manifest = await self._job(req, dir_fd, checks, parent_fds, uid)
         except BaseException:
             close_fds([dir_fd, *parent_fds])
             raise
@@ -122,7 +122,7 @@ class SessionTable:
         return Checks(**{attr: switches.get(var, True) for attr, var in CHECK_ENV.items()})
 
     async def _job(self, req: rpc.OpenSession, dir_fd: int, checks: Checks,
-                   parent_fds: list[int]) -> tuple[Job, pb.Manifest | None]:
+                   parent_fds: list[int], uid: int) -> tuple[Job, pb.Manifest | None]:
         """The session's job, and the manifest of the image it reads (None for a dump)."""
         _check_dir_fd(dir_fd, "the image directory fd")
         if req.kind == rpc.SESSION_DUMP:
@@ -133,7 +133,7 @@ class SessionTable:
             parent = await self.engine.open_parent(parent_fds) if parent_fds else None
             job = self.engine.start_dump(dir_fd, compression=comp, chunk_size=req.chunk_size or self.default_chunk_size,
                                          parent=parent, parent_hint=req.parent_hint, dedup=not req.no_dedup,
-                                         replace_parent=req.replace_parent)
+                                         replace_parent=req.replace_parent, client_uid=uid)
             job.topology_json = self._topology_json
             return job, None
         if req.parent_hint or req.no_dedup or req.replace_parent:

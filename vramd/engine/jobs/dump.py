@@ -357,9 +357,10 @@ class DumpJob(JobBase[DumpBo]):
     def __init__(self, ctx: JobContext, dir_fd: int, *, chunk_size: int, compression: Compression,
                  on_progress: ProgressCallback | None = None, parent: ImageReader | None = None,
                  parent_hint: str = "", dedup: bool = True, max_chain: int = DEFAULT_MAX_CHAIN,
-                 replace_parent: bool = False) -> None:
+                 replace_parent: bool = False, client_uid: int | None = None) -> None:
         """`parent`: an incremental dump's parent image, opened with its own parents (the job closes it).
-        `replace_parent`: replace the directory's image even when incremental images need it."""
+        `replace_parent`: replace the directory's image even when incremental images need it.
+        `client_uid`: the requesting client's uid (ImageWriter: whose parent directories it marks)."""
         self.parents: list[pb.ParentRef] = []
         self.index = ChunkIndex(dedup=dedup)
         writer = None
@@ -369,7 +370,7 @@ class DumpJob(JobBase[DumpBo]):
                 self._not_into_the_chain(dir_fd, parent)
             writer = self.writer = ImageWriter(dir_fd, chunk_size=chunk_size, compression=compression.to_pb(),
                                                parent_dirs=parent.dir_fds[:1 + len(self.parents)] if parent else (),
-                                               replace_parent=replace_parent)
+                                               replace_parent=replace_parent, client_uid=client_uid)
             self.parent = parent
             self.chunk_size = chunk_size
             self.topology_json = b""  # the machine's KFD topology, saved in the manifest
@@ -401,7 +402,10 @@ class DumpJob(JobBase[DumpBo]):
             rel = posixpath.normpath(posixpath.join(hint, ref.relative_path)) if hint and ref.relative_path else ""
             self.parents.append(pb.ParentRef(image_id=ref.image_id, manifest_hash=ref.manifest_hash,
                                              relative_path=rel))
-        self.index.add_parent(m, 1)
+        if parent.chunk_entries is not None:  # found off the event loop (Engine.open_parent)
+            self.index.adopt(parent.chunk_entries)
+        else:
+            self.index.add_parent(m, 1)
 
     @staticmethod
     def _not_into_the_chain(dir_fd: int, parent: ImageReader) -> None:
