@@ -1,10 +1,14 @@
-"""The dump job: BOs -> a new image.
+"""The dump job: BOs -> a new image (format v2).
 
-Fill copies BO bytes into staging, transform encodes the chunk records,
-drain writes them; finish commits the image.  Where every piece of a batch
-is a CPU copy and the image is uncompressed, one copy thread does all three
-for the batch (`DumpEnds.run`): one batchcopy call copies, scans for zeros
-and hashes, then the records are written.  A batch that is one big piece is
+Fill copies BO bytes into staging; transform finds each piece's fate (a
+hole; bytes a record of this image or of a parent holds already, by their
+BLAKE3 content hash: `image.chunks.ChunkIndex`; or a record of its own,
+encoded by the image's codec, or as an XOR delta against the parent's chunk
+where that is smaller); drain writes the new records; finish builds the
+chunk table and commits the image.  Where every piece of a batch is a CPU
+copy, one copy thread does all three for the batch (`DumpEnds.run`): one
+batchcopy call copies, scans for zeros and hashes (xxh3), then the content
+hashes, the encoding and the writes.  A batch that is one big raw piece is
 written with O_DIRECT where the file system allows it (`DIRECT_MIN`): its
 head sits in the slot's head page right before the payload, so the record
 goes from staging to the disk with no CPU copy, at a page-aligned file

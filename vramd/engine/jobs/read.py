@@ -3,7 +3,13 @@
 Both are the same pipeline: fill reads records into staging, transform
 checks and decodes them; only the drain differs (restore.py, verify.py).
 
-For an uncompressed image whose targets are all CPU copies, one copy thread
+Each chunk's record is found through the image's manifest (`ImageReader.locate`:
+a v1 record list, or v2's chunk table, possibly in a parent's data file; a v2
+hole has no record and is zeros).  A delta record's base is read and decoded
+first, into two more staging buffers.
+
+For an image with no compressed record and no delta (its parents' included)
+whose targets are all CPU copies, one copy thread
 does a whole batch (`ImageReadEnds.run`): one batchcopy call reads each
 record whole into its slot (the head into the slot's head page) and hashes
 its payload as it arrives, the heads are checked against the manifest and the
