@@ -12,7 +12,7 @@ set -euo pipefail
 cd "$(dirname "$0")"
 
 APT_PACKAGES=(python3 python3-venv python3-dev gcc pkg-config libdrm-dev libxxhash-dev
-              meson ninja-build libprotobuf-c-dev protobuf-c-compiler valgrind)
+              meson ninja-build libprotobuf-c-dev protobuf-c-compiler valgrind libfuse2)
 
 have_python() {
     command -v python3 >/dev/null &&
@@ -32,8 +32,12 @@ have_c_client_tools() {  # libvramd: Meson, protoc-c, libprotobuf-c; valgrind fo
         command -v valgrind >/dev/null && command -v pkg-config >/dev/null && pkg-config --exists libprotobuf-c
 }
 
+have_fuse() {  # libfuse 2 for tests/eiofs.py (the fault matrix's EIO: a FUSE file system that fails I/O)
+    ldconfig -p 2>/dev/null | grep -q 'libfuse\.so\.2 '
+}
+
 ensure_system() {
-    have_python && have_libdrm && have_xxhash && have_c_client_tools && return 0
+    have_python && have_libdrm && have_xxhash && have_c_client_tools && have_fuse && return 0
     local sudo=""
     [ "$(id -u)" = 0 ] || sudo="sudo"
     echo "dev.sh: installing ${APT_PACKAGES[*]} with apt-get" >&2
@@ -42,6 +46,7 @@ ensure_system() {
     have_python || { echo "dev.sh: need Python >= 3.11 with venv" >&2; exit 1; }
     have_libdrm || echo "dev.sh: libdrm_amdgpu headers still missing: the SDMA backend will be unavailable" >&2
     have_xxhash || echo "dev.sh: xxhash.h still missing: the batch copier runs in Python" >&2
+    have_fuse || echo "dev.sh: libfuse2 still missing: the EIO tests (tests/test_io_errors.py) will skip" >&2
     have_c_client_tools || { echo "dev.sh: need meson, ninja, protoc-c, libprotobuf-c and valgrind for libvramd" >&2; exit 1; }
 }
 
