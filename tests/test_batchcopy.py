@@ -243,3 +243,51 @@ def test_reopen_direct_follows_the_image_opening_rules(tmp_path):
             os.close(fd)
     finally:
         os.close(d)
+
+
+def test_a_cached_record_is_read_through_the_page_cache_and_an_evicted_one_with_o_direct(image_dir):
+    """O_DIRECT reads a record from the disk even where the page cache holds it (a restore right after its
+    dump ran 3x slower): the read plan probes the cache (RWF_NOWAIT) and goes direct only for what is not."""
+    import mmap
+
+    from vramd.engine.jobs.read import ImageBo
+    from vramd.engine.jobs.verify import VerifyEnds
+    from vramd.engine.pipeline import HEAD_PAGE, ChunkTask
+    from vramd.hostmem.staging import StagingBuffer, StagingPool
+    from vramd.image.reader import ImageReader
+    path, dfd = image_dir
+    if not _o_direct_here(path):
+        pytest.skip("this file system refuses O_DIRECT (tmpfs): nothing to choose")
+    src = memfd(os.urandom(2 * MiB))
+    try:
+        async def dump():
+            async with engine(chunk_size=MiB, staging_budget=16 * MiB) as e:
+                return await e.dump(dfd, [BoSpec(1, 2 * MiB, BoRef("mmap", src))])
+        run(dump())
+    finally:
+        os.close(src)
+
+    async def plans():
+        reader = await ImageReader.open(dfd)
+        buf = StagingBuffer(HEAD_PAGE + MiB, mmap.mmap(-1, HEAD_PAGE + MiB))
+        try:
+            ends = VerifyEnds(reader, StagingPool(16 * MiB), None)
+            entry = reader.bos[1]
+            bo = ImageBo(1, 0, entry.size, None, None, entry=entry)
+            loc = reader.locate(entry, 1)
+            task = ChunkTask(bo, 1, MiB, MiB, loc.offset, loc.length, loc=loc)
+            fd = reader.fds[loc.slot]
+            evicted_first = ends._read_plan(task, buf)  # the dump wrote it with O_DIRECT: not in the cache
+            os.pread(fd, loc.length, loc.offset)  # read once through the cache (e.g. a verify before)
+            cached = ends._read_plan(task, buf)
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # clean pages: dropped
+            evicted = ends._read_plan(task, buf)
+            return fd, evicted_first.src_fd, cached.src_fd, evicted.src_fd
+        finally:
+            buf.unmap()
+            reader.close()
+    fd, first_fd, cached_fd, evicted_fd = run(plans())
+    assert first_fd != fd  # the O_DIRECT descriptor
+    assert cached_fd == fd  # through the page cache
+    assert evicted_fd != fd

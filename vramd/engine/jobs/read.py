@@ -61,6 +61,20 @@ def _loc(t: ChunkTask[ImageBo]) -> Loc:
     return t.loc
 
 
+def _cached(fd: int, offset: int, length: int) -> bool:
+    """Whether the record's first and last bytes are in the page cache (preadv2 with RWF_NOWAIT starts no
+    I/O: EAGAIN where they are not).  A cached record is read through the cache: O_DIRECT would read it
+    from the disk again (measured: a restore of a just-written image 3x slower)."""
+    probe = bytearray(1)
+    try:
+        for at in (offset, offset + length - 1):
+            if os.preadv(fd, [probe], at, os.RWF_NOWAIT) != 1:
+                return False
+    except OSError:  # EAGAIN: not cached; anything else: the read itself will tell
+        return False
+    return True
+
+
 def buffers_to_read(reader: ImageReader) -> int:
     """Staging buffers a batch of this image needs: the records; a second to decompress into where any
     record of the chain may be compressed; two more to read a delta's base chunk."""
@@ -114,7 +128,7 @@ class ImageReadEnds(ABC):
                                     bo_id=t.bo.id, offset=t.offset)
         skip = rec % PAGE
         at = buf.address + t.buf_offset - HEAD_PAGE
-        if self.direct and n >= DIRECT_MIN and skip + n <= room:
+        if self.direct and n >= DIRECT_MIN and skip + n <= room and not _cached(self.reader.fds[fi], rec, n):
             d = self.reader.direct_fd(fi)  # opened in this copy thread, by the reader's rules
             if d is not None and rec - skip + round_up(skip + n, PAGE) <= d[1]:
                 return Copy(d[0], rec - skip, -1, at, round_up(skip + n, PAGE), skip, n)
