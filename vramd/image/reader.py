@@ -30,7 +30,15 @@ from ..pb import image_pb2 as pb
 from .chunks import ParentEntries
 from .codec import DecodedChunk, decode_chunk
 from .fileio import image_os_error, open_regular, pread_into, preadv_all, read_manifest_hashed, reopen_direct
-from .format import DATA_HEADER, MANIFEST_NAME, TableView, check_data_header, record_head_length
+from .format import (
+    DATA_HEADER,
+    MANIFEST_NAME,
+    TableView,
+    check_data_header,
+    chunk_count,
+    chunk_record,
+    record_head_length,
+)
 
 
 @dataclass(frozen=True)
@@ -211,16 +219,12 @@ class ImageReader:
     def _truncation(manifest: pb.Manifest, df: pb.DataFile, index: int, size: int) -> TruncatedDataError:
         msg = f"data file {df.name} is {size} bytes; the manifest says {df.length}"
         first = None  # the first chunk (by file position) that is cut short
-        t = manifest.chunks
         for bo in manifest.bos:
-            if manifest.format_version >= 2:
-                recs = [(i, t.offset[r - 1], t.length[r - 1]) for i, r in enumerate(bo.chunk_refs)
-                        if r and t.image[r - 1] == 0 and t.file_index[r - 1] == index]
-            elif bo.file_index == index:
-                recs = list(zip(range(len(bo.record_offsets)), bo.record_offsets, bo.record_lengths))
-            else:
-                continue
-            for i, off, ln in recs:
+            for i in range(chunk_count(bo.size, manifest.chunk_size)):
+                rec = chunk_record(manifest, bo, i)  # this image's own record of the chunk, if any
+                if rec is None or rec[0] != index:
+                    continue
+                _, off, ln, _ = rec
                 if off + ln > size and (first is None or off < first[0]):
                     first = (off, bo.id, i * manifest.chunk_size)
         if first:
@@ -232,9 +236,9 @@ class ImageReader:
     def locate(self, entry: pb.BoEntry, i: int) -> Loc | None:
         """Chunk `i` of a BO of this image: where its record is (None: a hole, all zeros, no record)."""
         if self.manifest.format_version < 2:
-            bound = entry.record_checksums  # empty in images from before records were bound
-            return Loc(entry.file_index, entry.record_offsets[i], entry.record_lengths[i],
-                       bound[i] if bound else None)
+            rec = chunk_record(self.manifest, entry, i)  # a v1 hole is a record too
+            assert rec is not None
+            return Loc(*rec)
         ref = entry.chunk_refs[i]
         return self._table_loc(ref - 1) if ref else None
 
