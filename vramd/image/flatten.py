@@ -41,19 +41,22 @@ async def flatten(dir_fd: int, parent_fds: Sequence[int], out_fd: int) -> pb.Man
             comp = FLATTENED_DELTAS.to_pb()
         writer = ImageWriter(out_fd, chunk_size=m.chunk_size, compression=comp)
         try:
+            holders = _first_holders(m)  # the entries BOs refer to, and the first chunk needing each
             table, payloads, compressed = await asyncio.get_running_loop().run_in_executor(None, _copy, reader,
-                                                                                            writer)
-            totals = _totals(m, table, payloads)
-            totals.compressed_records = compressed
+                                                                                            writer, holders)
             file_of = {f.gpu_id: f.index for f in writer.files.values()}
-            return await writer.commit(_bos(m, table, payloads, file_of), totals, m.topology_json, chunks=table)
+            bos = _bos(m, table, payloads, holders, file_of)
+            totals = _totals(bos, payloads)
+            totals.compressed_records = compressed
+            return await writer.commit(bos, totals, m.topology_json, chunks=table)
         finally:
             await writer.aclose()
     finally:
         reader.close()
 
 
-def _copy(reader: ImageReader, writer: ImageWriter) -> tuple[pb.ChunkTable, list[int], int]:
+def _copy(reader: ImageReader, writer: ImageWriter,
+          holder: dict[int, tuple[int, int]]) -> tuple[pb.ChunkTable, list[int], int]:
     """In a worker thread: every table entry's record into the new image; the new table, payload bytes each,
     how many records are compressed."""
     m = reader.manifest
@@ -64,8 +67,7 @@ def _copy(reader: ImageReader, writer: ImageWriter) -> tuple[pb.ChunkTable, list
     out = pb.ChunkTable()
     hashes = bytearray()
     payloads: list[int] = []
-    compressed = 0
-    holder = _first_holders(m)  # entry -> (bo id, offset) of the first chunk that needs it: errors name it
+    compressed = 0  # holder: entry -> (bo id, offset) of the first chunk that needs it: errors name it
     compression = FLATTENED_DELTAS
     try:
         for i in sorted(holder):  # the entries BOs refer to (a delta's base only serves to decode it)
@@ -133,18 +135,18 @@ def _first_holders(m: pb.Manifest) -> dict[int, tuple[int, int]]:
     return out
 
 
-def _bos(m: pb.Manifest, table: pb.ChunkTable, payloads: list[int],
-         file_of: dict[int, int] | None = None) -> list[pb.BoEntry]:
+def _bos(m: pb.Manifest, table: pb.ChunkTable, payloads: list[int], holders: dict[int, tuple[int, int]],
+         file_of: dict[int, int]) -> list[pb.BoEntry]:
     """The BOs as they were, referring to the new table (its entries: the old ones BOs refer to, in order),
     their byte counts as the new image holds them (nothing from parents)."""
-    new = {old: i for i, old in enumerate(sorted(_first_holders(m)))}
+    new = {old: i for i, old in enumerate(sorted(holders))}
     seen: set[int] = set()
     out = []
     for bo in m.bos:
         e = pb.BoEntry()
         e.CopyFrom(bo)
         e.stored_bytes = e.dedup_bytes = e.parent_bytes = e.delta_bytes = 0
-        e.file_index = (file_of or {}).get(bo.gpu_id, 0)  # the new image's data file of the BO's GPU
+        e.file_index = file_of.get(bo.gpu_id, 0)  # the new image's data file of the BO's GPU
         del e.chunk_refs[:]
         for ref in bo.chunk_refs:
             if not ref:
@@ -161,8 +163,7 @@ def _bos(m: pb.Manifest, table: pb.ChunkTable, payloads: list[int],
     return out
 
 
-def _totals(m: pb.Manifest, table: pb.ChunkTable, payloads: list[int]) -> pb.Totals:
-    bos = _bos(m, table, payloads)
+def _totals(bos: list[pb.BoEntry], payloads: list[int]) -> pb.Totals:
     return pb.Totals(bo_count=len(bos), bo_bytes=sum(b.size for b in bos), stored_bytes=sum(payloads),
                      zero_bytes=sum(b.zero_bytes for b in bos), chunk_count=sum(len(b.chunk_refs) for b in bos),
                      dedup_bytes=sum(b.dedup_bytes for b in bos), record_count=len(payloads))
