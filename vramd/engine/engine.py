@@ -27,7 +27,7 @@ from ..pb import image_pb2 as pb
 from ..units import PAGE, MiB
 from .jobs import BoSpec, DumpJob, JobContext, RestoreJob, RestoreTarget, VerifyJob
 from .jobs.common import DEFAULT_MAX_BO_BYTES, OFF_T_MAX
-from .jobs.dump import DEFAULT_MAX_CHAIN
+from .jobs.dump import DEFAULT_MAX_CHAIN, dump_buffers
 from .jobs.read import buffers_to_read
 from .pipeline import Progress, ProgressCallback, StageTimes
 
@@ -163,7 +163,7 @@ class Engine:
                 raise InvalidRequestError(f"the parent image's chunk size is {parent.manifest.chunk_size}; an "
                                           f"incremental image must use the same (asked: {cs})")
             comp = compression or self.config.compression
-            self._check_staging(cs, comp.buffers_per_chunk if parent is None else 4, "chunk size")
+            self._check_staging(cs, dump_buffers(comp, incremental=parent is not None), "chunk size")
         except BaseException:
             if parent is not None:
                 parent.close()

@@ -50,6 +50,13 @@ DEFAULT_MAX_CHAIN = 8  # parents an incremental image may have (EngineConfig.max
 DELTA_GIVE_UP = 4      # a BO whose chunks lost this many delta trials in a row stops trying
 
 
+def dump_buffers(compression: Compression, *, incremental: bool) -> int:
+    """Staging buffers a dump's batch takes a chunk.  zstd output is a fresh bytes object of at most
+    chunk_size bytes: a second buffer reserves budget for it (it is never touched itself).  A delta trial
+    reads the parent's chunk: two more (its record, its bytes)."""
+    return 4 if incremental else compression.buffers_per_chunk
+
+
 @dataclass
 class Piece:
     """What became of one piece of a batch: a hole, a reference to a record stored elsewhere, or a record."""
@@ -101,10 +108,7 @@ class DumpEnds:
         self.chunk_size = chunk_size
         self.index = index if index is not None else ChunkIndex()
         self.parent = parent  # an incremental dump: chunks changed since the parent are tried as deltas
-        # zstd output is a fresh bytes object of at most chunk_size bytes; the
-        # second buffer reserves budget for it (it is never touched itself).
-        # A delta trial reads the parent's chunk: two more (its record, its bytes).
-        self.buffers_per_chunk = compression.buffers_per_chunk if parent is None else 4
+        self.buffers_per_chunk = dump_buffers(compression, incremental=parent is not None)
         self.direct = direct  # try O_DIRECT for big pieces (DataFileWriter.direct_fd: the writer's opening rules)
         self.chooser = compression.chooser(workers)  # bplanes / auto: each chunk's codec
         self.policy = self.chooser if isinstance(self.chooser, AutoPolicy) else None
