@@ -117,7 +117,7 @@ class Error(_message.Message):
     def __init__(self, code: _Optional[_Union[Code, str]] = ..., message: _Optional[str] = ..., bo_id: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class Request(_message.Message):
-    __slots__ = ("id", "hello", "open_session", "add_bos", "start", "get_progress", "wait", "cancel", "close_session", "get_status", "list_sessions")
+    __slots__ = ("id", "hello", "open_session", "add_bos", "start", "get_progress", "wait", "cancel", "close_session", "get_status", "list_sessions", "attach_files")
     ID_FIELD_NUMBER: _ClassVar[int]
     HELLO_FIELD_NUMBER: _ClassVar[int]
     OPEN_SESSION_FIELD_NUMBER: _ClassVar[int]
@@ -129,6 +129,7 @@ class Request(_message.Message):
     CLOSE_SESSION_FIELD_NUMBER: _ClassVar[int]
     GET_STATUS_FIELD_NUMBER: _ClassVar[int]
     LIST_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    ATTACH_FILES_FIELD_NUMBER: _ClassVar[int]
     id: int
     hello: Hello
     open_session: OpenSession
@@ -140,7 +141,8 @@ class Request(_message.Message):
     close_session: CloseSession
     get_status: GetStatus
     list_sessions: ListSessions
-    def __init__(self, id: _Optional[int] = ..., hello: _Optional[_Union[Hello, _Mapping]] = ..., open_session: _Optional[_Union[OpenSession, _Mapping]] = ..., add_bos: _Optional[_Union[AddBos, _Mapping]] = ..., start: _Optional[_Union[Start, _Mapping]] = ..., get_progress: _Optional[_Union[GetProgress, _Mapping]] = ..., wait: _Optional[_Union[Wait, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., close_session: _Optional[_Union[CloseSession, _Mapping]] = ..., get_status: _Optional[_Union[GetStatus, _Mapping]] = ..., list_sessions: _Optional[_Union[ListSessions, _Mapping]] = ...) -> None: ...
+    attach_files: AttachFiles
+    def __init__(self, id: _Optional[int] = ..., hello: _Optional[_Union[Hello, _Mapping]] = ..., open_session: _Optional[_Union[OpenSession, _Mapping]] = ..., add_bos: _Optional[_Union[AddBos, _Mapping]] = ..., start: _Optional[_Union[Start, _Mapping]] = ..., get_progress: _Optional[_Union[GetProgress, _Mapping]] = ..., wait: _Optional[_Union[Wait, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., close_session: _Optional[_Union[CloseSession, _Mapping]] = ..., get_status: _Optional[_Union[GetStatus, _Mapping]] = ..., list_sessions: _Optional[_Union[ListSessions, _Mapping]] = ..., attach_files: _Optional[_Union[AttachFiles, _Mapping]] = ...) -> None: ...
 
 class Hello(_message.Message):
     __slots__ = ("versions", "client")
@@ -151,7 +153,7 @@ class Hello(_message.Message):
     def __init__(self, versions: _Optional[_Iterable[int]] = ..., client: _Optional[str] = ...) -> None: ...
 
 class OpenSession(_message.Message):
-    __slots__ = ("kind", "dir_fd_index", "compression", "chunk_size", "label", "allow_partial", "topology_checks", "parent_fd_indexes", "parent_hint", "no_dedup", "replace_parent")
+    __slots__ = ("kind", "compression", "chunk_size", "label", "allow_partial", "topology_checks", "parent_manifest_fd_indexes", "parent_hint", "no_dedup", "replace_parent", "manifest_fd_index")
     class TopologyChecksEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -160,28 +162,50 @@ class OpenSession(_message.Message):
         value: bool
         def __init__(self, key: _Optional[str] = ..., value: _Optional[bool] = ...) -> None: ...
     KIND_FIELD_NUMBER: _ClassVar[int]
-    DIR_FD_INDEX_FIELD_NUMBER: _ClassVar[int]
     COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     CHUNK_SIZE_FIELD_NUMBER: _ClassVar[int]
     LABEL_FIELD_NUMBER: _ClassVar[int]
     ALLOW_PARTIAL_FIELD_NUMBER: _ClassVar[int]
     TOPOLOGY_CHECKS_FIELD_NUMBER: _ClassVar[int]
-    PARENT_FD_INDEXES_FIELD_NUMBER: _ClassVar[int]
+    PARENT_MANIFEST_FD_INDEXES_FIELD_NUMBER: _ClassVar[int]
     PARENT_HINT_FIELD_NUMBER: _ClassVar[int]
     NO_DEDUP_FIELD_NUMBER: _ClassVar[int]
     REPLACE_PARENT_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_FD_INDEX_FIELD_NUMBER: _ClassVar[int]
     kind: SessionKind
-    dir_fd_index: int
     compression: str
     chunk_size: int
     label: str
     allow_partial: bool
     topology_checks: _containers.ScalarMap[str, bool]
-    parent_fd_indexes: _containers.RepeatedScalarFieldContainer[int]
+    parent_manifest_fd_indexes: _containers.RepeatedScalarFieldContainer[int]
     parent_hint: str
     no_dedup: bool
     replace_parent: bool
-    def __init__(self, kind: _Optional[_Union[SessionKind, str]] = ..., dir_fd_index: _Optional[int] = ..., compression: _Optional[str] = ..., chunk_size: _Optional[int] = ..., label: _Optional[str] = ..., allow_partial: _Optional[bool] = ..., topology_checks: _Optional[_Mapping[str, bool]] = ..., parent_fd_indexes: _Optional[_Iterable[int]] = ..., parent_hint: _Optional[str] = ..., no_dedup: _Optional[bool] = ..., replace_parent: _Optional[bool] = ...) -> None: ...
+    manifest_fd_index: int
+    def __init__(self, kind: _Optional[_Union[SessionKind, str]] = ..., compression: _Optional[str] = ..., chunk_size: _Optional[int] = ..., label: _Optional[str] = ..., allow_partial: _Optional[bool] = ..., topology_checks: _Optional[_Mapping[str, bool]] = ..., parent_manifest_fd_indexes: _Optional[_Iterable[int]] = ..., parent_hint: _Optional[str] = ..., no_dedup: _Optional[bool] = ..., replace_parent: _Optional[bool] = ..., manifest_fd_index: _Optional[int] = ...) -> None: ...
+
+class FileRef(_message.Message):
+    __slots__ = ("image", "name", "fd_index", "direct_fd_index", "gpu_id")
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    FD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    DIRECT_FD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    GPU_ID_FIELD_NUMBER: _ClassVar[int]
+    image: int
+    name: str
+    fd_index: int
+    direct_fd_index: int
+    gpu_id: int
+    def __init__(self, image: _Optional[int] = ..., name: _Optional[str] = ..., fd_index: _Optional[int] = ..., direct_fd_index: _Optional[int] = ..., gpu_id: _Optional[int] = ...) -> None: ...
+
+class AttachFiles(_message.Message):
+    __slots__ = ("token", "files")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    token: str
+    files: _containers.RepeatedCompositeFieldContainer[FileRef]
+    def __init__(self, token: _Optional[str] = ..., files: _Optional[_Iterable[_Union[FileRef, _Mapping]]] = ...) -> None: ...
 
 class Bo(_message.Message):
     __slots__ = ("id", "gpu_id", "size", "alloc_flags", "va_addr", "name", "backend", "fd_index", "offset")
@@ -214,10 +238,12 @@ class AddBos(_message.Message):
     def __init__(self, token: _Optional[str] = ..., bos: _Optional[_Iterable[_Union[Bo, _Mapping]]] = ...) -> None: ...
 
 class Start(_message.Message):
-    __slots__ = ("token",)
+    __slots__ = ("token", "manifest_fd_index")
     TOKEN_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_FD_INDEX_FIELD_NUMBER: _ClassVar[int]
     token: str
-    def __init__(self, token: _Optional[str] = ...) -> None: ...
+    manifest_fd_index: int
+    def __init__(self, token: _Optional[str] = ..., manifest_fd_index: _Optional[int] = ...) -> None: ...
 
 class GetProgress(_message.Message):
     __slots__ = ("token",)
@@ -368,7 +394,7 @@ class ImageSummary(_message.Message):
     def __init__(self, bo_count: _Optional[int] = ..., bo_bytes: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., zero_bytes: _Optional[int] = ..., chunk_size: _Optional[int] = ..., compression: _Optional[str] = ..., data_files: _Optional[int] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
-    __slots__ = ("session_id", "token", "kind", "state", "uid", "pid", "label", "progress", "error", "holders", "image", "target_pids", "rate_bytes_per_s", "age_s")
+    __slots__ = ("session_id", "token", "kind", "state", "uid", "pid", "label", "progress", "error", "holders", "image", "target_pids", "rate_bytes_per_s", "age_s", "image_id", "files_needed")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -383,6 +409,8 @@ class SessionInfo(_message.Message):
     TARGET_PIDS_FIELD_NUMBER: _ClassVar[int]
     RATE_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     AGE_S_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    FILES_NEEDED_FIELD_NUMBER: _ClassVar[int]
     session_id: int
     token: str
     kind: SessionKind
@@ -397,7 +425,9 @@ class SessionInfo(_message.Message):
     target_pids: _containers.RepeatedScalarFieldContainer[int]
     rate_bytes_per_s: float
     age_s: float
-    def __init__(self, session_id: _Optional[int] = ..., token: _Optional[str] = ..., kind: _Optional[_Union[SessionKind, str]] = ..., state: _Optional[_Union[SessionState, str]] = ..., uid: _Optional[int] = ..., pid: _Optional[int] = ..., label: _Optional[str] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., holders: _Optional[int] = ..., image: _Optional[_Union[ImageSummary, _Mapping]] = ..., target_pids: _Optional[_Iterable[int]] = ..., rate_bytes_per_s: _Optional[float] = ..., age_s: _Optional[float] = ...) -> None: ...
+    image_id: bytes
+    files_needed: _containers.RepeatedCompositeFieldContainer[FileRef]
+    def __init__(self, session_id: _Optional[int] = ..., token: _Optional[str] = ..., kind: _Optional[_Union[SessionKind, str]] = ..., state: _Optional[_Union[SessionState, str]] = ..., uid: _Optional[int] = ..., pid: _Optional[int] = ..., label: _Optional[str] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., holders: _Optional[int] = ..., image: _Optional[_Union[ImageSummary, _Mapping]] = ..., target_pids: _Optional[_Iterable[int]] = ..., rate_bytes_per_s: _Optional[float] = ..., age_s: _Optional[float] = ..., image_id: _Optional[bytes] = ..., files_needed: _Optional[_Iterable[_Union[FileRef, _Mapping]]] = ...) -> None: ...
 
 class StatusReply(_message.Message):
     __slots__ = ("server", "version", "uptime_s", "connections", "sessions", "staging_budget", "staging_in_use", "backends", "metrics", "draining")

@@ -14,7 +14,7 @@ KIND_RESPONSE = 2
 _HEADER = struct.Struct("<4sBBHI")  # magic, frame version, kind, reserved (0), body length
 HEADER_SIZE = _HEADER.size
 
-PROTOCOL_VERSIONS = (1,)        # what this code speaks, newest last
+PROTOCOL_VERSIONS = (2,)        # what this code speaks, newest last (2: the client opens every image file)
 SCM_MAX_FD = 253                # the kernel's limit of fds in one SCM_RIGHTS message
 DEFAULT_MAX_MESSAGE = 1 << 20   # bytes in one packet, header included
 
