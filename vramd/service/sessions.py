@@ -192,8 +192,7 @@ class Session:
         job = self.job
         if isinstance(job, DumpJob):
             return job.parent
-        assert isinstance(job, (RestoreJob, VerifyJob))
-        return job.reader
+        return job.reader if isinstance(job, (RestoreJob, VerifyJob)) else None
 
     def needed(self) -> list[tuple[int, str]]:
         """The files the client must still attach: (image, name), image 0 the session's, k its k-th parent."""
