@@ -305,7 +305,8 @@ static int t_hello_status(void)
     struct vramd_conn *c = NULL;
     struct vramd_error err;
     OK(test_connect(&c, &err), &err);
-    CHECK(vramd_conn_version(c) == 1, "version %u", vramd_conn_version(c));
+    CHECK(vramd_conn_version(c) == VRAMD_PROTOCOL_VERSION && VRAMD_PROTOCOL_VERSION == 2, "version %u",
+          vramd_conn_version(c));
     CHECK(strncmp(vramd_conn_server(c), "vramd", 5) == 0, "server %s", vramd_conn_server(c));
     const struct vramd_limits *l = vramd_conn_limits(c);
     CHECK(l->max_message_bytes >= 4096 && l->max_fds_per_message >= 1 && l->max_fds_per_message <= 253, "limits");
@@ -313,7 +314,7 @@ static int t_hello_status(void)
     CHECK(!vramd_conn_has_backend(c, "nonesuch"), "unknown backend listed");
     struct vramd_status st;
     OK(vramd_status(c, &st, &err), &err);
-    CHECK(st.version == 1 && st.connections >= 1 && !st.draining, "status");
+    CHECK(st.version == 2 && st.connections >= 1 && !st.draining, "status %u", st.version);
     vramd_close(c);
     return 0;
 }

@@ -47,7 +47,7 @@ extern "C" {
 #define VRAMD_API
 #endif
 
-#define VRAMD_PROTOCOL_VERSION 1
+#define VRAMD_PROTOCOL_VERSION 2
 #define VRAMD_SCM_MAX_FD 253           /* fds in one packet, at most (kernel SCM_MAX_FD) */
 #define VRAMD_SYSTEM_SOCKET "/run/vramd/vramd.sock"
 
