@@ -121,7 +121,7 @@ static int t_dump_commit(void)
     if (owned_by_me(path, first))
         return 1;
     CHECK(count_entries(path, "", ".tmp", NULL) == 0, "a .tmp is left after the commit");
-    OK(vramd_wait(c, &t, 0, &info, &err), &err); /* a second Wait: still OK, nothing done twice */
+    OK(vramd_wait(c, &t, 10000, &info, &err), &err); /* a second Wait: still OK, nothing done twice */
     OK(vramd_close_session(c, &t, NULL, &err), &err);
     /* the lock went with the commit: a new dump replaces the image and removes the old data file */
     OK(dump_one(c, dfd, src, NULL, 0, false, &err), &err);
@@ -330,8 +330,8 @@ static int t_marks_and_sweep(void)
     }
     snprintf(p, sizeof p, "%s/data-fedcba9876543210-00000000.vrd.tmp", cpath);
     CHECK(symlink("manifest.vrdm", p) == 0, "symlink");
-    struct vramd_open_args a = {.kind = VRAMD_SESSION_DUMP, .dir_fd = cfd, .parent_dir_fds = &pfd,
-                                .n_parent_dir_fds = 1};
+    struct vramd_open_args a = {.kind = VRAMD_SESSION_DUMP, .dir_fd = cfd, .chunk_size = 1 << 20,
+                                .parent_dir_fds = &pfd, .n_parent_dir_fds = 1};
     struct vramd_token t;
     OK(vramd_open_session(c, &a, &t, NULL, &err), &err);
     CHECK(!exists(cpath, stale[0]) && !exists(cpath, stale[1]), "stale temporaries left");
