@@ -207,7 +207,7 @@ static int scan_dir(struct vramd__dump *d, bool replace_parent, int min_fd, stru
     while ((e = readdir(dir))) {
         if (is_child_mark(e->d_name)) {
             if (!marks++)
-                snprintf(first, sizeof first, "%s", e->d_name);
+                memcpy(first, e->d_name, strlen(e->d_name) + 1); /* a mark's name is 39 bytes */
             continue;
         }
         if (!is_data_tmp(e->d_name) && !is_manifest_tmp(e->d_name))
