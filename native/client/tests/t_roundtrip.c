@@ -452,6 +452,9 @@ static int t_wait_timeout(void)
     CHECK(r == -ECANCELED && err.code == VRAMD_CODE_CANCELLED, "after cancel: %d %s", r, vramd_code_name(err.code));
     CHECK(info.state == VRAMD_STATE_CANCELLED && info.error.code == VRAMD_CODE_CANCELLED, "info after cancel");
     CHECK(strstr(info.error.message, "test cancels"), "reason lost: %s", info.error.message);
+    r = vramd_wait(c, &t, 0, &info, &err); /* a poll of an ended session answers its outcome, not TIMEOUT */
+    CHECK(r == -ECANCELED && err.code == VRAMD_CODE_CANCELLED, "poll after the end: %d %s", r,
+          vramd_code_name(err.code));
     OK(vramd_close_session(c, &t, NULL, &err), &err);
     vramd_close(c);
     close(dfd);
