@@ -244,17 +244,18 @@ def test_restored_task_dies_and_main_attaches_within_grace(build, run_dir):
 
 
 def test_batching_under_tight_limits(build, run_dir):
-    """max_message_bytes 4096, max_fds_per_message 7: the C client splits AddBos to fit (the
-    daemon closes the connection on any packet over a limit) and refuses a BO that fits in none."""
+    """max_message_bytes 4096, max_fds_per_message 7: the C client splits AddBos and AttachFiles to fit
+    (the daemon closes the connection on any packet over a limit) and refuses a BO that fits in none."""
     cfg = Path(run_dir) / "vramd.toml"
     cfg.write_text('max_message_bytes = 4096\nmax_fds_per_message = 7\n')
     d = _own_daemon(run_dir, "--config", str(cfg), "--grace-period", "0.3")
     try:
-        r = subprocess.run([str(build / TESTS_BIN), "tight_limits"], capture_output=True, text=True, timeout=120,
+        r = subprocess.run([str(build / TESTS_BIN), "limits"], capture_output=True, text=True, timeout=120,
                            env=dict(os.environ, VRAMD_SOCKET=d.socket, VRAMD_TEST_TMP="/var/tmp"))
     finally:
         log = _stop(d)
-    assert r.returncode == 0 and "PASS tight_limits" in r.stdout, r.stdout + r.stderr + log[-4000:]
+    assert r.returncode == 0 and "PASS tight_limits " in r.stdout, r.stdout + r.stderr + log[-4000:]
+    assert "PASS tight_limits_chain " in r.stdout, r.stdout  # AttachFiles split to fit too
     assert "LIMIT_EXCEEDED" not in log, log[-4000:]
 
 
