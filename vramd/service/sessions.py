@@ -424,7 +424,7 @@ class Session:
 
     async def wait(self, timeout: float | None) -> None:
         """The barrier: returns when the job has ended; raises WaitTimeoutError first if it takes longer."""
-        if timeout is None:
+        if timeout is None or self._done.is_set():  # ended: even a 0 s poll answers (3.11's wait_for(.., 0) never does)
             await self._done.wait()
             return
         try:
