@@ -276,3 +276,56 @@ def test_memfd_truncated_mid_dump_fails_that_session_only(daemon, image_dir, tmp
         os.close(src)
         os.close(ofd)
     assert daemon.proc.poll() is None
+
+
+def test_image_files_the_client_attaches_are_checked(daemon, image_dir, tmp_path):
+    """The daemon takes only regular files open for the access it needs, and an O_DIRECT twin only where it
+    is the very file opened with O_DIRECT for that access: each refusal is BAD_DESCRIPTOR naming the file."""
+    from vramd.errors import BadDescriptorError, InvalidRequestError
+    from vramd.image.format import data_file_name
+    from vramd.protocol.client import ClientFile
+    d = tmp_path / "files"
+    d.mkdir()
+    with Client(daemon.socket) as c:
+        s = c.open_session(SESSION_DUMP, image_dir[1])
+        name = data_file_name(s.image_id, 0)
+
+        def attach(*fds: int, gpu: int = 0, as_name: str = name) -> None:
+            f = ClientFile(0, as_name, fds[0], fds[1] if len(fds) > 1 else None, gpu)
+            for out in c.protocol.attach_requests(s.token, [f]):
+                from vramd.protocol import raise_for_error
+                raise_for_error(c._exchange(out))
+        ro = os.open(d / "ro", os.O_RDONLY | os.O_CREAT, 0o600)
+        rw = os.open(d / "rw", os.O_RDWR | os.O_CREAT, 0o600)
+        other = os.open(d / "other", os.O_RDWR | os.O_CREAT, 0o600)
+        r, w = os.pipe()
+        try:
+            with pytest.raises(BadDescriptorError, match=rf"{name}\.tmp is not open for reading and writing"):
+                attach(ro)
+            with pytest.raises(BadDescriptorError, match=rf"{name}\.tmp is not a regular file"):
+                attach(r)
+            with pytest.raises(InvalidRequestError, match="must be data-"):
+                attach(rw, as_name="data-0123456789abcdef-00000000.vrd")
+            try:
+                twin_ro = os.open(d / "rw", os.O_RDONLY | os.O_DIRECT)
+                twin_other = os.open(d / "other", os.O_WRONLY | os.O_DIRECT)
+            except OSError:
+                pytest.skip("no O_DIRECT on this file system")
+            try:
+                with pytest.raises(BadDescriptorError, match="is not open for writing"):
+                    attach(rw, twin_ro)
+                with pytest.raises(BadDescriptorError, match="is another file"):
+                    attach(rw, twin_other)
+                plain = os.open(d / "rw", os.O_WRONLY)  # the same file, without O_DIRECT
+                try:
+                    with pytest.raises(BadDescriptorError, match="not opened with O_DIRECT"):
+                        attach(rw, plain)
+                finally:
+                    os.close(plain)
+            finally:
+                os.close(twin_ro)
+                os.close(twin_other)
+        finally:
+            for fd in (ro, rw, other, r, w):
+                os.close(fd)
+        c.close_session(s.token)

@@ -70,9 +70,9 @@ def check_attached(fd: int, name: str, *, write: bool) -> int:
     return st.st_size
 
 
-def check_direct(direct_fd: int, fd: int, name: str) -> None:
+def check_direct(direct_fd: int, fd: int, name: str, *, write: bool = False) -> None:
     """`direct_fd` must be the file `fd` has open (same device and inode, a regular file), opened with
-    O_DIRECT; else BAD_DESCRIPTOR naming the file.  Its access mode is not checked."""
+    O_DIRECT, and open for writing (`write`: a dump's data file) or reading; else BAD_DESCRIPTOR naming the file."""
     try:
         st, want = os.fstat(direct_fd), os.fstat(fd)
         mode = fcntl.fcntl(direct_fd, fcntl.F_GETFL)
@@ -82,6 +82,10 @@ def check_direct(direct_fd: int, fd: int, name: str) -> None:
         raise BadDescriptorError(f"the O_DIRECT fd given for {name} is another file")
     if not mode & os.O_DIRECT:
         raise BadDescriptorError(f"the O_DIRECT fd given for {name} was not opened with O_DIRECT")
+    acc = mode & os.O_ACCMODE
+    if acc not in ((os.O_WRONLY, os.O_RDWR) if write else (os.O_RDONLY, os.O_RDWR)):
+        raise BadDescriptorError(f"the O_DIRECT fd given for {name} is not open for "
+                                 f"{'writing' if write else 'reading'}")
 
 
 def pwrite_all(fd: int, iov: Sequence[Bytes], offset: int) -> None:

@@ -387,7 +387,11 @@ class DumpDirectory:
         (one it may not write, or on a read-only file system, is left unmarked: that parent is not protected),
         each fsynced, under that directory's lock."""
         name = child_mark_name(self.image_id)
+        me = os.geteuid()
         for k, fd in enumerate(self.parent_dirs, 1):
+            if me != 0 and os.fstat(fd).st_uid != me:  # a mark must never let one user block another's image
+                log.info("parent directory #%d not marked: %s does not own it", k, _who())
+                continue
             # under the parent directory's lock: a dump replacing that image checked for marks when it began and
             # holds the lock to its end, so this child either fails here or is seen by every later dump
             lock = lock_directory(fd, f"parent directory #{k}")

@@ -227,7 +227,7 @@ class DaemonConfig:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE
     max_fds_per_message: int = SCM_MAX_FD
     max_bos_per_session: int = 16_384      # daemon memory and commit time per BO: docs/protocol.md, Limits
-    max_fds_per_session: int = 16_385      # one per distinct BO fd, plus the image's files (docs/protocol.md, Limits)
+    max_fds_per_session: int = 17_408      # one per distinct BO fd, plus the image's files (docs/protocol.md, Limits)
     max_chunks_per_session: int = 1 << 20  # a dump's declared bytes / chunk_size: about 100 bytes each
     max_sessions_per_uid: int = 64
     max_bos_per_uid: int = 65_536          # across the uid's sessions, ended but unclosed ones included
@@ -263,7 +263,7 @@ class DaemonConfig:
             raise ConfigError(origin, "staging_budget",
                               f"{self.staging_budget} bytes is less than one chunk (chunk_size = {self.chunk_size})")
         if self.max_fds_per_session < 2:
-            raise ConfigError(origin, "max_fds_per_session", "must be at least 2 (the directory and a BO)")
+            raise ConfigError(origin, "max_fds_per_session", "must be at least 2 (a data file and a BO)")
 
     def effective(self) -> dict[str, Any]:
         """Every setting as a TOML-ready value (sizes in bytes, socket_mode as an octal string)."""

@@ -264,7 +264,7 @@ class Session:
                                       f"{want}.tmp); got {f.name!r} of image #{f.image}")
         check_attached(fd, want + ".tmp", write=True)
         if direct is not None:
-            check_direct(direct, fd, want + ".tmp")
+            check_direct(direct, fd, want + ".tmp", write=True)
         job.writer.attach(gpu, fd, direct)
 
     async def add(self, bos: Sequence[rpc.Bo], bundle: FdBundle) -> None:

@@ -375,12 +375,16 @@ int vramd__dump_manifest_tmp(struct vramd__dump *d, int *fd, struct vramd_error 
     return 0;
 }
 
-/* Under parent i's lock: this child's mark in it, fsynced.  0 (also when the caller may not write there:
- * that parent is not marked) or a negative errno with err filled. */
+/* Under parent i's lock: this child's mark in it, fsynced.  0 (also when the caller may not write there,
+ * or does not own it: a mark must never let one user block another's image, so only the directory's owner,
+ * or root, marks it) or a negative errno with err filled. */
 static int mark_parent(struct vramd__dump *d, size_t i, struct vramd_error *err)
 {
     int pfd = d->parent_fds[i];
     char name[VRAMD__NAME_MAX];
+    struct stat st;
+    if (fstat(pfd, &st) < 0 || (geteuid() != 0 && st.st_uid != geteuid()))
+        return 0;
     mark_name(d, name);
     int lock = open_self(pfd, d->min_fd);
     if (lock < 0) {
