@@ -130,15 +130,21 @@ def world() -> Iterator[World]:
         run = base / "run"  # the daemon's own directory (as RuntimeDirectory= would make it)
         run.mkdir(mode=0o750)
         os.chown(run, vramd_pw.pw_uid, vramd_gid)
+        state = base / "state"  # its state directory (as vramd.tmpfiles makes /var/lib/vramd): the metrics
+        state.mkdir(mode=0o755)
+        os.chown(state, vramd_pw.pw_uid, vramd_gid)
         config = base / "vramd.toml"  # the shipped settings, where the daemon's user can read them
         shutil.copyfile(Path(ROOT) / "contrib" / "systemd" / "vramd.toml", config)
         os.chmod(config, 0o644)
         daemon_user = RunAs.user(DAEMON_USER, access, group=GROUP, cwd=str(run))
         with DaemonProcess(str(run), "--config", str(config), "--socket-mode", "0660", "--staging-budget", "64M",
-                           "--chunk-size", "1M", "--grace-period", "2", run_as=daemon_user) as d:
+                           "--chunk-size", "1M", "--grace-period", "2", "--metrics-textfile", str(state / "vramd.prom"),
+                           run_as=daemon_user) as d:
             yield World(base, d, daemon_user, RunAs.user("root", access, cwd=str(base)),
                         RunAs.user(TEST_USER, access, cwd=str(base)), access)
             assert d.stop() == 0, "".join(d.log)
+        st = (state / "vramd.prom").stat()  # written at exit, with the daemon's own rights
+        assert (st.st_uid, st.st_gid) == (vramd_pw.pw_uid, vramd_gid)
     finally:
         shutil.rmtree(base, ignore_errors=True)
         access.close()
