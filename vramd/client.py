@@ -4,12 +4,18 @@
         s = c.open_session(SESSION_DUMP, dir_fd, compression="zstd")
         c.add_bos(s.token, [ClientBo(1, mem_fd, offset=addr, size=n)])
         c.start(s.token)
-        info = c.wait(s.token)                # the barrier; raises the job's typed error
+        info = c.wait(s.token)                # the barrier (a dump: then committed); raises the typed error
 
 A thin socket adapter over the sans-io `vramd.protocol.ClientProtocol`,
-which owns request ids, Hello and the packing of BOs into messages.  Every
-fd passed in stays the caller's: the daemon gets duplicates through
-SCM_RIGHTS.
+which owns request ids, Hello and the packing of BOs and files into
+messages.  Every fd passed in stays the caller's: the daemon gets duplicates
+through SCM_RIGHTS.
+
+The image directory never reaches the daemon (docs/protocol.md, "Image
+files: the client's rights"): this client opens and creates every file of
+the image with its own process's rights (vramd.image.local) and attaches
+them, and commits a dump itself when its Wait answers DONE.  A dump is
+committed by the Client that opened it.
 """
 from __future__ import annotations
 
@@ -20,9 +26,10 @@ from typing import Any
 
 from . import __version__
 from .errors import VramdError, WaitTimeoutError
+from .image.local import DumpDirectory, ImageFiles, OpenedFile
 from .paths import client_socket_path
 from .pb import rpc_pb2 as rpc
-from .protocol.client import ClientBo, ClientProtocol, Outgoing
+from .protocol.client import ClientBo, ClientFile, ClientProtocol, Outgoing
 from .protocol.fds import pack_fds, unpack_fds
 from .protocol.wire import raise_for_error
 from .topology import CHECK_ENV
@@ -50,12 +57,33 @@ def topology_checks_from_env(environ: Mapping[str, str] | None = None) -> dict[s
     return out
 
 
+class _Local:
+    """This client's side of one session's image: the files it opened or created, and a dump's directory."""
+
+    def __init__(self, files: ImageFiles, dump: DumpDirectory | None) -> None:
+        self.files = files
+        self.dump = dump
+
+    def close(self) -> None:
+        """Close every file; an uncommitted dump's files and marks are removed."""
+        try:
+            if self.dump is not None:
+                self.dump.close()
+        finally:
+            self.files.close()
+
+
+def _wire(f: OpenedFile) -> ClientFile:
+    return ClientFile(f.image, f.name, f.fd, f.direct_fd, f.gpu_id)
+
+
 class Client:
     def __init__(self, path: str | None = None, *, timeout: float | None = None, name: str = "python") -> None:
         self.path = path or client_socket_path()
         self.protocol = ClientProtocol(f"{name} {__version__}")
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         self.sock.settimeout(timeout)
+        self._local: dict[str, _Local] = {}  # token -> the files of the sessions this client opened
         try:
             try:
                 self.sock.connect(self.path)
@@ -82,6 +110,9 @@ class Client:
         self.close()
 
     def close(self) -> None:
+        for local in self._local.values():
+            local.close()
+        self._local.clear()
         self.sock.close()
 
     # --- transport -----------------------------------------------------------
@@ -113,21 +144,67 @@ class Client:
     def open_session(self, kind: rpc.SessionKind, dir_fd: int, *, compression: str = "", chunk_size: int = 0,
                      label: str = "", allow_partial: bool = False,
                      topology_checks: Mapping[str, bool] | None = None, parent_fds: Sequence[int] = (),
-                     parent_hint: str = "", dedup: bool = True, replace_parent: bool = False) -> rpc.SessionInfo:
-        """`topology_checks`: a restore's CRIU switches by name, e.g. {"KFD_FW_VER_CHECK": False}
+                     parent_hint: str = "", dedup: bool = True, replace_parent: bool = False,
+                     where: str = "the image directory") -> rpc.SessionInfo:
+        """Open a session on the image directory `dir_fd`: this process opens (a dump: locks, and later
+        creates) the image's files with its own rights and attaches them.
+        `topology_checks`: a restore's CRIU switches by name, e.g. {"KFD_FW_VER_CHECK": False}
         (`topology_checks_from_env()` reads them from an environment as CRIU's plugin does).
         `parent_fds`: an incremental image's parent directories, nearest first (a dump: the parent and its
         own parents; a restore or verify: the image's); `parent_hint`: a dump's parent path relative to the
         image directory (recorded for tools, never opened); `dedup` False stores every chunk;
-        `replace_parent`: a dump may replace an image that incremental images need."""
-        return self._session_call([dir_fd, *parent_fds], open_session=rpc.OpenSession(
-            kind=kind, dir_fd_index=0, compression=compression, chunk_size=chunk_size, label=label,
-            allow_partial=allow_partial, topology_checks=dict(topology_checks or {}),
-            parent_fd_indexes=range(1, 1 + len(parent_fds)), parent_hint=parent_hint, no_dedup=not dedup,
-            replace_parent=replace_parent))
+        `replace_parent`: a dump may replace an image that incremental images need.  `where`: how errors
+        name the directory (its path)."""
+        dump = kind == rpc.SESSION_DUMP
+        out = DumpDirectory(dir_fd, parent_fds, replace_parent=replace_parent, where=where) if dump else None
+        try:
+            files = ImageFiles(None if dump else dir_fd, parent_fds, where=where)
+        except BaseException:
+            if out is not None:
+                out.close()
+            raise
+        local = _Local(files, out)
+        try:
+            info = self._session_call_out(self.protocol.open_session_request(
+                kind, manifest_fd=files.manifest_fd, parent_manifest_fds=files.parent_manifest_fds,
+                compression=compression, chunk_size=chunk_size, label=label, allow_partial=allow_partial,
+                topology_checks=dict(topology_checks or {}), parent_hint=parent_hint, no_dedup=not dedup,
+                replace_parent=replace_parent))
+            try:
+                if out is not None:
+                    out.begin(info.image_id)
+                opened = files.open_needed((f.image, f.name) for f in info.files_needed)
+                self._attach(info.token, opened)
+            except BaseException:
+                self._close_quietly(info.token)
+                raise
+        except BaseException:
+            local.close()
+            raise
+        self._local[info.token] = local
+        return info
+
+    def _session_call_out(self, out: Outgoing) -> rpc.SessionInfo:
+        return raise_for_error(self._exchange(out)).session
+
+    def _attach(self, token: str, files: Sequence[OpenedFile]) -> None:
+        for out in self.protocol.attach_requests(token, [_wire(f) for f in files]):
+            raise_for_error(self._exchange(out))
+
+    def _close_quietly(self, token: str) -> None:
+        try:
+            self.request(close_session=rpc.CloseSession(token=token))
+        except (VramdError, OSError):
+            pass  # the first error is the one to report
 
     def add_bos(self, token: str, bos: Sequence[ClientBo]) -> rpc.SessionInfo:
-        """Add BOs in as many messages as the daemon's limits need; returns the session's info after the last."""
+        """Add BOs in as many messages as the daemon's limits need; returns the session's info after the last.
+        A dump's data file for each GPU is created and attached before its first BO."""
+        local = self._local.get(token)
+        if local is not None and local.dump is not None:
+            new = sorted({b.gpu_id or 0 for b in bos} - set(local.dump.data))
+            if new:
+                self._attach(token, [local.dump.data_file(g) for g in new])
         info = None
         for out in self.protocol.add_bos_requests(token, bos):
             info = raise_for_error(self._exchange(out)).session
@@ -145,23 +222,46 @@ class Client:
             self.start(s.token)
             return self.wait(s.token)
         finally:
-            try:
-                self.close_session(s.token)
-            except (VramdError, OSError):
-                pass  # the first error is the one to report
+            self._close_quietly(s.token)
+            local = self._local.pop(s.token, None)
+            if local is not None:
+                local.close()
 
     def start(self, token: str) -> rpc.SessionInfo:
-        return self._session_call(start=rpc.Start(token=token))
+        """No more BOs; a dump's manifest file is created and handed over here."""
+        local = self._local.get(token)
+        manifest = local.dump.manifest_file() if local is not None and local.dump is not None else None
+        return self._session_call_out(self.protocol.start_request(token, manifest))
 
     def progress(self, token: str) -> rpc.SessionInfo:
         return self._session_call(get_progress=rpc.GetProgress(token=token))
 
     def wait(self, token: str, timeout: float | None = None) -> rpc.SessionInfo:
-        """The barrier: the session's final info, or its typed error; WaitTimeoutError if it runs longer."""
+        """The barrier: the session's final info, or its typed error; WaitTimeoutError if it runs longer.
+        A dump this client opened is committed here (its files renamed into place) once it is DONE; a
+        session that failed has its files closed (a dump's removed)."""
         w = rpc.Wait(token=token)
         if timeout is not None:
             w.timeout_ms = max(0, int(timeout * 1000))
-        return self._session_call(wait=w)
+        try:
+            info = self._session_call(wait=w)
+        except WaitTimeoutError:
+            raise
+        except VramdError:
+            self._forget(token)
+            raise
+        local = self._local.get(token)
+        if local is not None and local.dump is not None and info.state == rpc.SESSION_DONE:
+            try:
+                local.dump.commit()
+            finally:
+                self._forget(token)
+        return info
+
+    def _forget(self, token: str) -> None:
+        local = self._local.pop(token, None)
+        if local is not None:
+            local.close()
 
     def poll(self, token: str, interval: float = 0.2) -> Iterator[rpc.SessionInfo]:
         """Yield the session's info every `interval` seconds until it ends; the last one is final."""
@@ -182,7 +282,11 @@ class Client:
         return raise_for_error(self._exchange(out)).session
 
     def close_session(self, token: str) -> rpc.SessionInfo:
-        return self._session_call(close_session=rpc.CloseSession(token=token))
+        """End the session (cancelled if it still runs); an uncommitted dump's files are removed."""
+        try:
+            return self._session_call(close_session=rpc.CloseSession(token=token))
+        finally:
+            self._forget(token)
 
     def status(self) -> rpc.StatusReply:
         return raise_for_error(self.request(get_status=rpc.GetStatus())).status

@@ -24,7 +24,6 @@ pipe (`vramctl ... | head`) ends quietly with 141, as SIGPIPE would.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import re
@@ -238,7 +237,7 @@ class ImageAndParents:
         dfd = open_image_dir(self.path, create=False)
         self.fds.append(dfd)
         try:
-            _paths, parent_fds = open_parents(self.path, read_manifest_offline(dfd), self.first_parent)
+            _paths, parent_fds = open_parents(self.path, read_manifest_offline(dfd, self.path), self.first_parent)
         except BaseException:
             os.close(dfd)
             raise
@@ -283,13 +282,13 @@ def cmd_dump(ns: argparse.Namespace) -> int:
         if ns.parent:
             pfd = open_image_dir(ns.parent, create=False)
             fds.append(pfd)
-            _paths, chain = open_parents(ns.parent, read_manifest_offline(pfd), None)
+            _paths, chain = open_parents(ns.parent, read_manifest_offline(pfd, ns.parent), None)
             fds += chain
             parent_fds = [pfd, *chain]
             hint = os.path.relpath(os.path.abspath(ns.parent), os.path.abspath(ns.image))
         info, secs = transfer(ns, SESSION_DUMP, dfd, bos, "dump", compression=ns.compress or "",
                               parent_fds=parent_fds, parent_hint=hint, dedup=not ns.no_dedup,
-                              replace_parent=ns.replace_parent)
+                              replace_parent=ns.replace_parent, where=ns.image)
         ok = True
     finally:
         for fd in fds:
@@ -314,9 +313,15 @@ def _holds_image(dfd: int) -> bool:
     return True
 
 
-def read_manifest_offline(dfd: int) -> pb.Manifest:
-    from ..image.fileio import read_manifest
-    return asyncio.run(read_manifest(dfd))
+def read_manifest_offline(dfd: int, where: str = "the image directory") -> pb.Manifest:
+    """The committed manifest of the image in `dfd`, read by this process (its own rights)."""
+    from ..image.fileio import read_manifest_now
+    from ..image.local import open_manifest
+    fd = open_manifest(dfd, where)
+    try:
+        return read_manifest_now(fd)
+    finally:
+        os.close(fd)
 
 
 def cmd_restore(ns: argparse.Namespace) -> int:
@@ -325,7 +330,7 @@ def cmd_restore(ns: argparse.Namespace) -> int:
     try:
         dfd = open_image_dir(ns.image, create=False)
         fds.append(dfd)
-        manifest = read_manifest_offline(dfd)
+        manifest = read_manifest_offline(dfd, ns.image)
         targets = dict(ns.bo_file or [])
         mem = None
         for e in manifest.bos:
@@ -356,7 +361,7 @@ def cmd_restore(ns: argparse.Namespace) -> int:
         fds += parent_fds
         # CRIU's KFD_*_CHECK switches travel with the request (the daemon never reads its own environment)
         info, secs = transfer(ns, SESSION_RESTORE, dfd, bos, "restore", topology_checks=topology_checks_from_env(),
-                              parent_fds=parent_fds)
+                              parent_fds=parent_fds, where=ns.image)
     finally:
         for fd in fds:
             os.close(fd)
@@ -389,7 +394,7 @@ def cmd_verify(ns: argparse.Namespace) -> int:
 def cmd_inspect(ns: argparse.Namespace) -> int:
     dfd = open_image_dir(ns.dir, create=False)
     try:
-        m = read_manifest_offline(dfd)
+        m = read_manifest_offline(dfd, ns.dir)
     finally:
         os.close(dfd)
     comp = compression_name(m.compression)
@@ -546,7 +551,7 @@ def cmd_rm(ns: argparse.Namespace) -> int:
     dfd = open_image_dir(ns.dir, create=False)
     fds = [dfd]
     try:
-        m = read_manifest_offline(dfd)
+        m = read_manifest_offline(dfd, ns.dir)
         children = sorted(n for n in os.listdir(dfd) if CHILD_MARK.fullmatch(n))
         if children:
             raise Failure(f"{ns.dir} is the parent of {len(children)} incremental image(s) ({children[0]}...): "
@@ -579,7 +584,7 @@ def cmd_rm(ns: argparse.Namespace) -> int:
 
 def cmd_gc(ns: argparse.Namespace) -> int:
     """Remove what interrupted dumps left in an image directory (as the next dump into it would)."""
-    from ..image.writer import lock_directory, sweep_temporaries
+    from ..image.local import lock_directory, sweep_temporaries
     dfd = open_image_dir(ns.dir, create=False)
     try:
         lock = lock_directory(dfd)  # a dump under way holds it: its temporaries are not garbage

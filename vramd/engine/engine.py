@@ -5,8 +5,11 @@
         await engine.restore(dir_fd, [RestoreTarget(1, BoRef("procmem", mem_fd2, addr))])
         report = await engine.verify(dir_fd)
 
-Every fd (BO sources and targets, the image directory) is the caller's;
-the engine never opens a path it is given and never closes a caller's fd.
+Every fd (BO sources and targets, image files) is the caller's; the engine
+never opens a path it is given and never closes a caller's fd.  The jobs
+take image files the client opened (`start_dump`, `start_restore`,
+`start_verify`: the daemon's way); `dump`, `restore` and `verify` open and
+create them in this process first, with its rights (image/local.py).
 """
 from __future__ import annotations
 
@@ -22,7 +25,9 @@ from ..errors import BackendUnavailableError, InvalidRequestError, LimitExceeded
 from ..hostmem.staging import StagingPool, buffer_unit
 from ..image.chunks import parent_entries
 from ..image.codec import Compression
+from ..image.local import DumpDirectory
 from ..image.reader import ImageReader
+from ..image.writer import FileSource, ImageWriter
 from ..pb import image_pb2 as pb
 from ..units import PAGE, MiB
 from .jobs import BoSpec, DumpJob, JobContext, RestoreJob, RestoreTarget, VerifyJob
@@ -150,11 +155,13 @@ class Engine:
 
     # --- jobs --------------------------------------------------------------
 
-    def start_dump(self, dir_fd: int, *, compression: Compression | None = None, chunk_size: int | None = None,
+    def start_dump(self, image_id: bytes, *, files: FileSource | None = None,
+                   compression: Compression | None = None, chunk_size: int | None = None,
                    on_progress: ProgressCallback | None = None, parent: ImageReader | None = None,
-                   parent_hint: str = "", dedup: bool = True, replace_parent: bool = False,
-                   client_uid: int | None = None) -> DumpJob:
-        """`parent` (from `open_parent`): an incremental dump; the job owns and closes it, even on error."""
+                   parent_hint: str = "", dedup: bool = True) -> DumpJob:
+        """A dump into a new image `image_id`, whose data files are attached to `job.writer` (or fetched from
+        `files`) and whose manifest file is set (`job.writer.manifest_fd`) before `finish`.
+        `parent` (from `open_parent`): an incremental dump; the job owns and closes it, even on error."""
         try:
             cs = chunk_size or self.config.chunk_size
             if cs != self.config.chunk_size:
@@ -168,15 +175,19 @@ class Engine:
             if parent is not None:
                 parent.close()
             raise
-        return DumpJob(self.ctx, dir_fd, chunk_size=cs, compression=comp, on_progress=on_progress, parent=parent,
-                       parent_hint=parent_hint, dedup=dedup, max_chain=self.config.max_chain_depth,
-                       replace_parent=replace_parent, client_uid=client_uid)
+        writer = ImageWriter(image_id, chunk_size=cs, compression=comp.to_pb(), files=files)
+        return DumpJob(self.ctx, writer, compression=comp, on_progress=on_progress, parent=parent,
+                       parent_hint=parent_hint, dedup=dedup, max_chain=self.config.max_chain_depth)
 
-    async def open_parent(self, parent_fds: Sequence[int]) -> ImageReader:
-        """An incremental dump's parent: `parent_fds` are its directory, then those of its own parents."""
-        if not parent_fds:
-            raise InvalidRequestError("no parent directory given")
-        reader = await ImageReader.open(parent_fds[0], parent_fds[1:])
+    async def open_parent(self, parent_manifest_fds: Sequence[int]) -> ImageReader:
+        """An incremental dump's parent: `parent_manifest_fds` are its manifest, then those of its own parents.
+        Its data files are attached next (`ImageReader.needed`, `attach`)."""
+        if not parent_manifest_fds:
+            raise InvalidRequestError("no parent manifest given")
+        reader = await ImageReader.from_manifests(parent_manifest_fds[0], parent_manifest_fds[1:])
+        return await self._parent_entries(reader)
+
+    async def _parent_entries(self, reader: ImageReader) -> ImageReader:
         try:
             if reader.manifest.format_version >= 2:  # its records by hash: work that grows with it, off the loop
                 reader.chunk_entries = await asyncio.get_running_loop().run_in_executor(
@@ -186,12 +197,11 @@ class Engine:
             raise
         return reader
 
-    async def start_restore(self, dir_fd: int, *, on_progress: ProgressCallback | None = None,
-                            gpu_map: GpuMap | None = None, allow_partial: bool = False,
-                            parent_fds: Sequence[int] = ()) -> RestoreJob:
-        """`gpu_map(manifest) -> {image gpu_id: present gpu_id}` places each BO on its present GPU.
-        `parent_fds`: an incremental image's parents' directories, nearest first."""
-        reader = await ImageReader.open(dir_fd, parent_fds)
+    def start_restore(self, reader: ImageReader, *, on_progress: ProgressCallback | None = None,
+                      gpu_map: GpuMap | None = None, allow_partial: bool = False) -> RestoreJob:
+        """A restore of the image `reader` reads (its data files attached before the first target is added).
+        `gpu_map(manifest) -> {image gpu_id: present gpu_id}` places each BO on its present GPU.  The job owns
+        the reader and closes it, even on error."""
         try:
             self._check_image_staging(reader)
             mapping = gpu_map(reader.manifest) if gpu_map is not None else None
@@ -200,10 +210,9 @@ class Engine:
             raise
         return RestoreJob(self.ctx, reader, on_progress=on_progress, gpu_map=mapping, allow_partial=allow_partial)
 
-    async def start_verify(self, dir_fd: int, *, on_progress: ProgressCallback | None = None,
-                           parent_fds: Sequence[int] = ()) -> VerifyJob:
-        """A job that reads and checks every chunk of the image, writing nowhere."""
-        reader = await ImageReader.open(dir_fd, parent_fds)
+    def start_verify(self, reader: ImageReader, *, on_progress: ProgressCallback | None = None) -> VerifyJob:
+        """A job that reads and checks every chunk of the image (its data files attached before `finish`),
+        writing nowhere.  The job owns the reader."""
         try:
             self._check_image_staging(reader)
             return VerifyJob(self.ctx, reader, on_progress=on_progress)
@@ -222,20 +231,32 @@ class Engine:
     def _check_image_staging(self, reader: ImageReader) -> None:
         self._check_staging(reader.manifest.chunk_size, buffers_to_read(reader), "the image's chunk size")
 
-    async def dump(self, dir_fd: int, bos: list[BoSpec], *, parent_fds: Sequence[int] = (), **kw: Any) -> pb.Manifest:
-        if parent_fds:
-            kw["parent"] = await self.open_parent(parent_fds)
-        job = self.start_dump(dir_fd, **kw)
+    # --- in-process conveniences: this process opens and creates the image's files (image/local.py) ------
+
+    async def dump(self, dir_fd: int, bos: list[BoSpec], *, parent_fds: Sequence[int] = (),
+                   replace_parent: bool = False, **kw: Any) -> pb.Manifest:
+        """Dump `bos` into a new image in the directory `dir_fd` (`parent_fds`: an incremental image's parent
+        directories, nearest first), committed by this process."""
+        out = DumpDirectory(dir_fd, parent_fds, replace_parent=replace_parent)
         try:
-            job.add(bos)
+            out.begin(os.urandom(16))
+            if parent_fds:
+                kw["parent"] = await self._parent_entries(await ImageReader.open(parent_fds[0], parent_fds[1:]))
+            job = self.start_dump(out.image_id, files=out.file_source, **kw)
+            try:
+                job.add(bos)
+            finally:
+                job.writer.manifest_fd = out.manifest_file()
+                manifest = await job.finish()  # on a failed add this raises the add's error, after cleanup
+            out.commit()
+            return manifest
         finally:
-            manifest = await job.finish()  # on a failed add this raises the add's error, after cleanup
-        return manifest
+            out.close()
 
     async def restore(self, dir_fd: int, targets: list[RestoreTarget], *, allow_partial: bool = False,
                       on_progress: ProgressCallback | None = None, parent_fds: Sequence[int] = ()) -> Progress:
-        job = await self.start_restore(dir_fd, on_progress=on_progress, allow_partial=allow_partial,
-                                       parent_fds=parent_fds)
+        job = self.start_restore(await ImageReader.open(dir_fd, parent_fds), on_progress=on_progress,
+                                 allow_partial=allow_partial)
         try:
             job.add(targets)
         finally:
@@ -245,5 +266,5 @@ class Engine:
     async def verify(self, dir_fd: int, *, on_progress: ProgressCallback | None = None,
                      parent_fds: Sequence[int] = ()) -> VerifyReport:
         """Read every chunk and check it (checksums, lengths, zstd frames) without writing anywhere."""
-        job = await self.start_verify(dir_fd, on_progress=on_progress, parent_fds=parent_fds)
+        job = self.start_verify(await ImageReader.open(dir_fd, parent_fds), on_progress=on_progress)
         return VerifyReport(await job.finish(), job.progress)

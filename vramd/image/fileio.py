@@ -1,22 +1,23 @@
-"""Positional file I/O that finishes what it starts, and the manifest read.
+"""Positional file I/O that finishes what it starts, the checks of a file fd a client attached, and the
+manifest read from one.
 
-Everything goes through the directory fd a caller passed (openat-style
-`dir_fd=`), never through a path of the caller's, so the engine only
-touches the directory it was handed.
+Nothing here opens a name: the daemon acts only on fds its client opened
+(image/local.py is the client's side).
 """
 from __future__ import annotations
 
 import asyncio
 import errno
+import fcntl
 import os
 import stat
 from collections.abc import Sequence
 
 from ..errors import (
+    BadDescriptorError,
     CorruptManifestError,
     ImageError,
     ImageIoError,
-    ManifestMissingError,
     NoSpaceError,
     NotWritableError,
     ReadOnlyFsError,
@@ -48,50 +49,38 @@ def image_os_error(e: OSError, what: str, *, bo_id: int | None = None, offset: i
     return from_os_error(e, what, cls, bo_id=bo_id, offset=offset)
 
 
-def open_regular(name: str, dir_fd: int, not_regular: type[VramdError]) -> int:
-    """Open an existing file of an image directory for reading: O_NOFOLLOW, O_NONBLOCK, regular files only.
-
-    Raises FileNotFoundError as is (the caller knows what a missing file means), and
-    `not_regular` naming the file for a symlink, a FIFO, a device, a directory...
-    Call it in a thread, never on the event loop.
-    """
-    try:
-        fd = os.open(name, os.O_RDONLY | OPEN_FLAGS, dir_fd=dir_fd)
-    except FileNotFoundError:
-        raise
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise not_regular(f"{name} is a symbolic link, not a regular file") from None
-        raise image_os_error(e, f"cannot open {name}", default=not_regular) from None
+def check_attached(fd: int, name: str, *, write: bool) -> int:
+    """A file fd a client attached: a regular file open for reading (`write`: for reading and writing);
+    returns its size.  Otherwise BAD_DESCRIPTOR naming the file.  Never opens anything."""
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise not_regular(f"{name} is not a regular file")
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+        mode = fcntl.fcntl(fd, fcntl.F_GETFL)
+    except OSError as e:
+        raise from_os_error(e, f"the fd given for {name} is unusable", BadDescriptorError) from None
+    if not stat.S_ISREG(st.st_mode):
+        raise BadDescriptorError(f"the fd given for {name} is not a regular file")
+    if mode & os.O_PATH:
+        raise BadDescriptorError(f"the fd given for {name} is an O_PATH fd")
+    acc = mode & os.O_ACCMODE
+    if write and acc != os.O_RDWR:
+        raise BadDescriptorError(f"the fd given for {name} is not open for reading and writing (O_RDWR)")
+    if not write and acc not in (os.O_RDONLY, os.O_RDWR):
+        raise BadDescriptorError(f"the fd given for {name} is not open for reading")
+    return st.st_size
 
 
-def reopen_direct(name: str, dir_fd: int, fd: int, flags: int) -> int | None:
-    """`name` in the image directory opened once more with O_DIRECT (for page-aligned I/O), by the same
-    rules as every image file (O_NOFOLLOW|O_NONBLOCK, no O_CREAT); it must be the very file `fd` has open
-    (same device and inode, regular), else None.  None too where the file system refuses O_DIRECT (tmpfs:
-    EINVAL) or the open fails otherwise: the caller keeps using `fd`.  Call it in a thread, never on the
-    event loop.
-    """
+def check_direct(direct_fd: int, fd: int, name: str) -> None:
+    """`direct_fd` must be the file `fd` has open, opened with O_DIRECT (and the same access); else
+    BAD_DESCRIPTOR naming the file."""
     try:
-        dfd = os.open(name, flags | os.O_DIRECT | OPEN_FLAGS, dir_fd=dir_fd)
-    except OSError:
-        return None
-    try:
-        st, want = os.fstat(dfd), os.fstat(fd)
-        if stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_ino) == (want.st_dev, want.st_ino):
-            return dfd
-    except OSError:
-        pass
-    os.close(dfd)
-    return None
+        st, want = os.fstat(direct_fd), os.fstat(fd)
+        mode = fcntl.fcntl(direct_fd, fcntl.F_GETFL)
+    except OSError as e:
+        raise from_os_error(e, f"the O_DIRECT fd given for {name} is unusable", BadDescriptorError) from None
+    if (st.st_dev, st.st_ino) != (want.st_dev, want.st_ino) or not stat.S_ISREG(st.st_mode):
+        raise BadDescriptorError(f"the O_DIRECT fd given for {name} is another file")
+    if not mode & os.O_DIRECT:
+        raise BadDescriptorError(f"the O_DIRECT fd given for {name} was not opened with O_DIRECT")
 
 
 def pwrite_all(fd: int, iov: Sequence[Bytes], offset: int) -> None:
@@ -128,42 +117,36 @@ def preadv_all(fd: int, views: Sequence[memoryview], offset: int) -> int:
     return total
 
 
-def _read_manifest_blob(dir_fd: int) -> bytes:
-    fd = open_regular(MANIFEST_NAME, dir_fd, CorruptManifestError)
+def read_manifest_blob(fd: int) -> bytes:
+    """The whole manifest file `fd` (read with pread from offset 0: its file position is not ours)."""
     try:
         size = os.fstat(fd).st_size
         if size > MAX_MANIFEST_BYTES:
             raise CorruptManifestError(f"{MANIFEST_NAME} is {size} bytes; at most {MAX_MANIFEST_BYTES} are read")
-        with os.fdopen(fd, "rb", closefd=False) as f:
-            return f.read(MAX_MANIFEST_BYTES + 1)
+        buf = bytearray(size)
+        got = pread_into(fd, memoryview(buf), 0)
+        return bytes(buf[:got])
     except OSError as e:
         raise image_os_error(e, f"cannot read {MANIFEST_NAME}") from None
-    finally:
-        os.close(fd)
 
 
-def read_manifest_now(dir_fd: int) -> pb.Manifest:
-    """`read_manifest` in the calling thread (never the event loop); a missing manifest raises
-    FileNotFoundError."""
-    return decode_manifest(_read_manifest_blob(dir_fd))
+def read_manifest_now(fd: int) -> pb.Manifest:
+    """The manifest in the file `fd`, decoded and checked, in the calling thread (never the event loop)."""
+    return decode_manifest(read_manifest_blob(fd))
 
 
-async def read_manifest(dir_fd: int) -> pb.Manifest:
-    """The committed manifest of the image in `dir_fd`, decoded and checked (the read in a thread)."""
-    return (await read_manifest_hashed(dir_fd))[0]
+async def read_manifest(fd: int) -> pb.Manifest:
+    """The manifest in the file `fd` (a manifest.vrdm the client opened), decoded and checked in a thread."""
+    return (await read_manifest_hashed(fd))[0]
 
 
-async def read_manifest_hashed(dir_fd: int) -> tuple[pb.Manifest, bytes]:
+async def read_manifest_hashed(fd: int) -> tuple[pb.Manifest, bytes]:
     """`read_manifest`, and the BLAKE3-256 of the whole manifest file (how a child names its parent)."""
-    try:
-        # read, decoded and checked in a thread: the checks grow with the image (never on the event loop)
-        return await asyncio.get_running_loop().run_in_executor(None, _read_and_decode, dir_fd)
-    except FileNotFoundError:
-        raise ManifestMissingError(
-            f"no committed image here: {MANIFEST_NAME} is missing (an interrupted dump never commits one)"
-        ) from None
+    # read, decoded and checked in a thread: the checks grow with the image (never on the event loop)
+    return await asyncio.get_running_loop().run_in_executor(None, _read_and_decode, fd)
 
 
-def _read_and_decode(dir_fd: int) -> tuple[pb.Manifest, bytes]:
-    blob = _read_manifest_blob(dir_fd)
+def _read_and_decode(fd: int) -> tuple[pb.Manifest, bytes]:
+    check_attached(fd, MANIFEST_NAME, write=False)
+    blob = read_manifest_blob(fd)
     return decode_manifest(blob), content_hash(blob)

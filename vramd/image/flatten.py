@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import mmap
+import os
 from collections.abc import Sequence
 
 from ..errors import InvalidRequestError
@@ -22,6 +23,7 @@ from ..pb import image_pb2 as pb
 from ..units import PAGE
 from .codec import Compression, encode_chunk
 from .format import Bytes, TableView
+from .local import DumpDirectory
 from .reader import ImageReader
 from .writer import DataFileWriter, ImageWriter
 
@@ -39,18 +41,26 @@ async def flatten(dir_fd: int, parent_fds: Sequence[int], out_fd: int) -> pb.Man
         comp = m.compression
         if reader.has_deltas and comp.codec == pb.CODEC_RAW and not comp.automatic:
             comp = FLATTENED_DELTAS.to_pb()
-        writer = ImageWriter(out_fd, chunk_size=m.chunk_size, compression=comp)
+        out = DumpDirectory(out_fd)  # this process creates and commits the new image's files (its own rights)
         try:
-            holders = _first_holders(m)  # the entries BOs refer to, and the first chunk needing each
-            table, payloads, compressed = await asyncio.get_running_loop().run_in_executor(None, _copy, reader,
-                                                                                            writer, holders)
-            file_of = {f.gpu_id: f.index for f in writer.files.values()}
-            bos = _bos(m, table, payloads, holders, file_of)
-            totals = _totals(bos, payloads)
-            totals.compressed_records = compressed
-            return await writer.commit(bos, totals, m.topology_json, chunks=table)
+            out.begin(os.urandom(16))
+            writer = ImageWriter(out.image_id, chunk_size=m.chunk_size, compression=comp, files=out.file_source)
+            try:
+                holders = _first_holders(m)  # the entries BOs refer to, and the first chunk needing each
+                table, payloads, compressed = await asyncio.get_running_loop().run_in_executor(
+                    None, _copy, reader, writer, holders)
+                file_of = {f.gpu_id: f.index for f in writer.files.values()}
+                bos = _bos(m, table, payloads, holders, file_of)
+                totals = _totals(bos, payloads)
+                totals.compressed_records = compressed
+                writer.manifest_fd = out.manifest_file()
+                manifest = await writer.commit(bos, totals, m.topology_json, chunks=table)
+            finally:
+                await writer.aclose()
+            out.commit()
+            return manifest
         finally:
-            await writer.aclose()
+            out.close()
     finally:
         reader.close()
 
@@ -63,7 +73,7 @@ def _copy(reader: ImageReader, writer: ImageWriter,
     t = TableView(m.chunks)
     unit = PAGE + m.chunk_size + PAGE  # a record (head + payload) at offset PAGE, with room
     bufs = [StagingBuffer(unit, mmap.mmap(-1, unit)) for _ in range(4)]
-    images = [m, *(pm for _, pm in reader.parents)]
+    images = [m, *reader.parents]
     out = pb.ChunkTable()
     hashes = bytearray()
     payloads: list[int] = []

@@ -1,11 +1,16 @@
-"""A committed image opened for reading: the manifest checked, every data file opened and checked up front.
+"""A committed image opened for reading: its manifest (and its parents') checked, then every data file the
+client attaches checked as it arrives.
 
-A format v2 image may refer to records of its parents (an incremental
-image): the caller hands each parent's directory as an fd, nearest first;
-each is checked to be the very image the child recorded (image id and the
-BLAKE3 of its manifest) before anything is read, and its data files join
-the reader's file list after the image's own (`fds`, `names`: the image's
-own files keep their manifest index, so a v1 image reads as before).
+The daemon opens no name (docs/protocol.md, "Image files: the client's
+rights"): the client opens the manifests and hands them over
+(`from_manifests`), then opens the data files the reader still `needed()`
+and hands them over too (`attach`).  A format v2 image may refer to records
+of its parents (an incremental image): each parent's manifest is checked to
+be the very image the child recorded (image id and the BLAKE3 of its
+manifest) before anything is read, and its data files join the reader's file
+list after the image's own (`fds`, `names`: the image's own files keep their
+manifest index, so a v1 image reads as before).  `open(dir_fd, ...)` does the
+client's part in-process (tools and tests that read an image themselves).
 """
 from __future__ import annotations
 
@@ -18,9 +23,7 @@ from dataclasses import dataclass
 from ..errors import (
     CorruptChunkError,
     CorruptManifestError,
-    ForeignDataFileError,
     InvalidRequestError,
-    ManifestMissingError,
     ParentMismatchError,
     ParentMissingError,
     TruncatedDataError,
@@ -29,7 +32,7 @@ from ..hostmem.staging import StagingBuffer
 from ..pb import image_pb2 as pb
 from .chunks import ParentEntries
 from .codec import DecodedChunk, decode_chunk
-from .fileio import image_os_error, open_regular, pread_into, preadv_all, read_manifest_hashed, reopen_direct
+from .fileio import check_attached, check_direct, image_os_error, pread_into, preadv_all, read_manifest_hashed
 from .format import (
     DATA_HEADER,
     MANIFEST_NAME,
@@ -39,6 +42,7 @@ from .format import (
     chunk_record,
     record_head_length,
 )
+from .local import ImageFiles
 
 
 @dataclass(frozen=True)
@@ -62,26 +66,29 @@ def parent_label(ref: pb.ParentRef, k: int) -> str:
 
 
 class ImageReader:
-    """A committed image, its data files opened and checked up front."""
+    """A committed image: its manifests checked; its data files attached and checked one by one."""
 
-    def __init__(self, dir_fd: int, manifest: pb.Manifest, fds: list[int], *,
-                 parents: Sequence[tuple[int, pb.Manifest]] = (), names: list[str] | None = None,
-                 manifest_hash: bytes = b"") -> None:
-        self.dir_fd = dir_fd
+    def __init__(self, manifest: pb.Manifest, *, parents: Sequence[pb.Manifest] = (), manifest_hash: bytes = b"",
+                 owner: int | None = None) -> None:
+        """`owner`: the uid owning the image's manifest file (whose parent records are trusted as its own)."""
         self.manifest = manifest
         self.manifest_hash = manifest_hash  # BLAKE3 of manifest.vrdm (how a child would name this image)
-        self.fds = fds  # the image's own data files (manifest order), then each parent's
-        self.names = names if names is not None else [f.name for f in manifest.files]
-        self.parents = list(parents)  # (directory fd, manifest), nearest first
+        self.parents = list(parents)  # the parents' manifests, nearest first
+        self.owner = owner
         # (image, file index) -> slot in fds: image 0 is this one, k its parents[k - 1]
         self._slot: dict[tuple[int, int], int] = {}
-        slot = 0
-        for k, m in enumerate([manifest, *(pm for _, pm in self.parents)]):
-            for fi in range(len(m.files)):
-                self._slot[(k, fi)] = slot
-                slot += 1
-        self._dirs = [dir_fd, *(fd for fd, _ in self.parents)]
-        self._slot_dir = [k for (k, _fi) in sorted(self._slot, key=self._slot.__getitem__)]
+        self.names: list[str] = []
+        self._by_name: dict[tuple[int, str], int] = {}
+        for k, m in enumerate([manifest, *self.parents]):
+            prefix = "" if k == 0 else f"{parent_label(manifest.parents[k - 1], k)}: "
+            for fi, df in enumerate(m.files):
+                self._slot[(k, fi)] = len(self.names)
+                self._by_name[(k, df.name)] = len(self.names)
+                self.names.append(prefix + df.name)
+        self._files = [(k, df) for k, m in enumerate([manifest, *self.parents]) for df in m.files]
+        self.fds: list[int] = [-1] * len(self.names)  # the attached data files (the caller's), by slot
+        self._direct: list[tuple[int, int] | None] = [None] * len(self.names)  # slot -> (O_DIRECT fd, size)
+        self._local: ImageFiles | None = None  # the files `open` opened itself (closed by close)
         self.bos = {bo.id: bo for bo in manifest.bos}
         self._locs: dict[int, Loc] = {}  # v2 chunk table index -> its Loc
         # set by Engine.open_parent for a dump's parent: its records by hash (image.chunks.parent_entries)
@@ -91,51 +98,85 @@ class ImageReader:
         self._trusted: list[bool] = [True] + [False] * len(self.parents)
         self.has_deltas = any(self._table.base)
         self._lock = threading.Lock()
-        self._direct: dict[int, tuple[int, int] | None] = {}  # slot -> (O_DIRECT fd, file size), or None
-
-    @property
-    def dir_fds(self) -> list[int]:
-        """The directory fds of the image and of each parent (the caller's; never closed here)."""
-        return list(self._dirs)
+        self._check_parent_files()
 
     @property
     def version(self) -> int:
         return int(self.manifest.format_version)
 
     @classmethod
-    async def open(cls, dir_fd: int, parent_fds: Sequence[int] = ()) -> ImageReader:
-        """Read and check the manifest, then open and check every data file (file I/O in a thread).
-
-        The manifest's file names were checked by decode_manifest (plain names of this
-        format only); each is opened O_NOFOLLOW|O_NONBLOCK and must be a regular file.
-        `parent_fds`: the directories of the image's parents, nearest first (format v2);
-        each must hold the image the child recorded, else PARENT_MISMATCH; one the
-        chain needs and the caller did not give is PARENT_MISSING.  All before any
-        chunk is read.
-        """
-        manifest, digest = await read_manifest_hashed(dir_fd)
+    async def from_manifests(cls, manifest_fd: int, parent_fds: Sequence[int] = ()) -> ImageReader:
+        """Read and check the manifest in the file `manifest_fd` and those of its parents (`parent_fds`,
+        nearest first, format v2): each must be the image the child recorded, else PARENT_MISMATCH; one the
+        chain needs and the caller did not give is PARENT_MISSING.  The data files are attached next
+        (`needed`, `attach`).  The fds stay the caller's."""
+        manifest, digest = await read_manifest_hashed(manifest_fd)
         parents = await cls._parents(manifest, parent_fds)
-        run = asyncio.get_running_loop().run_in_executor
-        fds: list[int] = []
-        names: list[str] = []
         try:
-            for k, (fd, m) in enumerate([(dir_fd, manifest), *parents]):
-                fds += await run(None, cls._open_files, fd, m)
-                prefix = "" if k == 0 else f"{parent_label(manifest.parents[k - 1], k)}: "
-                names += [prefix + f.name for f in m.files]
+            owner: int | None = os.fstat(manifest_fd).st_uid
+        except OSError:
+            owner = None
+        return cls(manifest, parents=parents, manifest_hash=digest, owner=owner)
+
+    @classmethod
+    async def open(cls, dir_fd: int, parent_fds: Sequence[int] = ()) -> ImageReader:
+        """The image in the directory `dir_fd` (its parents' directories: `parent_fds`, nearest first), opened
+        in this process with its rights (image/local.py): the client's part and the daemon's at once."""
+        files = ImageFiles(dir_fd, parent_fds)
+        try:
+            reader = await cls.from_manifests(files.manifest_fd or -1, files.parent_manifest_fds)
+            reader._local = files
+            opened = await asyncio.get_running_loop().run_in_executor(None, files.open_needed, reader.needed())
+            for f in opened:
+                await reader.attach(f.image, f.name, f.fd, f.direct_fd)
         except BaseException:
-            for fd in fds:
-                os.close(fd)
+            files.close()
             raise
-        reader = cls(dir_fd, manifest, fds, parents=parents, names=names, manifest_hash=digest)
-        if parents:
-            try:
-                reader._check_parent_files()
-                reader._trusted = await run(None, reader._parents_trusted)
-            except BaseException:
-                reader.close()
-                raise
         return reader
+
+    def needed(self) -> list[tuple[int, str]]:
+        """The data files still to attach: (image, name), image 0 being this one and k its k-th parent."""
+        return [(k, df.name) for (k, df), fd in zip(self._files, self.fds) if fd < 0]
+
+    @property
+    def ready(self) -> bool:
+        """Every data file attached."""
+        return all(fd >= 0 for fd in self.fds)
+
+    async def attach(self, image: int, name: str, fd: int, direct: int | None = None) -> None:
+        """A data file the client opened: checked (a regular file open for reading, this image's header, at
+        least as long as the manifest says) in a thread; the fds stay the caller's.  Once the last is here,
+        which parents' records are trusted is settled."""
+        slot = self._by_name.get((image, name))
+        if slot is None:
+            raise InvalidRequestError(f"{name!r} of image #{image} is not a data file this session needs")
+        if self.fds[slot] >= 0:
+            raise InvalidRequestError(f"{self.names[slot]} is attached already")
+        run = asyncio.get_running_loop().run_in_executor
+        size = await run(None, self._check_file, slot, fd, direct)
+        if self.fds[slot] >= 0:  # attached meanwhile
+            raise InvalidRequestError(f"{self.names[slot]} is attached already")
+        self.fds[slot] = fd
+        self._direct[slot] = (direct, size) if direct is not None else None
+        if self.ready and self.parents:
+            self._trusted = await run(None, self._parents_trusted)
+
+    def _check_file(self, slot: int, fd: int, direct: int | None) -> int:
+        k, df = self._files[slot]
+        name = self.names[slot]
+        size = check_attached(fd, name, write=False)
+        if direct is not None:
+            check_direct(direct, fd, name)
+        header = memoryview(bytearray(DATA_HEADER.size))
+        try:
+            got = pread_into(fd, header, 0)
+        except OSError as e:
+            raise image_os_error(e, f"cannot read data file {name}") from None
+        m = self.manifest if k == 0 else self.parents[k - 1]
+        check_data_header(bytes(header[:got]), m.image_id, name)
+        if size < df.length:
+            raise self._truncation(m, df, slot - self._slot[(k, 0)], size)
+        return size
 
     def _check_parent_files(self) -> None:
         """Every table entry of a parent names a data file that parent lists (the parents' manifests
@@ -148,72 +189,44 @@ class ImageReader:
 
     def _parents_trusted(self) -> list[bool]:
         """Per image of the chain: are its data files as trusted as the image's own?  Yes where every one is
-        owned by the owner of the image's directory and writable by no one else (then only that owner could
+        owned by the owner of the image's manifest and writable by no one else (then only that owner could
         have forged a record, as it could the image's own).  Otherwise a parent's record is verified against
         its BLAKE3 content hash before use: its xxh3 checksums do not stop a forger who chose its bytes."""
+        if self.owner is None:
+            return [True] + [False] * len(self.parents)
         try:
-            owner = os.fstat(self.dir_fd).st_uid
             out = [True]
             for k in range(1, len(self.parents) + 1):
                 slots = [slot for (img, _fi), slot in self._slot.items() if img == k]
                 sts = [os.fstat(self.fds[slot]) for slot in slots]
-                out.append(all(st.st_uid == owner and not st.st_mode & 0o022 for st in sts))
+                out.append(all(st.st_uid == self.owner and not st.st_mode & 0o022 for st in sts))
             return out
         except OSError:
             return [True] + [False] * len(self.parents)
 
     @staticmethod
-    async def _parents(manifest: pb.Manifest, parent_fds: Sequence[int]) -> list[tuple[int, pb.Manifest]]:
-        """Each parent the manifest lists, from the fd given for it, checked to be that very image."""
+    async def _parents(manifest: pb.Manifest, parent_fds: Sequence[int]) -> list[pb.Manifest]:
+        """Each parent the manifest lists, from the manifest file given for it, checked to be that very image."""
         chain = manifest.parents
         if len(parent_fds) > len(chain):
-            raise InvalidRequestError(f"{len(parent_fds)} parent directories given; the image's chain has "
+            raise InvalidRequestError(f"{len(parent_fds)} parent manifests given; the image's chain has "
                                       f"{len(chain)}")
-        out: list[tuple[int, pb.Manifest]] = []
+        out: list[pb.Manifest] = []
         for k, ref in enumerate(chain, 1):
             what = parent_label(ref, k)
             if k > len(parent_fds):
                 raise ParentMissingError(f"the image is incremental and needs {what}, which was not given")
-            fd = parent_fds[k - 1]
-            try:
-                pm, digest = await read_manifest_hashed(fd)
-            except ManifestMissingError:
-                raise ParentMismatchError(f"the directory given as {what} holds no committed image") from None
+            pm, digest = await read_manifest_hashed(parent_fds[k - 1])
             if pm.image_id != ref.image_id:
-                raise ParentMismatchError(f"the directory given as {what} holds another image")
+                raise ParentMismatchError(f"the image given as {what} is another image")
             if digest != ref.manifest_hash:
                 raise ParentMismatchError(f"the image given as {what} was altered since the child was dumped "
                                           "(its manifest's hash differs)")
             if [p.image_id for p in pm.parents] != [p.image_id for p in chain[k:]]:
                 raise ParentMismatchError(f"the image given as {what} has another chain of parents than the "
                                           "child recorded")
-            out.append((fd, pm))
+            out.append(pm)
         return out
-
-    @classmethod
-    def _open_files(cls, dir_fd: int, manifest: pb.Manifest) -> list[int]:
-        fds: list[int] = []
-        try:
-            for df in manifest.files:
-                try:
-                    fd = open_regular(df.name, dir_fd, ForeignDataFileError)
-                except FileNotFoundError:
-                    raise TruncatedDataError(f"data file {df.name} listed in the manifest is missing") from None
-                fds.append(fd)
-                header = memoryview(bytearray(DATA_HEADER.size))
-                try:
-                    got = pread_into(fd, header, 0)
-                    size = os.fstat(fd).st_size
-                except OSError as e:
-                    raise image_os_error(e, f"cannot read data file {df.name}") from None
-                check_data_header(bytes(header[:got]), manifest.image_id, df.name)
-                if size < df.length:
-                    raise cls._truncation(manifest, df, len(fds) - 1, size)
-        except BaseException:
-            for fd in fds:
-                os.close(fd)
-            raise
-        return fds
 
     @staticmethod
     def _truncation(manifest: pb.Manifest, df: pb.DataFile, index: int, size: int) -> TruncatedDataError:
@@ -302,32 +315,13 @@ class ImageReader:
         return preadv_all(self.fds[file_index], views, offset)
 
     def direct_fd(self, file_index: int) -> tuple[int, int] | None:
-        """(the data file opened a second time with O_DIRECT, its size), by the same opening rules as
-        every image file and checked to be the file already open (fileio.reopen_direct); None where
-        the file system refuses O_DIRECT.  Opened on first use, in the calling thread (never the loop)."""
-        with self._lock:
-            if file_index not in self._direct:
-                k = self._slot_dir[file_index]
-                images = [self.manifest, *(m for _, m in self.parents)]
-                base = min(s for (img, _fi), s in self._slot.items() if img == k)
-                fd = reopen_direct(images[k].files[file_index - base].name, self._dirs[k], self.fds[file_index],
-                                   os.O_RDONLY)
-                if fd is not None:
-                    try:
-                        self._direct[file_index] = (fd, os.fstat(fd).st_size)
-                    except OSError:
-                        os.close(fd)
-                        self._direct[file_index] = None
-                else:
-                    self._direct[file_index] = None
-            return self._direct[file_index]
+        """(the data file opened with O_DIRECT by the client, its size); None where there is none."""
+        return self._direct[file_index]
 
     def close(self) -> None:
-        with self._lock:
-            for d in self._direct.values():
-                if d is not None:
-                    os.close(d[0])
-            self._direct.clear()
-        for fd in self.fds:
-            os.close(fd)
-        self.fds = []
+        """Forget the files (closing those `open` opened itself; attached ones are the caller's)."""
+        self.fds = [-1] * len(self.fds)
+        self._direct = [None] * len(self._direct)
+        if self._local is not None:
+            self._local.close()
+            self._local = None

@@ -50,6 +50,17 @@ class ClientBo:
 
 
 @dataclass
+class ClientFile:
+    """One image file for AttachFiles, opened by the client (the fds stay the caller's)."""
+
+    image: int                  # 0: the session's image; k: its k-th parent
+    name: str                   # its name in that image's directory (a dump's data file: without ".tmp")
+    fd: int
+    direct_fd: int | None = None  # the same file opened with O_DIRECT, where the file system allows
+    gpu_id: int | None = None     # a dump's own data file
+
+
+@dataclass
 class Outgoing:
     """One packet to send: the frame and the fds to attach (still the caller's; the kernel duplicates them)."""
 
@@ -141,6 +152,46 @@ class ClientProtocol:
         if self.hello is None:
             self.hello = raise_for_error(resp).hello
         return resp
+
+    def open_session_request(self, kind: rpc.SessionKind, *, manifest_fd: int | None = None,
+                             parent_manifest_fds: Sequence[int] = (), **options: Any) -> Outgoing:
+        """OpenSession: a restore's or verify's manifest (`manifest_fd`), an incremental image's parents'
+        manifests (nearest first), and the other OpenSession fields by name."""
+        fds = ([manifest_fd] if manifest_fd is not None else []) + list(parent_manifest_fds)
+        first = 0 if manifest_fd is None else 1
+        body = rpc.OpenSession(kind=kind, manifest_fd_index=0,
+                               parent_manifest_fd_indexes=range(first, first + len(parent_manifest_fds)), **options)
+        return self.request(fds, open_session=body)
+
+    def attach_requests(self, token: str, files: Sequence[ClientFile]) -> Iterator[Outgoing]:
+        """The AttachFiles packets for `files`, each within the daemon's limit of fds per message (a file
+        takes one fd, two with its O_DIRECT twin).  Each is produced when the previous one was answered."""
+        max_fds = min(self.limits.max_fds_per_message or SCM_MAX_FD, SCM_MAX_FD)
+        refs: list[rpc.FileRef] = []
+        fds: list[int] = []
+        for f in files:
+            need = 1 if f.direct_fd is None else 2
+            if refs and len(fds) + need > max_fds:
+                yield self.request(fds, attach_files=rpc.AttachFiles(token=token, files=refs))
+                refs, fds = [], []
+            ref = rpc.FileRef(image=f.image, name=f.name, fd_index=len(fds))
+            fds.append(f.fd)
+            if f.direct_fd is not None:
+                ref.direct_fd_index = len(fds)
+                fds.append(f.direct_fd)
+            if f.gpu_id is not None:
+                ref.gpu_id = f.gpu_id
+            refs.append(ref)
+        if refs:
+            yield self.request(fds, attach_files=rpc.AttachFiles(token=token, files=refs))
+
+    def start_request(self, token: str, manifest_fd: int | None = None) -> Outgoing:
+        """Start; a dump's names the manifest's temporary file the client created."""
+        body = rpc.Start(token=token)
+        if manifest_fd is None:
+            return self.request(start=body)
+        body.manifest_fd_index = 0
+        return self.request([manifest_fd], start=body)
 
     def add_bos_requests(self, token: str, bos: Sequence[ClientBo]) -> Iterator[Outgoing]:
         """The AddBos packets for `bos`, each within the daemon's limits of bytes and fds per message.

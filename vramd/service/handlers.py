@@ -90,9 +90,15 @@ async def add_bos(daemon: Daemon, conn: Connection, rid: int, body: rpc.AddBos, 
     return reply(rid, session=s.info())
 
 
+async def attach_files(daemon: Daemon, conn: Connection, rid: int, body: rpc.AttachFiles, fds: FdBundle) -> Reply:
+    s = _session(daemon, conn, body.token)
+    await s.attach(body.files, fds)
+    return reply(rid, session=s.info())
+
+
 async def start(daemon: Daemon, conn: Connection, rid: int, body: rpc.Start, fds: FdBundle) -> Reply:
     s = _session(daemon, conn, body.token)
-    await s.seal()
+    await s.seal(fds, body.manifest_fd_index if body.HasField("manifest_fd_index") else None)
     return reply(rid, session=s.info())
 
 
@@ -167,6 +173,7 @@ async def list_sessions(daemon: Daemon, conn: Connection, rid: int, body: rpc.Li
 HANDLERS: dict[str, Handler] = {
     "open_session": open_session,
     "add_bos": add_bos,
+    "attach_files": attach_files,
     "start": start,
     "get_progress": get_progress,
     "wait": wait,

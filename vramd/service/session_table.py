@@ -6,11 +6,9 @@ reaped sessions' ends (`Session.close`).
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import json
 import logging
 import os
-import stat
 from collections.abc import Iterator, Mapping
 
 from ..engine import Engine, Job
@@ -20,9 +18,9 @@ from ..errors import (
     NotFoundError,
     PermissionDeniedError,
     TopologyError,
-    from_os_error,
 )
 from ..image.codec import Compression
+from ..image.reader import ImageReader
 from ..pb import image_pb2 as pb
 from ..pb import rpc_pb2 as rpc
 from ..protocol.fds import FdBundle, close_fds
@@ -33,19 +31,7 @@ from .sessions import KIND_NAMES, Session, SessionLimits, UidLimits, UidUsage, i
 log = logging.getLogger("vramd.service.sessions")
 
 
-MAX_PARENT_FDS = 64  # parent directories one OpenSession may pass (a chain is at most max_chain_depth deep)
-
-
-def _check_dir_fd(fd: int, what: str) -> None:
-    """A directory fd a client passed: a directory, open for I/O (not O_PATH: a dump could not fsync it)."""
-    try:
-        st = os.fstat(fd)
-    except OSError as e:
-        raise from_os_error(e, f"{what} is not usable", InvalidRequestError) from None
-    if not stat.S_ISDIR(st.st_mode):
-        raise InvalidRequestError(f"{what} is not a directory")
-    if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_PATH:
-        raise InvalidRequestError(f"{what} is an O_PATH fd; open it O_RDONLY | O_DIRECTORY")
+MAX_PARENT_FDS = 64  # parent manifests one OpenSession may pass (a chain is at most max_chain_depth deep)
 
 
 class SessionTable:
@@ -84,28 +70,32 @@ class SessionTable:
             raise InvalidRequestError(f"unknown session kind {req.kind}")
         checks = self._checks(req)
         usage = self.usage.setdefault(uid, UidUsage(self.uid_limits))
-        nparents = len(req.parent_fd_indexes)
+        nparents = len(req.parent_manifest_fd_indexes)
         if nparents > MAX_PARENT_FDS:
-            raise LimitExceededError(f"{nparents} parent directories; at most {MAX_PARENT_FDS} are taken")
-        if usage.fds + 1 + nparents > self.uid_limits.max_fds:
+            raise LimitExceededError(f"{nparents} parent manifests; at most {MAX_PARENT_FDS} are taken")
+        reads = req.kind != rpc.SESSION_DUMP  # restore and verify read an image: its manifest comes along
+        if usage.fds + reads + nparents > self.uid_limits.max_fds:
             raise LimitExceededError(f"uid {uid}'s sessions hold {usage.fds} fds (max_fds_per_uid)")
-        dir_fd = bundle.take(req.dir_fd_index)
-        parent_fds: list[int] = []
+        fds: list[int] = []
         try:
-            for i in req.parent_fd_indexes:  # held, like the image's, until the session ends
-                parent_fds.append(bundle.take(i))
-            for fd in parent_fds:
-                _check_dir_fd(fd, "a parent directory fd")
-            job, manifest = await self._job(req, dir_fd, checks, parent_fds, uid)
+            if reads:
+                fds.append(bundle.take(req.manifest_fd_index))
+            for i in req.parent_manifest_fd_indexes:  # held, like the image's, until the session ends
+                fds.append(bundle.take(i))
+            manifest_fd = fds[0] if reads else None
+            job, manifest, image_id = await self._job(req, manifest_fd, checks, fds[reads:])
         except BaseException:
-            close_fds([dir_fd, *parent_fds])
+            close_fds(fds)
             raise
-        s = Session(self._next_id, req.kind, uid, pid, req.label, job, dir_fd, self.limits, self.metrics, usage,
-                    fds=parent_fds)
+        s = Session(self._next_id, req.kind, uid, pid, req.label, job, self.limits, self.metrics, usage,
+                    fds=fds, image_id=image_id)
         self._next_id += 1
         if manifest is not None:  # the image a restore or verify reads
             s.image = image_summary(manifest)
-        if req.kind == rpc.SESSION_VERIFY:
+        if req.replace_parent:
+            log.warning("session %d: uid %d replaces an image that incremental images are marked as needing "
+                        "(replace_parent)", s.id, uid)
+        if s.ready and req.kind == rpc.SESSION_VERIFY:
             await s.seal()
         self.by_token[s.token] = s
         log.info("session %d (%s) opened by uid %d pid %d%s", s.id, s.kind_name, uid, pid,
@@ -121,29 +111,31 @@ class SessionTable:
                                       f"{', '.join(sorted(CHECK_ENV.values()))})")
         return Checks(**{attr: switches.get(var, True) for attr, var in CHECK_ENV.items()})
 
-    async def _job(self, req: rpc.OpenSession, dir_fd: int, checks: Checks,
-                   parent_fds: list[int], uid: int) -> tuple[Job, pb.Manifest | None]:
-        """The session's job, and the manifest of the image it reads (None for a dump)."""
-        _check_dir_fd(dir_fd, "the image directory fd")
+    async def _job(self, req: rpc.OpenSession, manifest_fd: int | None, checks: Checks,
+                   parent_fds: list[int]) -> tuple[Job, pb.Manifest | None, bytes]:
+        """The session's job, the manifest of the image it reads (None for a dump), and the image's id."""
         if req.kind == rpc.SESSION_DUMP:
             try:
                 comp = Compression.parse(req.compression) if req.compression else self.default_compression
             except ValueError as e:
                 raise InvalidRequestError(str(e)) from None
             parent = await self.engine.open_parent(parent_fds) if parent_fds else None
-            job = self.engine.start_dump(dir_fd, compression=comp, chunk_size=req.chunk_size or self.default_chunk_size,
-                                         parent=parent, parent_hint=req.parent_hint, dedup=not req.no_dedup,
-                                         replace_parent=req.replace_parent, client_uid=uid)
+            image_id = os.urandom(16)
+            job = self.engine.start_dump(image_id, compression=comp,
+                                         chunk_size=req.chunk_size or self.default_chunk_size, parent=parent,
+                                         parent_hint=req.parent_hint, dedup=not req.no_dedup)
             job.topology_json = self._topology_json
-            return job, None
+            return job, None, image_id
         if req.parent_hint or req.no_dedup or req.replace_parent:
             raise InvalidRequestError("parent_hint, no_dedup and replace_parent are dump options")
+        assert manifest_fd is not None
+        reader = await ImageReader.from_manifests(manifest_fd, parent_fds)
         if req.kind == rpc.SESSION_RESTORE:
-            restore = await self.engine.start_restore(dir_fd, gpu_map=lambda m: self._gpu_map(m, checks),
-                                                      allow_partial=req.allow_partial, parent_fds=parent_fds)
-            return restore, restore.manifest
-        verify = await self.engine.start_verify(dir_fd, parent_fds=parent_fds)
-        return verify, verify.manifest
+            restore = self.engine.start_restore(reader, gpu_map=lambda m: self._gpu_map(m, checks),
+                                                allow_partial=req.allow_partial)
+            return restore, reader.manifest, reader.manifest.image_id
+        verify = self.engine.start_verify(reader)
+        return verify, reader.manifest, reader.manifest.image_id
 
     def _gpu_map(self, manifest: pb.Manifest, checks: Checks) -> dict[int, int] | None:
         """Image GPUs -> present GPUs, by CRIU's rules (the KFD_*_CHECK switches in `checks`); None: as saved."""

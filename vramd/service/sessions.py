@@ -1,7 +1,7 @@
 """A session: one dump, restore or verify job, addressed by a token.
 
-A session owns the fds its clients passed (the image directory, BO fds)
-and closes them when its job ends.  Any connection of the same uid that
+A session owns the fds its clients passed (image files, BO fds) and closes
+them when its job ends.  Any connection of the same uid that
 presents the token is a *holder* (session_table.py reaps a session whose
 holders are all gone), so the process that submits a restore and the
 process that waits for it (the offload) can be different connections.
@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..backends import BoRef
-from ..engine import Ahead, BoSpec, DumpJob, Job, RestoreJob, RestoreTarget
+from ..engine import Ahead, BoSpec, DumpJob, Job, RestoreJob, RestoreTarget, VerifyJob
 from ..errors import (
     InternalError,
     InvalidRequestError,
@@ -33,6 +33,9 @@ from ..errors import (
     from_os_error,
 )
 from ..image.codec import compression_name
+from ..image.fileio import check_attached, check_direct
+from ..image.format import data_file_name
+from ..image.reader import ImageReader
 from ..pb import image_pb2 as pb
 from ..pb import rpc_pb2 as rpc
 from ..protocol.fds import FdBundle, close_fds
@@ -139,10 +142,10 @@ class Session:
     pid: int
     label: str
     job: Job
-    dir_fd: int
     limits: SessionLimits
     metrics: Metrics
     usage: UidUsage
+    image_id: bytes = b""  # the image written (dump) or read
     token: str = field(default_factory=lambda: secrets.token_hex(16))
     state: rpc.SessionState = rpc.SESSION_OPEN
     error: VramdError | None = None
@@ -160,8 +163,7 @@ class Session:
     rate_samples: deque[tuple[float, int]] = field(default_factory=deque)  # (when, bytes_done) of recent looks
 
     def __post_init__(self) -> None:
-        self.fds.append(self.dir_fd)  # with the parents' directories given at open, held until the end
-        self.usage.fds += len(self.fds)
+        self.usage.fds += len(self.fds)  # the manifests given at open, held until the end
         self._done = asyncio.Event()
         self._adding = asyncio.Lock()  # one AddBos at a time; Start waits for the one under way
         # A copy that fails while the client is still adding BOs ends the session now,
@@ -185,6 +187,87 @@ class Session:
 
     # --- requests ------------------------------------------------------------
 
+    def _reader(self) -> ImageReader | None:
+        """The image whose data files the client attaches: a restore's or verify's, a dump's parent."""
+        job = self.job
+        if isinstance(job, DumpJob):
+            return job.parent
+        assert isinstance(job, (RestoreJob, VerifyJob))
+        return job.reader
+
+    def needed(self) -> list[tuple[int, str]]:
+        """The files the client must still attach: (image, name), image 0 the session's, k its k-th parent."""
+        reader = self._reader()
+        if reader is None:
+            return []
+        shift = 1 if isinstance(self.job, DumpJob) else 0  # a dump's parent reader: its image 0 is parent #1
+        return [(k + shift, name) for k, name in reader.needed()]
+
+    @property
+    def ready(self) -> bool:
+        """Every file of files_needed attached."""
+        reader = self._reader()
+        return reader is None or reader.ready
+
+    def _check_ready(self) -> None:
+        if not self.ready:
+            missing = self.needed()
+            raise InvalidRequestError(f"{len(missing)} file(s) the session needs are not attached yet (first: "
+                                      f"{missing[0][1]} of image #{missing[0][0]}): AttachFiles first")
+
+    def _keep(self, bundle: FdBundle, index: int) -> int:
+        """The fd at `index` of the packet, held by the session (closed when it ends, counted for its uid)."""
+        if len(self.fds) + 1 > self.limits.max_fds:
+            raise LimitExceededError(f"more than {self.limits.max_fds} fds in one session (max_fds_per_session)")
+        if self.usage.fds + 1 > self.usage.limits.max_fds:
+            raise LimitExceededError(f"uid {self.uid}'s sessions would hold more than "
+                                     f"{self.usage.limits.max_fds} fds (max_fds_per_uid)")
+        fd = bundle.take(index)
+        self.fds.append(fd)
+        self.usage.fds += 1
+        return fd
+
+    async def attach(self, files: Sequence[rpc.FileRef], bundle: FdBundle) -> None:
+        """Take the image files of one AttachFiles message: files_needed entries, and a dump's data files.
+        Each is checked as it comes (fileio.check_attached; a read image's header and length in a thread);
+        the first bad one is the reply's error (the files before it stay attached)."""
+        async with self._adding:
+            self._check_open()
+            job = self.job
+            for f in files:
+                fd = self._keep(bundle, f.fd_index)
+                direct = self._keep(bundle, f.direct_fd_index) if f.HasField("direct_fd_index") else None
+                if isinstance(job, DumpJob) and f.HasField("gpu_id"):
+                    self._attach_data_file(job, f, fd, direct)
+                    continue
+                reader = self._reader()
+                if reader is None:
+                    raise InvalidRequestError(f"{f.name!r} is not a file this session needs (a dump without a "
+                                              "parent needs only its own data files, each with its gpu_id)")
+                shift = 1 if isinstance(job, DumpJob) else 0
+                if f.image < shift:
+                    raise InvalidRequestError(f"{f.name!r}: a dump's own data file names its gpu_id")
+                await reader.attach(f.image - shift, f.name, fd, direct)
+                self._check_open()  # still open after the check in a thread
+            if self.ready and self.kind == rpc.SESSION_VERIFY and self.state == rpc.SESSION_OPEN:
+                self._enter(rpc.SESSION_SEALED)
+                self._end_soon()
+
+    def _attach_data_file(self, job: DumpJob, f: rpc.FileRef, fd: int, direct: int | None) -> None:
+        """A dump's data file for one GPU: created by the client under the name the image id gives it."""
+        gpu = f.gpu_id
+        if gpu not in self.limits.gpu_ids:
+            known = ", ".join(f"{g:#x}" for g in sorted(self.limits.gpu_ids))
+            raise InvalidRequestError(f"gpu_id {gpu:#x} is not a GPU of this daemon (known: {known})")
+        want = data_file_name(self.image_id, gpu)
+        if f.image != 0 or f.name != want:
+            raise InvalidRequestError(f"the data file of gpu_id {gpu:#x} must be {want} (the client creates it as "
+                                      f"{want}.tmp); got {f.name!r} of image #{f.image}")
+        check_attached(fd, want + ".tmp", write=True)
+        if direct is not None:
+            check_direct(direct, fd, want + ".tmp")
+        job.writer.attach(gpu, fd, direct)
+
     async def add(self, bos: Sequence[rpc.Bo], bundle: FdBundle) -> None:
         """Take the BOs of one AddBos message (and the fds they name) into the job.
 
@@ -197,6 +280,7 @@ class Session:
             raise InvalidRequestError("a verify session takes no BOs")
         async with self._adding:
             self._check_open()
+            self._check_ready()
             n = len(bos)
             if self.bo_count + n > self.limits.max_bos:
                 raise LimitExceededError(f"more than {self.limits.max_bos} BOs in one session (max_bos_per_session)")
@@ -217,6 +301,9 @@ class Session:
                         fds[bo.fd_index] = bundle.peek(bo.fd_index)
                     if not (default_gpu and not bo.HasField("gpu_id")):
                         self._check_gpu(job, bo)
+                    if chunk_size and bo.size and bo.gpu_id not in job.writer.files:  # type: ignore[union-attr]
+                        raise InvalidRequestError(f"no data file is attached for gpu_id {bo.gpu_id:#x} "
+                                                  "(AttachFiles it before its first BO)", bo_id=bo.id)
                     if chunk_size:
                         chunks += -(-bo.size // chunk_size)
             self._check_open()  # still open after the steps
@@ -312,10 +399,21 @@ class Session:
     def _target(bo: rpc.Bo, ref: BoRef) -> RestoreTarget:
         return RestoreTarget(bo.id, ref, gpu_id=bo.gpu_id if bo.HasField("gpu_id") else None)
 
-    async def seal(self) -> None:
-        """No more BOs (after the AddBos under way, if any): the session ends when every copy has landed."""
+    async def seal(self, bundle: FdBundle | None = None, manifest_fd_index: int | None = None) -> None:
+        """No more BOs (after the AddBos under way, if any): the session ends when every copy has landed.
+        A dump takes its manifest's file here (`manifest_fd_index` of the Start packet)."""
         async with self._adding:
             if self.state == rpc.SESSION_OPEN:
+                if self.error is None and self.job.error is None:
+                    self._check_ready()
+                    if isinstance(self.job, DumpJob):
+                        if manifest_fd_index is None or bundle is None:
+                            raise InvalidRequestError("a dump's Start names the manifest's file (manifest_fd_index: "
+                                                      f".manifest.vrdm.{self.image_id.hex()}.tmp, created by the "
+                                                      "client)")
+                        fd = self._keep(bundle, manifest_fd_index)
+                        check_attached(fd, f".manifest.vrdm.{self.image_id.hex()}.tmp", write=True)
+                        self.job.writer.manifest_fd = fd
                 self._enter(rpc.SESSION_SEALED)
             self._end_soon()
 
@@ -420,8 +518,10 @@ class Session:
             age_s=now - self.started,
             progress=rpc.Progress(bos_total=p.bos_total, bos_done=p.bos_done, bytes_total=p.bytes_total,
                                   bytes_done=p.bytes_done, chunks_done=p.chunks_done, elapsed_s=end - self.started))
+        info.image_id = self.image_id
         if with_token:
             info.token = self.token
+            info.files_needed.extend(rpc.FileRef(image=k, name=name) for k, name in self.needed())
         if self.error is not None:
             info.error.CopyFrom(error_to_pb(self.error))
         if self.image is not None:

@@ -362,33 +362,26 @@ class DumpEnds:
 class DumpJob(JobBase[DumpBo]):
     direction = Direction.READ
 
-    def __init__(self, ctx: JobContext, dir_fd: int, *, chunk_size: int, compression: Compression,
+    def __init__(self, ctx: JobContext, writer: ImageWriter, *, compression: Compression,
                  on_progress: ProgressCallback | None = None, parent: ImageReader | None = None,
-                 parent_hint: str = "", dedup: bool = True, max_chain: int = DEFAULT_MAX_CHAIN,
-                 replace_parent: bool = False, client_uid: int | None = None) -> None:
-        """`parent`: an incremental dump's parent image, opened with its own parents (the job closes it).
-        `replace_parent`: replace the directory's image even when incremental images need it.
-        `client_uid`: the requesting client's uid (ImageWriter: whose parent directories it marks)."""
+                 parent_hint: str = "", dedup: bool = True, max_chain: int = DEFAULT_MAX_CHAIN) -> None:
+        """`writer`: the new image's files (attached by the client, or created in-process).
+        `parent`: an incremental dump's parent image, opened with its own parents (the job closes it)."""
         self.parents: list[pb.ParentRef] = []
         self.index = ChunkIndex(dedup=dedup)
-        writer = None
+        self.writer = writer
         try:
             if parent is not None:
                 self._chain(parent, parent_hint, max_chain)
-                self._not_into_the_chain(dir_fd, parent)
-            writer = self.writer = ImageWriter(dir_fd, chunk_size=chunk_size, compression=compression.to_pb(),
-                                               parent_dirs=parent.dir_fds[:1 + len(self.parents)] if parent else (),
-                                               replace_parent=replace_parent, client_uid=client_uid)
             self.parent = parent
-            self.chunk_size = chunk_size
+            self.chunk_size = writer.chunk_size
             self.topology_json = b""  # the machine's KFD topology, saved in the manifest
             self._inodes: dict[tuple[int, int, int, int], DumpBo] = {}  # one dmabuf given twice is copied once
-            self.ends = DumpEnds(self.writer, compression, chunk_size, index=self.index, parent=parent,
+            self.ends = DumpEnds(self.writer, compression, writer.chunk_size, index=self.index, parent=parent,
                                  workers=ctx.compress_workers)
             super().__init__(ctx, self.ends, on_progress)
         except BaseException:
-            if writer is not None:
-                writer.close()
+            writer.close()
             if parent is not None:
                 parent.close()
             raise
@@ -414,19 +407,6 @@ class DumpJob(JobBase[DumpBo]):
             self.index.adopt(parent.chunk_entries)
         else:
             self.index.add_parent(m, 1)
-
-    @staticmethod
-    def _not_into_the_chain(dir_fd: int, parent: ImageReader) -> None:
-        """A dump replaces the image in its directory: never one its own chain needs."""
-        try:
-            here = os.fstat(dir_fd)
-            for fd in parent.dir_fds:
-                st = os.fstat(fd)
-                if (st.st_dev, st.st_ino) == (here.st_dev, here.st_ino):
-                    raise InvalidRequestError("the image directory is one of the parent chain's: an incremental "
-                                              "image goes into a directory of its own")
-        except OSError:
-            return  # the writer reports an unusable directory fd
 
     def _validate(self, specs: Sequence[BoSpec]) -> tuple[list[tuple[Backend, OpenItem]], VramdError | None]:
         """The checks that need no syscall, in BO order: what to open for the BOs before the first

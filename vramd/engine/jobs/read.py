@@ -27,7 +27,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 
 from ...backends import Direction
-from ...errors import CorruptChunkError, TruncatedDataError, VramdError
+from ...errors import CorruptChunkError, InternalError, TruncatedDataError, VramdError
 from ...hostmem.batchcopy import END_OF_FILE, HASH, RECORD, Copy, Outcome, copy_batch
 from ...hostmem.staging import StagingBuffer, StagingPool
 from ...image.codec import DecodedChunk, decode_chunk
@@ -80,7 +80,7 @@ def buffers_to_read(reader: ImageReader) -> int:
     record of the chain may be compressed; two more to read a delta's base chunk."""
     if reader.has_deltas:
         return 4
-    images = [reader.manifest, *(m for _, m in reader.parents)]
+    images = [reader.manifest, *reader.parents]
     return 2 if any(_compressed(m) for m in images) else 1
 
 
@@ -122,6 +122,8 @@ class ImageReadEnds(ABC):
     def _read_plan(self, t: ChunkTask[ImageBo], buf: StagingBuffer) -> Copy:
         """Read the record whole into the piece's slot, from its head page on (O_DIRECT where it can be)."""
         fi = _loc(t).slot
+        if self.reader.fds[fi] < 0:  # never: the session takes no work before every file is attached
+            raise InternalError(f"{self._names[fi]} is read before it was attached (slots {self.reader.fds})")
         rec, n, room = t.record_offset, t.record_length, HEAD_PAGE + round_up(t.length, PAGE)
         if n > room:  # the manifest checks keep it out; the read must never pass the slot's end regardless
             raise CorruptChunkError(f"{self._where(t)}: record of {n} bytes for a {t.length}-byte chunk",

@@ -5,6 +5,7 @@ from ...hostmem.staging import StagingBuffer
 from ...image.codec import DecodedChunk
 from ...image.format import chunk_count
 from ...image.reader import ImageReader
+from ...pb import image_pb2 as pb
 from ..pipeline import ChunkTask, ProgressCallback
 from .common import JobContext
 from .read import ImageBo, ImageJob, ImageReadEnds
@@ -19,12 +20,24 @@ class VerifyEnds(ImageReadEnds):
 
 
 class VerifyJob(ImageJob):
-    """Reads and checks every chunk of the image, writing nowhere; every BO is queued at once."""
+    """Reads and checks every chunk of the image, writing nowhere; every BO is queued when it begins
+    (`finish`: the image's data files are attached by then)."""
 
     def __init__(self, ctx: JobContext, reader: ImageReader, *, on_progress: ProgressCallback | None = None) -> None:
         super().__init__(ctx, reader, VerifyEnds(reader, ctx.pool, ctx.io), on_progress)
+        self._begun = False
+
+    def begin(self) -> None:
+        """Queue every BO of the image (once)."""
+        if self._begun:
+            return
+        self._begun = True
         for entry in self.manifest.bos:
             nchunks = chunk_count(entry.size, self.manifest.chunk_size)
             bo = self.bos[entry.id] = ImageBo(entry.id, entry.gpu_id, entry.size, None, None,
                                               chunks_left=nchunks, entry=entry)
             self._queue(bo)
+
+    async def finish(self) -> pb.Manifest:
+        self.begin()
+        return await super().finish()
