@@ -196,13 +196,15 @@ def snapshot(d: Path) -> dict[str, tuple[int, int, int, int]]:
     return out
 
 
-def assert_denied(r: subprocess.CompletedProcess[str], who: RunAs, path: Path) -> str:
-    """One typed error: exit 1, one line on stderr, PERMISSION_DENIED, naming `path` and `who`'s uid."""
+def assert_denied(r: subprocess.CompletedProcess[str], who: RunAs, path: Path, *, write: bool = False) -> str:
+    """One typed error: exit 1, one line on stderr, naming `path` and `who`'s uid; PERMISSION_DENIED (a
+    directory it may not write: NOT_WRITABLE too, the image error code for EACCES on a write)."""
     what = f"{r.args[-8:]} as uid {who.uid}: exit {r.returncode}, stderr {r.stderr!r}"
+    codes = ("PERMISSION_DENIED", "NOT_WRITABLE") if write else ("PERMISSION_DENIED",)
     assert r.returncode == 1, what
-    assert r.stderr.count("\n") == 1 and r.stderr.startswith("vramctl: PERMISSION_DENIED: "), what
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith(tuple(f"vramctl: {c}: " for c in codes)), what
     err = json.loads(r.stdout)["error"]
-    assert err["code"] == "PERMISSION_DENIED", what
+    assert err["code"] in codes, what
     msg = err["message"]
     assert str(path) in msg or (path.name in msg and str(path.parent) in msg), f"{what}: the message names no {path}"
     assert re.search(rf"\buid[ =]?{who.uid}\b", msg), f"{what}: the message names no uid {who.uid}"
@@ -275,63 +277,75 @@ def test_each_user_dumps_inspects_verifies_and_restores_its_own_image(world: Wor
     no_sessions_left(world)
 
 
-def test_a_user_cannot_restore_verify_or_inspect_an_image_it_cannot_read(world: World) -> None:
-    """Root's image, in a directory others may search but with files only root may read, then in a 0700
-    directory: the user's restore, verify and inspect fail at the user's own open, naming what it could not
-    open; the target process and root's image are untouched."""
-    root, user = world.root, world.user
-    needs_ptrace_as_user()
-    img = own_dir(world.base / "root-image", root)
-    regions, _ = dump_own_image(world, root, img)
-    manifest = img / "manifest.vrdm"
-    data = next(p for p in img.iterdir() if p.name.startswith("data-"))
+@pytest.fixture(scope="module")
+def root_image(world: World) -> tuple[Path, list[dict[str, Any]]]:
+    """Root's image in root's own 0700 directory, its files 0600 (as a dump makes them): (dir, regions)."""
+    img = own_dir(world.base / "root-image", world.root)
+    regions, _ = dump_own_image(world, world.root, img)
     for p in img.iterdir():
         assert stat.S_IMODE(p.stat().st_mode) == 0o600, p
+    return img, regions
+
+
+# what the user may reach of root's image -> the path each of restore, verify, inspect must name (None: allowed)
+UNREADABLE = {
+    "dir 0755, files 0600": ("manifest", "manifest", "manifest"),
+    "dir 0755, manifest 0644, data 0600": ("data", "data", None),  # what the daemon would have read for it
+    "dir 0700": ("dir", "dir", "dir"),
+}
+
+
+@pytest.mark.parametrize("case", list(UNREADABLE))
+def test_a_user_cannot_restore_verify_or_inspect_an_image_it_cannot_read(world: World, root_image: tuple[Path, list[
+        dict[str, Any]]], case: str) -> None:
+    """Root's image: the user's restore, verify and inspect fail at the user's own open, naming what it could
+    not open and its uid; nothing is written into the user's process, root's image is untouched."""
+    user = world.user
+    needs_ptrace_as_user()
+    img, regions = root_image
+    manifest = img / "manifest.vrdm"
+    data = next(p for p in img.iterdir() if p.name.startswith("data-"))
+    paths = {"manifest": manifest, "data": data, "dir": img}
     before = snapshot(img)
-
-    with Workload(blank_spec_like(regions), run_as=user) as target:  # mapped where root's image would write
-        blank = target.digests()
-
-        def restore() -> subprocess.CompletedProcess[str]:
-            return vramctl(world, user, "restore", "--pid", str(target.pid), "--image", str(img), "--json")
-
-        # 1. the directory is searchable (0755), the files are root's, 0600
-        os.chmod(img, 0o755)
-        assert_denied(restore(), user, manifest)
-        assert_denied(vramctl(world, user, "verify", str(img), "--json"), user, manifest)
-        assert_denied(vramctl(world, user, "inspect", str(img), "--json"), user, manifest)
-        # 2. the manifest readable, the data file not: what the daemon would have read for the user
-        os.chmod(manifest, 0o644)
-        try:
-            assert_denied(restore(), user, data)
-            assert_denied(vramctl(world, user, "verify", str(img), "--json"), user, data)
-        finally:
-            os.chmod(manifest, 0o600)
-        # 3. the directory is root's own, 0700
+    try:
+        os.chmod(img, 0o700 if case == "dir 0700" else 0o755)
+        if "manifest 0644" in case:
+            os.chmod(manifest, 0o644)
+        with Workload(blank_spec_like(regions), run_as=user) as target:  # mapped where root's image would write
+            blank = target.digests()
+            commands = (["restore", "--pid", str(target.pid), "--image", str(img)], ["verify", str(img)],
+                        ["inspect", str(img)])
+            for argv, named in zip(commands, UNREADABLE[case], strict=True):
+                r = vramctl(world, user, *argv, "--json")
+                if named is None:
+                    ok(r)
+                else:
+                    assert_denied(r, user, paths[named])
+            assert target.digests() == blank
+    finally:
         os.chmod(img, 0o700)
-        assert_denied(restore(), user, img)
-        assert_denied(vramctl(world, user, "verify", str(img), "--json"), user, img)
-        assert_denied(vramctl(world, user, "inspect", str(img), "--json"), user, img)
-        assert target.digests() == blank  # nothing was written into the user's process
+        os.chmod(manifest, 0o600)
     assert snapshot(img) == before
-    ok(vramctl(world, root, "verify", str(img), "--json"))  # root's image is as it was
+    ok(vramctl(world, world.root, "verify", str(img), "--json"))  # and root still reads it
     no_sessions_left(world)
 
 
-def test_a_user_cannot_dump_into_a_directory_it_cannot_write(world: World) -> None:
-    """Root's 0755 directories: one holding root's image (replacing it with --force), one empty; the dump
-    fails at the user's own create, naming the directory, and nothing is written in either."""
+@pytest.mark.parametrize("case", ["replacing root's image (--force)", "an empty directory"])
+def test_a_user_cannot_dump_into_a_directory_it_cannot_write(world: World, case: str) -> None:
+    """Root's 0755 directory, holding root's image or empty: the user's dump fails at its own create, naming
+    the directory and its uid, and nothing is written in it."""
     root, user = world.root, world.user
     needs_ptrace_as_user()
-    full = own_dir(world.base / "root-full", root, 0o755)
-    dump_own_image(world, root, full)
-    empty = own_dir(world.base / "root-empty", root, 0o755)
-    before = {full: snapshot(full), empty: snapshot(empty)}
+    d = own_dir(world.base / f"root-0755-{len(case)}", root, 0o755)
+    force = "--force" in case
+    if force:
+        dump_own_image(world, root, d)
+    before = snapshot(d)
     with Workload(SPEC, run_as=user) as work:
-        for d, extra in ((full, ["--force"]), (empty, [])):
-            r = vramctl(world, user, "dump", "--pid", str(work.pid), *ranges(work.regions), "--image", str(d),
-                        *extra, "--json")
-            assert_denied(r, user, d)
-    assert {full: snapshot(full), empty: snapshot(empty)} == before
-    ok(vramctl(world, root, "verify", str(full), "--json"))
+        r = vramctl(world, user, "dump", "--pid", str(work.pid), *ranges(work.regions), "--image", str(d),
+                    *(["--force"] if force else []), "--json")
+    assert_denied(r, user, d, write=True)
+    assert snapshot(d) == before
+    if force:
+        ok(vramctl(world, root, "verify", str(d), "--json"))
     no_sessions_left(world)
