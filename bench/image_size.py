@@ -76,7 +76,8 @@ def parse_codec(name: str) -> Compression | None:
 
 
 def _dump_options() -> set[str]:
-    return set(inspect.signature(Engine.start_dump).parameters) | set(inspect.signature(Engine.dump).parameters)
+    return set().union(*(inspect.signature(f).parameters for f in (Engine.start_dump, Engine.start_local_dump,
+                                                                     Engine.dump)))
 
 
 def engine_supports_parent() -> bool:

@@ -151,7 +151,7 @@ def test_open_ahead_is_only_a_head_start(image_dir):
 
         async def go():
             async with engine(staging_budget=8 * MiB, chunk_size=MiB) as e:
-                job = e.start_dump(image_dir[1])
+                job = await e.start_local_dump(image_dir[1])
                 ahead = job.open_ahead(specs[:5])
                 assert sorted(ahead) == [1, 2, 3, 4, 5]
                 moved = BoSpec(4, page, BoRef("procmem", mem, base + 6 * page))  # not what was opened for BO 4

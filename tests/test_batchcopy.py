@@ -129,22 +129,17 @@ def test_inline_dump_binds_every_record_and_writes_off_the_loop(flavour, image_d
     every write and every O_DIRECT open runs in a copy thread, and the image reads back bound."""
     import threading
 
-    from vramd.image import fileio, writer
+    from vramd.image import writer
     from vramd.image.format import RECORD_PREFIX, chunk_record, record_checksum
     from vramd.image.reader import ImageReader
     path, dfd = image_dir
-    seen: dict[str, set[str]] = {"pwrite": set(), "direct": set(), "reopen": set()}
-    real_pwrite, real_reopen = writer.DataFileWriter.pwrite, fileio.reopen_direct
+    seen: dict[str, set[str]] = {"pwrite": set(), "direct": set()}
+    real_pwrite = writer.DataFileWriter.pwrite
 
     def pwrite(self, iov, offset, **kw):
         seen["direct" if kw.get("direct") else "pwrite"].add(threading.current_thread().name)
         return real_pwrite(self, iov, offset, **kw)
-
-    def reopen(*a):
-        seen["reopen"].add(threading.current_thread().name)
-        return real_reopen(*a)
     monkeypatch.setattr(writer.DataFileWriter, "pwrite", pwrite)
-    monkeypatch.setattr(writer, "reopen_direct", reopen)
     content = os.urandom(3 * MiB) + bytes(MiB) + os.urandom(5000)
     src = memfd(content)
     small = memfd(os.urandom(3000))
@@ -223,7 +218,7 @@ def test_a_record_of_another_image_is_refused_on_the_inline_read(flavour, image_
 
 def test_reopen_direct_follows_the_image_opening_rules(tmp_path):
     """The O_DIRECT descriptor is the very file already open, never through a symlink, never another file."""
-    from vramd.image.fileio import reopen_direct
+    from vramd.image.local import reopen_direct
     d = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         (tmp_path / "a").write_bytes(b"x" * 4096)
@@ -231,9 +226,9 @@ def test_reopen_direct_follows_the_image_opening_rules(tmp_path):
         os.symlink("a", tmp_path / "link")
         fd = os.open(tmp_path / "a", os.O_RDONLY)
         try:
-            assert reopen_direct("link", d, fd, os.O_RDONLY) is None
-            assert reopen_direct("b", d, fd, os.O_RDONLY) is None
-            got = reopen_direct("a", d, fd, os.O_RDONLY)
+            assert reopen_direct(d, "link", fd, os.O_RDONLY) is None
+            assert reopen_direct(d, "b", fd, os.O_RDONLY) is None
+            got = reopen_direct(d, "a", fd, os.O_RDONLY)
             if _o_direct_here(tmp_path):
                 assert got is not None and os.fstat(got).st_ino == os.fstat(fd).st_ino
                 os.close(got)

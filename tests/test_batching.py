@@ -20,6 +20,7 @@ from vramd.engine.pipeline import HEAD_PAGE, MAX_BATCH, SLOT_ALIGN, ChunkTask, P
 from vramd.hostmem.staging import StagingPool, buffer_unit
 from vramd.image.codec import Compression
 from vramd.image.format import RECORD_PREFIX, chunk_record
+from vramd.image.reader import ImageReader
 
 KiB, MiB = 1 << 10, 1 << 20
 CHUNK = 256 * KiB
@@ -432,7 +433,7 @@ def test_data_file_shrinking_under_a_restore_names_the_record_it_cuts(image_dir,
     try:
         async def restore():
             async with engine(staging_budget=4 * MiB, chunk_size=CHUNK, workers_per_gpu=1) as e:
-                job = await e.start_restore(dfd)  # the data file was checked whole here...
+                job = e.start_restore(await ImageReader.open(dfd))  # the data file was checked whole here...
                 os.truncate(path / name, off + cut_at)  # ...and shrinks afterwards
                 job.add([RestoreTarget(i, BoRef("mmap", fd)) for i, fd in fds.items()])
                 await job.finish()

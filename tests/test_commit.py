@@ -65,15 +65,18 @@ def test_one_dump_per_directory(image_dir):
 
     async def go():
         async with engine(staging_budget=8 * MiB, chunk_size=MiB) as e:
-            job = e.start_dump(dfd)
+            job = await e.start_local_dump(dfd)
             try:
                 with pytest.raises(errors.InvalidRequestError, match="another dump"):
-                    e.start_dump(dfd)
+                    await e.start_local_dump(dfd)
             finally:
                 job.cancel()
                 with pytest.raises(errors.JobCancelledError):
                     await job.finish()
-            e.start_dump(dfd).cancel()  # the lock was released
+            again = await e.start_local_dump(dfd)  # the lock was released
+            again.cancel()
+            with pytest.raises(errors.JobCancelledError):
+                await again.finish()
     run(go())
 
 
@@ -129,7 +132,7 @@ def test_vramctl_gc_removes_a_killed_dumps_temporaries_and_waits_for_a_live_dump
     and refuses while a dump holds the directory."""
     from helpers import ROOT
 
-    from vramd.image.writer import lock_directory
+    from vramd.image.local import lock_directory
     path, dfd = image_dir
     _kill_a_dump_mid_way(path)
     left = sorted(os.listdir(path))

@@ -16,7 +16,7 @@ from helpers import memfd
 from vramd.client import SESSION_DUMP, Client, ClientBo
 from vramd.errors import InvalidRequestError, LimitExceededError
 from vramd.pb import rpc_pb2 as rpc
-from vramd.protocol import decode_response, encode_request
+from vramd.protocol import PROTOCOL_VERSIONS, decode_response, encode_request
 from vramd.testing import DaemonProcess
 
 
@@ -41,8 +41,8 @@ def read_all(s: socket.socket) -> list[rpc.Response]:
 
 
 def say_hello(s: socket.socket) -> None:
-    send(s, rpc.Request(id=1, hello=rpc.Hello(versions=[1])))
-    assert decode_response(s.recv(1 << 20)).hello.version == 1
+    send(s, rpc.Request(id=1, hello=rpc.Hello(versions=list(PROTOCOL_VERSIONS))))
+    assert decode_response(s.recv(1 << 20)).hello.version == PROTOCOL_VERSIONS[-1]
 
 
 def config(tmp_path, text: str) -> str:
@@ -143,7 +143,7 @@ def test_bos_must_name_a_gpu_the_daemon_knows(daemon, image_dir, tmp_path):
     warm.mkdir()
     wfd = os.open(warm, os.O_RDONLY | os.O_DIRECTORY)
     with Client(daemon.socket) as c:
-        assert list(c.hello.gpu_ids) == []  # no KFD topology here: only gpu 0 may be named
+        assert list(c.hello.gpu_ids) == [] and list(c.hello.allowed_gpu_ids) == [0]  # no KFD topology: gpu 0 only
         # a whole dump first, so that the gpu-0 pools exist and the thread count below is the steady one
         c.run_session(SESSION_DUMP, wfd, [ClientBo(1, bo, size=8192)])
         os.close(wfd)
@@ -199,8 +199,20 @@ def test_the_launcher_reads_notes_for_the_daemons_whole_life(run_dir):
 
 # --- finding 3 / 9: per-session and per-uid bounds on what sessions hold --------------------
 
+def _o_direct_here(path) -> bool:
+    try:
+        fd = os.open(path / "probe", os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600)
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(path / "probe")
+    return True
+
+
 def test_bos_fds_and_chunks_are_bounded_per_session_and_per_uid(run_dir, tmp_path):
-    cfg = config(tmp_path, "max_bos_per_session = 6\nmax_bos_per_uid = 8\nmax_fds_per_uid = 5\n"
+    per_file = 1 + _o_direct_here(tmp_path)  # a dump's data file: its fd, and its O_DIRECT twin where allowed
+    max_fds = 2 * per_file + 3  # a: a data file and its BO fd twice (two AddBos); b: a data file; then room for one
+    cfg = config(tmp_path, f"max_bos_per_session = 6\nmax_bos_per_uid = 8\nmax_fds_per_uid = {max_fds}\n"
                            "max_chunks_per_session = 10\n")
     dirs = []
     for i in range(3):
@@ -209,7 +221,8 @@ def test_bos_fds_and_chunks_are_bounded_per_session_and_per_uid(run_dir, tmp_pat
         dirs.append(os.open(p, os.O_RDONLY | os.O_DIRECTORY))
     bo = memfd(b"z" * (64 << 10))
     with DaemonProcess(run_dir, "--config", cfg) as d, Client(d.socket) as c:
-        assert (c.limits.max_bos_per_uid, c.limits.max_fds_per_uid, c.limits.max_chunks_per_session) == (8, 5, 10)
+        assert (c.limits.max_bos_per_uid, c.limits.max_fds_per_uid, c.limits.max_chunks_per_session) == \
+            (8, max_fds, 10)
         a = c.open_session(SESSION_DUMP, dirs[0], chunk_size=4096)
         with pytest.raises(LimitExceededError, match="max_chunks_per_session"):  # 11 chunks of 4 KiB
             c.add_bos(a.token, [ClientBo(1, bo, size=11 * 4096)])
@@ -219,7 +232,7 @@ def test_bos_fds_and_chunks_are_bounded_per_session_and_per_uid(run_dir, tmp_pat
         with pytest.raises(LimitExceededError, match="max_bos_per_uid"):  # 5 + 4 > 8, across sessions
             c.add_bos(b.token, [ClientBo(i, bo, size=4096) for i in range(1, 5)])
         extra = [memfd(b"e" * 4096) for _ in range(2)]
-        with pytest.raises(LimitExceededError, match="max_fds_per_uid"):  # 2 dirs + 1 + 2 more > 5 held
+        with pytest.raises(LimitExceededError, match="max_fds_per_uid"):  # 2 more than there is room for
             c.add_bos(b.token, [ClientBo(1, extra[0], size=4096), ClientBo(2, extra[1], size=4096)])
         c.add_bos(b.token, [ClientBo(1, extra[0], size=4096)])
         assert c.progress(b.token).state == rpc.SESSION_OPEN  # refusals leave a session as it was

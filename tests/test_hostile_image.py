@@ -323,7 +323,7 @@ def test_a_huge_declared_bo_costs_no_memory_until_bytes_move(image_dir):
 
     async def go():
         async with engine(staging_budget=16 * MiB) as e:
-            job = e.start_dump(dfd, chunk_size=4096)
+            job = await e.start_local_dump(dfd, chunk_size=4096)
             tracemalloc.start()
             try:
                 job.add([BoSpec(1, 256 * GiB, BoRef("mmap", fd))])
@@ -428,7 +428,7 @@ def test_a_finished_job_leaves_no_reference_cycle_through_its_callbacks(image_di
     async def go():
         async with engine(staging_budget=16 * MiB, chunk_size=MiB) as e:
             owner = _Owner()
-            owner.job = e.start_dump(dfd, on_progress=owner.progressed)
+            owner.job = await e.start_local_dump(dfd, on_progress=owner.progressed)
             owner.job.on_fail(owner.failed)
             bos = [BoSpec(1, MiB, BoRef("mmap", fd))]
             if outcome == "failed":

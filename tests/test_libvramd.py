@@ -103,7 +103,8 @@ def test_c_suite(build, daemon):
     out = run_suite(daemon, [str(build / TESTS_BIN)], ["unit", "quick"], 300)
     for name in ("memfd_roundtrip", "procmem_roundtrip", "many_fds", "criu_adapter", "uid_refused", "corrupt_image",
                  "bad_fds", "no_daemon", "fake_daemon", "fd_placement", "wait_timeout", "incremental",
-                 "cancel_by_id"):
+                 "cancel_by_id", "dump_commit", "dump_no_commit", "dump_busy", "unreadable_image", "marks_and_sweep",
+                 "fake_asks_for_a_file"):
         assert f"PASS {name} " in out, out
 
 
@@ -243,17 +244,18 @@ def test_restored_task_dies_and_main_attaches_within_grace(build, run_dir):
 
 
 def test_batching_under_tight_limits(build, run_dir):
-    """max_message_bytes 4096, max_fds_per_message 7: the C client splits AddBos to fit (the
-    daemon closes the connection on any packet over a limit) and refuses a BO that fits in none."""
+    """max_message_bytes 4096, max_fds_per_message 7: the C client splits AddBos and AttachFiles to fit
+    (the daemon closes the connection on any packet over a limit) and refuses a BO that fits in none."""
     cfg = Path(run_dir) / "vramd.toml"
     cfg.write_text('max_message_bytes = 4096\nmax_fds_per_message = 7\n')
     d = _own_daemon(run_dir, "--config", str(cfg), "--grace-period", "0.3")
     try:
-        r = subprocess.run([str(build / TESTS_BIN), "tight_limits"], capture_output=True, text=True, timeout=120,
+        r = subprocess.run([str(build / TESTS_BIN), "limits"], capture_output=True, text=True, timeout=120,
                            env=dict(os.environ, VRAMD_SOCKET=d.socket, VRAMD_TEST_TMP="/var/tmp"))
     finally:
         log = _stop(d)
-    assert r.returncode == 0 and "PASS tight_limits" in r.stdout, r.stdout + r.stderr + log[-4000:]
+    assert r.returncode == 0 and "PASS tight_limits " in r.stdout, r.stdout + r.stderr + log[-4000:]
+    assert "PASS tight_limits_chain " in r.stdout, r.stdout  # AttachFiles split to fit too
     assert "LIMIT_EXCEEDED" not in log, log[-4000:]
 
 
@@ -283,7 +285,7 @@ def test_installed_library_via_pkg_config(build, daemon, tmp_path):
     libdir = next(f[2:] for f in flags if f.startswith("-L"))
     run(["cc", "-std=c11", "-Wall", "-Werror", str(prog), "-o", str(tmp_path / "hello"), *flags])
     r = run([str(tmp_path / "hello"), daemon.socket], env=dict(env, LD_LIBRARY_PATH=libdir))
-    assert r.stdout.startswith("server=vramd") and "version=1" in r.stdout, r.stdout
+    assert r.stdout.startswith("server=vramd") and "version=2" in r.stdout, r.stdout
     static_flags = [f if f != "-lvramd" else f"{libdir}/libvramd.a" for f in static_flags]
     run(["cc", "-std=c11", "-Wall", "-Werror", str(prog), "-o", str(tmp_path / "hello-static"), *static_flags])
     r = run([str(tmp_path / "hello-static"), daemon.socket])

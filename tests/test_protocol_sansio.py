@@ -10,6 +10,7 @@ import pytest
 from vramd.errors import BadDescriptorError, LimitExceededError, PermissionDeniedError, ProtocolError
 from vramd.pb import rpc_pb2 as rpc
 from vramd.protocol import (
+    PROTOCOL_VERSIONS,
     SCM_MAX_FD,
     ClientBo,
     ClientProtocol,
@@ -57,7 +58,7 @@ def _pair() -> tuple[ClientProtocol, ServerProtocol]:
 
 def test_hello_negotiates_and_requests_are_numbered():
     client, server = _pair()
-    assert client.version == server.version == 1
+    assert client.version == server.version == PROTOCOL_VERSIONS[-1]
     a = client.request(get_status=rpc.GetStatus())
     (ev,) = server.receive(a.data, [])
     assert isinstance(ev, Received) and ev.request.id == a.request.id

@@ -121,7 +121,7 @@ def test_a_cancelled_job_waits_for_its_copies_and_returns_every_ib_slot(image_di
             def progress(p):
                 if p.chunks_done == 10:  # well inside the job: every slot in flight, others waiting
                     job.cancel()
-            job = e.start_dump(dfd, on_progress=progress)
+            job = await e.start_local_dump(dfd, on_progress=progress)
             job.add([BoSpec(1, size, BoRef("sdma", src))])
             with pytest.raises(errors.JobCancelledError):
                 await job.finish()

@@ -18,7 +18,7 @@ import uvloop
 from vramd.client import SESSION_DUMP, Client
 from vramd.engine.pipeline import Progress
 from vramd.pb import rpc_pb2 as rpc
-from vramd.protocol import FdBundle, decode_response, encode_request
+from vramd.protocol import PROTOCOL_VERSIONS, FdBundle, decode_response, encode_request
 from vramd.service import handlers
 from vramd.service.metrics import Metrics
 from vramd.service.sessions import Session, SessionLimits, UidLimits, UidUsage
@@ -106,6 +106,8 @@ def test_an_oserror_in_a_handler_is_typed_not_internal(monkeypatch, caplog):
 class FailingJob:
     """A job whose finish fails the way the daemon's own I/O does (e.g. a full disk at commit)."""
 
+    error = None  # not failed before it finishes
+
     def __init__(self, exc: BaseException) -> None:
         self.exc = exc
         self.progress = Progress(bos_total=2, bos_done=2, bytes_total=8192, bytes_done=8192)
@@ -125,7 +127,8 @@ def run_finish(job) -> Session:
         usage = UidUsage(UidLimits(10, 10))
         r, w = socket.socketpair()  # two fds for the session to own and close
         w.close()
-        s = Session(1, rpc.SESSION_DUMP, 0, 123, "lbl", job, r.detach(), SessionLimits(10, 10), Metrics(), usage)
+        s = Session(1, rpc.SESSION_DUMP, 0, 123, "lbl", job, SessionLimits(10, 10), Metrics(), usage,
+                    fds=[r.detach()])
         await s.seal()
         await s.wait(None)
         assert usage.fds == 0 and s.fds == []  # the session's fds are closed
@@ -184,8 +187,8 @@ def test_a_wait_whose_client_hung_up_does_not_hold_the_session(daemon, image_dir
         raw = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         raw.settimeout(30)
         raw.connect(daemon.socket)
-        raw.sendmsg([encode_request(rpc.Request(id=1, hello=rpc.Hello(versions=[1])))])
-        assert decode_response(raw.recv(1 << 20)).hello.version == 1
+        raw.sendmsg([encode_request(rpc.Request(id=1, hello=rpc.Hello(versions=list(PROTOCOL_VERSIONS))))])
+        assert decode_response(raw.recv(1 << 20)).hello.version == PROTOCOL_VERSIONS[-1]
         raw.sendmsg([encode_request(rpc.Request(id=2, wait=rpc.Wait(token=s.token)))])
         m = daemon.expect_log(rf"connection (\d+) waits for session {s.session_id}")
         assert opener.progress(s.token).holders == 2

@@ -202,7 +202,9 @@ class Client:
         A dump's data file for each GPU is created and attached before its first BO."""
         local = self._local.get(token)
         if local is not None and local.dump is not None:
-            new = sorted({b.gpu_id or 0 for b in bos} - set(local.dump.data))
+            # a GPU the daemon does not know gets no file: its BO's refusal names the BO
+            known = set(self.hello.allowed_gpu_ids)
+            new = sorted(({b.gpu_id or 0 for b in bos} & known) - set(local.dump.data))
             if new:
                 self._attach(token, [local.dump.data_file(g) for g in new])
         info = None

@@ -23,14 +23,19 @@ tokens = st.one_of(st.just(""), st.text(alphabet="0123456789abcdef", min_size=32
 
 bodies = st.one_of(
     st.builds(lambda v, c: {"hello": rpc.Hello(versions=v, client=c)}, st.lists(u32, max_size=4), text),
-    st.builds(lambda k, i, comp, cs, lab, ap, tc: {"open_session": rpc.OpenSession(
-        kind=k, dir_fd_index=i, compression=comp, chunk_size=cs, label=lab, allow_partial=ap, topology_checks=tc)},
-        st.integers(0, 5), small, st.sampled_from(["", "none", "zstd", "zstd:3", "zstd:99", "lz4"]),
+    st.builds(lambda k, i, p, comp, cs, lab, ap, tc: {"open_session": rpc.OpenSession(
+        kind=k, manifest_fd_index=i, parent_manifest_fd_indexes=p, compression=comp, chunk_size=cs, label=lab,
+        allow_partial=ap, topology_checks=tc)},
+        st.integers(0, 5), small, st.lists(small, max_size=3),
+        st.sampled_from(["", "none", "zstd", "zstd:3", "zstd:99", "lz4"]),
         st.one_of(st.just(0), st.sampled_from([4096, 1 << 20, 3]), u64.map(lambda x: x & 0xFFFFFFFFFFFF)), text,
         st.booleans(), st.dictionaries(st.sampled_from(["KFD_FW_VER_CHECK", "KFD_NUMA_CHECK", "BOGUS"]),
                                        st.booleans(), max_size=2)),
     st.builds(lambda t, b: {"add_bos": rpc.AddBos(token=t, bos=b)}, tokens, st.lists(bos, max_size=6)),
-    st.builds(lambda t: {"start": rpc.Start(token=t)}, tokens),
+    st.builds(lambda t, m: {"start": rpc.Start(token=t, manifest_fd_index=m)}, tokens, small),
+    st.builds(lambda t, f: {"attach_files": rpc.AttachFiles(token=t, files=f)}, tokens, st.lists(st.builds(
+        rpc.FileRef, image=small, name=st.one_of(text, st.just("data-0123456789abcdef-00000000.vrd")),
+        fd_index=small, direct_fd_index=small, gpu_id=st.one_of(st.just(0), u32)), max_size=4)),
     st.builds(lambda t: {"get_progress": rpc.GetProgress(token=t)}, tokens),
     st.builds(lambda t, ms: {"wait": rpc.Wait(token=t, timeout_ms=ms)}, tokens, st.integers(0, 20)),
     st.builds(lambda t, r: {"cancel": rpc.Cancel(token=t, reason=r)}, tokens, text),

@@ -23,7 +23,7 @@ from strategies import HostileFds, bodies, fd_kinds, mutated, request_frames
 from vramd.client import Client
 from vramd.errors import WIRE_ERRORS
 from vramd.pb import rpc_pb2 as rpc
-from vramd.protocol import decode_frame, decode_response, encode_request
+from vramd.protocol import PROTOCOL_VERSIONS, decode_frame, decode_response, encode_request
 from vramd.protocol.frames import KIND_REQUEST
 from vramd.testing import DaemonProcess
 
@@ -53,9 +53,14 @@ def live(tmp_path_factory):
             warm.run_session(SESSION_RESTORE, fd, [ClientBo(1, bo)])
             os.close(bo)
         closed(d, opened(d))
-        d.image_fd = fd  # a committed image for restores and verifies to read
-        yield d
+        # a committed image for restores and verifies to read, and its data file for AttachFiles
+        d.image_fd = os.open(img / "manifest.vrdm", os.O_RDONLY)
+        d.data_fd = os.open(next(img.glob("data-*.vrd")), os.O_RDONLY)
+        d.data_name = next(img.glob("data-*.vrd")).name
         os.close(fd)
+        yield d
+        os.close(d.image_fd)
+        os.close(d.data_fd)
 
 
 def opened(d: DaemonProcess) -> str:
@@ -98,8 +103,8 @@ class Conn:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         s.settimeout(30)
         s.connect(self.d.socket)
-        s.sendmsg([encode_request(rpc.Request(id=1, hello=rpc.Hello(versions=[1])))])
-        assert decode_response(s.recv(1 << 20)).hello.version == 1
+        s.sendmsg([encode_request(rpc.Request(id=1, hello=rpc.Hello(versions=list(PROTOCOL_VERSIONS))))])
+        assert decode_response(s.recv(1 << 20)).hello.version == PROTOCOL_VERSIONS[-1]
         self.cid = opened(self.d)
         return s
 
@@ -150,9 +155,14 @@ def test_the_daemon_answers_every_request_with_success_or_a_typed_error(live, se
                 kind = req.WhichOneof("body")
                 if kind == "open_session" and req.open_session.kind in (rpc.SESSION_RESTORE, rpc.SESSION_VERIFY):
                     if use_token:  # the committed image, so that restores and verifies get somewhere
-                        req.open_session.dir_fd_index = len(fds)
+                        req.open_session.manifest_fd_index = len(fds)
                         fds.append(os.dup(live.image_fd))
                         hostile.made.append(fds[-1])
+                elif kind == "attach_files" and use_token and tokens:  # its real data file, and hostile fds
+                    req.attach_files.token = tokens[-1]
+                    req.attach_files.files.add(image=0, name=live.data_name, fd_index=len(fds))
+                    fds.append(os.dup(live.data_fd))
+                    hostile.made.append(fds[-1])
                 elif kind in ("add_bos", "start", "wait", "cancel", "get_progress", "close_session") \
                         and use_token and tokens:
                     getattr(req, kind).token = tokens[-1]

@@ -31,7 +31,7 @@ from vramd.image.format import (
 )
 from vramd.pb import image_pb2 as pb
 from vramd.pb import rpc_pb2 as rpc
-from vramd.protocol import ClientProtocol, Received, Reply, ServerProtocol, decode_frame
+from vramd.protocol import PROTOCOL_VERSIONS, ClientProtocol, Received, Reply, ServerProtocol, decode_frame
 from vramd.protocol.frames import KIND_REQUEST, KIND_RESPONSE
 
 FLAGS = st.sampled_from([0, 0, 0, socket.MSG_TRUNC, socket.MSG_CTRUNC, socket.MSG_TRUNC | socket.MSG_CTRUNC])
@@ -93,7 +93,7 @@ def test_server_protocol_never_raises_and_every_fd_has_one_owner(packets, hello_
 
 def _hello() -> bytes:
     from vramd.protocol import encode_request
-    return encode_request(rpc.Request(id=1, hello=rpc.Hello(versions=[1])))
+    return encode_request(rpc.Request(id=1, hello=rpc.Hello(versions=list(PROTOCOL_VERSIONS))))
 
 
 @given(data=blobs(response_frames), kinds=fd_kinds, flags=FLAGS, after_hello=st.booleans())

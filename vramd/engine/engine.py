@@ -27,7 +27,7 @@ from ..image.chunks import parent_entries
 from ..image.codec import Compression
 from ..image.local import DumpDirectory
 from ..image.reader import ImageReader
-from ..image.writer import FileSource, ImageWriter
+from ..image.writer import ImageWriter, LocalFiles
 from ..pb import image_pb2 as pb
 from ..units import PAGE, MiB
 from .jobs import BoSpec, DumpJob, JobContext, RestoreJob, RestoreTarget, VerifyJob
@@ -155,12 +155,13 @@ class Engine:
 
     # --- jobs --------------------------------------------------------------
 
-    def start_dump(self, image_id: bytes, *, files: FileSource | None = None,
+    def start_dump(self, image_id: bytes, *, local: LocalFiles | None = None,
                    compression: Compression | None = None, chunk_size: int | None = None,
                    on_progress: ProgressCallback | None = None, parent: ImageReader | None = None,
                    parent_hint: str = "", dedup: bool = True) -> DumpJob:
-        """A dump into a new image `image_id`, whose data files are attached to `job.writer` (or fetched from
-        `files`) and whose manifest file is set (`job.writer.manifest_fd`) before `finish`.
+        """A dump into a new image `image_id`, whose data files are attached to `job.writer` and whose
+        manifest file is set (`job.writer.manifest_fd`) before `finish`; or, with `local`, a directory this
+        process writes itself (`start_local_dump`).
         `parent` (from `open_parent`): an incremental dump; the job owns and closes it, even on error."""
         try:
             cs = chunk_size or self.config.chunk_size
@@ -175,7 +176,7 @@ class Engine:
             if parent is not None:
                 parent.close()
             raise
-        writer = ImageWriter(image_id, chunk_size=cs, compression=comp.to_pb(), files=files)
+        writer = ImageWriter(image_id, chunk_size=cs, compression=comp.to_pb(), local=local)
         return DumpJob(self.ctx, writer, compression=comp, on_progress=on_progress, parent=parent,
                        parent_hint=parent_hint, dedup=dedup, max_chain=self.config.max_chain_depth)
 
@@ -233,25 +234,29 @@ class Engine:
 
     # --- in-process conveniences: this process opens and creates the image's files (image/local.py) ------
 
-    async def dump(self, dir_fd: int, bos: list[BoSpec], *, parent_fds: Sequence[int] = (),
-                   replace_parent: bool = False, **kw: Any) -> pb.Manifest:
-        """Dump `bos` into a new image in the directory `dir_fd` (`parent_fds`: an incremental image's parent
-        directories, nearest first), committed by this process."""
+    async def start_local_dump(self, dir_fd: int, *, parent_fds: Sequence[int] = (), replace_parent: bool = False,
+                               **kw: Any) -> DumpJob:
+        """A dump into the directory `dir_fd` whose files this process creates and commits (image/local.py:
+        locked until the job finishes; committed by `finish`).  `parent_fds`: an incremental image's parent
+        directories, nearest first."""
         out = DumpDirectory(dir_fd, parent_fds, replace_parent=replace_parent)
         try:
             out.begin(os.urandom(16))
             if parent_fds:
                 kw["parent"] = await self._parent_entries(await ImageReader.open(parent_fds[0], parent_fds[1:]))
-            job = self.start_dump(out.image_id, files=out.file_source, **kw)
-            try:
-                job.add(bos)
-            finally:
-                job.writer.manifest_fd = out.manifest_file()
-                manifest = await job.finish()  # on a failed add this raises the add's error, after cleanup
-            out.commit()
-            return manifest
-        finally:
+            return self.start_dump(out.image_id, local=out, **kw)
+        except BaseException:
             out.close()
+            raise
+
+    async def dump(self, dir_fd: int, bos: list[BoSpec], **kw: Any) -> pb.Manifest:
+        """Dump `bos` into a new image in the directory `dir_fd`, committed by this process (start_local_dump)."""
+        job = await self.start_local_dump(dir_fd, **kw)
+        try:
+            job.add(bos)
+        finally:
+            manifest = await job.finish()  # on a failed add this raises the add's error, after cleanup
+        return manifest
 
     async def restore(self, dir_fd: int, targets: list[RestoreTarget], *, allow_partial: bool = False,
                       on_progress: ProgressCallback | None = None, parent_fds: Sequence[int] = ()) -> Progress:

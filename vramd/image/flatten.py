@@ -42,25 +42,19 @@ async def flatten(dir_fd: int, parent_fds: Sequence[int], out_fd: int) -> pb.Man
         if reader.has_deltas and comp.codec == pb.CODEC_RAW and not comp.automatic:
             comp = FLATTENED_DELTAS.to_pb()
         out = DumpDirectory(out_fd)  # this process creates and commits the new image's files (its own rights)
+        out.begin(os.urandom(16))
+        writer = ImageWriter(out.image_id, chunk_size=m.chunk_size, compression=comp, local=out)
         try:
-            out.begin(os.urandom(16))
-            writer = ImageWriter(out.image_id, chunk_size=m.chunk_size, compression=comp, files=out.file_source)
-            try:
-                holders = _first_holders(m)  # the entries BOs refer to, and the first chunk needing each
-                table, payloads, compressed = await asyncio.get_running_loop().run_in_executor(
-                    None, _copy, reader, writer, holders)
-                file_of = {f.gpu_id: f.index for f in writer.files.values()}
-                bos = _bos(m, table, payloads, holders, file_of)
-                totals = _totals(bos, payloads)
-                totals.compressed_records = compressed
-                writer.manifest_fd = out.manifest_file()
-                manifest = await writer.commit(bos, totals, m.topology_json, chunks=table)
-            finally:
-                await writer.aclose()
-            out.commit()
-            return manifest
+            holders = _first_holders(m)  # the entries BOs refer to, and the first chunk needing each
+            table, payloads, compressed = await asyncio.get_running_loop().run_in_executor(None, _copy, reader,
+                                                                                            writer, holders)
+            file_of = {f.gpu_id: f.index for f in writer.files.values()}
+            bos = _bos(m, table, payloads, holders, file_of)
+            totals = _totals(bos, payloads)
+            totals.compressed_records = compressed
+            return await writer.commit(bos, totals, m.topology_json, chunks=table)
         finally:
-            out.close()
+            await writer.aclose()
     finally:
         reader.close()
 

@@ -30,10 +30,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from ..errors import (
+    CorruptManifestError,
     ForeignDataFileError,
     InvalidRequestError,
     ManifestMissingError,
     NotWritableError,
+    ParentMismatchError,
     PermissionDeniedError,
     TruncatedDataError,
     VramdError,
@@ -75,7 +77,8 @@ def _who() -> str:
     return f"uid {os.geteuid()}"
 
 
-def _refused(e: OSError, name: str, where: str, *, write: bool) -> VramdError:
+def _refused(e: OSError, name: str, where: str, *, write: bool,
+             not_regular: type[VramdError] = ForeignDataFileError) -> VramdError:
     """A refused open/create of `name` in `where` as its typed error: whose rights were missing."""
     if e.errno in (errno.EACCES, errno.EPERM):
         if write:
@@ -83,23 +86,24 @@ def _refused(e: OSError, name: str, where: str, *, write: bool) -> VramdError:
                                     f"({e.strerror})")
         return PermissionDeniedError(f"cannot read {name} in {where}: {_who()} may not read it ({e.strerror})")
     if e.errno == errno.ELOOP:
-        return ForeignDataFileError(f"{name} in {where} is a symbolic link, not a regular file")
+        return not_regular(f"{name} in {where} is a symbolic link, not a regular file")
     verb = "create" if write else "open"
     return image_os_error(e, f"cannot {verb} {name} in {where}")
 
 
-def open_regular(dir_fd: int, name: str, where: str, *, flags: int = os.O_RDONLY) -> int:
-    """`name` in the directory `dir_fd` opened (O_NOFOLLOW|O_NONBLOCK): a regular file, else FOREIGN_DATA_FILE.
-    FileNotFoundError is raised as is (the caller knows what a missing file means)."""
+def open_regular(dir_fd: int, name: str, where: str, *, flags: int = os.O_RDONLY,
+                 not_regular: type[VramdError] = ForeignDataFileError) -> int:
+    """`name` in the directory `dir_fd` opened (O_NOFOLLOW|O_NONBLOCK): a regular file, else `not_regular`
+    naming it.  FileNotFoundError is raised as is (the caller knows what a missing file means)."""
     try:
         fd = os.open(name, flags | OPEN_FLAGS, dir_fd=dir_fd)
     except FileNotFoundError:
         raise
     except OSError as e:
-        raise _refused(e, name, where, write=False) from None
+        raise _refused(e, name, where, write=False, not_regular=not_regular) from None
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ForeignDataFileError(f"{name} in {where} is not a regular file")
+            raise not_regular(f"{name} in {where} is not a regular file")
     except BaseException:
         os.close(fd)
         raise
@@ -127,7 +131,7 @@ def reopen_direct(dir_fd: int, name: str, fd: int, flags: int) -> int | None:
 def open_manifest(dir_fd: int, where: str) -> int:
     """The committed manifest of the image in `dir_fd`; MANIFEST_MISSING naming `where` if there is none."""
     try:
-        return open_regular(dir_fd, MANIFEST_NAME, where)
+        return open_regular(dir_fd, MANIFEST_NAME, where, not_regular=CorruptManifestError)
     except FileNotFoundError:
         raise ManifestMissingError(f"no committed image in {where}: {MANIFEST_NAME} is missing (an interrupted "
                                    "dump never commits one)") from None
@@ -165,7 +169,11 @@ class ImageFiles:
             if dir_fd is not None:
                 self.manifest_fd = open_manifest(dir_fd, where)
             for k, d in enumerate(parent_dirs, 1):
-                self.parent_manifest_fds.append(open_manifest(d, self.where[k]))
+                try:
+                    self.parent_manifest_fds.append(open_manifest(d, self.where[k]))
+                except ManifestMissingError:
+                    raise ParentMismatchError(f"the directory given as parent #{k} ({self.where[k]}) holds no "
+                                              "committed image") from None
         except BaseException:
             self.close()
             raise
@@ -321,7 +329,7 @@ class DumpDirectory:
         return f
 
     def file_source(self, gpu_id: int) -> tuple[int, int | None]:
-        """`data_file`'s fds: an in-process ImageWriter's source of files (writer.FileSource)."""
+        """`data_file`'s fds: an in-process ImageWriter's source of files (writer.LocalFiles)."""
         f = self.data_file(gpu_id)
         return f.fd, f.direct_fd
 

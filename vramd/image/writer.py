@@ -22,9 +22,10 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from .. import __version__
 from ..errors import InvalidRequestError
@@ -41,8 +42,14 @@ from .format import (
 
 log = logging.getLogger(__name__)
 
-# gpu_id -> (the data file's fd, its O_DIRECT twin or None): where a writer gets a GPU's file it was not given
-FileSource = Callable[[int], "tuple[int, int | None]"]
+class LocalFiles(Protocol):
+    """An image directory this process writes itself (image/local.py, DumpDirectory): where an in-process
+    writer gets its files, and who commits them.  The daemon's writer has none: its client does this."""
+
+    def file_source(self, gpu_id: int) -> tuple[int, int | None]: ...  # a GPU's data file (fd, O_DIRECT fd)
+    def manifest_file(self) -> int: ...                               # the manifest's temporary file
+    def commit(self) -> None: ...                                     # rename into place, fsync the directory
+    def close(self) -> None: ...                                      # close; uncommitted: remove what it made
 
 
 @dataclass(eq=False)
@@ -140,17 +147,18 @@ class ImageWriter:
     """A new image's data files and manifest, written through fds the client created.
 
     `image_id`: the new image's id (the session chose it and told the client, whose file names carry it).
-    Each GPU's data file is attached (`attach`) or, where `files` is given (an in-process dump that creates
-    them itself, image/local.py), fetched from it on first use; the manifest's file is given to `commit`.
+    Each GPU's data file is attached (`attach`) and the manifest's file set (`manifest_fd`) before `commit`;
+    or, with `local` (an in-process dump that creates its files itself, image/local.py), each comes from it
+    on first use, and `commit` commits it too (`close` closes it).
     """
 
     def __init__(self, image_id: bytes, *, chunk_size: int, compression: pb.Compression,
-                 files: FileSource | None = None) -> None:
+                 local: LocalFiles | None = None) -> None:
         self.image_id = image_id
         self.chunk_size = chunk_size
         self.compression = compression
         self.files: dict[int, DataFileWriter] = {}
-        self._source = files
+        self.local = local
         self.manifest_fd: int | None = None  # where the manifest goes (set before commit)
         # The manifest is built, encoded and written off the event loop, in the image's own thread.
         self._dirops = ThreadPoolExecutor(1, thread_name_prefix="vramd-image")
@@ -167,15 +175,17 @@ class ImageWriter:
         """The GPU's data file: attached, or from the writer's file source; none is INVALID_REQUEST."""
         f = self.files.get(gpu_id)
         if f is None:
-            if self._source is None:
+            if self.local is None:
                 raise InvalidRequestError(f"no data file is attached for gpu_id {gpu_id:#x} (AttachFiles)")
-            f = self.attach(gpu_id, *self._source(gpu_id))
+            f = self.attach(gpu_id, *self.local.file_source(gpu_id))
         return f
 
     async def commit(self, bos: list[pb.BoEntry], totals: pb.Totals, topology_json: bytes = b"", *,
                      chunks: pb.ChunkTable | None = None, parents: Sequence[pb.ParentRef] = ()) -> pb.Manifest:
         """Every data file fsynced, then the manifest written into `manifest_fd` and fsynced.  The image is
-        committed when the client renames the files into place."""
+        committed when the client renames the files into place (`local`: here, by it)."""
+        if self.manifest_fd is None and self.local is not None:
+            self.manifest_fd = self.local.manifest_file()
         if self.manifest_fd is None:
             raise InvalidRequestError("no file for the manifest was given (Start's manifest_fd_index)")
         files = sorted(self.files.values(), key=lambda f: f.index)
@@ -205,11 +215,17 @@ class ImageWriter:
             os.fsync(fd)
         except OSError as e:
             raise image_os_error(e, f"cannot write {what}") from None
+        if self.local is not None:
+            self.local.commit()
         return manifest
 
     def _close(self) -> None:
-        for f in self.files.values():
-            f.close()
+        try:
+            for f in self.files.values():
+                f.close()
+        finally:
+            if self.local is not None:
+                self.local.close()
 
     async def aclose(self) -> None:
         """Wait for the writers to drain (in the image thread: no waiting on the event loop)."""

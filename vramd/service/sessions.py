@@ -192,8 +192,7 @@ class Session:
         job = self.job
         if isinstance(job, DumpJob):
             return job.parent
-        assert isinstance(job, (RestoreJob, VerifyJob))
-        return job.reader
+        return job.reader if isinstance(job, (RestoreJob, VerifyJob)) else None
 
     def needed(self) -> list[tuple[int, str]]:
         """The files the client must still attach: (image, name), image 0 the session's, k its k-th parent."""
@@ -425,7 +424,7 @@ class Session:
 
     async def wait(self, timeout: float | None) -> None:
         """The barrier: returns when the job has ended; raises WaitTimeoutError first if it takes longer."""
-        if timeout is None:
+        if timeout is None or self._done.is_set():  # ended: even a 0 s poll answers (3.11's wait_for(.., 0) never does)
             await self._done.wait()
             return
         try:

@@ -25,6 +25,7 @@ typedef Vramd__Rpc__V1__Request Request;
 typedef Vramd__Rpc__V1__Response Response;
 typedef Vramd__Rpc__V1__SessionInfo PbSessionInfo;
 typedef Vramd__Rpc__V1__Bo PbBo;
+typedef Vramd__Rpc__V1__FileRef PbFileRef;
 
 #define HEADER_SIZE 12
 #define FRAME_VERSION 1
@@ -37,6 +38,15 @@ typedef Vramd__Rpc__V1__Bo PbBo;
 #define WAIT_SLACK_MS 5000               /* reply slack for a Wait with a timeout and no timeout_ms */
 #define MAX_BACKENDS 16
 #define FDMAP_SLOTS 512                  /* > 2 x 253: the fd -> index map of one message */
+#define MAX_CONN_DUMPS 1024              /* dump sessions one connection keeps client state for */
+
+/* A dump session this connection opened: what its commit needs (files.c). */
+struct dump_entry {
+    struct vramd_token token;
+    struct vramd__dump d;
+    bool failed;                         /* its commit failed: `failure` says why, again on a later Wait */
+    struct vramd_error failure;
+};
 
 struct vramd_conn {
     int fd;
@@ -60,6 +70,9 @@ struct vramd_conn {
     uint32_t fdmap_stamp[FDMAP_SLOTS];
     int fdmap_fd[FDMAP_SLOTS];
     uint16_t fdmap_index[FDMAP_SLOTS];
+    int min_fd;                          /* vramd_options.min_fd */
+    struct dump_entry *dumps;            /* the dump sessions it opened, until CloseSession */
+    size_t n_dumps, cap_dumps;
 };
 
 /* --- errors ---------------------------------------------------------------- */
@@ -605,6 +618,7 @@ static int conn_new(struct vramd_conn **out, int fd, const struct vramd_options 
     }
     c->fd = fd;
     c->next_id = 1;
+    c->min_fd = opts && opts->min_fd > 0 ? opts->min_fd : 0;
     c->timeout_ms = opts && opts->timeout_ms > 0 ? opts->timeout_ms : 0;
     int r = hello(c, opts ? opts->client_name : NULL, err);
     if (r < 0) {
@@ -717,6 +731,12 @@ void vramd_close(struct vramd_conn *c)
 {
     if (!c)
         return;
+    /* a dump this connection did not commit never will be: what it created goes, its lock is dropped */
+    for (size_t i = 0; i < c->n_dumps; i++) {
+        vramd__dump_abandon(&c->dumps[i].d);
+        vramd__dump_release(&c->dumps[i].d);
+    }
+    free(c->dumps);
     if (c->fd >= 0)
         vramd__close_fd(c->fd);
     free(c->tx);
@@ -868,40 +888,289 @@ static int reply_ms(const struct vramd_conn *c)
     return c->timeout_ms > 0 ? c->timeout_ms : -1;
 }
 
+/* --- the client's dump sessions -------------------------------------------- */
+
+static struct dump_entry *find_dump(struct vramd_conn *c, const struct vramd_token *t)
+{
+    for (size_t i = 0; i < c->n_dumps; i++)
+        if (memcmp(c->dumps[i].token.bytes, t->bytes, VRAMD_TOKEN_BYTES) == 0)
+            return &c->dumps[i];
+    return NULL;
+}
+
+/* Forget a dump's client state: abandoned first unless committed (removes what it created, unlocks). */
+static void drop_dump(struct vramd_conn *c, struct dump_entry *e)
+{
+    vramd__dump_abandon(&e->d);
+    vramd__dump_release(&e->d);
+    *e = c->dumps[--c->n_dumps];
+}
+
+static int add_dump(struct vramd_conn *c, const struct vramd_token *t, const struct vramd__dump *d,
+                    struct vramd_error *err)
+{
+    if (c->n_dumps == c->cap_dumps) {
+        size_t cap = c->cap_dumps ? 2 * c->cap_dumps : 4;
+        struct dump_entry *p = realloc(c->dumps, cap * sizeof *p);
+        if (!p)
+            return fail_errno(err, ENOMEM, "dump session table");
+        c->dumps = p;
+        c->cap_dumps = cap;
+    }
+    struct dump_entry *e = &c->dumps[c->n_dumps++];
+    memset(e, 0, sizeof *e);
+    e->token = *t;
+    e->d = *d;
+    return 0;
+}
+
+static uint32_t message_budget(const struct vramd_conn *c);
+
+/* fds one AttachFiles may carry, and whether a file may bring its O_DIRECT description too. */
+static unsigned attach_max_fds(const struct vramd_conn *c, bool *direct)
+{
+    unsigned m = c->limits.max_fds_per_message;
+    if (!m || m > VRAMD_SCM_MAX_FD)
+        m = VRAMD_SCM_MAX_FD;
+    *direct = m >= 2;
+    return m;
+}
+
+/* One AttachFiles message; the fds stay the caller's. */
+static int send_attach(struct vramd_conn *c, char *tok, PbFileRef **refs, size_t n, const int *fds, size_t nfds,
+                       struct vramd_session_info *info, struct vramd_error *err)
+{
+    Vramd__Rpc__V1__AttachFiles af = VRAMD__RPC__V1__ATTACH_FILES__INIT;
+    af.token = tok;
+    af.n_files = n;
+    af.files = refs;
+    Request req = VRAMD__RPC__V1__REQUEST__INIT;
+    req.body_case = VRAMD__RPC__V1__REQUEST__BODY_ATTACH_FILES;
+    req.attach_files = &af;
+    return session_call(c, &req, fds, nfds, reply_ms(c), info, NULL, NULL, err);
+}
+
+static void close_all(const int *fds, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        vramd__close_fd(fds[i]);
+}
+
+/*
+ * Open and attach every file the OpenSession reply asked for: image 0 in dirs[0], image k in dirs[k]
+ * (dirs[0] is -1 for a dump: its own files are not needed, they are made).  As many messages as the fd
+ * and byte limits need; each message's fds are closed once it is sent (the daemon has its own).
+ */
+static int attach_needed(struct vramd_conn *c, char *tok, PbFileRef *const *needed, size_t n, const int *dirs,
+                         size_t ndirs, struct vramd_session_info *info, struct vramd_error *err)
+{
+    bool direct;
+    unsigned max_fds = attach_max_fds(c, &direct);
+    uint32_t budget = message_budget(c);
+    PbFileRef refs[VRAMD_SCM_MAX_FD];
+    PbFileRef *ptrs[VRAMD_SCM_MAX_FD];
+    int fds[VRAMD_SCM_MAX_FD];
+    size_t i = 0;
+    while (i < n) {
+        size_t count = 0, nfds = 0, size = VRAMD_TOKEN_STRLEN + 8;
+        for (; i < n; i++) {
+            const PbFileRef *want = needed[i];
+            uint32_t image = want && want->has_image ? want->image : 0;
+            const char *name = want && want->name ? want->name : "";
+            if (image >= ndirs || dirs[image] < 0 || !vramd__is_data_file_name(name)) {
+                close_all(fds, nfds);
+                mark_broken(c);
+                return vramd__fail(err, -EPROTO, VRAMD_CODE_PROTOCOL_ERROR,
+                                   "vramd asked for a file this client does not open: image %u, name '%.64s'",
+                                   image, name);
+            }
+            unsigned need = direct ? 2 : 1;
+            if (count && nfds + need > max_fds)
+                break;
+            PbFileRef *ref = &refs[count];
+            PbFileRef init = VRAMD__RPC__V1__FILE_REF__INIT;
+            *ref = init;
+            ref->has_image = image != 0, ref->image = image;
+            ref->name = (char *)name;
+            ref->fd_index = (uint32_t)nfds, ref->has_fd_index = nfds != 0;
+            ref->has_direct_fd_index = direct, ref->direct_fd_index = (uint32_t)nfds + 1;
+            size_t bytes = protobuf_c_message_get_packed_size(&ref->base) + 8;
+            if (count && size + bytes > budget)
+                break;
+            int fd, dfd;
+            int r = vramd__open_image_file(dirs[image], name, direct, c->min_fd, &fd, &dfd, err);
+            if (r < 0) {
+                close_all(fds, nfds);
+                return r;
+            }
+            fds[nfds++] = fd;
+            ref->has_direct_fd_index = dfd >= 0;
+            if (dfd >= 0)
+                fds[nfds++] = dfd;
+            ptrs[count++] = ref;
+            size += bytes;
+        }
+        int r = send_attach(c, tok, ptrs, count, fds, nfds, info, err);
+        close_all(fds, nfds);
+        if (r < 0)
+            return r;
+    }
+    return 0;
+}
+
+/*
+ * A dump's own data files: for each GPU of bos[] that has none yet (a BO without gpu_id is GPU 0),
+ * create data-<id>-<gpu>.vrd.tmp and attach it, before the AddBos that needs it.  A file whose
+ * AttachFiles failed is removed again.
+ */
+static int attach_dump_data(struct vramd_conn *c, struct dump_entry *e, char *tok, const struct vramd_bo *bos,
+                            size_t n, struct vramd_error *err)
+{
+    bool direct;
+    unsigned max_fds = attach_max_fds(c, &direct);
+    PbFileRef refs[VRAMD_SCM_MAX_FD];
+    PbFileRef *ptrs[VRAMD_SCM_MAX_FD];
+    char names[VRAMD_SCM_MAX_FD][VRAMD__NAME_MAX];
+    uint32_t gpus[VRAMD_SCM_MAX_FD];
+    int fds[VRAMD_SCM_MAX_FD];
+    uint32_t budget = message_budget(c);
+    size_t i = 0;
+    while (i < n) {
+        size_t count = 0, nfds = 0, size = VRAMD_TOKEN_STRLEN + 8;
+        int r = 0;
+        for (; i < n; i++) {
+            uint32_t gpu = bos[i].has_gpu_id ? bos[i].gpu_id : 0;
+            if (vramd__dump_has_gpu(&e->d, gpu))
+                continue;
+            /* a FileRef here: a 34-byte name, a gpu_id and two indexes, well under 64 bytes */
+            if (count && (nfds + (direct ? 2 : 1) > max_fds || size + 64 > budget))
+                break;
+            int fd, dfd;
+            r = vramd__dump_create_data(&e->d, gpu, direct, &fd, &dfd, err);
+            if (r < 0)
+                break;
+            PbFileRef *ref = &refs[count];
+            PbFileRef init = VRAMD__RPC__V1__FILE_REF__INIT;
+            *ref = init;
+            vramd__dump_data_name(&e->d, gpu, names[count]);
+            ref->name = names[count];
+            ref->has_gpu_id = 1, ref->gpu_id = gpu;
+            ref->fd_index = (uint32_t)nfds, ref->has_fd_index = nfds != 0;
+            fds[nfds++] = fd;
+            if (dfd >= 0) {
+                ref->has_direct_fd_index = 1, ref->direct_fd_index = (uint32_t)nfds;
+                fds[nfds++] = dfd;
+            }
+            gpus[count] = gpu;
+            ptrs[count++] = ref;
+            size += 64;
+        }
+        if (r == 0 && count)
+            r = send_attach(c, tok, ptrs, count, fds, nfds, NULL, err);
+        close_all(fds, nfds);
+        if (r < 0) {
+            for (size_t k = 0; k < count; k++)
+                vramd__dump_drop_data(&e->d, gpus[k]);
+            return r;
+        }
+    }
+    return 0;
+}
+
+/* End a session this call opened and cannot hand over (its files could not be attached). */
+static void close_quietly(struct vramd_conn *c, const struct vramd_token *t)
+{
+    struct vramd_error ignored;
+    if (!c->broken)
+        (void)vramd_close_session(c, t, NULL, &ignored);
+    struct dump_entry *e = find_dump(c, t);
+    if (e)
+        drop_dump(c, e);
+}
+
 int vramd_open_session(struct vramd_conn *c, const struct vramd_open_args *a, struct vramd_token *token,
                        struct vramd_session_info *info, struct vramd_error *err)
 {
+    struct vramd_error local;
+    if (!err)
+        err = &local;
     vramd__clear_error(err);
     if (!c || !a || !token)
         return vramd__fail(err, -EINVAL, VRAMD_CODE_LOCAL, "vramd_open_session: NULL argument");
     if (a->dir_fd < 0)
         return vramd__fail(err, -EBADF, VRAMD_CODE_LOCAL, "image directory fd %d", a->dir_fd);
+    bool dump = a->kind == VRAMD_SESSION_DUMP;
+    if (!dump && a->kind != VRAMD_SESSION_RESTORE && a->kind != VRAMD_SESSION_VERIFY)
+        return vramd__fail(err, -EINVAL, VRAMD_CODE_LOCAL, "session kind %d (dump 1, restore 2, verify 3)", a->kind);
+    size_t np = a->n_parent_dir_fds;
+    if (np > VRAMD_MAX_PARENTS || (np && !a->parent_dir_fds))
+        return vramd__fail(err, -EINVAL, VRAMD_CODE_LOCAL, "%zu parent directory fds (at most %d)", np,
+                           VRAMD_MAX_PARENTS);
+    for (size_t i = 0; i < np; i++)
+        if (a->parent_dir_fds[i] < 0)
+            return vramd__fail(err, -EBADF, VRAMD_CODE_LOCAL, "parent directory fd %d", a->parent_dir_fds[i]);
+    if (c->broken)
+        return vramd__fail(err, -ENOTCONN, VRAMD_CODE_LOCAL, "the connection to vramd is broken");
+    if (dump && c->n_dumps >= MAX_CONN_DUMPS)
+        return vramd__fail(err, -EMFILE, VRAMD_CODE_LOCAL,
+                           "this connection holds %d dump sessions: close some (vramd_close_session)", MAX_CONN_DUMPS);
+
+    /* the directories: image 0 is the session's own, image k its k-th parent */
+    int dirs[1 + VRAMD_MAX_PARENTS];
+    struct vramd__dump d;
+    memset(&d, 0, sizeof d);
+    if (dump) {
+        int r = vramd__dump_begin(&d, a->dir_fd, a->parent_dir_fds, np, a->replace_parent, c->min_fd, err);
+        if (r < 0)
+            return r;
+        dirs[0] = -1; /* a dump's own files are made, never asked for */
+        for (size_t i = 0; i < np; i++)
+            dirs[1 + i] = d.parent_fds[i];
+    } else {
+        dirs[0] = a->dir_fd;
+        for (size_t i = 0; i < np; i++)
+            dirs[1 + i] = a->parent_dir_fds[i];
+    }
+    /* the manifests: a restore's or verify's own, then the parents' (a dump has none of its own yet) */
+    int fds[1 + VRAMD_MAX_PARENTS];
+    uint32_t indexes[VRAMD_MAX_PARENTS];
+    size_t nfds = 0;
+    for (size_t k = dump ? 1 : 0; k <= np; k++) {
+        int fd, unused;
+        int r = vramd__open_image_file(dirs[k], VRAMD__MANIFEST_NAME, false, c->min_fd, &fd, &unused, err);
+        if (r < 0) {
+            if (r == -ENOENT) { /* say which image has none */
+                char dir[PATH_MAX];
+                vramd__dir_label(dirs[k], dir, sizeof dir);
+                if (k == 0)
+                    vramd__fail(err, r, VRAMD_CODE_LOCAL, "no image in %s: %s is missing", dir, VRAMD__MANIFEST_NAME);
+                else
+                    vramd__fail(err, r, VRAMD_CODE_LOCAL, "parent #%zu holds no image: %s/%s is missing", k, dir,
+                                VRAMD__MANIFEST_NAME);
+            }
+            close_all(fds, nfds);
+            if (dump)
+                vramd__dump_release(&d);
+            return r;
+        }
+        if (k > 0)
+            indexes[k - 1] = (uint32_t)nfds;
+        fds[nfds++] = fd;
+    }
+
     Vramd__Rpc__V1__OpenSession o = VRAMD__RPC__V1__OPEN_SESSION__INIT;
     o.has_kind = 1;
     o.kind = (Vramd__Rpc__V1__SessionKind)a->kind;
-    o.has_dir_fd_index = 1;
-    o.dir_fd_index = 0;
+    o.has_manifest_fd_index = !dump; /* index 0 */
+    o.manifest_fd_index = 0;
     o.compression = a->compression && *a->compression ? (char *)a->compression : NULL;
     o.has_chunk_size = a->chunk_size != 0;
     o.chunk_size = a->chunk_size;
     o.label = a->label && *a->label ? (char *)a->label : NULL;
     o.has_allow_partial = a->allow_partial;
     o.allow_partial = a->allow_partial;
-    size_t np = a->n_parent_dir_fds;
-    if (np > VRAMD_MAX_PARENTS || (np && !a->parent_dir_fds))
-        return vramd__fail(err, -EINVAL, VRAMD_CODE_LOCAL, "%zu parent directory fds (at most %d)", np,
-                           VRAMD_MAX_PARENTS);
-    int fds[1 + VRAMD_MAX_PARENTS];
-    uint32_t indexes[VRAMD_MAX_PARENTS];
-    fds[0] = a->dir_fd;
-    for (size_t i = 0; i < np; i++) {
-        if (a->parent_dir_fds[i] < 0)
-            return vramd__fail(err, -EBADF, VRAMD_CODE_LOCAL, "parent directory fd %d", a->parent_dir_fds[i]);
-        fds[1 + i] = a->parent_dir_fds[i];
-        indexes[i] = (uint32_t)(1 + i);
-    }
-    o.n_parent_fd_indexes = np;
-    o.parent_fd_indexes = indexes;
+    o.n_parent_manifest_fd_indexes = np;
+    o.parent_manifest_fd_indexes = indexes;
     o.parent_hint = a->parent_hint && *a->parent_hint ? (char *)a->parent_hint : NULL;
     o.has_no_dedup = a->no_dedup;
     o.no_dedup = a->no_dedup;
@@ -912,18 +1181,56 @@ int vramd_open_session(struct vramd_conn *c, const struct vramd_open_args *a, st
     req.open_session = &o;
     PbSessionInfo *s = NULL;
     Response *resp = NULL;
-    int r = session_call(c, &req, fds, 1 + np, reply_ms(c), info, &s, &resp, err);
+    int r = session_call(c, &req, fds, nfds, reply_ms(c), info, &s, &resp, err);
+    close_all(fds, nfds); /* the daemon has its own */
     if (r < 0) {
         free_response(resp);
+        if (dump)
+            vramd__dump_release(&d);
         return r;
     }
-    r = vramd_token_parse(s->token, token);
+    struct vramd_token t;
+    r = vramd_token_parse(s->token, &t);
     bool lower = s->token && strspn(s->token, "0123456789abcdef") == VRAMD_TOKEN_STRLEN;
-    free_response(resp);
     if (r < 0 || !lower) {
+        free_response(resp);
+        if (dump)
+            vramd__dump_release(&d);
         mark_broken(c);
         return vramd__fail(err, -EPROTO, VRAMD_CODE_PROTOCOL_ERROR, "OpenSession reply without a valid token");
     }
+    if (dump) {
+        if (!s->has_image_id || s->image_id.len != VRAMD__ID_BYTES) {
+            free_response(resp);
+            vramd__dump_release(&d);
+            close_quietly(c, &t);
+            return vramd__fail(err, -EPROTO, VRAMD_CODE_PROTOCOL_ERROR,
+                               "OpenSession reply of a dump without the image id (16 bytes)");
+        }
+        memcpy(d.image_id, s->image_id.data, VRAMD__ID_BYTES);
+        r = add_dump(c, &t, &d, err);
+        if (r < 0) {
+            free_response(resp);
+            vramd__dump_release(&d);
+            close_quietly(c, &t);
+            return r;
+        }
+    }
+    /* the files it needs: restore/verify the data files of the image and its parents, dump its parents' */
+    if (s->n_files_needed) {
+        char tok[VRAMD_TOKEN_STRLEN + 1];
+        vramd_token_format(&t, tok);
+        r = attach_needed(c, tok, s->files_needed, s->n_files_needed, dirs, 1 + np, info, err);
+        if (r < 0) {
+            struct vramd_error first = *err;
+            free_response(resp);
+            close_quietly(c, &t);
+            *err = first;
+            return r;
+        }
+    }
+    free_response(resp);
+    *token = t;
     return 0;
 }
 
@@ -961,7 +1268,31 @@ static int token_call(struct vramd_conn *c, const struct vramd_token *t, int whi
 int vramd_start(struct vramd_conn *c, const struct vramd_token *t, struct vramd_session_info *info,
                 struct vramd_error *err)
 {
-    return token_call(c, t, VRAMD__RPC__V1__REQUEST__BODY_START, info, err);
+    vramd__clear_error(err);
+    if (!c || !t)
+        return vramd__fail(err, -EINVAL, VRAMD_CODE_LOCAL, "vramd_start: NULL argument");
+    struct dump_entry *e = find_dump(c, t);
+    if (!e || e->d.phase != VRAMD__DUMP_OPEN)
+        return token_call(c, t, VRAMD__RPC__V1__REQUEST__BODY_START, info, err);
+    if (c->broken)
+        return vramd__fail(err, -ENOTCONN, VRAMD_CODE_LOCAL, "the connection to vramd is broken");
+    /* a dump names the file its manifest goes into: the temporary the commit renames */
+    int fd;
+    int r = vramd__dump_manifest_tmp(&e->d, &fd, err);
+    if (r < 0)
+        return r;
+    char tok[VRAMD_TOKEN_STRLEN + 1];
+    vramd_token_format(t, tok);
+    Vramd__Rpc__V1__Start start = VRAMD__RPC__V1__START__INIT;
+    start.token = tok;
+    start.has_manifest_fd_index = 1;
+    start.manifest_fd_index = 0;
+    Request req = VRAMD__RPC__V1__REQUEST__INIT;
+    req.body_case = VRAMD__RPC__V1__REQUEST__BODY_START;
+    req.start = &start;
+    r = session_call(c, &req, &fd, 1, reply_ms(c), info, NULL, NULL, err);
+    vramd__close_fd(fd);
+    return r;
 }
 
 int vramd_progress(struct vramd_conn *c, const struct vramd_token *t, struct vramd_session_info *info,
@@ -973,7 +1304,13 @@ int vramd_progress(struct vramd_conn *c, const struct vramd_token *t, struct vra
 int vramd_close_session(struct vramd_conn *c, const struct vramd_token *t, struct vramd_session_info *info,
                         struct vramd_error *err)
 {
-    return token_call(c, t, VRAMD__RPC__V1__REQUEST__BODY_CLOSE_SESSION, info, err);
+    int r = token_call(c, t, VRAMD__RPC__V1__REQUEST__BODY_CLOSE_SESSION, info, err);
+    /* a dump not committed by now never will be: what it created goes (the daemon writes no name, so
+     * even a session that still runs, if this call failed, cannot put an image in place) */
+    struct dump_entry *e = c && t ? find_dump(c, t) : NULL;
+    if (e)
+        drop_dump(c, e);
+    return r;
 }
 
 int vramd_wait(struct vramd_conn *c, const struct vramd_token *t, int timeout_ms, struct vramd_session_info *info,
@@ -996,7 +1333,48 @@ int vramd_wait(struct vramd_conn *c, const struct vramd_token *t, int timeout_ms
     Request req = VRAMD__RPC__V1__REQUEST__INIT;
     req.body_case = VRAMD__RPC__V1__REQUEST__BODY_WAIT;
     req.wait = &w;
-    return session_call(c, &req, NULL, 0, rms, info, NULL, NULL, err);
+    struct vramd_session_info local_info;
+    struct vramd_error local_err;
+    if (!info)
+        info = &local_info;
+    if (!err)
+        err = &local_err;
+    int r = session_call(c, &req, NULL, 0, rms, info, NULL, NULL, err);
+    struct dump_entry *e = find_dump(c, t);
+    if (!e) {
+        if (r == 0 && info->kind == VRAMD_SESSION_DUMP) /* DONE, but its commit is the opener's */
+            return vramd__fail(err, -EXDEV, VRAMD_CODE_LOCAL,
+                               "this dump session was opened on another connection: that one commits its image "
+                               "(vramd_wait there)");
+        return r;
+    }
+    if (r == 0 && info->state == VRAMD_STATE_DONE) {
+        if (e->d.phase == VRAMD__DUMP_OPEN) {
+            r = vramd__dump_commit(&e->d, err); /* the client's part: the image goes into place */
+            if (r < 0) {
+                e->failed = true;
+                e->failure = *err;
+            }
+            return r;
+        }
+        if (e->failed) {
+            *err = e->failure;
+            return e->failure.errnum;
+        }
+        return e->d.phase == VRAMD__DUMP_COMMITTED
+                   ? 0
+                   : vramd__fail(err, -ECANCELED, VRAMD_CODE_LOCAL, "the dump's files were removed: not committed");
+    }
+    if (r == -ETIMEDOUT && err->code == VRAMD_CODE_TIMEOUT)
+        return r; /* the session goes on */
+    if (info->state == VRAMD_STATE_FAILED || info->state == VRAMD_STATE_CANCELLED || err->code == VRAMD_CODE_NOT_FOUND ||
+        c->broken) {
+        /* ended without an image, or can no longer be committed from here: remove what it created */
+        struct vramd_error first = *err;
+        vramd__dump_abandon(&e->d);
+        *err = first;
+    }
+    return r;
 }
 
 int vramd_cancel(struct vramd_conn *c, const struct vramd_token *t, const char *reason,
@@ -1178,9 +1556,12 @@ int vramd_add_bos(struct vramd_conn *c, const struct vramd_token *t, const struc
     }
     char tok[VRAMD_TOKEN_STRLEN + 1];
     vramd_token_format(t, tok);
+    int r = 0;
+    struct dump_entry *dump = find_dump(c, t);
+    if (dump && dump->d.phase == VRAMD__DUMP_OPEN && (r = attach_dump_data(c, dump, tok, bos, n, err)) < 0)
+        return r; /* the data files of the BOs' GPUs, before the first AddBos that needs them */
     int fds[VRAMD_SCM_MAX_FD];
     size_t i = 0;
-    int r = 0;
     while (i < n) {
         fdmap_reset(c);
         size_t count = 0, nfds = 0;

@@ -189,6 +189,26 @@ void remove_dir(const char *path)
     nftw(path, rm_one, 16, FTW_DEPTH | FTW_PHYS);
 }
 
+int count_entries(const char *dir, const char *prefix, const char *suffix, char *first)
+{
+    DIR *d = opendir(dir);
+    if (!d)
+        return -1;
+    int n = 0;
+    size_t lp = strlen(prefix), ls = strlen(suffix);
+    struct dirent *e;
+    while ((e = readdir(d))) {
+        size_t len = strlen(e->d_name);
+        if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0 || len < lp + ls ||
+            strncmp(e->d_name, prefix, lp) != 0 || strcmp(e->d_name + len - ls, suffix) != 0)
+            continue;
+        if (!n++ && first)
+            snprintf(first, PATH_MAX, "%s", e->d_name);
+    }
+    closedir(d);
+    return n;
+}
+
 int spawn_holder(struct child *ch)
 {
     int p[2];
@@ -269,7 +289,7 @@ static int run_one(const struct test *t)
 
 int main(int argc, char **argv)
 {
-    static const struct test *const lists[] = {roundtrip_tests, criu_tests, failure_tests};
+    static const struct test *const lists[] = {roundtrip_tests, criu_tests, failure_tests, files_tests};
     setvbuf(stdout, NULL, _IOLBF, 0);
     if (argc > 1 && strcmp(argv[1], "--list") == 0) {
         for (size_t l = 0; l < sizeof lists / sizeof lists[0]; l++)

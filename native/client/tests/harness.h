@@ -41,6 +41,7 @@ struct test {
 extern const struct test roundtrip_tests[];
 extern const struct test criu_tests[];
 extern const struct test failure_tests[];
+extern const struct test files_tests[];
 
 /* the daemon's socket ($VRAMD_SOCKET) */
 const char *daemon_socket(void);
@@ -68,6 +69,9 @@ long long check_memfd(int fd, uint64_t size, uint64_t seed, uint64_t off, uint64
 int make_image_dir(char *path);
 /* rm -rf of a test image directory. */
 void remove_dir(const char *path);
+/* How many entries of directory `dir` start with `prefix` and end with `suffix` (either may be ""); -1 on error.
+ * The first match's name goes into `first` (when not NULL, PATH_MAX bytes). */
+int count_entries(const char *dir, const char *prefix, const char *suffix, char *first);
 
 /* A child process that holds memory mapped at the same addresses as the parent's regions. */
 struct child {

@@ -128,10 +128,20 @@ static int t_bad_fds(void)
     CHECK(mf >= 0, "memfd");
     struct vramd_open_args a = {.kind = VRAMD_SESSION_DUMP, .dir_fd = mf};
     int r = vramd_open_session(c, &a, &t, NULL, &err);
-    CHECK(r == -EINVAL && err.code == VRAMD_CODE_INVALID_REQUEST, "memfd as image dir: %d %s", r,
+    CHECK(r == -ENOTDIR && err.code == VRAMD_CODE_LOCAL, "memfd as a dump's image dir: %d %s", r,
           vramd_code_name(err.code));
+    a.kind = VRAMD_SESSION_RESTORE;
+    r = vramd_open_session(c, &a, &t, NULL, &err);
+    CHECK(r == -ENOTDIR && err.code == VRAMD_CODE_LOCAL, "memfd as a restore's image dir: %d %s", r,
+          vramd_code_name(err.code));
+    a.kind = VRAMD_SESSION_DUMP;
     a.dir_fd = -1;
     CHECK(vramd_open_session(c, &a, &t, NULL, &err) == -EBADF, "dir fd -1");
+    a.dir_fd = dfd;
+    a.kind = 7;
+    r = vramd_open_session(c, &a, &t, NULL, &err);
+    CHECK(r == -EINVAL && err.code == VRAMD_CODE_LOCAL, "session kind 7: %d %s", r, vramd_code_name(err.code));
+    a.kind = VRAMD_SESSION_DUMP;
 
     a.dir_fd = dfd;
     OK(vramd_open_session(c, &a, &t, NULL, &err), &err);
@@ -482,7 +492,7 @@ static void fake_daemon(int s, enum fake how)
     resp.error = &e;
     e.has_code = 1;
     hr.has_version = 1;
-    hr.version = 1;
+    hr.version = VRAMD_PROTOCOL_VERSION;
     hr.server = "fake";
     resp.body_case = VRAMD__RPC__V1__RESPONSE__BODY_HELLO;
     resp.hello = &hr;

@@ -305,7 +305,8 @@ static int t_hello_status(void)
     struct vramd_conn *c = NULL;
     struct vramd_error err;
     OK(test_connect(&c, &err), &err);
-    CHECK(vramd_conn_version(c) == 1, "version %u", vramd_conn_version(c));
+    CHECK(vramd_conn_version(c) == VRAMD_PROTOCOL_VERSION && VRAMD_PROTOCOL_VERSION == 2, "version %u",
+          vramd_conn_version(c));
     CHECK(strncmp(vramd_conn_server(c), "vramd", 5) == 0, "server %s", vramd_conn_server(c));
     const struct vramd_limits *l = vramd_conn_limits(c);
     CHECK(l->max_message_bytes >= 4096 && l->max_fds_per_message >= 1 && l->max_fds_per_message <= 253, "limits");
@@ -313,7 +314,7 @@ static int t_hello_status(void)
     CHECK(!vramd_conn_has_backend(c, "nonesuch"), "unknown backend listed");
     struct vramd_status st;
     OK(vramd_status(c, &st, &err), &err);
-    CHECK(st.version == 1 && st.connections >= 1 && !st.draining, "status");
+    CHECK(st.version == 2 && st.connections >= 1 && !st.draining, "status %u", st.version);
     vramd_close(c);
     return 0;
 }
@@ -451,6 +452,9 @@ static int t_wait_timeout(void)
     CHECK(r == -ECANCELED && err.code == VRAMD_CODE_CANCELLED, "after cancel: %d %s", r, vramd_code_name(err.code));
     CHECK(info.state == VRAMD_STATE_CANCELLED && info.error.code == VRAMD_CODE_CANCELLED, "info after cancel");
     CHECK(strstr(info.error.message, "test cancels"), "reason lost: %s", info.error.message);
+    r = vramd_wait(c, &t, 0, &info, &err); /* a poll of an ended session answers its outcome, not TIMEOUT */
+    CHECK(r == -ECANCELED && err.code == VRAMD_CODE_CANCELLED, "poll after the end: %d %s", r,
+          vramd_code_name(err.code));
     OK(vramd_close_session(c, &t, NULL, &err), &err);
     vramd_close(c);
     close(dfd);
@@ -617,6 +621,55 @@ static int run_with_parents(struct vramd_conn *c, int kind, int dfd, const int *
     return r;
 }
 
+/*
+ * Against the tight daemon of tight_limits (max_fds_per_message 7): an image with three parents needs
+ * four data files, each attached with its O_DIRECT twin where the file system allows: more files than
+ * one AttachFiles carries, for the child's dump (its parents' files) and for its restore.
+ */
+static int t_tight_limits_chain(void)
+{
+    struct vramd_conn *c = NULL;
+    struct vramd_error err;
+    struct vramd_session_info info;
+    OK(test_connect(&c, &err), &err);
+    CHECK(vramd_conn_limits(c)->max_fds_per_message == 7, "start the daemon with max_fds_per_message 7");
+    enum { N = 4 };
+    char path[N][PATH_MAX];
+    int dir[N], src[N], dst[N];
+    struct vramd_bo bos[N], tg[N];
+    for (int k = 0; k < N; k++) {
+        dir[k] = make_image_dir(path[k]);
+        src[k] = make_memfd(1 << 20, 600 + k, 0, 1 << 20);
+        dst[k] = make_memfd(1 << 20, 0, 0, 0);
+        CHECK(dir[k] >= 0 && src[k] >= 0 && dst[k] >= 0, "setup");
+        bos[k] = (struct vramd_bo){.id = k + 1, .fd = src[k], .size = 1 << 20};
+        tg[k] = (struct vramd_bo){.id = k + 1, .fd = dst[k]};
+    }
+    /* image k holds BOs 1..k+1, the new one only stored; its parents are images k-1..0, nearest first */
+    for (int k = 0; k < N; k++) {
+        int parents[N];
+        for (int j = 0; j < k; j++)
+            parents[j] = dir[k - 1 - j];
+        OK(run_with_parents(c, VRAMD_SESSION_DUMP, dir[k], parents, (size_t)k, bos, (size_t)k + 1, &info, &err),
+           &err);
+        CHECK(info.image.stored_bytes == 1 << 20, "image %d stored %llu bytes", k,
+              (unsigned long long)info.image.stored_bytes);
+    }
+    int parents[N - 1] = {dir[2], dir[1], dir[0]};
+    OK(run_with_parents(c, VRAMD_SESSION_RESTORE, dir[N - 1], parents, N - 1, tg, N, &info, &err), &err);
+    for (int k = 0; k < N; k++)
+        CHECK(compare_fds(src[k], dst[k], 1 << 20) < 0, "BO %d differs", k + 1);
+    OK(run_with_parents(c, VRAMD_SESSION_VERIFY, dir[N - 1], parents, N - 1, NULL, 0, &info, &err), &err);
+    vramd_close(c);
+    for (int k = N - 1; k >= 0; k--) {
+        close(dir[k]);
+        close(src[k]);
+        close(dst[k]);
+        remove_dir(path[k]);
+    }
+    return 0;
+}
+
 static int t_incremental(void)
 {
     /* parent: weights + cache; child: same weights, new cache, dumped with the parent's directory fd */
@@ -674,5 +727,6 @@ const struct test roundtrip_tests[] = {
     {"incremental", t_incremental, "all quick"},
     {"big_sparse", t_big_sparse, "all big"},
     {"tight_limits", t_tight_limits, "limits"},
+    {"tight_limits_chain", t_tight_limits_chain, "limits"},
     {NULL, NULL, NULL},
 };

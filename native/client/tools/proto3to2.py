@@ -9,7 +9,8 @@ wire a proto3 field and a proto2 `optional` field with the same number and
 type are the same bytes; proto3 packs repeated scalars by default, which
 proto2 does with [packed = true].  So every singular field outside a oneof
 becomes `optional`, repeated scalars get [packed = true], and nothing else
-changes: names, numbers and types are kept, and the C code gets has_* flags
+changes: names, numbers and types are kept (`reserved` numbers and names too,
+which read the same in proto2), and the C code gets has_* flags
 (presence) for every scalar.  The C code treats "absent" and "zero" alike
 except for the fields that were `optional` in the proto3 source.
 
@@ -62,6 +63,12 @@ def convert(text: str) -> str:
             continue
         if not stack:
             raise SystemExit(f"line {lineno}: unexpected {s!r}")
+        if re.match(r"^reserved\s", s):
+            # `reserved 2;`, `reserved 2, 5 to 7;`, `reserved "old_name";`: the same in proto2
+            if not RESERVED.match(s):
+                raise SystemExit(f"line {lineno}: cannot translate {s!r}")
+            out.append("  " + s)
+            continue
         if stack[-1] == "enum":
             if not re.match(r"^\w+\s*=\s*-?\d+\s*;$", s):
                 raise SystemExit(f"line {lineno}: unexpected enum line {s!r}")
@@ -73,6 +80,8 @@ def convert(text: str) -> str:
     return "\n".join(out) + "\n"
 
 
+RESERVED = re.compile(r'^reserved\s+(?:\d+(?:\s+to\s+(?:\d+|max))?(?:\s*,\s*\d+(?:\s+to\s+(?:\d+|max))?)*'
+                      r'|"\w+"(?:\s*,\s*"\w+")*)\s*;$')
 MAP = re.compile(r"^map\s*<\s*(\w+)\s*,\s*([\w.]+)\s*>\s+([A-Za-z_]\w*)\s*=\s*(\d+)\s*;$")
 
 

@@ -4,10 +4,20 @@
  *
  * vramd copies GPU buffer-object (BO) contents between file descriptors a
  * client hands it (dmabuf, memfd, /proc/<pid>/mem) and checkpoint images in
- * a directory the client also hands it as an fd.  This library speaks the
- * daemon's RPC protocol (docs/protocol.md, proto/vramd/pb/rpc.proto): a
- * 12-byte frame plus one protobuf message per AF_UNIX SOCK_SEQPACKET packet,
- * fds as SCM_RIGHTS on the same packet.
+ * a directory.  This library speaks the daemon's RPC protocol, version 2
+ * (docs/protocol.md, proto/vramd/pb/rpc.proto): a 12-byte frame plus one
+ * protobuf message per AF_UNIX SOCK_SEQPACKET packet, fds as SCM_RIGHTS on
+ * the same packet.
+ *
+ * Image files (protocol 2, docs/protocol.md "Image files: the client's
+ * rights").  The caller still names an image by a directory fd, but the
+ * daemon never gets it: this library opens every file of the image in the
+ * caller's process, with the caller's rights (O_NOFOLLOW|O_NONBLOCK|
+ * O_CLOEXEC), and hands the daemon file fds; it creates a dump's files (mode
+ * 0600, owned by the caller) and does every operation on a name: the
+ * directory's lock, the commit's renames and fsyncs, the removals.  So the
+ * kernel checks the caller's access, not the daemon's, and a refused open is
+ * a local error (VRAMD_CODE_LOCAL) naming the file.
  *
  * Calling conventions
  *   - Every call is blocking.  A connection (struct vramd_conn) must be used
@@ -23,9 +33,16 @@
  *     starts no thread, and raises no SIGPIPE (sends use MSG_NOSIGNAL).
  *   - Every fd the library creates is close-on-exec, and is placed at or
  *     above vramd_options.min_fd when that is set.  fds the caller passes in
- *     (image directory, BO fds) stay the caller's: the kernel gives the
- *     daemon its own duplicates.  Any fd the daemon (wrongly) sends back is
- *     closed at once.  No fd leaks on any error path.
+ *     (image directories, BO fds) stay the caller's: the kernel gives the
+ *     daemon its own duplicates of BO fds, and the directories never reach
+ *     it.  The image files the library opens are closed once the daemon has
+ *     its copies; a dump keeps only its directory's lock and duplicates
+ *     until its commit.  Any fd the daemon (wrongly) sends back is closed at
+ *     once.  No fd leaks on any error path.
+ *   - The library keeps per-connection state for the dump sessions a
+ *     connection opened (what their commit needs), freed at
+ *     vramd_close_session() and vramd_close(); at most 1024 at a time
+ *     (-EMFILE past that).
  *   - A connection whose request/reply pairing can no longer be trusted (a
  *     client-side timeout, a protocol error, a hang-up) is marked broken;
  *     every later call on it fails with -ENOTCONN.  vramd_close() it.
@@ -47,7 +64,7 @@ extern "C" {
 #define VRAMD_API
 #endif
 
-#define VRAMD_PROTOCOL_VERSION 1
+#define VRAMD_PROTOCOL_VERSION 2
 #define VRAMD_SCM_MAX_FD 253           /* fds in one packet, at most (kernel SCM_MAX_FD) */
 #define VRAMD_SYSTEM_SOCKET "/run/vramd/vramd.sock"
 
@@ -106,9 +123,13 @@ enum vramd_code {
  *   INTERNAL, VRAMD_ERROR and codes this library does not know -EREMOTEIO
  *   (vramd_code_errno()).
  * Local failures: the syscall's errno; a reply that does not follow the
- * protocol -EPROTO (code PROTOCOL_ERROR); the daemon hanging up -ECONNRESET;
+ * protocol -EPROTO (code PROTOCOL_ERROR; also a daemon that asks for a file
+ * name the image format does not make); the daemon hanging up -ECONNRESET;
  * no reply within vramd_options.timeout_ms -ETIME (the connection is then
- * broken); a call on a broken connection -ENOTCONN.
+ * broken); a call on a broken connection -ENOTCONN.  An image file the
+ * caller may not open -EACCES (the message names the file and the uid), a
+ * missing one -ENOENT, a symbolic link -ELOOP; a dump's directory that
+ * another dump holds -EBUSY.
  */
 struct vramd_error {
     int errnum;                        /* the negative return value */
@@ -132,8 +153,9 @@ VRAMD_API const char *vramd_strerror(int ret);
 struct vramd_conn;
 
 struct vramd_options {
-    /* fds the library creates go at or above this number (F_DUPFD_CLOEXEC);
-     * 0: wherever the kernel puts them. */
+    /* fds the library creates go at or above this number (F_DUPFD_CLOEXEC),
+     * image files, directory duplicates and locks included; 0: wherever the
+     * kernel puts them. */
     int min_fd;
     /* Bound on each call's reply (and on connect), in ms; 0 waits as long
      * as it takes.  vramd_wait() with a timeout waits for its reply up to
@@ -172,7 +194,9 @@ VRAMD_API int vramd_connect_path(struct vramd_conn **out, const char *path, cons
 VRAMD_API int vramd_connect_fd(struct vramd_conn **out, int fd, const struct vramd_options *opts,
                                struct vramd_error *err);
 /* Close the connection and free it.  NULL is a no-op.  Sessions it opened go
- * on (the daemon reaps them after its grace period if nobody holds them). */
+ * on (the daemon reaps them after its grace period if nobody holds them), but
+ * a dump it opened and has not committed (vramd_wait) never will be: its
+ * files are removed here and its directory unlocked. */
 VRAMD_API void vramd_close(struct vramd_conn *conn);
 
 /* The connection's socket fd (owned by the connection), -1 once broken. */
@@ -258,15 +282,17 @@ struct vramd_session_info {
 
 struct vramd_open_args {
     int kind;                          /* enum vramd_session_kind */
-    int dir_fd;                        /* the image directory, O_RDONLY|O_DIRECTORY; stays the caller's */
+    int dir_fd;                        /* the image directory, O_RDONLY|O_DIRECTORY; stays the caller's (a dump
+                                          keeps its own duplicate until it is committed or closed) */
     const char *compression;           /* dump: "none", "zstd", "zstd:LEVEL"; NULL or "": daemon default */
     uint64_t chunk_size;               /* dump: bytes per chunk (multiple of 4 KiB); 0: daemon default */
     const char *label;                 /* free-form, for logs; may be NULL */
     bool allow_partial;                /* restore: image BOs may be left without a target */
     /* Incremental images (format v2).  Dump: the parent image's directory, then those of its own parents
-     * (its chain); chunks they hold are referred to, not stored.  Restore/verify: the image's parents'
-     * directories, nearest first (its manifest's ParentRef list).  Each O_RDONLY|O_DIRECTORY, stays the
-     * caller's.  At most VRAMD_MAX_PARENTS.  In CRIU: the --prev-images-dir chain. */
+     * (its chain); chunks they hold are referred to, not stored, and the commit marks the child in each
+     * directory of the chain the caller may write (.child.<image id>).  Restore/verify: the image's
+     * parents' directories, nearest first (its manifest's ParentRef list).  Each O_RDONLY|O_DIRECTORY,
+     * stays the caller's.  At most VRAMD_MAX_PARENTS.  In CRIU: the --prev-images-dir chain. */
     const int *parent_dir_fds;
     size_t n_parent_dir_fds;
     const char *parent_hint;           /* dump: the parent's path relative to dir_fd's (recorded, never opened) */
@@ -276,7 +302,24 @@ struct vramd_open_args {
 
 #define VRAMD_MAX_PARENTS 64
 
-/* Open a session; *token receives its token.  info may be NULL. */
+/*
+ * Open a session; *token receives its token.  info (may be NULL) is the last
+ * reply (the OpenSession's, or that of the last AttachFiles).
+ *   Dump: locks dir_fd (flock on a description of its own, held until the
+ *   commit or the end of the session; another dump holds it: -EBUSY),
+ *   refuses a directory whose image incremental images need (.child.<id>
+ *   marks; -EINVAL) unless replace_parent, and one that is also one of its
+ *   parents (-EINVAL, always); removes the temporaries a crashed dump left;
+ *   passes the parents' manifest.vrdm and attaches the parents' data files
+ *   the daemon names.  Nothing in the directory changes until vramd_wait.
+ *   Restore/verify: opens manifest.vrdm in dir_fd and in each parent, then
+ *   every data file the daemon names (image k in parent k), and attaches
+ *   them (a verify starts once the last is attached).
+ * A file that cannot be opened is a local error naming it (and the directory):
+ * -ENOENT (a missing manifest.vrdm: "no image in DIR"), -EACCES naming the
+ * uid whose rights were missing, -ELOOP for a symbolic link.  A session the
+ * daemon opened but whose files could not be attached is closed again.
+ */
 VRAMD_API int vramd_open_session(struct vramd_conn *conn, const struct vramd_open_args *args,
                                  struct vramd_token *token, struct vramd_session_info *info, struct vramd_error *err);
 
@@ -301,11 +344,16 @@ struct vramd_bo {
  * message.  Returns when the daemon has taken every message; info (may be
  * NULL) is the last reply.  A failure part-way leaves the earlier messages
  * taken (and, for a job error, fails the whole session: see the protocol).
+ * Dump: before the first BO of a GPU (a BO without gpu_id is GPU 0), the
+ * GPU's data file is created in the image directory as
+ * data-<image id>-<gpu id>.vrd.tmp and attached.
  */
 VRAMD_API int vramd_add_bos(struct vramd_conn *conn, const struct vramd_token *token, const struct vramd_bo *bos,
                             size_t n, struct vramd_session_info *info, struct vramd_error *err);
 
-/* No more BOs: the session completes when every copy has landed. */
+/* No more BOs: the session completes when every copy has landed.  Dump: the
+ * manifest's temporary (.manifest.vrdm.<image id>.tmp) is created and handed
+ * over; the daemon writes and fsyncs every file, vramd_wait commits them. */
 VRAMD_API int vramd_start(struct vramd_conn *conn, const struct vramd_token *token, struct vramd_session_info *info,
                           struct vramd_error *err);
 
@@ -322,6 +370,17 @@ VRAMD_API int vramd_progress(struct vramd_conn *conn, const struct vramd_token *
  * wait: -ETIMEDOUT with err->code VRAMD_CODE_TIMEOUT if the session still
  * runs then; the session goes on and the connection stays usable.  0 polls.
  * info (may be NULL) is filled in every case where the daemon answered.
+ * Dump: the commit happens here, in the caller's process, on the connection
+ * that opened the session (on another one a DONE dump is -EXDEV, and nothing
+ * is committed): the data files are renamed into place, the child is marked
+ * in its parents' directories (each under that directory's lock; one the
+ * caller may not write is skipped; one another dump holds is -EBUSY), the
+ * manifest is renamed to manifest.vrdm (the commit point), the directory is
+ * fsynced, the replaced image's data files are removed and the directory is
+ * unlocked.  A commit that fails before the manifest's rename (a local
+ * error naming the file) removes everything the dump created, and the
+ * directory keeps the image it had.  A session that ended FAILED or
+ * CANCELLED has its files removed too.  A later Wait repeats the outcome.
  */
 VRAMD_API int vramd_wait(struct vramd_conn *conn, const struct vramd_token *token, int timeout_ms,
                          struct vramd_session_info *info, struct vramd_error *err);
@@ -362,7 +421,10 @@ struct vramd_session_entry {
 VRAMD_API int vramd_list_sessions(struct vramd_conn *conn, struct vramd_session_entry *out, size_t cap,
                                   struct vramd_error *err);
 
-/* End the session (cancelling it if it runs), close its fds, forget its token. */
+/* End the session (cancelling it if it runs), close its fds, forget its token.
+ * A dump not committed by then has its files removed and its directory
+ * unlocked (also when this call fails: the daemon never puts an image in
+ * place by itself). */
 VRAMD_API int vramd_close_session(struct vramd_conn *conn, const struct vramd_token *token,
                                   struct vramd_session_info *info, struct vramd_error *err);
 

@@ -6,10 +6,12 @@
  *
  *   dump, DUMP_EXT_FILE (CRIU's dumper, queues evicted):
  *       vramd_criu_dump()            open, add, start, wait, close: returns
- *                                    when the image is committed
+ *                                    when the image is committed (by this
+ *                                    call, in the dumper: the files are its)
  *   restore, RESTORE_EXT_FILE (inside the restored task):
- *       vramd_criu_restore_submit()  open, add, start: returns at once with
- *                                    a ticket (pid + session token)
+ *       vramd_criu_restore_submit()  open (the image's files too, with the
+ *                                    task's rights), add, start: returns at
+ *                                    once with a ticket (pid + session token)
  *       vramd_criu_table_publish() or vramd_criu_ticket_send()
  *                                    hand the ticket to CRIU main
  *   restore, RESUME_DEVICES_LATE (CRIU main, once per restored task):
@@ -19,7 +21,11 @@
  * The calls follow client.h's conventions: blocking, no threads, no signal
  * handlers, no output, negative errno returns with *err filled, every fd
  * created close-on-exec and at or above config.min_fd, caller's fds stay
- * the caller's.
+ * the caller's.  As everywhere in protocol 2, the image's files are opened
+ * and created by the calling process with its own rights (client.h, "Image
+ * files"): the dumper must be able to write dir_fd's directory, and the
+ * restored task to read the image's files, as the plugin's own pages files
+ * need today.
  */
 #ifndef VRAMD_CRIU_H
 #define VRAMD_CRIU_H
@@ -63,9 +69,11 @@ struct vramd_criu_bo {
 
 /*
  * Dump: copy every BO into a new image in dir_fd and return once the image
- * is committed (or the first error; nothing is committed then).  The caller
- * may close its BO fds when this returns: the daemon has closed its copies.
- * info (may be NULL) receives the final session state (image summary).
+ * is committed (or the first error; nothing is committed then, and nothing
+ * this call created is left in dir_fd).  dir_fd is locked for the call: a
+ * second dump into it meanwhile is -EBUSY.  The caller may close its BO fds
+ * when this returns: the daemon has closed its copies.  info (may be NULL)
+ * receives the final session state (image summary).
  */
 VRAMD_API int vramd_criu_dump(const struct vramd_criu_config *cfg, int dir_fd, const struct vramd_criu_bo *bos,
                               size_t n, struct vramd_session_info *info, struct vramd_error *err);
@@ -77,9 +85,10 @@ struct vramd_criu_ticket {
 };
 
 /*
- * Restore, in the restored task: open a restore session on dir_fd, add the
- * targets, start it and return at once, with the copy running in the
- * daemon.  ticket->pid is set to `pid` (0: getpid()).  The connection is
+ * Restore, in the restored task: open a restore session on dir_fd (this
+ * process opens manifest.vrdm and the data files and hands them over;
+ * nothing of them stays open here), add the targets, start it and return at
+ * once, with the copy running in the daemon.  ticket->pid is set to `pid` (0: getpid()).  The connection is
  * closed before returning: the session lives on for the daemon's grace
  * period, so CRIU main must attach (vramd_criu_restore_attach or _barrier)
  * within it, or the daemon reaps (cancels) the session.  On failure every

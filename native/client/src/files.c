@@ -1,0 +1,525 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * libvramd: the client's part of an image's files (protocol 2, docs/protocol.md,
+ * "Image files: the client's rights").  The daemon never opens, creates, renames
+ * or removes a name: this file opens every file of an image with the caller's
+ * own rights, creates a dump's files, and does the directory's operations (the
+ * lock, the commit's renames and fsyncs, the removals).  The names are those of
+ * vramd/image/format.py.
+ */
+#define _GNU_SOURCE
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "internal.h"
+
+/* Every open of a file in an image directory: never through a symlink, never blocking. */
+#define OPEN_FLAGS (O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC)
+#define CREATE_FLAGS (O_RDWR | O_CREAT | O_EXCL | OPEN_FLAGS)
+#define FILE_MODE 0600 /* images hold process memory */
+
+/* --- names ----------------------------------------------------------------- */
+
+static bool is_lower_hex(const char *s, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        if (!((s[i] >= '0' && s[i] <= '9') || (s[i] >= 'a' && s[i] <= 'f')))
+            return false;
+    return true;
+}
+
+/* data-<16 hex>-<8 hex>.vrd: format.DATA_FILE_NAME */
+bool vramd__is_data_file_name(const char *s)
+{
+    return strlen(s) == VRAMD__DATA_NAME_LEN && memcmp(s, "data-", 5) == 0 && is_lower_hex(s + 5, 16) &&
+           s[21] == '-' && is_lower_hex(s + 22, 8) && memcmp(s + 30, ".vrd", 4) == 0;
+}
+
+/* format.DATA_FILE_TMP */
+static bool is_data_tmp(const char *s)
+{
+    char head[VRAMD__DATA_NAME_LEN + 1];
+    if (strlen(s) != VRAMD__DATA_NAME_LEN + 4 || strcmp(s + VRAMD__DATA_NAME_LEN, ".tmp") != 0)
+        return false;
+    memcpy(head, s, VRAMD__DATA_NAME_LEN);
+    head[VRAMD__DATA_NAME_LEN] = '\0';
+    return vramd__is_data_file_name(head);
+}
+
+/* format.MANIFEST_TMP: .manifest.vrdm.<32 hex>.tmp */
+static bool is_manifest_tmp(const char *s)
+{
+    return strlen(s) == 15 + 32 + 4 && memcmp(s, ".manifest.vrdm.", 15) == 0 && is_lower_hex(s + 15, 32) &&
+           strcmp(s + 47, ".tmp") == 0;
+}
+
+/* format.CHILD_MARK: .child.<32 hex> */
+static bool is_child_mark(const char *s)
+{
+    return strlen(s) == 7 + 32 && memcmp(s, ".child.", 7) == 0 && is_lower_hex(s + 7, 32);
+}
+
+static void id_hex(const uint8_t id[VRAMD__ID_BYTES], char out[2 * VRAMD__ID_BYTES + 1])
+{
+    static const char hex[] = "0123456789abcdef";
+    for (int i = 0; i < VRAMD__ID_BYTES; i++) {
+        out[2 * i] = hex[id[i] >> 4];
+        out[2 * i + 1] = hex[id[i] & 15];
+    }
+    out[2 * VRAMD__ID_BYTES] = '\0';
+}
+
+/* format.data_file_name, plus ".tmp" when tmp */
+static void data_name(const struct vramd__dump *d, uint32_t gpu_id, bool tmp, char out[VRAMD__NAME_MAX])
+{
+    char hex[2 * VRAMD__ID_BYTES + 1];
+    id_hex(d->image_id, hex);
+    snprintf(out, VRAMD__NAME_MAX, "data-%.16s-%08x.vrd%s", hex, gpu_id, tmp ? ".tmp" : "");
+}
+
+/* format.manifest_tmp_name */
+static void manifest_tmp_name(const struct vramd__dump *d, char out[VRAMD__NAME_MAX])
+{
+    char hex[2 * VRAMD__ID_BYTES + 1];
+    id_hex(d->image_id, hex);
+    snprintf(out, VRAMD__NAME_MAX, ".manifest.vrdm.%s.tmp", hex);
+}
+
+/* format.child_mark_name */
+static void mark_name(const struct vramd__dump *d, char out[VRAMD__NAME_MAX])
+{
+    char hex[2 * VRAMD__ID_BYTES + 1];
+    id_hex(d->image_id, hex);
+    snprintf(out, VRAMD__NAME_MAX, ".child.%s", hex);
+}
+
+/* --- messages -------------------------------------------------------------- */
+
+void vramd__dir_label(int dir_fd, char *buf, size_t size)
+{
+    char link[64];
+    snprintf(link, sizeof link, "/proc/self/fd/%d", dir_fd);
+    ssize_t n = readlink(link, buf, size - 1);
+    if (n <= 0) {
+        snprintf(buf, size, "the directory of fd %d", dir_fd);
+        return;
+    }
+    buf[n] = '\0';
+}
+
+static const char *errtext(int e)
+{
+    const char *s = strerrordesc_np(e);
+    return s ? s : "error";
+}
+
+/* Fill err for a failed operation `what` on `name` in directory dir_fd; returns -e (-EACCES for EPERM). */
+static int fail_name(struct vramd_error *err, int e, const char *what, const char *name, int dir_fd)
+{
+    char dir[PATH_MAX];
+    vramd__dir_label(dir_fd, dir, sizeof dir);
+    if (e == EACCES || e == EPERM)
+        return vramd__fail(err, -EACCES, VRAMD_CODE_LOCAL, "cannot %s %s in %s: permission denied to uid %u", what,
+                           name, dir, (unsigned)geteuid());
+    if (e == ELOOP)
+        return vramd__fail(err, -ELOOP, VRAMD_CODE_LOCAL, "cannot %s %s in %s: it is a symbolic link (refused)",
+                           what, name, dir);
+    return vramd__fail(err, -e, VRAMD_CODE_LOCAL, "cannot %s %s in %s: %s", what, name, dir, errtext(e));
+}
+
+/* --- opening --------------------------------------------------------------- */
+
+/* openat + placement at min_fd; the fd or -errno (errno-style, nothing filled). */
+static int open_at(int dir_fd, const char *name, int flags, int min_fd)
+{
+    int fd = openat(dir_fd, name, flags, FILE_MODE);
+    if (fd < 0)
+        return -errno;
+    return vramd__place_fd(fd, min_fd);
+}
+
+/* A second description of `fd`'s file opened with O_DIRECT by name, or -1: the file system refuses it
+ * (tmpfs: EINVAL), the open fails, or it is not the very file fd has open. */
+static int open_direct(int dir_fd, const char *name, int flags, int fd, int min_fd)
+{
+    int dfd = open_at(dir_fd, name, flags | O_DIRECT | OPEN_FLAGS, min_fd);
+    if (dfd < 0)
+        return -1;
+    struct stat a, b;
+    if (fstat(dfd, &a) == 0 && fstat(fd, &b) == 0 && S_ISREG(a.st_mode) && a.st_dev == b.st_dev &&
+        a.st_ino == b.st_ino)
+        return dfd;
+    vramd__close_fd(dfd);
+    return -1;
+}
+
+int vramd__open_image_file(int dir_fd, const char *name, bool direct, int min_fd, int *fd, int *direct_fd,
+                           struct vramd_error *err)
+{
+    *fd = *direct_fd = -1;
+    int f = open_at(dir_fd, name, O_RDONLY | OPEN_FLAGS, min_fd);
+    if (f < 0)
+        return fail_name(err, -f, "open", name, dir_fd);
+    *fd = f;
+    if (direct)
+        *direct_fd = open_direct(dir_fd, name, O_RDONLY, f, min_fd);
+    return 0;
+}
+
+/* --- a dump's directory ---------------------------------------------------- */
+
+/* A description of the directory of our own (flock is per description), at or above min_fd. */
+static int open_self(int dir_fd, int min_fd)
+{
+    return open_at(dir_fd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC, min_fd);
+}
+
+static int dup_fd(int fd, int min_fd)
+{
+    int n = fcntl(fd, F_DUPFD_CLOEXEC, min_fd > 0 ? min_fd : 0);
+    return n < 0 ? -errno : n;
+}
+
+/* One pass over the directory: refuse children's marks (unless replace_parent), sweep vramd's own
+ * temporaries a crashed dump left (regular files only; this dump has created nothing yet). */
+static int scan_dir(struct vramd__dump *d, bool replace_parent, int min_fd, struct vramd_error *err)
+{
+    int fd = open_self(d->lock_fd, min_fd);
+    if (fd < 0)
+        return fail_name(err, -fd, "read", ".", d->dir_fd);
+    DIR *dir = fdopendir(fd);
+    if (!dir) {
+        int e = errno;
+        vramd__close_fd(fd);
+        return fail_name(err, e, "read", ".", d->dir_fd);
+    }
+    size_t marks = 0;
+    char first[VRAMD__NAME_MAX] = "";
+    struct dirent *e;
+    while ((e = readdir(dir))) {
+        if (is_child_mark(e->d_name)) {
+            if (!marks++)
+                memcpy(first, e->d_name, strlen(e->d_name) + 1); /* a mark's name is 39 bytes */
+            continue;
+        }
+        if (!is_data_tmp(e->d_name) && !is_manifest_tmp(e->d_name))
+            continue;
+        struct stat st;
+        if (fstatat(d->lock_fd, e->d_name, &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISREG(st.st_mode))
+            (void)unlinkat(d->lock_fd, e->d_name, 0); /* a crashed dump's: nobody can hold the lock we hold */
+    }
+    closedir(dir);
+    if (marks && !replace_parent) {
+        char path[PATH_MAX];
+        vramd__dir_label(d->dir_fd, path, sizeof path);
+        return vramd__fail(err, -EINVAL, VRAMD_CODE_LOCAL,
+                           "the image in %s is the parent of %zu incremental image(s) (marked %s...); replacing it "
+                           "would break them: flatten or remove them first, or set replace_parent",
+                           path, marks, first);
+    }
+    return 0;
+}
+
+int vramd__dump_begin(struct vramd__dump *d, int dir_fd, const int *parents, size_t np, bool replace_parent,
+                      int min_fd, struct vramd_error *err)
+{
+    memset(d, 0, sizeof *d);
+    d->dir_fd = d->lock_fd = -1;
+    d->min_fd = min_fd;
+    struct stat ds;
+    if (fstat(dir_fd, &ds) < 0)
+        return vramd__fail(err, -errno, VRAMD_CODE_LOCAL, "image directory fd %d: %s", dir_fd, errtext(errno));
+    if (!S_ISDIR(ds.st_mode))
+        return vramd__fail(err, -ENOTDIR, VRAMD_CODE_LOCAL, "image directory fd %d is not a directory", dir_fd);
+    if (np) {
+        d->parent_fds = calloc(np, sizeof *d->parent_fds);
+        d->marked = calloc(np, sizeof *d->marked);
+        if (!d->parent_fds || !d->marked) {
+            vramd__dump_release(d);
+            return vramd__fail(err, -ENOMEM, VRAMD_CODE_LOCAL, "dump state: out of memory");
+        }
+    }
+    for (size_t i = 0; i < np; i++)
+        d->parent_fds[i] = -1;
+    int r = dup_fd(dir_fd, min_fd);
+    if (r < 0) {
+        vramd__dump_release(d);
+        return vramd__fail(err, r, VRAMD_CODE_LOCAL, "cannot duplicate the image directory fd: %s", errtext(-r));
+    }
+    d->dir_fd = r;
+    for (size_t i = 0; i < np; i++) {
+        struct stat ps;
+        if (fstat(parents[i], &ps) < 0) {
+            int e = errno;
+            vramd__dump_release(d);
+            return vramd__fail(err, -e, VRAMD_CODE_LOCAL, "parent directory fd %d (parent #%zu): %s", parents[i],
+                               i + 1, errtext(e));
+        }
+        if (!S_ISDIR(ps.st_mode)) {
+            vramd__dump_release(d);
+            return vramd__fail(err, -ENOTDIR, VRAMD_CODE_LOCAL,
+                               "parent directory fd %d (parent #%zu) is not a directory", parents[i], i + 1);
+        }
+        if (ps.st_dev == ds.st_dev && ps.st_ino == ds.st_ino) {
+            char path[PATH_MAX];
+            vramd__dir_label(dir_fd, path, sizeof path);
+            vramd__dump_release(d);
+            return vramd__fail(err, -EINVAL, VRAMD_CODE_LOCAL,
+                               "the image directory %s is also parent #%zu of the image: a dump cannot replace its "
+                               "own parent", path, i + 1);
+        }
+        r = dup_fd(parents[i], min_fd);
+        if (r < 0) {
+            vramd__dump_release(d);
+            return vramd__fail(err, r, VRAMD_CODE_LOCAL, "cannot duplicate parent directory fd %d: %s", parents[i],
+                               errtext(-r));
+        }
+        d->parent_fds[i] = r;
+        d->n_parents = i + 1;
+    }
+    /* 1. the lock, on a description of our own, held to the end */
+    r = open_self(d->dir_fd, min_fd);
+    if (r < 0) {
+        r = fail_name(err, -r, "open", ".", d->dir_fd);
+        vramd__dump_release(d);
+        return r;
+    }
+    d->lock_fd = r;
+    if (flock(d->lock_fd, LOCK_EX | LOCK_NB) < 0) {
+        int e = errno;
+        char path[PATH_MAX];
+        vramd__dir_label(d->dir_fd, path, sizeof path);
+        vramd__dump_release(d);
+        if (e == EWOULDBLOCK)
+            return vramd__fail(err, -EBUSY, VRAMD_CODE_LOCAL, "another dump is writing into %s (it holds its lock)",
+                               path);
+        return vramd__fail(err, -e, VRAMD_CODE_LOCAL, "cannot lock %s: %s", path, errtext(e));
+    }
+    /* 2. and 3.: children's marks, stale temporaries */
+    r = scan_dir(d, replace_parent, min_fd, err);
+    if (r < 0) {
+        vramd__dump_release(d);
+        return r;
+    }
+    d->phase = VRAMD__DUMP_OPEN;
+    return 0;
+}
+
+int vramd__dump_create_data(struct vramd__dump *d, uint32_t gpu_id, bool direct, int *fd, int *direct_fd,
+                            struct vramd_error *err)
+{
+    *fd = *direct_fd = -1;
+    if (d->n_gpus == d->cap_gpus) {
+        size_t cap = d->cap_gpus ? 2 * d->cap_gpus : 4;
+        uint32_t *g = realloc(d->gpus, cap * sizeof *g);
+        if (!g)
+            return vramd__fail(err, -ENOMEM, VRAMD_CODE_LOCAL, "dump state: out of memory");
+        d->gpus = g;
+        d->cap_gpus = cap;
+    }
+    char name[VRAMD__NAME_MAX];
+    data_name(d, gpu_id, true, name);
+    int f = open_at(d->dir_fd, name, CREATE_FLAGS, d->min_fd);
+    if (f < 0)
+        return fail_name(err, -f, "create", name, d->dir_fd);
+    d->gpus[d->n_gpus++] = gpu_id;
+    *fd = f;
+    if (direct)
+        *direct_fd = open_direct(d->dir_fd, name, O_WRONLY, f, d->min_fd);
+    return 0;
+}
+
+bool vramd__dump_has_gpu(const struct vramd__dump *d, uint32_t gpu_id)
+{
+    for (size_t i = 0; i < d->n_gpus; i++)
+        if (d->gpus[i] == gpu_id)
+            return true;
+    return false;
+}
+
+void vramd__dump_drop_data(struct vramd__dump *d, uint32_t gpu_id)
+{
+    for (size_t i = 0; i < d->n_gpus; i++)
+        if (d->gpus[i] == gpu_id) {
+            char name[VRAMD__NAME_MAX];
+            data_name(d, gpu_id, true, name);
+            (void)unlinkat(d->dir_fd, name, 0);
+            d->gpus[i] = d->gpus[--d->n_gpus];
+            return;
+        }
+}
+
+void vramd__dump_data_name(const struct vramd__dump *d, uint32_t gpu_id, char out[VRAMD__NAME_MAX])
+{
+    data_name(d, gpu_id, false, out);
+}
+
+int vramd__dump_manifest_tmp(struct vramd__dump *d, int *fd, struct vramd_error *err)
+{
+    char name[VRAMD__NAME_MAX];
+    manifest_tmp_name(d, name);
+    /* a second Start passes the same file again */
+    int f = open_at(d->dir_fd, name, d->manifest_tmp ? (O_RDWR | OPEN_FLAGS) : CREATE_FLAGS, d->min_fd);
+    if (f < 0)
+        return fail_name(err, -f, d->manifest_tmp ? "open" : "create", name, d->dir_fd);
+    d->manifest_tmp = true;
+    *fd = f;
+    return 0;
+}
+
+/* Under parent i's lock: this child's mark in it, fsynced.  0 (also when the caller may not write there:
+ * that parent is not marked) or a negative errno with err filled. */
+static int mark_parent(struct vramd__dump *d, size_t i, struct vramd_error *err)
+{
+    int pfd = d->parent_fds[i];
+    char name[VRAMD__NAME_MAX];
+    mark_name(d, name);
+    int lock = open_self(pfd, d->min_fd);
+    if (lock < 0) {
+        if (lock == -EACCES || lock == -EPERM)
+            return 0;
+        return fail_name(err, -lock, "open", ".", pfd);
+    }
+    if (flock(lock, LOCK_EX | LOCK_NB) < 0) {
+        int e = errno;
+        char path[PATH_MAX];
+        vramd__dir_label(pfd, path, sizeof path);
+        vramd__close_fd(lock);
+        if (e == EWOULDBLOCK)
+            return vramd__fail(err, -EBUSY, VRAMD_CODE_LOCAL,
+                               "cannot mark this incremental image in its parent #%zu's directory %s: another dump "
+                               "is writing there (it holds its lock)", i + 1, path);
+        return vramd__fail(err, -e, VRAMD_CODE_LOCAL, "cannot lock the parent directory %s: %s", path, errtext(e));
+    }
+    int r = 0;
+    int m = open_at(pfd, name, O_WRONLY | O_CREAT | O_EXCL | OPEN_FLAGS, d->min_fd);
+    if (m < 0) {
+        if (m != -EACCES && m != -EPERM && m != -EROFS)
+            r = fail_name(err, -m, "create the mark", name, pfd);
+    } else {
+        vramd__close_fd(m);
+        d->marked[i] = true;
+        if (fsync(lock) < 0)
+            r = fail_name(err, errno, "fsync the mark", name, pfd);
+    }
+    vramd__close_fd(lock); /* unlocks */
+    return r;
+}
+
+/* After the commit point: the data files of the image this one replaced (data-*.vrd of another id). */
+static void remove_replaced(struct vramd__dump *d)
+{
+    int fd = open_self(d->lock_fd, d->min_fd);
+    if (fd < 0)
+        return;
+    DIR *dir = fdopendir(fd);
+    if (!dir) {
+        vramd__close_fd(fd);
+        return;
+    }
+    char hex[2 * VRAMD__ID_BYTES + 1];
+    id_hex(d->image_id, hex);
+    struct dirent *e;
+    while ((e = readdir(dir))) {
+        if (!vramd__is_data_file_name(e->d_name) || memcmp(e->d_name + 5, hex, 16) == 0)
+            continue;
+        struct stat st;
+        if (fstatat(d->lock_fd, e->d_name, &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISREG(st.st_mode))
+            (void)unlinkat(d->lock_fd, e->d_name, 0); /* best effort: the new image is committed either way */
+    }
+    closedir(dir);
+}
+
+int vramd__dump_commit(struct vramd__dump *d, struct vramd_error *err)
+{
+    char from[VRAMD__NAME_MAX], to[VRAMD__NAME_MAX];
+    int r = 0;
+    /* the data files' .tmp into place */
+    for (; d->n_renamed < d->n_gpus; d->n_renamed++) {
+        data_name(d, d->gpus[d->n_renamed], true, from);
+        data_name(d, d->gpus[d->n_renamed], false, to);
+        if (renameat(d->dir_fd, from, d->dir_fd, to) < 0) {
+            r = fail_name(err, errno, "rename", from, d->dir_fd);
+            goto fail;
+        }
+    }
+    /* this child's mark in each parent directory it may write */
+    for (size_t i = 0; i < d->n_parents; i++)
+        if ((r = mark_parent(d, i, err)) < 0)
+            goto fail;
+    /* the commit point */
+    if (!d->manifest_tmp) {
+        r = vramd__fail(err, -EPROTO, VRAMD_CODE_LOCAL, "the dump ended without its manifest (no Start)");
+        goto fail;
+    }
+    manifest_tmp_name(d, from);
+    if (renameat(d->dir_fd, from, d->dir_fd, VRAMD__MANIFEST_NAME) < 0) {
+        r = fail_name(err, errno, "rename", from, d->dir_fd);
+        goto fail;
+    }
+    d->manifest_tmp = false;
+    d->phase = VRAMD__DUMP_COMMITTED;
+    if (fsync(d->lock_fd) < 0) {
+        char path[PATH_MAX];
+        int e = errno;
+        vramd__dir_label(d->dir_fd, path, sizeof path);
+        r = vramd__fail(err, -e, VRAMD_CODE_LOCAL, "the image is in place but fsync of %s failed: %s", path,
+                        errtext(e));
+    } else {
+        remove_replaced(d);
+    }
+    vramd__dump_release(d);
+    return r;
+fail:
+    vramd__dump_abandon(d);
+    return r;
+}
+
+void vramd__dump_abandon(struct vramd__dump *d)
+{
+    if (d->phase != VRAMD__DUMP_OPEN)
+        return;
+    char name[VRAMD__NAME_MAX];
+    if (d->dir_fd >= 0) {
+        for (size_t i = 0; i < d->n_gpus; i++) {
+            data_name(d, d->gpus[i], i >= d->n_renamed, name);
+            (void)unlinkat(d->dir_fd, name, 0);
+        }
+        if (d->manifest_tmp) {
+            manifest_tmp_name(d, name);
+            (void)unlinkat(d->dir_fd, name, 0);
+        }
+    }
+    mark_name(d, name);
+    for (size_t i = 0; i < d->n_parents; i++)
+        if (d->marked[i])
+            (void)unlinkat(d->parent_fds[i], name, 0);
+    d->n_gpus = d->n_renamed = 0;
+    d->manifest_tmp = false;
+    d->phase = VRAMD__DUMP_ABANDONED;
+    vramd__dump_release(d);
+}
+
+void vramd__dump_release(struct vramd__dump *d)
+{
+    vramd__close_fd(d->lock_fd); /* drops the lock */
+    vramd__close_fd(d->dir_fd);
+    d->lock_fd = d->dir_fd = -1;
+    for (size_t i = 0; i < d->n_parents; i++)
+        vramd__close_fd(d->parent_fds[i]);
+    free(d->parent_fds);
+    free(d->marked);
+    free(d->gpus);
+    d->parent_fds = NULL;
+    d->marked = NULL;
+    d->gpus = NULL;
+    d->n_parents = d->n_gpus = d->cap_gpus = d->n_renamed = 0;
+}
