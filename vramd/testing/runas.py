@@ -31,7 +31,7 @@ from typing import Any
 
 SOURCE_ROOT = str(Path(__file__).resolve().parents[2])  # the directory holding the vramd package
 # What a child needs to import: the daemon, vramctl, the workload child.
-PROBE = "import vramd.service.main, vramd.cli.vramctl, vramd.testing.workload, uvloop, zstandard"
+PROBE = "import vramd.service.main, vramd.cli.vramctl, vramd.testing.workload"
 
 
 @dataclass
