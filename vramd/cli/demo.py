@@ -5,7 +5,8 @@
 Starts a `vramd` daemon (unless --socket names one already running), a
 workload process holding mixed buffers (random, zero, patterned, odd
 sizes), and dumps them through the daemon's socket: the demo opens
-/proc/<pid>/mem and the image directory and passes the fds, as a CRIU
+/proc/<pid>/mem, creates the image's files in the image directory
+(vramd.client does, with the demo's rights) and passes the fds, as a CRIU
 plugin would.  Then it starts a fresh process with garbage at the same
 addresses, submits the restore on one connection and waits for it on
 another (the offload barrier), checks every buffer byte for byte, and has

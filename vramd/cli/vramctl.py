@@ -14,8 +14,10 @@
     vramctl gc DIR [--json]                             (offline: an interrupted dump's temporaries)
     vramctl [--socket S] selftest [--size 64M] [--json]
 
-vramctl opens /proc/PID/mem, the BO files and the image directory itself
-and passes the fds; the daemon never opens a path.  --socket may come
+vramctl opens /proc/PID/mem and the BO files, and opens and creates the
+image's files in the image directory itself, with the caller's rights (it
+also commits a dump); it passes the fds, and the daemon never gets the
+directory and never opens a path.  --socket may come
 before or after the command.  Rates are in GB/s (decimal: 1 GB = 10^9
 bytes).  Exit codes: 0 success; 1 failure, with a one-line reason on stderr
 (and in the JSON with --json); 2 usage error; output cut short by a closed

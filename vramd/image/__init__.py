@@ -1,1 +1,2 @@
-"""Image format v1: the byte layout (format), chunk records (codec), and image directories (writer, reader)."""
+"""Image formats v1 and v2: the byte layout (format), chunk records (codec), an image's files written and read
+through fds (writer, reader), and the client's side of an image directory (local)."""

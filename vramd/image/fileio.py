@@ -29,8 +29,9 @@ from .format import MANIFEST_NAME, MAX_MANIFEST_BYTES, Bytes, content_hash, deco
 
 FILE_MODE = 0o600  # images hold process memory
 
-# Every open of a file inside an image directory: never through a symlink, never
-# blocking (a FIFO or a device opens at once, and is then refused as not regular).
+# Every open of a file inside an image directory (the client's: image/local.py, and
+# libvramd's files.c alike): never through a symlink, never blocking (a FIFO or a
+# device opens at once, and is then refused as not regular).
 OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 _ERRNO_CLASS: dict[int, type[VramdError]] = {
@@ -70,8 +71,8 @@ def check_attached(fd: int, name: str, *, write: bool) -> int:
 
 
 def check_direct(direct_fd: int, fd: int, name: str) -> None:
-    """`direct_fd` must be the file `fd` has open, opened with O_DIRECT (and the same access); else
-    BAD_DESCRIPTOR naming the file."""
+    """`direct_fd` must be the file `fd` has open (same device and inode, a regular file), opened with
+    O_DIRECT; else BAD_DESCRIPTOR naming the file.  Its access mode is not checked."""
     try:
         st, want = os.fstat(direct_fd), os.fstat(fd)
         mode = fcntl.fcntl(direct_fd, fcntl.F_GETFL)

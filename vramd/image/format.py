@@ -95,7 +95,7 @@ def is_data_file_name(name: str) -> bool:
 
 
 def is_own_temporary(name: str) -> bool:
-    """A name only a vramd dump creates, and only until its commit (see ImageWriter.sweep)."""
+    """A name only a vramd dump creates, and only until its commit (see image/local.py, sweep_temporaries)."""
     return DATA_FILE_TMP.fullmatch(name) is not None or MANIFEST_TMP.fullmatch(name) is not None
 
 

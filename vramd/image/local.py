@@ -384,8 +384,8 @@ class DumpDirectory:
 
     def _mark_parents(self) -> None:
         """Before the commit: this child's mark in each directory of its parent chain the client may write
-        (a directory it may not write is not protected by a mark: its owner is not this client), each
-        fsynced, under that directory's lock."""
+        (one it may not write, or on a read-only file system, is left unmarked: that parent is not protected),
+        each fsynced, under that directory's lock."""
         name = child_mark_name(self.image_id)
         for k, fd in enumerate(self.parent_dirs, 1):
             # under the parent directory's lock: a dump replacing that image checked for marks when it began and

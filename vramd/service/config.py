@@ -227,7 +227,7 @@ class DaemonConfig:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE
     max_fds_per_message: int = SCM_MAX_FD
     max_bos_per_session: int = 16_384      # daemon memory and commit time per BO: docs/protocol.md, Limits
-    max_fds_per_session: int = 16_385      # one per BO and the directory
+    max_fds_per_session: int = 16_385      # one per distinct BO fd, plus the image's files (docs/protocol.md, Limits)
     max_chunks_per_session: int = 1 << 20  # a dump's declared bytes / chunk_size: about 100 bytes each
     max_sessions_per_uid: int = 64
     max_bos_per_uid: int = 65_536          # across the uid's sessions, ended but unclosed ones included

@@ -2,8 +2,10 @@
 
 A job is created, given BOs (all at once or in batches, as an RPC session
 receives them), then finished: `finish()` is the barrier that waits for
-every chunk and, for a dump, commits the image.  A job that fails or is
-cancelled leaves no committed image and no temporaries behind.
+every chunk and, for a dump, writes the manifest and fsyncs the image's files
+(the client then commits them; in-process, the job's DumpDirectory does).  A
+job that fails or is cancelled is never committed, and whoever created its
+files removes them.
 """
 from __future__ import annotations
 

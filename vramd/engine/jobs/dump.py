@@ -5,7 +5,8 @@ hole; bytes a record of this image or of a parent holds already, by their
 BLAKE3 content hash: `image.chunks.ChunkIndex`; or a record of its own,
 encoded by the image's codec, or as an XOR delta against the parent's chunk
 where that is smaller); drain writes the new records; finish builds the
-chunk table and commits the image.  Where every piece of a batch is a CPU
+chunk table and writes the manifest (the client commits the image; in-process,
+the writer's DumpDirectory does).  Where every piece of a batch is a CPU
 copy, one copy thread does all three for the batch (`DumpEnds.run`): one
 batchcopy call copies, scans for zeros and hashes (xxh3), then the content
 hashes, the encoding and the writes.  A batch that is one big raw piece is
@@ -473,7 +474,8 @@ class DumpJob(JobBase[DumpBo]):
             yield ChunkTask(bo, i, off, min(self.chunk_size, bo.size - off))
 
     async def finish(self) -> pb.Manifest:
-        """Wait for every chunk, then commit the image; returns the manifest."""
+        """Wait for every chunk, then write the manifest (`writer.commit`: the image is committed by the client,
+        or here by an in-process writer's DumpDirectory); returns the manifest."""
         try:
             await self.pipeline.wait()
             # CPU work that grows with the BOs: off the event loop (other clients are answered meanwhile)
