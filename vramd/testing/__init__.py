@@ -5,11 +5,14 @@ building on vramd.
 - `Workload`: a child process holding memory with known contents (regions, digests);
 - `FakeDmaBackend`: an asynchronous backend with an engine thread, injectable faults and delays;
 - `check_backend`: the contract every backend passes, with subjects for procmem, mmap, sdma (on the
-  software model) and the fake.
+  software model) and the fake;
+- `RunAs`, `PythonAccess`: run those children as another user, with an interpreter that user can reach.
 """
 from .contract import SUBJECTS, Subject, check_backend
 from .fake import FakeDmaBackend
 from .launcher import DaemonProcess
+from .runas import PythonAccess, RunAs
 from .workload import Workload, blank_spec_like
 
-__all__ = ["SUBJECTS", "DaemonProcess", "FakeDmaBackend", "Subject", "Workload", "blank_spec_like", "check_backend"]
+__all__ = ["SUBJECTS", "DaemonProcess", "FakeDmaBackend", "PythonAccess", "RunAs", "Subject", "Workload",
+           "blank_spec_like", "check_backend"]

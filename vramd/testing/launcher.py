@@ -19,7 +19,10 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .runas import RunAs
 
 ROOT = str(Path(__file__).resolve().parents[2])  # the source tree (the daemon runs there)
 
@@ -27,8 +30,11 @@ ROOT = str(Path(__file__).resolve().parents[2])  # the source tree (the daemon r
 class DaemonProcess:
     def __init__(self, run_dir: str, *args: str, env: dict[str, str] | None = None, stderr: IO[str] | None = None,
                  listener: socket.socket | None = None, log_level: str | None = "debug", ready_timeout: float = 60.0,
-                 argv_prefix: list[str] | None = None, drain_notes: bool = True) -> None:
+                 argv_prefix: list[str] | None = None, drain_notes: bool = True, run_as: RunAs | None = None) -> None:
         """`argv_prefix`: what runs the interpreter (default [sys.executable]; e.g. ["nice", "-n", "10", python]).
+
+        `run_as`: run the daemon as that user and groups (vramd.testing.runas), with the interpreter that
+        user can reach and a clean environment, in its `cwd`; the notify socket becomes that user's.
 
         `log_level=None` passes no --log-level (the config's log_level decides).
         `drain_notes=False` stops reading the notify socket after READY=1: a
@@ -43,14 +49,17 @@ class DaemonProcess:
         self.capturing = stderr is None
         self.notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
         self.notify.bind(os.path.join(run_dir, f"notify-{os.getpid()}-{id(self)}.sock"))
+        if run_as is not None:  # the daemon sends its notes with its own rights
+            os.chown(self.notify.getsockname(), run_as.uid, run_as.gid)
         self.notes: list[str] = []
         self._drain_notes = drain_notes
         self._notes_open = True
-        e = dict(os.environ, NOTIFY_SOCKET=self.notify.getsockname(), PYTHONUNBUFFERED="1")
+        e = dict(os.environ if run_as is None else run_as.environ(), NOTIFY_SOCKET=self.notify.getsockname(),
+                 PYTHONUNBUFFERED="1")
         for k in ("LISTEN_FDS", "LISTEN_PID", "WATCHDOG_USEC", "WATCHDOG_PID"):
             e.pop(k, None)
         e.update(env or {})
-        argv = list(argv_prefix or [sys.executable])
+        argv = list(argv_prefix or (run_as.python if run_as is not None else [sys.executable]))
         pass_fds: tuple[int, ...] = ()
         if listener is not None:
             # Socket activation: the listener becomes fd 3 and LISTEN_PID is the pid that execs vramd.
@@ -65,8 +74,12 @@ class DaemonProcess:
         cmd = [*argv, "-m", "vramd", *(["--log-level", log_level] if log_level else []), *args]
         if listener is None and "--socket" not in args:
             cmd += ["--socket", self.socket]
+        kw: dict[str, Any] = {"pass_fds": pass_fds, "cwd": ROOT}
+        if run_as is not None:
+            kw = run_as.popen_kwargs(pass_fds)
+            del kw["env"]
         self.proc = subprocess.Popen(cmd, env=e, stderr=subprocess.PIPE if self.capturing else stderr, text=True,
-                                     pass_fds=pass_fds, cwd=ROOT)
+                                     **kw)
         self.pid = self.proc.pid
         try:
             if self.capturing:  # read the log from the start: a full pipe would block the daemon

@@ -19,7 +19,7 @@ import os
 import random
 import subprocess
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import xxhash
 
@@ -36,6 +36,9 @@ from ..hostmem.libc import (
     libc,
 )
 from ..units import PAGE
+
+if TYPE_CHECKING:
+    from .runas import RunAs
 
 PROT_RW = PROT_READ | PROT_WRITE
 
@@ -68,8 +71,20 @@ def fill(buf: Any, kind: str, seed: int) -> None:
         raise SystemExit(f"unknown fill {kind}")
 
 
+PR_SET_PTRACER, PR_SET_PTRACER_ANY = 0x59616D61, -1
+
+
+def allow_any_tracer() -> None:
+    """Under Yama's ptrace_scope 1, only a parent may open a process's /proc/<pid>/mem: let any process of
+    this uid (vramctl, run by the same user) do so, as a checkpointed program would (no-op without Yama)."""
+    if os.path.exists("/proc/sys/kernel/yama/ptrace_scope"):
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0)
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
+    allow_any_tracer()
     regions = []
     for r in spec:
         size, skew = r["size"], r.get("skew", 0)
@@ -102,9 +117,11 @@ def main() -> None:
 class Workload:
     """Client side: start a workload child and talk to it."""
 
-    def __init__(self, spec: list[dict[str, Any]]) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "vramd.testing.workload_child", json.dumps(spec)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    def __init__(self, spec: list[dict[str, Any]], *, run_as: RunAs | None = None) -> None:
+        """`run_as`: the user the child runs as (vramd.testing.runas), with the interpreter it can reach."""
+        python, kw = ([sys.executable], {}) if run_as is None else (run_as.python, run_as.popen_kwargs())
+        self.proc = subprocess.Popen([*python, "-m", "vramd.testing.workload_child", json.dumps(spec)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, **kw)
         assert self.proc.stdin is not None and self.proc.stdout is not None  # both are pipes
         self.stdin, self.stdout = self.proc.stdin, self.proc.stdout
         line = self.stdout.readline()
