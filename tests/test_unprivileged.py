@@ -197,10 +197,10 @@ def snapshot(d: Path) -> dict[str, tuple[int, int, int, int]]:
 
 
 def assert_denied(r: subprocess.CompletedProcess[str], who: RunAs, path: Path, *, write: bool = False) -> str:
-    """One typed error: exit 1, one line on stderr, naming `path` and `who`'s uid; PERMISSION_DENIED (a
-    directory it may not write: NOT_WRITABLE too, the image error code for EACCES on a write)."""
+    """One typed error: exit 1, one line on stderr, naming `path` and `who`'s uid; PERMISSION_DENIED where it
+    may not read, NOT_WRITABLE where it may not create in a directory (docs/protocol.md)."""
     what = f"{r.args[-8:]} as uid {who.uid}: exit {r.returncode}, stderr {r.stderr!r}"
-    codes = ("PERMISSION_DENIED", "NOT_WRITABLE") if write else ("PERMISSION_DENIED",)
+    codes = ("NOT_WRITABLE",) if write else ("PERMISSION_DENIED",)
     assert r.returncode == 1, what
     assert r.stderr.count("\n") == 1 and r.stderr.startswith(tuple(f"vramctl: {c}: " for c in codes)), what
     err = json.loads(r.stdout)["error"]

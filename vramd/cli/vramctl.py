@@ -38,7 +38,7 @@ from typing import Any
 
 from .. import __version__
 from ..client import SESSION_DUMP, SESSION_RESTORE, Client, ClientBo, topology_checks_from_env
-from ..errors import VramdError
+from ..errors import NotWritableError, PermissionDeniedError, VramdError
 from ..image.codec import compression_name
 from ..image.format import chunk_count
 from ..pb import image_pb2 as pb
@@ -131,7 +131,14 @@ def transfer(ns: argparse.Namespace, kind: rpc.SessionKind, dfd: int, bos: list[
         t0 = time.monotonic()
         label = f"vramctl {what}" + (f" pid {ns.pid}" if ns.pid is not None else "")
         s = c.open_session(kind, dfd, label=label, **open_kw)
-        c.add_bos(s.token, bos)
+        try:
+            c.add_bos(s.token, bos)
+        except BaseException:
+            try:
+                c.close_session(s.token)  # nothing else will use it: the daemon forgets it now, not after the grace
+            except (VramdError, OSError):
+                pass  # the first error is the one to report
+            raise
         info = run_session(ns, c, s.token, what)
         return info, time.monotonic() - t0
 
@@ -167,6 +174,12 @@ def open_image_dir(path: str, *, create: bool, created: list[str] | None = None)
             if created is not None:
                 created += made
         return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except PermissionError as e:  # this process's own rights: the daemon never opens it
+        if create:
+            raise NotWritableError(f"cannot create the image directory {path}: uid {os.geteuid()} may not "
+                                   f"({e.strerror})") from None
+        raise PermissionDeniedError(f"cannot open the image directory {path}: uid {os.geteuid()} may not read "
+                                    f"it ({e.strerror})") from None
     except OSError as e:
         raise Failure(f"cannot open image directory {path}: {e.strerror}") from None
 
@@ -382,7 +395,7 @@ def cmd_verify(ns: argparse.Namespace) -> int:
     with ImageAndParents(ns.dir, ns.parent) as (dfd, parent_fds):
         async def go() -> VerifyReport:
             async with Engine() as eng:
-                return await eng.verify(dfd, parent_fds=parent_fds)
+                return await eng.verify(dfd, parent_fds=parent_fds, where=ns.dir)
         t0 = time.monotonic()
         report = uvloop.run(go())
         secs = time.monotonic() - t0

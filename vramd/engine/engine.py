@@ -269,7 +269,8 @@ class Engine:
         return job.progress
 
     async def verify(self, dir_fd: int, *, on_progress: ProgressCallback | None = None,
-                     parent_fds: Sequence[int] = ()) -> VerifyReport:
-        """Read every chunk and check it (checksums, lengths, zstd frames) without writing anywhere."""
-        job = self.start_verify(await ImageReader.open(dir_fd, parent_fds), on_progress=on_progress)
+                     parent_fds: Sequence[int] = (), where: str = "the image directory") -> VerifyReport:
+        """Read every chunk and check it (checksums, lengths, zstd frames) without writing anywhere.
+        `where`: how errors name the directory (its path)."""
+        job = self.start_verify(await ImageReader.open(dir_fd, parent_fds, where=where), on_progress=on_progress)
         return VerifyReport(await job.finish(), job.progress)

@@ -119,10 +119,12 @@ class ImageReader:
         return cls(manifest, parents=parents, manifest_hash=digest, owner=owner)
 
     @classmethod
-    async def open(cls, dir_fd: int, parent_fds: Sequence[int] = ()) -> ImageReader:
+    async def open(cls, dir_fd: int, parent_fds: Sequence[int] = (), *, where: str = "the image directory",
+                   parent_where: Sequence[str] = ()) -> ImageReader:
         """The image in the directory `dir_fd` (its parents' directories: `parent_fds`, nearest first), opened
-        in this process with its rights (image/local.py): the client's part and the daemon's at once."""
-        files = ImageFiles(dir_fd, parent_fds)
+        in this process with its rights (image/local.py): the client's part and the daemon's at once.
+        `where`, `parent_where`: how errors name the directories (their paths)."""
+        files = ImageFiles(dir_fd, parent_fds, where=where, parent_where=parent_where)
         try:
             reader = await cls.from_manifests(files.manifest_fd or -1, files.parent_manifest_fds)
             reader._local = files
