@@ -14,64 +14,6 @@
 #define VRAMD_PRINTF(a, b) __attribute__((format(printf, a, b)))
 #else
 #define VRAMD_PRINTF(a, b)
-/* --- an image's files, on the client's side (files.c) ----------------------- */
-
-#define VRAMD__ID_BYTES 16               /* an image id */
-#define VRAMD__NAME_MAX 64               /* room for any name below */
-#define VRAMD__DATA_NAME_LEN 34          /* data-<16 hex>-<8 hex>.vrd */
-#define VRAMD__MANIFEST_NAME "manifest.vrdm"
-
-/* A name the daemon may ask for: exactly format.DATA_FILE_NAME (no path, no dot-dot). */
-bool vramd__is_data_file_name(const char *name);
-/* The directory's path for messages (/proc/self/fd), or "the directory of fd N". */
-void vramd__dir_label(int dir_fd, char *buf, size_t size);
-/* Open `name` in dir_fd O_RDONLY|O_NOFOLLOW|O_NONBLOCK|O_CLOEXEC at or above min_fd, and (direct) once more
- * with O_DIRECT where the file system allows (*direct_fd -1 where not).  On failure err names the file
- * (-EACCES with the uid whose rights were missing). */
-int vramd__open_image_file(int dir_fd, const char *name, bool direct, int min_fd, int *fd, int *direct_fd,
-                           struct vramd_error *err);
-
-enum { VRAMD__DUMP_NONE, VRAMD__DUMP_OPEN, VRAMD__DUMP_COMMITTED, VRAMD__DUMP_ABANDONED };
-
-/* What a dump session's client holds between OpenSession and its commit. */
-struct vramd__dump {
-    int phase;                           /* VRAMD__DUMP_* */
-    int min_fd;
-    uint8_t image_id[VRAMD__ID_BYTES];
-    int dir_fd;                          /* our duplicate of the image directory */
-    int lock_fd;                         /* our own description of it, flocked; closing it unlocks */
-    int *parent_fds;                     /* duplicates of the parent directories (for the marks) */
-    bool *marked;                        /* per parent: this dump's mark is there */
-    size_t n_parents;
-    uint32_t *gpus;                      /* GPUs whose data file (.tmp) this dump created */
-    size_t n_gpus, cap_gpus;
-    size_t n_renamed;                    /* gpus[0..n_renamed) are renamed into place */
-    bool manifest_tmp;                   /* the manifest's temporary exists */
-};
-
-/* Duplicate the directories, lock dir_fd, refuse marks (unless replace_parent) and a directory that is its
- * own parent, sweep stale temporaries.  On failure nothing is held. */
-int vramd__dump_begin(struct vramd__dump *d, int dir_fd, const int *parents, size_t np, bool replace_parent,
-                      int min_fd, struct vramd_error *err);
-bool vramd__dump_has_gpu(const struct vramd__dump *d, uint32_t gpu_id);
-/* Create the GPU's data-<id>-<gpu>.vrd.tmp (and its O_DIRECT description where allowed). */
-int vramd__dump_create_data(struct vramd__dump *d, uint32_t gpu_id, bool direct, int *fd, int *direct_fd,
-                            struct vramd_error *err);
-/* Remove the GPU's .tmp again (its AttachFiles failed). */
-void vramd__dump_drop_data(struct vramd__dump *d, uint32_t gpu_id);
-/* The GPU's data file name, without .tmp. */
-void vramd__dump_data_name(const struct vramd__dump *d, uint32_t gpu_id, char out[VRAMD__NAME_MAX]);
-/* The manifest's temporary: created the first time, opened again O_RDWR after. */
-int vramd__dump_manifest_tmp(struct vramd__dump *d, int *fd, struct vramd_error *err);
-/* The commit (the session is DONE): data files into place, parents marked, the manifest renamed, the
- * directory fsynced, the replaced image's data files removed, unlocked.  On failure before the manifest's
- * rename everything this dump created is removed. */
-int vramd__dump_commit(struct vramd__dump *d, struct vramd_error *err);
-/* Not committed: remove everything this dump created, unlock. */
-void vramd__dump_abandon(struct vramd__dump *d);
-/* Close what it holds (unlocks); names stay as they are. */
-void vramd__dump_release(struct vramd__dump *d);
-
 #endif
 
 /* Fill *err (may be NULL) and return errnum (negative). */
