@@ -209,7 +209,7 @@ class Client:
                 self._attach(token, [local.dump.data_file(g) for g in new])
         info = None
         for out in self.protocol.add_bos_requests(token, bos):
-            info = raise_for_error(self._exchange(out)).session
+            info = self._session_call_out(out)
         return info if info is not None else self.progress(token)
 
     def run_session(self, kind: rpc.SessionKind, dir_fd: int, bos: Sequence[ClientBo],
@@ -225,9 +225,7 @@ class Client:
             return self.wait(s.token)
         finally:
             self._close_quietly(s.token)
-            local = self._local.pop(s.token, None)
-            if local is not None:
-                local.close()
+            self._forget(s.token)
 
     def start(self, token: str) -> rpc.SessionInfo:
         """No more BOs; a dump's manifest file is created and handed over here."""
@@ -275,13 +273,12 @@ class Client:
                 yield self.progress(token)
 
     def cancel(self, token: str, reason: str = "") -> rpc.SessionInfo:
-        return raise_for_error(self._exchange(self.protocol.cancel_request(token=token, reason=reason))).session
+        return self._session_call_out(self.protocol.cancel_request(token=token, reason=reason))
 
     def cancel_by_id(self, session_id: int, reason: str = "") -> rpc.SessionInfo:
         """Cancel any uid's session by its id (an operator's call: only uid 0 and the daemon's own uid may;
         PermissionDeniedError for others).  This connection does not become a holder."""
-        out = self.protocol.cancel_request(session_id=session_id, reason=reason)
-        return raise_for_error(self._exchange(out)).session
+        return self._session_call_out(self.protocol.cancel_request(session_id=session_id, reason=reason))
 
     def close_session(self, token: str) -> rpc.SessionInfo:
         """End the session (cancelled if it still runs); an uncommitted dump's files are removed."""

@@ -140,13 +140,9 @@ def read_manifest_now(fd: int) -> pb.Manifest:
     return decode_manifest(read_manifest_blob(fd))
 
 
-async def read_manifest(fd: int) -> pb.Manifest:
-    """The manifest in the file `fd` (a manifest.vrdm the client opened), decoded and checked in a thread."""
-    return (await read_manifest_hashed(fd))[0]
-
-
 async def read_manifest_hashed(fd: int) -> tuple[pb.Manifest, bytes]:
-    """`read_manifest`, and the BLAKE3-256 of the whole manifest file (how a child names its parent)."""
+    """The manifest in the file `fd` (a manifest.vrdm the client opened), decoded and checked in a thread, and
+    the BLAKE3-256 of the whole file (how a child names its parent)."""
     # read, decoded and checked in a thread: the checks grow with the image (never on the event loop)
     return await asyncio.get_running_loop().run_in_executor(None, _read_and_decode, fd)
 

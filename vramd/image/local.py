@@ -368,13 +368,13 @@ class DumpDirectory:
 
     def _remove_replaced(self) -> None:
         """The data files of the image this one replaced: vramd's data file names of another image id."""
-        mine = self.image_id.hex()[:16]
+        mine = data_file_name(self.image_id, 0)[:len("data-") + 16]  # "data-<this image's id>"
         try:
             names = os.listdir(self._lock_fd)
         except OSError:
             return
         for name in names:
-            if not DATA_FILE_NAME.fullmatch(name) or name[5:21] == mine:
+            if not DATA_FILE_NAME.fullmatch(name) or name.startswith(mine):
                 continue
             try:
                 if stat.S_ISREG(os.stat(name, dir_fd=self.dir_fd, follow_symlinks=False).st_mode):

@@ -268,10 +268,6 @@ class ImageReader:
                                           foreign=not self._trusted[image])
         return loc
 
-    def file_slot(self, image: int, file_index: int) -> int:
-        """The slot of data file `file_index` of image `image` (0: this one; k: parents[k - 1])."""
-        return self._slot[(image, file_index)]
-
     def locate_entry(self, index: int) -> Loc:
         """Entry `index` of this image's (v2) chunk table."""
         return self._table_loc(index)

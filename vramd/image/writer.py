@@ -33,11 +33,11 @@ from ..pb import image_pb2 as pb
 from .fileio import image_os_error, pwrite_all
 from .format import (
     FORMAT_VERSION,
-    MANIFEST_NAME,
     Bytes,
     data_file_name,
     encode_data_header,
     encode_manifest,
+    manifest_tmp_name,
 )
 
 log = logging.getLogger(__name__)
@@ -208,7 +208,7 @@ class ImageWriter:
         blob = encode_manifest(manifest)
         fd = self.manifest_fd
         assert fd is not None
-        what = f"the manifest's file (.{MANIFEST_NAME}.<id>.tmp)"
+        what = manifest_tmp_name(self.image_id)
         try:
             os.ftruncate(fd, 0)
             pwrite_all(fd, [blob], 0)

@@ -34,7 +34,7 @@ from ..errors import (
 )
 from ..image.codec import compression_name
 from ..image.fileio import check_attached, check_direct
-from ..image.format import data_file_name
+from ..image.format import data_file_name, manifest_tmp_name
 from ..image.reader import ImageReader
 from ..pb import image_pb2 as pb
 from ..pb import rpc_pb2 as rpc
@@ -408,10 +408,10 @@ class Session:
                     if isinstance(self.job, DumpJob):
                         if manifest_fd_index is None or bundle is None:
                             raise InvalidRequestError("a dump's Start names the manifest's file (manifest_fd_index: "
-                                                      f".manifest.vrdm.{self.image_id.hex()}.tmp, created by the "
+                                                      f"{manifest_tmp_name(self.image_id)}, created by the "
                                                       "client)")
                         fd = self._keep(bundle, manifest_fd_index)
-                        check_attached(fd, f".manifest.vrdm.{self.image_id.hex()}.tmp", write=True)
+                        check_attached(fd, manifest_tmp_name(self.image_id), write=True)
                         self.job.writer.manifest_fd = fd
                 self._enter(rpc.SESSION_SEALED)
             self._end_soon()
