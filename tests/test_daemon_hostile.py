@@ -10,10 +10,16 @@ import sys
 import textwrap
 
 import pytest
-from helpers import ROOT, memfd
+from helpers import ROOT, Workload, blank_spec_like, memfd
 
-from vramd.client import SESSION_DUMP, Client, ClientBo
-from vramd.errors import JobCancelledError, NotFoundError, PermissionDeniedError, TargetTooSmallError
+from vramd.client import SESSION_DUMP, SESSION_RESTORE, Client, ClientBo
+from vramd.errors import (
+    JobCancelledError,
+    NotFoundError,
+    PermissionDeniedError,
+    TargetTooSmallError,
+    UnmappedRangeError,
+)
 from vramd.image.format import is_own_temporary
 from vramd.image.local import DumpDirectory
 from vramd.pb import rpc_pb2 as rpc
@@ -329,3 +335,83 @@ def test_image_files_the_client_attaches_are_checked(daemon, image_dir, tmp_path
             for fd in (ro, rw, other, r, w):
                 os.close(fd)
         c.close_session(s.token)
+
+
+def _serves_another_client(daemon, tmp_path) -> None:
+    """The daemon is alive and dumps another client's BO."""
+    other = tmp_path / "after"
+    other.mkdir()
+    ofd = os.open(other, os.O_RDONLY | os.O_DIRECTORY)
+    data = os.urandom(1 << 20)
+    src = memfd(data)
+    try:
+        with Client(daemon.socket) as c:
+            info = c.run_session(SESSION_DUMP, ofd, [ClientBo(1, src, size=len(data), backend="mmap")])
+            assert info.image.bo_bytes == len(data)
+    finally:
+        os.close(src)
+        os.close(ofd)
+    assert daemon.proc.poll() is None
+
+
+@pytest.mark.parametrize("when", ["before start", "mid copy"])
+def test_source_process_exiting_mid_dump_fails_that_session_only(daemon, image_dir, tmp_path, when):
+    """A procmem dump whose process exits (its /proc/<pid>/mem then reads as nothing): one typed error naming
+    the BO and where its bytes ended, no committed image, and the daemon goes on."""
+    size = 4 << 30  # untouched anonymous memory: reads as zeros, costs nothing, takes a while to move
+    with Workload([{"size": 1 << 20, "fill": "random", "seed": 1}, {"size": size, "fill": "zero"}]) as w, \
+            Client(daemon.socket) as c:
+        mem = w.open_mem()
+        try:
+            s = c.open_session(SESSION_DUMP, image_dir[1])
+            c.add_bos(s.token, [ClientBo(i + 1, mem, offset=r["addr"], size=r["size"], backend="procmem")
+                                for i, r in enumerate(w.regions)])
+            if when == "before start":
+                w.proc.kill()
+                w.proc.wait()
+            c.start(s.token)
+            if when == "mid copy":
+                while c.progress(s.token).progress.bytes_done == 0:  # the copy has begun
+                    pass
+                w.proc.kill()
+                w.proc.wait()
+            with pytest.raises(UnmappedRangeError) as ei:
+                c.wait(s.token)
+        finally:
+            os.close(mem)
+    e = ei.value
+    assert e.bo_id in (1, 2) and e.offset is not None, e
+    if when == "mid copy":
+        assert e.bo_id == 2 and 0 < e.offset < size, e
+    assert "manifest.vrdm" not in os.listdir(image_dir[0])
+    _serves_another_client(daemon, tmp_path)
+
+
+def test_target_process_exiting_mid_restore_fails_that_session_only(daemon, image_dir, tmp_path):
+    """The restored task dies while its memory is being written: one typed error, the daemon goes on."""
+    size = 1 << 30
+    spec = [{"size": size, "fill": "zero", "marks": [[size - 1, "01"]]}]
+    with Workload(spec) as w, Client(daemon.socket) as c:
+        mem = w.open_mem()
+        try:
+            c.run_session(SESSION_DUMP, image_dir[1],
+                          [ClientBo(1, mem, offset=w.regions[0]["addr"], size=size, backend="procmem")])
+        finally:
+            os.close(mem)
+        regions = w.regions
+    with Workload(blank_spec_like(regions)) as dst, Client(daemon.socket) as c:
+        mem = dst.open_mem(os.O_RDWR)
+        try:
+            s = c.open_session(SESSION_RESTORE, image_dir[1])
+            c.add_bos(s.token, [ClientBo(1, mem, offset=regions[0]["addr"], size=size, backend="procmem")])
+            c.start(s.token)
+            while c.progress(s.token).progress.bytes_done == 0:  # the copy has begun
+                pass
+            dst.proc.kill()
+            dst.proc.wait()
+            with pytest.raises(UnmappedRangeError) as ei:
+                c.wait(s.token)
+        finally:
+            os.close(mem)
+    assert ei.value.bo_id == 1 and 0 < ei.value.offset < size, ei.value
+    _serves_another_client(daemon, tmp_path)

@@ -274,6 +274,33 @@ def test_chunks_larger_than_the_staging_budget_fail_the_job(image_dir):
         assert str(8 * MiB) in str(ei.value) and str(4 * MiB) in str(ei.value)
 
 
+def test_a_verify_opens_a_bounded_number_of_lanes_whatever_gpu_ids_the_image_names(image_dir):
+    """A crafted image may name thousands of gpu_ids; a verify (which moves no GPU memory) spreads them over
+    at most VERIFY_LANES lanes and still reads every chunk."""
+    from vramd.engine.jobs.verify import VERIFY_LANES
+    from vramd.image.reader import ImageReader
+    _path, dfd = image_dir
+    n = 3 * VERIFY_LANES + 1
+    data = {i: os.urandom(4096 + i) for i in range(1, n + 1)}
+    fds = {i: memfd(d) for i, d in data.items()}
+
+    async def go():
+        async with engine(staging_budget=16 * MiB, chunk_size=MiB) as e:
+            m = await e.dump(dfd, [BoSpec(i, len(d), BoRef("mmap", fds[i]), gpu_id=1000 + i)
+                                   for i, d in data.items()])
+            assert len({b.gpu_id for b in m.bos}) == n and len(m.files) == n
+            job = e.start_verify(await ImageReader.open(dfd, ()))
+            await job.finish()
+            return job
+    try:
+        job = run(go())
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    assert job.progress.bos_done == n and job.progress.bytes_done == sum(map(len, data.values()))
+    assert job.pipeline.lane_count == VERIFY_LANES
+
+
 @dataclass(eq=False)
 class _Bo:
     id: int

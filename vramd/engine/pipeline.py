@@ -256,6 +256,11 @@ class Pipeline(Generic[BoT]):
         self._closed = False
         self.error: BaseException | None = None
 
+    @property
+    def lane_count(self) -> int:
+        """Lanes opened so far (each runs `workers_per_gpu` worker tasks)."""
+        return len(self._lanes)
+
     # --- feeding -----------------------------------------------------------
 
     def add_covered(self, nbytes: int) -> None:

@@ -324,7 +324,11 @@ class ImageJob(JobBase[ImageBo]):
         return self.reader.manifest
 
     def _queue(self, bo: ImageBo) -> None:
-        self.pipeline.add(bo.gpu_id, self._chunks(bo), bo.size)
+        self.pipeline.add(self._lane(bo), self._chunks(bo), bo.size)
+
+    def _lane(self, bo: ImageBo) -> int:
+        """The pipeline lane `bo`'s chunks go through: its GPU's."""
+        return bo.gpu_id
 
     def _chunks(self, bo: ImageBo) -> Iterator[ChunkTask[ImageBo]]:
         e, cs = bo.manifest_entry, self.manifest.chunk_size

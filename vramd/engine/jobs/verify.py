@@ -10,6 +10,11 @@ from ..pipeline import ChunkTask, ProgressCallback
 from .common import JobContext
 from .read import ImageBo, ImageJob, ImageReadEnds
 
+# A verify moves no GPU memory: its lanes only set how many batches are in flight.  It spreads the
+# image's gpu_ids over at most this many (a node's GPU count), whatever an image names: each lane is
+# `workers_per_gpu` tasks, and a crafted manifest may name thousands of gpu_ids.
+VERIFY_LANES = 8
+
 
 class VerifyEnds(ImageReadEnds):
     """Drain: nothing; every chunk has been checked (and decoded) by then."""
@@ -26,6 +31,10 @@ class VerifyJob(ImageJob):
     def __init__(self, ctx: JobContext, reader: ImageReader, *, on_progress: ProgressCallback | None = None) -> None:
         super().__init__(ctx, reader, VerifyEnds(reader, ctx.pool, ctx.io), on_progress)
         self._begun = False
+        self._lanes: dict[int, int] = {}  # the image's gpu_id -> lane
+
+    def _lane(self, bo: ImageBo) -> int:
+        return self._lanes.setdefault(bo.gpu_id, len(self._lanes) % VERIFY_LANES)
 
     def begin(self) -> None:
         """Queue every BO of the image (once)."""
