@@ -8,9 +8,13 @@ of a few ms (sessions.ADD_STEP_SECONDS), and the full garbage collection
 waits for a quiet moment, so the round trips stay short throughout.  (On
 main, before this, one such message held the loop for seconds.)
 
-The round trips are measured while the BOs are added and while the image
-is committed: the chunk table, the BO entries and the manifest are built
-and encoded off the event loop (in a CPU thread and the image's thread).
+The round trips are measured while the BOs are added, while the image is
+committed (the chunk table, the BO entries, the totals and the manifest are
+built and encoded off the event loop, in a CPU thread and the image's
+thread, and go into protobuf fields a slice per call so no one call holds
+the GIL for long), and while the same 49,152 BOs are restored (the manifest
+is read, checked and indexed off the loop).  Every one of them must be
+answered within 100 ms.
 """
 from __future__ import annotations
 
@@ -40,11 +44,11 @@ def daemon(run_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_getstatus_answers_quickly_while_another_client_adds_many_bos(daemon, image_dir):
+def test_getstatus_answers_quickly_while_another_client_dumps_and_restores_many_bos(daemon, image_dir):
     code = textwrap.dedent(f"""
         import os, socket, sys
         import vramd.protocol.client as pc
-        from vramd.client import Client, ClientBo, SESSION_DUMP
+        from vramd.client import Client, ClientBo, SESSION_DUMP, SESSION_RESTORE
         from vramd.testing import Workload
         dfd = os.open({str(image_dir[0])!r}, os.O_RDONLY | os.O_DIRECTORY)
         with Workload([{{"size": 16 << 20, "fill": "random", "seed": 1}}]) as w, Client({daemon.socket!r}) as c:
@@ -53,7 +57,8 @@ def test_getstatus_answers_quickly_while_another_client_adds_many_bos(daemon, im
                 pc.TARGET_MESSAGE_BYTES = c.limits.max_message_bytes - 1024
             except OSError:
                 pc.TARGET_MESSAGE_BYTES = 180 << 10  # under the default send buffer
-            mem, base = w.open_mem(), w.regions[0]["addr"]
+            base = w.regions[0]["addr"]
+            mem, wmem = w.open_mem(), w.open_mem(os.O_RDWR)
             bos = [ClientBo(i + 1, mem, offset=base + (i % 4096) * 4096, size=4096, backend="procmem")
                    for i in range({N})]
             print("ready", flush=True)
@@ -64,7 +69,15 @@ def test_getstatus_answers_quickly_while_another_client_adds_many_bos(daemon, im
             c.start(s.token)
             assert c.wait(s.token).progress.bos_done == {N}
             c.close_session(s.token)
-            print("done", flush=True)
+            print("dumped", flush=True)
+            for b in bos:
+                b.fd = wmem
+            s = c.open_session(SESSION_RESTORE, dfd)
+            c.add_bos(s.token, bos)
+            c.start(s.token)
+            assert c.wait(s.token).progress.bos_done == {N}
+            c.close_session(s.token)
+            print("restored", flush=True)
     """)
     probe = textwrap.dedent(f"""
         import sys, time
@@ -81,29 +94,23 @@ def test_getstatus_answers_quickly_while_another_client_adds_many_bos(daemon, im
                               text=True)
     prober = subprocess.Popen([*nice, sys.executable, "-c", probe], cwd=ROOT, stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True)
+    phases: dict[str, list[float]] = {}
     try:
         assert loader.stdout.readline().strip() == "ready"
         assert prober.stdout.readline().strip() == "ready"
         loader.stdin.write("go\n")
         loader.stdin.flush()
-        rtts = []
         os.set_blocking(loader.stdout.fileno(), False)
-        added = ""
-        while not added.endswith("\n"):  # round trips until the loader's AddBos are all answered
-            prober.stdin.write("\n")
-            prober.stdin.flush()
-            rtts.append(float(prober.stdout.readline()))
-            added += loader.stdout.readline()  # non-blocking: a line may come in pieces
-        assert added.split() == ["added", str(N)], added
-        adding = len(rtts)
-        done = ""
-        while not done.endswith("\n"):  # and while the image is committed: manifest, chunk table, files
-            prober.stdin.write("\n")
-            prober.stdin.flush()
-            rtts.append(float(prober.stdout.readline()))
-            done += loader.stdout.readline()
+        for phase, ends_with in (("adding", f"added {N}"), ("committing", "dumped"), ("restoring", "restored")):
+            rtts = phases[phase] = []
+            line = ""
+            while not line.endswith("\n"):  # round trips until the loader says the phase is over
+                prober.stdin.write("\n")
+                prober.stdin.flush()
+                rtts.append(float(prober.stdout.readline()))
+                line += loader.stdout.readline()  # non-blocking: a line may come in pieces
+            assert line.strip() == ends_with, line
         os.set_blocking(loader.stdout.fileno(), True)
-        assert done.strip() == "done", done
         prober.stdin.write("stop\n")
         prober.stdin.flush()
         assert loader.wait(120) == 0
@@ -114,15 +121,13 @@ def test_getstatus_answers_quickly_while_another_client_adds_many_bos(daemon, im
             child.wait()
             child.stdin.close()
             child.stdout.close()
-    rtts.sort()
-    committing = len(rtts) - adding
-    report = (f"{N} BOs; {len(rtts)} GetStatus ({committing} while it committed): "
-              f"p50 {rtts[len(rtts) // 2] * 1e3:.1f} ms, "
-              f"p99 {rtts[int(len(rtts) * 0.99)] * 1e3:.1f} ms, max {rtts[-1] * 1e3:.1f} ms")
+    report = f"{N} BOs; GetStatus round trips " + "; ".join(
+        f"{phase} {len(r)}: p50 {sorted(r)[len(r) // 2] * 1e3:.1f} ms, max {max(r) * 1e3:.1f} ms"
+        for phase, r in phases.items())
     print(report)
-    assert len(rtts) > 100, report
-    # The loop holds no step longer than a few ms; on a 2-core machine shared with other work the scheduler
-    # and the GIL (the daemon's copy threads) still delay the odd round trip, hence p99 and a looser maximum.
-    # Measured here: max 42-56 ms with the commit off the loop, 649 ms with it on the loop (49,152 BOs).
-    assert rtts[int(len(rtts) * 0.99)] < 0.100, report
-    assert rtts[-1] < 0.200, report
+    every = sorted(x for r in phases.values() for x in r)
+    assert len(every) > 100, report
+    # The loop holds no step longer than a few ms, and no protobuf call in another thread holds the GIL for
+    # long.  Measured here (2 cores, quiet): max 28-39 ms; before the totals and the manifest's fields left
+    # the loop's reach, 67-87 ms, and 649 ms with the whole commit on the loop.
+    assert every[-1] < 0.100, report

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from ..errors import JobError
 from ..pb import image_pb2 as pb
-from .format import HASH_LEN, TableView
+from .format import HASH_LEN, TableView, fill
 
 # What `claim` answers: store a record; refer to one of this image; refer to a parent's.
 STORE, DUP, PARENT = "store", "dup", "parent"
@@ -153,11 +153,14 @@ class ChunkIndex:
                             raise JobError("internal error: a chunk refers to bytes no record holds")
                         r.append(put(e) + 1)
                 refs.append(r)
-        # one bulk assignment a field (appending to a protobuf list one entry at a time is slow)
-        out = pb.ChunkTable(hashes=b"".join(e.chash for e in entries), image=[e.image for e in entries],
-                            file_index=[e.file_index for e in entries], offset=[e.offset for e in entries],
-                            length=[e.length for e in entries],
-                            record_checksum=[e.record_checksum for e in entries],
-                            raw_length=[e.raw_length for e in entries], base=bases)
+        # a field filled a slice per call (one entry at a time is slow; one call for all holds the GIL long)
+        out = pb.ChunkTable(hashes=b"".join(e.chash for e in entries))
+        fill(out.image, [e.image for e in entries])
+        fill(out.file_index, [e.file_index for e in entries])
+        fill(out.offset, [e.offset for e in entries])
+        fill(out.length, [e.length for e in entries])
+        fill(out.record_checksum, [e.record_checksum for e in entries])
+        fill(out.raw_length, [e.raw_length for e in entries])
+        fill(out.base, bases)
         assert len(out.hashes) == HASH_LEN * len(entries)
         return out, refs

@@ -37,6 +37,7 @@ from .format import (
     data_file_name,
     encode_data_header,
     encode_manifest,
+    fill,
     manifest_tmp_name,
 )
 
@@ -203,8 +204,10 @@ class ImageWriter:
             format_version=FORMAT_VERSION, image_id=self.image_id, writer=f"vramd {__version__}",
             created_unix_ns=time.time_ns(), chunk_size=self.chunk_size, compression=self.compression,
             files=[pb.DataFile(name=f.name, gpu_id=f.gpu_id, length=f.end) for f in files],
-            bos=bos, totals=totals, topology_json=topology_json, chunks=chunks or pb.ChunkTable(), parents=parents,
+            totals=totals, topology_json=topology_json, parents=parents,
         )
+        fill(manifest.bos, bos)
+        manifest.chunks.CopyFrom(chunks or pb.ChunkTable())
         blob = encode_manifest(manifest)
         fd = self.manifest_fd
         assert fd is not None

@@ -479,16 +479,17 @@ class DumpJob(JobBase[DumpBo]):
         try:
             await self.pipeline.wait()
             # CPU work that grows with the BOs: off the event loop (other clients are answered meanwhile)
-            entries, table = await asyncio.get_running_loop().run_in_executor(self.ctx.cpu, self._entries)
-            return await self.writer.commit(entries, self._totals(entries, table), self.topology_json,
-                                            chunks=table, parents=self.parents)
+            entries, table, totals = await asyncio.get_running_loop().run_in_executor(self.ctx.cpu, self._entries)
+            return await self.writer.commit(entries, totals, self.topology_json, chunks=table, parents=self.parents)
         finally:
             self._release_all()
             if self.parent is not None:
                 self.parent.close()
             await settle(self.writer.aclose())
 
-    def _entries(self) -> tuple[list[pb.BoEntry], pb.ChunkTable]:
+    def _entries(self) -> tuple[list[pb.BoEntry], pb.ChunkTable, pb.Totals]:
+        """The manifest's BO entries, chunk table and totals (CPU work that grows with the BOs: a worker
+        thread's, never the event loop's: summing 49,152 entries' fields there held it ~80 ms)."""
         bos = list(self.bos.values())
         table, refs = self.index.table([bo.chunk_refs(chunk_count(bo.size, self.chunk_size)) for bo in bos])
         out = []
@@ -505,7 +506,7 @@ class DumpJob(JobBase[DumpBo]):
                 dedup_bytes=s.size - src.zero_bytes - src.parent_bytes if alias else bo.dedup_bytes,
                 parent_bytes=src.parent_bytes, delta_bytes=0 if alias else bo.delta_bytes,
             ))
-        return out, table
+        return out, table, self._totals(out, table)
 
     def _totals(self, entries: list[pb.BoEntry], table: pb.ChunkTable) -> pb.Totals:
         return pb.Totals(compressed_records=sum(bo.compressed_records for bo in self.bos.values()),
