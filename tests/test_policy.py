@@ -206,6 +206,27 @@ def test_trial_skipped_when_typical_data_cannot_pay_but_probed(chunks):
     assert abs(p.breakeven_ratio(p.codecs[0]) - 0.5) < 1e-9
 
 
+def test_small_incompressible_chunks_stop_being_trialed_but_are_probed(chunks):
+    """A chunk no bigger than the trial's samples is compressed whole by every candidate to be judged: after
+    SMALL_SKIP_AFTER trials in a row found nothing, such chunks are stored raw untried except every
+    probe_every-th, and one probe that finds a gain starts trying them all again."""
+    import os
+    p = AutoPolicy(1, workers=2, probe_every=16)
+    set_sink(p, 100e6)    # slow: compressing pays wherever the data compresses, so every chunk is tried
+    set_compress(p, 0.5e9)
+    random_small = memoryview(os.urandom(4096))
+    tried = [bool(p.decide(random_small).trial) for _ in range(64)]
+    after = policy.SMALL_SKIP_AFTER
+    assert all(tried[:after])
+    assert [i + 1 for i, t in enumerate(tried) if t][after:] == [16, 32, 48, 64]  # only the probes
+    assert p.decide(chunks["random"]).trial  # a big chunk is still tried (its trial is a sample of it)
+    text_small = memoryview((b"the quick brown fox " * 300)[:4096])
+    while not (c := p.decide(text_small)).trial:  # the next probe
+        assert c.codec == RAW
+    assert c.codec != RAW
+    assert all(p.decide(text_small).trial for _ in range(4))  # trying every chunk again
+
+
 def test_observations_move_the_averages_gradually():
     p = AutoPolicy(1, workers=1, halflife_bytes=64 * MiB)
     set_sink(p, 1e9)

@@ -70,6 +70,7 @@ SAMPLES = 3               # trial slices per chunk: start, middle, end
 ENTER_MARGIN = 0.15       # h while storing raw: compressing must save 15% more than it costs
 STAY_MARGIN = 0.0         # h while compressing
 PROBE_EVERY = 16          # with the trial skipped, still run it on every 16th chunk
+SMALL_SKIP_AFTER = 8      # chunks trialed whole skip the trial after this many incompressible trials in a row
 HALFLIFE_BYTES = 64 << 20  # the averages forget half their weight every 64 MiB observed
 LEVELS = (-7, 22)         # zstd's levels, as vramd accepts them
 
@@ -272,6 +273,7 @@ class _State:
     compress: dict[Codec, _Rate] = field(default_factory=dict)
     compressing: bool = False
     chunks: int = 0
+    incompressible: int = 0  # trials in a row that found no codec worth it (ratio >= raw_above)
 
 
 class AutoPolicy:
@@ -366,16 +368,22 @@ class AutoPolicy:
             best = max(self._breakeven(c, margin) for c in self.codecs)
             probe = st.chunks % self.probe_every == 0
             typical = st.ratio.mean
+            incompressible = st.incompressible
         if best <= 0:
             return self._raw(f"CPU-bound: r* = {best:.3f} <= 0, no ratio pays")
         if best < typical - 0.1 and not probe:
             return self._raw(f"r* = {best:.3f} well below the typical ratio {typical:.3f}: trial skipped")
+        if incompressible >= SMALL_SKIP_AFTER and chunk.nbytes <= self.samples * self.sample_size and not probe:
+            # a chunk this small is trialed whole, once per candidate: several times the cost of compressing
+            # it, paid per chunk (10,000 BOs of 4 KiB: 1 in 8 of the daemon's CPU) where nothing lately paid
+            return self._raw(f"the last {incompressible} trials found nothing to gain: small chunk's trial skipped")
         choice = choose(sample_slices(chunk, self.samples, self.sample_size), self.codecs, self.raw_above)
         sampled = min(chunk.nbytes, self.samples * self.sample_size)
         with self._lock:
             st = self._state
             if choice.trial:
                 st.ratio.add(choice.best_ratio, sampled)
+                st.incompressible = st.incompressible + 1 if choice.best_ratio >= self.raw_above else 0
             if choice.codec.kind == "raw":
                 st.compressing = False
                 return choice
