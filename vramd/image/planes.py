@@ -171,9 +171,12 @@ def zstd_frame_length(p: memoryview) -> int:
     zstd's streaming decoder accepts a frame whose 4-byte content checksum is
     missing or cut short (it sees no more input and stops), so the length is
     walked here, block header by block header (64 of them in an 8 MiB chunk), as
-    ZSTD_findFrameCompressedSize does.  The header itself was validated already.
+    ZSTD_findFrameCompressedSize does.  A header too short to read (an empty payload) is cut short too.
     """
-    at = zstandard.frame_header_size(p)
+    try:
+        at = zstandard.frame_header_size(p)
+    except zstandard.ZstdError:
+        return -1
     while True:
         if at + 3 > len(p):
             return -1
