@@ -41,6 +41,16 @@ def memfd(data: bytes = b"", size: int | None = None) -> int:
     return fd
 
 
+def bf16_like(n: int, seed: int) -> bytes:
+    """Bytes shaped like bf16 weights: random mantissas, a narrow band of exponents."""
+    rnd = random.Random(seed)
+    out = bytearray(n)
+    for i in range(0, n, 2):
+        out[i] = rnd.getrandbits(8)
+        out[i + 1] = 0x3C + rnd.getrandbits(2)
+    return bytes(out)
+
+
 def open_dir(path) -> int:
     return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
 

@@ -242,6 +242,23 @@ def test_restore_failing_before_start_ends_the_session(daemon, image_dir):
     os.close(src)
 
 
+def _serves_another_client(daemon, tmp_path) -> None:
+    """The daemon is alive and dumps another client's BO."""
+    other = tmp_path / "after"
+    other.mkdir()
+    ofd = os.open(other, os.O_RDONLY | os.O_DIRECTORY)
+    data = os.urandom(1 << 20)
+    src = memfd(data)
+    try:
+        with Client(daemon.socket) as c:
+            info = c.run_session(SESSION_DUMP, ofd, [ClientBo(1, src, size=len(data), backend="mmap")])
+            assert info.image.bo_bytes == len(data)
+    finally:
+        os.close(src)
+        os.close(ofd)
+    assert daemon.proc.poll() is None
+
+
 def test_memfd_truncated_mid_dump_fails_that_session_only(daemon, image_dir, tmp_path):
     """A client passes a 4 GiB memfd as an mmap BO and truncates it to 0 while the daemon dumps it.
 
@@ -268,20 +285,7 @@ def test_memfd_truncated_mid_dump_fails_that_session_only(daemon, image_dir, tmp
             assert "truncated" in ei.value.message
     finally:
         os.close(fd)
-    # the daemon is alive and serves another client
-    other = tmp_path / "other"
-    other.mkdir()
-    ofd = os.open(other, os.O_RDONLY | os.O_DIRECTORY)
-    data = os.urandom(3 << 20)
-    src = memfd(data)
-    try:
-        with Client(daemon.socket) as c:
-            info = c.run_session(SESSION_DUMP, ofd, [ClientBo(1, src, size=len(data), backend="mmap")])
-            assert info.image.bo_bytes == len(data)
-    finally:
-        os.close(src)
-        os.close(ofd)
-    assert daemon.proc.poll() is None
+    _serves_another_client(daemon, tmp_path)
 
 
 def test_image_files_the_client_attaches_are_checked(daemon, image_dir, tmp_path):
@@ -335,23 +339,6 @@ def test_image_files_the_client_attaches_are_checked(daemon, image_dir, tmp_path
             for fd in (ro, rw, other, r, w):
                 os.close(fd)
         c.close_session(s.token)
-
-
-def _serves_another_client(daemon, tmp_path) -> None:
-    """The daemon is alive and dumps another client's BO."""
-    other = tmp_path / "after"
-    other.mkdir()
-    ofd = os.open(other, os.O_RDONLY | os.O_DIRECTORY)
-    data = os.urandom(1 << 20)
-    src = memfd(data)
-    try:
-        with Client(daemon.socket) as c:
-            info = c.run_session(SESSION_DUMP, ofd, [ClientBo(1, src, size=len(data), backend="mmap")])
-            assert info.image.bo_bytes == len(data)
-    finally:
-        os.close(src)
-        os.close(ofd)
-    assert daemon.proc.poll() is None
 
 
 @pytest.mark.parametrize("when", ["before start", "mid copy"])

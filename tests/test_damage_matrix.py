@@ -14,7 +14,7 @@ import random
 import shutil
 
 import pytest
-from helpers import engine, memfd, open_dir, run
+from helpers import bf16_like, engine, memfd, open_dir, run
 
 from vramd import errors
 from vramd.backends import BoRef
@@ -24,15 +24,6 @@ from vramd.image.format import RECORD_PREFIX, chunk_record, decode_manifest, dec
 from vramd.pb import image_pb2 as pb
 
 CHUNK = 64 << 10
-
-
-def _bf16_like(n: int, seed: int) -> bytes:
-    rnd = random.Random(seed)
-    out = bytearray(n)
-    for i in range(0, n, 2):
-        out[i] = rnd.getrandbits(8)
-        out[i + 1] = 0x3C + rnd.getrandbits(2)
-    return bytes(out)
 
 
 def _nudged(b: bytes, seed: int) -> bytes:
@@ -63,8 +54,8 @@ rnd = random.Random(12)
 KINDS = {
     "raw": (pb.CODEC_RAW, "none", {1: rnd.randbytes(4 * CHUNK), 2: rnd.randbytes(CHUNK + 77)}, None),
     "zstd": (pb.CODEC_ZSTD, "zstd", {1: text, 2: rnd.randbytes(CHUNK)}, None),
-    "bplanes": (pb.CODEC_PLANES, "bplanes", {1: _bf16_like(4 * CHUNK, 3), 2: rnd.randbytes(CHUNK)}, None),
-    "xor": (pb.CODEC_XOR, "zstd", {1: _nudged(_bf16_like(4 * CHUNK, 5), 6)}, {1: _bf16_like(4 * CHUNK, 5)}),
+    "bplanes": (pb.CODEC_PLANES, "bplanes", {1: bf16_like(4 * CHUNK, 3), 2: rnd.randbytes(CHUNK)}, None),
+    "xor": (pb.CODEC_XOR, "zstd", {1: _nudged(bf16_like(4 * CHUNK, 5), 6)}, {1: bf16_like(4 * CHUNK, 5)}),
     "dedup": (pb.CODEC_RAW, "none", {1: rnd.randbytes(2 * CHUNK)}, None),
 }
 KINDS["dedup"][2][2] = KINDS["dedup"][2][1][CHUNK:] + rnd.randbytes(CHUNK)  # BO 2's chunk 0 is BO 1's chunk 1
@@ -98,13 +89,14 @@ def _records(path) -> tuple[pb.Manifest, list[tuple[int, int, int, int, int, int
     length, codec, chunk table ref)."""
     m = decode_manifest((path / "manifest.vrdm").read_bytes())
     out = []
+    files = [(path / f.name).read_bytes() for f in m.files]
     for bo in m.bos:
         for i, ref in enumerate(bo.chunk_refs):
             r = chunk_record(m, bo, i)
             if r is None:
                 continue
             fi, off, ln, _ = r
-            blob = (path / m.files[fi].name).read_bytes()[off:off + ln]
+            blob = files[fi][off:off + ln]
             head = decode_record_head(blob, bo_id=bo.id, offset=i * m.chunk_size, where="test",
                                       content_hash=m.chunks.hashes[(ref - 1) * 32:ref * 32])[0]
             out.append((bo.id, i, fi, off, ln, head.codec, ref))

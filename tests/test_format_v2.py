@@ -7,7 +7,7 @@ import os
 import random
 
 import pytest
-from helpers import engine, memfd, open_dir, run, v1_contents, v1_image
+from helpers import bf16_like, engine, memfd, open_dir, run, v1_contents, v1_image
 
 from vramd import errors
 from vramd.backends import BoRef
@@ -64,16 +64,6 @@ def _verify(dfd, parent_fds=()):
         async with engine(staging_budget=16 * MiB) as e:
             return await e.verify(dfd, parent_fds=parent_fds)
     return run(go())
-
-
-def _bf16_like(n, seed):
-    """Bytes shaped like bf16 weights: random mantissas, a narrow band of exponents."""
-    rnd = random.Random(seed)
-    out = bytearray(n)
-    for i in range(0, n, 2):
-        out[i] = rnd.getrandbits(8)
-        out[i + 1] = 0x3C + rnd.getrandbits(2)
-    return bytes(out)
 
 
 def _dirs(tmp_path, *names):
@@ -164,7 +154,7 @@ def test_a_dedup_reference_to_a_corrupt_record_names_the_bo_that_needs_it(tmp_pa
 
 def _three_bos(seed):
     rnd = random.Random(seed)
-    return {1: rnd.randbytes(4 * CHUNK), 2: _bf16_like(2 * CHUNK, seed), 3: rnd.randbytes(CHUNK + 77)}
+    return {1: rnd.randbytes(4 * CHUNK), 2: bf16_like(2 * CHUNK, seed), 3: rnd.randbytes(CHUNK + 77)}
 
 
 def test_an_incremental_image_stores_only_what_changed(tmp_path):
@@ -183,7 +173,7 @@ def test_an_incremental_image_stores_only_what_changed(tmp_path):
 
 def test_slightly_changed_chunks_are_stored_as_deltas(tmp_path):
     (_pp, pfd), (_cp, cfd) = _dirs(tmp_path, "parent", "child")
-    parent = {1: _bf16_like(4 * CHUNK, 7)}
+    parent = {1: bf16_like(4 * CHUNK, 7)}
     _dump(pfd, parent, compression="zstd")
     w = bytearray(parent[1])
     rnd = random.Random(8)
@@ -200,7 +190,7 @@ def test_slightly_changed_chunks_are_stored_as_deltas(tmp_path):
 
 def test_a_three_deep_chain_restores_and_deltas_keep_a_plain_base(tmp_path):
     dirs = _dirs(tmp_path, "g0", "g1", "g2", "g3")
-    states = [{1: _bf16_like(3 * CHUNK, 3), 2: os.urandom(CHUNK)}]
+    states = [{1: bf16_like(3 * CHUNK, 3), 2: os.urandom(CHUNK)}]
     _dump(dirs[0][1], states[0])
     for k in range(1, 4):
         w = bytearray(states[-1][1])
@@ -308,7 +298,7 @@ def test_a_dump_into_its_parents_directory_is_refused(tmp_path):
 @pytest.mark.parametrize("compression", ["bplanes", "bplanes:3", "auto", "zstd:3"])
 def test_float_aware_and_auto_codecs_round_trip(tmp_path, compression):
     (_path, dfd), = _dirs(tmp_path, "img")
-    data = {1: _bf16_like(3 * CHUNK + 10, 11), 2: os.urandom(CHUNK), 3: bytes(CHUNK) + b"tail"}
+    data = {1: bf16_like(3 * CHUNK + 10, 11), 2: os.urandom(CHUNK), 3: bytes(CHUNK) + b"tail"}
     m = _dump(dfd, data, compression=compression)
     assert _restore(dfd, {i: len(d) for i, d in data.items()}) == data
     _verify(dfd)
@@ -409,7 +399,7 @@ def test_parent_records_anyone_else_may_write_are_checked_by_content_hash(tmp_pa
 def test_flatten_of_a_chain_with_deltas_restores_without_parents(tmp_path):
     from vramd.image.flatten import flatten
     dirs = _dirs(tmp_path, "g0", "g1", "g2", "flat")
-    states = [{1: _bf16_like(3 * CHUNK, 5)}]
+    states = [{1: bf16_like(3 * CHUNK, 5)}]
     _dump(dirs[0][1], states[0])  # codec none: the flattened deltas still decode
     for k in (1, 2):
         w = bytearray(states[-1][1])
@@ -458,7 +448,7 @@ def test_a_parent_entry_naming_a_file_the_parent_lacks_is_a_corrupt_manifest(tmp
 def test_a_delta_against_a_parent_dumped_without_dedup_keeps_a_plain_base(tmp_path):
     """A parent without dedup may hold the same bytes twice, once as a delta: a child's base is the plain one."""
     dirs = _dirs(tmp_path, "g0", "g1", "g2")
-    w0 = _bf16_like(CHUNK, 21)
+    w0 = bf16_like(CHUNK, 21)
     w1 = bytearray(w0)
     w1[100] ^= 1
     _dump(dirs[0][1], {1: w0})
