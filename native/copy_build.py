@@ -32,7 +32,7 @@ ffibuilder = FFI()
 ffibuilder.cdef(CDEF)
 ffibuilder.set_source(
     "vramd.hostmem._copy", '#include "vd_copy.h"\n',
-    sources=[os.path.relpath(os.path.join(HERE, "copy", "vd_copy.c"))],
+    sources=[os.path.relpath(os.path.join(HERE, "copy", name)) for name in ("vd_copy.c", "vd_xxh3_avx2.c")],
     include_dirs=[os.path.join(HERE, "copy")],
     extra_compile_args=["-O2", "-Wall", "-Wextra"],
 )

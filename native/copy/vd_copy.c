@@ -10,6 +10,35 @@
 #define XXH_INLINE_ALL
 #include <xxhash.h>
 
+#include "vd_xxh3.h"
+
+#ifdef VD_HAVE_AVX2_BUILD
+/* Whether this CPU runs vd_xxh3_avx2.c's build; set once, when the module is loaded. */
+static int vd_avx2;
+
+__attribute__((constructor)) static void vd_pick_xxh3(void)
+{
+    __builtin_cpu_init();
+    vd_avx2 = __builtin_cpu_supports("avx2");
+}
+
+static void xxh3_update(XXH3_state_t *st, const void *p, size_t n)
+{
+    if (vd_avx2)
+        vd_xxh3_update_avx2(st, p, n);
+    else
+        XXH3_64bits_update(st, p, n);
+}
+
+static uint64_t xxh3(const void *p, size_t n)
+{
+    return vd_avx2 ? vd_xxh3_avx2(p, n) : XXH3_64bits(p, n);
+}
+#else
+#define xxh3_update(st, p, n) XXH3_64bits_update((st), (p), (n))
+#define xxh3(p, n) XXH3_64bits((p), (n))
+#endif
+
 /* Bytes moved, then hashed and scanned, at a time: small enough to still be in this
  * core's L2 cache when the hash reads them back. */
 #define VD_BLOCK ((size_t)256 << 10)
@@ -94,7 +123,7 @@ static void run_one(struct vd_copy *c, unsigned flags)
         if (known) {
             uint64_t upto = off < hi ? off : hi;
             if (upto > hashed) {
-                XXH3_64bits_update(&st, mem + hashed, (size_t)(upto - hashed));
+                xxh3_update(&st, mem + hashed, (size_t)(upto - hashed));
                 hashed = upto;
             }
         }
@@ -117,7 +146,7 @@ long vd_copy_batch(struct vd_copy *c, size_t n, unsigned flags)
 
 uint64_t vd_xxh3(uint64_t p, size_t n)
 {
-    return XXH3_64bits((const void *)(uintptr_t)p, n);
+    return xxh3((const void *)(uintptr_t)p, n);
 }
 
 void vd_xor(unsigned char *dst, const unsigned char *src, size_t n)
