@@ -1,8 +1,8 @@
 /* xxh3-64 built for AVX2: the batch copier (vd_copy.c) calls these in place of its
  * baseline (SSE2) build where the CPU has AVX2.  Same function, same digests; the
  * baseline build stays for every other x86-64 CPU.  Measured on our 2-core EPYC VM:
- * 0.04 CPU s/GiB against 0.07 for the baseline, on 256 KiB blocks. */
-#if defined(__x86_64__) || defined(__i386__)
+ * 0.046 CPU s/GiB against 0.073 for the baseline, hashing 8 MiB in 256 KiB blocks. */
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__) && !defined(__clang__)
 #pragma GCC target("avx2")
 #define XXH_INLINE_ALL
 #define XXH_VECTOR XXH_AVX2
@@ -19,4 +19,6 @@ void vd_xxh3_update_avx2(XXH3_state_t *st, const void *p, size_t n)
 {
     XXH3_64bits_update(st, p, n);
 }
+#else
+typedef int vd_xxh3_avx2_unused;  /* ISO C wants a translation unit to declare something */
 #endif
