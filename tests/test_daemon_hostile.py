@@ -242,6 +242,14 @@ def test_restore_failing_before_start_ends_the_session(daemon, image_dir):
     os.close(src)
 
 
+def _kill_once_copying(c: Client, token: str, proc: subprocess.Popen) -> None:
+    """SIGKILL the process whose memory the started session `token` moves, once its first bytes moved."""
+    while c.progress(token).progress.bytes_done == 0:  # the copy has begun
+        pass
+    proc.kill()
+    proc.wait()
+
+
 def _serves_another_client(daemon, tmp_path) -> None:
     """The daemon is alive and dumps another client's BO."""
     other = tmp_path / "after"
@@ -358,10 +366,7 @@ def test_source_process_exiting_mid_dump_fails_that_session_only(daemon, image_d
                 w.proc.wait()
             c.start(s.token)
             if when == "mid copy":
-                while c.progress(s.token).progress.bytes_done == 0:  # the copy has begun
-                    pass
-                w.proc.kill()
-                w.proc.wait()
+                _kill_once_copying(c, s.token, w.proc)
             with pytest.raises(UnmappedRangeError) as ei:
                 c.wait(s.token)
         finally:
@@ -392,10 +397,7 @@ def test_target_process_exiting_mid_restore_fails_that_session_only(daemon, imag
             s = c.open_session(SESSION_RESTORE, image_dir[1])
             c.add_bos(s.token, [ClientBo(1, mem, offset=regions[0]["addr"], size=size, backend="procmem")])
             c.start(s.token)
-            while c.progress(s.token).progress.bytes_done == 0:  # the copy has begun
-                pass
-            dst.proc.kill()
-            dst.proc.wait()
+            _kill_once_copying(c, s.token, dst.proc)
             with pytest.raises(UnmappedRangeError) as ei:
                 c.wait(s.token)
         finally:
