@@ -168,6 +168,21 @@ int vramd__open_image_file(int dir_fd, const char *name, bool direct, int min_fd
     int f = open_at(dir_fd, name, O_RDONLY | OPEN_FLAGS, min_fd);
     if (f < 0)
         return fail_name(err, -f, "open", name, dir_fd);
+    /* an image is data: a FIFO, socket or device under an image file's name is refused, never read */
+    struct stat st;
+    if (fstat(f, &st) < 0) {
+        int e = errno;
+        vramd__close_fd(f);
+        return fail_name(err, e, "stat", name, dir_fd);
+    }
+    if (!S_ISREG(st.st_mode)) {
+        vramd__close_fd(f);
+        char dir[PATH_MAX];
+        vramd__dir_label(dir_fd, dir, sizeof dir);
+        int code = strcmp(name, VRAMD__MANIFEST_NAME) == 0 ? VRAMD_CODE_CORRUPT_MANIFEST
+                                                           : VRAMD_CODE_FOREIGN_DATA_FILE;
+        return vramd__fail(err, -EINVAL, code, "%s in %s is not a regular file", name, dir);
+    }
     *fd = f;
     if (direct)
         *direct_fd = open_direct(dir_fd, name, O_RDONLY, f, min_fd);

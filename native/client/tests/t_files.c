@@ -4,7 +4,8 @@
  * image (docs/protocol.md, "Image files: the client's rights").  A dump's files
  * are the caller's and nothing is in place until its Wait returns OK; a dump
  * that does not commit leaves nothing; one dump per directory; a restore or
- * verify of a file the caller cannot open fails here, naming the file.
+ * verify of a file the caller cannot open, or that is not a regular file, fails
+ * here, naming the file.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -268,6 +269,14 @@ static int t_unreadable_image(void)
                   strstr(err.message, "symbolic link"),
               "kind %d, data file a symlink: %d %s: %s", kinds[k], r, vramd_code_name(err.code), err.message);
     }
+    /* a FIFO in its place: refused here as not a regular file, never read, never handed to the daemon */
+    CHECK(unlink(p) == 0 && mkfifo(p, 0600) == 0, "mkfifo");
+    for (int k = 0; k < 2; k++) {
+        int r = restore_one(c, kinds[k], dfd, dst, &err);
+        CHECK(r == -EINVAL && err.code == VRAMD_CODE_FOREIGN_DATA_FILE && strstr(err.message, data) &&
+                  strstr(err.message, "not a regular file"),
+              "kind %d, data file a FIFO: %d %s: %s", kinds[k], r, vramd_code_name(err.code), err.message);
+    }
     CHECK(check_memfd(dst, BO_BYTES, 0, 0, 0) < 0, "a refused restore wrote a byte");
     CHECK(unlink(p) == 0 && rename(q, p) == 0, "put back");
     /* no manifest: -ENOENT naming it and the directory */
@@ -282,6 +291,11 @@ static int t_unreadable_image(void)
     CHECK(symlink("moved", p) == 0, "symlink");
     int r = restore_one(c, VRAMD_SESSION_VERIFY, dfd, dst, &err);
     CHECK(r == -ELOOP && strstr(err.message, "manifest.vrdm"), "manifest a symlink: %d %s", r, err.message);
+    CHECK(unlink(p) == 0 && mkfifo(p, 0600) == 0, "mkfifo");
+    r = restore_one(c, VRAMD_SESSION_VERIFY, dfd, dst, &err);
+    CHECK(r == -EINVAL && err.code == VRAMD_CODE_CORRUPT_MANIFEST && strstr(err.message, "manifest.vrdm") &&
+              strstr(err.message, "not a regular file"),
+          "manifest a FIFO: %d %s: %s", r, vramd_code_name(err.code), err.message);
     CHECK(unlink(p) == 0 && rename(q, p) == 0, "put back");
     /* and as it was, it restores */
     OK(restore_one(c, VRAMD_SESSION_VERIFY, dfd, dst, &err), &err);
