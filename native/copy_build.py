@@ -22,6 +22,7 @@ struct vd_copy {
     uint64_t hash; uint64_t done; uint64_t payload_at; int32_t err; int32_t zero;
 };
 long vd_copy_batch(struct vd_copy *c, size_t n, unsigned flags);
+int vd_xxh3_use_avx2(int want);
 uint64_t vd_xxh3(uint64_t p, size_t n);
 void vd_xor(unsigned char *dst, const unsigned char *src, size_t n);
 void vd_planes_split(const uint8_t *src, uint8_t *dst, size_t n, unsigned word);

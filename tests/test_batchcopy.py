@@ -52,6 +52,43 @@ def test_copies_hash_and_zero_scan(flavour):
         os.close(dst)
 
 
+@pytest.fixture(params=["avx2", "baseline"])
+def xxh3_build(request):
+    """The C module's xxh3 builds in turn: the AVX2 build only where it exists and this CPU has AVX2,
+    and always the baseline one (what a CPU without AVX2 runs, whatever this machine is)."""
+    if not batchcopy.NATIVE:
+        pytest.skip("vramd.hostmem._copy is not built (needs <xxhash.h>: libxxhash-dev)")
+    lib = batchcopy._copy.lib
+    chosen = lib.vd_xxh3_use_avx2(1)  # what the module chose at load: the best build this CPU runs
+    if request.param == "avx2" and not chosen:
+        pytest.skip("no AVX2 build of xxh3 here, or no AVX2 on this CPU")
+    try:
+        assert lib.vd_xxh3_use_avx2(request.param == "avx2") == (request.param == "avx2")
+        yield request.param
+    finally:
+        lib.vd_xxh3_use_avx2(chosen)
+
+
+def test_each_xxh3_build_gives_xxhash_digests(xxh3_build):
+    """Whole-buffer and block-by-block (streamed across the copier's 256 KiB blocks) digests equal the
+    xxhash package's, at every length class xxh3 treats differently."""
+    block = batchcopy.BLOCK
+    sizes = [0, 1, 3, 4, 8, 9, 16, 17, 128, 129, 240, 241, 1000, 1024, 4096, 65_537, block - 1, block, block + 1,
+             3 * block + 123]
+    data = os.urandom(max(sizes))
+    src, buf = _buffer(len(data)), _buffer(len(data))
+    try:
+        src.view[:] = data
+        for n in sizes:
+            want = xxhash.xxh3_64_intdigest(data[:n])
+            assert batchcopy.xxh3(src.address, n) == want, n
+            outs, failed = copy_batch([Copy(-1, src.address, -1, buf.address, n)], HASH)
+            assert failed == -1 and outs[0].hash == want, n
+    finally:
+        src.unmap()
+        buf.unmap()
+
+
 def test_record_payload_hash_and_end_of_file(flavour):
     payload = os.urandom(700_000)
     head = record_head(5, 0, len(payload), pb.CODEC_RAW, len(payload), xxhash.xxh3_64_intdigest(payload))

@@ -144,6 +144,18 @@ long vd_copy_batch(struct vd_copy *c, size_t n, unsigned flags)
     return -1;
 }
 
+int vd_xxh3_use_avx2(int want)
+{
+#ifdef VD_HAVE_AVX2_BUILD
+    __builtin_cpu_init();
+    vd_avx2 = want && __builtin_cpu_supports("avx2");
+    return vd_avx2;
+#else
+    (void)want;
+    return 0;
+#endif
+}
+
 uint64_t vd_xxh3(uint64_t p, size_t n)
 {
     return xxh3((const void *)(uintptr_t)p, n);

@@ -38,6 +38,11 @@ struct vd_copy {
  * failed piece, or -1 when all succeeded.  Pieces after a failure are not touched. */
 long vd_copy_batch(struct vd_copy *c, size_t n, unsigned flags);
 
+/* Which xxh3 build runs from now on: the AVX2 one when `want` and this CPU has AVX2, else the
+ * baseline.  Returns 1 when the AVX2 build is in use.  Set once at load to the CPU's best; the
+ * tests call it to run both builds on one machine (it is not safe during a copy in another thread). */
+int vd_xxh3_use_avx2(int want);
+
 /* xxh3-64 of n bytes at address p (the image format's checksum). */
 uint64_t vd_xxh3(uint64_t p, size_t n);
 
