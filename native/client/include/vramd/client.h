@@ -128,8 +128,9 @@ enum vramd_code {
  * no reply within vramd_options.timeout_ms -ETIME (the connection is then
  * broken); a call on a broken connection -ENOTCONN.  An image file the
  * caller may not open -EACCES (the message names the file and the uid), a
- * missing one -ENOENT, a symbolic link -ELOOP; a dump's directory that
- * another dump holds -EBUSY.
+ * missing one -ENOENT, a symbolic link -ELOOP, one that is not a regular
+ * file -EINVAL (code FOREIGN_DATA_FILE, or CORRUPT_MANIFEST for the
+ * manifest); a dump's directory that another dump holds -EBUSY.
  */
 struct vramd_error {
     int errnum;                        /* the negative return value */
@@ -317,7 +318,8 @@ struct vramd_open_args {
  *   them (a verify starts once the last is attached).
  * A file that cannot be opened is a local error naming it (and the directory):
  * -ENOENT (a missing manifest.vrdm: "no image in DIR"), -EACCES naming the
- * uid whose rights were missing, -ELOOP for a symbolic link.  A session the
+ * uid whose rights were missing, -ELOOP for a symbolic link, -EINVAL for a
+ * FIFO, socket or device under an image file's name.  A session the
  * daemon opened but whose files could not be attached is closed again.
  */
 VRAMD_API int vramd_open_session(struct vramd_conn *conn, const struct vramd_open_args *args,
