@@ -187,6 +187,28 @@ def test_incremental_dump_restore_verify_flatten(daemon, tmp_path):
     assert not gone.exists()
 
 
+def test_rm_is_refused_while_a_dump_holds_the_directory(daemon, tmp_path):
+    """vramctl rm takes the image directory's lock, as a dump does: while a dump writes into the directory
+    (here the client side of one, DumpDirectory, holding the lock) rm removes nothing; then it does."""
+    from vramd.image.local import DumpDirectory
+    bo, img = tmp_path / "bo.bin", tmp_path / "img"
+    bo.write_bytes(os.urandom(100_000))
+    r = vramctl("dump", "--bo-file", str(bo), "--image", str(img), socket=daemon.socket)
+    assert r.returncode == 0, r.stderr
+    files = sorted(os.listdir(img))
+    dfd = os.open(img, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with DumpDirectory(dfd, replace_parent=True):
+            r = vramctl("rm", str(img))
+            assert r.returncode == 1 and "another dump is writing into" in r.stderr and str(img) in r.stderr, r.stderr
+            assert sorted(os.listdir(img)) == files
+    finally:
+        os.close(dfd)
+    r = vramctl("rm", str(img))
+    assert r.returncode == 0, r.stderr
+    assert not img.exists()
+
+
 def test_socket_goes_before_or_after_the_command(daemon, tmp_path):
     for args in (["--socket", daemon.socket, "status", "--json"], ["status", "--socket", daemon.socket, "--json"],
                  ["sessions", "--json", "--socket", daemon.socket]):

@@ -561,11 +561,16 @@ PARENT_HELP = ("an incremental image's parent directory, where it is not where t
 def cmd_rm(ns: argparse.Namespace) -> int:
     """Remove an image: refused while incremental images are marked as needing it; an incremental image
     first removes its marks from its parents.  Only vramd's own files go (the manifest first: from then on
-    the directory holds no image), then the directory if nothing else is left in it."""
+    the directory holds no image), then the directory if nothing else is left in it.  All under the
+    directory's lock, as a dump holds it: refused while a dump writes into the directory, and a child
+    dump marking this image as its parent (under the same lock) either comes first, and the mark
+    refuses the removal, or fails to mark."""
     from ..image.format import CHILD_MARK, MANIFEST_NAME, child_mark_name, is_data_file_name, is_own_temporary
+    from ..image.local import lock_directory
     dfd = open_image_dir(ns.dir, create=False)
     fds = [dfd]
     try:
+        fds.append(lock_directory(dfd, ns.dir))  # closed (unlocked) last, with the others
         m = read_manifest_offline(dfd, ns.dir)
         children = sorted(n for n in os.listdir(dfd) if CHILD_MARK.fullmatch(n))
         if children:
