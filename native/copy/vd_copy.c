@@ -13,13 +13,13 @@
 #include "vd_xxh3.h"
 
 #ifdef VD_HAVE_AVX2_BUILD
-/* Whether this CPU runs vd_xxh3_avx2.c's build; set once, when the module is loaded. */
+/* Whether vd_xxh3_avx2.c's build runs: set when the module is loaded, to whether this CPU has AVX2
+ * (vd_xxh3_use_avx2). */
 static int vd_avx2;
 
 __attribute__((constructor)) static void vd_pick_xxh3(void)
 {
-    __builtin_cpu_init();
-    vd_avx2 = __builtin_cpu_supports("avx2");
+    vd_xxh3_use_avx2(1);
 }
 
 static void xxh3_update(XXH3_state_t *st, const void *p, size_t n)
