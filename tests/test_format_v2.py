@@ -188,6 +188,25 @@ def test_slightly_changed_chunks_are_stored_as_deltas(tmp_path):
     assert _restore(cfd, {1: len(w)}, parent_fds=[pfd]) == child
 
 
+def test_a_delta_is_kept_only_where_it_saves_a_quarter_of_the_chunk(tmp_path):
+    """Each restore pays for a delta with its base's read and decode: a delta that saves little is not kept."""
+    (_pp, pfd), (_cp, cfd) = _dirs(tmp_path, "parent", "child")
+    rnd = random.Random(11)
+    parent = {1: rnd.randbytes(2 * CHUNK)}  # incompressible: the plain records are raw
+    _dump(pfd, parent)
+    w = bytearray(parent[1])
+    for lo, share in ((0, 0.10), (CHUNK, 0.90)):  # chunk 0: a tenth of its bytes changed; chunk 1: nine tenths
+        for i in rnd.sample(range(lo, lo + CHUNK), int(share * CHUNK)):
+            w[i] ^= rnd.randrange(1, 256)
+    child = {1: bytes(w)}
+    m = _dump(cfd, child, parent_fds=[pfd])
+    assert m.totals.delta_bytes == CHUNK  # chunk 0 only: chunk 1's delta (a tenth of it zeros) saves too little
+    bases = [m.chunks.base[r - 1] for r in m.bos[0].chunk_refs]  # chunk_refs: 1 + the entry index
+    assert bool(bases[0]) and not bases[1]
+    assert m.totals.stored_bytes < CHUNK + 0.5 * CHUNK
+    assert _restore(cfd, {1: len(w)}, parent_fds=[pfd]) == child
+
+
 def test_a_three_deep_chain_restores_and_deltas_keep_a_plain_base(tmp_path):
     dirs = _dirs(tmp_path, "g0", "g1", "g2", "g3")
     states = [{1: bf16_like(3 * CHUNK, 3), 2: os.urandom(CHUNK)}]

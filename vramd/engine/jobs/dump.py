@@ -49,6 +49,12 @@ HOLE = "hole"  # a piece's kind besides chunks.STORE / DUP / PARENT: all zero, n
 
 DEFAULT_MAX_CHAIN = 8  # parents an incremental image may have (EngineConfig.max_chain_depth)
 DELTA_GIVE_UP = 4      # a BO whose chunks lost this many delta trials in a row stops trying
+# A delta is kept only where it is smaller than the chunk's plain record by at least this fraction of the chunk's
+# raw length.  Every restore pays for a delta with a second record read and decode (its base's): on the bench
+# corpus (bench/README.md, image_size.py), deltas of Adam moments and gradients that saved 0.3-22 % made a 3-deep
+# chain restore at 0.82-0.88 x its flattened copy.  Fine-tuned bf16 weights (deltas ~2 % of the chunk), fp32
+# master weights and changed KV-cache slots (both saving a quarter to a half) keep theirs.
+DELTA_MIN_SAVING = 0.25
 
 
 def dump_buffers(compression: Compression, *, incremental: bool) -> int:
@@ -297,7 +303,8 @@ class DumpEnds:
         return done
 
     def _try_delta(self, t: ChunkTask[DumpBo], bufs: list[StagingBuffer], p: Piece) -> None:
-        """Store the piece as its XOR against the parent's chunk at the same BO offset, where that is smaller.
+        """Store the piece as its XOR against the parent's chunk at the same BO offset, where that saves at
+        least DELTA_MIN_SAVING of the chunk's length.
 
         The base is always a plain record (a delta's own base where the parent's chunk is a delta), so a
         restore reads at most two records for a chunk, however deep the chain."""
@@ -323,7 +330,7 @@ class DumpEnds:
         finally:
             base.release()
             new.release()
-        if len(enc.payload) < len(p.enc.payload):
+        if len(p.enc.payload) - len(enc.payload) >= DELTA_MIN_SAVING * t.length:
             p.enc, p.base = enc, loc.chash
             bo.delta_misses = 0
         else:
