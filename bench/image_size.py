@@ -28,7 +28,11 @@ Scenarios:
                 the next state dumped with the base image as its parent (incremental);
                 needs the engine's parent option, else "not available in this build"
   chain         base -> finetune -> finetune2 as a 3-deep chain: restore of the newest
-                vs restore of the same state dumped whole (flattened)
+                vs restore of the same state dumped whole (flattened), the two in alternating order
+  bounds, bounds-xz
+                (not run by default) how small the base state's bytes can get, per group: the
+                order-0 entropy of each float field; bounds-xz adds `xz -9` on the non-zero
+                pages split into byte planes (minutes: xz runs at ~1 MiB/s)
 
 Targets (issue #10) are printed met / MISSED / n/a.
 """
@@ -344,9 +348,10 @@ def bench_chain(c: corpus_mod.Corpus, codecs: dict[str, Compression], sink: str,
                 run_dump(ld, d, comp, parents=dirs[:i][::-1])
             chain = dirs[:-1][::-1]  # the newest image's parents, nearest first
             flat_d = [flatten_image(dirs[-1], chain, flat)]
-            for rep in range(reps):
-                chain_r.append(run_restore(loaded[-1], dirs[-1], check=rep == 0, parents=chain))
-                flat_r.append(run_restore(loaded[-1], flat, check=rep == 0))
+            for rep in range(reps):  # the order alternates: neither always restores right after the other
+                runs = [(chain_r, dirs[-1], chain), (flat_r, flat, None)]
+                for out, image, parents in runs[::-1] if rep % 2 else runs:
+                    out.append(run_restore(loaded[-1], image, check=rep == 0, parents=parents))
             gib = loaded[-1].size / GiB
             rows.append(_row("chain3", name, sink, loaded[-1].size, loaded[-1].nonzero, flat_d, flat_r,
                              chain_restore_gbps=round(loaded[-1].size / _med(chain_r, "wall") / 1e9, 3),
@@ -389,6 +394,70 @@ def references(loaded: Loaded, sink: str, reps: int) -> list[dict]:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return out
+
+
+# Per dtype, the fields of one element (shift, bits): sign and exponent together, then the mantissa a byte
+# (or what is left of it) at a time.
+FIELDS = {"fp32": ((23, 9), (16, 7), (8, 8), (0, 8)), "bf16": ((7, 9), (0, 7)),
+          "fp16": ((10, 6), (8, 2), (0, 8))}
+
+
+def bounds(c: corpus_mod.Corpus, sink: str, xz: bool) -> list[dict]:
+    """How small the base state's bytes can get, per group, measured two ways (numpy; opt-in, slow with xz).
+
+    `fields`: the order-0 entropy of each float field (sign and exponent, then the mantissa's bytes), a BO
+    at a time: what a coder with one static table per field and BO stores.  `xz -9`: LZMA, which models
+    context and matches across BOs within 64 MiB, on each group's non-zero pages split into byte planes
+    (the strongest general-purpose coder at hand; ~1 MiB/s).  Neither is a proof of a limit: they show what
+    the bytes give to coders far slower than any codec a dump can afford."""
+    import numpy as np  # the bench extra brings it
+
+    def entropy_bits(symbols: np.ndarray, bits: int) -> float:
+        counts = np.bincount(symbols, minlength=1 << bits).astype(np.float64)
+        p = counts[counts > 0] / counts.sum()
+        return float(-(p * np.log2(p)).sum()) * symbols.size
+
+    groups: dict[str, dict] = {}
+    work = tempfile.mkdtemp(prefix="vramd-size-bounds-", dir=sink)
+    try:
+        for info in c.bos:
+            with open(c.path("base", info), "rb") as f:
+                pages = np.frombuffer(f.read(), dtype=np.uint8).reshape(-1, 4096)
+            nz = pages[pages.any(axis=1)]
+            if not nz.size:
+                continue
+            g = groups.setdefault(info.group, {"group": info.group, "nonzero_bytes": 0, "fields_bits": 0.0})
+            g["nonzero_bytes"] += nz.size
+            width = {"fp32": 4, "bf16": 2, "fp16": 2}.get(info.dtype, 1)
+            words = nz.reshape(-1).view({4: np.uint32, 2: np.uint16, 1: np.uint8}[width])
+            for shift, bits in FIELDS.get(info.dtype, ((0, 8),)):
+                g["fields_bits"] += entropy_bits(((words >> shift) & ((1 << bits) - 1)).astype(np.int64), bits)
+            if xz:
+                with open(os.path.join(work, info.group), "ab") as f:
+                    f.write(nz.reshape(-1, width).T.tobytes())
+        out = []
+        for name, g in groups.items():
+            row = {"group": name, "nonzero_bytes": g["nonzero_bytes"],
+                   "fields_bytes": round(g["fields_bits"] / 8),
+                   "fields_ratio": round(g["nonzero_bytes"] * 8 / g["fields_bits"], 3)}
+            if xz and shutil.which("xz"):
+                packed = len(subprocess.run(["xz", "-9", "-T1", "-c", os.path.join(work, name)],
+                                            capture_output=True, check=True).stdout)
+                row.update(xz_planes_bytes=packed, xz_planes_ratio=round(g["nonzero_bytes"] / packed, 3))
+            out.append(row)
+            print(f"  bounds {name:12s} {_mib(row['nonzero_bytes'])} MiB non-zero: fields {row['fields_ratio']}"
+                  + (f", xz -9 planes {row['xz_planes_ratio']}" if "xz_planes_ratio" in row else ""), flush=True)
+        total = {"group": "all", "nonzero_bytes": sum(r["nonzero_bytes"] for r in out),
+                 "fields_bytes": sum(r["fields_bytes"] for r in out)}
+        total["fields_ratio"] = round(total["nonzero_bytes"] / total["fields_bytes"], 3)
+        if out and all("xz_planes_bytes" in r for r in out):
+            total["xz_planes_bytes"] = sum(r["xz_planes_bytes"] for r in out)
+            total["xz_planes_ratio"] = round(total["nonzero_bytes"] / total["xz_planes_bytes"], 3)
+        print(f"  bounds all          fields {total['fields_ratio']}"
+              + (f", xz -9 planes {total['xz_planes_ratio']}" if "xz_planes_ratio" in total else ""), flush=True)
+        return [*out, total]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 # --- targets ------------------------------------------------------------------------------
@@ -536,6 +605,9 @@ def main(argv: list[str] | None = None) -> int:
     sinks = [ns.shm] + ([ns.sink_dir] if ns.sink_dir else [])
     rows: list[dict] = []
     refs: list[dict] = []
+    limits: list[dict] = []
+    if scenarios & {"bounds", "bounds-xz"}:
+        limits = bounds(c, ns.shm, xz="bounds-xz" in scenarios)
     for sink in sinks:
         if "single" in scenarios:
             loaded = Loaded(c, "base", c.bos)
@@ -580,7 +652,8 @@ def main(argv: list[str] | None = None) -> int:
         with open(ns.out, "w") as f:
             json.dump({"machine": {"cpus": os.cpu_count(), "uptime_end": end}, "corpus": csum,
                        "codecs_run": list(codecs), "skipped": skipped, "incremental": incremental,
-                       "dedup_switch": dedup_switch, "rows": rows, "references": refs, "targets": verdicts}, f,
+                       "dedup_switch": dedup_switch, "rows": rows, "references": refs, "bounds": limits,
+                       "targets": verdicts}, f,
                       indent=1)
     return 0
 
