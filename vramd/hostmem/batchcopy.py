@@ -112,8 +112,8 @@ if _copy is not None:
 def _native(copies: Sequence[Copy], flags: int) -> tuple[list[Outcome], int]:
     n = len(copies)
     pack = _VD_COPY.pack
-    raw = bytearray(b"".join([pack(c.src_fd, c.dst_fd, c.src, c.dst, c.length, c.rec_at, c.rec_len, 0, 0, 0, 0, 0)
-                              for c in copies]))
+    raw = bytearray().join([pack(c.src_fd, c.dst_fd, c.src, c.dst, c.length, c.rec_at, c.rec_len, 0, 0, 0, 0, 0)
+                            for c in copies])  # writable (the outcomes land in it), joined in one copy
     arr = _copy.ffi.from_buffer("struct vd_copy[]", raw)
     failed = int(_copy.lib.vd_copy_batch(arr, n, flags))  # cffi releases the GIL around the call
     last = n if failed < 0 else failed + 1
