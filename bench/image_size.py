@@ -428,8 +428,9 @@ def bounds(c: corpus_mod.Corpus, sink: str, xz: bool) -> list[dict]:
                 continue
             g = groups.setdefault(info.group, {"group": info.group, "nonzero_bytes": 0, "fields_bits": 0.0})
             g["nonzero_bytes"] += nz.size
-            width = {"fp32": 4, "bf16": 2, "fp16": 2}.get(info.dtype, 1)
-            words = nz.reshape(-1).view({4: np.uint32, 2: np.uint16, 1: np.uint8}[width])
+            words = nz.reshape(-1).view({"fp32": np.uint32, "bf16": np.uint16, "fp16": np.uint16}.get(info.dtype,
+                                                                                                   np.uint8))
+            width = words.itemsize
             for shift, bits in FIELDS.get(info.dtype, ((0, 8),)):
                 g["fields_bits"] += entropy_bits(((words >> shift) & ((1 << bits) - 1)).astype(np.int64), bits)
             if xz:
