@@ -208,17 +208,17 @@ def test_trial_skipped_when_typical_data_cannot_pay_but_probed(chunks):
 
 def test_small_incompressible_chunks_stop_being_trialed_but_are_probed(chunks):
     """A chunk no bigger than the trial's samples is compressed whole by every candidate to be judged: after
-    SMALL_SKIP_AFTER trials in a row found nothing, such chunks are stored raw untried except every
-    probe_every-th, and one probe that finds a gain starts trying them all again."""
+    SMALL_SKIP_AFTER trials in a row found nothing, such chunks are stored raw untried, probed once per
+    probe_small_bytes of them, and one probe that finds a gain starts trying them all again."""
     import os
-    p = AutoPolicy(1, workers=2, probe_every=16)
+    p = AutoPolicy(1, workers=2, probe_every=16, probe_small_bytes=20 * 4096)
     set_sink(p, 100e6)    # slow: compressing pays wherever the data compresses, so every chunk is tried
     set_compress(p, 0.5e9)
     random_small = memoryview(os.urandom(4096))
-    tried = [bool(p.decide(random_small).trial) for _ in range(64)]
     after = policy.SMALL_SKIP_AFTER
+    tried = [bool(p.decide(random_small).trial) for _ in range(after + 60)]
     assert all(tried[:after])
-    assert [i + 1 for i, t in enumerate(tried) if t][after:] == [16, 32, 48, 64]  # only the probes
+    assert [i + 1 for i, t in enumerate(tried) if t][after:] == [after + 20, after + 40, after + 60]  # the probes
     assert p.decide(chunks["random"]).trial  # a big chunk is still tried (its trial is a sample of it)
     text_small = memoryview((b"the quick brown fox " * 300)[:4096])
     while not (c := p.decide(text_small)).trial:  # the next probe

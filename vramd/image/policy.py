@@ -49,7 +49,11 @@ The trial itself is CPU the chunk pays even when it ends raw.  To keep a fast si
 candidate could pay: at r* <= 0 (CPU-bound: even r = 0 would not pay), and when r*
 lies well below the ratios recent trials found (the typical data would not pass);
 then only every PROBE_EVERY-th chunk (16) runs a trial, to notice data that
-compresses better.  All-zero chunks never get here: the writer stores holes.
+compresses better.  A chunk no bigger than the trial's samples is trialed whole,
+at ten times the cost of compressing it: after SMALL_SKIP_AFTER trials in a row
+found nothing worth it, such chunks are stored raw untried, and probed once per
+PROBE_SMALL_BYTES (4 MiB) of them.  All-zero chunks never get here: the writer
+stores holes.
 
 AutoPolicy is thread-safe: the CPU workers call decide() and observe_*() at once;
 state changes happen under one lock, and the trial (the CPU part) runs outside it.
@@ -71,6 +75,7 @@ ENTER_MARGIN = 0.15       # h while storing raw: compressing must save 15% more 
 STAY_MARGIN = 0.0         # h while compressing
 PROBE_EVERY = 16          # with the trial skipped, still run it on every 16th chunk
 SMALL_SKIP_AFTER = 8      # chunks trialed whole skip the trial after this many incompressible trials in a row
+PROBE_SMALL_BYTES = 4 << 20  # ... and are then probed once per 4 MiB of them, not once per PROBE_EVERY chunks
 HALFLIFE_BYTES = 64 << 20  # the averages forget half their weight every 64 MiB observed
 LEVELS = (-7, 22)         # zstd's levels, as vramd accepts them
 
@@ -274,6 +279,7 @@ class _State:
     compressing: bool = False
     chunks: int = 0
     incompressible: int = 0  # trials in a row that found no codec worth it (ratio >= raw_above)
+    small_untried: int = 0   # bytes of small chunks stored raw untried since the last trial
 
 
 class AutoPolicy:
@@ -286,7 +292,8 @@ class AutoPolicy:
     def __init__(self, level: int = 1, workers: int = 1, *, codecs: Sequence[Codec] | None = None,
                  samples: int = SAMPLES, sample_size: int = SAMPLE_SIZE, raw_above: float = RAW_ABOVE,
                  enter_margin: float = ENTER_MARGIN, stay_margin: float = STAY_MARGIN,
-                 probe_every: int = PROBE_EVERY, halflife_bytes: int = HALFLIFE_BYTES,
+                 probe_every: int = PROBE_EVERY, probe_small_bytes: int = PROBE_SMALL_BYTES,
+                 halflife_bytes: int = HALFLIFE_BYTES,
                  seed_sink: float = SEED_SINK, seed_compress: Mapping[Codec, float] | None = None):
         if workers < 1:
             raise ValueError("workers must be >= 1")
@@ -297,6 +304,7 @@ class AutoPolicy:
             raise ValueError("AutoPolicy needs compressing candidate codecs")
         self.samples, self.sample_size, self.raw_above = samples, sample_size, raw_above
         self.enter_margin, self.stay_margin, self.probe_every = enter_margin, stay_margin, max(1, probe_every)
+        self.probe_small_bytes = probe_small_bytes
         self._halflife = float(halflife_bytes)
         self._workers = workers
         self._lock = threading.Lock()
@@ -305,6 +313,7 @@ class AutoPolicy:
                              compress={c: _Rate(seeds.get(c) or _seed_throughput(c), SEED_BYTES, self._halflife)
                                        for c in self.codecs},
                              ratio=_Mean(SEED_RATIO, SEED_BYTES, self._halflife))
+        self._rates = [self._state.compress[c] for c in self.codecs]  # the candidates' (kept for good)
 
     # --- what the writer and the workers feed back --------------------------
 
@@ -361,29 +370,36 @@ class AutoPolicy:
 
     def decide(self, chunk: memoryview) -> Choice:
         """The codec for this (not all-zero) chunk; RAW when compressing it would not make the dump faster."""
+        n = chunk.nbytes
         with self._lock:
             st = self._state
             st.chunks += 1
-            margin = self._margin()
-            best = max(self._breakeven(c, margin) for c in self.codecs)
-            probe = st.chunks % self.probe_every == 0
-            typical = st.ratio.mean
-            incompressible = st.incompressible
-        if best <= 0:
-            return self._raw(f"CPU-bound: r* = {best:.3f} <= 0, no ratio pays")
-        if best < typical - 0.1 and not probe:
-            return self._raw(f"r* = {best:.3f} well below the typical ratio {typical:.3f}: trial skipped")
-        if incompressible >= SMALL_SKIP_AFTER and chunk.nbytes <= self.samples * self.sample_size and not probe:
-            # a chunk this small is trialed whole, once per candidate and plane: ~80 µs for 4 KiB here, ten
-            # times what compressing it once with zstd costs, paid per chunk where nothing lately paid
-            return self._raw(f"the last {incompressible} trials found nothing to gain: small chunk's trial skipped")
+            if st.incompressible >= SMALL_SKIP_AFTER and n <= self.samples * self.sample_size:
+                # A chunk this small is trialed whole, once per candidate and plane: ~80 µs for 4 KiB here, ten
+                # times what compressing it once with zstd costs.  Where nothing lately paid, such chunks are
+                # stored raw untried, with one probe per probe_small_bytes of them (per PROBE_EVERY chunks,
+                # the probes alone would cost small BOs a third of their dump).
+                st.small_untried += n
+                if st.small_untried < self.probe_small_bytes:
+                    st.compressing = False
+                    return _SMALL_SKIPPED
+                probe = True
+            else:
+                probe = st.chunks % self.probe_every == 0
+            # the best r* of the candidates: the fastest one's (r* falls as T_c does)
+            t_c = max(rate.rate for rate in self._rates)
+            best = 1.0 - (1.0 + self._margin()) * st.sink.rate / (self._workers * t_c)
+            if best <= 0 or (best < st.ratio.mean - 0.1 and not probe):
+                st.compressing = False
+                return _CPU_BOUND if best <= 0 else _NO_TRIAL
         choice = choose(sample_slices(chunk, self.samples, self.sample_size), self.codecs, self.raw_above)
-        sampled = min(chunk.nbytes, self.samples * self.sample_size)
+        sampled = min(n, self.samples * self.sample_size)
         with self._lock:
             st = self._state
             if choice.trial:
                 st.ratio.add(choice.best_ratio, sampled)
                 st.incompressible = st.incompressible + 1 if choice.best_ratio >= self.raw_above else 0
+                st.small_untried = 0
             if choice.codec.kind == "raw":
                 st.compressing = False
                 return choice
@@ -395,10 +411,11 @@ class AutoPolicy:
             st.compressing = False
         return Choice(RAW, 1.0, choice.trial, f"ratio {choice.ratio:.3f} >= r* = {r_star:.3f}: does not pay")
 
-    def _raw(self, reason: str) -> Choice:
-        with self._lock:
-            self._state.compressing = False
-        return Choice(RAW, 1.0, (), reason)
+
+_CPU_BOUND = Choice(RAW, 1.0, (), "CPU-bound: r* <= 0, no ratio pays")
+_NO_TRIAL = Choice(RAW, 1.0, (), "r* well below the typical ratio recent trials found: trial skipped")
+_SMALL_SKIPPED = Choice(RAW, 1.0, (), f"the last {SMALL_SKIP_AFTER}+ trials found nothing to gain: small chunk's "
+                       "trial skipped")
 
 
 def describe(choices: Iterable[Choice]) -> dict[str, int]:
