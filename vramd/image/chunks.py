@@ -123,6 +123,14 @@ class ChunkIndex:
         entries: list[Entry] = []
         bases: list[int] = []
 
+        def add(e: Entry, base: int) -> int:
+            pos = index[e] = len(entries)
+            entries.append(e)
+            bases.append(base)
+            return pos
+
+        # Not recursive (a base is never a delta itself), and no closure that refers to itself: such a
+        # function is a reference cycle, which would keep the whole index alive until a full collection.
         def put(e: Entry) -> int:
             pos = index.get(e)
             if pos is not None:
@@ -132,11 +140,9 @@ class ChunkIndex:
                 b = self._plain.get(e.base)  # a base is never a delta
                 if b is None:
                     raise JobError("internal error: a delta record's base is in no table")
-                base = put(b) + 1
-            pos = index[e] = len(entries)
-            entries.append(e)
-            bases.append(base)
-            return pos
+                at = index.get(b)
+                base = (add(b, 0) if at is None else at) + 1
+            return add(e, base)
 
         refs: list[list[int]] = []
         with self._lock:

@@ -448,7 +448,9 @@ class Session:
         try:
             self.image = image_summary(await self.job.finish())
         except VramdError as e:
-            self.error = e
+            # A typed error is answered by its code and message, never logged with a traceback; dropping it
+            # frees the job's frames (which hold the job, which holds the error: a cycle) by reference counting.
+            self.error = e.with_traceback(None)
         except OSError as e:  # the daemon's own I/O (a full disk, an I/O error): not a bug, but typed
             self.error = from_os_error(e, f"{self.kind_name} failed", JobError)
         except Exception as e:  # a bug: still an answer for the client
