@@ -18,7 +18,7 @@ import asyncio
 import os
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from ..errors import (
     CorruptChunkError,
@@ -45,9 +45,9 @@ from .format import (
 from .local import ImageFiles
 
 
-@dataclass(frozen=True)
-class Loc:
-    """Where one chunk's record is: a slot of the reader's file list, and how to check it."""
+class Loc(NamedTuple):
+    """Where one chunk's record is: a slot of the reader's file list, and how to check it (a named tuple:
+    one is made per record a restore reads)."""
 
     slot: int                      # index into ImageReader.fds / names
     offset: int                    # the record's file offset
