@@ -319,17 +319,24 @@ def record_checksum(head: Bytes) -> int:
 HEAD_PEEK = 512  # bytes read first: always covers prefix + header
 
 
+def _record_prefix(peek: Bytes) -> tuple[int, int] | str:
+    """A record's first bytes: (bytes before its payload, its header checksum), or what is wrong with them."""
+    if len(peek) < RECORD_PREFIX.size:
+        return "record shorter than its prefix"
+    magic, hlen, hsum = RECORD_PREFIX.unpack_from(peek)
+    if magic != RECORD_MAGIC:
+        return "bad record magic"
+    if hlen > MAX_CHUNK_HEADER or RECORD_PREFIX.size + hlen > len(peek):
+        return f"implausible header length {hlen}"
+    return RECORD_PREFIX.size + hlen, hsum
+
+
 def record_head_length(peek: Bytes, *, bo_id: int, offset: int, where: str) -> int:
     """From the first bytes of a record, how many precede the payload (prefix + header)."""
-    if len(peek) < RECORD_PREFIX.size:
-        raise CorruptChunkError(f"{where}: record shorter than its prefix", bo_id=bo_id, offset=offset)
-    magic, hlen, _ = RECORD_PREFIX.unpack_from(peek)
-    hlen = int(hlen)
-    if magic != RECORD_MAGIC:
-        raise CorruptChunkError(f"{where}: bad record magic", bo_id=bo_id, offset=offset)
-    if hlen > MAX_CHUNK_HEADER or RECORD_PREFIX.size + hlen > len(peek):
-        raise CorruptChunkError(f"{where}: implausible header length {hlen}", bo_id=bo_id, offset=offset)
-    return RECORD_PREFIX.size + hlen
+    prefix = _record_prefix(peek)
+    if isinstance(prefix, str):
+        raise CorruptChunkError(f"{where}: {prefix}", bo_id=bo_id, offset=offset)
+    return prefix[0]
 
 
 def decode_record_head(buf: Bytes, *, bo_id: int, offset: int, where: str,
@@ -349,9 +356,11 @@ def decode_record_head(buf: Bytes, *, bo_id: int, offset: int, where: str,
     def bad(what: str) -> CorruptChunkError:
         return CorruptChunkError(f"{where}: {what}", bo_id=bo_id, offset=offset)
 
-    head_len = record_head_length(buf, bo_id=bo_id, offset=offset, where=where)
-    _, hlen, hsum = RECORD_PREFIX.unpack_from(buf)
-    raw = bytes(buf[RECORD_PREFIX.size:RECORD_PREFIX.size + hlen])
+    prefix = _record_prefix(buf)  # (this runs once per record a restore reads: the prefix is unpacked once)
+    if isinstance(prefix, str):
+        raise bad(prefix)
+    head_len, hsum = prefix
+    raw = bytes(buf[RECORD_PREFIX.size:head_len])
     if checksum(raw) != hsum:
         raise bad("chunk header checksum mismatch")
     if record_checksum is not None and hsum != record_checksum:
@@ -361,23 +370,24 @@ def decode_record_head(buf: Bytes, *, bo_id: int, offset: int, where: str,
         header.ParseFromString(raw)
     except DecodeError:
         raise bad("undecodable chunk header") from None
+    codec = header.codec  # each field read once: a protobuf field read costs more than a local's
     if content_hash is None:
         if header.bo_id != bo_id or header.offset != offset:
             raise bad("record holds another chunk than the manifest expects here")
-        if header.codec not in V1_CODECS:
-            raise bad(f"unknown codec {header.codec}")
+        if codec not in V1_CODECS:
+            raise bad(f"unknown codec {codec}")
     else:
         if header.content_hash != content_hash:
             raise bad("record holds another chunk than the manifest expects here (content hash)")
-        if header.codec not in CODEC_NAMES or header.codec == pb.CODEC_ZERO:
-            raise bad(f"codec {header.codec} is not one a format v2 record has")
-        if header.codec == pb.CODEC_PLANES and header.word_size not in (2, 4):
+        if codec not in CODEC_NAMES or codec == pb.CODEC_ZERO:
+            raise bad(f"codec {codec} is not one a format v2 record has")
+        if codec == pb.CODEC_PLANES and header.word_size not in (2, 4):
             raise bad(f"byte-plane record with word size {header.word_size}")
-        if (header.codec == pb.CODEC_XOR) != bool(header.base_hash):
+        if (codec == pb.CODEC_XOR) != bool(header.base_hash):
             raise bad("a delta record without a base, or a base for a record that is no delta")
-    if header.codec == pb.CODEC_ZERO and header.stored_length:
+    if codec == pb.CODEC_ZERO and header.stored_length:
         raise bad("hole chunk with a payload")
-    if header.codec == pb.CODEC_RAW and header.stored_length != header.raw_length:
+    if codec == pb.CODEC_RAW and header.stored_length != header.raw_length:
         raise bad("raw chunk whose stored and raw lengths differ")
     return header, head_len
 
