@@ -383,7 +383,7 @@ class AutoPolicy:
                 if st.small_untried < self.probe_small_bytes:
                     st.compressing = False
                     return _SMALL_SKIPPED
-                probe = True
+                probe, st.small_untried = True, 0  # this chunk is the probe, whether or not r* lets it trial
             else:
                 probe = st.chunks % self.probe_every == 0
             # the best r* of the candidates: the fastest one's (r* falls as T_c does)
