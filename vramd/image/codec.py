@@ -12,13 +12,27 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from ..errors import CorruptChunkError
 from ..hostmem.batchcopy import xor_into
 from ..hostmem.libc import is_zero_ptr
 from ..hostmem.staging import StagingBuffer
 from ..pb import image_pb2 as pb
-from .format import EMPTY_CHECKSUM, Bytes, checksum, decode_record_head, encode_record_head, record_checksum
+from .format import (
+    EMPTY_CHECKSUM,
+    HEAD_PEEK,
+    RECORD_PREFIX,
+    Bytes,
+    Where,
+    check_record_header,
+    checksum,
+    decode_record_head,
+    encode_record_head,
+    record_checksum,
+    record_prefix,
+    where_text,
+)
 from .format import content_hash as content_hash_of
 from .planes import compress_planes, decompress_planes, unzstd_exact, zstd_frame_length
 from .planes import zstd_compressor as _compressor
@@ -155,9 +169,9 @@ def record_head(bo_id: int, offset: int, length: int, codec: pb.Codec, stored_le
     return encode_record_head(header)
 
 
-@dataclass
-class DecodedChunk:
-    """Where the raw bytes of a restored chunk are: a buffer and an offset in it."""
+class DecodedChunk(NamedTuple):
+    """Where the raw bytes of a restored chunk are: a buffer and an offset in it (a named tuple: one is made
+    per record a restore reads)."""
 
     buf: StagingBuffer | None  # None for a hole: the caller supplies zeros
     codec: pb.Codec
@@ -165,7 +179,7 @@ class DecodedChunk:
 
 
 def decode_chunk(bo_id: int, offset: int, raw_length: int, head: bytes, stored: StagingBuffer,
-                 stored_length: int, out: StagingBuffer | None, *, where: str, buf_offset: int = 0,
+                 stored_length: int, out: StagingBuffer | None, *, where: Where, buf_offset: int = 0,
                  digest: int | None = None, record_checksum: int | None = None,
                  content_hash: bytes | None = None, base: memoryview | None = None,
                  check_content: bool = False) -> DecodedChunk:
@@ -185,38 +199,74 @@ def decode_chunk(bo_id: int, offset: int, raw_length: int, head: bytes, stored: 
     """
     header, head_len = decode_record_head(head, bo_id=bo_id, offset=offset, where=where,
                                           record_checksum=record_checksum, content_hash=content_hash)
+    if head_len != len(head):
+        raise CorruptChunkError(f"{where_text(where)}: record length disagrees with its header (head of "
+                                f"{head_len} bytes in {len(head)})", bo_id=bo_id, offset=offset)
+    return _decode_payload(header, bo_id, offset, raw_length, stored, buf_offset, stored_length, out, where,
+                           digest, content_hash, base, check_content)
 
+
+def decode_record(bo_id: int, offset: int, raw_length: int, stored: StagingBuffer, at: int, length: int,
+                  out: StagingBuffer | None, *, where: Where, hashed: tuple[int, int] | None = None,
+                  record_checksum: int | None = None, content_hash: bytes | None = None,
+                  base: memoryview | None = None, check_content: bool = False) -> tuple[DecodedChunk, int]:
+    """`decode_chunk` of a whole record of `length` bytes read into `stored` at `at` (its head, then its
+    payload); also returns the head's length.  `hashed`: (where the payload starts in the record, its
+    xxh3-64) as the read computed them (batchcopy's RECORD hashing), used where that start is the
+    head's end.  This is how every reader of an image checks a record it read: once per record."""
+    view = stored.view
+    prefix = record_prefix(view[at:at + min(length, HEAD_PEEK)])
+    if isinstance(prefix, str):
+        raise CorruptChunkError(f"{where_text(where)}: {prefix}", bo_id=bo_id, offset=offset)
+    head_len, hsum = prefix
+    stored_length = length - head_len
+    if stored_length > raw_length:
+        raise CorruptChunkError(f"{where_text(where)}: record of {length} bytes for a {raw_length}-byte chunk",
+                                bo_id=bo_id, offset=offset)
+    header = check_record_header(view[at + RECORD_PREFIX.size:at + head_len], hsum, bo_id=bo_id, offset=offset,
+                                 where=where, record_checksum=record_checksum, content_hash=content_hash)
+    digest = hashed[1] if hashed is not None and hashed[0] == head_len else None
+    return _decode_payload(header, bo_id, offset, raw_length, stored, at + head_len, stored_length, out, where,
+                           digest, content_hash, base, check_content), head_len
+
+
+def _decode_payload(header: pb.ChunkHeader, bo_id: int, offset: int, raw_length: int, stored: StagingBuffer,
+                    buf_offset: int, stored_length: int, out: StagingBuffer | None, where: Where,
+                    digest: int | None, content_hash: bytes | None, base: memoryview | None,
+                    check_content: bool) -> DecodedChunk:
+    """The payload of a record whose header is checked: its length and checksum, then decoded."""
     def bad(what: str) -> CorruptChunkError:
-        return CorruptChunkError(f"{where}: {what}", bo_id=bo_id, offset=offset)
+        return CorruptChunkError(f"{where_text(where)}: {what}", bo_id=bo_id, offset=offset)
 
-    if head_len != len(head) or header.stored_length != stored_length:
-        raise bad(f"record length disagrees with its header (stored {header.stored_length}, "
+    codec, stored_in_header, raw_in_header = header.codec, header.stored_length, header.raw_length
+    if stored_in_header != stored_length:
+        raise bad(f"record length disagrees with its header (stored {stored_in_header}, "
                   f"manifest implies {stored_length})")
-    if header.raw_length != raw_length:
-        raise bad(f"chunk covers {header.raw_length} bytes, expected {raw_length}")
-    if header.codec == pb.CODEC_ZERO:
+    if raw_in_header != raw_length:
+        raise bad(f"chunk covers {raw_in_header} bytes, expected {raw_length}")
+    if codec == pb.CODEC_ZERO:
         if header.checksum != EMPTY_CHECKSUM:
             raise bad("hole chunk checksum mismatch")
-        return DecodedChunk(None, header.codec)
+        return DecodedChunk(None, codec)
     payload = stored.view[buf_offset:buf_offset + stored_length]
     try:
         if (checksum(payload) if digest is None else digest) != header.checksum:
             raise bad("payload checksum mismatch; the stored bytes are damaged")
-        if header.codec == pb.CODEC_RAW:
-            result = DecodedChunk(stored, header.codec, buf_offset)
+        if codec == pb.CODEC_RAW:
+            result = DecodedChunk(stored, codec, buf_offset)
         else:
             if out is None:
                 raise bad("compressed chunk in an image whose manifest says it is uncompressed")
-            if header.codec == pb.CODEC_PLANES:
+            if codec == pb.CODEC_PLANES:
                 decompress_planes(payload, header.word_size, raw_length, out.view[buf_offset:buf_offset + raw_length],
                                   bad)
             else:
                 _unzstd(payload, out.view, buf_offset, raw_length, bad)
-            if header.codec == pb.CODEC_XOR:
+            if codec == pb.CODEC_XOR:
                 if base is None or len(base) != raw_length:
                     raise bad("delta record without its base chunk")
                 xor_into(out.view[buf_offset:buf_offset + raw_length], base)
-            result = DecodedChunk(out, header.codec, buf_offset)
+            result = DecodedChunk(out, codec, buf_offset)
     finally:
         payload.release()
     if content_hash is not None and check_content:

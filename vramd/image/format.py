@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import blake3
@@ -319,7 +319,7 @@ def record_checksum(head: Bytes) -> int:
 HEAD_PEEK = 512  # bytes read first: always covers prefix + header
 
 
-def _record_prefix(peek: Bytes) -> tuple[int, int] | str:
+def record_prefix(peek: Bytes) -> tuple[int, int] | str:
     """A record's first bytes: (bytes before its payload, its header checksum), or what is wrong with them."""
     if len(peek) < RECORD_PREFIX.size:
         return "record shorter than its prefix"
@@ -331,15 +331,24 @@ def _record_prefix(peek: Bytes) -> tuple[int, int] | str:
     return RECORD_PREFIX.size + hlen, hsum
 
 
-def record_head_length(peek: Bytes, *, bo_id: int, offset: int, where: str) -> int:
+Where = str | Callable[[], str]
+"""How an error names a record: a string, or a function that makes it (only on the error path: a restore
+checks 10,000 small records without formatting one name)."""
+
+
+def where_text(where: Where) -> str:
+    return where if isinstance(where, str) else where()
+
+
+def record_head_length(peek: Bytes, *, bo_id: int, offset: int, where: Where) -> int:
     """From the first bytes of a record, how many precede the payload (prefix + header)."""
-    prefix = _record_prefix(peek)
+    prefix = record_prefix(peek)
     if isinstance(prefix, str):
-        raise CorruptChunkError(f"{where}: {prefix}", bo_id=bo_id, offset=offset)
+        raise CorruptChunkError(f"{where_text(where)}: {prefix}", bo_id=bo_id, offset=offset)
     return prefix[0]
 
 
-def decode_record_head(buf: Bytes, *, bo_id: int, offset: int, where: str,
+def decode_record_head(buf: Bytes, *, bo_id: int, offset: int, where: Where,
                        record_checksum: int | None = None,
                        content_hash: bytes | None = None) -> tuple[pb.ChunkHeader, int]:
     """Validate a record's prefix and header; returns (header, bytes before the payload).
@@ -353,21 +362,28 @@ def decode_record_head(buf: Bytes, *, bo_id: int, offset: int, where: str,
     header must carry it (and then its BO id and offset, which name the
     chunk that stored it first, are not compared: dedup shares records).
     """
-    def bad(what: str) -> CorruptChunkError:
-        return CorruptChunkError(f"{where}: {what}", bo_id=bo_id, offset=offset)
-
-    prefix = _record_prefix(buf)  # (this runs once per record a restore reads: the prefix is unpacked once)
+    prefix = record_prefix(buf)
     if isinstance(prefix, str):
-        raise bad(prefix)
+        raise CorruptChunkError(f"{where_text(where)}: {prefix}", bo_id=bo_id, offset=offset)
     head_len, hsum = prefix
-    raw = bytes(buf[RECORD_PREFIX.size:head_len])
+    return check_record_header(buf[RECORD_PREFIX.size:head_len], hsum, bo_id=bo_id, offset=offset, where=where,
+                               record_checksum=record_checksum, content_hash=content_hash), head_len
+
+
+def check_record_header(raw: Bytes, hsum: int, *, bo_id: int, offset: int, where: Where,
+                        record_checksum: int | None, content_hash: bytes | None) -> pb.ChunkHeader:
+    """A record's serialized header `raw`, whose prefix gave its checksum `hsum`: checked and decoded
+    (decode_record_head, after the prefix; this runs once per record a restore reads)."""
+    def bad(what: str) -> CorruptChunkError:
+        return CorruptChunkError(f"{where_text(where)}: {what}", bo_id=bo_id, offset=offset)
+
     if checksum(raw) != hsum:
         raise bad("chunk header checksum mismatch")
     if record_checksum is not None and hsum != record_checksum:
         raise bad("record is not the one this image's manifest recorded (record checksum mismatch)")
     header = pb.ChunkHeader()
     try:
-        header.ParseFromString(raw)
+        header.ParseFromString(bytes(raw))
     except DecodeError:
         raise bad("undecodable chunk header") from None
     codec = header.codec  # each field read once: a protobuf field read costs more than a local's
@@ -389,7 +405,7 @@ def decode_record_head(buf: Bytes, *, bo_id: int, offset: int, where: str,
         raise bad("hole chunk with a payload")
     if codec == pb.CODEC_RAW and header.stored_length != header.raw_length:
         raise bad("raw chunk whose stored and raw lengths differ")
-    return header, head_len
+    return header
 
 
 # --- where a chunk's record is (either version) -----------------------------

@@ -31,7 +31,7 @@ from ..errors import (
 from ..hostmem.staging import StagingBuffer
 from ..pb import image_pb2 as pb
 from .chunks import ParentEntries
-from .codec import DecodedChunk, decode_chunk
+from .codec import DecodedChunk, decode_record
 from .fileio import check_attached, check_direct, image_os_error, pread_into, preadv_all, read_manifest_hashed
 from .format import (
     DATA_HEADER,
@@ -40,7 +40,6 @@ from .format import (
     check_data_header,
     chunk_count,
     chunk_record,
-    record_head_length,
 )
 from .local import ImageFiles
 
@@ -299,15 +298,9 @@ class ImageReader:
         if got < loc.length:
             raise TruncatedDataError(f"data file {self.names[loc.slot]} ends inside a chunk record at "
                                      f"{loc.offset + got:#x}", bo_id=bo_id, offset=offset)
-        head_len = record_head_length(stored.view[at:at + min(loc.length, 512)], bo_id=bo_id, offset=offset,
-                                      where=where)
-        if loc.length - head_len > raw_length:
-            raise CorruptChunkError(f"{where}: record of {loc.length} bytes for a {raw_length}-byte chunk",
-                                    bo_id=bo_id, offset=offset)
-        return decode_chunk(bo_id, offset, raw_length, bytes(stored.view[at:at + head_len]), stored,
-                            loc.length - head_len, out, where=where, buf_offset=at + head_len,
-                            record_checksum=loc.record_checksum, content_hash=loc.chash, base=base,
-                            check_content=loc.foreign), head_len
+        return decode_record(bo_id, offset, raw_length, stored, at, loc.length, out, where=where,
+                             record_checksum=loc.record_checksum, content_hash=loc.chash, base=base,
+                             check_content=loc.foreign)
 
     def readv(self, file_index: int, views: Sequence[memoryview], offset: int) -> int:
         """Fill `views` from consecutive file bytes at `offset` of file slot `file_index`; returns bytes read

@@ -30,7 +30,7 @@ from ...backends import Direction
 from ...errors import CorruptChunkError, InternalError, TruncatedDataError, VramdError
 from ...hostmem.batchcopy import END_OF_FILE, HASH, RECORD, Copy, Outcome, copy_batch
 from ...hostmem.staging import StagingBuffer, StagingPool
-from ...image.codec import DecodedChunk, decode_chunk
+from ...image.codec import DecodedChunk, decode_chunk, decode_record
 from ...image.fileio import image_os_error
 from ...image.format import HEAD_PEEK, chunk_count, record_head_length
 from ...image.reader import ImageReader, Loc
@@ -171,21 +171,11 @@ class ImageReadEnds(ABC):
                              f"{c.src + o.done:#x}", bo_id=t.bo.id, offset=t.offset)
 
     def _check(self, t: ChunkTask[ImageBo], buf: StagingBuffer, c: Copy, o: Outcome) -> DecodedChunk:
-        """The record read into the slot: its head checked, its payload's hash compared (decode_chunk)."""
-        start = t.buf_offset - HEAD_PAGE + c.rec_at  # where the record is in the buffer
-        where = self._where(t)
-        view = buf.view
-        head_len = record_head_length(view[start:start + min(c.rec_len, HEAD_PEEK)], bo_id=t.bo.id, offset=t.offset,
-                                      where=where)
-        stored_len = c.rec_len - head_len
-        if stored_len > t.length:
-            raise CorruptChunkError(f"{where}: record of {c.rec_len} bytes for a {t.length}-byte chunk",
-                                    bo_id=t.bo.id, offset=t.offset)
-        digest = o.hash if o.payload_at == c.rec_at + head_len else None
+        """The record read into the slot: its head checked, its payload's hash compared (decode_record)."""
         loc = _loc(t)
-        return decode_chunk(t.bo.id, t.offset, t.length, bytes(view[start:start + head_len]), buf, stored_len, None,
-                            where=where, buf_offset=start + head_len, digest=digest,
-                            record_checksum=loc.record_checksum, content_hash=loc.chash, check_content=loc.foreign)
+        return decode_record(t.bo.id, t.offset, t.length, buf, t.buf_offset - HEAD_PAGE + c.rec_at, c.rec_len, None,
+                             where=lambda: self._where(t), hashed=(o.payload_at - c.rec_at, o.hash),
+                             record_checksum=loc.record_checksum, content_hash=loc.chash, check_content=loc.foreign)[0]
 
     def _copy_out(self, tasks: list[ChunkTask[ImageBo]], decoded: list[DecodedChunk], clock: Clock) -> None:
         """Restore: the checked bytes into the BOs (verify: nowhere)."""
