@@ -16,13 +16,18 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 from strategies import HostileFds, blobs, fd_kinds, mutated, request_frames, response_frames
 
-from vramd.errors import ImageError, ProtocolError, VramdError
+from vramd.errors import CorruptManifestError, ImageError, ProtocolError, VramdError
 from vramd.hostmem.staging import StagingBuffer
 from vramd.image.codec import decode_chunk
 from vramd.image.format import (
     EMPTY_CHECKSUM,
     MANIFEST_MAGIC,
     MANIFEST_PREFIX,
+    TableView,
+    _bo_errors,
+    _bos_plausible,
+    _table_errors,
+    _table_plausible,
     checksum,
     decode_manifest,
     decode_record_head,
@@ -190,6 +195,49 @@ def test_decode_manifest_raises_only_image_errors(blob):
     except ImageError:
         return
     assert len(m.image_id) == 16 and m.chunk_size > 0
+
+
+_COLUMNS = ("image", "file_index", "length", "raw_length", "base")
+_BO_FIELDS = ("id", "size", "chunk_refs", "record_offsets")
+_NEAR_BOUNDS = [0, 1, 2, 3, 7, 4095, 4096, 4097, 1 << 20, (1 << 20) + 1, (1 << 32) - 1]
+
+
+@given(parents=st.integers(0, 2), delta=st.booleans(), chunk=st.sampled_from([4096, 1 << 20]),
+       sizes=st.lists(st.integers(0, 3 << 20), min_size=4, max_size=4),
+       edits=st.lists(st.tuples(st.sampled_from(_COLUMNS + _BO_FIELDS), st.integers(0, 40),
+                                st.sampled_from(_NEAR_BOUNDS)),
+                      min_size=1, max_size=3))
+def test_the_quick_v2_checks_agree_with_the_entry_by_entry_ones(parents, delta, chunk, sizes, edits):
+    """The v2 table and BO checks answer over whole columns first (`_table_plausible`, `_bos_plausible`) and
+    look entry by entry only to name what is wrong: both must find the same manifests wrong."""
+    m = _manifest_v2(4, chunk, sizes, parents, delta)
+    for field, at, value in edits:  # values near the bounds the checks draw
+        if field in _COLUMNS:
+            column = getattr(m.chunks, field)
+            if column:
+                column[at % len(column)] = value
+        elif m.bos:
+            bo = m.bos[at % len(m.bos)]
+            if field == "chunk_refs":
+                if bo.chunk_refs:
+                    bo.chunk_refs[at % len(bo.chunk_refs)] = value % 64
+                else:
+                    bo.chunk_refs.append(value % 64)
+            elif field == "record_offsets":
+                bo.record_offsets.append(value)
+            else:
+                setattr(bo, field, value)
+    t = TableView(m.chunks)
+    bos = list(m.bos)
+    quick = (_table_plausible(t, chunk, len(m.parents), len(m.files))
+             and _bos_plausible(bos, t, chunk))
+    try:
+        _table_errors(t, chunk, len(m.parents), len(m.files), "x")
+        _bo_errors(bos, t, chunk, "x")
+        full = True
+    except CorruptManifestError:
+        full = False
+    assert quick == full
 
 
 # --- chunk records -------------------------------------------------------------------------
