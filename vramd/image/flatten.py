@@ -50,7 +50,7 @@ async def flatten(dir_fd: int, parent_fds: Sequence[int], out_fd: int) -> pb.Man
                                                                                             writer, holders)
             file_of = {f.gpu_id: f.index for f in writer.files.values()}
             bos = _bos(m, table, payloads, holders, file_of)
-            totals = _totals(bos, payloads)
+            totals = _totals(bos.bos, payloads)
             totals.compressed_records = compressed
             return await writer.commit(bos, totals, m.topology_json, chunks=table)
         finally:
@@ -140,14 +140,15 @@ def _first_holders(m: pb.Manifest) -> dict[int, tuple[int, int]]:
 
 
 def _bos(m: pb.Manifest, table: pb.ChunkTable, payloads: list[int], holders: dict[int, tuple[int, int]],
-         file_of: dict[int, int]) -> list[pb.BoEntry]:
+         file_of: dict[int, int]) -> pb.Manifest:
     """The BOs as they were, referring to the new table (its entries: the old ones BOs refer to, in order),
-    their byte counts as the new image holds them (nothing from parents)."""
+    their byte counts as the new image holds them (nothing from parents); in a manifest holding only them
+    (what ImageWriter.commit takes)."""
     new = {old: i for i, old in enumerate(sorted(holders))}
     seen: set[int] = set()
-    out = []
+    out = pb.Manifest()
     for bo in m.bos:
-        e = pb.BoEntry()
+        e = out.bos.add()
         e.CopyFrom(bo)
         e.stored_bytes = e.dedup_bytes = e.parent_bytes = e.delta_bytes = 0
         e.file_index = file_of.get(bo.gpu_id, 0)  # the new image's data file of the BO's GPU
@@ -163,11 +164,10 @@ def _bos(m: pb.Manifest, table: pb.ChunkTable, payloads: list[int], holders: dic
             else:
                 seen.add(i)
                 e.stored_bytes += payloads[i]
-        out.append(e)
     return out
 
 
-def _totals(bos: list[pb.BoEntry], payloads: list[int]) -> pb.Totals:
+def _totals(bos: Sequence[pb.BoEntry], payloads: list[int]) -> pb.Totals:
     return pb.Totals(bo_count=len(bos), bo_bytes=sum(b.size for b in bos), stored_bytes=sum(payloads),
                      zero_bytes=sum(b.zero_bytes for b in bos), chunk_count=sum(len(b.chunk_refs) for b in bos),
                      dedup_bytes=sum(b.dedup_bytes for b in bos), record_count=len(payloads))

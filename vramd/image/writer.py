@@ -37,7 +37,6 @@ from .format import (
     data_file_name,
     encode_data_header,
     encode_manifest,
-    fill,
     manifest_tmp_name,
 )
 
@@ -181,10 +180,13 @@ class ImageWriter:
             f = self.attach(gpu_id, *self.local.file_source(gpu_id))
         return f
 
-    async def commit(self, bos: list[pb.BoEntry], totals: pb.Totals, topology_json: bytes = b"", *,
+    async def commit(self, bos: pb.Manifest, totals: pb.Totals, topology_json: bytes = b"", *,
                      chunks: pb.ChunkTable | None = None, parents: Sequence[pb.ParentRef] = ()) -> pb.Manifest:
         """Every data file fsynced, then the manifest written into `manifest_fd` and fsynced.  The image is
-        committed when the client renames the files into place (`local`: here, by it)."""
+        committed when the client renames the files into place (`local`: here, by it).
+
+        `bos`: a manifest holding only the image's BO entries, each made in place with `bos.add` (extending
+        a repeated field with ready messages copies them one by one: 10,000 entries took ~20 ms more)."""
         if self.manifest_fd is None and self.local is not None:
             self.manifest_fd = self.local.manifest_file()
         if self.manifest_fd is None:
@@ -197,7 +199,7 @@ class ImageWriter:
         return await loop.run_in_executor(self._dirops, self._build_and_write, files, bos, totals, topology_json,
                                           chunks, parents)
 
-    def _build_and_write(self, files: list[DataFileWriter], bos: list[pb.BoEntry], totals: pb.Totals,
+    def _build_and_write(self, files: list[DataFileWriter], bos: pb.Manifest, totals: pb.Totals,
                          topology_json: bytes, chunks: pb.ChunkTable | None,
                          parents: Sequence[pb.ParentRef]) -> pb.Manifest:
         manifest = pb.Manifest(
@@ -206,7 +208,7 @@ class ImageWriter:
             files=[pb.DataFile(name=f.name, gpu_id=f.gpu_id, length=f.end) for f in files],
             totals=totals, topology_json=topology_json, parents=parents,
         )
-        fill(manifest.bos, bos)
+        manifest.MergeFrom(bos)  # its BO entries, copied whole by the protobuf runtime
         manifest.chunks.CopyFrom(chunks or pb.ChunkTable())
         blob = encode_manifest(manifest)
         fd = self.manifest_fd

@@ -288,23 +288,37 @@ class Session:
                                          " BOs (max_bos_per_uid)")
             step = _Stepper()
             fds: dict[int, int] = {}
+            kinds: dict[int, str] = {}  # the backend of a BO that names none follows from its fd: looked at once
+            pids: set[int] = set()
             chunks = 0
             chunk_size = job.chunk_size if isinstance(job, DumpJob) else 0
             gpu_ids = self.limits.gpu_ids
             default_gpu = 0 in gpu_ids and isinstance(job, DumpJob)  # a dump BO naming no gpu_id is on GPU 0
-            for i in range(0, n, _CHECK_EVERY):  # validate every BO before taking any fd
+            files = job.writer.files if isinstance(job, DumpJob) else {}
+            make = self._spec if isinstance(job, DumpJob) else self._target
+            items: list[BoSpec | RestoreTarget] = []  # what the job takes: specs (dump) or targets (restore)
+            for i in range(0, n, _CHECK_EVERY):  # check every BO (and make its spec) before taking any fd
                 if i:
                     await step.tick()
                 for bo in bos[i:i + _CHECK_EVERY]:
-                    if bo.fd_index not in fds:
-                        fds[bo.fd_index] = bundle.peek(bo.fd_index)
+                    index = bo.fd_index
+                    fd = fds.get(index)
+                    if fd is None:
+                        fd = fds[index] = bundle.peek(index)
+                        pid = procmem_pid(fd)
+                        kinds[index] = "mmap" if pid is None else "procmem"
+                        if pid is not None:
+                            pids.add(pid)
                     if not (default_gpu and not bo.HasField("gpu_id")):
                         self._check_gpu(job, bo)
-                    if chunk_size and bo.size and bo.gpu_id not in job.writer.files:  # type: ignore[union-attr]
-                        raise InvalidRequestError(f"no data file is attached for gpu_id {bo.gpu_id:#x} "
-                                                  "(AttachFiles it before its first BO)", bo_id=bo.id)
                     if chunk_size:
-                        chunks += -(-bo.size // chunk_size)
+                        size = bo.size
+                        if size:
+                            if bo.gpu_id not in files:
+                                raise InvalidRequestError(f"no data file is attached for gpu_id {bo.gpu_id:#x} "
+                                                          "(AttachFiles it before its first BO)", bo_id=bo.id)
+                            chunks += -(-size // chunk_size)
+                    items.append(make(bo, BoRef(bo.backend or kinds[index], fd, bo.offset)))
             self._check_open()  # still open after the steps
             if self.chunks + chunks > self.limits.max_chunks:
                 raise LimitExceededError(
@@ -322,24 +336,12 @@ class Session:
             for index in fds:
                 self.fds.append(bundle.take(index))
             self.usage.fds += len(fds)
-            # the backend of a BO that names none follows from its fd: looked at once per fd, not per BO
-            pids = {i: procmem_pid(fd) for i, fd in fds.items()}
-            kinds = {i: "mmap" if pid is None else "procmem" for i, pid in pids.items()}
-            self.target_pids.update(pid for pid in pids.values() if pid is not None)
-            refs: list[BoRef] = []
-            items: list[BoSpec | RestoreTarget] = []  # what the job takes: specs (dump) or targets (restore)
-            make = self._spec if isinstance(job, DumpJob) else self._target
-            for i in range(0, n, _CHECK_EVERY):
-                await step.tick()
-                some = [BoRef(bo.backend or kinds[bo.fd_index], fds[bo.fd_index], bo.offset)
-                        for bo in bos[i:i + _CHECK_EVERY]]
-                refs += some
-                items += [make(bo, ref) for bo, ref in zip(bos[i:i + _CHECK_EVERY], some)]
+            self.target_pids.update(pids)
 
             def prepare() -> Ahead:
                 """In a worker thread: check the fds of many BOs, open the BOs the job can open there."""
                 if len(fds) > 1:
-                    job.precheck({ref.fd: (bo.id, ref) for bo, ref in zip(bos, refs)}.values())
+                    job.precheck({item.ref.fd: (item[0], item.ref) for item in items}.values())
                 return job.open_ahead(items)
             # the syscalls of opening (procmem probes, fd checks) happen off the event loop
             ahead = await asyncio.get_running_loop().run_in_executor(job.ctx.io, prepare)

@@ -11,7 +11,7 @@ from ...image.codec import DecodedChunk
 from ...image.format import chunk_count
 from ...image.reader import ImageReader
 from ..pipeline import ChunkTask, Clock, ProgressCallback, settle
-from .common import Ahead, JobContext, RestoreTarget, check_bo_range, landed, submit_batch
+from .common import OFF_T_MAX, Ahead, JobContext, RestoreTarget, check_bo_range, landed, submit_batch
 from .read import ImageBo, ImageJob, ImageReadEnds
 
 
@@ -55,17 +55,24 @@ class RestoreJob(ImageJob):
         that fails, and its error (reads the job's state only: also run in a worker thread, open_ahead)."""
         valid: list[tuple[Backend, OpenItem]] = []
         seen: set[int] = set()
+        entries, bos, limit, gpu_map = self.reader.bos, self.bos, self.ctx.max_bo_bytes, self.gpu_map
+        kinds: dict[str, Backend] = {}
         try:
-            for t in targets:
-                entry = self.reader.bos.get(t.bo_id)
+            for bo_id, ref, gpu in targets:  # (this runs once per BO: locals only)
+                entry = entries.get(bo_id)
                 if entry is None:
-                    raise InvalidRequestError("the image has no such BO", bo_id=t.bo_id)
-                if t.bo_id in self.bos or t.bo_id in seen:
-                    raise InvalidRequestError("BO targeted twice", bo_id=t.bo_id)
-                seen.add(t.bo_id)
-                check_bo_range(t.bo_id, entry.size, t.ref, self.ctx.max_bo_bytes)
-                gpu = self.gpu_map.get(entry.gpu_id, entry.gpu_id) if t.gpu_id is None else t.gpu_id
-                valid.append((self._backend(t.ref.kind, t.bo_id), (t.bo_id, t.ref, entry.size, gpu)))
+                    raise InvalidRequestError("the image has no such BO", bo_id=bo_id)
+                if bo_id in bos or bo_id in seen:
+                    raise InvalidRequestError("BO targeted twice", bo_id=bo_id)
+                seen.add(bo_id)
+                size = entry.size
+                if not (size <= limit and 0 <= ref.offset <= OFF_T_MAX - size):
+                    check_bo_range(bo_id, size, ref, limit)  # raises what is wrong
+                if gpu is None:
+                    gpu = entry.gpu_id
+                    gpu = gpu_map.get(gpu, gpu)
+                backend = kinds.get(ref.kind) or kinds.setdefault(ref.kind, self._backend(ref.kind, bo_id))
+                valid.append((backend, (bo_id, ref, size, gpu)))
         except VramdError as e:
             return valid, e
         return valid, None
