@@ -111,6 +111,41 @@ def test_an_io_error_writing_is_io_error_naming_the_file(image_dir, monkeypatch)
     assert os.listdir(path) == []
 
 
+class _SyncFileRange:
+    """vramd.image.writer's libc, with sync_file_range counted (and failing with `err`, where given)."""
+
+    def __init__(self, err: int = 0) -> None:
+        from vramd.hostmem.libc import libc
+        self.real, self.err, self.calls = libc, err, 0
+
+    def sync_file_range(self, fd, offset, nbytes, flags):
+        from vramd.hostmem.libc import SYNC_FILE_RANGE_WRITE, ffi
+        assert flags == SYNC_FILE_RANGE_WRITE  # start writing back; never wait in a copy thread
+        self.calls += 1
+        if self.err:
+            ffi.errno = self.err
+            return -1
+        return self.real.sync_file_range(fd, offset, nbytes, flags)
+
+
+@pytest.mark.parametrize("err", [0, errno.EINVAL, errno.EIO])
+def test_a_dump_starts_writing_its_data_back_as_it_goes(image_dir, monkeypatch, err):
+    """Every WRITEBACK_EVERY bytes through the page cache, the data file's writeback is started, so the
+    commit's fsync finds little left to write.  A file system without it (EINVAL) is not asked again; an
+    error it reports (EIO) is the dump's, naming the file: the fsync may never see that error again."""
+    from vramd.image import writer
+    spy = _SyncFileRange(err)
+    monkeypatch.setattr(writer, "libc", spy)
+    if err == errno.EIO:
+        with pytest.raises(errors.ImageIoError) as ei:
+            _dump(image_dir[1], 8 * MiB, chunk=128 << 10)  # pieces below DIRECT_MIN: written buffered
+        assert ".vrd.tmp" in str(ei.value) and ei.value.bo_id == 1
+        return
+    m = _dump(image_dir[1], 8 * MiB, chunk=128 << 10)
+    assert m.totals.stored_bytes == 8 * MiB
+    assert spy.calls == 1 if err else spy.calls >= (8 * MiB) // writer.WRITEBACK_EVERY - 1
+
+
 @pytest.mark.parametrize("flavour", ["python", "native"])
 def test_an_io_error_reading_is_io_error_naming_file_bo_and_offset(image_dir, monkeypatch, flavour):
     """Both read paths: the three stages and the Python batch copier read with os.preadv (failed here);

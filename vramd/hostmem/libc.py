@@ -21,6 +21,7 @@ ffi.cdef(
     int madvise(void *addr, size_t length, int advice);
     void *mmap(void *addr, size_t length, int prot, int flags, int fd, long offset);
     int munmap(void *addr, size_t length);
+    int sync_file_range(int fd, long offset, long nbytes, unsigned int flags);
     """
 )
 libc: Any = ffi.dlopen(None)
@@ -29,6 +30,7 @@ MADV_POPULATE_READ, MADV_POPULATE_WRITE = 22, 23  # Linux 5.14+
 PROT_READ, PROT_WRITE = 0x1, 0x2
 MAP_PRIVATE, MAP_ANONYMOUS, MAP_FIXED_NOREPLACE, MAP_NORESERVE = 0x02, 0x20, 0x100000, 0x4000
 MAP_FAILED: Any = ffi.cast("void *", -1)
+SYNC_FILE_RANGE_WRITE = 0x2  # start writeback of the range's dirty pages; wait for nothing
 
 # A cdata char* (cffi has no finer static type for it).
 Pointer = Any

@@ -88,9 +88,10 @@ def check_direct(direct_fd: int, fd: int, name: str, *, write: bool = False) -> 
                                  f"{'writing' if write else 'reading'}")
 
 
-def pwrite_all(fd: int, iov: Sequence[Bytes], offset: int) -> None:
-    """pwritev until every byte of iov is written (short writes continue)."""
+def pwrite_all(fd: int, iov: Sequence[Bytes], offset: int) -> int:
+    """pwritev until every byte of iov is written (short writes continue); returns the bytes written."""
     views = [memoryview(b).cast("B") for b in iov]
+    start = offset
     while views:
         n = os.pwritev(fd, views, offset)
         offset += n
@@ -98,6 +99,7 @@ def pwrite_all(fd: int, iov: Sequence[Bytes], offset: int) -> None:
             n -= len(views.pop(0))
         if views and n:
             views[0] = views[0][n:]
+    return offset - start
 
 
 def pread_into(fd: int, view: memoryview, offset: int) -> int:
