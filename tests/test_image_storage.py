@@ -165,7 +165,7 @@ def test_an_io_error_reading_is_io_error_naming_file_bo_and_offset(image_dir, mo
 
         def eio(copies, flags=0):
             outcomes, _failed = real(copies, flags)
-            outcomes[0].err, outcomes[0].done = errno.EIO, 0
+            outcomes[0] = outcomes[0]._replace(err=errno.EIO, done=0)
             return outcomes, 0
         monkeypatch.setattr(read, "copy_batch", eio)
 

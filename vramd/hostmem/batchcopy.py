@@ -23,8 +23,7 @@ import errno
 import os
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import xxhash
 
@@ -45,9 +44,9 @@ MAX_CHUNK_HEADER = 256
 END_OF_FILE = -1  # Outcome.err when the fd ended (a read or write of 0 bytes)
 
 
-@dataclass(slots=True)
-class Copy:
-    """One copy: from `src` to `dst`; each is a file offset of `src_fd`/`dst_fd`, or an address when that is -1."""
+class Copy(NamedTuple):
+    """One copy: from `src` to `dst`; each is a file offset of `src_fd`/`dst_fd`, or an address when that is -1
+    (a named tuple: one is made per piece of every batch)."""
 
     src_fd: int
     src: int
@@ -58,13 +57,27 @@ class Copy:
     rec_len: int = 0  # RECORD: its length
 
 
-@dataclass(slots=True)
-class Outcome:
-    done: int            # bytes moved (< length only when err is set)
-    err: int = 0         # 0, an errno, or END_OF_FILE
-    hash: int = 0        # HASH: xxh3-64 of the bytes (RECORD: of the record's payload)
-    zero: bool = False   # ZERO: every byte was 0
-    payload_at: int = 0  # RECORD: where the payload starts within the moved bytes (0: not a record)
+class Outcome(NamedTuple):
+    """What became of one copy: struct vd_copy as the C loop left it, its inputs first (a named tuple made
+    straight from the unpacked struct: one per copy of every batch)."""
+
+    src_fd: int
+    dst_fd: int
+    src: int
+    dst: int
+    length: int
+    rec_at: int
+    rec_len: int
+    hash: int        # HASH: xxh3-64 of the bytes (RECORD: of the record's payload)
+    done: int        # bytes moved (< length only when err is set)
+    payload_at: int  # RECORD: where the payload starts within the moved bytes (0: not a record)
+    err: int         # 0, an errno, or END_OF_FILE
+    zero: int        # ZERO: 1 where every byte was 0
+
+
+def _outcome(c: Copy, done: int, err: int = 0, digest: int = 0, zero: bool = False, payload_at: int = 0) -> Outcome:
+    return Outcome(c.src_fd, c.dst_fd, c.src, c.dst, c.length, c.rec_at, c.rec_len, digest, done, payload_at, err,
+                   int(zero))
 
 
 def copy_batch(copies: Sequence[Copy], flags: int = 0) -> tuple[list[Outcome], int]:
@@ -89,8 +102,7 @@ def xxh3(address: int, n: int) -> int:
 # with iter_unpack, instead of setting and getting each field through cffi: a batch of 10,000 one-byte probes
 # took 2.26 us of CPU per copy against 3.19, the pread included (what a restore of 10,000 small BOs pays twice).
 _VD_COPY = struct.Struct("=iiQQQQQQQQii")
-_VD_FIELDS = ("src_fd", "dst_fd", "src", "dst", "length", "rec_at", "rec_len", "hash", "done", "payload_at", "err",
-              "zero")
+_VD_FIELDS = Outcome._fields  # struct vd_copy's fields in order (checked against the module's struct below)
 
 
 def _check_layout(ffi: Any) -> None:
@@ -112,15 +124,13 @@ if _copy is not None:
 def _native(copies: Sequence[Copy], flags: int) -> tuple[list[Outcome], int]:
     n = len(copies)
     pack = _VD_COPY.pack
-    raw = bytearray().join([pack(c.src_fd, c.dst_fd, c.src, c.dst, c.length, c.rec_at, c.rec_len, 0, 0, 0, 0, 0)
-                            for c in copies])  # writable (the outcomes land in it), joined in one copy
+    # writable (the outcomes land in it), joined in one copy
+    raw = bytearray().join([pack(src_fd, dst_fd, src, dst, length, rec_at, rec_len, 0, 0, 0, 0, 0)
+                            for src_fd, src, dst_fd, dst, length, rec_at, rec_len in copies])
     arr = _copy.ffi.from_buffer("struct vd_copy[]", raw)
     failed = int(_copy.lib.vd_copy_batch(arr, n, flags))  # cffi releases the GIL around the call
-    last = n if failed < 0 else failed + 1
-    with memoryview(raw) as view, view[:last * _VD_COPY.size] as ran:
-        out = [Outcome(done, err, digest, zero != 0, payload_at)
-               for _sf, _df, _s, _d, _n, _ra, _rl, digest, done, payload_at, err, zero in _VD_COPY.iter_unpack(ran)]
-    out += [Outcome(0) for _ in range(last, n)]
+    with memoryview(raw) as view:
+        out = list(map(Outcome._make, _VD_COPY.iter_unpack(view)))  # the copies not run: done 0, err 0
     return out, failed
 
 
@@ -133,7 +143,7 @@ def _python(copies: Sequence[Copy], flags: int) -> tuple[list[Outcome], int]:
     failed = -1
     for i, c in enumerate(copies):
         if failed >= 0:
-            out.append(Outcome(0))
+            out.append(_outcome(c, 0))
             continue
         o = _one(c, flags)
         out.append(o)
@@ -144,7 +154,7 @@ def _python(copies: Sequence[Copy], flags: int) -> tuple[list[Outcome], int]:
 
 def _one(c: Copy, flags: int) -> Outcome:
     if c.src_fd >= 0 and c.dst_fd >= 0:
-        return Outcome(0, errno.EINVAL)
+        return _outcome(c, 0, errno.EINVAL)
     mem_addr = c.src if c.dst_fd >= 0 else c.dst
     mem = _memory(mem_addr, c.length) if c.length else memoryview(b"")
     done, err = 0, 0
@@ -165,22 +175,20 @@ def _one(c: Copy, flags: int) -> Outcome:
             err = END_OF_FILE
             break
         done += n
-    o = Outcome(done, err)
-    if flags & ZERO:
-        o.zero = is_zero_ptr(libc_ffi.cast("char *", mem_addr), done)
+    zero = bool(flags & ZERO) and is_zero_ptr(libc_ffi.cast("char *", mem_addr), done)
     if flags & HASH:
         lo, hi = 0, done
         if flags & RECORD:
             hi = min(c.rec_at + c.rec_len, c.length) if c.rec_at + c.rec_len >= c.rec_at else c.length
             if done < c.rec_at + RECORD_PREFIX:
-                return o
+                return _outcome(c, done, err, zero=zero)
             hlen = int.from_bytes(mem[c.rec_at + 4:c.rec_at + 8], "little")
             lo = c.rec_at + RECORD_PREFIX + hlen
             if hlen > MAX_CHUNK_HEADER or lo > hi:
-                return o
-            o.payload_at = lo
-        o.hash = xxhash.xxh3_64_intdigest(mem[lo:min(hi, done)])
-    return o
+                return _outcome(c, done, err, zero=zero)
+            return _outcome(c, done, err, xxhash.xxh3_64_intdigest(mem[lo:min(hi, done)]), zero, lo)
+        return _outcome(c, done, err, xxhash.xxh3_64_intdigest(mem[lo:min(hi, done)]), zero)
+    return _outcome(c, done, err, zero=zero)
 
 
 def xor_into(dest: memoryview, src: memoryview | bytes) -> None:

@@ -189,7 +189,7 @@ class DumpEnds:
             self._try_delta(t, bufs, p)
         return p.enc
 
-    def _identify(self, t: ChunkTask[DumpBo], buf: StagingBuffer, zero: bool) -> Piece:
+    def _identify(self, t: ChunkTask[DumpBo], buf: StagingBuffer, zero: int) -> Piece:
         """A piece's bytes: a hole, or their content hash and whether a record holds them already."""
         if zero:
             return Piece(HOLE)
