@@ -93,6 +93,7 @@ class ImageReader:
         # set by Engine.open_parent for a dump's parent: its records by hash (image.chunks.parent_entries)
         self.chunk_entries: ParentEntries | None = None
         self._table = TableView(manifest.chunks)
+        self._v2 = manifest.format_version >= 2  # (read once per chunk a restore locates)
         # per image of the chain: its records are trusted as the image's own (else verified by content hash)
         self._trusted: list[bool] = [True] + [False] * len(self.parents)
         self.has_deltas = any(self._table.base)
@@ -251,7 +252,7 @@ class ImageReader:
 
     def locate(self, entry: pb.BoEntry, i: int) -> Loc | None:
         """Chunk `i` of a BO of this image: where its record is (None: a hole, all zeros, no record)."""
-        if self.manifest.format_version < 2:
+        if not self._v2:
             rec = chunk_record(self.manifest, entry, i)  # a v1 hole is a record too
             assert rec is not None
             return Loc(*rec)
@@ -266,7 +267,7 @@ class ImageReader:
             base = self._table_loc(t.base[index] - 1) if t.base[index] else None
             loc = self._locs[index] = Loc(self._slot[(image, t.file_index[index])], t.offset[index],
                                           t.length[index], t.record_checksum[index], t.hash(index), base,
-                                          foreign=not self._trusted[image])
+                                          not self._trusted[image])
         return loc
 
     def locate_entry(self, index: int) -> Loc:

@@ -32,7 +32,7 @@ from ...hostmem.batchcopy import END_OF_FILE, HASH, RECORD, Copy, Outcome, copy_
 from ...hostmem.staging import StagingBuffer, StagingPool
 from ...image.codec import DecodedChunk, decode_chunk, decode_record
 from ...image.fileio import image_os_error
-from ...image.format import HEAD_PEEK, chunk_count, record_head_length
+from ...image.format import HEAD_PEEK, record_head_length
 from ...image.reader import ImageReader, Loc
 from ...pb import image_pb2 as pb
 from ...units import PAGE, round_up
@@ -321,11 +321,13 @@ class ImageJob(JobBase[ImageBo]):
         return bo.gpu_id
 
     def _chunks(self, bo: ImageBo) -> Iterator[ChunkTask[ImageBo]]:
-        e, cs = bo.manifest_entry, self.manifest.chunk_size
-        for i in range(chunk_count(e.size, cs)):
-            loc = self.reader.locate(e, i)
-            yield ChunkTask(bo, i, i * cs, min(cs, e.size - i * cs), loc.offset if loc else 0,
-                            loc.length if loc else 0, loc=loc)
+        e, cs, size, locate = bo.manifest_entry, self.ends.chunk_size, bo.size, self.reader.locate  # bo.size: e's
+        for i, offset in enumerate(range(0, size, cs)):
+            loc = locate(e, i)
+            if loc is None:  # a hole
+                yield ChunkTask(bo, i, offset, min(cs, size - offset))
+            else:
+                yield ChunkTask(bo, i, offset, min(cs, size - offset), loc.offset, loc.length, loc)
 
     def _check_complete(self) -> None:
         """Called after every chunk landed, before the job reports success."""

@@ -84,10 +84,10 @@ class RestoreJob(ImageJob):
         todo = list(targets)
         try:
             valid, error = self._validate(todo)  # raised once the BOs before it are open: the first error wins
+            entries, cs = self.reader.bos, self.ends.chunk_size
             for (backend, (bo_id, _, size, gpu)), handle in zip(valid, self._open_all(valid, ahead)):
-                entry = self.reader.bos[bo_id]
-                self.bos[bo_id] = ImageBo(bo_id, gpu, size, backend, handle,
-                                          chunks_left=chunk_count(size, self.manifest.chunk_size), entry=entry)
+                self.bos[bo_id] = ImageBo(bo_id, gpu, size, backend, handle, chunks_left=chunk_count(size, cs),
+                                          entry=entries[bo_id])
             if error is not None:
                 raise error
             for t in todo:
