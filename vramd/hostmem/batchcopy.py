@@ -20,6 +20,7 @@ Both give identical results; the tests run both.
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import struct
 from collections.abc import Sequence
@@ -73,6 +74,9 @@ class Outcome(NamedTuple):
     payload_at: int  # RECORD: where the payload starts within the moved bytes (0: not a record)
     err: int         # 0, an errno, or END_OF_FILE
     zero: int        # ZERO: 1 where every byte was 0
+
+
+_as_outcome = functools.partial(tuple.__new__, Outcome)  # an unpacked struct as an Outcome (Outcome._make, in C)
 
 
 def _outcome(c: Copy, done: int, err: int = 0, digest: int = 0, zero: bool = False, payload_at: int = 0) -> Outcome:
@@ -130,7 +134,7 @@ def _native(copies: Sequence[Copy], flags: int) -> tuple[list[Outcome], int]:
     arr = _copy.ffi.from_buffer("struct vd_copy[]", raw)
     failed = int(_copy.lib.vd_copy_batch(arr, n, flags))  # cffi releases the GIL around the call
     with memoryview(raw) as view:
-        out = list(map(Outcome._make, _VD_COPY.iter_unpack(view)))  # the copies not run: done 0, err 0
+        out = list(map(_as_outcome, _VD_COPY.iter_unpack(view)))  # the copies not run: done 0, err 0
     return out, failed
 
 
