@@ -13,7 +13,7 @@ import socket
 import pytest
 from helpers import memfd
 
-from vramd.client import SESSION_DUMP, Client, ClientBo
+from vramd.client import SESSION_DUMP, SESSION_RESTORE, Client, ClientBo
 from vramd.errors import InvalidRequestError, LimitExceededError
 from vramd.pb import rpc_pb2 as rpc
 from vramd.protocol import PROTOCOL_VERSIONS, decode_response, encode_request
@@ -162,6 +162,37 @@ def test_bos_must_name_a_gpu_the_daemon_knows(daemon, image_dir, tmp_path):
         c.start(s.token)
         assert c.wait(s.token).image.bo_count == 2
     os.close(bo)
+
+
+def test_a_bo_id_given_twice_is_refused_in_one_message_and_across_messages(daemon, image_dir):
+    """A message's BOs are checked in a worker thread while they are opened, and that check stands for
+    the event loop's add: a BO id given twice (in one AddBos, or again in a later one) is still refused,
+    naming it, for dumps and restores."""
+    bo = memfd(os.urandom(3 * 4096))
+    with Client(daemon.socket) as c:
+        s = c.open_session(SESSION_DUMP, image_dir[1])
+        with pytest.raises(InvalidRequestError, match="given twice") as e:
+            c.add_bos(s.token, [ClientBo(1, bo, size=4096), ClientBo(2, bo, offset=4096, size=4096),
+                                ClientBo(2, bo, offset=8192, size=4096)])
+        assert e.value.bo_id == 2
+        c.close_session(s.token)
+        s = c.open_session(SESSION_DUMP, image_dir[1])
+        c.add_bos(s.token, [ClientBo(1, bo, size=4096), ClientBo(2, bo, offset=4096, size=4096)])
+        with pytest.raises(InvalidRequestError, match="given twice") as e:
+            c.add_bos(s.token, [ClientBo(3, bo, offset=8192, size=4096), ClientBo(1, bo, size=4096)])
+        assert e.value.bo_id == 1
+        c.close_session(s.token)
+        c.run_session(SESSION_DUMP, image_dir[1], [ClientBo(1, bo, size=4096),
+                                                   ClientBo(2, bo, offset=4096, size=4096)])
+        target = memfd(bytes(3 * 4096))
+        s = c.open_session(SESSION_RESTORE, image_dir[1])
+        with pytest.raises(InvalidRequestError, match="targeted twice") as e:
+            c.add_bos(s.token, [ClientBo(2, target, size=4096), ClientBo(1, target, offset=4096, size=4096),
+                                ClientBo(2, target, offset=8192, size=4096)])
+        assert e.value.bo_id == 2
+        c.close_session(s.token)
+    os.close(bo)
+    os.close(target)
 
 
 def test_configured_gpu_ids_are_allowed_without_a_topology(run_dir, tmp_path, image_dir):

@@ -82,8 +82,9 @@ def submit_batch(copies: Sequence[tuple[Backend, CopyItem]]) -> asyncio.Future[N
     return land_all(futs)
 
 
-# BOs opened ahead in a worker thread (JobBase.open_ahead): bo_id -> (backend, what was opened, handle)
-Ahead = dict[int, tuple[Backend, OpenItem, BoHandle]]
+# BOs opened ahead in a worker thread (JobBase.open_ahead): bo_id -> (backend, what was opened, handle, the
+# spec or target it was opened for)
+Ahead = dict[int, tuple[Backend, OpenItem, BoHandle, Any]]
 
 OFF_T_MAX = (1 << 63) - 1  # the largest file offset (off_t) a syscall takes
 DEFAULT_MAX_BO_BYTES = 1 << 40
@@ -211,17 +212,32 @@ class JobBase(Generic[BoT]):
         raised here: on any error nothing is kept, and `add` meets the error again, in order.
         The caller passes what is returned to `add`, then to `drop_ahead`."""
         valid, _ = self._validate(todo)
-        valid = [v for v in valid if v[0].cpu_copies]
+        opened = [(v, spec) for v, spec in zip(valid, todo) if v[0].cpu_copies]
         try:
-            handles = self._open_all(valid)
+            handles = self._open_all([v for v, _ in opened])
         except VramdError:
             return {}
-        return {item[0]: (backend, item, h) for (backend, item), h in zip(valid, handles)}
+        return {item[0]: (backend, item, h, spec) for ((backend, item), spec), h in zip(opened, handles)}
+
+    def _validated(self, todo: Sequence[Any], ahead: Ahead | None) -> tuple[list[tuple[Backend, OpenItem]],
+                                                                           VramdError | None]:
+        """`_validate(todo)`, unless `open_ahead` validated these very specs (the same objects, each opened and
+        waiting in `ahead`): then its answer stands, and no BO is checked twice.  (Nothing can be added
+        between the two: a session adds one message at a time.)"""
+        if ahead:
+            valid = []
+            for spec in todo:
+                got = ahead.get(spec[0])  # a spec's or a target's first field is its BO id
+                if got is None or got[3] is not spec:
+                    return self._validate(todo)
+                valid.append((got[0], got[1]))
+            return valid, None
+        return self._validate(todo)
 
     @staticmethod
     def drop_ahead(ahead: Ahead) -> None:
         """Release the handles of `open_ahead` that `add` did not take (it failed, or stopped early)."""
-        for backend, _, handle in ahead.values():
+        for backend, _, handle, _ in ahead.values():
             backend.release(handle)
         ahead.clear()
 

@@ -447,7 +447,7 @@ class DumpJob(JobBase[DumpBo]):
         todo = list(specs)
         queue = []
         try:
-            valid, error = self._validate(todo)  # raised once the BOs before it are open: the first error wins
+            valid, error = self._validated(todo, ahead)  # raised once the BOs before it are open: the first error wins
             for spec, (backend, _), handle in zip(todo, valid, self._open_all(valid, ahead)):
                 key, same = self._same_buffer(spec)
                 if same is not None:  # the BO another process (or this one) passed already: its chunks serve

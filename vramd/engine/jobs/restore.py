@@ -83,7 +83,7 @@ class RestoreJob(ImageJob):
         `ahead`: BOs opened by `open_ahead` in a worker thread; those used are taken from it."""
         todo = list(targets)
         try:
-            valid, error = self._validate(todo)  # raised once the BOs before it are open: the first error wins
+            valid, error = self._validated(todo, ahead)  # raised once the BOs before it are open: the first error wins
             entries, cs = self.reader.bos, self.ends.chunk_size
             for (backend, (bo_id, _, size, gpu)), handle in zip(valid, self._open_all(valid, ahead)):
                 self.bos[bo_id] = ImageBo(bo_id, gpu, size, backend, handle, chunks_left=chunk_count(size, cs),
