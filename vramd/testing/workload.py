@@ -35,7 +35,7 @@ from ..hostmem.libc import (
     ffi,
     libc,
 )
-from ..units import PAGE
+from ..units import PAGE, round_up
 
 if TYPE_CHECKING:
     from .runas import RunAs
@@ -43,10 +43,26 @@ if TYPE_CHECKING:
 PROT_RW = PROT_READ | PROT_WRITE
 
 
+# Regions a spec does not place go from here up (as a hint: the kernel may still choose elsewhere), far
+# from where the kernel puts mappings by itself (just below the stack) and from the heap (after the
+# executable).  A restore target, another process, maps the very same addresses (`blank_spec_like`): where
+# the kernel had placed the source's region, a 1 GiB one, the target's own libraries or arenas were
+# sometimes already there.
+QUIET_BASE = 0x2000_0000_0000
+_hint = QUIET_BASE
+
+
 def map_region(size: int, at: int | None) -> int:
-    flags = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | (MAP_FIXED_NOREPLACE if at else 0)
-    p = libc.mmap(ffi.cast("void *", at or 0), max(size, 1), PROT_RW, flags, -1, 0)
-    if p == MAP_FAILED or (at and address(p) != at):
+    global _hint
+    n, flags = max(size, 1), MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE
+    if not at:
+        hint, _hint = _hint, _hint + round_up(n, 1 << 30) + (1 << 30)  # a free GiB between regions
+        p = libc.mmap(ffi.cast("void *", hint), n, PROT_RW, flags, -1, 0)
+        if p == MAP_FAILED:
+            raise SystemExit(f"mmap of {size} bytes failed")
+        return address(p)
+    p = libc.mmap(ffi.cast("void *", at), n, PROT_RW, flags | MAP_FIXED_NOREPLACE, -1, 0)
+    if p == MAP_FAILED or address(p) != at:
         raise SystemExit(f"mmap at {at!r} of {size} bytes failed")
     return address(p)
 
