@@ -215,10 +215,7 @@ def decode_record(bo_id: int, offset: int, raw_length: int, stored: StagingBuffe
     xxh3-64) as the read computed them (batchcopy's RECORD hashing), used where that start is the
     head's end.  This is how every reader of an image checks a record it read: once per record."""
     view = stored.view
-    prefix = record_prefix(view[at:at + min(length, HEAD_PEEK)])
-    if isinstance(prefix, str):
-        raise CorruptChunkError(f"{where_text(where)}: {prefix}", bo_id=bo_id, offset=offset)
-    head_len, hsum = prefix
+    head_len, hsum = record_prefix(view[at:at + min(length, HEAD_PEEK)], bo_id=bo_id, offset=offset, where=where)
     stored_length = length - head_len
     if stored_length > raw_length:
         raise CorruptChunkError(f"{where_text(where)}: record of {length} bytes for a {raw_length}-byte chunk",

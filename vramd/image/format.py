@@ -264,11 +264,6 @@ def _bos_plausible(bos: list[pb.BoEntry], t: TableView, chunk_size: int) -> bool
         whole, tail = divmod(size, chunk_size)
         if len(refs) != whole + (tail > 0):
             return False
-        if len(refs) <= 1:  # one chunk of `size` bytes (the common small BO), or none
-            ref = refs[0] if refs else 0
-            if ref > n or (ref and raw_length[ref - 1] != size):
-                return False
-            continue
         for c, ref in enumerate(refs):
             if ref > n or (ref and raw_length[ref - 1] != (chunk_size if c < whole else tail)):
                 return False
@@ -380,18 +375,6 @@ def record_checksum(head: Bytes) -> int:
 HEAD_PEEK = 512  # bytes read first: always covers prefix + header
 
 
-def record_prefix(peek: Bytes) -> tuple[int, int] | str:
-    """A record's first bytes: (bytes before its payload, its header checksum), or what is wrong with them."""
-    if len(peek) < RECORD_PREFIX.size:
-        return "record shorter than its prefix"
-    magic, hlen, hsum = RECORD_PREFIX.unpack_from(peek)
-    if magic != RECORD_MAGIC:
-        return "bad record magic"
-    if hlen > MAX_CHUNK_HEADER or RECORD_PREFIX.size + hlen > len(peek):
-        return f"implausible header length {hlen}"
-    return RECORD_PREFIX.size + hlen, hsum
-
-
 Where = str | Callable[[], str]
 """How an error names a record: a string, or a function that makes it (only on the error path: a restore
 checks 10,000 small records without formatting one name)."""
@@ -401,12 +384,25 @@ def where_text(where: Where) -> str:
     return where if isinstance(where, str) else where()
 
 
+def record_prefix(peek: Bytes, *, bo_id: int, offset: int, where: Where) -> tuple[int, int]:
+    """A record's first bytes: (bytes before its payload, its header checksum); what is wrong with them is
+    the record's CorruptChunkError."""
+    def bad(what: str) -> CorruptChunkError:
+        return CorruptChunkError(f"{where_text(where)}: {what}", bo_id=bo_id, offset=offset)
+
+    if len(peek) < RECORD_PREFIX.size:
+        raise bad("record shorter than its prefix")
+    magic, hlen, hsum = RECORD_PREFIX.unpack_from(peek)
+    if magic != RECORD_MAGIC:
+        raise bad("bad record magic")
+    if hlen > MAX_CHUNK_HEADER or RECORD_PREFIX.size + hlen > len(peek):
+        raise bad(f"implausible header length {hlen}")
+    return RECORD_PREFIX.size + hlen, hsum
+
+
 def record_head_length(peek: Bytes, *, bo_id: int, offset: int, where: Where) -> int:
     """From the first bytes of a record, how many precede the payload (prefix + header)."""
-    prefix = record_prefix(peek)
-    if isinstance(prefix, str):
-        raise CorruptChunkError(f"{where_text(where)}: {prefix}", bo_id=bo_id, offset=offset)
-    return prefix[0]
+    return record_prefix(peek, bo_id=bo_id, offset=offset, where=where)[0]
 
 
 def decode_record_head(buf: Bytes, *, bo_id: int, offset: int, where: Where,
@@ -423,10 +419,7 @@ def decode_record_head(buf: Bytes, *, bo_id: int, offset: int, where: Where,
     header must carry it (and then its BO id and offset, which name the
     chunk that stored it first, are not compared: dedup shares records).
     """
-    prefix = record_prefix(buf)
-    if isinstance(prefix, str):
-        raise CorruptChunkError(f"{where_text(where)}: {prefix}", bo_id=bo_id, offset=offset)
-    head_len, hsum = prefix
+    head_len, hsum = record_prefix(buf, bo_id=bo_id, offset=offset, where=where)
     return check_record_header(buf[RECORD_PREFIX.size:head_len], hsum, bo_id=bo_id, offset=offset, where=where,
                                record_checksum=record_checksum, content_hash=content_hash), head_len
 

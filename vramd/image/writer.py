@@ -79,8 +79,10 @@ class DataFileWriter:
     writer: ThreadPoolExecutor = field(init=False, repr=False)
     _opened: Future[None] = field(init=False, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
-    _dirty: int = field(default=0, init=False, repr=False)  # bytes written through the page cache since the
-    _writeback: bool = field(default=True, init=False, repr=False)  # last writeback began; whether it can
+    # bytes written through the page cache since the last writeback began (_written), and whether the
+    # file system takes sync_file_range at all
+    _dirty: int = field(default=0, init=False, repr=False)
+    _writeback: bool = field(default=True, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.end = len(encode_data_header(self.image_id))
@@ -212,7 +214,8 @@ class ImageWriter:
         committed when the client renames the files into place (`local`: here, by it).
 
         `bos`: a manifest holding only the image's BO entries, each made in place with `bos.add` (extending
-        a repeated field with ready messages copies them one by one: 10,000 entries took ~20 ms more)."""
+        a repeated field with ready messages copies them one by one: 10,000 entries and the encoding took
+        ~44 ms that way, ~17 ms made in place)."""
         if self.manifest_fd is None and self.local is not None:
             self.manifest_fd = self.local.manifest_file()
         if self.manifest_fd is None:
