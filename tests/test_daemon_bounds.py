@@ -169,28 +169,26 @@ def test_a_bo_id_given_twice_is_refused_in_one_message_and_across_messages(daemo
     the event loop's add: a BO id given twice (in one AddBos, or again in a later one) is still refused,
     naming it, for dumps and restores."""
     bo = memfd(os.urandom(3 * 4096))
+    target = memfd(bytes(3 * 4096))
+    pages = [(bo, 0), (bo, 4096), (bo, 8192)]
+
+    def refused(c, kind, first, then, match):
+        """A session of `kind` takes BOs `first`, then refuses `then`: [(id, (fd, offset))...]; the error's BO."""
+        s = c.open_session(kind, image_dir[1])
+        if first:
+            c.add_bos(s.token, [ClientBo(i, fd, offset=off, size=4096) for i, (fd, off) in first])
+        with pytest.raises(InvalidRequestError, match=match) as e:
+            c.add_bos(s.token, [ClientBo(i, fd, offset=off, size=4096) for i, (fd, off) in then])
+        c.close_session(s.token)
+        return e.value.bo_id
+
     with Client(daemon.socket) as c:
-        s = c.open_session(SESSION_DUMP, image_dir[1])
-        with pytest.raises(InvalidRequestError, match="given twice") as e:
-            c.add_bos(s.token, [ClientBo(1, bo, size=4096), ClientBo(2, bo, offset=4096, size=4096),
-                                ClientBo(2, bo, offset=8192, size=4096)])
-        assert e.value.bo_id == 2
-        c.close_session(s.token)
-        s = c.open_session(SESSION_DUMP, image_dir[1])
-        c.add_bos(s.token, [ClientBo(1, bo, size=4096), ClientBo(2, bo, offset=4096, size=4096)])
-        with pytest.raises(InvalidRequestError, match="given twice") as e:
-            c.add_bos(s.token, [ClientBo(3, bo, offset=8192, size=4096), ClientBo(1, bo, size=4096)])
-        assert e.value.bo_id == 1
-        c.close_session(s.token)
+        assert refused(c, SESSION_DUMP, [], zip([1, 2, 2], pages), "given twice") == 2
+        assert refused(c, SESSION_DUMP, zip([1, 2], pages), zip([3, 1], pages[2:] + pages), "given twice") == 1
         c.run_session(SESSION_DUMP, image_dir[1], [ClientBo(1, bo, size=4096),
                                                    ClientBo(2, bo, offset=4096, size=4096)])
-        target = memfd(bytes(3 * 4096))
-        s = c.open_session(SESSION_RESTORE, image_dir[1])
-        with pytest.raises(InvalidRequestError, match="targeted twice") as e:
-            c.add_bos(s.token, [ClientBo(2, target, size=4096), ClientBo(1, target, offset=4096, size=4096),
-                                ClientBo(2, target, offset=8192, size=4096)])
-        assert e.value.bo_id == 2
-        c.close_session(s.token)
+        into = [(target, 0), (target, 4096), (target, 8192)]
+        assert refused(c, SESSION_RESTORE, [], zip([2, 1, 2], into), "targeted twice") == 2
     os.close(bo)
     os.close(target)
 
