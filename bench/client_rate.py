@@ -38,6 +38,9 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ is not a package
+
+from machine import Machine
 
 from vramd.client import SESSION_DUMP, SESSION_RESTORE, Client, ClientBo
 from vramd.testing import DaemonProcess
@@ -178,7 +181,7 @@ def main() -> None:
     ap.add_argument("--out")
     args = ap.parse_args()
     raise_fd_limit()
-    load_before = list(os.getloadavg())
+    machine = Machine()
     run_dir = tempfile.mkdtemp(prefix="vramd-bench-", dir="/tmp")
     base = tempfile.mkdtemp(prefix="vramd-bench-img-", dir=args.image_dir)
     daemon = DaemonProcess(run_dir, log_level="warning", stderr=subprocess.DEVNULL)
@@ -208,12 +211,11 @@ def main() -> None:
     result = {
         "date": time.strftime("%Y-%m-%d"),
         "machine": f"{platform.machine()}, {os.cpu_count()} cpus, {platform.platform()}",
+        "host": machine.summary(),
         "image_dir": args.image_dir, "bos": args.bos, "bo_size": args.bo_size, "reps": args.reps,
-        "loadavg_before": load_before, "loadavg_after": list(os.getloadavg()),
         "summary": summarise(runs, args.bos), "runs": runs,
     }
-    print(f"\nload average before {load_before[0]:.2f}, after {result['loadavg_after'][0]:.2f} "
-          f"({os.cpu_count()} cpus)")
+    print("\n" + Machine.line(result["host"]))
     for mode, dirs in result["summary"].items():
         cpu_run = dirs["dump"]["daemon_cpu_s_per_run_median"]
         print(f"{mode:8s} daemon CPU per dump + restore of {args.bos} BOs: with C {cpu_run['c']:.2f} s, "
