@@ -216,6 +216,64 @@ def test_inline_dump_binds_every_record_and_writes_off_the_loop(flavour, image_d
     assert run(check()) == content
 
 
+def test_a_cold_image_is_read_by_the_io_threads_several_records_at_once(flavour, image_dir, monkeypatch):
+    """Records not in the page cache are read with O_DIRECT, which waits on the device: they are read (and
+    checked) in the io threads, as many at once as batches are in flight, not one per copy thread.  With one
+    copy thread, three reads must be waiting together (a barrier of three); the restore and the verify
+    read the image back exactly."""
+    import itertools
+    import threading
+
+    from vramd.engine.jobs import read
+    path, dfd = image_dir
+    if not _o_direct_here(path):
+        pytest.skip("the file system of tmp_path refuses O_DIRECT")
+    content = os.urandom(6 * MiB)
+    src = memfd(content)
+    try:
+        async def dump():
+            async with engine(chunk_size=MiB, staging_budget=16 * MiB) as e:
+                return await e.dump(dfd, [BoSpec(1, len(content), BoRef("mmap", src))])
+        m = run(dump())
+    finally:
+        os.close(src)
+
+    def evict() -> None:  # every record cold: its pages dropped from the page cache
+        fd = os.open(path / m.files[0].name, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    together = threading.Barrier(3, timeout=10)
+    calls = itertools.count()
+    threads: set[str] = set()
+    real = read.ImageReadEnds._read_checked
+
+    def spy(self, tasks, buf, clock):
+        threads.add(threading.current_thread().name)
+        if next(calls) < 3:
+            together.wait()  # BrokenBarrierError, and the restore fails, unless three reads wait at once
+        return real(self, tasks, buf, clock)
+    monkeypatch.setattr(read.ImageReadEnds, "_read_checked", spy)
+
+    async def back():
+        async with engine(chunk_size=MiB, staging_budget=16 * MiB, copy_threads=1, inflight_per_gpu=4,
+                          io_threads=4) as e:
+            dst = memfd(size=len(content))
+            try:
+                evict()
+                await e.restore(dfd, [RestoreTarget(1, BoRef("mmap", dst))])
+                got = os.pread(dst, len(content) + 1, 0)
+            finally:
+                os.close(dst)
+            evict()
+            await e.verify(dfd)
+            return got
+    assert run(back()) == content
+    assert len(threads) >= 3 and all(n.startswith("vramd-io") for n in threads), threads
+
+
 def test_a_record_of_another_image_is_refused_on_the_inline_read(flavour, image_dir, tmp_path):
     """Same BO, offset and length in two images: swapping the data file is caught by record_checksums."""
     from vramd import errors

@@ -15,7 +15,11 @@ record whole into its slot (the head into the slot's head page) and hashes
 its payload as it arrives, the heads are checked against the manifest and the
 hashes, and only then are the bytes copied into the BOs.  A record written
 page-aligned by an O_DIRECT dump, alone in its batch, is read with O_DIRECT
-where the file system allows it: no CPU copy on the way in.
+where the file system allows it: no CPU copy on the way in.  Where that
+record is not in the page cache (the read waits on the device), the batch
+takes the three stages instead: an io thread reads and checks it the same
+way, and the backend's threads copy it out, so that as many reads wait on
+the device at once as batches are in flight.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from concurrent.futures import Executor
 from dataclasses import dataclass
+from typing import cast
 
 from ...backends import Direction
 from ...errors import CorruptChunkError, InternalError, TruncatedDataError, VramdError
@@ -109,7 +114,21 @@ class ImageReadEnds(ABC):
     # --- a whole batch in one copy thread (InlineEnds) ----------------------
 
     def inline(self, tasks: list[ChunkTask[ImageBo]]) -> bool:
-        return self.buffers_per_chunk == 1 and all(t.bo.backend is None or t.bo.backend.cpu_copies for t in tasks)
+        return self.buffers_per_chunk == 1 and all(t.bo.backend is None or t.bo.backend.cpu_copies for t in tasks) \
+            and not self._waits_on_device(tasks)
+
+    def _waits_on_device(self, tasks: list[ChunkTask[ImageBo]]) -> bool:
+        """Whether the batch is one big record that is not in the page cache: read with O_DIRECT, it waits on
+        the device.  Such a batch is read in an io thread (fill) and copied out by the backend's threads
+        (drain), so that as many records are read at once as batches are in flight, not only as many as there
+        are copy threads, each of which would otherwise wait for its read before its copy-out."""
+        if len(tasks) != 1 or not self.direct:
+            return False
+        t = tasks[0]
+        if t.loc is None or t.record_length < DIRECT_MIN:
+            return False
+        fd = self.reader.fds[t.loc.slot]
+        return fd >= 0 and not _cached(fd, t.record_offset, t.record_length)
 
     def run(self, tasks: list[ChunkTask[ImageBo]], bufs: list[StagingBuffer], times: StageTimes | None) -> None:
         clock = Clock(times)
@@ -185,8 +204,14 @@ class ImageReadEnds(ABC):
 
     # --- the three stages ----------------------------------------------------
 
-    async def fill(self, tasks: list[ChunkTask[ImageBo]], bufs: list[StagingBuffer]) -> list[bytes]:
+    async def fill(self, tasks: list[ChunkTask[ImageBo]],
+                   bufs: list[StagingBuffer]) -> list[bytes] | list[DecodedChunk]:
+        """In an io thread: an image of raw records only has each record read whole and checked as
+        `run` does (O_DIRECT where it is cold; `transform` then has nothing left to do); otherwise the
+        records' payloads go to their slots and their heads are returned for `transform`."""
         loop = asyncio.get_running_loop()
+        if self.buffers_per_chunk == 1:
+            return await settle(loop.run_in_executor(self.io, self._read_checked, tasks, bufs[0], Clock(None)))
         return await settle(loop.run_in_executor(self.io, self._read_records, tasks, bufs[-1]))
 
     def _where(self, task: ChunkTask[ImageBo]) -> str:
@@ -266,7 +291,10 @@ class ImageReadEnds(ABC):
         """Where the decoded chunks go: restore.py (into the BOs), verify.py (nowhere)."""
 
     def transform(self, tasks: list[ChunkTask[ImageBo]], bufs: list[StagingBuffer],
-                  heads: list[bytes]) -> list[DecodedChunk]:
+                  filled: list[bytes] | list[DecodedChunk]) -> list[DecodedChunk]:
+        if self.buffers_per_chunk == 1:  # read whole and checked by `fill`
+            return cast(list[DecodedChunk], filled)
+        heads = cast(list[bytes], filled)
         stored, out = bufs[-1], (bufs[0] if len(bufs) > 1 else None)
         decoded = []
         for t, head in zip(tasks, heads):
