@@ -67,6 +67,9 @@ import time
 
 import uvloop
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ is not a package
+from machine import Machine
+
 from vramd.backends import REGISTRY, BackendOptions, BoRef, Direction
 from vramd.engine import BoSpec, Engine, EngineConfig, RestoreTarget
 from vramd.hostmem.staging import StagingBuffer, buffer_unit
@@ -646,6 +649,7 @@ def main() -> int:
     sizes = [parse_size(x) for x in ns.size.split(",")]
     warm = parse_size(ns.warm) if ns.warm is not None else 8 * max(sizes)
     criu = os.environ.get("CRIU_BIN") or None
+    machine = Machine()
     print(f"machine: {os.cpu_count()} CPUs, load {os.getloadavg()}; "
           f"criu: {criu or 'not run (set CRIU_BIN)'}", flush=True)
     if warm:
@@ -660,12 +664,13 @@ def main() -> int:
                 case.close()
     summary = verdicts(rows)
     print_table(rows, summary)
-    print(f"load at the end: {os.getloadavg()}")
+    host = machine.summary()
+    print(Machine.line(host))
     if ns.out:
         with open(ns.out, "w") as f:
             json.dump(rows, f, indent=1)
         with open(os.path.splitext(ns.out)[0] + ".verdicts.json", "w") as f:
-            json.dump(summary, f, indent=1)
+            json.dump([*summary, {"host": host}], f, indent=1)
     return 0
 
 
