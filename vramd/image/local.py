@@ -207,15 +207,17 @@ class ImageFiles:
         self.close()
 
 
-def lock_directory(dir_fd: int, where: str = "the image directory") -> int:
-    """A description of the directory of our own, flocked (one dump, or gc, at a time): the caller closes it
-    to unlock.  Another holder is INVALID_REQUEST."""
+def lock_directory(dir_fd: int, where: str = "the image directory", *, shared: bool = False) -> int:
+    """A description of the directory of our own, flocked (one dump, or gc, or rm, at a time): the caller
+    closes it to unlock.  Another holder is INVALID_REQUEST.  `shared`: the lock children take to mark the
+    directory as their parent's: they never exclude each other (sibling dumps commit at once), only a dump
+    writing into the directory, or gc, or rm, excludes them, and they it."""
     try:
         lock_fd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=dir_fd)
     except OSError as e:
         raise from_os_error(e, f"{where} cannot be opened", InvalidRequestError) from None
     try:
-        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(lock_fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
     except OSError as e:
         os.close(lock_fd)
         if e.errno == errno.EWOULDBLOCK:
@@ -393,8 +395,9 @@ class DumpDirectory:
                 log.info("parent directory #%d not marked: %s does not own it", k, _who())
                 continue
             # under the parent directory's lock: a dump replacing that image checked for marks when it began and
-            # holds the lock to its end, so this child either fails here or is seen by every later dump
-            lock = lock_directory(fd, f"parent directory #{k}")
+            # holds the lock to its end, so this child either fails here or is seen by every later dump.  A shared
+            # lock: children of one parent committing at the same moment do not fail each other.
+            lock = lock_directory(fd, f"parent directory #{k}", shared=True)
             try:
                 try:
                     mark = os.open(name, CREATE_FLAGS, FILE_MODE, dir_fd=fd)

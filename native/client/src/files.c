@@ -407,7 +407,9 @@ static int mark_parent(struct vramd__dump *d, size_t i, struct vramd_error *err)
             return 0;
         return fail_name(err, -lock, "open", ".", pfd);
     }
-    if (flock(lock, LOCK_EX | LOCK_NB) < 0) {
+    /* shared: the children of one parent committing at once do not fail each other; a dump writing into the
+     * directory (or vramctl gc / rm) holds it exclusively */
+    if (flock(lock, LOCK_SH | LOCK_NB) < 0) {
         int e = errno;
         char path[PATH_MAX];
         vramd__dir_label(pfd, path, sizeof path);

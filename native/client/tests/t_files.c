@@ -366,6 +366,40 @@ static int t_marks_and_sweep(void)
     return 0;
 }
 
+/* A child marks its parent under a shared lock: a sibling marking it at that moment (a shared flock held on the
+ * parent's directory) does not fail its commit; a dump writing there (an exclusive one) does: -EBUSY, no mark. */
+static int t_sibling_children(void)
+{
+    struct vramd_conn *c = NULL;
+    struct vramd_error err;
+    char ppath[PATH_MAX], apath[PATH_MAX], bpath[PATH_MAX];
+    int pfd = make_image_dir(ppath), afd = make_image_dir(apath), bfd = make_image_dir(bpath);
+    int src = make_memfd(BO_BYTES, 11, 0, BO_BYTES);
+    CHECK(pfd >= 0 && afd >= 0 && bfd >= 0 && src >= 0, "setup");
+    OK(test_connect(&c, &err), &err);
+    OK(dump_one(c, pfd, src, NULL, 0, false, &err), &err);
+    int held = open(ppath, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    CHECK(held >= 0 && flock(held, LOCK_SH) == 0, "a sibling's shared lock");
+    OK(dump_one(c, afd, src, &pfd, 1, false, &err), &err);
+    CHECK(count_entries(ppath, ".child.", "", NULL) == 1, "the child did not mark its parent");
+    CHECK(flock(held, LOCK_EX) == 0, "a dump's exclusive lock");
+    int r = dump_one(c, bfd, src, &pfd, 1, false, &err);
+    CHECK(r == -EBUSY && err.code == VRAMD_CODE_LOCAL && strstr(err.message, ppath), "child while a dump writes "
+          "into its parent: %d %s", r, err.message);
+    CHECK(count_entries(ppath, ".child.", "", NULL) == 1, "the failed child left a mark");
+    CHECK(!exists(bpath, "manifest.vrdm"), "the failed child committed");
+    close(held);
+    vramd_close(c);
+    close(src);
+    close(pfd);
+    close(afd);
+    close(bfd);
+    remove_dir(apath);
+    remove_dir(bpath);
+    remove_dir(ppath);
+    return 0;
+}
+
 /* A daemon (fake) that asks for a file no image holds: the client opens nothing, breaks the connection. */
 static void fake_asks(int s, const char *name, uint32_t image)
 {
@@ -467,6 +501,7 @@ const struct test files_tests[] = {
     {"dump_busy", t_dump_busy, "all quick"},
     {"unreadable_image", t_unreadable_image, "all quick"},
     {"marks_and_sweep", t_marks_and_sweep, "all quick"},
+    {"sibling_children", t_sibling_children, "all quick"},
     {"fake_asks_for_a_file", t_fake_asks_for_a_file, "all quick"},
     {NULL, NULL, NULL},
 };
