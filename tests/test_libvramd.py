@@ -101,7 +101,7 @@ def build_asan():
 def test_c_suite(build, daemon):
     """Round trips (memfd BOs, procmem ranges, many fds), the hook adapter, failure paths."""
     out = run_suite(daemon, [str(build / TESTS_BIN)], ["unit", "quick"], 300)
-    for name in ("memfd_roundtrip", "procmem_roundtrip", "many_fds", "criu_adapter",
+    for name in ("memfd_roundtrip", "procmem_roundtrip", "many_fds", "criu_adapter", "criu_incremental",
                  "uid_refused", "corrupt_image", "bad_fds", "no_daemon", "fake_daemon", "fd_placement",
                  "wait_timeout", "incremental", "cancel_by_id", "dump_commit", "dump_no_commit", "dump_busy",
                  "unreadable_image", "marks_and_sweep", "sibling_children", "fake_asks_for_a_file"):

@@ -116,7 +116,10 @@ int vramd_criu_dump(const struct vramd_criu_config *cfg, int dir_fd, const struc
                                 .dir_fd = dir_fd,
                                 .compression = cfg->compression,
                                 .chunk_size = cfg->chunk_size,
-                                .label = cfg->label};
+                                .label = cfg->label,
+                                .parent_dir_fds = cfg->parent_dir_fds,
+                                .n_parent_dir_fds = cfg->n_parent_dir_fds,
+                                .parent_hint = cfg->parent_hint};
     struct vramd_token t;
     r = vramd_open_session(c, &a, &t, NULL, err);
     if (r == 0) {
@@ -162,7 +165,9 @@ int vramd_criu_restore_submit(const struct vramd_criu_config *cfg, int dir_fd, c
     struct vramd_open_args a = {.kind = VRAMD_SESSION_RESTORE,
                                 .dir_fd = dir_fd,
                                 .label = cfg->label,
-                                .allow_partial = cfg->allow_partial};
+                                .allow_partial = cfg->allow_partial,
+                                .parent_dir_fds = cfg->parent_dir_fds,
+                                .n_parent_dir_fds = cfg->n_parent_dir_fds};
     struct vramd_token t;
     r = vramd_open_session(c, &a, &t, NULL, err);
     if (r == 0) {

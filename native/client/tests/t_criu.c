@@ -351,6 +351,67 @@ static int t_criu_adapter(void)
     return 0;
 }
 
+/* An incremental dump and its restore through the hook adapter, the parent found as a plugin would find it:
+ * through the "parent" link CRIU makes in the images directory for --prev-images-dir. */
+static int t_criu_incremental(void)
+{
+    struct task_image base;
+    if (dump_task(&base, 77))
+        return 1;
+    char cpath[PATH_MAX], link[PATH_MAX + 8];
+    int cfd = make_image_dir(cpath);
+    CHECK(cfd >= 0, "child dir");
+    snprintf(link, sizeof link, "%s/parent", cpath);
+    CHECK(symlink(base.path, link) == 0, "parent link");
+    int pfd = openat(cfd, "parent", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    CHECK(pfd >= 0, "open the parent link");
+    int fds[NBO];
+    struct vramd_criu_bo bos[NBO];
+    for (int i = 0; i < NBO; i++) { /* BO 0 changed since the parent, the others not */
+        fds[i] = make_memfd(base.sizes[i], i ? base.seed + (uint64_t)i : 500, 0, base.sizes[i]);
+        CHECK(fds[i] >= 0, "memfd");
+        bos[i] = (struct vramd_criu_bo){.id = (uint64_t)i, .fd = fds[i], .size = base.sizes[i]};
+    }
+    struct vramd_criu_config cfg;
+    vramd_criu_config_init(&cfg);
+    cfg.socket_path = daemon_socket();
+    cfg.timeout_ms = 30000;
+    cfg.compression = "none";
+    cfg.parent_dir_fds = &pfd;
+    cfg.n_parent_dir_fds = 1;
+    cfg.parent_hint = "parent";
+    struct vramd_session_info info;
+    struct vramd_error err;
+    OK(vramd_criu_dump(&cfg, cfd, bos, NBO, &info, &err), &err);
+    CHECK(info.image.stored_bytes == base.sizes[0], "the child stored %llu bytes, not only BO 0's %llu",
+          (unsigned long long)info.image.stored_bytes, (unsigned long long)base.sizes[0]);
+    for (int i = 0; i < NBO; i++) { /* garbage in the targets */
+        close(fds[i]);
+        fds[i] = make_memfd(base.sizes[i], 4242, 0, base.sizes[i]);
+        CHECK(fds[i] >= 0, "memfd");
+        bos[i] = (struct vramd_criu_bo){.id = (uint64_t)i, .fd = fds[i]};
+    }
+    struct vramd_criu_ticket tk;
+    /* without its parent: refused at submit, before any byte is written */
+    cfg.n_parent_dir_fds = 0;
+    int r = vramd_criu_restore_submit(&cfg, cfd, bos, NBO, 0, &tk, &err);
+    CHECK(r < 0 && err.code == VRAMD_CODE_PARENT_MISSING, "no parent: %d %s", r, vramd_code_name(err.code));
+    CHECK(check_memfd(fds[1], base.sizes[1], 4242, 0, base.sizes[1]) < 0, "a refused restore wrote a byte");
+    cfg.n_parent_dir_fds = 1;
+    OK(vramd_criu_restore_submit(&cfg, cfd, bos, NBO, 0, &tk, &err), &err);
+    OK(vramd_criu_restore_barrier(&cfg, &tk, &info, &err), &err);
+    for (int i = 0; i < NBO; i++) {
+        long long bad = check_memfd(fds[i], base.sizes[i], i ? base.seed + (uint64_t)i : 500, 0, base.sizes[i]);
+        CHECK(bad < 0, "BO %d differs at %lld", i, bad);
+        close(fds[i]);
+    }
+    close(pfd);
+    close(cfd);
+    remove_dir(cpath);
+    drop_image(&base);
+    return 0;
+}
+
 static int t_table(void)
 {
     size_t size = vramd_criu_table_size(2);
@@ -376,6 +437,7 @@ static int t_table(void)
 const struct test criu_tests[] = {
     {"table", t_table, "all unit"},
     {"criu_adapter", t_criu_adapter, "all quick"},
+    {"criu_incremental", t_criu_incremental, "all quick"},
     {"topology_one", t_topology_one, "all topology"},
     {"topology_three", t_topology_three, "all topology"},
     {NULL, NULL, NULL},

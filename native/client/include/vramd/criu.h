@@ -51,6 +51,16 @@ struct vramd_criu_config {
     uint64_t chunk_size;      /* dump: 0: the daemon's default */
     const char *label;        /* for session lists and logs */
     bool allow_partial;       /* restore: image BOs without a target are not an error */
+    /* Incremental images (format v2; vramd_open_args in client.h): CRIU's --prev-images-dir chain.  Dump:
+     * the parent image's directory, then those of its own parents, nearest first; chunks they hold are
+     * referred to, not stored.  Restore: the image's parents' directories, nearest first.  Each
+     * O_RDONLY|O_DIRECTORY, opened by the caller, stays the caller's; at most VRAMD_MAX_PARENTS.
+     * docs/criu-integration.md says how a plugin finds them. */
+    const int *parent_dir_fds;
+    size_t n_parent_dir_fds;
+    const char *parent_hint;  /* dump: the parent's path relative to dir_fd's directory, e.g. "parent" (the
+                                 link CRIU makes to --prev-images-dir); recorded for tools, never opened by
+                                 the daemon; NULL: none recorded */
 };
 
 /* Defaults: sock_fd -1, everything else 0 / NULL / false. */
