@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import shutil
 
 import pytest
 import xxhash
@@ -272,6 +273,53 @@ def test_a_cold_image_is_read_by_the_io_threads_several_records_at_once(flavour,
             return got
     assert run(back()) == content
     assert len(threads) >= 3 and all(n.startswith("vramd-io") for n in threads), threads
+
+
+def test_a_cached_or_tmpfs_record_stays_in_the_copy_thread(flavour, tmp_path, monkeypatch):
+    """Only a read that waits on a device leaves the copy thread: records in the page cache (an image just
+    written through it) and on tmpfs (which cannot say whether it caches: its files are memory) are read,
+    checked and copied out by one copy thread, which costs less (bench/README.md)."""
+    import tempfile
+    import threading
+
+    from vramd.engine.jobs import read
+    threads: set[str] = set()
+    real = read.ImageReadEnds._read_checked
+
+    def spy(self, tasks, buf, clock):
+        threads.add(threading.current_thread().name)
+        return real(self, tasks, buf, clock)
+    monkeypatch.setattr(read.ImageReadEnds, "_read_checked", spy)
+    content = os.urandom(4 * MiB)
+    places = [tmp_path] + ([tempfile.mkdtemp(dir="/dev/shm")] if os.path.isdir("/dev/shm") else [])
+    try:
+        for place in places:
+            d = os.path.join(place, "img")
+            os.mkdir(d)
+            dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+            src, dst = memfd(content), memfd(size=len(content))
+            try:
+                async def dump(dfd=dfd, src=src):
+                    async with engine(chunk_size=MiB, staging_budget=16 * MiB) as e:
+                        return await e.dump(dfd, [BoSpec(1, len(content), BoRef("mmap", src))])
+
+                async def back(dfd=dfd, dst=dst):
+                    async with engine(chunk_size=MiB, staging_budget=16 * MiB) as e:
+                        await e.restore(dfd, [RestoreTarget(1, BoRef("mmap", dst))])
+                        await e.verify(dfd)
+                m = run(dump())
+                with open(os.path.join(d, m.files[0].name), "rb") as f:  # into the page cache (written O_DIRECT)
+                    while f.read(1 << 20):
+                        pass
+                run(back())
+                assert os.pread(dst, len(content) + 1, 0) == content
+            finally:
+                for fd in (dfd, src, dst):
+                    os.close(fd)
+    finally:
+        if len(places) > 1:
+            shutil.rmtree(places[1])
+    assert threads and all(n.startswith("vramd-copy") for n in threads), threads
 
 
 def test_a_record_of_another_image_is_refused_on_the_inline_read(flavour, image_dir, tmp_path):

@@ -51,6 +51,9 @@ log = logging.getLogger(__name__)
 
 SLOT_ALIGN = PAGE  # pieces of a batch start at page-aligned offsets of the staging buffer
 HEAD_PAGE = PAGE  # free bytes before every piece in its slot (a record's head goes there)
+
+# What InlineEnds.run returns for a batch it leaves to the three stages (it has done nothing to it)
+DECLINED: Any = object()
 # At most this many pieces per batch: a dump writes a batch's records with one
 # pwritev of two iovecs (head, payload) per piece, which must stay under IOV_MAX (1024).
 MAX_BATCH = 256
@@ -156,7 +159,9 @@ class InlineEnds(Ends[BoT], Protocol[BoT]):
         """True when `run` can do this batch (every piece a CPU copy); else the three stages do it."""
 
     def run(self, tasks: list[ChunkTask[BoT]], bufs: list[StagingBuffer], times: StageTimes | None) -> Any:
-        """Fill, transform and drain the batch (blocking, in a copy thread); returns what `landed` takes."""
+        """Fill, transform and drain the batch (blocking, in a copy thread); returns what `landed` takes, or
+        DECLINED, having done nothing, for a batch the three stages serve better (e.g. one that would wait on
+        a device: the copy thread would wait with it)."""
 
     def landed(self, tasks: list[ChunkTask[BoT]], product: Any) -> None:
         """Back on the event loop after `run`: record what the batch produced."""
@@ -394,8 +399,9 @@ class Pipeline(Generic[BoT]):
             assert self.copier is not None
             queued = time.perf_counter() if times is not None else 0.0
             product = await settle(loop.run_in_executor(self.copier, self._run_inline, inline, tasks, bufs, queued))
-            inline.landed(tasks, product)
-            return
+            if product is not DECLINED:
+                inline.landed(tasks, product)
+                return
         ends = self.ends
         clock = Clock(times)
         filled = await ends.fill(tasks, bufs)

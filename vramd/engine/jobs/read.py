@@ -16,20 +16,21 @@ its payload as it arrives, the heads are checked against the manifest and the
 hashes, and only then are the bytes copied into the BOs.  A record written
 page-aligned by an O_DIRECT dump, alone in its batch, is read with O_DIRECT
 where the file system allows it and the page cache does not hold it: no
-CPU copy on the way in.  Because such a read may wait on the device, a batch
-of one big record takes the three stages instead: an io thread reads and
-checks it the same way, and the backend's threads copy it out, so that as
-many reads wait on the device at once as batches are in flight.
+CPU copy on the way in.  Because such a read waits on the device, the copy
+thread declines that batch and it takes the three stages: an io thread reads
+and checks it the same way, and the backend's threads copy it out, so that
+as many reads wait on the device at once as batches are in flight.
 """
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 from ...backends import Direction
 from ...errors import CorruptChunkError, InternalError, TruncatedDataError, VramdError
@@ -41,7 +42,7 @@ from ...image.format import HEAD_PEEK, record_head_length
 from ...image.reader import ImageReader, Loc
 from ...pb import image_pb2 as pb
 from ...units import PAGE, round_up
-from ..pipeline import HEAD_PAGE, ChunkTask, Clock, ProgressCallback, StageTimes, blame, settle
+from ..pipeline import DECLINED, HEAD_PAGE, ChunkTask, Clock, ProgressCallback, StageTimes, blame, settle
 from .common import CopiedBo, JobBase, JobContext
 from .dump import DIRECT_MIN
 
@@ -66,17 +67,18 @@ def _loc(t: ChunkTask[ImageBo]) -> Loc:
     return t.loc
 
 
-def _cached(fd: int, offset: int, length: int) -> bool:
-    """Whether the record's first and last bytes are in the page cache (preadv2 with RWF_NOWAIT starts no
-    I/O: EAGAIN where they are not).  A cached record is read through the cache: O_DIRECT would read it
-    from the disk again (measured: a restore of a just-written image 3x slower)."""
+def _in_page_cache(fd: int, offset: int, length: int) -> bool | None:
+    """Whether the record's first and last bytes are in the page cache: preadv2 with RWF_NOWAIT starts no
+    I/O, EAGAIN where they are not; None where the file system cannot say (EOPNOTSUPP: tmpfs, whose files
+    are memory, so reading them waits on no device).  A cached record is read through the cache: O_DIRECT
+    would read it from the disk again (measured: a restore of a just-written image 3x slower)."""
     probe = bytearray(1)
     try:
         for at in (offset, offset + length - 1):
             if os.preadv(fd, [probe], at, os.RWF_NOWAIT) != 1:
                 return False
-    except OSError:  # EAGAIN: not cached; anything else: the read itself will tell
-        return False
+    except OSError as e:  # EAGAIN: not cached; anything else: the read itself will tell
+        return None if e.errno == errno.EOPNOTSUPP else False
     return True
 
 
@@ -114,22 +116,42 @@ class ImageReadEnds(ABC):
     # --- a whole batch in one copy thread (InlineEnds) ----------------------
 
     def inline(self, tasks: list[ChunkTask[ImageBo]]) -> bool:
-        return self.buffers_per_chunk == 1 and all(t.bo.backend is None or t.bo.backend.cpu_copies for t in tasks) \
-            and not self._may_read_direct(tasks)
+        return self.buffers_per_chunk == 1 and all(t.bo.backend is None or t.bo.backend.cpu_copies for t in tasks)
 
-    def _may_read_direct(self, tasks: list[ChunkTask[ImageBo]]) -> bool:
-        """Whether the batch is one record big enough to be read with O_DIRECT where it is not in the page cache
-        (`_read_plan` probes that, in the thread that reads it): such a read may wait on the device.  The batch
-        takes the three stages: an io thread reads and checks it (fill), the backend's threads copy it out
-        (drain), so that as many records are read at once as batches are in flight, not only as many as there
-        are copy threads, each of which would wait for its read before its copy-out.  (Where the record is
-        cached, the two paths cost the same: bench/README.md.)"""
-        return self.direct and len(tasks) == 1 and tasks[0].loc is not None and tasks[0].record_length >= DIRECT_MIN
-
-    def run(self, tasks: list[ChunkTask[ImageBo]], bufs: list[StagingBuffer], times: StageTimes | None) -> None:
+    def run(self, tasks: list[ChunkTask[ImageBo]], bufs: list[StagingBuffer], times: StageTimes | None) -> Any:
+        if self._waits_on_device(tasks):
+            return DECLINED
         clock = Clock(times)
         decoded = self._read_checked(tasks, bufs[0], clock)
         self._copy_out(tasks, decoded, clock)
+        return None
+
+    def _waits_on_device(self, tasks: list[ChunkTask[ImageBo]]) -> bool:
+        """Whether the batch is one record that `_read_plan` will read with O_DIRECT from a device, not from
+        the page cache (`_direct_read`).  The copy thread declines it, and the three stages take it: an io
+        thread reads and checks it (fill), the backend's threads copy it out (drain), so that as many records
+        are read at once as batches are in flight, not only as many as there are copy threads, each of which
+        would wait for its read before its copy-out.  Any other batch stays here: read and copied out by one
+        thread, it costs less (bench/README.md)."""
+        if len(tasks) != 1 or tasks[0].loc is None:
+            return False
+        direct = self._direct_read(tasks[0])
+        return direct is not None and direct[1]
+
+    def _direct_read(self, t: ChunkTask[ImageBo]) -> tuple[int, bool] | None:
+        """(the O_DIRECT twin of the data file to read `t`'s record with, whether that read waits on a device),
+        or None: read it through the page cache.  O_DIRECT for a big record, its pages within the slot and
+        the file, where the file system took O_DIRECT and the page cache does not hold it (probed in the
+        calling thread, never on the event loop; a tmpfs file is memory, read either way without waiting)."""
+        fi, rec, n = _loc(t).slot, t.record_offset, t.record_length
+        skip = rec % PAGE
+        if not self.direct or n < DIRECT_MIN or skip + n > HEAD_PAGE + round_up(t.length, PAGE):
+            return None
+        d = self.reader.direct_fd(fi)
+        if d is None or rec - skip + round_up(skip + n, PAGE) > d[1]:
+            return None
+        cached = _in_page_cache(self.reader.fds[fi], rec, n)
+        return None if cached else (d[0], cached is False)
 
     def landed(self, tasks: list[ChunkTask[ImageBo]], product: None) -> None:
         return None
@@ -143,12 +165,11 @@ class ImageReadEnds(ABC):
         if n > room:  # the manifest checks keep it out; the read must never pass the slot's end regardless
             raise CorruptChunkError(f"{self._where(t)}: record of {n} bytes for a {t.length}-byte chunk",
                                     bo_id=t.bo.id, offset=t.offset)
-        skip = rec % PAGE
         at = buf.address + t.buf_offset - HEAD_PAGE
-        if self.direct and n >= DIRECT_MIN and skip + n <= room and not _cached(self.reader.fds[fi], rec, n):
-            d = self.reader.direct_fd(fi)  # opened in this copy thread, by the reader's rules
-            if d is not None and rec - skip + round_up(skip + n, PAGE) <= d[1]:
-                return Copy(d[0], rec - skip, -1, at, round_up(skip + n, PAGE), skip, n)
+        direct = self._direct_read(t)
+        if direct is not None:
+            skip = rec % PAGE
+            return Copy(direct[0], rec - skip, -1, at, round_up(skip + n, PAGE), skip, n)
         return Copy(self.reader.fds[fi], rec, -1, at, n, 0, n)
 
     def _read_checked(self, tasks: list[ChunkTask[ImageBo]], buf: StagingBuffer, clock: Clock) -> list[DecodedChunk]:
