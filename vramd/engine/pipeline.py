@@ -51,12 +51,11 @@ log = logging.getLogger(__name__)
 
 SLOT_ALIGN = PAGE  # pieces of a batch start at page-aligned offsets of the staging buffer
 HEAD_PAGE = PAGE  # free bytes before every piece in its slot (a record's head goes there)
-
-# What InlineEnds.run returns for a batch it leaves to the three stages (it has done nothing to it)
-DECLINED: Any = object()
 # At most this many pieces per batch: a dump writes a batch's records with one
 # pwritev of two iovecs (head, payload) per piece, which must stay under IOV_MAX (1024).
 MAX_BATCH = 256
+# What InlineEnds.run returns for a batch it leaves to the three stages (it has done nothing to it)
+DECLINED: Any = object()
 
 
 def slot_size(length: int) -> int:
