@@ -10,6 +10,8 @@ import uvloop
 
 from vramd.backends import BoRef
 from vramd.engine import BoSpec, Engine, EngineConfig, RestoreTarget
+from vramd.image.format import chunk_record, decode_manifest, decode_record_head
+from vramd.pb import image_pb2 as pb
 from vramd.testing import Workload, blank_spec_like  # noqa: F401  (re-exported for tests)
 
 ROOT = str(Path(__file__).resolve().parent.parent)  # the repository
@@ -72,3 +74,22 @@ def v1_image(tmp_path: Path) -> tuple[Path, int]:
     dst = tmp_path / "image-v1"
     shutil.copytree(V1_IMAGE, dst)
     return dst, open_dir(dst)
+
+
+def image_records(path: Path) -> tuple[pb.Manifest, list[tuple[int, int, int, int, int, int, int]]]:
+    """A committed image's manifest and its own records in BO and chunk order: (BO, chunk index, file index,
+    offset, length, codec, chunk table ref)."""
+    m = decode_manifest((path / "manifest.vrdm").read_bytes())
+    out = []
+    files = [(path / f.name).read_bytes() for f in m.files]
+    for bo in m.bos:
+        for i, ref in enumerate(bo.chunk_refs):
+            r = chunk_record(m, bo, i)
+            if r is None:
+                continue
+            fi, off, ln, _ = r
+            blob = files[fi][off:off + ln]
+            head = decode_record_head(blob, bo_id=bo.id, offset=i * m.chunk_size, where="test",
+                                      content_hash=m.chunks.hashes[(ref - 1) * 32:ref * 32])[0]
+            out.append((bo.id, i, fi, off, ln, head.codec, ref))
+    return m, out

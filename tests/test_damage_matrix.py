@@ -14,13 +14,14 @@ import random
 import shutil
 
 import pytest
-from helpers import bf16_like, engine, memfd, open_dir, run
+from helpers import bf16_like, engine, image_records, memfd, open_dir, run
 
 from vramd import errors
 from vramd.backends import BoRef
 from vramd.engine import BoSpec, RestoreTarget
+from vramd.engine.jobs import dump as dump_job
 from vramd.image.codec import Compression
-from vramd.image.format import RECORD_PREFIX, chunk_record, decode_manifest, decode_record_head
+from vramd.image.format import RECORD_PREFIX
 from vramd.pb import image_pb2 as pb
 
 CHUNK = 64 << 10
@@ -55,7 +56,9 @@ KINDS = {
     "raw": (pb.CODEC_RAW, "none", {1: rnd.randbytes(4 * CHUNK), 2: rnd.randbytes(CHUNK + 77)}, None),
     "zstd": (pb.CODEC_ZSTD, "zstd", {1: text, 2: rnd.randbytes(CHUNK)}, None),
     "bplanes": (pb.CODEC_PLANES, "bplanes", {1: bf16_like(4 * CHUNK, 3), 2: rnd.randbytes(CHUNK)}, None),
-    "xor": (pb.CODEC_XOR, "zstd", {1: _nudged(bf16_like(4 * CHUNK, 5), 6)}, {1: bf16_like(4 * CHUNK, 5)}),
+    "xor": (pb.CODEC_XOR_PLANES, "zstd", {1: _nudged(bf16_like(4 * CHUNK, 5), 6)}, {1: bf16_like(4 * CHUNK, 5)}),
+    # a delta as the first format v2 writers stored it (the XOR as it is, not as byte planes)
+    "xor-unsplit": (pb.CODEC_XOR, "zstd", {1: _nudged(bf16_like(4 * CHUNK, 5), 6)}, {1: bf16_like(4 * CHUNK, 5)}),
     "dedup": (pb.CODEC_RAW, "none", {1: rnd.randbytes(2 * CHUNK)}, None),
 }
 KINDS["dedup"][2][2] = KINDS["dedup"][2][1][CHUNK:] + rnd.randbytes(CHUNK)  # BO 2's chunk 0 is BO 1's chunk 1
@@ -65,7 +68,7 @@ KINDS["dedup"][2][2] = KINDS["dedup"][2][1][CHUNK:] + rnd.randbytes(CHUNK)  # BO
 def pristine(tmp_path_factory):
     """kind -> the directory of a committed image holding such records (and its parent's, for xor)."""
     out = {}
-    for kind, (_, compression, data, parent) in KINDS.items():
+    for kind, (codec, compression, data, parent) in KINDS.items():
         root = tmp_path_factory.mktemp(kind)
         parent_fds = []
         if parent is not None:
@@ -74,9 +77,13 @@ def pristine(tmp_path_factory):
             _dump(parent_fds[0], parent, compression)
         (root / "image").mkdir()
         fd = open_dir(root / "image")
+        word = dump_job.DELTA_WORD
         try:
+            if codec == pb.CODEC_XOR:
+                dump_job.DELTA_WORD = 0
             _dump(fd, data, compression, parent_fds)
         finally:
+            dump_job.DELTA_WORD = word
             os.close(fd)
             for pfd in parent_fds:
                 os.close(pfd)
@@ -84,29 +91,10 @@ def pristine(tmp_path_factory):
     return out
 
 
-def _records(path) -> tuple[pb.Manifest, list[tuple[int, int, int, int, int, int, int]]]:
-    """The image's manifest and its records in BO and chunk order: (BO, chunk index, file index, offset,
-    length, codec, chunk table ref)."""
-    m = decode_manifest((path / "manifest.vrdm").read_bytes())
-    out = []
-    files = [(path / f.name).read_bytes() for f in m.files]
-    for bo in m.bos:
-        for i, ref in enumerate(bo.chunk_refs):
-            r = chunk_record(m, bo, i)
-            if r is None:
-                continue
-            fi, off, ln, _ = r
-            blob = files[fi][off:off + ln]
-            head = decode_record_head(blob, bo_id=bo.id, offset=i * m.chunk_size, where="test",
-                                      content_hash=m.chunks.hashes[(ref - 1) * 32:ref * 32])[0]
-            out.append((bo.id, i, fi, off, ln, head.codec, ref))
-    return m, out
-
-
 def _target(kind: str, path) -> tuple[str, int, int, int, int, tuple[int, int] | None]:
     """The damaged record: (file name, its offset, its length, the BO that needs it, the chunk's offset in
     that BO, another record of the same file as (offset, length) or None)."""
-    m, records = _records(path)
+    m, records = image_records(path)
     if kind == "dedup":  # the BO that refers to a record another BO stored: the one the error must name
         owners: dict[int, tuple] = {}
         for rec in records:
@@ -122,7 +110,7 @@ def _first_cut(path, name: str, at: int) -> tuple[int, int]:
     """A data file cut at `at` is reported, before any byte moves, as the chunk whose record is the first
     (by file position) that the cut lost; of chunks sharing that record, the first in BO and chunk order:
     (BO, offset).  Where records lie in the file depends on the order the copies landed in."""
-    m, records = _records(path)
+    m, records = image_records(path)
     fi = next(k for k, f in enumerate(m.files) if f.name == name)
     lost = [(o, b, i) for (b, i, f, o, n, _, _) in records if f == fi and o + n > at]
     _, bo_id, i = min(lost, key=lambda r: r[0])  # min keeps the first of equals: BO and chunk order

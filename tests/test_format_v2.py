@@ -5,13 +5,15 @@ byte for byte; damage is done to the real files.
 """
 import os
 import random
+import struct
 
 import pytest
-from helpers import bf16_like, engine, memfd, open_dir, run, v1_contents, v1_image
+from helpers import bf16_like, engine, image_records, memfd, open_dir, run, v1_contents, v1_image
 
 from vramd import errors
 from vramd.backends import BoRef
 from vramd.engine import BoSpec, RestoreTarget
+from vramd.engine.jobs import dump as dump_job
 from vramd.image.codec import Compression
 from vramd.image.format import MANIFEST_NAME, chunk_record, decode_manifest, encode_manifest
 from vramd.pb import image_pb2 as pb
@@ -186,6 +188,36 @@ def test_slightly_changed_chunks_are_stored_as_deltas(tmp_path):
     assert m.totals.stored_bytes < 0.10 * len(w)
     assert all(m.chunks.base[r - 1] for r in m.bos[0].chunk_refs)
     assert _restore(cfd, {1: len(w)}, parent_fds=[pfd]) == child
+
+
+def _fp32_like(n: int, seed: int) -> bytes:
+    """Bytes shaped like fp32 weights: random mantissas, a narrow band of exponents."""
+    rnd = random.Random(seed)
+    return struct.pack(f"<{n // 4}f", *(rnd.gauss(0, 0.05) for _ in range(n // 4)))
+
+
+def test_a_delta_is_stored_as_byte_planes_and_deltas_stored_unsplit_still_restore(tmp_path, monkeypatch):
+    """fp32 numbers that moved by a relative 1e-4 (an optimizer step on master weights): their XOR's high
+    bytes are zero, and as byte planes (CODEC_XOR_PLANES) they are long zero runs, where the XOR as it
+    is (CODEC_XOR, what the first format v2 writers stored) interleaves them with the changed bytes."""
+    (_pp, pfd), (planes_path, planes_fd), (unsplit_path, unsplit_fd) = _dirs(tmp_path, "parent", "planes",
+                                                                          "unsplit")
+    parent = {1: _fp32_like(4 * CHUNK, 9)}
+    _dump(pfd, parent, compression="zstd")
+    rnd = random.Random(10)
+    w = struct.pack(f"<{len(parent[1]) // 4}f", *(v * (1 + rnd.gauss(0, 1e-4))  # each number moved by ~1e-4
+                                                  for v in struct.unpack(f"<{len(parent[1]) // 4}f", parent[1])))
+    child = {1: w}
+    m = _dump(planes_fd, child, parent_fds=[pfd], compression="zstd")
+    monkeypatch.setattr(dump_job, "DELTA_WORD", 0)
+    m_unsplit = _dump(unsplit_fd, child, parent_fds=[pfd], compression="zstd")
+    assert {r[5] for r in image_records(planes_path)[1]} == {pb.CODEC_XOR_PLANES}
+    assert {r[5] for r in image_records(unsplit_path)[1]} == {pb.CODEC_XOR}
+    assert m.totals.delta_bytes == m_unsplit.totals.delta_bytes == len(w)
+    assert m.totals.stored_bytes < 0.9 * m_unsplit.totals.stored_bytes  # 0.84 x when written
+    for fd in (planes_fd, unsplit_fd):
+        assert _restore(fd, {1: len(w)}, parent_fds=[pfd]) == child
+        _verify(fd, parent_fds=[pfd])
 
 
 def test_a_delta_is_kept_only_where_it_saves_a_quarter_of_the_chunk(tmp_path):

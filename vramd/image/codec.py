@@ -20,8 +20,10 @@ from ..hostmem.libc import is_zero_ptr
 from ..hostmem.staging import StagingBuffer
 from ..pb import image_pb2 as pb
 from .format import (
+    DELTA_CODECS,
     EMPTY_CHECKSUM,
     HEAD_PEEK,
+    PLANES_CODECS,
     RECORD_PREFIX,
     Bytes,
     Where,
@@ -152,11 +154,16 @@ def encode_chunk(bo_id: int, offset: int, buf: StagingBuffer, length: int, compr
 
 
 def encode_delta(bo_id: int, offset: int, xored: memoryview, level: int, chash: bytes,
-                 base_hash: bytes) -> EncodedChunk:
-    """The record of a chunk stored as a delta: `xored` is its bytes XOR its base chunk's."""
-    payload = _compressor(max(level, 1)).compress(xored)
-    return EncodedChunk(record_head(bo_id, offset, len(xored), pb.CODEC_XOR, len(payload), checksum(payload), chash,
-                                    base_hash=base_hash), payload, pb.CODEC_XOR)
+                 base_hash: bytes, word: int = 0) -> EncodedChunk:
+    """The record of a chunk stored as a delta: `xored` is its bytes XOR its base chunk's.  `word` 2 or 4:
+    the XOR as byte planes (CODEC_XOR_PLANES); 0: as it is (CODEC_XOR, what the first v2 writers wrote)."""
+    level = max(level, 1)
+    if word:
+        payload, codec = compress_planes(xored, word, level), pb.CODEC_XOR_PLANES
+    else:
+        payload, codec = _compressor(level).compress(xored), pb.CODEC_XOR
+    return EncodedChunk(record_head(bo_id, offset, len(xored), codec, len(payload), checksum(payload), chash,
+                                    word_size=word, base_hash=base_hash), payload, codec)
 
 
 def record_head(bo_id: int, offset: int, length: int, codec: pb.Codec, stored_length: int, digest: int,
@@ -194,7 +201,7 @@ def decode_chunk(bo_id: int, offset: int, raw_length: int, head: bytes, stored: 
     binds its records (see decode_record_head).
     `content_hash` (format v2): the chunk table's hash of the record; with
     `check_content`, the decoded bytes' BLAKE3 must equal it (records of a
-    parent image less trusted than the child: ImageReader._parents_trusted).  `base`: a CODEC_XOR record's base chunk,
+    parent image less trusted than the child: ImageReader._parents_trusted).  `base`: a delta record's base chunk,
     raw (the caller read and checked it).
     """
     header, head_len = decode_record_head(head, bo_id=bo_id, offset=offset, where=where,
@@ -254,12 +261,12 @@ def _decode_payload(header: pb.ChunkHeader, bo_id: int, offset: int, raw_length:
         else:
             if out is None:
                 raise bad("compressed chunk in an image whose manifest says it is uncompressed")
-            if codec == pb.CODEC_PLANES:
+            if codec in PLANES_CODECS:
                 decompress_planes(payload, header.word_size, raw_length, out.view[buf_offset:buf_offset + raw_length],
                                   bad)
             else:
                 _unzstd(payload, out.view, buf_offset, raw_length, bad)
-            if codec == pb.CODEC_XOR:
+            if codec in DELTA_CODECS:
                 if base is None or len(base) != raw_length:
                     raise bad("delta record without its base chunk")
                 xor_into(out.view[buf_offset:buf_offset + raw_length], base)

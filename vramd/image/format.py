@@ -69,8 +69,10 @@ RECORD_OVERHEAD = RECORD_PREFIX.size + MAX_CHUNK_HEADER  # a record is at most t
 
 Codec = pb.Codec
 CODEC_NAMES = {pb.CODEC_RAW: "raw", pb.CODEC_ZERO: "zero", pb.CODEC_ZSTD: "zstd", pb.CODEC_PLANES: "bplanes",
-               pb.CODEC_XOR: "xor"}
+               pb.CODEC_XOR: "xor", pb.CODEC_XOR_PLANES: "xor-planes"}
 V1_CODECS = frozenset({pb.CODEC_RAW, pb.CODEC_ZERO, pb.CODEC_ZSTD})
+DELTA_CODECS = frozenset({pb.CODEC_XOR, pb.CODEC_XOR_PLANES})  # a record that is the XOR of its bytes and a base's
+PLANES_CODECS = frozenset({pb.CODEC_PLANES, pb.CODEC_XOR_PLANES})  # a record whose frame holds byte planes
 
 
 def data_file_name(image_id: bytes, gpu_id: int) -> str:
@@ -451,9 +453,9 @@ def check_record_header(raw: Bytes, hsum: int, *, bo_id: int, offset: int, where
             raise bad("record holds another chunk than the manifest expects here (content hash)")
         if codec not in CODEC_NAMES or codec == pb.CODEC_ZERO:
             raise bad(f"codec {codec} is not one a format v2 record has")
-        if codec == pb.CODEC_PLANES and header.word_size not in (2, 4):
+        if codec in PLANES_CODECS and header.word_size not in (2, 4):
             raise bad(f"byte-plane record with word size {header.word_size}")
-        if (codec == pb.CODEC_XOR) != bool(header.base_hash):
+        if (codec in DELTA_CODECS) != bool(header.base_hash):
             raise bad("a delta record without a base, or a base for a record that is no delta")
     if codec == pb.CODEC_ZERO and header.stored_length:
         raise bad("hole chunk with a payload")

@@ -15,6 +15,7 @@ class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CODEC_ZSTD: _ClassVar[Codec]
     CODEC_PLANES: _ClassVar[Codec]
     CODEC_XOR: _ClassVar[Codec]
+    CODEC_XOR_PLANES: _ClassVar[Codec]
 
 class SourceKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -28,6 +29,7 @@ CODEC_ZERO: Codec
 CODEC_ZSTD: Codec
 CODEC_PLANES: Codec
 CODEC_XOR: Codec
+CODEC_XOR_PLANES: Codec
 SOURCE_UNSPECIFIED: SourceKind
 SOURCE_PROCMEM: SourceKind
 SOURCE_MMAP: SourceKind
