@@ -291,9 +291,16 @@ def engine_run(case: Case, direction: Direction, image: str, lanes: int = 1,
         return warm.loop.run_until_complete(go(warm.engine))
 
     async def fresh() -> float:
-        async with Engine(EngineConfig(chunk_size=CHUNK, stage_times=True)) as e:
+        async with Engine(engine_config()) as e:
             return await go(e)
     return uvloop.run(fresh())
+
+
+ENGINE_SETTINGS: dict[str, int] = {}  # --copy-threads, --inflight: EngineConfig's, where given (else its defaults)
+
+
+def engine_config() -> EngineConfig:
+    return EngineConfig(chunk_size=CHUNK, stage_times=True, **ENGINE_SETTINGS)
 
 
 class WarmEngine:
@@ -303,7 +310,7 @@ class WarmEngine:
 
     def __init__(self) -> None:
         self.loop = uvloop.new_event_loop()
-        self.engine = Engine(EngineConfig(chunk_size=CHUNK, stage_times=True))
+        self.engine = Engine(engine_config())
 
     def warm_up(self, case: Case, image: str, lanes: int = 1) -> None:
         for direction in (Direction.READ, Direction.WRITE):
@@ -645,7 +652,13 @@ def main() -> int:
     ap.add_argument("--backends", default="procmem,mmap")
     ap.add_argument("--no-lanes", action="store_true", help="skip the two-lane rows")
     ap.add_argument("--warm", help="bytes of memory to populate first (default 8x the largest size; 0 to skip)")
+    ap.add_argument("--copy-threads", type=int, help="the engine's copy threads (default: its own, the core count)")
+    ap.add_argument("--inflight", type=int, help="the engine's batches in flight per GPU (default: its own)")
     ns = ap.parse_args()
+    ENGINE_SETTINGS.update({k: v for k, v in (("copy_threads", ns.copy_threads), ("inflight_per_gpu", ns.inflight))
+                            if v is not None})
+    cfg = engine_config()
+    print(f"engine: {cfg.copy_threads} copy threads, {cfg.inflight_per_gpu} batches in flight per GPU", flush=True)
     sizes = [parse_size(x) for x in ns.size.split(",")]
     warm = parse_size(ns.warm) if ns.warm is not None else 8 * max(sizes)
     criu = os.environ.get("CRIU_BIN") or None

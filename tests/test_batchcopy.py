@@ -442,3 +442,50 @@ def test_a_cached_record_is_read_through_the_page_cache_and_an_evicted_one_with_
     assert first_fd != fd  # the O_DIRECT descriptor
     assert cached_fd == fd  # through the page cache
     assert evicted_fd != fd
+
+
+def test_a_dump_keeps_fewer_batches_in_flight_than_a_restore(image_dir, monkeypatch):
+    """A dump's lane ends in one data file, written a batch at a time: it keeps at most
+    dump_inflight_per_gpu (by default 4) batches in its copy threads, where a restore keeps
+    inflight_per_gpu.  The first copy-thread batches wait at a barrier for each other (four for the dump,
+    five for the restore: more than a dump may have), and the most batches seen in the copy threads at
+    once is recorded."""
+    import itertools
+    import threading
+
+    from vramd.engine.jobs import dump as dump_job
+    from vramd.engine.jobs import read
+    _, dfd = image_dir
+    content = os.urandom(24 * MiB)
+    lock, active, most = threading.Lock(), [0], {"dump": 0, "restore": 0}
+
+    def spying(cls, kind, together):
+        real, calls = cls.run, itertools.count()
+
+        def spy(self, *args):
+            with lock:
+                active[0] += 1
+                most[kind] = max(most[kind], active[0])
+            try:
+                if next(calls) < together.parties:  # the first ones wait until that many are in at once
+                    together.wait()  # else BrokenBarrierError, and the job fails
+                return real(self, *args)
+            finally:
+                with lock:
+                    active[0] -= 1
+        monkeypatch.setattr(cls, "run", spy)
+    spying(dump_job.DumpEnds, "dump", threading.Barrier(4, timeout=30))
+    spying(read.ImageReadEnds, "restore", threading.Barrier(5, timeout=30))
+    src, dst = memfd(content), memfd(size=len(content))
+    try:
+        async def go():
+            async with engine(chunk_size=MiB, staging_budget=64 * MiB, copy_threads=8, inflight_per_gpu=8) as e:
+                assert e.config.dump_inflight_per_gpu == 4
+                await e.dump(dfd, [BoSpec(1, len(content), BoRef("mmap", src))])
+                await e.restore(dfd, [RestoreTarget(1, BoRef("mmap", dst))])
+        run(go())
+        assert os.pread(dst, len(content) + 1, 0) == content
+    finally:
+        os.close(src)
+        os.close(dst)
+    assert most["dump"] == 4 and most["restore"] >= 5, most

@@ -36,6 +36,14 @@ from .jobs.dump import DEFAULT_MAX_CHAIN, dump_buffers
 from .jobs.read import buffers_to_read
 from .pipeline import Progress, ProgressCallback, StageTimes
 
+# A dump's batches in flight per GPU lane, at most, by default (EngineConfig.dump_inflight_per_gpu): so at
+# most this many copy threads work for one lane.  Procmem, 1 GiB into tmpfs on 16 cores (bench/throughput.py
+# --copy-threads, bench/README.md): 2 copy threads dumped at 2.20 GB/s for 1.05 CPU s/GiB, 4 at 2.96 for 1.46,
+# 8 at 2.93 for 2.43, 16 at 2.33-2.89 for 3.1-3.9: past 4, more threads bought no speed and cost CPU (a
+# workload's cores, on a GPU box).  Restores gain from more (16 threads: 10.6-13 GB/s against 9.6 with 8),
+# so they keep inflight_per_gpu.  On 2 cores the default in flight is 4 anyway.
+DUMP_INFLIGHT = 4
+
 # image manifest -> {image gpu_id: present gpu_id}, or None to keep the saved ones
 GpuMap = Callable[[pb.Manifest], "dict[int, int] | None"]
 
@@ -58,13 +66,17 @@ class EngineConfig:
     for the GIL.  `inflight_per_gpu` batches are in flight per GPU lane:
     enough to keep every copy thread (or a DMA engine) busy while the event
     loop books the batches that landed.  `workers_per_gpu` is the old name of
-    `inflight_per_gpu`, still accepted.
+    `inflight_per_gpu`, still accepted.  A dump keeps at most
+    `dump_inflight_per_gpu` batches in flight per lane (default: DUMP_INFLIGHT):
+    its lane ends in one data file, written one batch at a time, and more
+    batches only keep more copy threads busy for no gain (DUMP_INFLIGHT).
     """
 
     staging_budget: int = 512 * MiB
     chunk_size: int = 8 * MiB
     max_bo_bytes: int = DEFAULT_MAX_BO_BYTES  # the largest BO size a client may declare (LIMIT_EXCEEDED above)
     inflight_per_gpu: int = 0   # 0: copy threads + 2 (at least 4)
+    dump_inflight_per_gpu: int = 0  # 0: inflight_per_gpu, at most DUMP_INFLIGHT
     copy_threads: int = 0       # 0: the core count
     workers_per_gpu: int | None = None  # alias of inflight_per_gpu (the setting's old name)
     compression: Compression = field(default_factory=Compression)
@@ -86,11 +98,14 @@ class EngineConfig:
         if not self.inflight_per_gpu:
             self.inflight_per_gpu = max(4, self.copy_threads + 2)
         self.workers_per_gpu = self.inflight_per_gpu
+        if not self.dump_inflight_per_gpu:
+            self.dump_inflight_per_gpu = min(self.inflight_per_gpu, DUMP_INFLIGHT)
 
     def check(self) -> None:
         if not PAGE <= self.chunk_size <= 1 << 30 or self.chunk_size % PAGE:
             raise InvalidRequestError(f"chunk size {self.chunk_size} must be a multiple of 4 KiB, at most 1 GiB")
-        if min(self.inflight_per_gpu, self.copy_threads, self.cpu_threads, self.io_threads) < 1:
+        if min(self.inflight_per_gpu, self.dump_inflight_per_gpu, self.copy_threads, self.cpu_threads,
+               self.io_threads) < 1:
             raise InvalidRequestError("batches in flight and thread counts must be at least 1")
         if not 0 <= self.max_bo_bytes <= OFF_T_MAX:
             raise InvalidRequestError(f"max_bo_bytes {self.max_bo_bytes} must be between 0 and 2**63 - 1")
@@ -119,7 +134,8 @@ class Engine:
         self.stage_times: StageTimes | None = StageTimes() if c.stage_times else None
         self.ctx = JobContext(self.pool, self.backends, self._cpu, self._io, c.inflight_per_gpu, self._copy,
                               self.stage_times, max_bo_bytes=c.max_bo_bytes,
-                              compress_workers=min(c.copy_threads, cores()))
+                              compress_workers=min(c.copy_threads, cores()),
+                              dump_workers_per_gpu=c.dump_inflight_per_gpu)
 
     def _create_backends(self) -> dict[str, Backend]:
         """Every registered backend that can work here; the others go to `unavailable`, with the reason."""

@@ -379,6 +379,9 @@ class DumpEnds:
 class DumpJob(JobBase[DumpBo]):
     direction = Direction.READ
 
+    def inflight(self, ctx: JobContext) -> int:
+        return ctx.dump_workers_per_gpu or ctx.workers_per_gpu
+
     def __init__(self, ctx: JobContext, writer: ImageWriter, *, compression: Compression,
                  on_progress: ProgressCallback | None = None, parent: ImageReader | None = None,
                  parent_hint: str = "", dedup: bool = True, max_chain: int = DEFAULT_MAX_CHAIN) -> None:
