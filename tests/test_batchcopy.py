@@ -489,3 +489,52 @@ def test_a_dump_keeps_fewer_batches_in_flight_than_a_restore(image_dir, monkeypa
         os.close(src)
         os.close(dst)
     assert most["dump"] == 4 and most["restore"] >= 5, most
+
+
+def test_copies_into_one_file_take_turns(tmp_path, monkeypatch):
+    """pwrites into one regular file or memfd run one at a time in the kernel, whose waiters spin on its
+    inode lock: the copy threads take turns before they get there (Backend.write_lock).  Two BOs in one
+    memfd, restored by two copy threads: no two copies into that memfd are ever under way at once, and
+    the bytes land.  (Without the turns, the other thread gets in: this fails.)"""
+    import threading
+
+    from vramd.backends import threaded
+    from vramd.engine.jobs import restore as restore_job
+    content = {1: os.urandom(16 * MiB), 2: os.urandom(16 * MiB)}
+    image = tmp_path / "image"
+    image.mkdir()
+    dfd = os.open(image, os.O_RDONLY | os.O_DIRECTORY)
+    srcs = {i: memfd(d) for i, d in content.items()}
+    dst = memfd(size=32 * MiB)
+    inode = os.fstat(dst).st_ino
+    lock, inside, most, calls = threading.Lock(), [0], [0], [0]
+    real = batchcopy.copy_batch
+
+    def spy(copies, *args):
+        into = any(c.dst_fd >= 0 and os.fstat(c.dst_fd).st_ino == inode for c in copies)
+        if into:
+            with lock:
+                inside[0] += 1
+                calls[0] += 1
+                most[0] = max(most[0], inside[0])
+        try:
+            os.sched_yield()  # a chance for the other copy thread to come in, were it let
+            return real(copies, *args)
+        finally:
+            if into:
+                with lock:
+                    inside[0] -= 1
+    for module in (restore_job, threaded):  # the copy thread's copy-out, and the backend's (a cold read)
+        monkeypatch.setattr(module, "copy_batch", spy)
+    try:
+        async def go():
+            async with engine(chunk_size=MiB, staging_budget=32 * MiB, copy_threads=2, inflight_per_gpu=4) as e:
+                await e.dump(dfd, [BoSpec(i, len(d), BoRef("mmap", srcs[i])) for i, d in content.items()])
+                await e.restore(dfd, [RestoreTarget(1, BoRef("mmap", dst, 0)),
+                                      RestoreTarget(2, BoRef("mmap", dst, 16 * MiB))])
+        run(go())
+        assert os.pread(dst, 32 * MiB + 1, 0) == content[1] + content[2]
+    finally:
+        for fd in (dfd, dst, *srcs.values()):
+            os.close(fd)
+    assert calls[0] >= 2 and most[0] == 1, (calls, most)

@@ -21,8 +21,10 @@ import enum
 import fcntl
 import os
 import stat
+import threading
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Iterable, Mapping, MutableMapping, Sequence
+from collections.abc import Awaitable, Iterable, Iterator, Mapping, MutableMapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import ClassVar, NamedTuple, Self
 
@@ -206,8 +208,28 @@ class Backend(ABC):
     def after_copy(self, handle: BoHandle, bo_offset: int, length: int) -> None:
         """Called in the copy thread after a CPU copy of the BO landed (e.g. to unmap a BO copied whole)."""
 
+    def write_lock(self, handle: BoHandle) -> threading.Lock | None:
+        """A lock that every CPU copy into this BO holds (`holding`), where the kernel runs such writes one
+        at a time anyway: a copy thread waiting here sleeps, where one waiting in the kernel spins.  None:
+        copies into the BO run side by side."""
+        return None
+
     def close(self) -> None:
         """The job is over; drop per-job resources."""
+
+
+@contextmanager
+def holding(locks: Iterable[threading.Lock | None]) -> Iterator[None]:
+    """Hold every distinct lock of `locks` (Backend.write_lock's; None: no lock), taken in one order
+    everywhere, so two copy threads that need some of the same locks never wait for each other in a cycle."""
+    held = [lock for _, lock in sorted({id(lock): lock for lock in locks if lock is not None}.items())]
+    for lock in held:
+        lock.acquire()
+    try:
+        yield
+    finally:
+        for lock in reversed(held):
+            lock.release()
 
 
 # (handle, bo_offset, staging buffer, buffer offset, length): one copy of a batch

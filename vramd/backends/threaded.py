@@ -16,7 +16,7 @@ from typing import Self
 
 from ..hostmem.batchcopy import copy_batch
 from ..hostmem.staging import StagingBuffer
-from .base import Backend, BackendOptions, BoHandle, CopyItem
+from .base import Backend, BackendOptions, BoHandle, CopyItem, holding
 
 
 class ThreadedBackend(Backend):
@@ -58,7 +58,8 @@ class ThreadedBackend(Backend):
 
     def _copy_many(self, items: Sequence[CopyItem]) -> None:
         copies = [self.plan(h, bo_off, buf.address + buf_off, n) for h, bo_off, buf, buf_off, n in items]
-        outcomes, failed = copy_batch(copies)
+        with holding(self.write_lock(item[0]) for item in items):
+            outcomes, failed = copy_batch(copies)
         for h, bo_off, _, _, n in items[:failed if failed >= 0 else len(items)]:
             self.after_copy(h, bo_off, n)
         if failed >= 0:

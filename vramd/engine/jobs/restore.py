@@ -4,6 +4,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from ...backends import Backend, CopyItem, OpenItem
+from ...backends.base import holding
 from ...errors import IncompleteRestoreError, InvalidRequestError, VramdError
 from ...hostmem.batchcopy import copy_batch
 from ...hostmem.staging import StagingBuffer
@@ -19,14 +20,16 @@ class RestoreEnds(ImageReadEnds):
     """Drain: copy each decoded chunk into its BO (holes from the pool's zero mapping)."""
 
     def _copy_out(self, tasks: list[ChunkTask[ImageBo]], decoded: list[DecodedChunk], clock: Clock) -> None:
-        copies = []
+        copies, locks = [], []
         for t, d in zip(tasks, decoded):
             backend, handle = t.bo.backend, t.bo.handle
             assert backend is not None and handle is not None  # set by add(), dropped only when done
             src = d.buf.address + d.offset if d.buf is not None else self.pool.zeros(self.chunk_size).address
             copies.append(backend.plan(handle, t.offset, src, t.length))
+            locks.append(backend.write_lock(handle))
         clock.lap("python")
-        outcomes, failed = copy_batch(copies)
+        with holding(locks):
+            outcomes, failed = copy_batch(copies)
         clock.lap("out")
         landed(tasks, outcomes, failed)
 
