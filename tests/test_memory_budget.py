@@ -3,7 +3,7 @@
 The engine runs in its own process; its peak RSS (VmHWM) is reset after
 start-up through /proc/self/clear_refs, so the figure is what the dump
 itself added.  The BO is 8x the budget and lives in another process; there are more
-workers than the budget can feed, so the budget is the binding limit.
+batches in flight (32, a dump's included) than the budget can feed, so the budget is the binding limit.
 """
 import json
 import subprocess
@@ -31,7 +31,8 @@ WORKER = textwrap.dedent("""
     async def main():
         dfd = os.open(dirpath, os.O_RDONLY | os.O_DIRECTORY)
         mem = os.open(f"/proc/{pid}/mem", os.O_RDONLY)
-        async with Engine(EngineConfig(staging_budget=int(budget), chunk_size=4 << 20, workers_per_gpu=32)) as e:
+        async with Engine(EngineConfig(staging_budget=int(budget), chunk_size=4 << 20, workers_per_gpu=32,
+                                       dump_inflight_per_gpu=32)) as e:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")                       # reset VmHWM to the current RSS
             base = status("VmRSS")
