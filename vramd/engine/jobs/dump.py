@@ -379,9 +379,6 @@ class DumpEnds:
 class DumpJob(JobBase[DumpBo]):
     direction = Direction.READ
 
-    def inflight(self, ctx: JobContext) -> int:
-        return ctx.dump_workers_per_gpu or ctx.workers_per_gpu
-
     def __init__(self, ctx: JobContext, writer: ImageWriter, *, compression: Compression,
                  on_progress: ProgressCallback | None = None, parent: ImageReader | None = None,
                  parent_hint: str = "", dedup: bool = True, max_chain: int = DEFAULT_MAX_CHAIN) -> None:
@@ -405,6 +402,10 @@ class DumpJob(JobBase[DumpBo]):
             if parent is not None:
                 parent.close()
             raise
+
+    def inflight(self, ctx: JobContext) -> int:
+        """At most dump_inflight_per_gpu: a lane's batches all end in its one data file (EngineConfig)."""
+        return ctx.dump_workers_per_gpu or ctx.workers_per_gpu
 
     def _chain(self, parent: ImageReader, hint: str, max_chain: int) -> None:
         """The child's parents: the parent, then the parent's own, each with where it lies from the child."""
