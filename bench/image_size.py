@@ -28,7 +28,9 @@ Scenarios:
                 the next state dumped with the base image as its parent (incremental);
                 needs the engine's parent option, else "not available in this build"
   chain         base -> finetune -> finetune2 as a 3-deep chain: restore of the newest
-                vs restore of the same state dumped whole (flattened), the two in alternating order
+                vs restore of the same state dumped whole (flattened), the two in alternating order;
+                each through a fresh engine, then again through one engine kept for all the runs
+                (as the daemon keeps its engine)
   bounds, bounds-xz
                 (not run by default) how small the base state's bytes can get, per group: the
                 order-0 entropy of each float field; bounds-xz adds `xz -9` on the non-zero
@@ -222,9 +224,24 @@ def flatten_image(image: str, parents: list[str], out: str) -> dict:
             "zero": m.totals.zero_bytes, "per_bo": {b.name: b.stored_bytes for b in m.bos}}
 
 
-def run_restore(loaded: Loaded, image: str, check: bool, parents: list[str] | None = None) -> dict:
+class WarmEngine:
+    """One engine and event loop kept across restores, as the daemon keeps its engine: its staging
+    buffers and threads are made once, not in every timed run."""
+
+    def __init__(self) -> None:
+        self.loop = uvloop.new_event_loop()
+        self.engine = Engine(EngineConfig(chunk_size=CHUNK))
+
+    def close(self) -> None:
+        self.engine.close()
+        self.loop.close()
+
+
+def run_restore(loaded: Loaded, image: str, check: bool, parents: list[str] | None = None,
+                warm: WarmEngine | None = None) -> dict:
     """Restore the image into fresh memfds (pages allocated first, as VRAM is); check bytes if asked.
-    `parents`: an incremental image's parent directories, nearest first."""
+    `parents`: an incremental image's parent directories, nearest first.  `warm`: through that engine
+    (else a fresh one, made and closed in the run)."""
     fds = []
     pfds = [_open_dir(p) for p in parents or []]
     try:
@@ -237,14 +254,17 @@ def run_restore(loaded: Loaded, image: str, check: bool, parents: list[str] | No
         warm_memory(min(256 << 20, 2 * loaded.size))  # staging
         dfd = _open_dir(image)
 
-        async def go():
+        async def timed(e: Engine) -> float:
+            t = time.perf_counter()
+            await e.restore(dfd, targets, parent_fds=pfds)
+            return time.perf_counter() - t
+
+        async def fresh() -> float:
             async with Engine(EngineConfig(chunk_size=CHUNK)) as e:
-                t = time.perf_counter()
-                await e.restore(dfd, targets, parent_fds=pfds)
-                return time.perf_counter() - t
+                return await timed(e)
         try:
             c0 = cpu_seconds()
-            wall = uvloop.run(go())
+            wall = warm.loop.run_until_complete(timed(warm.engine)) if warm is not None else uvloop.run(fresh())
             cpu = cpu_seconds() - c0
         finally:
             os.close(dfd)
@@ -348,14 +368,27 @@ def bench_chain(c: corpus_mod.Corpus, codecs: dict[str, Compression], sink: str,
                 run_dump(ld, d, comp, parents=dirs[:i][::-1])
             chain = dirs[:-1][::-1]  # the newest image's parents, nearest first
             flat_d = [flatten_image(dirs[-1], chain, flat)]
+            runs = [(chain_r, dirs[-1], chain), (flat_r, flat, None)]
             for rep in range(reps):  # the order alternates: neither always restores right after the other
-                runs = [(chain_r, dirs[-1], chain), (flat_r, flat, None)]
                 for out, image, parents in runs[::-1] if rep % 2 else runs:
                     out.append(run_restore(loaded[-1], image, check=rep == 0, parents=parents))
+            # the same through one engine kept for all the runs (as the daemon runs), warmed by an untimed
+            # restore of each: staging and threads are not made in the timed runs
+            warm, warm_r = WarmEngine(), {"chain": [], "flat": []}
+            try:
+                for rep in range(reps + 1):
+                    for key, image, parents in (runs[::-1] if rep % 2 else runs):
+                        r = run_restore(loaded[-1], image, check=False, parents=parents, warm=warm)
+                        if rep:
+                            warm_r["chain" if key is chain_r else "flat"].append(r)
+            finally:
+                warm.close()
             gib = loaded[-1].size / GiB
             rows.append(_row("chain3", name, sink, loaded[-1].size, loaded[-1].nonzero, flat_d, flat_r,
                              chain_restore_gbps=round(loaded[-1].size / _med(chain_r, "wall") / 1e9, 3),
-                             chain_restore_cpu_s_per_gib=round(_med(chain_r, "cpu") / gib, 3)))
+                             chain_restore_cpu_s_per_gib=round(_med(chain_r, "cpu") / gib, 3),
+                             warm_chain_restore_gbps=round(loaded[-1].size / _med(warm_r["chain"], "wall") / 1e9, 3),
+                             warm_restore_gbps=round(loaded[-1].size / _med(warm_r["flat"], "wall") / 1e9, 3)))
     finally:
         for ld in loaded:
             ld.close()
@@ -520,7 +553,9 @@ def targets(rows: list[dict], available: list[str], sink: str, incremental: bool
         r = _pick(rows, "chain3", codec, sink)
         if r:
             f = r["chain_restore_gbps"] / r["restore_gbps"]
-            verdict(f"restore from a 3-deep chain ({codec}) >= 0.90x flattened", f >= 0.90, f"{f:.2f}x")
+            w = r["warm_chain_restore_gbps"] / r["warm_restore_gbps"]
+            verdict(f"restore from a 3-deep chain ({codec}) >= 0.90x flattened", f >= 0.90,
+                    f"{f:.2f}x (one engine kept, as the daemon runs: {w:.2f}x)")
     return out
 
 
@@ -538,7 +573,8 @@ def print_table(rows: list[dict], refs: list[dict], skipped: list[str]) -> None:
               f"{_mib(r['nonzero_bytes']):>8} {_mib(r['stored_bytes']):>8} {_mib(r['on_disk_bytes']):>8} "
               f"{r['ratio_vs_nonzero'] or 0:6.2f} {r['dump_gbps']:9.2f} {r['dump_cpu_s_per_gib']:7.2f} "
               f"{r.get('restore_gbps', 0):9.2f} {r.get('restore_cpu_s_per_gib', 0):7.2f}")
-        extra = {k: r[k] for k in ("changed_bytes", "full_image_stored", "weights_stored", "chain_restore_gbps")
+        extra = {k: r[k] for k in ("changed_bytes", "full_image_stored", "weights_stored", "chain_restore_gbps",
+                                   "warm_chain_restore_gbps", "warm_restore_gbps")
                  if k in r}
         if extra:
             print(f"{'':22} {extra}")
