@@ -251,11 +251,11 @@ def test_a_cold_image_is_read_by_the_io_threads_several_records_at_once(flavour,
     threads: set[str] = set()
     real = read.ImageReadEnds._read_checked
 
-    def spy(self, tasks, buf, clock):
+    def spy(self, tasks, buf, clock, *probed):
         threads.add(threading.current_thread().name)
         if next(calls) < 3:
             together.wait()  # BrokenBarrierError, and the restore fails, unless three reads wait at once
-        return real(self, tasks, buf, clock)
+        return real(self, tasks, buf, clock, *probed)
     monkeypatch.setattr(read.ImageReadEnds, "_read_checked", spy)
 
     async def back():
@@ -286,9 +286,9 @@ def test_a_cached_or_tmpfs_record_stays_in_the_copy_thread(flavour, tmp_path, mo
     threads: set[str] = set()
     real = read.ImageReadEnds._read_checked
 
-    def spy(self, tasks, buf, clock):
+    def spy(self, tasks, buf, clock, *probed):
         threads.add(threading.current_thread().name)
-        return real(self, tasks, buf, clock)
+        return real(self, tasks, buf, clock, *probed)
     monkeypatch.setattr(read.ImageReadEnds, "_read_checked", spy)
     content = os.urandom(4 * MiB)
     places = [tmp_path] + ([tempfile.mkdtemp(dir="/dev/shm")] if os.path.isdir("/dev/shm") else [])
@@ -429,11 +429,11 @@ def test_a_cached_record_is_read_through_the_page_cache_and_an_evicted_one_with_
                         return
                 pytest.skip("the kernel kept the record's pages cached")
             evict()
-            evicted_first = ends._read_plan(task, buf)
+            evicted_first = ends._read_plan(task, buf, ends._direct_read(task))
             os.pread(fd, loc.length, loc.offset)  # read once through the cache (e.g. a verify before)
-            cached = ends._read_plan(task, buf)
+            cached = ends._read_plan(task, buf, ends._direct_read(task))
             evict()
-            evicted = ends._read_plan(task, buf)
+            evicted = ends._read_plan(task, buf, ends._direct_read(task))
             return fd, evicted_first.src_fd, cached.src_fd, evicted.src_fd
         finally:
             buf.unmap()

@@ -119,24 +119,21 @@ class ImageReadEnds(ABC):
         return self.buffers_per_chunk == 1 and all(t.bo.backend is None or t.bo.backend.cpu_copies for t in tasks)
 
     def run(self, tasks: list[ChunkTask[ImageBo]], bufs: list[StagingBuffer], times: StageTimes | None) -> Any:
-        if self._waits_on_device(tasks):
-            return DECLINED
+        """Read, check and copy out the batch here, unless it is one record that `_read_plan` would read with
+        O_DIRECT from a device, not from the page cache (`_direct_read`).  The copy thread declines that one,
+        and the three stages take it: an io thread reads and checks it (fill), the backend's threads copy it
+        out (drain), so that as many records are read at once as batches are in flight, not only as many as
+        there are copy threads, each of which would wait for its read before its copy-out.  Any other batch
+        stays here: read and copied out by one thread, it costs less (bench/README.md)."""
+        directs = None
+        if len(tasks) == 1 and tasks[0].loc is not None:
+            directs = [self._direct_read(tasks[0])]  # probed once: `_read_checked` reads with this answer
+            if directs[0] is not None and directs[0][1]:
+                return DECLINED
         clock = Clock(times)
-        decoded = self._read_checked(tasks, bufs[0], clock)
+        decoded = self._read_checked(tasks, bufs[0], clock, directs)
         self._copy_out(tasks, decoded, clock)
         return None
-
-    def _waits_on_device(self, tasks: list[ChunkTask[ImageBo]]) -> bool:
-        """Whether the batch is one record that `_read_plan` will read with O_DIRECT from a device, not from
-        the page cache (`_direct_read`).  The copy thread declines it, and the three stages take it: an io
-        thread reads and checks it (fill), the backend's threads copy it out (drain), so that as many records
-        are read at once as batches are in flight, not only as many as there are copy threads, each of which
-        would wait for its read before its copy-out.  Any other batch stays here: read and copied out by one
-        thread, it costs less (bench/README.md)."""
-        if len(tasks) != 1 or tasks[0].loc is None:
-            return False
-        direct = self._direct_read(tasks[0])
-        return direct is not None and direct[1]
 
     def _direct_read(self, t: ChunkTask[ImageBo]) -> tuple[int, bool] | None:
         """(the O_DIRECT twin of the data file to read `t`'s record with, whether that read waits on a device),
@@ -156,8 +153,9 @@ class ImageReadEnds(ABC):
     def landed(self, tasks: list[ChunkTask[ImageBo]], product: None) -> None:
         return None
 
-    def _read_plan(self, t: ChunkTask[ImageBo], buf: StagingBuffer) -> Copy:
-        """Read the record whole into the piece's slot, from its head page on (O_DIRECT where it can be)."""
+    def _read_plan(self, t: ChunkTask[ImageBo], buf: StagingBuffer, direct: tuple[int, bool] | None) -> Copy:
+        """Read the record whole into the piece's slot, from its head page on (O_DIRECT where `direct`, what
+        `_direct_read` said of it, names the O_DIRECT file)."""
         fi = _loc(t).slot
         if self.reader.fds[fi] < 0:  # never: the session takes no work before every file is attached
             raise InternalError(f"{self._names[fi]} is read before it was attached (slots {self.reader.fds})")
@@ -166,15 +164,19 @@ class ImageReadEnds(ABC):
             raise CorruptChunkError(f"{self._where(t)}: record of {n} bytes for a {t.length}-byte chunk",
                                     bo_id=t.bo.id, offset=t.offset)
         at = buf.address + t.buf_offset - HEAD_PAGE
-        direct = self._direct_read(t)
         if direct is not None:
             skip = rec % PAGE
             return Copy(direct[0], rec - skip, -1, at, round_up(skip + n, PAGE), skip, n)
         return Copy(self.reader.fds[fi], rec, -1, at, n, 0, n)
 
-    def _read_checked(self, tasks: list[ChunkTask[ImageBo]], buf: StagingBuffer, clock: Clock) -> list[DecodedChunk]:
+    def _read_checked(self, tasks: list[ChunkTask[ImageBo]], buf: StagingBuffer, clock: Clock,
+                      directs: list[tuple[int, bool] | None] | None = None) -> list[DecodedChunk]:
+        """Read every record of the batch whole and check it.  `directs`: `_direct_read` of each record,
+        where the caller probed them already (else probed here)."""
         recs = [t for t in tasks if t.loc is not None]  # a format v2 hole has no record to read
-        copies = [self._read_plan(t, buf) for t in recs]
+        if directs is None:
+            directs = [self._direct_read(t) for t in recs]
+        copies = [self._read_plan(t, buf, d) for t, d in zip(recs, directs, strict=True)]
         clock.lap("python")
         outcomes, failed = copy_batch(copies, HASH | RECORD)
         clock.lap("read")
