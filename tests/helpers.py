@@ -12,7 +12,7 @@ from vramd.backends import BoRef
 from vramd.engine import BoSpec, Engine, EngineConfig, RestoreTarget
 from vramd.image.format import chunk_record, decode_manifest, decode_record_head
 from vramd.pb import image_pb2 as pb
-from vramd.testing import Workload, blank_spec_like  # noqa: F401  (re-exported for tests)
+from vramd.testing import Workload, blank_spec_like, seal_size  # noqa: F401  (re-exported for tests)
 
 ROOT = str(Path(__file__).resolve().parent.parent)  # the repository
 
@@ -34,12 +34,15 @@ def engine(**kw) -> Engine:
     return Engine(EngineConfig(**kw))
 
 
-def memfd(data: bytes = b"", size: int | None = None) -> int:
-    """A memfd holding `data`, `size` bytes long (default len(data)): a BO for the mmap backend."""
-    fd = os.memfd_create("bo", os.MFD_CLOEXEC)
+def memfd(data: bytes = b"", size: int | None = None, *, sealed: bool = False) -> int:
+    """A memfd holding `data`, `size` bytes long (default len(data)): a BO for the mmap backend, which reads and
+    writes it with pread/pwrite; `sealed`: its size sealed, so the backend maps it, as it maps a dmabuf."""
+    fd = os.memfd_create("bo", os.MFD_CLOEXEC | (os.MFD_ALLOW_SEALING if sealed else 0))
     os.ftruncate(fd, len(data) if size is None else size)
     if data:
         os.pwrite(fd, data, 0)
+    if sealed:
+        seal_size(fd)
     return fd
 
 

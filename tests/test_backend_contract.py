@@ -47,3 +47,35 @@ def _subject_with(cls):
 def test_the_contract_catches_a_broken_backend(broken):
     with pytest.raises(AssertionError):
         check_backend(_subject_with(broken))
+
+
+def test_a_memfd_sealed_to_its_size_is_mapped_and_one_that_may_shrink_is_not():
+    """The mmap backend maps only what cannot shrink under it (a dmabuf, a memfd sealed against shrinking): a
+    truncation under a mapping would SIGBUS the copy thread.  Any other memfd or file goes through pread/pwrite."""
+    from helpers import memfd
+
+    from vramd.backends import BackendOptions, BoRef, Direction
+    from vramd.backends.mmapfd import cannot_shrink
+    from vramd.hostmem.libc import ffi
+
+    data = os.urandom(3 * 4096 + 100)
+    backend = MmapBackend(BackendOptions())
+    try:
+        for sealed in (False, True):
+            fd = memfd(data, sealed=sealed)
+            try:
+                assert cannot_shrink(fd) is sealed
+                h = backend.open(1, BoRef("mmap", fd, 100), len(data) - 100, 0, Direction.READ)
+                where_fd, where = backend.endpoint(h, 4096, 200)
+                if sealed:  # a mapping: the copy reads at an address, and the owner cannot cut the memfd short
+                    assert where_fd == -1
+                    assert bytes(ffi.buffer(ffi.cast("char *", where), 200)) == data[4196:4396]
+                    with pytest.raises(PermissionError):
+                        os.ftruncate(fd, 0)
+                else:  # pread at the BO's offset in the fd
+                    assert (where_fd, where) == (fd, 4196)
+                backend.release(h)
+            finally:
+                os.close(fd)
+    finally:
+        backend.close()

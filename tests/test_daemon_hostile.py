@@ -296,6 +296,42 @@ def test_memfd_truncated_mid_dump_fails_that_session_only(daemon, image_dir, tmp
     _serves_another_client(daemon, tmp_path)
 
 
+def test_a_memfd_sealed_to_its_size_is_mapped_and_its_owner_cannot_make_the_daemon_fault(daemon, image_dir,
+                                                                                         tmp_path):
+    """A memfd sealed against shrinking is mapped, as a dmabuf is: its owner cannot cut it short under the mapping
+    (ftruncate fails), and punching holes in it while the daemon copies only turns bytes to zeros.  The session
+    ends DONE and the daemon goes on serving."""
+    import ctypes
+    from helpers import seal_size
+    _, dfd = image_dir
+    size = 4 << 30
+    fd = os.memfd_create("sealed", os.MFD_ALLOW_SEALING)
+    libc = ctypes.CDLL(None, use_errno=True)
+    try:
+        os.ftruncate(fd, size)  # sparse: reads as zeros, costs no memory until written
+        os.pwrite(fd, os.urandom(1 << 20), 0)
+        seal_size(fd)
+        maps = f"/proc/{daemon.proc.pid}/maps"
+        with Client(daemon.socket) as c:
+            s = c.open_session(SESSION_DUMP, dfd)
+            c.add_bos(s.token, [ClientBo(7, fd, size=size, backend="mmap")])
+            c.start(s.token)
+            mapped = False
+            while not mapped and c.progress(s.token).state != rpc.SESSION_DONE:
+                with open(maps) as f:
+                    mapped = "/memfd:sealed" in f.read()
+            assert mapped, "the daemon never mapped the sealed memfd"
+            with pytest.raises(PermissionError):
+                os.ftruncate(fd, 0)
+            # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE over everything, while the copy runs
+            assert libc.fallocate(fd, 3, ctypes.c_long(0), ctypes.c_long(size)) == 0, os.strerror(ctypes.get_errno())
+            assert c.wait(s.token).state == rpc.SESSION_DONE
+    finally:
+        os.close(fd)
+    assert daemon.proc.poll() is None
+    _serves_another_client(daemon, tmp_path)
+
+
 def test_image_files_the_client_attaches_are_checked(daemon, image_dir, tmp_path):
     """The daemon takes only regular files open for the access it needs, and an O_DIRECT twin only where it
     is the very file opened with O_DIRECT for that access: each refusal is BAD_DESCRIPTOR naming the file."""

@@ -61,16 +61,18 @@ def test_procmem_round_trip_into_fresh_process(image_dir, compression):
         assert dst.digests() == want
 
 
-@pytest.mark.parametrize("compression", ["none", "zstd"])
-def test_mmap_round_trip_with_memfds(image_dir, compression):
+@pytest.mark.parametrize("compression,sealed", [("none", False), ("zstd", False), ("none", True), ("zstd", True)])
+def test_mmap_round_trip_with_memfds(image_dir, compression, sealed):
+    """`sealed`: memfds sealed to their size, which the backend maps and copies through the mapping, as it does a
+    dmabuf; else read and written with pread/pwrite."""
     _, dfd = image_dir
     contents = [os.urandom(3 * MiB + 5), bytes(2 * MiB), b"", b"\x07", (b"abc" * 1000000)[:MiB + 77]]
     # BO 5 lives at an unaligned offset inside its fd
-    fds = [memfd(c) for c in contents[:4]] + [memfd(b"\x01" * 333 + contents[4])]
+    fds = [memfd(c, sealed=sealed) for c in contents[:4]] + [memfd(b"\x01" * 333 + contents[4], sealed=sealed)]
     offsets = [0, 0, 0, 0, 333]
     specs = [BoSpec(10 + i, len(c), BoRef("mmap", fd, off), gpu_id=7)
              for i, (c, fd, off) in enumerate(zip(contents, fds, offsets))]
-    targets_fds = [memfd(size=len(c) + off) for c, off in zip(contents, offsets)]
+    targets_fds = [memfd(size=len(c) + off, sealed=sealed) for c, off in zip(contents, offsets)]
     for fd in targets_fds:
         os.pwrite(fd, b"\xee" * os.fstat(fd).st_size, 0) if os.fstat(fd).st_size else None
     try:

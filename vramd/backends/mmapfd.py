@@ -3,15 +3,18 @@
 On AMD hardware the fd is a dmabuf (or render node at the BO's mmap
 offset) of a CPU-visible BO; in tests it is a memfd or a regular file.
 
-A regular file or memfd is never mapped: it is read and written with
-pread/pwrite at the BO's offset (the same single CPU copy, without the page
-table work).  Mapping one would let its owner kill the daemon: a caller that
-truncates a file it passed in while the daemon copies from a mapping of it
-makes the next access SIGBUS, and SIGBUS in a copy thread ends the whole
-process.  pread instead returns short, which becomes a typed error naming
-the BO and offset.  Only objects that cannot shrink are mapped: a dmabuf
-keeps its size for its life, and a render node's driver refuses a mapping
-outside the BO.
+A regular file, or a memfd that may still shrink, is never mapped: it is
+read and written with pread/pwrite at the BO's offset (the same single CPU
+copy, without the page table work).  Mapping one would let its owner kill
+the daemon: a caller that truncates a file it passed in while the daemon
+copies from a mapping of it makes the next access SIGBUS, and SIGBUS in a
+copy thread ends the whole process.  pread instead returns short, which
+becomes a typed error naming the BO and offset.  Only objects that cannot
+shrink are mapped: a dmabuf keeps its size for its life, a render node's
+driver refuses a mapping outside the BO, and a memfd sealed against
+shrinking (F_SEAL_SHRINK, which no one can lift) refuses every ftruncate
+below its size.  Such a memfd takes the very path a dmabuf takes, which is
+how the tests and bench/throughput.py run the large-BAR path without a GPU.
 
 Each BO is mapped once, at its first chunk, and unmapped as soon as its
 last chunk has landed (the engine releases a BO's handle then).  Mapping
@@ -23,11 +26,13 @@ per page.
 
 The fd's size is checked up front, so a copy never starts beyond the end
 of the object.  Copies run in vramd.hostmem.batchcopy, without the GIL.
-Copies into one regular file or memfd take turns (`write_lock`): the
-kernel runs its pwrites one at a time anyway, and there a waiter spins.
+Copies into one regular file or memfd that is not mapped take turns
+(`write_lock`): the kernel runs its pwrites one at a time anyway, and there
+a waiter spins.
 """
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import stat
@@ -47,7 +52,7 @@ class _MappedBo(BoHandle):
     mm: mmap.mmap | None = None
     base: Pointer = None  # cdata pointer to the BO's first byte in the mapping
     anchor: Pointer = None  # the from_buffer cdata keeping the mapping's buffer exported
-    by_fd: bool = False  # a regular file or memfd: pread/pwrite, never mapped
+    by_fd: bool = False  # a regular file or a memfd that may shrink: pread/pwrite, never mapped
     write_lock: threading.Lock | None = None  # writes into a file: its inode's (one of _WRITE_LOCKS)
 
 
@@ -55,6 +60,15 @@ class _MappedBo(BoHandle):
 # measured on 2 cores, two copy threads restoring into one memfd spent 13 % of their CPU spinning there.  So
 # writes into one file take one of these, chosen by its inode (two files that share one only take turns).
 _WRITE_LOCKS = tuple(threading.Lock() for _ in range(64))
+
+
+def cannot_shrink(fd: int) -> bool:
+    """Whether fd is a memfd sealed against shrinking (F_SEAL_SHRINK): then no one, its owner included, can cut
+    it short, and mapping it is as safe as mapping a dmabuf.  Any other file says EINVAL (no seals)."""
+    try:
+        return bool(fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK)
+    except OSError:
+        return False
 
 
 class MmapBackend(ThreadedBackend):
@@ -77,7 +91,7 @@ class MmapBackend(ThreadedBackend):
                 f"fd {ref.fd} holds {have} bytes; the BO needs {size} bytes at offset {ref.offset:#x}",
                 bo_id=bo_id, offset=max(0, have - ref.offset),
             )
-        by_fd = stat.S_ISREG(st.st_mode)
+        by_fd = stat.S_ISREG(st.st_mode) and not cannot_shrink(ref.fd)
         lock = _WRITE_LOCKS[hash((st.st_dev, st.st_ino)) % len(_WRITE_LOCKS)] \
             if by_fd and direction is Direction.WRITE else None
         return _MappedBo(bo_id, ref, size, gpu_id, direction, by_fd=by_fd, write_lock=lock)

@@ -8,11 +8,11 @@ building on vramd.
   software model) and the fake;
 - `RunAs`, `PythonAccess`: run those children as another user, with an interpreter that user can reach.
 """
-from .contract import SUBJECTS, Subject, check_backend
+from .contract import SUBJECTS, Subject, check_backend, seal_size
 from .fake import FakeDmaBackend
 from .launcher import DaemonProcess
 from .runas import PythonAccess, RunAs
 from .workload import Workload, blank_spec_like
 
 __all__ = ["SUBJECTS", "DaemonProcess", "FakeDmaBackend", "PythonAccess", "RunAs", "Subject", "Workload",
-           "blank_spec_like", "check_backend"]
+           "blank_spec_like", "check_backend", "seal_size"]

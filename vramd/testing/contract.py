@@ -12,6 +12,7 @@ typed errors that name the BO, and release/close that free everything.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import mmap
 import os
 import random
@@ -45,16 +46,32 @@ class Subject:
 
 
 def _memfd_bo(kind: str, subject_cleanups: list[Callable[[], None]], data: bytes, *,
-              page_rounded: bool = False) -> tuple[BoRef, Callable[[], bytes]]:
-    fd = os.memfd_create(f"contract-{kind}", os.MFD_CLOEXEC)
+              page_rounded: bool = False, sealed: bool = False) -> tuple[BoRef, Callable[[], bytes]]:
+    fd = os.memfd_create(f"contract-{kind}", os.MFD_CLOEXEC | (os.MFD_ALLOW_SEALING if sealed else 0))
     subject_cleanups.append(lambda: os.close(fd))
     os.ftruncate(fd, round_up(max(len(data), 1)) if page_rounded else len(data))
     os.pwrite(fd, data, 0)
+    if sealed:
+        seal_size(fd)
     return BoRef(kind, fd, 0), lambda: os.pread(fd, len(data), 0)
 
 
+def seal_size(fd: int) -> None:
+    """Seal a memfd (made with MFD_ALLOW_SEALING) against shrinking and growing: its size is fixed for its life,
+    as a dmabuf's is, and the mmap backend maps it as it maps a dmabuf (the large-BAR path)."""
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+
+
 def mmap_subject() -> Subject:
+    """mmap on memfds, read and written with pread/pwrite (a memfd that may shrink is never mapped)."""
     s = Subject(REGISTRY["mmap"].create(BackendOptions()), "mmap", lambda d: _memfd_bo("mmap", s.cleanups, d))
+    return s
+
+
+def mapped_subject() -> Subject:
+    """mmap on memfds sealed to their size: mapped and copied through the mapping, as a dmabuf (large BAR) is."""
+    s = Subject(REGISTRY["mmap"].create(BackendOptions()), "mmap",
+                lambda d: _memfd_bo("mmap", s.cleanups, d, sealed=True))
     return s
 
 
@@ -87,7 +104,8 @@ def procmem_subject() -> Subject:
 
 
 SUBJECTS: dict[str, Callable[[], Subject]] = {
-    "procmem": procmem_subject, "mmap": mmap_subject, "sdma": sdma_model_subject, "fake": fake_subject,
+    "procmem": procmem_subject, "mmap": mmap_subject, "mmap-mapped": mapped_subject, "sdma": sdma_model_subject,
+    "fake": fake_subject,
 }
 
 
