@@ -56,3 +56,66 @@ def test_cancelled_waiter_does_not_leak():
         assert pool.in_use_bytes == 0
         pool.close()
     run(go())
+
+
+def _vma_kib(address: int, field: str) -> int:
+    """A field (Rss, AnonHugePages, ...) of the mapping of this process that holds `address`, in KiB."""
+    found, inside = None, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == field + ":":
+                found = int(line.split()[1])
+    assert found is not None, f"no mapping holds {address:#x}"
+    return found
+
+
+def _resident(address: int, length: int) -> int:
+    """Bytes of [address, address + length) in memory (mincore), whatever mappings the kernel merged."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    pages = -(-length // 4096)
+    vec = (ctypes.c_ubyte * pages)()
+    assert libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(length), vec) == 0, ctypes.get_errno()
+    return sum(v & 1 for v in vec) * 4096
+
+
+def _thp_mode() -> str:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return "never"
+
+
+@pytest.mark.parametrize("huge", [True, False])
+def test_big_staging_buffers_sit_on_huge_pages_and_never_hold_more_than_their_size(huge):
+    """8 MiB chunks take buffers of 8 MiB + 4 KiB: with huge pages, the four whole 2 MiB pieces are huge pages
+    and the 4 KiB tail a small page, so a buffer touched end to end holds its size, not 10 MiB; without, none
+    is huge (the kernel here makes only advised memory huge)."""
+    mode = _thp_mode()
+    if mode == "never" or (mode == "always" and not huge):
+        pytest.skip(f"transparent huge pages are '{mode}' here")
+
+    async def go():
+        pool = StagingPool(64 * MiB, huge_pages=huge)
+        bufs = await pool.acquire(8 * MiB, 4)
+        unit = buffer_unit(8 * MiB)
+        try:
+            for b in bufs:
+                assert len(b.view) == b.size == unit
+                b.view[:] = b"\x5a" * unit  # every byte touched: nothing left to fault in later
+                # its size, never a whole huge page more, over all it maps (a whole number of huge pages)
+                assert _resident(b.address, len(b.mm)) == unit
+                if huge:
+                    assert b.address % (2 * MiB) == 0
+                    assert _vma_kib(b.address, "AnonHugePages") >= 6 * 1024  # most of it; compaction may miss one
+                else:
+                    assert _vma_kib(b.address, "AnonHugePages") == 0
+        finally:
+            pool.release(bufs)
+            pool.close()
+    run(go())

@@ -73,6 +73,7 @@ class EngineConfig:
     """
 
     staging_budget: int = 512 * MiB
+    staging_huge_pages: bool = True  # staging buffers of 2 MiB or more on transparent huge pages (hostmem.staging)
     chunk_size: int = 8 * MiB
     max_bo_bytes: int = DEFAULT_MAX_BO_BYTES  # the largest BO size a client may declare (LIMIT_EXCEEDED above)
     inflight_per_gpu: int = 0   # 0: copy threads + 2 (at least 4)
@@ -121,7 +122,7 @@ class Engine:
     def __init__(self, config: EngineConfig | None = None, backends: dict[str, Backend] | None = None) -> None:
         self.config = config or EngineConfig()
         self.config.check()
-        self.pool = StagingPool(self.config.staging_budget)
+        self.pool = StagingPool(self.config.staging_budget, huge_pages=self.config.staging_huge_pages)
         self.unavailable: dict[str, str] = {}  # backend name -> why it is not here
         self.backends = self._create_backends() if backends is None else backends
         for b in self.backends.values():

@@ -4,7 +4,15 @@ All host memory that holds BO bytes in flight comes from one pool whose
 size never exceeds the configured budget, whatever the BO sizes.  A chunk
 in flight holds one buffer (raw bytes) or two (raw + compressed).  Buffers
 are anonymous mmaps, so they are page-aligned (as SDMA userptr registration
-needs) and cost no resident memory until first touched.  Buffers are kept
+needs) and cost no resident memory until first touched.  A buffer of 2 MiB
+or more sits on transparent huge pages where the kernel has them (`huge`):
+its whole 2 MiB pieces are asked for as huge pages (MADV_HUGEPAGE), the
+rest as small pages, so it never holds more memory than its size.  An
+O_DIRECT read or write then reaches the disk in requests of up to the
+device's limit instead of one segment per 4 KiB page, and copies miss the
+TLB less: measured on a 2-core VM's virtual disk (at most 254 segments a
+request), a 1 GiB cold restore ran 1.3 -> 1.7 GB/s at 0.60 -> 0.46 CPU s/GiB
+and a dump 1.74 -> 2.07 GB/s (bench/README.md).  Buffers are kept
 per size and reused; an idle buffer of another size is unmapped only when
 a request cannot otherwise fit the budget.  Backends that must register
 host memory (SDMA userptr BOs) hook `on_alloc`/`on_free`, so each buffer is
@@ -32,10 +40,30 @@ def buffer_unit(chunk_size: int) -> int:
     return round_up(chunk_size + HEADROOM)
 
 
-def anonymous(size: int) -> mmap.mmap:
+HUGE_PAGE = 2 << 20  # a transparent huge page (x86-64, arm64 with 4 KiB pages)
+
+
+def anonymous(size: int, huge: bool = False) -> mmap.mmap:
     """Private anonymous memory (mmap.mmap(-1, n) alone would be MAP_SHARED: shmem, which
-    the kernel refuses as an SDMA userptr)."""
-    return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    the kernel refuses as an SDMA userptr).
+
+    `huge` (and `size` at least HUGE_PAGE): mapped as a whole number of huge pages, which the
+    kernel aligns to one, with the whole huge pages `size` covers advised MADV_HUGEPAGE and the
+    rest MADV_NOHUGEPAGE, so that no more than `size` bytes (rounded up to a page) are ever
+    touched or resident: the caller uses the first `size` bytes only.  Where the kernel has no
+    transparent huge pages, the advice fails and the memory stays small pages."""
+    if not huge or size < HUGE_PAGE:
+        return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    mapped = round_up(size, HUGE_PAGE)
+    m = mmap.mmap(-1, mapped, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    body = size - size % HUGE_PAGE
+    try:
+        m.madvise(mmap.MADV_HUGEPAGE, 0, body)
+        if mapped > body:  # the tail: small pages, even where the kernel makes every mapping huge
+            m.madvise(mmap.MADV_NOHUGEPAGE, body, mapped - body)
+    except OSError:  # EINVAL: a kernel without transparent huge pages
+        pass
+    return m
 
 
 @dataclass(eq=False)
@@ -46,7 +74,8 @@ class StagingBuffer:
     backend_state: dict[object, Any] = field(default_factory=dict, repr=False)  # e.g. an SDMA userptr handle
 
     def __post_init__(self) -> None:
-        self.view = memoryview(self.mm)
+        # `size` bytes: a buffer on huge pages is mapped a whole number of them (anonymous)
+        self.view = memoryview(self.mm) if len(self.mm) == self.size else memoryview(self.mm)[:self.size]
         self.ptr: Pointer = pointer(self.mm, writable=self.writable)
         self._address = address(self.ptr)
 
@@ -63,10 +92,11 @@ class StagingBuffer:
 class StagingPool:
     """Hands out staging buffers n at a time, first come first served, within a byte budget."""
 
-    def __init__(self, budget: int) -> None:
+    def __init__(self, budget: int, huge_pages: bool = True) -> None:
         if budget < 2 * buffer_unit(0):
             raise InvalidRequestError(f"staging budget {budget} is too small")
         self.budget = budget
+        self.huge_pages = huge_pages  # buffers of HUGE_PAGE or more on transparent huge pages (`anonymous`)
         self._free: dict[int, list[StagingBuffer]] = collections.defaultdict(list)
         self._waiters: collections.deque[tuple[int, int, asyncio.Future[list[StagingBuffer]]]] = collections.deque()
         self.allocated_bytes = 0  # mapped: in use + idle; never above budget
@@ -120,7 +150,7 @@ class StagingPool:
         while len(bufs) < n:
             while self.allocated_bytes + unit > self.budget:
                 self._evict_one(keep=unit)
-            buf = StagingBuffer(unit, anonymous(unit))
+            buf = StagingBuffer(unit, anonymous(unit, huge=self.huge_pages))
             self.allocated_bytes += unit
             for hook in self.on_alloc:
                 hook(buf)

@@ -172,6 +172,7 @@ KEYS: dict[str, Callable[[object], Any]] = {
     "socket": _str(optional=True),
     "socket_mode": _mode,
     "staging_budget": _size(PAGE, page=False),
+    "staging_huge_pages": _bool,
     "chunk_size": _size(PAGE, 1 << 30, page=True),
     "compression": _compression,
     "inflight_per_gpu": _int(0, 4096),
@@ -215,6 +216,7 @@ class DaemonConfig:
     socket: str | None = None          # None: default_socket_path()
     socket_mode: int = 0o660
     staging_budget: int = 512 * MiB
+    staging_huge_pages: bool = True    # staging buffers on transparent huge pages where the kernel has them
     chunk_size: int = 8 * MiB
     compression: str = "auto"
     inflight_per_gpu: int = 0  # 0: chosen from the core count (EngineConfig)

@@ -88,7 +88,8 @@ class Daemon:
         self.topology = self._read_topology()
         gpus = self.topology.gpus if self.topology else []
         self.engine = engine or Engine(EngineConfig(
-            staging_budget=cfg.staging_budget, chunk_size=cfg.chunk_size, workers_per_gpu=cfg.workers_per_gpu,
+            staging_budget=cfg.staging_budget, staging_huge_pages=cfg.staging_huge_pages,
+            chunk_size=cfg.chunk_size, workers_per_gpu=cfg.workers_per_gpu,
             inflight_per_gpu=cfg.inflight_per_gpu, copy_threads=cfg.copy_threads,
             dump_inflight_per_gpu=cfg.dump_inflight_per_gpu,
             compression=Compression.parse(cfg.compression), io_threads=cfg.io_threads, sdma=cfg.sdma,
