@@ -302,6 +302,7 @@ def test_a_memfd_sealed_to_its_size_is_mapped_and_its_owner_cannot_make_the_daem
     (ftruncate fails), and punching holes in it while the daemon copies only turns bytes to zeros.  The session
     ends DONE and the daemon goes on serving."""
     import ctypes
+
     from helpers import seal_size
     _, dfd = image_dir
     size = 4 << 30
