@@ -13,7 +13,7 @@ from helpers import Workload, blank_spec_like, engine, memfd, run
 from vramd.backends import BoRef
 from vramd.engine import BoSpec, RestoreTarget
 from vramd.hostmem import batchcopy
-from vramd.hostmem.batchcopy import END_OF_FILE, HASH, RECORD, ZERO, Copy, copy_batch
+from vramd.hostmem.batchcopy import END_OF_FILE, HASH, RECORD, WHOLE, ZERO, Copy, copy_batch
 from vramd.hostmem.staging import StagingBuffer
 from vramd.image.codec import record_head
 from vramd.pb import image_pb2 as pb
@@ -104,6 +104,36 @@ def test_record_payload_hash_and_end_of_file(flavour):
         outs, failed = copy_batch([Copy(f, 0, -1, buf.address, 64), Copy(f, 100, -1, buf.address, n + 10, 0, n)],
                                   HASH | RECORD)
         assert failed == 1 and outs[1].err == END_OF_FILE and outs[1].done == n
+    finally:
+        os.close(f)
+
+
+def _read_calls() -> int:
+    """This process's read system calls so far (/proc/self/io syscr)."""
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("syscr"))
+
+
+def test_whole_moves_a_copy_in_one_read_and_hashes_the_same(flavour):
+    """A record read that waits on a device (O_DIRECT from a disk) is one request, not sixteen 256 KiB ones the
+    copy thread would wait for one after another (WHOLE); without it, the C loop reads a block at a time, so
+    that the hash finds the bytes still in this core's cache.  Both give the same bytes and hash."""
+    payload = os.urandom(4 * MiB - 200)
+    head = record_head(5, 0, len(payload), pb.CODEC_RAW, len(payload), xxhash.xxh3_64_intdigest(payload))
+    f = memfd(head + payload)
+    buf = _buffer(4 * MiB)
+    try:
+        n = len(head) + len(payload)
+        counting = _read_calls() - _read_calls()  # what asking costs (negated)
+        calls = {}
+        for flags in (HASH | RECORD, HASH | RECORD | WHOLE):
+            before = _read_calls()
+            outs, failed = copy_batch([Copy(f, 0, -1, buf.address, n, 0, n)], flags)
+            calls[flags] = _read_calls() - before + counting
+            assert failed == -1 and outs[0].hash == xxhash.xxh3_64_intdigest(payload)
+            assert buf.view[len(head):n] == payload
+        assert calls[HASH | RECORD | WHOLE] == 1
+        assert calls[HASH | RECORD] == (1 if flavour == "python" else -(-n // batchcopy.BLOCK))
     finally:
         os.close(f)
 
@@ -399,9 +429,10 @@ def test_a_cached_record_is_read_through_the_page_cache_and_an_evicted_one_with_
     elif libc.cached_pages(0, 0, 0) is None or not libc._cachestat[0]:
         pytest.skip("this kernel has no cachestat (Linux 6.5+)")
 
+    from vramd.engine.jobs import read
     from vramd.engine.jobs.read import ImageBo
     from vramd.engine.jobs.verify import VerifyEnds
-    from vramd.engine.pipeline import HEAD_PAGE, ChunkTask
+    from vramd.engine.pipeline import HEAD_PAGE, ChunkTask, Clock
     from vramd.hostmem.staging import StagingBuffer, StagingPool
     from vramd.image.reader import ImageReader
     path, dfd = image_dir
@@ -443,6 +474,14 @@ def test_a_cached_record_is_read_through_the_page_cache_and_an_evicted_one_with_
             cached = ends._read_plan(task, buf, ends._direct_read(task))
             evict()
             evicted = ends._read_plan(task, buf, ends._direct_read(task))
+            # the read itself: from the disk in one request (WHOLE); through the cache a block at a time
+            flags = []
+            real = read.copy_batch
+            monkeypatch.setattr(read, "copy_batch", lambda copies, f: flags.append(f) or real(copies, f))
+            ends._read_checked([task], buf, Clock(None))
+            os.pread(fd, loc.length, loc.offset)
+            ends._read_checked([task], buf, Clock(None))
+            assert [bool(f & WHOLE) for f in flags] == [True, False]
             return fd, asked, left, cached.src_fd, evicted.src_fd
         finally:
             buf.unmap()

@@ -40,8 +40,10 @@ static uint64_t xxh3(const void *p, size_t n)
 #endif
 
 /* Bytes moved, then hashed and scanned, at a time: small enough to still be in this
- * core's L2 cache when the hash reads them back. */
+ * core's L2 cache when the hash reads them back.  Not with VD_WHOLE (vd_copy.h). */
 #define VD_BLOCK ((size_t)256 << 10)
+/* The most one VD_WHOLE move asks for (Linux moves at most 2 GiB - 4 KiB per call). */
+#define VD_WHOLE_MAX ((size_t)1 << 30)
 /* A chunk record's prefix: magic (4), header length (u32 LE), header checksum (8). */
 #define VD_RECORD_PREFIX 16u
 #define VD_MAX_CHUNK_HEADER 256u
@@ -85,6 +87,7 @@ static void run_one(struct vd_copy *c, unsigned flags)
     int hashing = (flags & VD_HASH) != 0, zero = 1;
     int known = !(flags & VD_RECORD);  /* the hashed range is known */
     uint64_t lo = 0, hi = c->length, hashed = 0, off = 0;
+    size_t block = !(flags & VD_WHOLE) ? VD_BLOCK : c->length < VD_WHOLE_MAX ? (size_t)c->length : VD_WHOLE_MAX;
 
     c->hash = 0;
     c->done = 0;
@@ -98,7 +101,7 @@ static void run_one(struct vd_copy *c, unsigned flags)
     if (hashing)
         XXH3_64bits_reset(&st);
     while (off < c->length) {
-        size_t n = c->length - off < VD_BLOCK ? (size_t)(c->length - off) : VD_BLOCK;
+        size_t n = c->length - off < block ? (size_t)(c->length - off) : block;
         ssize_t got = move(c, off, n);
         if (got <= 0) {
             c->err = got == 0 ? -1 : (int32_t)-got;

@@ -16,6 +16,9 @@
 #define VD_HASH 1u      /* compute `hash` over the moved bytes (or the record payload) */
 #define VD_ZERO 2u      /* compute `zero`: every moved byte is 0 */
 #define VD_RECORD 4u    /* the bytes hold a chunk record starting at `rec_at`: hash only its payload */
+#define VD_WHOLE 8u     /* move each copy in one call (up to 1 GiB), not 256 KiB at a time: for reads that
+                         * wait on a device (O_DIRECT from a disk), where each call is a request the thread
+                         * waits for; the hash then reads the bytes back from memory */
 
 struct vd_copy {
     /* in */

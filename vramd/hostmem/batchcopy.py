@@ -39,6 +39,7 @@ except ImportError:  # no compiler or no <xxhash.h> at install time
 NATIVE: bool = _copy is not None
 
 HASH, ZERO, RECORD = 1, 2, 4
+WHOLE = 8  # move each copy in one call, not BLOCK at a time: reads that wait on a device (the C loop; Python always)
 BLOCK = 256 << 10  # the C loop's block: moved, then hashed while still in this core's L2 cache
 RECORD_PREFIX = 16  # a chunk record's prefix: magic (4), header length (u32 LE), header checksum (8)
 MAX_CHUNK_HEADER = 256

@@ -34,7 +34,7 @@ from typing import Any, cast
 
 from ...backends import Direction
 from ...errors import CorruptChunkError, InternalError, TruncatedDataError, VramdError
-from ...hostmem.batchcopy import END_OF_FILE, HASH, RECORD, Copy, Outcome, copy_batch
+from ...hostmem.batchcopy import END_OF_FILE, HASH, RECORD, WHOLE, Copy, Outcome, copy_batch
 from ...hostmem.libc import cached_pages
 from ...hostmem.staging import StagingBuffer, StagingPool
 from ...image.codec import DecodedChunk, decode_chunk, decode_record
@@ -189,7 +189,9 @@ class ImageReadEnds(ABC):
             directs = [self._direct_read(t) for t in recs]
         copies = [self._read_plan(t, buf, d) for t, d in zip(recs, directs, strict=True)]
         clock.lap("python")
-        outcomes, failed = copy_batch(copies, HASH | RECORD)
+        # a record read from a device: in one request, not 256 KiB ones the thread would wait for one by one
+        whole = WHOLE if len(directs) == 1 and directs[0] is not None and directs[0][1] else 0
+        outcomes, failed = copy_batch(copies, HASH | RECORD | whole)
         clock.lap("read")
         if failed >= 0:
             self._read_failed(recs[failed], copies[failed], outcomes[failed])
