@@ -24,6 +24,7 @@ ffi.cdef(
     int munmap(void *addr, size_t length);
     int sync_file_range(int fd, long offset, long nbytes, unsigned int flags);
     int mincore(void *addr, size_t length, unsigned char *vec);
+    int fstatfs(int fd, void *buf);
     long syscall(long number, ...);
     struct vd_cachestat_range { uint64_t off; uint64_t len; };
     struct vd_cachestat { uint64_t nr_cache, nr_dirty, nr_writeback, nr_evicted, nr_recently_evicted; };
@@ -38,6 +39,7 @@ MAP_FAILED: Any = ffi.cast("void *", -1)
 SYNC_FILE_RANGE_WRITE = 0x2  # start writeback of the range's dirty pages; wait for nothing
 PROT_NONE, MAP_SHARED = 0x0, 0x01
 SYS_CACHESTAT = 451  # Linux 6.5+, the same number on every architecture (new system calls share one table)
+MEMORY_FS = (0x01021994, 0x858458F6)  # TMPFS_MAGIC, RAMFS_MAGIC: file systems whose files are memory
 
 # A cdata char* (cffi has no finer static type for it).
 Pointer = Any
@@ -108,3 +110,10 @@ def cached_pages(fd: int, offset: int, length: int) -> int | None:
         return len(resident) - resident.count(0)
     finally:
         libc.munmap(p, span)
+
+
+def memory_file(fd: int) -> bool:
+    """Whether the file behind fd lives on a file system whose files are memory (tmpfs, ramfs): reading it
+    waits on no device.  fstatfs(2)'s f_type, the first field of struct statfs (a long on 64-bit Linux)."""
+    buf = ffi.new("long[32]")  # struct statfs is 120 bytes on x86-64 and arm64
+    return libc.fstatfs(fd, buf) == 0 and (buf[0] & 0xFFFFFFFF) in MEMORY_FS

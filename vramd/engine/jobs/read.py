@@ -24,7 +24,6 @@ as many reads wait on the device at once as batches are in flight.
 from __future__ import annotations
 
 import asyncio
-import errno
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
@@ -35,7 +34,7 @@ from typing import Any, cast
 from ...backends import Direction
 from ...errors import CorruptChunkError, InternalError, TruncatedDataError, VramdError
 from ...hostmem.batchcopy import END_OF_FILE, HASH, RECORD, WHOLE, Copy, Outcome, copy_batch
-from ...hostmem.libc import cached_pages
+from ...hostmem.libc import cached_pages, memory_file
 from ...hostmem.staging import StagingBuffer, StagingPool
 from ...image.codec import DecodedChunk, decode_chunk, decode_record
 from ...image.fileio import image_os_error
@@ -66,17 +65,6 @@ HOLE = DecodedChunk(None, pb.CODEC_ZERO)  # a format v2 hole: no record, zeros
 def _loc(t: ChunkTask[ImageBo]) -> Loc:
     assert t.loc is not None  # only pieces with a record are read
     return t.loc
-
-
-def _is_memory(fd: int) -> bool:
-    """Whether the data file is memory (tmpfs: preadv2 with RWF_NOWAIT is EOPNOTSUPP there), which a read
-    never waits on a device for.  Asked at offset 0, the data file header the reader has just read, so the
-    question reads nothing either way."""
-    try:
-        os.preadv(fd, [bytearray(1)], 0, os.RWF_NOWAIT)
-    except OSError as e:
-        return e.errno == errno.EOPNOTSUPP
-    return False
 
 
 def _in_page_cache(fd: int, offset: int, length: int) -> bool:
@@ -117,7 +105,7 @@ class ImageReadEnds(ABC):
         self.buffers_per_chunk = buffers_to_read(reader)
         self._names = reader.names
         self.direct = True  # try O_DIRECT for big page-aligned records (the reader opens and closes those fds)
-        self._memory: dict[int, bool] = {}  # data file slot -> whether it is memory (tmpfs; `_is_memory`)
+        self._memory: dict[int, bool] = {}  # data file slot -> whether it is memory (tmpfs: hostmem.libc.memory_file)
 
     # --- a whole batch in one copy thread (InlineEnds) ----------------------
 
@@ -156,7 +144,7 @@ class ImageReadEnds(ABC):
         fd = self.reader.fds[fi]
         memory = self._memory.get(fi)
         if memory is None:
-            memory = self._memory[fi] = _is_memory(fd)
+            memory = self._memory[fi] = memory_file(fd)
         if memory:
             return d[0], False
         return None if _in_page_cache(fd, rec, n) else (d[0], True)
