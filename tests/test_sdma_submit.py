@@ -107,6 +107,41 @@ def test_no_libdrm_ioctl_runs_on_the_event_loop(image_dir):
         assert loop_thread not in seen[call], f"{call} ran on the event loop"
 
 
+def test_a_staging_buffer_is_registered_for_its_size_not_its_huge_page_mapping(image_dir):
+    """8 MiB chunks take staging buffers of 8 MiB + 4 KiB, mapped as five huge pages' worth (hostmem.staging). The
+    userptr BO covers the buffer's 8 MiB + 4 KiB only: the driver pins what it is given, and pinning the untouched
+    tail would hold memory beyond the staging budget."""
+    from vramd.hostmem.staging import buffer_unit
+    _, dfd = image_dir
+    data = os.urandom(8 * MiB)
+    src, dst = _dmabuf(data), _dmabuf(size=len(data))
+    sizes: list[int] = []
+
+    async def go():
+        cfg = EngineConfig(staging_budget=64 * MiB, chunk_size=8 * MiB, sdma_library="model")
+        async with Engine(cfg) as e:
+            b = e.backends["sdma"]
+            real = b.lib
+
+            class Lib:
+                def __getattr__(self, name):
+                    return getattr(real, name)
+
+                def amdgpu_create_bo_from_user_mem(self, dev, ptr, size, bo):
+                    sizes.append(size)
+                    return real.amdgpu_create_bo_from_user_mem(dev, ptr, size, bo)
+            b.lib = Lib()
+            await e.dump(dfd, [BoSpec(1, len(data), BoRef("sdma", src), gpu_id=1)])
+            await e.restore(dfd, [RestoreTarget(1, BoRef("sdma", dst))])
+    try:
+        run(go())
+        assert os.pread(dst, len(data), 0) == data
+    finally:
+        os.close(src)
+        os.close(dst)
+    assert sizes and set(sizes) == {buffer_unit(8 * MiB)}, sizes
+
+
 def test_a_cancelled_job_waits_for_its_copies_and_returns_every_ib_slot(image_dir, monkeypatch):
     monkeypatch.setenv("VRAMD_SDMA_MODEL_PACKET_DELAY_US", "2000")
     _, dfd = image_dir

@@ -139,7 +139,7 @@ class GpuDevice:
         entry = buf.backend_state.get(key)
         if entry is None:
             ffi, lib = self.b.ffi, self.b.lib
-            size = len(buf.mm)
+            size = buf.size  # its usable bytes: a buffer on huge pages maps more (hostmem.staging), never touched
             bo = ffi.new("amdgpu_bo_handle *")
             self.b._rc(lib.amdgpu_create_bo_from_user_mem(self.dev, ffi.cast("void *", buf.address), size, bo),
                          "amdgpu_create_bo_from_user_mem (staging)")
