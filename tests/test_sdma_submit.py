@@ -33,11 +33,13 @@ def _dmabuf(data: bytes = b"", size: int | None = None) -> int:
 
 
 class _Spy:
-    """Stands in for the cffi lib: forwards every call, noting the thread each libdrm function ran on."""
+    """Stands in for the cffi lib: forwards every call, noting the thread each libdrm function ran on and the
+    arguments it was given."""
 
     def __init__(self, lib):
         self._lib = lib
         self.threads: dict[str, set[int]] = {}
+        self.args: dict[str, list[tuple]] = {}
         self._lock = threading.Lock()
 
     def __getattr__(self, name):
@@ -48,6 +50,7 @@ class _Spy:
         def call(*a):
             with self._lock:
                 self.threads.setdefault(name, set()).add(threading.get_ident())
+                self.args.setdefault(name, []).append(a)
             return value(*a)
         return call
 
@@ -115,26 +118,17 @@ def test_a_staging_buffer_is_registered_for_its_size_not_its_huge_page_mapping(i
     _, dfd = image_dir
     data = os.urandom(8 * MiB)
     src, dst = _dmabuf(data), _dmabuf(size=len(data))
-    sizes: list[int] = []
 
     async def go():
         cfg = EngineConfig(staging_budget=64 * MiB, chunk_size=8 * MiB, sdma_library="model")
         async with Engine(cfg) as e:
             b = e.backends["sdma"]
-            real = b.lib
-
-            class Lib:
-                def __getattr__(self, name):
-                    return getattr(real, name)
-
-                def amdgpu_create_bo_from_user_mem(self, dev, ptr, size, bo):
-                    sizes.append(size)
-                    return real.amdgpu_create_bo_from_user_mem(dev, ptr, size, bo)
-            b.lib = Lib()
+            spy = b.lib = _Spy(b.lib)
             await e.dump(dfd, [BoSpec(1, len(data), BoRef("sdma", src), gpu_id=1)])
             await e.restore(dfd, [RestoreTarget(1, BoRef("sdma", dst))])
+            return [a[2] for a in spy.args.get("amdgpu_create_bo_from_user_mem", [])]  # (dev, ptr, size, bo)
     try:
-        run(go())
+        sizes = run(go())
         assert os.pread(dst, len(data), 0) == data
     finally:
         os.close(src)

@@ -13,6 +13,8 @@ from typing import Any
 
 import cffi
 
+from ..units import PAGE
+
 ffi = cffi.FFI()
 ffi.cdef(
     """
@@ -88,7 +90,7 @@ def cached_pages(fd: int, offset: int, length: int) -> int | None:
     cold restore were then read through the page cache, and their bytes were read from the disk twice)."""
     if length <= 0:
         return 0
-    first = offset - offset % 4096
+    first = offset - offset % PAGE
     span = offset + length - first
     if _cachestat[0]:
         rng = ffi.new("struct vd_cachestat_range *", (first, span))
@@ -103,7 +105,7 @@ def cached_pages(fd: int, offset: int, length: int) -> int | None:
     if p == MAP_FAILED:
         return None
     try:
-        vec = ffi.new("unsigned char[]", -(-span // 4096))
+        vec = ffi.new("unsigned char[]", -(-span // PAGE))
         if libc.mincore(p, span, vec) != 0:
             return None
         resident: bytes = ffi.buffer(vec)[:]  # a byte a page: bit 0 set where resident, other bits reserved (0)
