@@ -722,6 +722,7 @@ def judge(path: str) -> int:
 
 
 def main() -> int:
+    global CHUNK
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", default="1GiB", help="one size, or several separated by commas")
     ap.add_argument("--sink-dir", help="directory for the images (tmpfs or disk); required, except with --judge")
@@ -732,6 +733,7 @@ def main() -> int:
     ap.add_argument("--warm", help="bytes of memory to populate first (default 8x the largest size; 0 to skip)")
     ap.add_argument("--copy-threads", type=int, help="the engine's copy threads (default: its own, the core count)")
     ap.add_argument("--inflight", type=int, help="the engine's batches in flight per GPU (default: its own)")
+    ap.add_argument("--chunk", help=f"the image's chunk size, every stage's buffer (default {CHUNK >> 20} MiB)")
     ap.add_argument("--judge", metavar="ROWS_JSON",
                     help="judge the rows of an earlier run (its --out file) again, and rewrite its verdicts")
     ns = ap.parse_args()
@@ -739,6 +741,8 @@ def main() -> int:
         return judge(ns.judge)
     if not ns.sink_dir:
         ap.error("--sink-dir is required")
+    if ns.chunk:
+        CHUNK = parse_size(ns.chunk)
     ENGINE_SETTINGS.update({k: v for k, v in (("copy_threads", ns.copy_threads), ("inflight_per_gpu", ns.inflight))
                             if v is not None})
     cfg = engine_config()
