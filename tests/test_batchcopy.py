@@ -247,11 +247,15 @@ def test_inline_dump_binds_every_record_and_writes_off_the_loop(flavour, image_d
     assert run(check()) == content
 
 
-def test_a_cold_image_is_read_by_the_io_threads_several_records_at_once(flavour, image_dir, monkeypatch):
+@pytest.mark.parametrize("inflight,device_inflight", [(4, 1), (1, 2)], ids=["in-flight", "added-on-device"])
+def test_a_cold_image_is_read_by_the_io_threads_several_records_at_once(flavour, image_dir, monkeypatch, inflight,
+                                                                        device_inflight):
     """Records not in the page cache are read with O_DIRECT, which waits on the device: they are read (and
     checked) in the io threads, as many at once as batches are in flight, not one per copy thread.  With one
     copy thread, three reads must be waiting together (a barrier of three); the restore and the verify
-    read the image back exactly."""
+    read the image back exactly.  `added-on-device`: one batch in flight, and the lane adds two more once
+    its first read waits on the device (EngineConfig.device_inflight_per_gpu); without them one read
+    would wait at a time."""
     import itertools
     import threading
 
@@ -289,8 +293,8 @@ def test_a_cold_image_is_read_by_the_io_threads_several_records_at_once(flavour,
     monkeypatch.setattr(read.ImageReadEnds, "_read_checked", spy)
 
     async def back():
-        async with engine(chunk_size=MiB, staging_budget=16 * MiB, copy_threads=1, inflight_per_gpu=4,
-                          io_threads=4) as e:
+        async with engine(chunk_size=MiB, staging_budget=16 * MiB, copy_threads=1, inflight_per_gpu=inflight,
+                          device_inflight_per_gpu=device_inflight, io_threads=4) as e:
             dst = memfd(size=len(content))
             try:
                 evict()

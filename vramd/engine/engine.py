@@ -70,6 +70,15 @@ class EngineConfig:
     `dump_inflight_per_gpu` batches in flight per lane (default: DUMP_INFLIGHT):
     its lane ends in one data file, written one batch at a time, and more
     batches only keep more copy threads busy for no gain (DUMP_INFLIGHT).
+    A restore or verify lane adds `device_inflight_per_gpu` batches (default:
+    io_threads) the first time one of its records is read from a device
+    rather than from memory: that read waits in an io thread, and without
+    more batches in flight the reads and the copy-outs would share the same
+    few batches, leaving the device idle while they copy out (measured on a
+    2-core VM, a cold 1 GiB restore from disk: 4 in flight 1.34 GB/s, 6
+    1.80, 8 1.82, a lone O_DIRECT reader of the file 2.05).  Restores from
+    tmpfs or the page cache never grow: more batches there only rotate more
+    staging through the CPU caches (6 in flight: 7 % more CPU than 4).
     """
 
     staging_budget: int = 512 * MiB
@@ -78,6 +87,7 @@ class EngineConfig:
     max_bo_bytes: int = DEFAULT_MAX_BO_BYTES  # the largest BO size a client may declare (LIMIT_EXCEEDED above)
     inflight_per_gpu: int = 0   # 0: copy threads + 2 (at least 4)
     dump_inflight_per_gpu: int = 0  # 0: inflight_per_gpu, at most DUMP_INFLIGHT
+    device_inflight_per_gpu: int = 0  # 0: io_threads; added to a restore's lane once its reads wait on a device
     copy_threads: int = 0       # 0: the core count
     workers_per_gpu: int | None = None  # alias of inflight_per_gpu (the setting's old name)
     compression: Compression = field(default_factory=Compression)
@@ -101,12 +111,14 @@ class EngineConfig:
         self.workers_per_gpu = self.inflight_per_gpu
         if not self.dump_inflight_per_gpu:
             self.dump_inflight_per_gpu = min(self.inflight_per_gpu, DUMP_INFLIGHT)
+        if not self.device_inflight_per_gpu:
+            self.device_inflight_per_gpu = self.io_threads
 
     def check(self) -> None:
         if not PAGE <= self.chunk_size <= 1 << 30 or self.chunk_size % PAGE:
             raise InvalidRequestError(f"chunk size {self.chunk_size} must be a multiple of 4 KiB, at most 1 GiB")
-        if min(self.inflight_per_gpu, self.dump_inflight_per_gpu, self.copy_threads, self.cpu_threads,
-               self.io_threads) < 1:
+        if min(self.inflight_per_gpu, self.dump_inflight_per_gpu, self.device_inflight_per_gpu, self.copy_threads,
+               self.cpu_threads, self.io_threads) < 1:
             raise InvalidRequestError("batches in flight and thread counts must be at least 1")
         if not 0 <= self.max_bo_bytes <= OFF_T_MAX:
             raise InvalidRequestError(f"max_bo_bytes {self.max_bo_bytes} must be between 0 and 2**63 - 1")
@@ -136,7 +148,8 @@ class Engine:
         self.ctx = JobContext(self.pool, self.backends, self._cpu, self._io, c.inflight_per_gpu, self._copy,
                               self.stage_times, max_bo_bytes=c.max_bo_bytes,
                               compress_workers=min(c.copy_threads, cores()),
-                              dump_workers_per_gpu=c.dump_inflight_per_gpu)
+                              dump_workers_per_gpu=c.dump_inflight_per_gpu,
+                              device_workers_per_gpu=c.device_inflight_per_gpu)
 
     def _create_backends(self) -> dict[str, Backend]:
         """Every registered backend that can work here; the others go to `unavailable`, with the reason."""

@@ -233,6 +233,7 @@ ProgressCallback = Callable[[Progress], None]
 @dataclass(eq=False)
 class _Lane(Generic[BoT]):
     gpu_id: int
+    grown: bool = False  # its device workers were added (Pipeline._grow)
     pending: collections.deque[Iterator[ChunkTask[BoT]]] = field(default_factory=collections.deque)
     carry: ChunkTask[BoT] | None = None  # taken from pending but did not fit a batch: the next one to go
     workers: list[asyncio.Task[None]] = field(default_factory=list)
@@ -241,10 +242,12 @@ class _Lane(Generic[BoT]):
 
 class Pipeline(Generic[BoT]):
     def __init__(self, ends: Ends[BoT], pool: StagingPool, cpu: Executor, *, workers_per_gpu: int,
-                 on_progress: ProgressCallback | None = None, copier: Executor | None = None,
-                 times: StageTimes | None = None) -> None:
-        """`workers_per_gpu`: batches in flight per GPU lane.  `copier`: the copy threads that
-        run inline batches (None: always the three stages).  `times`: where to add stage timings."""
+                 device_workers: int = 0, on_progress: ProgressCallback | None = None,
+                 copier: Executor | None = None, times: StageTimes | None = None) -> None:
+        """`workers_per_gpu`: batches in flight per GPU lane.  `device_workers`: batches a lane adds the
+        first time a copy thread declines one of its batches (it would wait on a device: `_grow`).
+        `copier`: the copy threads that run inline batches (None: always the three stages).  `times`:
+        where to add stage timings."""
         self.ends = ends
         self.pool = pool
         self.cpu = cpu
@@ -252,6 +255,7 @@ class Pipeline(Generic[BoT]):
         self.times = times
         self._inline: InlineEnds[BoT] | None = ends if copier is not None and hasattr(ends, "inline") else None  # type: ignore[assignment]
         self.workers_per_gpu = max(1, workers_per_gpu)
+        self.device_workers = max(0, device_workers)
         self.on_progress = on_progress
         # called once, with the first error (e.g. to end an RPC session at once)
         self.on_fail: Callable[[BaseException], None] | None = None
@@ -291,8 +295,7 @@ class Pipeline(Generic[BoT]):
         lane = self._lanes.get(gpu_id)
         if lane is None:
             lane = self._lanes[gpu_id] = _Lane[BoT](gpu_id)
-            lane.workers = [asyncio.create_task(self._worker(lane), name=f"vramd-gpu{gpu_id:x}-w{i}")
-                            for i in range(self.workers_per_gpu)]
+            self._start_workers(lane, self.workers_per_gpu)
         lane.pending.append(chunks)
         self.progress.bos_total += 1
         self.progress.bytes_total += nbytes
@@ -389,7 +392,24 @@ class Pipeline(Generic[BoT]):
             tasks.append(task)
         return tasks
 
-    async def _stages(self, tasks: list[ChunkTask[BoT]], bufs: list[StagingBuffer]) -> None:
+    def _start_workers(self, lane: _Lane[BoT], n: int) -> None:
+        first = len(lane.workers)
+        lane.workers += [asyncio.create_task(self._worker(lane), name=f"vramd-gpu{lane.gpu_id:x}-w{first + i}")
+                         for i in range(n)]
+
+    def _grow(self, lane: _Lane[BoT]) -> None:
+        """A copy thread declined one of the lane's batches: its reads wait on a device, in the io threads
+        (the three stages).  The lane's batches would then take turns between those reads and their
+        copy-outs, and the device would idle while they copy out; `device_workers` more batches in flight
+        keep reads waiting on it meanwhile (docs/engine.md).  Once per lane: a lane that never waits on a
+        device (tmpfs, the page cache) keeps its own count, and its staging stays warm in the caches."""
+        if lane.grown:
+            return
+        lane.grown = True
+        if self.device_workers and self.error is None:
+            self._start_workers(lane, self.device_workers)
+
+    async def _stages(self, lane: _Lane[BoT], tasks: list[ChunkTask[BoT]], bufs: list[StagingBuffer]) -> None:
         # Its own frame: what the stages hand on (views into `bufs`) dies with it.
         loop = asyncio.get_running_loop()
         times = self.times
@@ -401,6 +421,7 @@ class Pipeline(Generic[BoT]):
             if product is not DECLINED:
                 inline.landed(tasks, product)
                 return
+            self._grow(lane)
         ends = self.ends
         clock = Clock(times)
         filled = await ends.fill(tasks, bufs)
@@ -442,7 +463,7 @@ class Pipeline(Generic[BoT]):
                     self.times.batches += 1
                     self.times.pieces += len(tasks)
                     self.times.largest = max(self.times.largest, len(tasks))
-                await self._stages(tasks, bufs)
+                await self._stages(lane, tasks, bufs)
             except VramdError as e:
                 _unpin(e)
                 self.fail(e)

@@ -119,6 +119,7 @@ class JobContext:
     max_bo_bytes: int = DEFAULT_MAX_BO_BYTES  # the largest BO a job takes (a declared size, before any byte moves)
     compress_workers: int = 1  # threads that compress at once (auto mode weighs CPU against the sink with it)
     dump_workers_per_gpu: int = 0  # a dump's (EngineConfig.dump_inflight_per_gpu); 0: workers_per_gpu
+    device_workers_per_gpu: int = 0  # added once a lane's reads wait on a device (EngineConfig.device_inflight_per_gpu)
 
 
 def check_bo_range(bo_id: int, size: int, ref: BoRef, max_bo_bytes: int) -> None:
@@ -169,6 +170,7 @@ class JobBase(Generic[BoT]):
         self._usable: dict[str, Backend] = {}
         self._checked: FdMemo = {}  # fds validated once per job (see check_fd)
         self.pipeline: Pipeline[BoT] = Pipeline(ends, ctx.pool, ctx.cpu, workers_per_gpu=self.inflight(ctx),
+                                                device_workers=ctx.device_workers_per_gpu,
                                                 on_progress=on_progress, copier=ctx.copier, times=ctx.times)
 
     def inflight(self, ctx: JobContext) -> int:
