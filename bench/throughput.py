@@ -23,6 +23,10 @@ kept):
                content hash and xxh3; restore: xxh3): the fastest and cheapest any two-stage
                pipeline could be on this machine, its stages contending for the same cores,
                caches and memory bandwidth as vramd's do (a reference, not a target)
+  parallel     vramd's schedule without vramd: as many threads as its copy threads, each
+               moving whole chunks (dealt round-robin) from source to sink through its own
+               buffer and computing what vramd computes per chunk, nothing handed over: what
+               copying in parallel costs on this machine, before any engine (a reference)
   vramd        the engine (checksums on, codec none, image committed with fsync), a fresh
                one per run: its staging first touched and its threads started in the run
   vramd_warm   the same, through one engine kept for all the runs of a backend (warmed by
@@ -241,6 +245,11 @@ def overlapped(source, sink) -> float:
     """The source and sink loops at the same time, each in its own thread, handing nothing over: the
     fastest and cheapest any two-stage pipeline could move the bytes on this machine (both stages
     contend for the same cores, caches and memory bandwidth, as a pipeline's do)."""
+    return _threads([source, sink])
+
+
+def _threads(fns) -> float:
+    """Wall seconds to run every fn at once, each in its own thread; the first error is raised here."""
     errors: list[BaseException] = []
 
     def guard(fn):
@@ -251,7 +260,7 @@ def overlapped(source, sink) -> float:
                 errors.append(e)
         return run
     t = time.perf_counter()
-    threads = [threading.Thread(target=guard(fn)) for fn in (source, sink)]
+    threads = [threading.Thread(target=guard(fn)) for fn in fns]
     for th in threads:
         th.start()
     for th in threads:
@@ -282,6 +291,43 @@ def serial(case: Case, direction: Direction, path: str) -> float:
         os.fsync(fd)
     d = time.perf_counter() - t
     os.close(fd)
+    return d
+
+
+def parallel(case: Case, direction: Direction, path: str, hashes: tuple[str, ...]) -> float:
+    """`serial` in each of the engine's copy threads at once, chunks dealt round-robin, each thread with its
+    own buffer and computing `hashes` over each chunk between its two copies."""
+    threads = engine_config().copy_threads
+    backend = REGISTRY[case.kind].create(BackendOptions())
+    ref = case.src if direction is Direction.READ else case.dst
+    h = _handle(backend, ref, case.size, direction)
+    bufs = [_buffer() for _ in range(threads)]
+    chunks = list(_chunks(case.size))
+    dump = direction is Direction.READ
+    fd = os.open(path, (os.O_WRONLY | os.O_CREAT | os.O_TRUNC) if dump else os.O_RDONLY, 0o600)
+
+    def mover(k: int):
+        def run() -> None:
+            buf = bufs[k]
+            for off, n in chunks[k::threads]:
+                if dump:
+                    backend._copy(h, off, buf, 0, n)
+                    _hash(buf, n, hashes)
+                    pwrite_all(fd, [buf.view[:n]], off)
+                else:
+                    pread_into(fd, buf.view[:n], off)
+                    _hash(buf, n, hashes)
+                    backend._copy(h, off, buf, 0, n)
+        return run
+    try:
+        d = _threads([mover(k) for k in range(threads)])
+        t = time.perf_counter()
+        if dump:
+            os.fsync(fd)
+        d += time.perf_counter() - t
+    finally:
+        backend.release(h)
+        os.close(fd)
     return d
 
 
@@ -546,6 +592,7 @@ def bench_case(case: Case, sink_dir: str, reps: int, criu: str | None = None, la
                 ("dump", "serial", need_dump, fresh(lambda: serial(case, Direction.READ, out))),
                 ("dump", "overlapped", need_dump, fresh(lambda: overlapped(
                     lambda: stage_backend(case, Direction.READ, DUMP_HASHES), lambda: stage_write(out, size)))),
+                ("dump", "parallel", need_dump, fresh(lambda: parallel(case, Direction.READ, out, DUMP_HASHES))),
                 ("dump", "vramd", need_dump, fresh(lambda: engine_run(case, Direction.READ, image))),
                 ("dump", "vramd_warm", need_dump,
                  fresh_in(image3, lambda: engine_run(case, Direction.READ, image3, warm=warm))),
@@ -564,6 +611,8 @@ def bench_case(case: Case, sink_dir: str, reps: int, criu: str | None = None, la
                 ("restore", "serial", need_restore, cold(raw, lambda: serial(case, Direction.WRITE, raw))),
                 ("restore", "overlapped", need_restore, cold(raw, lambda: overlapped(
                     lambda: stage_read(raw, size, RESTORE_HASHES), lambda: stage_backend(case, Direction.WRITE)))),
+                ("restore", "parallel", need_restore,
+                 cold(raw, lambda: parallel(case, Direction.WRITE, raw, RESTORE_HASHES))),
                 ("restore", "vramd", need_restore, cold(image, lambda: engine_run(case, Direction.WRITE, image))),
                 ("restore", "vramd_warm", need_restore,
                  cold(image3, lambda: engine_run(case, Direction.WRITE, image3, warm=warm))),
@@ -656,6 +705,12 @@ def _verdict(backend: str, direction: str, size: int, g: dict, engine: str) -> d
         v["overlapped_vs_min_stage"] = round(max(src["seconds"], snk["seconds"]) / ov["seconds"], 3)
         v["overlapped_cpu_s_per_gib"] = ov["cpu_s_per_gib"]
         v["cpu_vs_overlapped"] = round(vr["cpu_s_per_gib"] / ov["cpu_s_per_gib"], 3)
+    if "parallel" in g:  # the engine's schedule without the engine: what parallel copying costs here
+        pa = g["parallel"]
+        v["parallel_vs_min_stage"] = round(max(src["seconds"], snk["seconds"]) / pa["seconds"], 3)
+        v["parallel_cpu_vs_stages"] = round(pa["cpu_s_per_gib"] / cpu_budget, 3)
+        v["vramd_vs_parallel"] = round(pa["seconds"] / vr["seconds"], 3)
+        v["cpu_vs_parallel"] = round(vr["cpu_s_per_gib"] / pa["cpu_s_per_gib"], 3)
     if engine == "vramd" and "vramd_2lanes" in g:  # both with a fresh engine per run
         v["two_lanes_vs_one"] = round(vr["seconds"] / g["vramd_2lanes"]["seconds"], 3)
         v["targets"]["2lanes>=0.90"] = v["two_lanes_vs_one"] >= 0.9
@@ -680,6 +735,10 @@ def print_table(rows: list[dict], summary: list[dict]) -> None:
         if "vramd_vs_overlapped" in s:
             extra += (f" vs_overlapped={s['vramd_vs_overlapped']:.2f} cpu/overlapped={s['cpu_vs_overlapped']:.2f}"
                       f" (overlapped vs_min_stage={s['overlapped_vs_min_stage']:.2f})")
+        if "vramd_vs_parallel" in s:
+            extra += (f" vs_parallel={s['vramd_vs_parallel']:.2f} cpu/parallel={s['cpu_vs_parallel']:.2f}"
+                      f" (parallel vs_min_stage={s['parallel_vs_min_stage']:.2f},"
+                      f" cpu vs stages={s['parallel_cpu_vs_stages']:.2f})")
         if "two_lanes_vs_one" in s:
             extra += f" 2lanes/1={s['two_lanes_vs_one']:.2f}"
         if "vs_criu_gbps" in s:
