@@ -26,7 +26,10 @@ Ends whose every piece is a CPU copy may run a whole batch as one blocking
 call (`InlineEnds.run`) in one of the engine's copy threads: fill, transform
 and drain of one batch together, with one thread hand-off per batch and the
 bytes still in that core's cache from one step to the next.  On a machine
-with few cores that beats handing each stage to another thread.
+with few cores that beats handing each stage to another thread.  A batch
+that `run` declines (its read would wait on a device) takes the three
+stages, and its lane then adds `device_workers` batches in flight, once, so
+that reads keep waiting on the device while other batches copy out.
 """
 from __future__ import annotations
 
