@@ -44,6 +44,13 @@ from .pipeline import Progress, ProgressCallback, StageTimes
 # so they keep inflight_per_gpu.  On 2 cores the default in flight is 4 anyway.
 DUMP_INFLIGHT = 4
 
+# Batches a restore or verify lane adds, by default, once its reads wait on a device
+# (EngineConfig.device_inflight_per_gpu): one read the device serves while the next waits queued behind it.
+# Cold 1 GiB restores from a 2-core VM's disk, two rounds of 4-5 alternating runs per backend (bench/README.md,
+# session 15), GB/s at CPU s/GiB: none added 1.48-1.63 at 0.49-0.57; 2 added 1.88-2.25 at 0.47-0.61; 4 added
+# 1.88-2.11 at 0.51-0.70.  Storage that needs deeper queues to stream (a network file system) may want more.
+DEVICE_INFLIGHT = 2
+
 # image manifest -> {image gpu_id: present gpu_id}, or None to keep the saved ones
 GpuMap = Callable[[pb.Manifest], "dict[int, int] | None"]
 
@@ -71,7 +78,7 @@ class EngineConfig:
     its lane ends in one data file, written one batch at a time, and more
     batches only keep more copy threads busy for no gain (DUMP_INFLIGHT).
     A restore or verify lane adds `device_inflight_per_gpu` batches (default:
-    io_threads) the first time one of its records is read from a device
+    DEVICE_INFLIGHT) the first time one of its records is read from a device
     rather than from memory: that read waits in an io thread, and without
     more batches in flight the reads and the copy-outs would share the same
     few batches, leaving the device idle while they copy out (measured on a
@@ -87,7 +94,7 @@ class EngineConfig:
     max_bo_bytes: int = DEFAULT_MAX_BO_BYTES  # the largest BO size a client may declare (LIMIT_EXCEEDED above)
     inflight_per_gpu: int = 0   # 0: copy threads + 2 (at least 4)
     dump_inflight_per_gpu: int = 0  # 0: inflight_per_gpu, at most DUMP_INFLIGHT
-    device_inflight_per_gpu: int = 0  # 0: io_threads; added to a restore's lane once its reads wait on a device
+    device_inflight_per_gpu: int = 0  # 0: DEVICE_INFLIGHT; added to a restore's lane once its reads wait on a device
     copy_threads: int = 0       # 0: the core count
     workers_per_gpu: int | None = None  # alias of inflight_per_gpu (the setting's old name)
     compression: Compression = field(default_factory=Compression)
@@ -112,7 +119,7 @@ class EngineConfig:
         if not self.dump_inflight_per_gpu:
             self.dump_inflight_per_gpu = min(self.inflight_per_gpu, DUMP_INFLIGHT)
         if not self.device_inflight_per_gpu:
-            self.device_inflight_per_gpu = self.io_threads
+            self.device_inflight_per_gpu = DEVICE_INFLIGHT
 
     def check(self) -> None:
         if not PAGE <= self.chunk_size <= 1 << 30 or self.chunk_size % PAGE:

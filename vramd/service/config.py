@@ -223,7 +223,7 @@ class DaemonConfig:
     inflight_per_gpu: int = 0  # 0: chosen from the core count (EngineConfig)
     copy_threads: int = 0      # 0: the core count
     dump_inflight_per_gpu: int = 0  # 0: inflight_per_gpu, at most 4 (EngineConfig)
-    device_inflight_per_gpu: int = 0  # 0: io_threads (EngineConfig)
+    device_inflight_per_gpu: int = 0  # 0: 2 (EngineConfig)
     workers_per_gpu: int | None = None  # the old name of inflight_per_gpu, still accepted
     io_threads: int = 4
     allowed_uids: list[int] = field(default_factory=lambda: sorted({0, os.getuid()}))
