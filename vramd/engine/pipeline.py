@@ -236,7 +236,7 @@ ProgressCallback = Callable[[Progress], None]
 @dataclass(eq=False)
 class _Lane(Generic[BoT]):
     gpu_id: int
-    grown: bool = False  # its device workers were added (Pipeline._grow)
+    grown: bool = False  # Pipeline._grow ran for it (its device workers were added, if any)
     pending: collections.deque[Iterator[ChunkTask[BoT]]] = field(default_factory=collections.deque)
     carry: ChunkTask[BoT] | None = None  # taken from pending but did not fit a batch: the next one to go
     workers: list[asyncio.Task[None]] = field(default_factory=list)
