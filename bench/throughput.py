@@ -272,36 +272,20 @@ def _threads(fns) -> float:
 
 def serial(case: Case, direction: Direction, path: str) -> float:
     """CRIU's loop: per chunk, copy then write (dump) or read then copy (restore); one thread."""
+    return parallel(case, direction, path, threads=1)
+
+
+def parallel(case: Case, direction: Direction, path: str, hashes: tuple[str, ...] = (),
+             threads: int | None = None) -> float:
+    """`serial` in each of `threads` threads at once (default: the engine's copy threads), chunks dealt
+    round-robin, each thread with its own buffer and computing `hashes` over each chunk between its two
+    copies.  One thread runs in the calling one.  The time covers the copies, releasing the BO (a mapped
+    one is unmapped) and, for a dump, the fsync of the file."""
+    n_threads = threads or engine_config().copy_threads
     backend = REGISTRY[case.kind].create(BackendOptions())
     ref = case.src if direction is Direction.READ else case.dst
     h = _handle(backend, ref, case.size, direction)
-    buf = _buffer()
-    dump = direction is Direction.READ
-    fd = os.open(path, (os.O_WRONLY | os.O_CREAT | os.O_TRUNC) if dump else os.O_RDONLY, 0o600)
-    t = time.perf_counter()
-    for off, n in _chunks(case.size):
-        if dump:
-            backend._copy(h, off, buf, 0, n)
-            pwrite_all(fd, [buf.view[:n]], off)
-        else:
-            pread_into(fd, buf.view[:n], off)
-            backend._copy(h, off, buf, 0, n)
-    backend.release(h)
-    if dump:
-        os.fsync(fd)
-    d = time.perf_counter() - t
-    os.close(fd)
-    return d
-
-
-def parallel(case: Case, direction: Direction, path: str, hashes: tuple[str, ...]) -> float:
-    """`serial` in each of the engine's copy threads at once, chunks dealt round-robin, each thread with its
-    own buffer and computing `hashes` over each chunk between its two copies."""
-    threads = engine_config().copy_threads
-    backend = REGISTRY[case.kind].create(BackendOptions())
-    ref = case.src if direction is Direction.READ else case.dst
-    h = _handle(backend, ref, case.size, direction)
-    bufs = [_buffer() for _ in range(threads)]
+    bufs = [_buffer() for _ in range(n_threads)]
     chunks = list(_chunks(case.size))
     dump = direction is Direction.READ
     fd = os.open(path, (os.O_WRONLY | os.O_CREAT | os.O_TRUNC) if dump else os.O_RDONLY, 0o600)
@@ -309,26 +293,34 @@ def parallel(case: Case, direction: Direction, path: str, hashes: tuple[str, ...
     def mover(k: int):
         def run() -> None:
             buf = bufs[k]
-            for off, n in chunks[k::threads]:
+            for off, n in chunks[k::n_threads]:
                 if dump:
                     backend._copy(h, off, buf, 0, n)
-                    _hash(buf, n, hashes)
+                    if hashes:
+                        _hash(buf, n, hashes)
                     pwrite_all(fd, [buf.view[:n]], off)
                 else:
                     pread_into(fd, buf.view[:n], off)
-                    _hash(buf, n, hashes)
+                    if hashes:
+                        _hash(buf, n, hashes)
                     backend._copy(h, off, buf, 0, n)
         return run
+    movers = [mover(k) for k in range(n_threads)]
     try:
-        d = _threads([mover(k) for k in range(threads)])
         t = time.perf_counter()
+        if n_threads == 1:
+            movers[0]()
+        else:
+            _threads(movers)
+        backend.release(h)
         if dump:
             os.fsync(fd)
-        d += time.perf_counter() - t
-    finally:
+        return time.perf_counter() - t
+    except BaseException:
         backend.release(h)
+        raise
+    finally:
         os.close(fd)
-    return d
 
 
 STAGES: list[dict] = []  # stage timings of the last engine_run (appended by it)
