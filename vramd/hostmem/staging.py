@@ -75,7 +75,7 @@ class StagingBuffer:
 
     def __post_init__(self) -> None:
         # `size` bytes: a buffer on huge pages is mapped a whole number of them (anonymous)
-        self.view = memoryview(self.mm) if len(self.mm) == self.size else memoryview(self.mm)[:self.size]
+        self.view = memoryview(self.mm)[:self.size]
         self.ptr: Pointer = pointer(self.mm, writable=self.writable)
         self._address = address(self.ptr)
 
