@@ -13,6 +13,11 @@ kept):
                dump: backend copy BO -> staging;  restore: read image file -> staging
   sink_only    the stage that consumes bytes, alone, one stream:
                dump: write staging -> file (+fsync); restore: backend copy staging -> BO
+  source_par, sink_par
+               each of those alone in as many threads at once as vramd's copy threads, the
+               chunks dealt round-robin, each thread with its own buffer: what a byte costs
+               when that many threads copy side by side (their CPU against source_only's and
+               sink_only's: `stage_contention` in the verdicts)
   hash_only    the hashes the image format requires, alone, one stream, over one cached
                buffer: dump: BLAKE3 content hash and xxh3 record checksum; restore: xxh3
                (the CPU any engine writing or reading this format must add to the stages)
@@ -188,33 +193,58 @@ def _hash(buf: StagingBuffer, n: int, hashes: tuple[str, ...]) -> None:
         view.release()
 
 
-def stage_backend(case: Case, direction: Direction, hashes: tuple[str, ...] = ()) -> float:
-    """The backend alone: BO -> staging (dump) or staging -> BO (restore); `hashes` after each dump copy."""
+def _deal(bufs: list[StagingBuffer], size: int, step) -> None:
+    """step(buf, off, n) for every chunk of `size` bytes, the chunks dealt round-robin to one thread per
+    buffer, each with its own buffer (a single buffer: in the calling thread)."""
+    chunks = list(_chunks(size))
+
+    def mover(k: int):
+        def run() -> None:
+            for off, n in chunks[k::len(bufs)]:
+                step(bufs[k], off, n)
+        return run
+    movers = [mover(k) for k in range(len(bufs))]
+    if len(movers) == 1:
+        movers[0]()
+    else:
+        _threads(movers)
+
+
+def stage_backend(case: Case, direction: Direction, hashes: tuple[str, ...] = (), threads: int = 1) -> float:
+    """The backend alone: BO -> staging (dump) or staging -> BO (restore); `hashes` after each dump copy;
+    in `threads` threads at once (`_deal`)."""
     backend = REGISTRY[case.kind].create(BackendOptions())
     h = _handle(backend, case.src if direction is Direction.READ else case.dst, case.size, direction)
-    buf = _buffer()
+    bufs = [_buffer() for _ in range(threads)]
     if direction is Direction.WRITE:
-        buf.view[:CHUNK] = os.urandom(CHUNK)
-    t = time.perf_counter()
-    for off, n in _chunks(case.size):
+        for buf in bufs:
+            buf.view[:CHUNK] = os.urandom(CHUNK)
+
+    def step(buf: StagingBuffer, off: int, n: int) -> None:
         backend._copy(h, off, buf, 0, n)  # the blocking copy the backend runs in its threads
         if hashes:
             _hash(buf, n, hashes)
-    backend.release(h)
+    t = time.perf_counter()
+    try:
+        _deal(bufs, case.size, step)
+    finally:
+        backend.release(h)
     return time.perf_counter() - t
 
 
-def stage_write(path: str, size: int) -> float:
-    buf = _buffer()
-    buf.view[:CHUNK] = os.urandom(CHUNK)
+def stage_write(path: str, size: int, threads: int = 1) -> float:
+    """The image file alone: staging -> file, then fsync; in `threads` threads at once (`_deal`)."""
+    bufs = [_buffer() for _ in range(threads)]
+    for buf in bufs:
+        buf.view[:CHUNK] = os.urandom(CHUNK)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    t = time.perf_counter()
-    for off, n in _chunks(size):
-        pwrite_all(fd, [buf.view[:n]], off)
-    os.fsync(fd)
-    d = time.perf_counter() - t
-    os.close(fd)
-    return d
+    try:
+        t = time.perf_counter()
+        _deal(bufs, size, lambda buf, off, n: pwrite_all(fd, [buf.view[:n]], off))
+        os.fsync(fd)
+        return time.perf_counter() - t
+    finally:
+        os.close(fd)
 
 
 def stage_hash(size: int, hashes: tuple[str, ...]) -> float:
@@ -227,18 +257,21 @@ def stage_hash(size: int, hashes: tuple[str, ...]) -> float:
     return time.perf_counter() - t
 
 
-def stage_read(path: str, size: int, hashes: tuple[str, ...] = ()) -> float:
-    """The image file alone: file -> staging; `hashes` after each read."""
-    buf = _buffer()
+def stage_read(path: str, size: int, hashes: tuple[str, ...] = (), threads: int = 1) -> float:
+    """The image file alone: file -> staging; `hashes` after each read; in `threads` threads at once (`_deal`)."""
+    bufs = [_buffer() for _ in range(threads)]
     fd = os.open(path, os.O_RDONLY)
-    t = time.perf_counter()
-    for off, n in _chunks(size):
+
+    def step(buf: StagingBuffer, off: int, n: int) -> None:
         pread_into(fd, buf.view[:n], off)
         if hashes:
             _hash(buf, n, hashes)
-    d = time.perf_counter() - t
-    os.close(fd)
-    return d
+    try:
+        t = time.perf_counter()
+        _deal(bufs, size, step)
+        return time.perf_counter() - t
+    finally:
+        os.close(fd)
 
 
 def overlapped(source, sink) -> float:
@@ -286,32 +319,23 @@ def parallel(case: Case, direction: Direction, path: str, hashes: tuple[str, ...
     ref = case.src if direction is Direction.READ else case.dst
     h = _handle(backend, ref, case.size, direction)
     bufs = [_buffer() for _ in range(n_threads)]
-    chunks = list(_chunks(case.size))
     dump = direction is Direction.READ
     fd = os.open(path, (os.O_WRONLY | os.O_CREAT | os.O_TRUNC) if dump else os.O_RDONLY, 0o600)
 
-    def mover(k: int):
-        def run() -> None:
-            buf = bufs[k]
-            for off, n in chunks[k::n_threads]:
-                if dump:
-                    backend._copy(h, off, buf, 0, n)
-                    if hashes:
-                        _hash(buf, n, hashes)
-                    pwrite_all(fd, [buf.view[:n]], off)
-                else:
-                    pread_into(fd, buf.view[:n], off)
-                    if hashes:
-                        _hash(buf, n, hashes)
-                    backend._copy(h, off, buf, 0, n)
-        return run
-    movers = [mover(k) for k in range(n_threads)]
+    def step(buf: StagingBuffer, off: int, n: int) -> None:
+        if dump:
+            backend._copy(h, off, buf, 0, n)
+            if hashes:
+                _hash(buf, n, hashes)
+            pwrite_all(fd, [buf.view[:n]], off)
+        else:
+            pread_into(fd, buf.view[:n], off)
+            if hashes:
+                _hash(buf, n, hashes)
+            backend._copy(h, off, buf, 0, n)
     try:
         t = time.perf_counter()
-        if n_threads == 1:
-            movers[0]()
-        else:
-            _threads(movers)
+        _deal(bufs, case.size, step)
         backend.release(h)
         if dump:
             os.fsync(fd)
@@ -557,6 +581,7 @@ def bench_case(case: Case, sink_dir: str, reps: int, criu: str | None = None, la
     subject = Criu(criu, case.size, work) if criu and case.backend == "procmem" else None
     size = case.size
     need_dump, need_restore = size + (256 << 20), 256 << 20  # output + staging; staging
+    par = engine_config().copy_threads  # the *_par rows: each stage alone, in as many threads as vramd copies in
 
     def fresh(fn):
         def run():
@@ -580,6 +605,8 @@ def bench_case(case: Case, sink_dir: str, reps: int, criu: str | None = None, la
             plan = [
                 ("dump", "source_only", need_restore, lambda: stage_backend(case, Direction.READ)),
                 ("dump", "sink_only", need_dump, fresh(lambda: stage_write(out, size))),
+                ("dump", "source_par", need_restore, lambda: stage_backend(case, Direction.READ, threads=par)),
+                ("dump", "sink_par", need_dump, fresh(lambda: stage_write(out, size, threads=par))),
                 ("dump", "hash_only", need_restore, lambda: stage_hash(size, DUMP_HASHES)),
                 ("dump", "serial", need_dump, fresh(lambda: serial(case, Direction.READ, out))),
                 ("dump", "overlapped", need_dump, fresh(lambda: overlapped(
@@ -599,6 +626,8 @@ def bench_case(case: Case, sink_dir: str, reps: int, criu: str | None = None, la
             plan += [
                 ("restore", "source_only", need_restore, cold(raw, lambda: stage_read(raw, size))),
                 ("restore", "sink_only", need_restore, lambda: stage_backend(case, Direction.WRITE)),
+                ("restore", "source_par", need_restore, cold(raw, lambda: stage_read(raw, size, threads=par))),
+                ("restore", "sink_par", need_restore, lambda: stage_backend(case, Direction.WRITE, threads=par)),
                 ("restore", "hash_only", need_restore, lambda: stage_hash(size, RESTORE_HASHES)),
                 ("restore", "serial", need_restore, cold(raw, lambda: serial(case, Direction.WRITE, raw))),
                 ("restore", "overlapped", need_restore, cold(raw, lambda: overlapped(
@@ -691,6 +720,16 @@ def _verdict(backend: str, direction: str, size: int, g: dict, engine: str) -> d
         per_gb = sum(1 / x["gbps"] for x in (src, snk, g["hash_only"]))
         v["stage_cores_for_target"] = round(0.9 * min(src["gbps"], snk["gbps"]) * per_gb, 2)
         v["stage_cores_at_vramd"] = round(vr["gbps"] * per_gb, 2)
+    if "source_par" in g and "sink_par" in g:
+        # The stages alone in the engine's copy threads at once, each thread its share of the chunks: what
+        # each byte costs when that many threads copy side by side (`stage_contention`: against one stream).
+        # A schedule that copies in that many threads pays it before any work of its own.
+        par_budget = g["source_par"]["cpu_s_per_gib"] + g["sink_par"]["cpu_s_per_gib"]
+        v["stages_par_cpu_s_per_gib"] = round(par_budget, 3)
+        v["stage_contention"] = round(par_budget / cpu_budget, 3)
+        v["cpu_vs_stages_par"] = round(vr["cpu_s_per_gib"] / par_budget, 3)
+        v["stages_par_vs_min_stage"] = round(
+            max(src["seconds"], snk["seconds"]) / max(g["source_par"]["seconds"], g["sink_par"]["seconds"]), 3)
     if "overlapped" in g:
         ov = g["overlapped"]
         v["vramd_vs_overlapped"] = round(ov["seconds"] / vr["seconds"], 3)
@@ -731,6 +770,9 @@ def print_table(rows: list[dict], summary: list[dict]) -> None:
             extra += (f" vs_parallel={s['vramd_vs_parallel']:.2f} cpu/parallel={s['cpu_vs_parallel']:.2f}"
                       f" (parallel vs_min_stage={s['parallel_vs_min_stage']:.2f},"
                       f" cpu vs stages={s['parallel_cpu_vs_stages']:.2f})")
+        if "stage_contention" in s:
+            extra += (f" stages in the copy threads: cpu {s['stages_par_cpu_s_per_gib']:.2f}"
+                      f" ({s['stage_contention']:.2f} x one stream; vramd {s['cpu_vs_stages_par']:.2f} x that)")
         if "two_lanes_vs_one" in s:
             extra += f" 2lanes/1={s['two_lanes_vs_one']:.2f}"
         if "vs_criu_gbps" in s:
