@@ -335,14 +335,13 @@ def parallel(case: Case, direction: Direction, path: str, hashes: tuple[str, ...
             backend._copy(h, off, buf, 0, n)
     try:
         t = time.perf_counter()
-        _deal(bufs, case.size, step)
-        backend.release(h)
+        try:
+            _deal(bufs, case.size, step)
+        finally:
+            backend.release(h)  # once, whether the copies went through or not
         if dump:
             os.fsync(fd)
         return time.perf_counter() - t
-    except BaseException:
-        backend.release(h)
-        raise
     finally:
         os.close(fd)
 
@@ -698,8 +697,9 @@ def verdicts(rows: list[dict]) -> list[dict]:
 
 def _verdict(backend: str, direction: str, size: int, g: dict, engine: str) -> dict:
     src, snk, ser, vr = (g[k] for k in ("source_only", "sink_only", "serial", engine))
-    vs_min = max(src["seconds"], snk["seconds"]) / vr["seconds"]
-    ideal = ser["seconds"] / max(src["seconds"], snk["seconds"])
+    slowest = max(src["seconds"], snk["seconds"])  # the slower single-stream stage: min(stage) in time
+    vs_min = slowest / vr["seconds"]
+    ideal = ser["seconds"] / slowest
     cpu_budget = src["cpu_s_per_gib"] + snk["cpu_s_per_gib"]
     v = {"backend": backend, "direction": direction, "bytes": size, "engine": engine,
          "vramd_vs_serial": round(ser["seconds"] / vr["seconds"], 3),
@@ -729,16 +729,16 @@ def _verdict(backend: str, direction: str, size: int, g: dict, engine: str) -> d
         v["stage_contention"] = round(par_budget / cpu_budget, 3)
         v["cpu_vs_stages_par"] = round(vr["cpu_s_per_gib"] / par_budget, 3)
         v["stages_par_vs_min_stage"] = round(
-            max(src["seconds"], snk["seconds"]) / max(g["source_par"]["seconds"], g["sink_par"]["seconds"]), 3)
+            slowest / max(g["source_par"]["seconds"], g["sink_par"]["seconds"]), 3)
     if "overlapped" in g:
         ov = g["overlapped"]
         v["vramd_vs_overlapped"] = round(ov["seconds"] / vr["seconds"], 3)
-        v["overlapped_vs_min_stage"] = round(max(src["seconds"], snk["seconds"]) / ov["seconds"], 3)
+        v["overlapped_vs_min_stage"] = round(slowest / ov["seconds"], 3)
         v["overlapped_cpu_s_per_gib"] = ov["cpu_s_per_gib"]
         v["cpu_vs_overlapped"] = round(vr["cpu_s_per_gib"] / ov["cpu_s_per_gib"], 3)
     if "parallel" in g:  # the engine's schedule without the engine: what parallel copying costs here
         pa = g["parallel"]
-        v["parallel_vs_min_stage"] = round(max(src["seconds"], snk["seconds"]) / pa["seconds"], 3)
+        v["parallel_vs_min_stage"] = round(slowest / pa["seconds"], 3)
         v["parallel_cpu_vs_stages"] = round(pa["cpu_s_per_gib"] / cpu_budget, 3)
         v["vramd_vs_parallel"] = round(pa["seconds"] / vr["seconds"], 3)
         v["cpu_vs_parallel"] = round(vr["cpu_s_per_gib"] / pa["cpu_s_per_gib"], 3)
