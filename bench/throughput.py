@@ -17,7 +17,8 @@ kept):
                each of those alone in as many threads at once as vramd's copy threads, the
                chunks dealt round-robin, each thread with its own buffer: what a byte costs
                when that many threads copy side by side (their CPU against source_only's and
-               sink_only's: `stage_contention` in the verdicts)
+               sink_only's: `stage_contention` in the verdicts); a dump's sink_par writes
+               as many files as vramd's data files per GPU, chunk c into file c % files
   hash_only    the hashes the image format requires, alone, one stream, over one cached
                buffer: dump: BLAKE3 content hash and xxh3 record checksum; restore: xxh3
                (the CPU any engine writing or reading this format must add to the stages)
@@ -30,8 +31,9 @@ kept):
                caches and memory bandwidth as vramd's do (a reference, not a target)
   parallel     vramd's schedule without vramd: as many threads as its copy threads, each
                moving whole chunks (dealt round-robin) from source to sink through its own
-               buffer and computing what vramd computes per chunk, nothing handed over: what
-               copying in parallel costs on this machine, before any engine (a reference)
+               buffer and computing what vramd computes per chunk, nothing handed over, a
+               dump into as many files as sink_par: what copying in parallel costs on this
+               machine, before any engine (a reference)
   vramd        the engine (checksums on, codec none, image committed with fsync), a fresh
                one per run: its staging first touched and its threads started in the run
   vramd_warm   the same, through one engine kept for all the runs of a backend (warmed by
@@ -232,19 +234,52 @@ def stage_backend(case: Case, direction: Direction, hashes: tuple[str, ...] = ()
     return time.perf_counter() - t
 
 
-def stage_write(path: str, size: int, threads: int = 1) -> float:
-    """The image file alone: staging -> file, then fsync; in `threads` threads at once (`_deal`)."""
+def _sinks(path: str, files: int) -> list[str]:
+    """A dump's output spread over `files` files, as vramd spreads a GPU's records over its data files:
+    `path`, then `path`.1, `path`.2, ..."""
+    return [path] + [f"{path}.{k}" for k in range(1, files)]
+
+
+class _Striped:
+    """`files` new files taking a dump's chunks: chunk c into file c % files, packed (at (c // files) x
+    CHUNK), so that with as many threads as files (`_deal`) each thread writes a file of its own."""
+
+    def __init__(self, path: str, files: int) -> None:
+        self.fds: list[int] = []
+        try:
+            for p in _sinks(path, files):
+                self.fds.append(os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))
+        except BaseException:
+            self.close()
+            raise
+
+    def write(self, buf: StagingBuffer, off: int, n: int) -> None:
+        c, files = off // CHUNK, len(self.fds)
+        pwrite_all(self.fds[c % files], [buf.view[:n]], c // files * CHUNK)
+
+    def fsync(self) -> None:
+        for fd in self.fds:
+            os.fsync(fd)
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+
+
+def stage_write(path: str, size: int, threads: int = 1, files: int = 1) -> float:
+    """The image alone: staging -> `files` files (`_Striped`), then fsync; in `threads` threads at once
+    (`_deal`)."""
     bufs = [_buffer() for _ in range(threads)]
     for buf in bufs:
         buf.view[:CHUNK] = os.urandom(CHUNK)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    out = _Striped(path, files)
     try:
         t = time.perf_counter()
-        _deal(bufs, size, lambda buf, off, n: pwrite_all(fd, [buf.view[:n]], off))
-        os.fsync(fd)
+        _deal(bufs, size, out.write)
+        out.fsync()
         return time.perf_counter() - t
     finally:
-        os.close(fd)
+        out.close()
 
 
 def stage_hash(size: int, hashes: tuple[str, ...]) -> float:
@@ -304,30 +339,33 @@ def _threads(fns) -> float:
 
 
 def serial(case: Case, direction: Direction, path: str) -> float:
-    """CRIU's loop: per chunk, copy then write (dump) or read then copy (restore); one thread."""
-    return parallel(case, direction, path, threads=1)
+    """CRIU's loop: per chunk, copy then write (dump) or read then copy (restore); one thread, one file."""
+    return parallel(case, direction, path, threads=1, files=1)
 
 
 def parallel(case: Case, direction: Direction, path: str, hashes: tuple[str, ...] = (),
-             threads: int | None = None) -> float:
+             threads: int | None = None, files: int | None = None) -> float:
     """`serial` in each of `threads` threads at once (default: the engine's copy threads), chunks dealt
     round-robin, each thread with its own buffer and computing `hashes` over each chunk between its two
-    copies.  One thread runs in the calling one.  The time covers the copies, releasing the BO (a mapped
-    one is unmapped) and, for a dump, the fsync of the file."""
-    n_threads = threads or engine_config().copy_threads
+    copies; a dump writes `files` files (default: as many as the engine's data files per GPU; `_Striped`).
+    One thread runs in the calling one.  The time covers the copies, releasing the BO (a mapped one is
+    unmapped) and, for a dump, the fsync of the files."""
+    cfg = engine_config()
+    n_threads = threads or cfg.copy_threads
     backend = REGISTRY[case.kind].create(BackendOptions())
     ref = case.src if direction is Direction.READ else case.dst
     h = _handle(backend, ref, case.size, direction)
     bufs = [_buffer() for _ in range(n_threads)]
     dump = direction is Direction.READ
-    fd = os.open(path, (os.O_WRONLY | os.O_CREAT | os.O_TRUNC) if dump else os.O_RDONLY, 0o600)
+    out = _Striped(path, files or cfg.data_files_per_gpu) if dump else None
+    fd = -1 if dump else os.open(path, os.O_RDONLY)
 
     def step(buf: StagingBuffer, off: int, n: int) -> None:
-        if dump:
+        if out is not None:
             backend._copy(h, off, buf, 0, n)
             if hashes:
                 _hash(buf, n, hashes)
-            pwrite_all(fd, [buf.view[:n]], off)
+            out.write(buf, off, n)
         else:
             pread_into(fd, buf.view[:n], off)
             if hashes:
@@ -339,11 +377,14 @@ def parallel(case: Case, direction: Direction, path: str, hashes: tuple[str, ...
             _deal(bufs, case.size, step)
         finally:
             backend.release(h)  # once, whether the copies went through or not
-        if dump:
-            os.fsync(fd)
+        if out is not None:
+            out.fsync()
         return time.perf_counter() - t
     finally:
-        os.close(fd)
+        if out is not None:
+            out.close()
+        else:
+            os.close(fd)
 
 
 STAGES: list[dict] = []  # stage timings of the last engine_run (appended by it)
@@ -394,7 +435,7 @@ def engine_run(case: Case, direction: Direction, image: str, lanes: int = 1,
     return uvloop.run(fresh())
 
 
-ENGINE_SETTINGS: dict[str, int] = {}  # --copy-threads, --inflight: EngineConfig's, where given (else its defaults)
+ENGINE_SETTINGS: dict[str, int] = {}  # --copy-threads, --inflight, --data-files-per-gpu: EngineConfig's, where given
 
 
 def engine_config() -> EngineConfig:
@@ -581,11 +622,13 @@ def bench_case(case: Case, sink_dir: str, reps: int, criu: str | None = None, la
     size = case.size
     need_dump, need_restore = size + (256 << 20), 256 << 20  # output + staging; staging
     par = engine_config().copy_threads  # the *_par rows: each stage alone, in as many threads as vramd copies in
+    stripes = engine_config().data_files_per_gpu  # and a dump's into as many files as vramd's data files per GPU
 
     def fresh(fn):
         def run():
-            if os.path.exists(out):
-                os.unlink(out)
+            for p in _sinks(out, stripes):
+                if os.path.exists(p):
+                    os.unlink(p)
             _clear(image)
             return fn()
         return run
@@ -605,7 +648,7 @@ def bench_case(case: Case, sink_dir: str, reps: int, criu: str | None = None, la
                 ("dump", "source_only", need_restore, lambda: stage_backend(case, Direction.READ)),
                 ("dump", "sink_only", need_dump, fresh(lambda: stage_write(out, size))),
                 ("dump", "source_par", need_restore, lambda: stage_backend(case, Direction.READ, threads=par)),
-                ("dump", "sink_par", need_dump, fresh(lambda: stage_write(out, size, threads=par))),
+                ("dump", "sink_par", need_dump, fresh(lambda: stage_write(out, size, threads=par, files=stripes))),
                 ("dump", "hash_only", need_restore, lambda: stage_hash(size, DUMP_HASHES)),
                 ("dump", "serial", need_dump, fresh(lambda: serial(case, Direction.READ, out))),
                 ("dump", "overlapped", need_dump, fresh(lambda: overlapped(
@@ -826,6 +869,8 @@ def main() -> int:
     ap.add_argument("--warm", help="bytes of memory to populate first (default 8x the largest size; 0 to skip)")
     ap.add_argument("--copy-threads", type=int, help="the engine's copy threads (default: its own, the core count)")
     ap.add_argument("--inflight", type=int, help="the engine's batches in flight per GPU (default: its own)")
+    ap.add_argument("--data-files-per-gpu", type=int,
+                    help="a dump's data files per GPU (default: the engine's, the fewer of copy threads and 4)")
     ap.add_argument("--chunk", help=f"the image's chunk size, every stage's buffer (default {CHUNK >> 20} MiB)")
     ap.add_argument("--judge", metavar="ROWS_JSON",
                     help="judge the rows of an earlier run (its --out file) again, and rewrite its verdicts")
@@ -836,10 +881,11 @@ def main() -> int:
         ap.error("--sink-dir is required")
     if ns.chunk:
         CHUNK = parse_size(ns.chunk)
-    ENGINE_SETTINGS.update({k: v for k, v in (("copy_threads", ns.copy_threads), ("inflight_per_gpu", ns.inflight))
-                            if v is not None})
+    ENGINE_SETTINGS.update({k: v for k, v in (("copy_threads", ns.copy_threads), ("inflight_per_gpu", ns.inflight),
+                                              ("data_files_per_gpu", ns.data_files_per_gpu)) if v is not None})
     cfg = engine_config()
-    print(f"engine: {cfg.copy_threads} copy threads, {cfg.inflight_per_gpu} batches in flight per GPU", flush=True)
+    print(f"engine: {cfg.copy_threads} copy threads, {cfg.inflight_per_gpu} batches in flight per GPU, a dump's "
+          f"records in {cfg.data_files_per_gpu} data files per GPU", flush=True)
     sizes = [parse_size(x) for x in ns.size.split(",")]
     warm = parse_size(ns.warm) if ns.warm is not None else 8 * max(sizes)
     criu = os.environ.get("CRIU_BIN") or None

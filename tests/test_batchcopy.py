@@ -198,7 +198,7 @@ def test_inline_dump_binds_every_record_and_writes_off_the_loop(flavour, image_d
     import threading
 
     from vramd.image import writer
-    from vramd.image.format import RECORD_PREFIX, chunk_record, record_checksum
+    from vramd.image.format import RECORD_PREFIX, chunk_record, data_file_name, record_checksum
     from vramd.image.reader import ImageReader
     path, dfd = image_dir
     seen: dict[str, set[str]] = {"pwrite": set(), "direct": set()}
@@ -213,7 +213,7 @@ def test_inline_dump_binds_every_record_and_writes_off_the_loop(flavour, image_d
     small = memfd(os.urandom(3000))
     try:
         async def dump():
-            async with engine(chunk_size=MiB, staging_budget=16 * MiB) as e:
+            async with engine(chunk_size=MiB, staging_budget=16 * MiB, copy_threads=2) as e:
                 return await e.dump(dfd, [BoSpec(1, len(content), BoRef("mmap", src)),
                                           BoSpec(2, 3000, BoRef("mmap", small))])
         m = run(dump())
@@ -223,12 +223,13 @@ def test_inline_dump_binds_every_record_and_writes_off_the_loop(flavour, image_d
     assert seen["pwrite"] and all(n.startswith("vramd-copy") for s in seen.values() for n in s), seen
     direct = _o_direct_here(path)
     assert bool(seen["direct"]) == direct  # O_DIRECT wherever the file system takes it (not tmpfs)
-    data = (path / m.files[0].name).read_bytes()
+    data = [(path / f.name).read_bytes() for f in m.files]  # the GPU's stripes (two copy threads: two)
+    assert len(data) == 2 and [f.name for f in m.files] == [data_file_name(m.image_id, 0, k) for k in (0, 1)]
     for bo in m.bos:
         recs = [r for r in (chunk_record(m, bo, i) for i in range(len(bo.chunk_refs))) if r is not None]
         assert len(recs) == len(bo.chunk_refs) - (1 if bo.id == 1 else 0)  # BO 1's zero chunk is a hole
-        for _fi, off, ln, rsum in recs:
-            assert record_checksum(data[off:off + RECORD_PREFIX.size]) == rsum and off + ln <= len(data)
+        for fi, off, ln, rsum in recs:
+            assert record_checksum(data[fi][off:off + RECORD_PREFIX.size]) == rsum and off + ln <= len(data[fi])
         if direct and bo.id == 1:
             # the head right before a page-aligned payload: gaps between records, listed exactly
             assert any((off + ln - 5000) % 4096 == 0 or (off + ln) % 4096 == 0 for _fi, off, ln, _ in recs)
@@ -342,9 +343,10 @@ def test_a_cached_or_tmpfs_record_stays_in_the_copy_thread(flavour, tmp_path, mo
                         await e.restore(dfd, [RestoreTarget(1, BoRef("mmap", dst))])
                         await e.verify(dfd)
                 m = run(dump())
-                with open(os.path.join(d, m.files[0].name), "rb") as f:  # into the page cache (written O_DIRECT)
-                    while f.read(1 << 20):
-                        pass
+                for df in m.files:  # into the page cache (written O_DIRECT)
+                    with open(os.path.join(d, df.name), "rb") as f:
+                        while f.read(1 << 20):
+                            pass
                 run(back())
                 assert os.pread(dst, len(content) + 1, 0) == content
             finally:

@@ -19,7 +19,7 @@ from vramd.engine import BoSpec, Engine, EngineConfig, RestoreTarget
 from vramd.engine.pipeline import HEAD_PAGE, MAX_BATCH, SLOT_ALIGN, ChunkTask, Pipeline, slot_size
 from vramd.hostmem.staging import StagingPool, buffer_unit
 from vramd.image.codec import Compression
-from vramd.image.format import RECORD_PREFIX, chunk_record
+from vramd.image.format import RECORD_PREFIX, chunk_record, data_file_name
 from vramd.image.reader import ImageReader
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -283,7 +283,9 @@ def test_two_thousand_small_bos_round_trip(image_dir, compression):
                 os.close(mem)
         assert manifest.totals.bo_count == len(spec) + len(contents)
         assert manifest.totals.bo_bytes == sum(r["size"] for r in spec) + sum(map(len, contents))
-        assert len(manifest.files) == 2
+        stripes = EngineConfig(staging_budget=4 * MiB, chunk_size=CHUNK).data_files_per_gpu
+        assert sorted((f.gpu_id, f.name) for f in manifest.files) == sorted(  # two GPUs, each with its stripes
+            (g, data_file_name(manifest.image_id, g, k)) for g in (0, 1) for k in range(stripes))
         zero_bo = next(b for b in manifest.bos if b.size == 2 * CHUNK)
         assert zero_bo.zero_bytes == 2 * CHUNK
         pieces = manifest.totals.chunk_count

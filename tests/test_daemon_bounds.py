@@ -242,7 +242,7 @@ def test_bos_fds_and_chunks_are_bounded_per_session_and_per_uid(run_dir, tmp_pat
     per_file = 1 + _o_direct_here(tmp_path)  # a dump's data file: its fd, and its O_DIRECT twin where allowed
     max_fds = 2 * per_file + 3  # a: a data file and its BO fd twice (two AddBos); b: a data file; then room for one
     cfg = config(tmp_path, f"max_bos_per_session = 6\nmax_bos_per_uid = 8\nmax_fds_per_uid = {max_fds}\n"
-                           "max_chunks_per_session = 10\n")
+                           "max_chunks_per_session = 10\ndata_files_per_gpu = 1\n")  # one data file a GPU
     dirs = []
     for i in range(3):
         p = tmp_path / f"img{i}"

@@ -9,7 +9,14 @@ from vramd import errors
 from vramd.backends import BoRef
 from vramd.engine import BoSpec, RestoreTarget
 from vramd.image.codec import Compression
-from vramd.image.format import MANIFEST_NAME, MANIFEST_PREFIX, RECORD_PREFIX, chunk_record, decode_manifest
+from vramd.image.format import (
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    MANIFEST_PREFIX,
+    RECORD_PREFIX,
+    chunk_record,
+    decode_manifest,
+)
 
 MiB = 1 << 20
 CHUNK = 1 * MiB
@@ -133,9 +140,9 @@ def test_missing_manifest(dumped):
 def test_foreign_version_manifest(dumped):
     path, dfd, _, data = dumped
     blob = bytearray((path / MANIFEST_NAME).read_bytes())
-    struct.pack_into("<I", blob, 8, 3)  # a future format version
+    struct.pack_into("<I", blob, 8, FORMAT_VERSION + 1)  # a future format version
     (path / MANIFEST_NAME).write_bytes(blob)
-    with pytest.raises(errors.UnsupportedVersionError, match="version 3"):
+    with pytest.raises(errors.UnsupportedVersionError, match=f"version {FORMAT_VERSION + 1}"):
         _restore(dfd, data)
 
 

@@ -38,8 +38,8 @@ def _nudged(b: bytes, seed: int) -> bytes:
 def _dump(dfd: int, data: dict[int, bytes], compression: str, parent_fds=()) -> pb.Manifest:
     fds = {i: memfd(d) for i, d in data.items()}
 
-    async def go():
-        async with engine(staging_budget=4 << 20, chunk_size=CHUNK) as e:
+    async def go():  # one data file: "another record" pastes a record of the same file over the damaged one
+        async with engine(staging_budget=4 << 20, chunk_size=CHUNK, data_files_per_gpu=1) as e:
             return await e.dump(dfd, [BoSpec(i, len(d), BoRef("mmap", fds[i])) for i, d in data.items()],
                                 parent_fds=parent_fds, compression=Compression.parse(compression))
     try:

@@ -221,20 +221,20 @@ def test_a_record_spliced_from_another_image_is_corrupt(tmp_path, compression):
     (pa, dfa, ma), (pb_, dfb, mb) = imgs
     try:
         chunk = 1  # splice B's record of chunk 1 over A's, same place, same length
-        _, off, ln, _ = chunk_record(ma, ma.bos[0], chunk)
-        _, boff, bln, _ = chunk_record(mb, mb.bos[0], chunk)
+        fi, off, ln, _ = chunk_record(ma, ma.bos[0], chunk)
+        bfi, boff, bln, _ = chunk_record(mb, mb.bos[0], chunk)
         assert ln == bln
-        with open(pb_ / mb.files[0].name, "rb") as f:
+        with open(pb_ / mb.files[bfi].name, "rb") as f:
             f.seek(boff)
             rec = f.read(ln)
-        fd = os.open(pa / ma.files[0].name, os.O_WRONLY)
+        fd = os.open(pa / ma.files[fi].name, os.O_WRONLY)
         os.pwrite(fd, rec, off)
         os.close(fd)
         for action in (lambda: _verify(dfa), lambda: _restore(dfa, {1: 3 * MiB})):
             with pytest.raises(errors.CorruptChunkError, match="record checksum") as ei:
                 action()
             assert (ei.value.bo_id, ei.value.offset) == (1, chunk * MiB)
-            assert ma.files[0].name in str(ei.value)
+            assert ma.files[fi].name in str(ei.value)
     finally:
         os.close(dfa)
         os.close(dfb)
@@ -288,7 +288,7 @@ def test_a_verify_opens_a_bounded_number_of_lanes_whatever_gpu_ids_the_image_nam
         async with engine(staging_budget=16 * MiB, chunk_size=MiB) as e:
             m = await e.dump(dfd, [BoSpec(i, len(d), BoRef("mmap", fds[i]), gpu_id=1000 + i)
                                    for i, d in data.items()])
-            assert len({b.gpu_id for b in m.bos}) == n and len(m.files) == n
+            assert len({b.gpu_id for b in m.bos}) == n and len({f.gpu_id for f in m.files}) == n
             job = e.start_verify(await ImageReader.open(dfd, ()))
             await job.finish()
             return job

@@ -30,6 +30,7 @@ from typing import Any
 import pytest
 from helpers import ROOT
 
+from vramd.image.format import decode_manifest
 from vramd.testing import DaemonProcess, PythonAccess, RunAs, Workload, blank_spec_like
 
 DAEMON_USER = GROUP = "vramd"
@@ -304,7 +305,7 @@ def test_a_user_cannot_restore_verify_or_inspect_an_image_it_cannot_read(world: 
     needs_ptrace_as_user()
     img, regions = root_image
     manifest = img / "manifest.vrdm"
-    data = next(p for p in img.iterdir() if p.name.startswith("data-"))
+    data = img / decode_manifest(manifest.read_bytes()).files[0].name  # the first file the user's client opens
     paths = {"manifest": manifest, "data": data, "dir": img}
     before = snapshot(img)
     try:

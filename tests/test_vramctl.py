@@ -106,7 +106,7 @@ def test_verify_fails_on_damage(daemon, tmp_path):
         r = vramctl("dump", "--pid", str(w.pid), "--range", f"{w.regions[0]['addr']:#x}:1M", "--image", str(img),
                     socket=daemon.socket)
         assert r.returncode == 0, r.stderr
-    data = next(p for p in img.iterdir() if p.name != "manifest.vrdm")
+    data = max((p for p in img.iterdir() if p.name != "manifest.vrdm"), key=lambda p: p.stat().st_size)  # records
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 2] ^= 0xFF
     data.write_bytes(raw)
@@ -135,7 +135,7 @@ def test_incremental_dump_restore_verify_flatten(daemon, tmp_path):
     cache.write_bytes(c2)  # the KV cache moved on; the weights did not
     dump(child, "--parent", str(parent))
     info = json.loads(vramctl("inspect", str(child), "--json").stdout)
-    assert info["format_version"] == 2 and info["parents"][0]["recorded_at"] == "../step1"
+    assert info["format_version"] == 3 and info["parents"][0]["recorded_at"] == "../step1"
     assert info["totals"]["referenced_bytes"] == len(w_bytes)
     assert info["totals"]["stored_bytes"] == len(c2)
 

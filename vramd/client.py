@@ -74,7 +74,7 @@ class _Local:
 
 
 def _wire(f: OpenedFile) -> ClientFile:
-    return ClientFile(f.image, f.name, f.fd, f.direct_fd, f.gpu_id)
+    return ClientFile(f.image, f.name, f.fd, f.direct_fd, f.gpu_id, f.stripe)
 
 
 class Client:
@@ -172,7 +172,7 @@ class Client:
                 replace_parent=replace_parent))
             try:
                 if out is not None:
-                    out.begin(info.image_id)
+                    out.begin(info.image_id, info.data_files_per_gpu)
                 opened = files.open_needed((f.image, f.name) for f in info.files_needed)
                 self._attach(info.token, opened)
             except BaseException:
@@ -199,14 +199,15 @@ class Client:
 
     def add_bos(self, token: str, bos: Sequence[ClientBo]) -> rpc.SessionInfo:
         """Add BOs in as many messages as the daemon's limits need; returns the session's info after the last.
-        A dump's data file for each GPU is created and attached before its first BO."""
+        A dump's data files for each GPU (as many as the daemon asked for) are created and attached
+        before its first BO."""
         local = self._local.get(token)
         if local is not None and local.dump is not None:
             # a GPU the daemon does not know gets no file: its BO's refusal names the BO
             known = set(self.hello.allowed_gpu_ids)
-            new = sorted(({b.gpu_id or 0 for b in bos} & known) - set(local.dump.data))
+            new = sorted(({b.gpu_id or 0 for b in bos} & known) - local.dump.gpus())
             if new:
-                self._attach(token, [local.dump.data_file(g) for g in new])
+                self._attach(token, [f for g in new for f in local.dump.gpu_files(g)])
         info = None
         for out in self.protocol.add_bos_requests(token, bos):
             info = self._session_call_out(out)

@@ -25,6 +25,7 @@ from ..errors import BackendUnavailableError, InvalidRequestError, LimitExceeded
 from ..hostmem.staging import StagingPool, buffer_unit
 from ..image.chunks import parent_entries
 from ..image.codec import Compression
+from ..image.format import MAX_STRIPES
 from ..image.local import DumpDirectory
 from ..image.reader import ImageReader
 from ..image.writer import ImageWriter, LocalFiles
@@ -75,8 +76,13 @@ class EngineConfig:
     loop books the batches that landed.  `workers_per_gpu` is the old name of
     `inflight_per_gpu`, still accepted.  A dump keeps at most
     `dump_inflight_per_gpu` batches in flight per lane (default: DUMP_INFLIGHT):
-    its lane ends in one data file, written one batch at a time, and more
-    batches only keep more copy threads busy for no gain (DUMP_INFLIGHT).
+    more batches only keep more copy threads busy for no gain (DUMP_INFLIGHT).
+    A dump lane's records go to `data_files_per_gpu` data files (default:
+    one for each batch the lane's copy threads may write at once, the
+    fewer of copy_threads and dump_inflight_per_gpu): writes into one file
+    run one at a time in the kernel, under its inode lock, where the other
+    writers spin (measured on 2 cores, 1 GiB into tmpfs: two threads into
+    one file 2.40 GB/s at 0.76 CPU s/GiB, into two files 3.99 at 0.48).
     A restore or verify lane adds `device_inflight_per_gpu` batches (default:
     DEVICE_INFLIGHT) the first time one of its records is read from a device
     rather than from memory: that read waits in an io thread, and without
@@ -95,6 +101,7 @@ class EngineConfig:
     inflight_per_gpu: int = 0   # 0: copy threads + 2 (at least 4)
     dump_inflight_per_gpu: int = 0  # 0: inflight_per_gpu, at most DUMP_INFLIGHT
     device_inflight_per_gpu: int = 0  # 0: DEVICE_INFLIGHT; added to a restore's lane once its reads wait on a device
+    data_files_per_gpu: int = 0  # 0: as many as a dump lane's batches may write at once (see __post_init__)
     copy_threads: int = 0       # 0: the core count
     workers_per_gpu: int | None = None  # alias of inflight_per_gpu (the setting's old name)
     compression: Compression = field(default_factory=Compression)
@@ -120,6 +127,8 @@ class EngineConfig:
             self.dump_inflight_per_gpu = min(self.inflight_per_gpu, DUMP_INFLIGHT)
         if not self.device_inflight_per_gpu:
             self.device_inflight_per_gpu = DEVICE_INFLIGHT
+        if not self.data_files_per_gpu:
+            self.data_files_per_gpu = max(1, min(self.copy_threads, self.dump_inflight_per_gpu, MAX_STRIPES))
 
     def check(self) -> None:
         if not PAGE <= self.chunk_size <= 1 << 30 or self.chunk_size % PAGE:
@@ -127,6 +136,8 @@ class EngineConfig:
         if min(self.inflight_per_gpu, self.dump_inflight_per_gpu, self.device_inflight_per_gpu, self.copy_threads,
                self.cpu_threads, self.io_threads) < 1:
             raise InvalidRequestError("batches in flight and thread counts must be at least 1")
+        if not 1 <= self.data_files_per_gpu <= MAX_STRIPES:
+            raise InvalidRequestError(f"data_files_per_gpu {self.data_files_per_gpu} must be 1 to {MAX_STRIPES}")
         if not 0 <= self.max_bo_bytes <= OFF_T_MAX:
             raise InvalidRequestError(f"max_bo_bytes {self.max_bo_bytes} must be between 0 and 2**63 - 1")
 
@@ -213,7 +224,8 @@ class Engine:
             if parent is not None:
                 parent.close()
             raise
-        writer = ImageWriter(image_id, chunk_size=cs, compression=comp.to_pb(), local=local)
+        writer = ImageWriter(image_id, chunk_size=cs, compression=comp.to_pb(), local=local,
+                             stripes=self.config.data_files_per_gpu)
         return DumpJob(self.ctx, writer, compression=comp, on_progress=on_progress, parent=parent,
                        parent_hint=parent_hint, dedup=dedup, max_chain=self.config.max_chain_depth)
 

@@ -48,8 +48,9 @@ def content_hash(data: Bytes) -> bytes:
     return blake3.blake3(data).digest()
 
 
-FORMAT_VERSION = 2  # what this writer writes
-SUPPORTED_VERSIONS = frozenset({1, 2})
+FORMAT_VERSION = 3  # what this writer writes
+SUPPORTED_VERSIONS = frozenset({1, 2, 3})
+MAX_STRIPES = 16  # data files a GPU's records may be spread over (format v3: stripes 0-15, one hex digit)
 
 MANIFEST_NAME = "manifest.vrdm"
 MANIFEST_MAGIC = b"VRAMDMAN"
@@ -75,16 +76,21 @@ DELTA_CODECS = frozenset({pb.CODEC_XOR, pb.CODEC_XOR_PLANES})  # a record that i
 PLANES_CODECS = frozenset({pb.CODEC_PLANES, pb.CODEC_XOR_PLANES})  # a record whose frame holds byte planes
 
 
-def data_file_name(image_id: bytes, gpu_id: int) -> str:
-    return f"data-{image_id.hex()[:16]}-{gpu_id:08x}.vrd"
+def data_file_name(image_id: bytes, gpu_id: int, stripe: int = 0) -> str:
+    """A data file's name: the GPU's first (stripe 0) as every version names it; format v3's further
+    stripes of the same GPU with the stripe number after it."""
+    if not 0 <= stripe < MAX_STRIPES:
+        raise ValueError(f"stripe {stripe} is not below {MAX_STRIPES}")
+    tail = f"-{stripe:x}" if stripe else ""
+    return f"data-{image_id.hex()[:16]}-{gpu_id:08x}{tail}.vrd"
 
 
 # The only names a manifest may give a data file: exactly what data_file_name produces.
 # A plain name of this format cannot be ".", "..", a path, or any file vramd did not write
 # under this pattern, so a reader never opens, and a dump never removes, anything else.
-DATA_FILE_NAME = re.compile(r"data-[0-9a-f]{16}-[0-9a-f]{8}\.vrd")
+DATA_FILE_NAME = re.compile(r"data-[0-9a-f]{16}-[0-9a-f]{8}(-[1-9a-f])?\.vrd")
 # vramd's own temporaries: a dump's data files before commit, and its manifest before the rename.
-DATA_FILE_TMP = re.compile(r"data-[0-9a-f]{16}-[0-9a-f]{8}\.vrd\.tmp")
+DATA_FILE_TMP = re.compile(r"data-[0-9a-f]{16}-[0-9a-f]{8}(-[1-9a-f])?\.vrd\.tmp")
 MANIFEST_TMP = re.compile(r"\.manifest\.vrdm\.[0-9a-f]{32}\.tmp")
 
 
@@ -169,9 +175,11 @@ def _check_manifest(m: pb.Manifest, name: str) -> None:
     names = set()
     for i, df in enumerate(m.files):
         # Never quoted: the name is the image's content, and the reply goes to a client.
-        if not is_data_file_name(df.name):
+        match = DATA_FILE_NAME.fullmatch(df.name)
+        if match is None or (match[1] and m.format_version < 3):
             raise CorruptManifestError(
-                f"{name}: files[{i}].name is not a data file name of this format (data-<16 hex>-<8 hex>.vrd)")
+                f"{name}: files[{i}].name is not a data file name of this format (data-<16 hex>-<8 hex>.vrd"
+                + (", or data-<16 hex>-<8 hex>-<stripe 1-f>.vrd)" if m.format_version >= 3 else ")"))
         if df.name in names:
             raise CorruptManifestError(f"{name}: files[{i}].name lists a data file twice")
         names.add(df.name)

@@ -46,6 +46,7 @@ from .format import (
     CHILD_MARK,
     DATA_FILE_NAME,
     MANIFEST_NAME,
+    MAX_STRIPES,
     child_mark_name,
     data_file_name,
     is_own_temporary,
@@ -66,6 +67,7 @@ class OpenedFile:
     fd: int
     direct_fd: int | None = None  # the same file opened again with O_DIRECT (None where refused)
     gpu_id: int | None = None     # a dump's own data file
+    stripe: int = 0               # a dump's own data file: which of its GPU's
 
     def close(self) -> None:
         for fd in (self.fd, self.direct_fd):
@@ -282,7 +284,8 @@ class DumpDirectory:
         self.parent_dirs = list(parent_dirs)
         self._lock_fd = lock_directory(dir_fd, where)
         self.image_id = b""
-        self.data: dict[int, OpenedFile] = {}   # gpu_id -> its data file (created as name + ".tmp")
+        self.stripes = 1  # data files per GPU (begin)
+        self.data: dict[tuple[int, int], OpenedFile] = {}  # (gpu_id, stripe) -> a data file (created as name + ".tmp")
         self.manifest_fd: int | None = None
         self._created: list[str] = []           # names this dump made that go unless it commits
         self._marked: list[int] = []            # parent directories marked (unmarked unless it commits)
@@ -305,11 +308,24 @@ class DumpDirectory:
             self.close()
             raise
 
-    def begin(self, image_id: bytes) -> None:
-        """The image id the daemon chose: it names the files."""
+    def begin(self, image_id: bytes, stripes: int = 1) -> None:
+        """The image id the daemon chose: it names the files; `stripes`: the data files per GPU it asked for
+        (SessionInfo.data_files_per_gpu; 0, from a daemon that predates it: 1)."""
         if len(image_id) != 16:
             raise InvalidRequestError(f"the daemon named the image with {len(image_id)} bytes, not 16")
+        if stripes > MAX_STRIPES:
+            raise InvalidRequestError(f"the daemon asked for {stripes} data files per GPU; the format allows "
+                                      f"{MAX_STRIPES}")
         self.image_id = image_id
+        self.stripes = max(1, stripes)
+
+    def gpus(self) -> set[int]:
+        """The GPUs whose data files are created."""
+        return {gpu for gpu, _ in self.data}
+
+    def gpu_files(self, gpu_id: int) -> list[OpenedFile]:
+        """Every data file of the GPU the daemon asked for (`begin`), created on first use."""
+        return [self.data_file(gpu_id, k) for k in range(self.stripes)]
 
     def _create(self, name: str) -> int:
         try:
@@ -319,20 +335,20 @@ class DumpDirectory:
         self._created.append(name)
         return fd
 
-    def data_file(self, gpu_id: int) -> OpenedFile:
-        """The GPU's data file, created on first use (as its name + ".tmp") with its O_DIRECT twin."""
-        f = self.data.get(gpu_id)
+    def data_file(self, gpu_id: int, stripe: int = 0) -> OpenedFile:
+        """Data file `stripe` of the GPU, created on first use (as its name + ".tmp") with its O_DIRECT twin."""
+        f = self.data.get((gpu_id, stripe))
         if f is None:
             assert self.image_id, "begin() first"
-            name = data_file_name(self.image_id, gpu_id)
+            name = data_file_name(self.image_id, gpu_id, stripe)
             fd = self._create(name + ".tmp")
-            f = self.data[gpu_id] = OpenedFile(0, name, fd, reopen_direct(self.dir_fd, name + ".tmp", fd,
-                                                                          os.O_WRONLY), gpu_id)
+            direct = reopen_direct(self.dir_fd, name + ".tmp", fd, os.O_WRONLY)
+            f = self.data[(gpu_id, stripe)] = OpenedFile(0, name, fd, direct, gpu_id, stripe)
         return f
 
-    def file_source(self, gpu_id: int) -> tuple[int, int | None]:
+    def file_source(self, gpu_id: int, stripe: int = 0) -> tuple[int, int | None]:
         """`data_file`'s fds: an in-process ImageWriter's source of files (writer.LocalFiles)."""
-        f = self.data_file(gpu_id)
+        f = self.data_file(gpu_id, stripe)
         return f.fd, f.direct_fd
 
     def manifest_file(self) -> int:

@@ -186,18 +186,20 @@ class OpenSession(_message.Message):
     def __init__(self, kind: _Optional[_Union[SessionKind, str]] = ..., compression: _Optional[str] = ..., chunk_size: _Optional[int] = ..., label: _Optional[str] = ..., allow_partial: _Optional[bool] = ..., topology_checks: _Optional[_Mapping[str, bool]] = ..., parent_manifest_fd_indexes: _Optional[_Iterable[int]] = ..., parent_hint: _Optional[str] = ..., no_dedup: _Optional[bool] = ..., replace_parent: _Optional[bool] = ..., manifest_fd_index: _Optional[int] = ...) -> None: ...
 
 class FileRef(_message.Message):
-    __slots__ = ("image", "name", "fd_index", "direct_fd_index", "gpu_id")
+    __slots__ = ("image", "name", "fd_index", "direct_fd_index", "gpu_id", "stripe")
     IMAGE_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     FD_INDEX_FIELD_NUMBER: _ClassVar[int]
     DIRECT_FD_INDEX_FIELD_NUMBER: _ClassVar[int]
     GPU_ID_FIELD_NUMBER: _ClassVar[int]
+    STRIPE_FIELD_NUMBER: _ClassVar[int]
     image: int
     name: str
     fd_index: int
     direct_fd_index: int
     gpu_id: int
-    def __init__(self, image: _Optional[int] = ..., name: _Optional[str] = ..., fd_index: _Optional[int] = ..., direct_fd_index: _Optional[int] = ..., gpu_id: _Optional[int] = ...) -> None: ...
+    stripe: int
+    def __init__(self, image: _Optional[int] = ..., name: _Optional[str] = ..., fd_index: _Optional[int] = ..., direct_fd_index: _Optional[int] = ..., gpu_id: _Optional[int] = ..., stripe: _Optional[int] = ...) -> None: ...
 
 class AttachFiles(_message.Message):
     __slots__ = ("token", "files")
@@ -396,7 +398,7 @@ class ImageSummary(_message.Message):
     def __init__(self, bo_count: _Optional[int] = ..., bo_bytes: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., zero_bytes: _Optional[int] = ..., chunk_size: _Optional[int] = ..., compression: _Optional[str] = ..., data_files: _Optional[int] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
-    __slots__ = ("session_id", "token", "kind", "state", "uid", "pid", "label", "progress", "error", "holders", "image", "target_pids", "rate_bytes_per_s", "age_s", "image_id", "files_needed")
+    __slots__ = ("session_id", "token", "kind", "state", "uid", "pid", "label", "progress", "error", "holders", "image", "target_pids", "rate_bytes_per_s", "age_s", "image_id", "files_needed", "data_files_per_gpu")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -413,6 +415,7 @@ class SessionInfo(_message.Message):
     AGE_S_FIELD_NUMBER: _ClassVar[int]
     IMAGE_ID_FIELD_NUMBER: _ClassVar[int]
     FILES_NEEDED_FIELD_NUMBER: _ClassVar[int]
+    DATA_FILES_PER_GPU_FIELD_NUMBER: _ClassVar[int]
     session_id: int
     token: str
     kind: SessionKind
@@ -429,7 +432,8 @@ class SessionInfo(_message.Message):
     age_s: float
     image_id: bytes
     files_needed: _containers.RepeatedCompositeFieldContainer[FileRef]
-    def __init__(self, session_id: _Optional[int] = ..., token: _Optional[str] = ..., kind: _Optional[_Union[SessionKind, str]] = ..., state: _Optional[_Union[SessionState, str]] = ..., uid: _Optional[int] = ..., pid: _Optional[int] = ..., label: _Optional[str] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., holders: _Optional[int] = ..., image: _Optional[_Union[ImageSummary, _Mapping]] = ..., target_pids: _Optional[_Iterable[int]] = ..., rate_bytes_per_s: _Optional[float] = ..., age_s: _Optional[float] = ..., image_id: _Optional[bytes] = ..., files_needed: _Optional[_Iterable[_Union[FileRef, _Mapping]]] = ...) -> None: ...
+    data_files_per_gpu: int
+    def __init__(self, session_id: _Optional[int] = ..., token: _Optional[str] = ..., kind: _Optional[_Union[SessionKind, str]] = ..., state: _Optional[_Union[SessionState, str]] = ..., uid: _Optional[int] = ..., pid: _Optional[int] = ..., label: _Optional[str] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., holders: _Optional[int] = ..., image: _Optional[_Union[ImageSummary, _Mapping]] = ..., target_pids: _Optional[_Iterable[int]] = ..., rate_bytes_per_s: _Optional[float] = ..., age_s: _Optional[float] = ..., image_id: _Optional[bytes] = ..., files_needed: _Optional[_Iterable[_Union[FileRef, _Mapping]]] = ..., data_files_per_gpu: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
     __slots__ = ("server", "version", "uptime_s", "connections", "sessions", "staging_budget", "staging_in_use", "backends", "metrics", "draining")

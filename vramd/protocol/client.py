@@ -58,6 +58,7 @@ class ClientFile:
     fd: int
     direct_fd: int | None = None  # the same file opened with O_DIRECT, where the file system allows
     gpu_id: int | None = None     # a dump's own data file
+    stripe: int = 0               # a dump's own data file: which of the GPU's (SessionInfo.data_files_per_gpu)
 
 
 @dataclass
@@ -181,6 +182,8 @@ class ClientProtocol:
                 fds.append(f.direct_fd)
             if f.gpu_id is not None:
                 ref.gpu_id = f.gpu_id
+            if f.stripe:
+                ref.stripe = f.stripe
             refs.append(ref)
         if refs:
             yield self.request(fds, attach_files=rpc.AttachFiles(token=token, files=refs))

@@ -179,6 +179,7 @@ KEYS: dict[str, Callable[[object], Any]] = {
     "copy_threads": _int(0, 4096),
     "dump_inflight_per_gpu": _int(0, 4096),
     "device_inflight_per_gpu": _int(0, 4096),
+    "data_files_per_gpu": _int(0, 16),
     "workers_per_gpu": _int(1, 4096),
     "io_threads": _int(1, 4096),
     "allowed_uids": _list(_UID, "uids"),
@@ -224,6 +225,7 @@ class DaemonConfig:
     copy_threads: int = 0      # 0: the core count
     dump_inflight_per_gpu: int = 0  # 0: inflight_per_gpu, at most 4 (EngineConfig)
     device_inflight_per_gpu: int = 0  # 0: 2 (EngineConfig)
+    data_files_per_gpu: int = 0  # a dump's data files per GPU; 0: the fewer of copy threads and dump batches in flight
     workers_per_gpu: int | None = None  # the old name of inflight_per_gpu, still accepted
     io_threads: int = 4
     allowed_uids: list[int] = field(default_factory=lambda: sorted({0, os.getuid()}))

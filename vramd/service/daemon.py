@@ -92,6 +92,7 @@ class Daemon:
             chunk_size=cfg.chunk_size, workers_per_gpu=cfg.workers_per_gpu,
             inflight_per_gpu=cfg.inflight_per_gpu, copy_threads=cfg.copy_threads,
             dump_inflight_per_gpu=cfg.dump_inflight_per_gpu, device_inflight_per_gpu=cfg.device_inflight_per_gpu,
+            data_files_per_gpu=cfg.data_files_per_gpu,
             compression=Compression.parse(cfg.compression), io_threads=cfg.io_threads, sdma=cfg.sdma,
             sdma_library=cfg.sdma_library, render_nodes={g.gpu_id: topology.render_node(g) for g in gpus}))
         self.metrics = Metrics()

@@ -253,19 +253,24 @@ class Session:
                 self._end_soon()
 
     def _attach_data_file(self, job: DumpJob, f: rpc.FileRef, fd: int, direct: int | None) -> None:
-        """A dump's data file for one GPU: created by the client under the name the image id gives it."""
-        gpu = f.gpu_id
+        """A dump's data file for one GPU (one of its data_files_per_gpu: `stripe`): created by the client under
+        the name the image id gives it."""
+        gpu, stripe, stripes = f.gpu_id, f.stripe, job.writer.stripes
         if gpu not in self.limits.gpu_ids:
             known = ", ".join(f"{g:#x}" for g in sorted(self.limits.gpu_ids))
             raise InvalidRequestError(f"gpu_id {gpu:#x} is not a GPU of this daemon (known: {known})")
-        want = data_file_name(self.image_id, gpu)
+        if stripe >= stripes:
+            raise InvalidRequestError(f"data file {stripe} of gpu_id {gpu:#x}: this dump takes {stripes} per GPU "
+                                      f"(data_files_per_gpu), 0 to {stripes - 1}")
+        want = data_file_name(self.image_id, gpu, stripe)
         if f.image != 0 or f.name != want:
-            raise InvalidRequestError(f"the data file of gpu_id {gpu:#x} must be {want} (the client creates it as "
-                                      f"{want}.tmp); got {f.name!r} of image #{f.image}")
+            what = f"data file {stripe} of gpu_id {gpu:#x}" if stripe else f"data file of gpu_id {gpu:#x}"
+            raise InvalidRequestError(f"the {what} must be {want} (the client creates it as {want}.tmp); got "
+                                      f"{f.name!r} of image #{f.image}")
         check_attached(fd, want + ".tmp", write=True)
         if direct is not None:
             check_direct(direct, fd, want + ".tmp", write=True)
-        job.writer.attach(gpu, fd, direct)
+        job.writer.attach(gpu, fd, direct, stripe)
 
     async def add(self, bos: Sequence[rpc.Bo], bundle: FdBundle) -> None:
         """Take the BOs of one AddBos message (and the fds they name) into the job.
@@ -314,7 +319,7 @@ class Session:
                     if chunk_size:
                         size = bo.size
                         if size:
-                            if bo.gpu_id not in files:
+                            if (bo.gpu_id, 0) not in files:  # its first data file (stripe 0)
                                 raise InvalidRequestError(f"no data file is attached for gpu_id {bo.gpu_id:#x} "
                                                           "(AttachFiles it before its first BO)", bo_id=bo.id)
                             chunks += -(-size // chunk_size)
@@ -525,6 +530,8 @@ class Session:
         if with_token:
             info.token = self.token
             info.files_needed.extend(rpc.FileRef(image=k, name=name) for k, name in self.needed())
+            if isinstance(self.job, DumpJob):
+                info.data_files_per_gpu = self.job.writer.stripes
         if self.error is not None:
             info.error.CopyFrom(error_to_pb(self.error))
         if self.image is not None:

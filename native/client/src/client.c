@@ -1020,8 +1020,10 @@ static int attach_needed(struct vramd_conn *c, char *tok, PbFileRef *const *need
 
 /*
  * A dump's own data files: for each GPU of bos[] that has none yet (a BO without gpu_id is GPU 0),
- * create data-<id>-<gpu>.vrd.tmp and attach it, before the AddBos that needs it.  A file whose
- * AttachFiles failed is removed again.
+ * create every data file the daemon asked for (data-<id>-<gpu>.vrd.tmp, then data-<id>-<gpu>-<k>.vrd.tmp
+ * for stripes k = 1 to data_files_per_gpu - 1) and attach them, before the AddBos that needs them.
+ * Stripe 0 goes in the first message that holds any of its GPU's files.  A file whose AttachFiles
+ * failed is removed again.
  */
 static int attach_dump_data(struct vramd_conn *c, struct dump_entry *e, char *tok, const struct vramd_bo *bos,
                             size_t n, struct vramd_error *err)
@@ -1031,46 +1033,52 @@ static int attach_dump_data(struct vramd_conn *c, struct dump_entry *e, char *to
     PbFileRef refs[VRAMD_SCM_MAX_FD];
     PbFileRef *ptrs[VRAMD_SCM_MAX_FD];
     char names[VRAMD_SCM_MAX_FD][VRAMD__NAME_MAX];
-    uint32_t gpus[VRAMD_SCM_MAX_FD];
+    struct vramd__data_file made[VRAMD_SCM_MAX_FD];
     int fds[VRAMD_SCM_MAX_FD];
     uint32_t budget = message_budget(c);
+    uint32_t stripes = e->d.stripes;
     size_t i = 0;
+    uint32_t k = 0; /* the next file: stripe k of bos[i]'s GPU (k > 0: that GPU's files are being made) */
     while (i < n) {
         size_t count = 0, nfds = 0, size = VRAMD_TOKEN_STRLEN + 8;
         int r = 0;
-        for (; i < n; i++) {
+        while (i < n) {
             uint32_t gpu = bos[i].has_gpu_id ? bos[i].gpu_id : 0;
-            if (vramd__dump_has_gpu(&e->d, gpu))
+            if (k == stripes || (k == 0 && vramd__dump_has_gpu(&e->d, gpu))) {
+                i++, k = 0;
                 continue;
-            /* a FileRef here: a 34-byte name, a gpu_id and two indexes, well under 64 bytes */
+            }
+            /* a FileRef here: a name of at most 36 bytes, a gpu_id, a stripe and two indexes: under 64 bytes */
             if (count && (nfds + (direct ? 2 : 1) > max_fds || size + 64 > budget))
                 break;
             int fd, dfd;
-            r = vramd__dump_create_data(&e->d, gpu, direct, &fd, &dfd, err);
+            r = vramd__dump_create_data(&e->d, gpu, k, direct, &fd, &dfd, err);
             if (r < 0)
                 break;
             PbFileRef *ref = &refs[count];
             PbFileRef init = VRAMD__RPC__V1__FILE_REF__INIT;
             *ref = init;
-            vramd__dump_data_name(&e->d, gpu, names[count]);
+            vramd__dump_data_name(&e->d, gpu, k, names[count]);
             ref->name = names[count];
             ref->has_gpu_id = 1, ref->gpu_id = gpu;
+            ref->has_stripe = k != 0, ref->stripe = k;
             ref->fd_index = (uint32_t)nfds, ref->has_fd_index = nfds != 0;
             fds[nfds++] = fd;
             if (dfd >= 0) {
                 ref->has_direct_fd_index = 1, ref->direct_fd_index = (uint32_t)nfds;
                 fds[nfds++] = dfd;
             }
-            gpus[count] = gpu;
+            made[count] = (struct vramd__data_file){.gpu_id = gpu, .stripe = k};
             ptrs[count++] = ref;
             size += 64;
+            k++;
         }
         if (r == 0 && count)
             r = send_attach(c, tok, ptrs, count, fds, nfds, NULL, err);
         close_all(fds, nfds);
         if (r < 0) {
-            for (size_t k = 0; k < count; k++)
-                vramd__dump_drop_data(&e->d, gpus[k]);
+            for (size_t j = 0; j < count; j++)
+                vramd__dump_drop_data(&e->d, made[j].gpu_id, made[j].stripe);
             return r;
         }
     }
@@ -1207,7 +1215,18 @@ int vramd_open_session(struct vramd_conn *c, const struct vramd_open_args *a, st
             return vramd__fail(err, -EPROTO, VRAMD_CODE_PROTOCOL_ERROR,
                                "OpenSession reply of a dump without the image id (16 bytes)");
         }
+        /* how many data files it takes per GPU: 0 (a daemon older than the field) means one */
+        uint32_t stripes = s->has_data_files_per_gpu && s->data_files_per_gpu ? s->data_files_per_gpu : 1;
+        if (stripes > VRAMD__MAX_STRIPES) {
+            free_response(resp);
+            vramd__dump_release(&d);
+            close_quietly(c, &t);
+            return vramd__fail(err, -EPROTO, VRAMD_CODE_LOCAL,
+                               "vramd asked for %u data files per GPU; the image format allows at most %d",
+                               stripes, VRAMD__MAX_STRIPES);
+        }
         memcpy(d.image_id, s->image_id.data, VRAMD__ID_BYTES);
+        d.stripes = stripes;
         r = add_dump(c, &t, &d, err);
         if (r < 0) {
             free_response(resp);

@@ -36,21 +36,32 @@ static bool is_lower_hex(const char *s, size_t n)
     return true;
 }
 
-/* data-<16 hex>-<8 hex>.vrd: format.DATA_FILE_NAME */
-bool vramd__is_data_file_name(const char *s)
+/* Data file names of a given length: stripe 0's (34 bytes) or a further stripe's (36). */
+static bool is_data_name_len(size_t n)
 {
-    return strlen(s) == VRAMD__DATA_NAME_LEN && memcmp(s, "data-", 5) == 0 && is_lower_hex(s + 5, 16) &&
-           s[21] == '-' && is_lower_hex(s + 22, 8) && memcmp(s + 30, ".vrd", 4) == 0;
+    return n == VRAMD__DATA_NAME_LEN || n == VRAMD__STRIPE_NAME_LEN;
 }
 
-/* format.DATA_FILE_TMP */
+/* format.DATA_FILE_NAME: data-<16 hex>-<8 hex>.vrd (stripe 0), or data-<16 hex>-<8 hex>-<s>.vrd with s one
+ * lowercase hex digit other than 0 (stripes 1 to 15; stripe 0 never carries a number) */
+bool vramd__is_data_file_name(const char *s)
+{
+    size_t n = strlen(s);
+    if (!is_data_name_len(n) || memcmp(s, "data-", 5) != 0 || !is_lower_hex(s + 5, 16) || s[21] != '-' ||
+        !is_lower_hex(s + 22, 8) || memcmp(s + n - 4, ".vrd", 4) != 0)
+        return false;
+    return n == VRAMD__DATA_NAME_LEN || (s[30] == '-' && s[31] != '0' && is_lower_hex(s + 31, 1));
+}
+
+/* format.DATA_FILE_TMP: a data file's name + ".tmp" */
 static bool is_data_tmp(const char *s)
 {
-    char head[VRAMD__DATA_NAME_LEN + 1];
-    if (strlen(s) != VRAMD__DATA_NAME_LEN + 4 || strcmp(s + VRAMD__DATA_NAME_LEN, ".tmp") != 0)
+    char head[VRAMD__STRIPE_NAME_LEN + 1];
+    size_t n = strlen(s);
+    if (n < 4 || !is_data_name_len(n - 4) || strcmp(s + n - 4, ".tmp") != 0)
         return false;
-    memcpy(head, s, VRAMD__DATA_NAME_LEN);
-    head[VRAMD__DATA_NAME_LEN] = '\0';
+    memcpy(head, s, n - 4);
+    head[n - 4] = '\0';
     return vramd__is_data_file_name(head);
 }
 
@@ -77,12 +88,19 @@ static void id_hex(const uint8_t id[VRAMD__ID_BYTES], char out[2 * VRAMD__ID_BYT
     out[2 * VRAMD__ID_BYTES] = '\0';
 }
 
-/* format.data_file_name, plus ".tmp" when tmp */
-static void data_name(const struct vramd__dump *d, uint32_t gpu_id, bool tmp, char out[VRAMD__NAME_MAX])
+/* format.data_file_name (stripe below VRAMD__MAX_STRIPES), plus ".tmp" when tmp */
+static void data_name(const struct vramd__dump *d, uint32_t gpu_id, uint32_t stripe, bool tmp,
+                      char out[VRAMD__NAME_MAX])
 {
+    static const char digits[] = "0123456789abcdef";
     char hex[2 * VRAMD__ID_BYTES + 1];
+    char tail[3] = ""; /* stripe 0: nothing; stripe k: "-" and k as one hex digit */
     id_hex(d->image_id, hex);
-    snprintf(out, VRAMD__NAME_MAX, "data-%.16s-%08x.vrd%s", hex, gpu_id, tmp ? ".tmp" : "");
+    if (stripe) {
+        tail[0] = '-';
+        tail[1] = digits[stripe % VRAMD__MAX_STRIPES];
+    }
+    snprintf(out, VRAMD__NAME_MAX, "data-%.16s-%08x%s.vrd%s", hex, gpu_id, tail, tmp ? ".tmp" : "");
 }
 
 /* format.manifest_tmp_name */
@@ -249,6 +267,7 @@ int vramd__dump_begin(struct vramd__dump *d, int dir_fd, const int *parents, siz
     memset(d, 0, sizeof *d);
     d->dir_fd = d->lock_fd = -1;
     d->min_fd = min_fd;
+    d->stripes = 1;
     struct stat ds;
     if (fstat(dir_fd, &ds) < 0)
         return vramd__fail(err, -errno, VRAMD_CODE_LOCAL, "image directory fd %d: %s", dir_fd, errtext(errno));
@@ -328,24 +347,27 @@ int vramd__dump_begin(struct vramd__dump *d, int dir_fd, const int *parents, siz
     return 0;
 }
 
-int vramd__dump_create_data(struct vramd__dump *d, uint32_t gpu_id, bool direct, int *fd, int *direct_fd,
-                            struct vramd_error *err)
+int vramd__dump_create_data(struct vramd__dump *d, uint32_t gpu_id, uint32_t stripe, bool direct, int *fd,
+                            int *direct_fd, struct vramd_error *err)
 {
     *fd = *direct_fd = -1;
-    if (d->n_gpus == d->cap_gpus) {
-        size_t cap = d->cap_gpus ? 2 * d->cap_gpus : 4;
-        uint32_t *g = realloc(d->gpus, cap * sizeof *g);
-        if (!g)
+    if (stripe >= VRAMD__MAX_STRIPES)
+        return vramd__fail(err, -EINVAL, VRAMD_CODE_LOCAL, "data file %u of gpu_id %#x: the format numbers a GPU's "
+                           "data files 0 to %d", stripe, gpu_id, VRAMD__MAX_STRIPES - 1);
+    if (d->n_files == d->cap_files) {
+        size_t cap = d->cap_files ? 2 * d->cap_files : 4;
+        struct vramd__data_file *f = realloc(d->files, cap * sizeof *f);
+        if (!f)
             return vramd__fail(err, -ENOMEM, VRAMD_CODE_LOCAL, "dump state: out of memory");
-        d->gpus = g;
-        d->cap_gpus = cap;
+        d->files = f;
+        d->cap_files = cap;
     }
     char name[VRAMD__NAME_MAX];
-    data_name(d, gpu_id, true, name);
+    data_name(d, gpu_id, stripe, true, name);
     int f = open_at(d->dir_fd, name, CREATE_FLAGS, d->min_fd);
     if (f < 0)
         return fail_name(err, -f, "create", name, d->dir_fd);
-    d->gpus[d->n_gpus++] = gpu_id;
+    d->files[d->n_files++] = (struct vramd__data_file){.gpu_id = gpu_id, .stripe = stripe};
     *fd = f;
     if (direct)
         *direct_fd = open_direct(d->dir_fd, name, O_WRONLY, f, d->min_fd);
@@ -354,27 +376,28 @@ int vramd__dump_create_data(struct vramd__dump *d, uint32_t gpu_id, bool direct,
 
 bool vramd__dump_has_gpu(const struct vramd__dump *d, uint32_t gpu_id)
 {
-    for (size_t i = 0; i < d->n_gpus; i++)
-        if (d->gpus[i] == gpu_id)
+    for (size_t i = 0; i < d->n_files; i++)
+        if (d->files[i].gpu_id == gpu_id)
             return true;
     return false;
 }
 
-void vramd__dump_drop_data(struct vramd__dump *d, uint32_t gpu_id)
+void vramd__dump_drop_data(struct vramd__dump *d, uint32_t gpu_id, uint32_t stripe)
 {
-    for (size_t i = 0; i < d->n_gpus; i++)
-        if (d->gpus[i] == gpu_id) {
+    for (size_t i = 0; i < d->n_files; i++)
+        if (d->files[i].gpu_id == gpu_id && d->files[i].stripe == stripe) {
             char name[VRAMD__NAME_MAX];
-            data_name(d, gpu_id, true, name);
+            data_name(d, gpu_id, stripe, true, name);
             (void)unlinkat(d->dir_fd, name, 0);
-            d->gpus[i] = d->gpus[--d->n_gpus];
+            d->files[i] = d->files[--d->n_files]; /* before the commit: nothing is renamed yet */
             return;
         }
 }
 
-void vramd__dump_data_name(const struct vramd__dump *d, uint32_t gpu_id, char out[VRAMD__NAME_MAX])
+void vramd__dump_data_name(const struct vramd__dump *d, uint32_t gpu_id, uint32_t stripe,
+                           char out[VRAMD__NAME_MAX])
 {
-    data_name(d, gpu_id, false, out);
+    data_name(d, gpu_id, stripe, false, out);
 }
 
 int vramd__dump_manifest_tmp(struct vramd__dump *d, int *fd, struct vramd_error *err)
@@ -435,7 +458,8 @@ static int mark_parent(struct vramd__dump *d, size_t i, struct vramd_error *err)
     return r;
 }
 
-/* After the commit point: the data files of the image this one replaced (data-*.vrd of another id). */
+/* After the commit point: the data files of the image this one replaced (data-*.vrd of another id, every
+ * stripe's). */
 static void remove_replaced(struct vramd__dump *d)
 {
     int fd = open_self(d->lock_fd, d->min_fd);
@@ -463,10 +487,11 @@ int vramd__dump_commit(struct vramd__dump *d, struct vramd_error *err)
 {
     char from[VRAMD__NAME_MAX], to[VRAMD__NAME_MAX];
     int r = 0;
-    /* the data files' .tmp into place */
-    for (; d->n_renamed < d->n_gpus; d->n_renamed++) {
-        data_name(d, d->gpus[d->n_renamed], true, from);
-        data_name(d, d->gpus[d->n_renamed], false, to);
+    /* the data files' .tmp into place, every stripe of every GPU */
+    for (; d->n_renamed < d->n_files; d->n_renamed++) {
+        const struct vramd__data_file *f = &d->files[d->n_renamed];
+        data_name(d, f->gpu_id, f->stripe, true, from);
+        data_name(d, f->gpu_id, f->stripe, false, to);
         if (renameat(d->dir_fd, from, d->dir_fd, to) < 0) {
             r = fail_name(err, errno, "rename", from, d->dir_fd);
             goto fail;
@@ -510,8 +535,8 @@ void vramd__dump_abandon(struct vramd__dump *d)
         return;
     char name[VRAMD__NAME_MAX];
     if (d->dir_fd >= 0) {
-        for (size_t i = 0; i < d->n_gpus; i++) {
-            data_name(d, d->gpus[i], i >= d->n_renamed, name);
+        for (size_t i = 0; i < d->n_files; i++) {
+            data_name(d, d->files[i].gpu_id, d->files[i].stripe, i >= d->n_renamed, name);
             (void)unlinkat(d->dir_fd, name, 0);
         }
         if (d->manifest_tmp) {
@@ -523,7 +548,7 @@ void vramd__dump_abandon(struct vramd__dump *d)
     for (size_t i = 0; i < d->n_parents; i++)
         if (d->marked[i])
             (void)unlinkat(d->parent_fds[i], name, 0);
-    d->n_gpus = d->n_renamed = 0;
+    d->n_files = d->n_renamed = 0;
     d->manifest_tmp = false;
     d->phase = VRAMD__DUMP_ABANDONED;
     vramd__dump_release(d);
@@ -538,9 +563,9 @@ void vramd__dump_release(struct vramd__dump *d)
         vramd__close_fd(d->parent_fds[i]);
     free(d->parent_fds);
     free(d->marked);
-    free(d->gpus);
+    free(d->files);
     d->parent_fds = NULL;
     d->marked = NULL;
-    d->gpus = NULL;
-    d->n_parents = d->n_gpus = d->cap_gpus = d->n_renamed = 0;
+    d->files = NULL;
+    d->n_parents = d->n_files = d->cap_files = d->n_renamed = 0;
 }

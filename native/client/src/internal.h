@@ -28,10 +28,12 @@ int vramd__place_fd(int fd, int min_fd);
 
 #define VRAMD__ID_BYTES 16               /* an image id */
 #define VRAMD__NAME_MAX 64               /* room for any name below */
-#define VRAMD__DATA_NAME_LEN 34          /* data-<16 hex>-<8 hex>.vrd */
+#define VRAMD__DATA_NAME_LEN 34          /* data-<16 hex>-<8 hex>.vrd (stripe 0) */
+#define VRAMD__STRIPE_NAME_LEN 36        /* data-<16 hex>-<8 hex>-<stripe 1-f>.vrd */
+#define VRAMD__MAX_STRIPES 16            /* format.MAX_STRIPES: a GPU's data files, numbered by one hex digit */
 #define VRAMD__MANIFEST_NAME "manifest.vrdm"
 
-/* A name the daemon may ask for: exactly format.DATA_FILE_NAME (no path, no dot-dot). */
+/* A name the daemon may ask for: exactly format.DATA_FILE_NAME, either form (no path, no dot-dot). */
 bool vramd__is_data_file_name(const char *name);
 /* The directory's path for messages (/proc/self/fd), or "the directory of fd N". */
 void vramd__dir_label(int dir_fd, char *buf, size_t size);
@@ -43,6 +45,12 @@ int vramd__open_image_file(int dir_fd, const char *name, bool direct, int min_fd
 
 enum { VRAMD__DUMP_NONE, VRAMD__DUMP_OPEN, VRAMD__DUMP_COMMITTED, VRAMD__DUMP_ABANDONED };
 
+/* One data file of a dump: data file `stripe` of GPU `gpu_id`. */
+struct vramd__data_file {
+    uint32_t gpu_id;
+    uint32_t stripe;
+};
+
 /* What a dump session's client holds between OpenSession and its commit. */
 struct vramd__dump {
     int phase;                           /* VRAMD__DUMP_* */
@@ -53,9 +61,10 @@ struct vramd__dump {
     int *parent_fds;                     /* duplicates of the parent directories (for the marks) */
     bool *marked;                        /* per parent: this dump's mark is there */
     size_t n_parents;
-    uint32_t *gpus;                      /* GPUs whose data file (.tmp) this dump created */
-    size_t n_gpus, cap_gpus;
-    size_t n_renamed;                    /* gpus[0..n_renamed) are renamed into place */
+    uint32_t stripes;                    /* data files per GPU (SessionInfo.data_files_per_gpu, at least 1) */
+    struct vramd__data_file *files;      /* the data files (.tmp) this dump created */
+    size_t n_files, cap_files;
+    size_t n_renamed;                    /* files[0..n_renamed) are renamed into place */
     bool manifest_tmp;                   /* the manifest's temporary exists */
 };
 
@@ -63,14 +72,16 @@ struct vramd__dump {
  * own parent, sweep stale temporaries.  On failure nothing is held. */
 int vramd__dump_begin(struct vramd__dump *d, int dir_fd, const int *parents, size_t np, bool replace_parent,
                       int min_fd, struct vramd_error *err);
+/* Whether this dump created any data file of the GPU. */
 bool vramd__dump_has_gpu(const struct vramd__dump *d, uint32_t gpu_id);
-/* Create the GPU's data-<id>-<gpu>.vrd.tmp (and its O_DIRECT description where allowed). */
-int vramd__dump_create_data(struct vramd__dump *d, uint32_t gpu_id, bool direct, int *fd, int *direct_fd,
-                            struct vramd_error *err);
-/* Remove the GPU's .tmp again (its AttachFiles failed). */
-void vramd__dump_drop_data(struct vramd__dump *d, uint32_t gpu_id);
-/* The GPU's data file name, without .tmp. */
-void vramd__dump_data_name(const struct vramd__dump *d, uint32_t gpu_id, char out[VRAMD__NAME_MAX]);
+/* Create data file `stripe` of the GPU as its name + ".tmp" (and its O_DIRECT description where allowed). */
+int vramd__dump_create_data(struct vramd__dump *d, uint32_t gpu_id, uint32_t stripe, bool direct, int *fd,
+                            int *direct_fd, struct vramd_error *err);
+/* Remove that .tmp again (its AttachFiles failed). */
+void vramd__dump_drop_data(struct vramd__dump *d, uint32_t gpu_id, uint32_t stripe);
+/* Data file `stripe` of the GPU: its name, without .tmp. */
+void vramd__dump_data_name(const struct vramd__dump *d, uint32_t gpu_id, uint32_t stripe,
+                           char out[VRAMD__NAME_MAX]);
 /* The manifest's temporary: created the first time, opened again O_RDWR after. */
 int vramd__dump_manifest_tmp(struct vramd__dump *d, int *fd, struct vramd_error *err);
 /* The commit (the session is DONE): data files into place, parents marked, the manifest renamed, the

@@ -194,6 +194,7 @@ static int t_bad_fds(void)
     return 0;
 }
 
+/* The largest data file in dir (a GPU's records may be spread over several; the others may hold none). */
 static int find_data_file(const char *dir, char *out)
 {
     DIR *d = opendir(dir);
@@ -201,11 +202,16 @@ static int find_data_file(const char *dir, char *out)
         return -1;
     struct dirent *e;
     int found = -1;
-    while ((e = readdir(d)))
-        if (strncmp(e->d_name, "data-", 5) == 0) {
+    off_t largest = -1;
+    while ((e = readdir(d))) {
+        struct stat st;
+        if (strncmp(e->d_name, "data-", 5) == 0 && fstatat(dirfd(d), e->d_name, &st, AT_SYMLINK_NOFOLLOW) == 0 &&
+            st.st_size > largest) {
             snprintf(out, PATH_MAX, "%s/%s", dir, e->d_name);
+            largest = st.st_size;
             found = 0;
         }
+    }
     closedir(d);
     return found;
 }

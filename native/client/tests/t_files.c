@@ -16,6 +16,7 @@
 #include <sys/file.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -81,18 +82,124 @@ static int exists(const char *dir, const char *name)
     return lstat(p, &st) == 0;
 }
 
-/* A dump's files are created by this process (its uid, 0600) and nothing is in place before Wait's OK. */
+/* --- data files ------------------------------------------------------------ */
+
+#define MAX_STRIPES 16 /* format.MAX_STRIPES */
+
+/* Data file `stripe` of GPU `gpu` of the image whose id begins with the 16 hex digits `id16`, plus `suffix`. */
+static void data_file(char *out, const char *id16, uint32_t gpu, uint32_t stripe, const char *suffix)
+{
+    if (stripe)
+        snprintf(out, PATH_MAX, "data-%.16s-%08x-%x.vrd%s", id16, gpu, stripe, suffix);
+    else
+        snprintf(out, PATH_MAX, "data-%.16s-%08x.vrd%s", id16, gpu, suffix);
+}
+
+/* The data-* entries of `dir` are exactly data files 0 to n-1 of GPU 0 of one image (their .tmp when tmp), each a
+ * regular file of this uid with mode 0600; that image's first 16 hex digits go into id16 (17 bytes). */
+static int gpu0_files(const char *dir, int n, bool tmp, char *id16)
+{
+    char name[PATH_MAX], want[PATH_MAX];
+    const char *suffix = tmp ? ".tmp" : "";
+    CHECK(count_entries(dir, "data-", tmp ? "-00000000.vrd.tmp" : "-00000000.vrd", name) == 1,
+          "no data file 0 of GPU 0%s in %s", suffix, dir);
+    snprintf(id16, 17, "%.16s", name + 5);
+    CHECK(count_entries(dir, "data-", "", NULL) == n, "%d data-* entries in %s, want %d (data files per GPU)",
+          count_entries(dir, "data-", "", NULL), dir, n);
+    for (int k = 0; k < n; k++) {
+        data_file(want, id16, 0, (uint32_t)k, suffix);
+        CHECK(exists(dir, want), "%s is missing in %s", want, dir);
+        if (owned_by_me(dir, want))
+            return 1;
+    }
+    return 0;
+}
+
+/* Speak the protocol by hand: one request on `s`, its reply (NULL on any failure; free it). */
+static Vramd__Rpc__V1__Response *raw_call(int s, Vramd__Rpc__V1__Request *req, uint64_t id)
+{
+    static uint8_t buf[(1 << 20) + 64];
+    req->has_id = 1;
+    req->id = id;
+    size_t n = vramd__rpc__v1__request__get_packed_size(req);
+    if (n + 12 > sizeof buf)
+        return NULL;
+    memcpy(buf, "VRDP", 4);
+    buf[4] = 1, buf[5] = 1, buf[6] = buf[7] = 0; /* frame version 1, a request */
+    buf[8] = (uint8_t)n, buf[9] = (uint8_t)(n >> 8), buf[10] = (uint8_t)(n >> 16), buf[11] = (uint8_t)(n >> 24);
+    vramd__rpc__v1__request__pack(req, buf + 12);
+    if (send(s, buf, n + 12, MSG_NOSIGNAL) != (ssize_t)(n + 12))
+        return NULL;
+    ssize_t got = recv(s, buf, sizeof buf, 0);
+    if (got < 12 || memcmp(buf, "VRDP", 4) != 0 || buf[5] != 2)
+        return NULL;
+    return vramd__rpc__v1__response__unpack(NULL, (size_t)got - 12, buf + 12);
+}
+
+/* How many data files per GPU the daemon asks a dump's client for (SessionInfo.data_files_per_gpu of an
+ * OpenSession reply, read off the wire: libvramd keeps it to itself), or -1. */
+static int daemon_data_files_per_gpu(void)
+{
+    int s = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    snprintf(sa.sun_path, sizeof sa.sun_path, "%s", daemon_socket());
+    if (s < 0 || connect(s, (struct sockaddr *)&sa, sizeof sa) < 0) {
+        if (s >= 0)
+            close(s);
+        return -1;
+    }
+    int per_gpu = -1;
+    uint32_t versions[] = {VRAMD_PROTOCOL_VERSION};
+    Vramd__Rpc__V1__Hello h = VRAMD__RPC__V1__HELLO__INIT;
+    h.n_versions = 1, h.versions = versions, h.client = "libvramd-tests (by hand)";
+    Vramd__Rpc__V1__Request req = VRAMD__RPC__V1__REQUEST__INIT;
+    req.body_case = VRAMD__RPC__V1__REQUEST__BODY_HELLO, req.hello = &h;
+    Vramd__Rpc__V1__Response *resp = raw_call(s, &req, 1);
+    if (!resp || resp->body_case != VRAMD__RPC__V1__RESPONSE__BODY_HELLO)
+        goto out;
+    vramd__rpc__v1__response__free_unpacked(resp, NULL);
+    Vramd__Rpc__V1__OpenSession o = VRAMD__RPC__V1__OPEN_SESSION__INIT;
+    o.has_kind = 1, o.kind = VRAMD__RPC__V1__SESSION_KIND__SESSION_DUMP;
+    req = (Vramd__Rpc__V1__Request)VRAMD__RPC__V1__REQUEST__INIT;
+    req.body_case = VRAMD__RPC__V1__REQUEST__BODY_OPEN_SESSION, req.open_session = &o;
+    resp = raw_call(s, &req, 2);
+    if (!resp || resp->body_case != VRAMD__RPC__V1__RESPONSE__BODY_SESSION || !resp->session ||
+        !resp->session->token)
+        goto out;
+    per_gpu = (int)resp->session->data_files_per_gpu;
+    char token[VRAMD_TOKEN_STRLEN + 1];
+    snprintf(token, sizeof token, "%s", resp->session->token);
+    vramd__rpc__v1__response__free_unpacked(resp, NULL);
+    Vramd__Rpc__V1__CloseSession cs = VRAMD__RPC__V1__CLOSE_SESSION__INIT;
+    cs.token = token;
+    req = (Vramd__Rpc__V1__Request)VRAMD__RPC__V1__REQUEST__INIT;
+    req.body_case = VRAMD__RPC__V1__REQUEST__BODY_CLOSE_SESSION, req.close_session = &cs;
+    resp = raw_call(s, &req, 3);
+out:
+    if (resp)
+        vramd__rpc__v1__response__free_unpacked(resp, NULL);
+    close(s);
+    return per_gpu;
+}
+
+/* A dump's files are created by this process (its uid, 0600) and nothing is in place before Wait's OK; as many
+ * data files for the GPU as the daemon asks for, all committed, and the image restores. */
 static int t_dump_commit(void)
 {
     struct vramd_conn *c = NULL, *other = NULL;
     struct vramd_error err;
-    char path[PATH_MAX], name[PATH_MAX], first[PATH_MAX];
+    char path[PATH_MAX], name[PATH_MAX], first[17], now[17];
+    int per_gpu = daemon_data_files_per_gpu();
+    CHECK(per_gpu >= 0 && per_gpu <= MAX_STRIPES, "the daemon asks for %d data files per GPU", per_gpu);
+    int n = per_gpu ? per_gpu : 1; /* 0: a daemon older than the field, one file */
+    printf("  the daemon asks for %d data file(s) per GPU\n", per_gpu);
     int dfd = make_image_dir(path);
+    /* 8 chunks of 128 KiB: enough batches for every data file the copy threads take */
     int src = make_memfd(BO_BYTES, 5, 0, BO_BYTES), dst = make_memfd(BO_BYTES, 0, 0, 0);
     CHECK(dfd >= 0 && src >= 0 && dst >= 0, "setup");
     OK(test_connect(&c, &err), &err);
     OK(test_connect(&other, &err), &err);
-    struct vramd_open_args a = {.kind = VRAMD_SESSION_DUMP, .dir_fd = dfd};
+    struct vramd_open_args a = {.kind = VRAMD_SESSION_DUMP, .dir_fd = dfd, .chunk_size = 128 << 10};
     struct vramd_token t;
     struct vramd_session_info info;
     OK(vramd_open_session(c, &a, &t, &info, &err), &err);
@@ -100,8 +207,7 @@ static int t_dump_commit(void)
     CHECK(count_entries(path, "", "", NULL) == 0, "the directory changed at OpenSession");
     struct vramd_bo bo = {.id = 1, .fd = src, .size = BO_BYTES};
     OK(vramd_add_bos(c, &t, &bo, 1, NULL, &err), &err);
-    CHECK(count_entries(path, "data-", "-00000000.vrd.tmp", name) == 1, "no data file .tmp for GPU 0");
-    if (owned_by_me(path, name))
+    if (gpu0_files(path, n, true, first))
         return 1;
     OK(vramd_start(c, &t, NULL, &err), &err);
     CHECK(count_entries(path, ".manifest.vrdm.", ".tmp", name) == 1, "no manifest .tmp after Start");
@@ -117,20 +223,33 @@ static int t_dump_commit(void)
     CHECK(info.state == VRAMD_STATE_DONE, "state %d", info.state);
     if (owned_by_me(path, "manifest.vrdm"))
         return 1;
-    CHECK(count_entries(path, "data-", ".vrd", first) == 1, "data files in place: %d",
-          count_entries(path, "data-", ".vrd", NULL));
-    if (owned_by_me(path, first))
+    if (gpu0_files(path, n, false, now))
         return 1;
+    CHECK(strcmp(now, first) == 0, "committed data files of image %s, the dump's is %s", now, first);
+    CHECK(info.has_image && info.image.data_files == (uint32_t)n, "the manifest lists %u data files, want %d",
+          info.image.data_files, n);
     CHECK(count_entries(path, "", ".tmp", NULL) == 0, "a .tmp is left after the commit");
     OK(vramd_wait(c, &t, 10000, &info, &err), &err); /* a second Wait: still OK, nothing done twice */
     OK(vramd_close_session(c, &t, NULL, &err), &err);
-    /* the lock went with the commit: a new dump replaces the image and removes the old data file */
-    OK(dump_one(c, dfd, src, NULL, 0, false, &err), &err);
-    CHECK(count_entries(path, "data-", ".vrd", name) == 1 && strcmp(name, first) != 0,
-          "after the replacing dump: %d data file(s), %s (the replaced one was %s)",
-          count_entries(path, "data-", ".vrd", NULL), name, first);
     OK(restore_one(c, VRAMD_SESSION_RESTORE, dfd, dst, &err), &err);
     CHECK(compare_fds(src, dst, BO_BYTES) < 0, "restored bytes differ");
+    /* the lock went with the commit: a new dump replaces the image and removes every data file of the old one,
+     * and nothing else (a name outside the format, even one that looks like a data file, is not vramd's) */
+    data_file(name, first, 0, 0, "");
+    memcpy(name + strlen(name) - 4, "-0.vrd", 7); /* data-<old id>-00000000-0.vrd: not a data file name */
+    int fd = openat(dfd, name, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    CHECK(fd >= 0, "create %s", name);
+    close(fd);
+    OK(dump_one(c, dfd, src, NULL, 0, false, &err), &err);
+    CHECK(exists(path, name) && unlinkat(dfd, name, 0) == 0, "%s was removed", name);
+    if (gpu0_files(path, n, false, now))
+        return 1;
+    CHECK(strcmp(now, first) != 0, "the replacing dump has the replaced one's id %s", now);
+    close(dst);
+    dst = make_memfd(BO_BYTES, 0, 0, 0);
+    CHECK(dst >= 0, "memfd");
+    OK(restore_one(c, VRAMD_SESSION_RESTORE, dfd, dst, &err), &err);
+    CHECK(compare_fds(src, dst, BO_BYTES) < 0, "restored bytes differ (the replacing image)");
     vramd_close(other);
     vramd_close(c);
     close(src);
@@ -145,7 +264,10 @@ static int t_dump_no_commit(void)
 {
     struct vramd_conn *c = NULL;
     struct vramd_error err;
-    char path[PATH_MAX], old[PATH_MAX], now[PATH_MAX];
+    char path[PATH_MAX], old[17], now[PATH_MAX];
+    int per_gpu = daemon_data_files_per_gpu();
+    CHECK(per_gpu >= 0, "the daemon's data files per GPU");
+    int n = per_gpu ? per_gpu : 1;
     int dfd = make_image_dir(path);
     int src = make_memfd(BO_BYTES, 6, 0, BO_BYTES);
     CHECK(dfd >= 0 && src >= 0, "setup");
@@ -183,15 +305,17 @@ static int t_dump_no_commit(void)
         }
         struct vramd_error ignored;
         vramd_close_session(c, &t, NULL, &ignored);
-        CHECK(count_entries(path, "", "", now) == (how ? 2 : 0), "case %d: %d entries left, first %s", how,
+        CHECK(count_entries(path, "", "", now) == (how ? 1 + n : 0), "case %d: %d entries left, first %s", how,
               count_entries(path, "", "", NULL), now);
         if (how == 0) { /* from here on a committed image is in the directory: it must stay as it is */
             OK(dump_one(c, dfd, src, NULL, 0, false, &err), &err);
-            CHECK(count_entries(path, "data-", ".vrd", old) == 1, "no data file");
+            if (gpu0_files(path, n, false, old))
+                return 1;
         } else {
-            CHECK(exists(path, "manifest.vrdm") && count_entries(path, "data-", ".vrd", now) == 1 &&
-                      strcmp(now, old) == 0,
-                  "case %d: the committed image changed (%s, was %s)", how, now, old);
+            CHECK(exists(path, "manifest.vrdm"), "case %d: the committed manifest went", how);
+            if (gpu0_files(path, n, false, now))
+                return 1;
+            CHECK(strcmp(now, old) == 0, "case %d: the committed image changed (%s, was %s)", how, now, old);
         }
     }
     /* and the directory is not locked by any of them */
@@ -250,7 +374,8 @@ static int t_unreadable_image(void)
     CHECK(dfd >= 0 && src >= 0 && dst >= 0, "setup");
     OK(test_connect(&c, &err), &err);
     OK(dump_one(c, dfd, src, NULL, 0, false, &err), &err);
-    CHECK(count_entries(path, "data-", ".vrd", data) == 1, "no data file");
+    /* data file 0 of GPU 0 (a GPU's further data files end -<stripe>.vrd) */
+    CHECK(count_entries(path, "data-", "-00000000.vrd", data) == 1, "no data file");
     snprintf(p, sizeof p, "%s/%s", path, data);
     snprintf(q, sizeof q, "%s/moved", path);
     static const int kinds[] = {VRAMD_SESSION_RESTORE, VRAMD_SESSION_VERIFY};
@@ -333,11 +458,17 @@ static int t_marks_and_sweep(void)
         r = dump_one(c, cfd, src, &cfd, 1, replace, &err);
         CHECK(r == -EINVAL && err.code == VRAMD_CODE_LOCAL, "own parent (replace %d): %d %s", replace, r, err.message);
     }
-    /* a crashed dump's temporaries go (regular files only), at the next dump's open */
+    /* a crashed dump's temporaries go (regular files only, names of the format only), at the next dump's open */
     static const char *const stale[] = {"data-0123456789abcdef-00000000.vrd.tmp",
-                                        ".manifest.vrdm.0123456789abcdef0123456789abcdef.tmp"};
-    for (size_t i = 0; i < 2; i++) {
-        snprintf(p, sizeof p, "%s/%s", cpath, stale[i]);
+                                        ".manifest.vrdm.0123456789abcdef0123456789abcdef.tmp",
+                                        "data-0123456789abcdef-00000000-1.vrd.tmp",
+                                        "data-0123456789abcdef-00000003-f.vrd.tmp"};
+    static const char *const foreign[] = {"data-0123456789abcdef-00000000-0.vrd.tmp",
+                                          "data-0123456789abcdef-00000000-10.vrd.tmp",
+                                          "data-0123456789abcdef-00000000-A.vrd.tmp"};
+    enum { NSTALE = sizeof stale / sizeof stale[0], NFOREIGN = sizeof foreign / sizeof foreign[0] };
+    for (size_t i = 0; i < NSTALE + NFOREIGN; i++) {
+        snprintf(p, sizeof p, "%s/%s", cpath, i < NSTALE ? stale[i] : foreign[i - NSTALE]);
         int fd = open(p, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
         CHECK(fd >= 0, "create %s", p);
         close(fd);
@@ -348,7 +479,13 @@ static int t_marks_and_sweep(void)
                                 .parent_dir_fds = &pfd, .n_parent_dir_fds = 1};
     struct vramd_token t;
     OK(vramd_open_session(c, &a, &t, NULL, &err), &err);
-    CHECK(!exists(cpath, stale[0]) && !exists(cpath, stale[1]), "stale temporaries left");
+    for (size_t i = 0; i < NSTALE; i++)
+        CHECK(!exists(cpath, stale[i]), "stale temporary %s left", stale[i]);
+    for (size_t i = 0; i < NFOREIGN; i++) {
+        char q[PATH_MAX];
+        snprintf(q, sizeof q, "%s/%s", cpath, foreign[i]);
+        CHECK(unlink(q) == 0, "%s (not a name of the format) was swept", foreign[i]);
+    }
     CHECK(exists(cpath, "data-fedcba9876543210-00000000.vrd.tmp"), "a symlink was swept");
     OK(vramd_close_session(c, &t, NULL, &err), &err);
     CHECK(exists(cpath, "manifest.vrdm"), "the child's image went");
@@ -495,6 +632,255 @@ static int t_fake_asks_for_a_file(void)
     return 0;
 }
 
+/* The names a daemon may ask a restore's client to open: exactly format.DATA_FILE_NAME, both forms.  One it may
+ * not is a protocol error (nothing opened, the connection broken); one it may is opened (here: it is missing). */
+static int t_data_file_names(void)
+{
+    char path[PATH_MAX];
+    int dfd = make_image_dir(path);
+    CHECK(dfd >= 0, "dir");
+    char p[PATH_MAX];
+    snprintf(p, sizeof p, "%s/manifest.vrdm", path);
+    int fd = open(p, O_WRONLY | O_CREAT | O_CLOEXEC, 0600);
+    CHECK(fd >= 0, "create %s", p);
+    close(fd);
+    static const struct {
+        const char *name;
+        bool valid;
+    } names[] = {
+        {"data-0123456789abcdef-00000001.vrd", true},    {"data-0123456789abcdef-00000001-3.vrd", true},
+        {"data-0123456789abcdef-00000001-1.vrd", true},  {"data-0123456789abcdef-00000001-9.vrd", true},
+        {"data-0123456789abcdef-00000001-a.vrd", true},  {"data-0123456789abcdef-ffffffff-f.vrd", true},
+        {"data-0123456789abcdef-00000001-0.vrd", false}, {"data-0123456789abcdef-00000001-10.vrd", false},
+        {"data-0123456789abcdef-00000001-g.vrd", false}, {"data-0123456789abcdef-00000001-A.vrd", false},
+        {"data-0123456789ABCDEF-00000001-3.vrd", false}, {"data-0123456789abcdef-0000000A.vrd", false},
+        {"data-0123456789abcdef-00000001-.vrd", false},  {"data-0123456789abcdef-00000001x3.vrd", false},
+        {"data-0123456789abcdef-00000001-3.vrd.tmp", false}, {"data-0123456789abcdef-00000001-3.VRD", false},
+        {"data-0123456789abcdef-00000001-3-4.vrd", false}, {"data-0123456789abcdef-00000001-3.vrd/x", false},
+        {"data-0123456789abcdef-000000013.vrd", false},  {"DATA-0123456789abcdef-00000001-3.vrd", false},
+    };
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
+        int sp[2];
+        CHECK(socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sp) == 0, "socketpair");
+        pid_t pid = fork();
+        CHECK(pid >= 0, "fork");
+        if (pid == 0) {
+            close(sp[0]);
+            fake_asks(sp[1], names[i].name, 0);
+        }
+        close(sp[1]);
+        struct vramd_conn *c = NULL;
+        struct vramd_error err;
+        OK(vramd_connect_fd(&c, sp[0], NULL, &err), &err);
+        struct vramd_open_args a = {.kind = VRAMD_SESSION_RESTORE, .dir_fd = dfd};
+        struct vramd_token t;
+        int r = vramd_open_session(c, &a, &t, NULL, &err);
+        if (names[i].valid)
+            CHECK(r == -ENOENT && err.code == VRAMD_CODE_LOCAL && strstr(err.message, names[i].name),
+                  "%s: %d %s: %s (want it opened: -ENOENT)", names[i].name, r, vramd_code_name(err.code),
+                  err.message);
+        else
+            CHECK(r == -EPROTO && err.code == VRAMD_CODE_PROTOCOL_ERROR && vramd_conn_broken(c),
+                  "%s: %d %s: %s (want it refused)", names[i].name, r, vramd_code_name(err.code), err.message);
+        vramd_close(c);
+        int st = reap(pid);
+        CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0, "fake daemon status %#x", st);
+    }
+    close(dfd);
+    remove_dir(path);
+    return 0;
+}
+
+/*
+ * A fake daemon for a dump: its Hello allows max_fds fds per message, its OpenSession reply asks for
+ * per_gpu data files per GPU (0: the field left out, as an older daemon does).  It writes one line to
+ * `report` for each FileRef of each AttachFiles:
+ *     <message number> <gpu_id> <has_stripe> <stripe> <fds in the message> <indexes ok> <name>
+ * and answers everything with the session's info until the client hangs up.
+ */
+static const uint8_t fake_image_id[16] = {0x01, 0x23, 0x45, 0x67, 0x89, 0xab, 0xcd, 0xef,
+                                          0xfe, 0xdc, 0xba, 0x98, 0x76, 0x54, 0x32, 0x10};
+
+static void fake_dump(int s, uint32_t per_gpu, uint32_t max_fds, int report)
+{
+    static uint8_t in[1 << 16], out[1 << 16];
+    for (unsigned number = 0;; number++) {
+        union {
+            char buf[CMSG_SPACE(sizeof(int) * 253)];
+            struct cmsghdr align;
+        } ctl;
+        struct iovec iov = {.iov_base = in, .iov_len = sizeof in};
+        struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = ctl.buf,
+                             .msg_controllen = sizeof ctl.buf};
+        ssize_t n = recvmsg(s, &msg, MSG_CMSG_CLOEXEC);
+        if (n == 0)
+            _exit(0);
+        if (n < 12 || (msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC)))
+            _exit(2);
+        size_t nfds = 0;
+        for (struct cmsghdr *cm = CMSG_FIRSTHDR(&msg); cm; cm = CMSG_NXTHDR(&msg, cm))
+            if (cm->cmsg_level == SOL_SOCKET && cm->cmsg_type == SCM_RIGHTS) {
+                size_t k = (cm->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+                for (size_t j = 0; j < k; j++) {
+                    int fd;
+                    memcpy(&fd, CMSG_DATA(cm) + j * sizeof fd, sizeof fd);
+                    close(fd);
+                }
+                nfds += k;
+            }
+        Vramd__Rpc__V1__Request *req = vramd__rpc__v1__request__unpack(NULL, (size_t)n - 12, in + 12);
+        if (!req)
+            _exit(3);
+        Vramd__Rpc__V1__Response resp = VRAMD__RPC__V1__RESPONSE__INIT;
+        Vramd__Rpc__V1__HelloReply hr = VRAMD__RPC__V1__HELLO_REPLY__INIT;
+        Vramd__Rpc__V1__Limits lim = VRAMD__RPC__V1__LIMITS__INIT;
+        Vramd__Rpc__V1__SessionInfo si = VRAMD__RPC__V1__SESSION_INFO__INIT;
+        resp.has_id = 1;
+        resp.id = req->id;
+        if (req->body_case == VRAMD__RPC__V1__REQUEST__BODY_HELLO) {
+            hr.has_version = 1, hr.version = VRAMD_PROTOCOL_VERSION;
+            hr.server = "fake";
+            lim.has_max_fds_per_message = 1, lim.max_fds_per_message = max_fds;
+            hr.limits = &lim;
+            resp.body_case = VRAMD__RPC__V1__RESPONSE__BODY_HELLO, resp.hello = &hr;
+        } else {
+            si.token = "0123456789abcdef0123456789abcdef";
+            si.has_state = 1, si.state = VRAMD__RPC__V1__SESSION_STATE__SESSION_OPEN;
+            if (req->body_case == VRAMD__RPC__V1__REQUEST__BODY_OPEN_SESSION) {
+                si.has_image_id = 1, si.image_id.len = 16, si.image_id.data = (uint8_t *)fake_image_id;
+                si.has_data_files_per_gpu = per_gpu != 0, si.data_files_per_gpu = per_gpu;
+            }
+            if (req->body_case == VRAMD__RPC__V1__REQUEST__BODY_ATTACH_FILES)
+                for (size_t i = 0; i < req->attach_files->n_files; i++) {
+                    const Vramd__Rpc__V1__FileRef *f = req->attach_files->files[i];
+                    bool ok = f->has_gpu_id && f->fd_index < nfds &&
+                              (!f->has_direct_fd_index || f->direct_fd_index < nfds);
+                    dprintf(report, "%u %u %d %u %zu %d %s\n", number, f->gpu_id, (int)f->has_stripe, f->stripe,
+                            nfds, (int)ok, f->name ? f->name : "");
+                }
+            resp.body_case = VRAMD__RPC__V1__RESPONSE__BODY_SESSION, resp.session = &si;
+        }
+        vramd__rpc__v1__request__free_unpacked(req, NULL);
+        size_t len = vramd__rpc__v1__response__get_packed_size(&resp);
+        memcpy(out, "VRDP", 4);
+        out[4] = 1, out[5] = 2, out[6] = out[7] = 0;
+        out[8] = (uint8_t)len, out[9] = (uint8_t)(len >> 8), out[10] = out[11] = 0;
+        vramd__rpc__v1__response__pack(&resp, out + 12);
+        if (send(s, out, len + 12, MSG_NOSIGNAL) != (ssize_t)(len + 12))
+            _exit(4);
+    }
+}
+
+/*
+ * A dump's client creates and attaches, for each new GPU of an AddBos, as many data files as the daemon asked
+ * for (0: one), stripe 0 first, each with its name (data-<id>-<gpu>[-<k>].vrd), its gpu_id and (k > 0) its
+ * stripe, in as many AttachFiles as the fd limit needs; more than the format's 16 is refused.
+ */
+static int t_data_files_per_gpu(void)
+{
+    static const struct {
+        uint32_t per_gpu, max_fds;
+    } cases[] = {{0, 253}, {1, 253}, {3, 253}, {5, 2}, {4, 3}, {16, 7}, {16, 253}, {17, 253}, {1000, 253}};
+    static const uint32_t gpus[] = {0, 7};
+    enum { NGPUS = sizeof gpus / sizeof gpus[0] };
+    char path[PATH_MAX];
+    int dfd = make_image_dir(path);
+    int src = make_memfd(8192, 12, 0, 8192);
+    CHECK(dfd >= 0 && src >= 0, "setup");
+    for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {
+        uint32_t per_gpu = cases[ci].per_gpu, max_fds = cases[ci].max_fds;
+        uint32_t n = per_gpu ? per_gpu : 1;
+        bool refused = n > MAX_STRIPES;
+        int sp[2], rep[2];
+        CHECK(socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sp) == 0 && pipe2(rep, O_CLOEXEC) == 0, "setup");
+        pid_t pid = fork();
+        CHECK(pid >= 0, "fork");
+        if (pid == 0) {
+            close(sp[0]);
+            close(rep[0]);
+            fake_dump(sp[1], per_gpu, max_fds, rep[1]);
+        }
+        close(sp[1]);
+        close(rep[1]);
+        struct vramd_conn *c = NULL;
+        struct vramd_error err;
+        OK(vramd_connect_fd(&c, sp[0], NULL, &err), &err);
+        struct vramd_open_args a = {.kind = VRAMD_SESSION_DUMP, .dir_fd = dfd};
+        struct vramd_token t;
+        int r = vramd_open_session(c, &a, &t, NULL, &err);
+        if (refused) {
+            CHECK(r == -EPROTO && err.code == VRAMD_CODE_LOCAL && !vramd_conn_broken(c) && strstr(err.message, "16"),
+                  "%u data files per GPU: %d %s: %s (want it refused)", per_gpu, r, vramd_code_name(err.code),
+                  err.message);
+        } else {
+            OK(r, &err);
+            /* GPU 0 (gpu_id left out), GPU 7, GPU 0 again: two GPUs' files, each made once */
+            struct vramd_bo bos[3] = {{.id = 1, .fd = src, .size = 4096},
+                                      {.id = 2, .fd = src, .offset = 4096, .size = 4096, .has_gpu_id = true,
+                                       .gpu_id = gpus[1]},
+                                      {.id = 3, .fd = src, .size = 4096, .has_gpu_id = true, .gpu_id = gpus[0]}};
+            OK(vramd_add_bos(c, &t, bos, 3, NULL, &err), &err);
+            OK(vramd_add_bos(c, &t, &bos[1], 1, NULL, &err), &err); /* a GPU with files gets none again */
+            CHECK(count_entries(path, "", "", NULL) == (int)(NGPUS * n), "%u per GPU: %d files in the directory",
+                  per_gpu, count_entries(path, "", "", NULL));
+            for (size_t g = 0; g < NGPUS; g++)
+                for (uint32_t k = 0; k < n; k++) {
+                    char want[PATH_MAX];
+                    data_file(want, "0123456789abcdef", gpus[g], k, ".tmp");
+                    CHECK(exists(path, want), "%u per GPU: no %s", per_gpu, want);
+                }
+            OK(vramd_close_session(c, &t, NULL, &err), &err); /* not committed: every one goes */
+        }
+        CHECK(count_entries(path, "", "", NULL) == 0, "%u per GPU: %d files left", per_gpu,
+              count_entries(path, "", "", NULL));
+        int lk = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+        CHECK(lk >= 0 && flock(lk, LOCK_EX | LOCK_NB) == 0, "%u per GPU: the directory is still locked", per_gpu);
+        close(lk);
+        vramd_close(c);
+        int st = reap(pid);
+        CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0, "fake daemon status %#x", st);
+        /* what the fake was given */
+        static char text[1 << 16];
+        size_t len = 0;
+        ssize_t got;
+        while ((got = read(rep[0], text + len, sizeof text - 1 - len)) > 0)
+            len += (size_t)got;
+        close(rep[0]);
+        text[len] = '\0';
+        unsigned seen[NGPUS][MAX_STRIPES] = {{0}}, next[NGPUS] = {0}, lines = 0;
+        for (char *line = text, *end; *line; line = end + 1) {
+            end = strchr(line, '\n');
+            CHECK(end, "report: %s", line);
+            *end = '\0';
+            unsigned number, gpu, has, stripe, ok;
+            size_t nfds;
+            char name[PATH_MAX], want[PATH_MAX];
+            CHECK(sscanf(line, "%u %u %u %u %zu %u %255s", &number, &gpu, &has, &stripe, &nfds, &ok, name) == 7,
+                  "report: %s", line);
+            size_t g = gpu == gpus[0] ? 0 : 1;
+            CHECK((gpu == gpus[0] || gpu == gpus[1]) && stripe < n && ok && nfds <= max_fds,
+                  "%u per GPU (%u fds a message): %s", per_gpu, max_fds, line);
+            CHECK(has == (stripe != 0), "%u per GPU: stripe set for data file 0, or left out for another: %s",
+                  per_gpu, line);
+            CHECK(stripe == next[g]++, "%u per GPU: data file %u of GPU %u out of turn: %s", per_gpu, stripe, gpu,
+                  line);
+            data_file(want, "0123456789abcdef", gpu, stripe, "");
+            CHECK(strcmp(name, want) == 0, "%u per GPU: %s named %s", per_gpu, want, name);
+            seen[g][stripe]++;
+            lines++;
+        }
+        CHECK(lines == (refused ? 0 : NGPUS * n), "%u per GPU: %u files attached", per_gpu, lines);
+        for (size_t g = 0; g < NGPUS && !refused; g++)
+            for (uint32_t k = 0; k < n; k++)
+                CHECK(seen[g][k] == 1, "%u per GPU: data file %u of GPU %u attached %u times", per_gpu, k, gpus[g],
+                      seen[g][k]);
+    }
+    close(src);
+    close(dfd);
+    remove_dir(path);
+    return 0;
+}
+
 const struct test files_tests[] = {
     {"dump_commit", t_dump_commit, "all quick"},
     {"dump_no_commit", t_dump_no_commit, "all quick"},
@@ -503,5 +889,7 @@ const struct test files_tests[] = {
     {"marks_and_sweep", t_marks_and_sweep, "all quick"},
     {"sibling_children", t_sibling_children, "all quick"},
     {"fake_asks_for_a_file", t_fake_asks_for_a_file, "all quick"},
+    {"data_file_names", t_data_file_names, "all quick"},
+    {"data_files_per_gpu", t_data_files_per_gpu, "all quick"},
     {NULL, NULL, NULL},
 };

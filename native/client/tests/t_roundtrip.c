@@ -623,8 +623,9 @@ static int run_with_parents(struct vramd_conn *c, int kind, int dfd, const int *
 
 /*
  * Against the tight daemon of tight_limits (max_fds_per_message 7): an image with three parents needs
- * four data files, each attached with its O_DIRECT twin where the file system allows: more files than
- * one AttachFiles carries, for the child's dump (its parents' files) and for its restore.
+ * four images' data files (each as many as the daemon asks a dump for per GPU), each attached with its
+ * O_DIRECT twin where the file system allows: more files than one AttachFiles carries, for the child's
+ * dump (its parents' files) and for its restore.
  */
 static int t_tight_limits_chain(void)
 {

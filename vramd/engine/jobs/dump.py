@@ -1,4 +1,4 @@
-"""The dump job: BOs -> a new image (format v2).
+"""The dump job: BOs -> a new image (format v3: v2, a GPU's records in one or more data files).
 
 Fill copies BO bytes into staging; transform finds each piece's fate (a
 hole; bytes a record of this image or of a parent holds already, by their
@@ -9,8 +9,10 @@ chunk table and writes the manifest (the client commits the image; in-process,
 the writer's DumpDirectory does).  Where every piece of a batch is a CPU
 copy, one copy thread does all three for the batch (`DumpEnds.run`): one
 batchcopy call copies, scans for zeros and hashes (xxh3), then the content
-hashes, the encoding and the writes.  A batch that is one big raw piece is
-written with O_DIRECT where the file system allows it (`DIRECT_MIN`): its
+hashes, the encoding and the writes, into the first of the GPU's data files
+no other copy thread is writing (`ImageWriter.claim`).  A batch that is one
+big raw piece is written with O_DIRECT where the file system allows it
+(`DIRECT_MIN`): its
 head sits in the slot's head page right before the payload, so the record
 goes from staging to the disk with no CPU copy, at a page-aligned file
 offset (the bytes before the head in that page, and after the payload up to
@@ -82,6 +84,8 @@ class Piece:
     length: int = 0                  # and its payload's length
     rsum: int = 0
     payload: int = 0
+    file: int = 0                    # and the index of the data file that holds it
+
 
 SOURCE_KINDS = {"procmem": pb.SOURCE_PROCMEM, "mmap": pb.SOURCE_MMAP, "sdma": pb.SOURCE_SDMA}
 
@@ -171,15 +175,16 @@ class DumpEnds:
                     raise
         clock.lap("encode")
         if recs:
-            file = tasks[0].bo.file
-            assert file is not None and all(t.bo.file is file for t in tasks)  # one lane = one GPU = one file
+            gpu = tasks[0].bo.gpu_id
+            assert all(t.bo.gpu_id == gpu for t in tasks)  # one lane = one GPU: its data files
             t0 = recs[0][0]
             start = time.perf_counter()
-            if len(recs) == 1 and recs[0][1].enc is None and t0.length >= DIRECT_MIN and self.direct \
-                    and file.direct_fd() is not None:
-                self._write_direct(file, t0, buf, recs[0][2], recs[0][1])
-            else:
-                self._write(file, buf, recs)
+            direct = len(recs) == 1 and recs[0][1].enc is None and t0.length >= DIRECT_MIN and self.direct
+            with self.writer.claim(gpu, direct=direct) as file:
+                if direct and file.direct_fd() is not None:
+                    self._write_direct(file, t0, buf, recs[0][2], recs[0][1])
+                else:
+                    self._write(file, buf, recs)
             if self.policy is not None:
                 self.policy.observe_sink(sum(p.length for _t, p, _h in recs), time.perf_counter() - start)
             clock.lap("write")
@@ -223,7 +228,7 @@ class DumpEnds:
             file.pwrite([view], at, bo_id=t.bo.id, bo_offset=t.offset, direct=True)
         finally:
             view.release()
-        p.at, p.length, p.rsum, p.payload = at + HEAD_PAGE - h, h + n, record_checksum(head), n
+        p.at, p.length, p.rsum, p.payload, p.file = at + HEAD_PAGE - h, h + n, record_checksum(head), n, file.index
 
     def _write(self, file: DataFileWriter, buf: StagingBuffer,
                recs: list[tuple[ChunkTask[DumpBo], Piece, bytes]]) -> None:
@@ -245,7 +250,7 @@ class DumpEnds:
                 if isinstance(v, memoryview):
                     v.release()
         for (_t, p, head), n in zip(recs, sizes):
-            p.at, p.length, p.rsum, p.payload = at, len(head) + n, record_checksum(head), n
+            p.at, p.length, p.rsum, p.payload, p.file = at, len(head) + n, record_checksum(head), n, file.index
             at += p.length
 
     def landed(self, tasks: list[ChunkTask[DumpBo]], pieces: list[Piece]) -> None:
@@ -263,8 +268,7 @@ class DumpEnds:
                 else:
                     bo.dedup_bytes += t.length
                 continue
-            assert bo.file is not None  # every BO with bytes has a data file
-            number = self.index.stored(Entry(0, bo.file.index, p.at, p.length, p.rsum, t.length, p.chash, p.base))
+            number = self.index.stored(Entry(0, p.file, p.at, p.length, p.rsum, t.length, p.chash, p.base))
             bo.refs[t.index] = (number, p.chash)
             bo.stored_bytes += p.payload
             if p.enc is not None and p.enc.codec != pb.CODEC_RAW:
@@ -346,15 +350,16 @@ class DumpEnds:
             bo.delta_misses += 1
 
     async def drain(self, tasks: list[ChunkTask[DumpBo]], bufs: list[StagingBuffer], pieces: list[Piece]) -> None:
-        # A batch is one GPU lane, so its records all go to that GPU's data file:
-        # one reservation, one vectored write (at most 2 x MAX_BATCH iovecs).
+        # A batch is one GPU lane, so its records all go to one of that GPU's data files (each in turn, each
+        # written by a thread of its own): one reservation, one vectored write (at most 2 x MAX_BATCH iovecs).
         recs = [(t, p) for t, p in zip(tasks, pieces) if p.kind == STORE]
         write = None
         error: BaseException | None = None
         try:
             if recs:
-                file = recs[0][0].bo.file
-                assert file is not None and all(t.bo.file is file for t, _ in recs)  # one lane = one data file
+                gpu = recs[0][0].bo.gpu_id
+                assert all(t.bo.gpu_id == gpu for t, _ in recs)  # one lane = one GPU
+                file = self.writer.next_file(gpu)
                 iov: list[Bytes] = []
                 for _, p in recs:
                     assert p.enc is not None
@@ -368,7 +373,7 @@ class DumpEnds:
                 for _, p in recs:
                     assert p.enc is not None
                     p.at, p.length, p.rsum = off, p.enc.record_length, p.enc.record_checksum
-                    p.payload = len(p.enc.payload)
+                    p.payload, p.file = len(p.enc.payload), file.index
                     off += p.length
         except BaseException as e:  # let the write already started land before reporting
             error = e

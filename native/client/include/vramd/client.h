@@ -313,6 +313,9 @@ struct vramd_open_args {
  *   parents (-EINVAL, always); removes the temporaries a crashed dump left;
  *   passes the parents' manifest.vrdm and attaches the parents' data files
  *   the daemon names.  Nothing in the directory changes until vramd_wait.
+ *   A daemon that asks for more than 16 data files per GPU (more than the
+ *   image format numbers) is refused: -EPROTO, code VRAMD_CODE_LOCAL, and
+ *   the session is closed again.
  *   Restore/verify: opens manifest.vrdm in dir_fd and in each parent, then
  *   every data file the daemon names (image k in parent k), and attaches
  *   them (a verify starts once the last is attached).
@@ -347,8 +350,10 @@ struct vramd_bo {
  * NULL) is the last reply.  A failure part-way leaves the earlier messages
  * taken (and, for a job error, fails the whole session: see the protocol).
  * Dump: before the first BO of a GPU (a BO without gpu_id is GPU 0), the
- * GPU's data file is created in the image directory as
- * data-<image id>-<gpu id>.vrd.tmp and attached.
+ * GPU's data files are created in the image directory and attached: as many
+ * as the daemon asked for at OpenSession (1 to 16), the first as
+ * data-<image id>-<gpu id>.vrd.tmp, file k (1 to 15) as
+ * data-<image id>-<gpu id>-<k as one hex digit>.vrd.tmp.
  */
 VRAMD_API int vramd_add_bos(struct vramd_conn *conn, const struct vramd_token *token, const struct vramd_bo *bos,
                             size_t n, struct vramd_session_info *info, struct vramd_error *err);
