@@ -59,11 +59,14 @@ def test_a_stripe_name_in_a_v2_manifest_is_corrupt():
 
 def test_each_copy_thread_claims_a_data_file_no_other_one_writes(tmp_path):
     """claim: the first free stripe; with every one busy, the next in turn once it is free.  A write meant
-    for O_DIRECT (it waits on the device) always takes the first, one at a time."""
+    for O_DIRECT always takes the first, one at a time, where it waits on a device; into tmpfs (memory),
+    it claims as any write does."""
     w = ImageWriter(ID, chunk_size=MiB, compression=pb.Compression(codec=pb.CODEC_RAW), stripes=2)
     fds = [os.open(tmp_path / f"f{k}", os.O_RDWR | os.O_CREAT, 0o600) for k in range(2)]
     try:
         files = [w.attach(7, fd, stripe=k) for k, fd in enumerate(fds)]
+        for f in files:
+            f.memory = False  # on a disk, whatever tmp_path is here
         with pytest.raises(InvalidRequestError, match="attached already"):
             w.attach(7, fds[0], stripe=1)
         with pytest.raises(InvalidRequestError, match="stripes 0 to 1"):
@@ -98,6 +101,9 @@ def test_each_copy_thread_claims_a_data_file_no_other_one_writes(tmp_path):
             assert f is files[0]
             with w.claim(7) as g:
                 assert g is files[1]
+        files[0].memory = True  # tmpfs: its "O_DIRECT" writes wait on no device
+        with w.claim(7) as f, w.claim(7, direct=True) as g:
+            assert (f, g) == (files[0], files[1])
     finally:
         w.close()
         for fd in fds:

@@ -32,7 +32,7 @@ from typing import Protocol
 
 from .. import __version__
 from ..errors import InvalidRequestError
-from ..hostmem.libc import SYNC_FILE_RANGE_WRITE, libc
+from ..hostmem.libc import SYNC_FILE_RANGE_WRITE, libc, memory_file
 from ..hostmem.libc import ffi as libc_ffi
 from ..pb import image_pb2 as pb
 from .fileio import image_os_error, pwrite_all
@@ -84,12 +84,14 @@ class DataFileWriter:
     _opened: Future[None] = field(init=False, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
     busy: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)  # ImageWriter.claim
+    memory: bool = field(init=False, default=False)  # on a file system whose files are memory (tmpfs)
     # bytes written through the page cache since the last writeback began (_written), and whether the
     # file system takes sync_file_range at all
     _dirty: int = field(default=0, init=False, repr=False)
     _writeback: bool = field(default=True, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        self.memory = memory_file(self.fd)
         self.end = len(encode_data_header(self.image_id))
         self.writer = ThreadPoolExecutor(1, thread_name_prefix=f"vramd-write-{self.gpu_id:x}.{self.stripe}")
         self._opened = self.writer.submit(self._begin)
@@ -234,16 +236,17 @@ class ImageWriter:
         the kernel, under its inode lock, where the waiter spins: two copy threads writing 1 GiB into two
         tmpfs files instead of one spent 0.48 CPU s/GiB instead of 0.76 (bench/README.md).
 
-        `direct`, a write meant for O_DIRECT, which waits on the device: always the first file, one such
-        write at a time, as one file made them go before stripes (the waiter sleeps here).  On a 2-core
-        VM's virtual disk, two at once into two files made 1 GiB dumps 30 % slower (1.41 -> 0.99 GB/s);
-        one at a time they ran as fast as into one file."""
+        `direct`, a write meant for O_DIRECT: where it waits on a device (not on tmpfs, whose files are
+        memory), always the first file, one such write at a time, as one file made them go before
+        stripes (the waiter sleeps here).  On a 2-core VM's virtual disk, two at once into two files
+        made 1 GiB dumps 30 % slower (1.41 -> 0.99 GB/s); one at a time they ran as fast as into one."""
         files = self._gpus[gpu_id]
-        for f in files[:1] if direct else files:
+        device = direct and not files[0].memory
+        for f in files[:1] if device else files:
             if f.busy.acquire(blocking=False):
                 break
         else:
-            f = files[0] if direct else self.next_file(gpu_id)
+            f = files[0] if device else self.next_file(gpu_id)
             f.busy.acquire()
         try:
             yield f
