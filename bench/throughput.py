@@ -870,7 +870,8 @@ def main() -> int:
     ap.add_argument("--copy-threads", type=int, help="the engine's copy threads (default: its own, the core count)")
     ap.add_argument("--inflight", type=int, help="the engine's batches in flight per GPU (default: its own)")
     ap.add_argument("--data-files-per-gpu", type=int,
-                    help="a dump's data files per GPU (default: the engine's, the fewer of copy threads and 4)")
+                    help="a dump's data files per GPU (default: the engine's, the fewer of its copy threads and "
+                         "a dump's batches in flight per GPU)")
     ap.add_argument("--chunk", help=f"the image's chunk size, every stage's buffer (default {CHUNK >> 20} MiB)")
     ap.add_argument("--judge", metavar="ROWS_JSON",
                     help="judge the rows of an earlier run (its --out file) again, and rewrite its verdicts")

@@ -499,7 +499,7 @@ def test_a_cached_record_is_read_through_the_page_cache_and_an_evicted_one_with_
 
 
 def test_a_dump_keeps_fewer_batches_in_flight_than_a_restore(image_dir, monkeypatch):
-    """A dump's lane ends in one data file, written a batch at a time: it keeps at most
+    """A dump's lane ends in its GPU's data files, each written a batch at a time: it keeps at most
     dump_inflight_per_gpu (by default 4) batches in its copy threads, where a restore keeps
     inflight_per_gpu.  The first copy-thread batches wait at a barrier for each other (four for the dump,
     five for the restore: more than a dump may have), and the most batches seen in the copy threads at

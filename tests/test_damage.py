@@ -117,7 +117,7 @@ def test_truncated_data_file(dumped):
         with pytest.raises(errors.TruncatedDataError) as ei:
             action()
         assert name in str(ei.value) and ei.value.bo_id is not None and ei.value.offset is not None
-    # the first chunk cut short is named: with one data file it is the last one written at or after off
+    # a chunk the cut lost is named (of the data file cut: a GPU's records may lie in several)
     assert ei.value.bo_id in data
 
 

@@ -12,12 +12,14 @@ import os
 import threading
 
 import pytest
-from helpers import memfd, open_dir
+from helpers import engine, memfd, open_dir, run
 
+from vramd.backends import BoRef
 from vramd.client import SESSION_DUMP, SESSION_RESTORE, Client, ClientBo
-from vramd.engine import EngineConfig
+from vramd.engine import BoSpec, EngineConfig, RestoreTarget
 from vramd.errors import CorruptManifestError, InvalidRequestError
 from vramd.image.format import (
+    DATA_HEADER,
     FORMAT_VERSION,
     MANIFEST_NAME,
     MAX_STRIPES,
@@ -69,7 +71,7 @@ def test_each_copy_thread_claims_a_data_file_no_other_one_writes(tmp_path):
             f.memory = False  # on a disk, whatever tmp_path is here
         with pytest.raises(InvalidRequestError, match="attached already"):
             w.attach(7, fds[0], stripe=1)
-        with pytest.raises(InvalidRequestError, match="stripes 0 to 1"):
+        with pytest.raises(InvalidRequestError, match="takes 2 per GPU"):
             w.attach(7, fds[0], stripe=2)
         assert w.data_file(7) is files[0]
         holding, release = threading.Event(), threading.Event()
@@ -102,6 +104,10 @@ def test_each_copy_thread_claims_a_data_file_no_other_one_writes(tmp_path):
             with w.claim(7) as g:
                 assert g is files[1]
         files[0].memory = True  # tmpfs: its "O_DIRECT" writes wait on no device
+        with w.claim(7) as f, w.claim(7, direct=True) as g:
+            assert (f, g) == (files[0], files[1])
+        files[0].memory = False
+        files[0].direct = None  # no O_DIRECT twin: the write goes through the page cache, like any other
         with w.claim(7) as f, w.claim(7, direct=True) as g:
             assert (f, g) == (files[0], files[1])
     finally:
@@ -184,3 +190,85 @@ def test_the_daemon_takes_only_the_stripes_it_asked_for(daemon, image_dir, tmp_p
             os.close(fd)
             c._close_quietly(s.token)
             c._forget(s.token)
+
+
+@pytest.mark.parametrize("stripes", [1, 2, 3])
+def test_records_in_any_stripe_restore_and_the_version_says_how_many(image_dir, monkeypatch, stripes):
+    """Every record written into the GPU's last data file (claim made to give it): the chunk table names it,
+    a restore and a verify read them back.  One data file per GPU is a format v2 image (older readers read
+    it), more is v3, in the manifest and in every data file's header."""
+    path, dfd = image_dir
+    real = ImageWriter.claim
+
+    def last(self, gpu_id, *, direct=False):
+        files = self._gpus[gpu_id]
+        return real(self, gpu_id) if len(files) == 1 else _holding(files[-1])
+    monkeypatch.setattr(ImageWriter, "claim", last)
+    content = os.urandom(5 * MiB + 4096)
+    src, dst = memfd(content), memfd(size=len(content))
+    try:
+        async def go():
+            async with engine(chunk_size=MiB, staging_budget=16 * MiB, data_files_per_gpu=stripes) as e:
+                m = await e.dump(dfd, [BoSpec(1, len(content), BoRef("mmap", src))])
+                await e.restore(dfd, [RestoreTarget(1, BoRef("mmap", dst))])
+                await e.verify(dfd)
+                return m
+        m = run(go())
+        assert os.pread(dst, len(content) + 1, 0) == content
+    finally:
+        os.close(src)
+        os.close(dst)
+    assert [f.name for f in m.files] == [data_file_name(m.image_id, 0, k) for k in range(stripes)]
+    assert set(m.chunks.file_index) == {stripes - 1} and len(m.chunks.file_index) == 6
+    version = 2 if stripes == 1 else FORMAT_VERSION
+    assert m.format_version == version
+    for f in m.files:
+        assert DATA_HEADER.unpack_from((path / f.name).read_bytes())[1] == version
+
+
+def _holding(f):
+    """claim's context for one given file (the test's choice)."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def hold():
+        with f.busy:
+            yield f
+    return hold()
+
+
+def test_a_refused_message_attaches_none_of_its_data_files(daemon, image_dir, tmp_path):
+    """A message of a dump's data files refused part-way (a bad name after a good one) leaves none of them
+    attached: the client removes them, and may attach the GPU's files again; a stripe attached twice, or far
+    out of range, is INVALID_REQUEST, and the daemon goes on."""
+    content = os.urandom(3 * MiB)
+    src = memfd(content)
+    with Client(daemon.socket) as c:
+        s = c.open_session(SESSION_DUMP, image_dir[1], chunk_size=MiB)
+        n = s.data_files_per_gpu
+        fds = [os.open(tmp_path / f"f{k}", os.O_RDWR | os.O_CREAT, 0o600) for k in range(2)]
+
+        def attach(*refs: tuple[int, int, str]) -> None:  # (gpu, stripe, name), one message
+            out = [ClientFile(0, name, fds[i], None, gpu, stripe) for i, (gpu, stripe, name) in enumerate(refs)]
+            for msg in c.protocol.attach_requests(s.token, out):
+                raise_for_error(c._exchange(msg))
+        try:
+            first = data_file_name(s.image_id, 0)
+            # a good file, then a bad one: stripe 1 under stripe 0's name (or, with one file a GPU, a GPU the
+            # daemon does not know)
+            bad = (0, 1, first) if n > 1 else (42, 0, data_file_name(s.image_id, 42))
+            with pytest.raises(InvalidRequestError, match="must be" if n > 1 else "not a GPU of this daemon"):
+                attach((0, 0, first), bad)
+            with pytest.raises(InvalidRequestError, match=f"takes {n} per GPU"):
+                attach((0, 0xFFFFFFFF, first))
+            attach((0, 0, first))  # not attached by the refused message: taken now
+            with pytest.raises(InvalidRequestError, match="attached already"):
+                attach((0, 0, first))
+        finally:
+            for fd in fds:
+                os.close(fd)
+            c._close_quietly(s.token)
+            c._forget(s.token)
+        info, _ = _dump(c, image_dir[1], [ClientBo(1, src, size=len(content))])  # the daemon goes on
+        assert info.state == rpc.SESSION_DONE
+    os.close(src)

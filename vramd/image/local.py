@@ -37,6 +37,7 @@ from ..errors import (
     NotWritableError,
     ParentMismatchError,
     PermissionDeniedError,
+    ProtocolError,
     TruncatedDataError,
     VramdError,
     from_os_error,
@@ -314,8 +315,8 @@ class DumpDirectory:
         if len(image_id) != 16:
             raise InvalidRequestError(f"the daemon named the image with {len(image_id)} bytes, not 16")
         if stripes > MAX_STRIPES:
-            raise InvalidRequestError(f"the daemon asked for {stripes} data files per GPU; the format allows "
-                                      f"{MAX_STRIPES}")
+            raise ProtocolError(f"the daemon asked for {stripes} data files per GPU; the format allows "
+                                f"{MAX_STRIPES}")
         self.image_id = image_id
         self.stripes = max(1, stripes)
 

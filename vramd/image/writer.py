@@ -79,6 +79,7 @@ class DataFileWriter:
     image_id: bytes
     direct: int | None = None
     stripe: int = 0  # which of its GPU's data files
+    version: int = FORMAT_VERSION  # the image's format version, in the header
     end: int = 0  # next free byte
     writer: ThreadPoolExecutor = field(init=False, repr=False)
     _opened: Future[None] = field(init=False, repr=False)
@@ -92,7 +93,7 @@ class DataFileWriter:
 
     def __post_init__(self) -> None:
         self.memory = memory_file(self.fd)
-        self.end = len(encode_data_header(self.image_id))
+        self.end = len(encode_data_header(self.image_id, self.version))
         self.writer = ThreadPoolExecutor(1, thread_name_prefix=f"vramd-write-{self.gpu_id:x}.{self.stripe}")
         self._opened = self.writer.submit(self._begin)
 
@@ -104,7 +105,7 @@ class DataFileWriter:
     def _begin(self) -> None:
         try:
             os.ftruncate(self.fd, 0)  # whatever the file held: the image is only what this dump writes
-            pwrite_all(self.fd, [encode_data_header(self.image_id)], 0)
+            pwrite_all(self.fd, [encode_data_header(self.image_id, self.version)], 0)
         except OSError as e:
             raise image_os_error(e, f"cannot write {self.tmp}") from None
 
@@ -195,8 +196,10 @@ class ImageWriter:
         self.chunk_size = chunk_size
         self.compression = compression
         self.stripes = stripes  # data files per GPU the client may attach (SessionInfo.data_files_per_gpu)
+        # One data file per GPU is format v2, which readers older than v3 read; more is v3 (docs/image-format.md).
+        self.version = FORMAT_VERSION if stripes > 1 else 2
         self.files: dict[tuple[int, int], DataFileWriter] = {}  # (gpu_id, stripe) -> its data file
-        self._gpus: dict[int, list[DataFileWriter]] = {}  # gpu_id -> its data files, as attached
+        self._gpus: dict[int, list[DataFileWriter]] = {}  # gpu_id -> its data files, in stripe order
         self._turn: dict[int, int] = {}  # gpu_id -> the last of its files `next_file` gave
         self._turn_lock = threading.Lock()
         self.local = local
@@ -204,18 +207,41 @@ class ImageWriter:
         # The manifest is built, encoded and written off the event loop, in the image's own thread.
         self._dirops = ThreadPoolExecutor(1, thread_name_prefix="vramd-image")
 
-    def attach(self, gpu_id: int, fd: int, direct: int | None = None, stripe: int = 0) -> DataFileWriter:
-        """Data file `stripe` of `gpu_id` (the caller checked the fds; they stay the caller's)."""
+    def check_stripe(self, gpu_id: int, stripe: int) -> None:
+        """INVALID_REQUEST unless data file `stripe` of the GPU is one this dump takes and is not attached yet."""
         if not 0 <= stripe < self.stripes:
-            raise InvalidRequestError(f"stripe {stripe} of gpu_id {gpu_id:#x}: this dump writes stripes 0 to "
-                                      f"{self.stripes - 1} (data_files_per_gpu {self.stripes})")
+            raise InvalidRequestError(f"data file {stripe} of gpu_id {gpu_id:#x}: this dump takes {self.stripes} per "
+                                      f"GPU (data_files_per_gpu), 0 to {self.stripes - 1}")
         if (gpu_id, stripe) in self.files:
             raise InvalidRequestError(f"data file {stripe} of gpu_id {gpu_id:#x} is attached already")
+
+    def attach(self, gpu_id: int, fd: int, direct: int | None = None, stripe: int = 0, *,
+               publish: bool = True) -> DataFileWriter:
+        """Data file `stripe` of `gpu_id` (the caller checked the fds; they stay the caller's).  `publish`
+        False: written into only once `publish` is called with it (or forgotten again: `detach`)."""
+        self.check_stripe(gpu_id, stripe)
         f = self.files[(gpu_id, stripe)] = DataFileWriter(
             len(self.files), gpu_id, data_file_name(self.image_id, gpu_id, stripe), fd, self.image_id, direct,
-            stripe=stripe)
-        self._gpus.setdefault(gpu_id, []).append(f)
+            stripe=stripe, version=self.version)
+        if publish:
+            self.publish([f])
         return f
+
+    def publish(self, files: Sequence[DataFileWriter]) -> None:
+        """Let the copy threads write into `files`.  Each GPU's list is replaced, never changed in place:
+        a copy thread in `claim` holds the list it read."""
+        for f in files:
+            self._gpus[f.gpu_id] = sorted([*self._gpus.get(f.gpu_id, ()), f], key=lambda x: x.stripe)
+
+    def detach(self, files: Sequence[DataFileWriter]) -> None:
+        """Forget data files attached last and never published (an AttachFiles message refused part-way:
+        the clients remove the files of that message, so none of them may be listed in the manifest)."""
+        last = sorted(self.files.values(), key=lambda x: x.index)[len(self.files) - len(files):]
+        assert sorted(f.index for f in files) == [f.index for f in last], "detach: not the last attached"
+        for f in files:
+            assert f not in self._gpus.get(f.gpu_id, ()), "detach: a published file"
+            del self.files[(f.gpu_id, f.stripe)]
+            f.writer.shutdown(wait=False)  # its header write (into a file the client removes) ends by itself
 
     def data_file(self, gpu_id: int) -> DataFileWriter:
         """The GPU's data file (stripe 0): attached, or from the writer's file source with all its stripes;
@@ -225,7 +251,7 @@ class ImageWriter:
             if self.local is None:
                 raise InvalidRequestError(f"no data file is attached for gpu_id {gpu_id:#x} (AttachFiles)")
             for k in range(self.stripes):
-                f = self.attach(gpu_id, *self.local.file_source(gpu_id, k), stripe=k)
+                self.attach(gpu_id, *self.local.file_source(gpu_id, k), stripe=k)
             f = self.files[(gpu_id, 0)]
         return f
 
@@ -236,12 +262,13 @@ class ImageWriter:
         the kernel, under its inode lock, where the waiter spins: two copy threads writing 1 GiB into two
         tmpfs files instead of one spent 0.48 CPU s/GiB instead of 0.76 (bench/README.md).
 
-        `direct`, a write meant for O_DIRECT: where it waits on a device (not on tmpfs, whose files are
-        memory), always the first file, one such write at a time, as one file made them go before
-        stripes (the waiter sleeps here).  On a 2-core VM's virtual disk, two at once into two files
-        made 1 GiB dumps 30 % slower (1.41 -> 0.99 GB/s); one at a time they ran as fast as into one."""
-        files = self._gpus[gpu_id]
-        device = direct and not files[0].memory
+        `direct`, a write meant for O_DIRECT: where it waits on a device (the file has an O_DIRECT twin and
+        is not on tmpfs, whose files are memory), always stripe 0, one such write at a time, as one file
+        made them go before stripes (the waiter sleeps here).  On a 2-core VM's virtual disk, two at once
+        into two files made 1 GiB dumps 24-30 % slower (1.41 -> 0.99 GB/s); one at a time they ran as fast
+        as into one."""
+        files = self._gpus[gpu_id]  # in stripe order: stripe 0 first (data_file made sure it is there)
+        device = direct and files[0].direct is not None and not files[0].memory
         for f in files[:1] if device else files:
             if f.busy.acquire(blocking=False):
                 break
@@ -284,7 +311,7 @@ class ImageWriter:
                          topology_json: bytes, chunks: pb.ChunkTable | None,
                          parents: Sequence[pb.ParentRef]) -> pb.Manifest:
         manifest = pb.Manifest(
-            format_version=FORMAT_VERSION, image_id=self.image_id, writer=f"vramd {__version__}",
+            format_version=self.version, image_id=self.image_id, writer=f"vramd {__version__}",
             created_unix_ns=time.time_ns(), chunk_size=self.chunk_size, compression=self.compression,
             files=[pb.DataFile(name=f.name, gpu_id=f.gpu_id, length=f.end) for f in files],
             totals=totals, topology_json=topology_json, parents=parents,

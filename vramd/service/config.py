@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..image.codec import Compression
+from ..image.format import MAX_STRIPES
 from ..protocol.frames import DEFAULT_MAX_MESSAGE, SCM_MAX_FD
 from ..topology import CHECK_ENV, DEFAULT_ROOT
 from ..units import PAGE, MiB, parse_size
@@ -179,7 +180,7 @@ KEYS: dict[str, Callable[[object], Any]] = {
     "copy_threads": _int(0, 4096),
     "dump_inflight_per_gpu": _int(0, 4096),
     "device_inflight_per_gpu": _int(0, 4096),
-    "data_files_per_gpu": _int(0, 16),
+    "data_files_per_gpu": _int(0, MAX_STRIPES),
     "workers_per_gpu": _int(1, 4096),
     "io_threads": _int(1, 4096),
     "allowed_uids": _list(_UID, "uids"),
@@ -225,7 +226,7 @@ class DaemonConfig:
     copy_threads: int = 0      # 0: the core count
     dump_inflight_per_gpu: int = 0  # 0: inflight_per_gpu, at most 4 (EngineConfig)
     device_inflight_per_gpu: int = 0  # 0: 2 (EngineConfig)
-    data_files_per_gpu: int = 0  # a dump's data files per GPU; 0: the fewer of copy threads and dump batches in flight
+    data_files_per_gpu: int = 0  # a dump's data files per GPU; 0: the fewer of copy_threads and dump_inflight_per_gpu
     workers_per_gpu: int | None = None  # the old name of inflight_per_gpu, still accepted
     io_threads: int = 4
     allowed_uids: list[int] = field(default_factory=lambda: sorted({0, os.getuid()}))

@@ -36,6 +36,7 @@ from ..image.codec import compression_name
 from ..image.fileio import check_attached, check_direct
 from ..image.format import data_file_name, manifest_tmp_name
 from ..image.reader import ImageReader
+from ..image.writer import DataFileWriter
 from ..pb import image_pb2 as pb
 from ..pb import rpc_pb2 as rpc
 from ..protocol.fds import FdBundle, close_fds
@@ -229,39 +230,54 @@ class Session:
     async def attach(self, files: Sequence[rpc.FileRef], bundle: FdBundle) -> None:
         """Take the image files of one AttachFiles message: files_needed entries, and a dump's data files.
         Each is checked as it comes (fileio.check_attached; a read image's header and length in a thread);
-        the first bad one is the reply's error (the files before it stay attached)."""
+        the first bad one is the reply's error.  The files_needed entries before it stay attached; a dump's
+        own data files of the message do not (the clients remove the files of a refused message, so the
+        manifest must not list one of them; the GPU's files can then be attached again).  Those are written
+        into only once the whole message is taken (`ImageWriter.publish`)."""
         async with self._adding:
             self._check_open()
             job = self.job
-            for f in files:
-                fd = self._keep(bundle, f.fd_index)
-                direct = self._keep(bundle, f.direct_fd_index) if f.HasField("direct_fd_index") else None
-                if isinstance(job, DumpJob) and f.HasField("gpu_id"):
-                    self._attach_data_file(job, f, fd, direct)
-                    continue
-                reader = self._reader()
-                if reader is None:
-                    raise InvalidRequestError(f"{f.name!r} is not a file this session needs (a dump without a "
-                                              "parent needs only its own data files, each with its gpu_id)")
-                shift = 1 if isinstance(job, DumpJob) else 0
-                if f.image < shift:
-                    raise InvalidRequestError(f"{f.name!r}: a dump's own data file names its gpu_id")
-                await reader.attach(f.image - shift, f.name, fd, direct)
-                self._check_open()  # still open after the check in a thread
+            own: list[DataFileWriter] = []  # a dump's own data files this message attached
+            try:
+                for f in files:
+                    fd = self._keep(bundle, f.fd_index)
+                    direct = self._keep(bundle, f.direct_fd_index) if f.HasField("direct_fd_index") else None
+                    if isinstance(job, DumpJob) and f.HasField("gpu_id"):
+                        own.append(self._attach_data_file(job, f, fd, direct))
+                    else:
+                        await self._attach_needed(job, f, fd, direct)
+            except BaseException:
+                if own:
+                    assert isinstance(job, DumpJob)
+                    job.writer.detach(own)
+                raise
+            if own:
+                assert isinstance(job, DumpJob)
+                job.writer.publish(own)
             if self.ready and self.kind == rpc.SESSION_VERIFY and self.state == rpc.SESSION_OPEN:
                 self._enter(rpc.SESSION_SEALED)
                 self._end_soon()
 
-    def _attach_data_file(self, job: DumpJob, f: rpc.FileRef, fd: int, direct: int | None) -> None:
+    async def _attach_needed(self, job: Job, f: rpc.FileRef, fd: int, direct: int | None) -> None:
+        """A file of files_needed: of the image a restore or verify reads, or of a parent."""
+        reader = self._reader()
+        if reader is None:
+            raise InvalidRequestError(f"{f.name!r} is not a file this session needs (a dump without a "
+                                      "parent needs only its own data files, each with its gpu_id)")
+        shift = 1 if isinstance(job, DumpJob) else 0
+        if f.image < shift:
+            raise InvalidRequestError(f"{f.name!r}: a dump's own data file names its gpu_id")
+        await reader.attach(f.image - shift, f.name, fd, direct)
+        self._check_open()  # still open after the check in a thread
+
+    def _attach_data_file(self, job: DumpJob, f: rpc.FileRef, fd: int, direct: int | None) -> DataFileWriter:
         """A dump's data file for one GPU (one of its data_files_per_gpu: `stripe`): created by the client under
-        the name the image id gives it."""
-        gpu, stripe, stripes = f.gpu_id, f.stripe, job.writer.stripes
+        the name the image id gives it.  Attached, not yet written into (`ImageWriter.publish`)."""
+        gpu, stripe = f.gpu_id, f.stripe
         if gpu not in self.limits.gpu_ids:
             known = ", ".join(f"{g:#x}" for g in sorted(self.limits.gpu_ids))
             raise InvalidRequestError(f"gpu_id {gpu:#x} is not a GPU of this daemon (known: {known})")
-        if stripe >= stripes:
-            raise InvalidRequestError(f"data file {stripe} of gpu_id {gpu:#x}: this dump takes {stripes} per GPU "
-                                      f"(data_files_per_gpu), 0 to {stripes - 1}")
+        job.writer.check_stripe(gpu, stripe)
         want = data_file_name(self.image_id, gpu, stripe)
         if f.image != 0 or f.name != want:
             what = f"data file {stripe} of gpu_id {gpu:#x}" if stripe else f"data file of gpu_id {gpu:#x}"
@@ -270,7 +286,7 @@ class Session:
         check_attached(fd, want + ".tmp", write=True)
         if direct is not None:
             check_direct(direct, fd, want + ".tmp", write=True)
-        job.writer.attach(gpu, fd, direct, stripe)
+        return job.writer.attach(gpu, fd, direct, stripe, publish=False)
 
     async def add(self, bos: Sequence[rpc.Bo], bundle: FdBundle) -> None:
         """Take the BOs of one AddBos message (and the fds they name) into the job.

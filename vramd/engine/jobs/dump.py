@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from ...backends import Backend, Direction, OpenItem, land_all
-from ...errors import InvalidRequestError, JobError, LimitExceededError, VramdError
+from ...errors import InternalError, InvalidRequestError, JobError, LimitExceededError, VramdError
 from ...hostmem.batchcopy import HASH, ZERO, copy_batch, xor_into
 from ...hostmem.libc import ffi as libc_ffi
 from ...hostmem.libc import is_zero_ptr, libc
@@ -84,7 +84,7 @@ class Piece:
     length: int = 0                  # and its payload's length
     rsum: int = 0
     payload: int = 0
-    file: int = 0                    # and the index of the data file that holds it
+    file: int = -1                   # and the index of the data file that holds it
 
 
 SOURCE_KINDS = {"procmem": pb.SOURCE_PROCMEM, "mmap": pb.SOURCE_MMAP, "sdma": pb.SOURCE_SDMA}
@@ -178,9 +178,9 @@ class DumpEnds:
             gpu = tasks[0].bo.gpu_id
             assert all(t.bo.gpu_id == gpu for t in tasks)  # one lane = one GPU: its data files
             t0 = recs[0][0]
-            start = time.perf_counter()
             direct = len(recs) == 1 and recs[0][1].enc is None and t0.length >= DIRECT_MIN and self.direct
             with self.writer.claim(gpu, direct=direct) as file:
+                start = time.perf_counter()  # what the sink takes, not the wait for a file
                 if direct and file.direct_fd() is not None:
                     self._write_direct(file, t0, buf, recs[0][2], recs[0][1])
                 else:
@@ -268,6 +268,9 @@ class DumpEnds:
                 else:
                     bo.dedup_bytes += t.length
                 continue
+            if p.file < 0:
+                raise InternalError(f"a record of chunk {t.index} was stored in no data file", bo_id=bo.id,
+                                    offset=t.offset)
             number = self.index.stored(Entry(0, p.file, p.at, p.length, p.rsum, t.length, p.chash, p.base))
             bo.refs[t.index] = (number, p.chash)
             bo.stored_bytes += p.payload
@@ -409,7 +412,7 @@ class DumpJob(JobBase[DumpBo]):
             raise
 
     def inflight(self, ctx: JobContext) -> int:
-        """At most dump_inflight_per_gpu: a lane's batches all end in its one data file (EngineConfig)."""
+        """At most dump_inflight_per_gpu: more only keep more copy threads busy for no gain (EngineConfig)."""
         return ctx.dump_workers_per_gpu or ctx.workers_per_gpu
 
     def _chain(self, parent: ImageReader, hint: str, max_chain: int) -> None:
