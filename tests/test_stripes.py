@@ -272,3 +272,53 @@ def test_a_refused_message_attaches_none_of_its_data_files(daemon, image_dir, tm
         info, _ = _dump(c, image_dir[1], [ClientBo(1, src, size=len(content))])  # the daemon goes on
         assert info.state == rpc.SESSION_DONE
     os.close(src)
+
+
+def test_a_client_makes_a_gpus_data_files_again_after_their_attach_was_refused(run_dir, tmp_path):
+    """Past the uid's fd limit, a dump's data files are refused (LIMIT_EXCEEDED) part-way through their
+    message: the daemon keeps none of them and frees their fds, the client removes them, and once another
+    session ends the same add_bos makes, attaches and commits them; no stray file is left."""
+    from vramd.errors import LimitExceededError
+    from vramd.testing import DaemonProcess
+    per_file = 1 + _o_direct_here(tmp_path)  # a data file: its fd, and its O_DIRECT twin where allowed
+    limit = 2 * per_file + 1 + per_file  # A: two data files and a BO fd; B: room for one data file only
+    cfg = tmp_path / "vramd.toml"
+    cfg.write_text(f"data_files_per_gpu = 2\nmax_fds_per_uid = {limit}\n")
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    for d in dirs:
+        d.mkdir()
+    dfds = [open_dir(d) for d in dirs]
+    content = os.urandom(3 * MiB)
+    src = memfd(content)
+    try:
+        with DaemonProcess(run_dir, "--config", str(cfg)) as daemon, Client(daemon.socket) as c:
+            a = c.open_session(SESSION_DUMP, dfds[0], chunk_size=MiB)
+            c.add_bos(a.token, [ClientBo(1, src, size=len(content))])
+            b = c.open_session(SESSION_DUMP, dfds[1], chunk_size=MiB)
+            with pytest.raises(LimitExceededError, match="max_fds_per_uid"):
+                c.add_bos(b.token, [ClientBo(1, src, size=len(content))])
+            assert os.listdir(dirs[1]) == []  # the client removed what it made
+            c.close_session(a.token)  # its fds go: room for B's files
+            c.add_bos(b.token, [ClientBo(1, src, size=len(content))])
+            c.start(b.token)
+            info = c.wait(b.token)
+            assert info.state == rpc.SESSION_DONE
+            m = decode_manifest((dirs[1] / MANIFEST_NAME).read_bytes())
+            assert sorted(os.listdir(dirs[1])) == sorted([MANIFEST_NAME, *(f.name for f in m.files)])
+            assert [f.name for f in m.files] == [data_file_name(m.image_id, 0, k) for k in range(2)]
+            assert _restored(c, dfds[1], {1: len(content)}) == {1: content}
+            c._forget(b.token)
+            assert daemon.proc.poll() is None
+    finally:
+        for fd in (*dfds, src):
+            os.close(fd)
+
+
+def _o_direct_here(path) -> bool:
+    try:
+        fd = os.open(path / "probe", os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600)
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(path / "probe")
+    return True

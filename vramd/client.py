@@ -187,9 +187,13 @@ class Client:
     def _session_call_out(self, out: Outgoing) -> rpc.SessionInfo:
         return raise_for_error(self._exchange(out)).session
 
-    def _attach(self, token: str, files: Sequence[OpenedFile]) -> None:
+    def _attach(self, token: str, files: Sequence[OpenedFile], taken: list[int] | None = None) -> None:
+        """AttachFiles `files`, in as many messages as the limits need; `taken[0]` counts the files of the
+        messages the daemon took."""
         for out in self.protocol.attach_requests(token, [_wire(f) for f in files]):
             raise_for_error(self._exchange(out))
+            if taken is not None:
+                taken[0] += len(out.request.attach_files.files)
 
     def _close_quietly(self, token: str) -> None:
         try:
@@ -207,7 +211,15 @@ class Client:
             known = set(self.hello.allowed_gpu_ids)
             new = sorted(({b.gpu_id or 0 for b in bos} & known) - local.dump.gpus())
             if new:
-                self._attach(token, [f for g in new for f in local.dump.gpu_files(g)])
+                made = [f for g in new for f in local.dump.gpu_files(g)]
+                taken = [0]
+                try:
+                    self._attach(token, made, taken)
+                except BaseException:
+                    # the daemon attached none of a refused message's own data files: those, and the ones after,
+                    # go (the next add_bos makes and attaches them again)
+                    local.dump.drop(made[taken[0]:])
+                    raise
         info = None
         for out in self.protocol.add_bos_requests(token, bos):
             info = self._session_call_out(out)

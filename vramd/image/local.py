@@ -347,6 +347,20 @@ class DumpDirectory:
             f = self.data[(gpu_id, stripe)] = OpenedFile(0, name, fd, direct, gpu_id, stripe)
         return f
 
+    def drop(self, files: Iterable[OpenedFile]) -> None:
+        """Remove data files this dump created (their AttachFiles was refused: the daemon attached none of
+        them), so that the GPU's files are made and attached again by the next try."""
+        for f in files:
+            if self.data.pop((f.gpu_id or 0, f.stripe), None) is None:
+                continue
+            f.close()
+            tmp = f.name + ".tmp"
+            self._created.remove(tmp)
+            try:
+                os.unlink(tmp, dir_fd=self.dir_fd)
+            except OSError as e:
+                log.warning("%s not removed from %s: %s", tmp, self.where, e.strerror)
+
     def file_source(self, gpu_id: int, stripe: int = 0) -> tuple[int, int | None]:
         """`data_file`'s fds: an in-process ImageWriter's source of files (writer.LocalFiles)."""
         f = self.data_file(gpu_id, stripe)

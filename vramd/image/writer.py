@@ -178,6 +178,18 @@ class DataFileWriter:
         """Wait for the writer thread to drain (the fds stay the caller's)."""
         self.writer.shutdown(wait=True)
 
+    def abandon(self, fds: Sequence[int]) -> None:
+        """A file never written into but its header (ImageWriter.detach): `fds` (its own, handed over) are
+        closed in its writer thread once the header write is done, and the thread ends; nothing waits."""
+        def close() -> None:
+            for fd in fds:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        self.writer.submit(close)
+        self.writer.shutdown(wait=False)
+
 
 class ImageWriter:
     """A new image's data files and manifest, written through fds the client created.
@@ -235,13 +247,13 @@ class ImageWriter:
 
     def detach(self, files: Sequence[DataFileWriter]) -> None:
         """Forget data files attached last and never published (an AttachFiles message refused part-way:
-        the clients remove the files of that message, so none of them may be listed in the manifest)."""
+        the clients remove the files of that message, so none of them may be listed in the manifest).
+        The caller ends each (`DataFileWriter.abandon`)."""
         last = sorted(self.files.values(), key=lambda x: x.index)[len(self.files) - len(files):]
         assert sorted(f.index for f in files) == [f.index for f in last], "detach: not the last attached"
         for f in files:
             assert f not in self._gpus.get(f.gpu_id, ()), "detach: a published file"
             del self.files[(f.gpu_id, f.stripe)]
-            f.writer.shutdown(wait=False)  # its header write (into a file the client removes) ends by itself
 
     def data_file(self, gpu_id: int) -> DataFileWriter:
         """The GPU's data file (stripe 0): attached, or from the writer's file source with all its stripes;

@@ -227,6 +227,13 @@ class Session:
         self.usage.fds += 1
         return fd
 
+    def _unkeep(self, fds: list[int]) -> list[int]:
+        """`fds`, held by the session, no longer held nor counted (the caller closes them)."""
+        for fd in fds:
+            self.fds.remove(fd)
+            self.usage.fds -= 1
+        return fds
+
     async def attach(self, files: Sequence[rpc.FileRef], bundle: FdBundle) -> None:
         """Take the image files of one AttachFiles message: files_needed entries, and a dump's data files.
         Each is checked as it comes (fileio.check_attached; a read image's header and length in a thread);
@@ -237,23 +244,33 @@ class Session:
         async with self._adding:
             self._check_open()
             job = self.job
-            own: list[DataFileWriter] = []  # a dump's own data files this message attached
+            own: list[tuple[DataFileWriter, list[int]]] = []  # a dump's own data files this message attached
             try:
                 for f in files:
-                    fd = self._keep(bundle, f.fd_index)
-                    direct = self._keep(bundle, f.direct_fd_index) if f.HasField("direct_fd_index") else None
-                    if isinstance(job, DumpJob) and f.HasField("gpu_id"):
-                        own.append(self._attach_data_file(job, f, fd, direct))
-                    else:
-                        await self._attach_needed(job, f, fd, direct)
+                    mark = len(self.fds)
+                    mine = isinstance(job, DumpJob) and f.HasField("gpu_id")
+                    try:
+                        fd = self._keep(bundle, f.fd_index)
+                        direct = self._keep(bundle, f.direct_fd_index) if f.HasField("direct_fd_index") else None
+                        if mine:
+                            assert isinstance(job, DumpJob)
+                            own.append((self._attach_data_file(job, f, fd, direct), self.fds[mark:]))
+                            continue
+                    except BaseException:
+                        if mine:  # its fds, held for a file never attached
+                            close_fds(self._unkeep(self.fds[mark:]))
+                        raise
+                    await self._attach_needed(job, f, fd, direct)
             except BaseException:
                 if own:
                     assert isinstance(job, DumpJob)
-                    job.writer.detach(own)
+                    job.writer.detach([w for w, _ in own])
+                    for w, fds in own:  # closed in the file's writer thread, after its header write
+                        w.abandon(self._unkeep(fds))
                 raise
             if own:
                 assert isinstance(job, DumpJob)
-                job.writer.publish(own)
+                job.writer.publish([w for w, _ in own])
             if self.ready and self.kind == rpc.SESSION_VERIFY and self.state == rpc.SESSION_OPEN:
                 self._enter(rpc.SESSION_SEALED)
                 self._end_soon()
