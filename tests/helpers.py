@@ -96,3 +96,17 @@ def image_records(path: Path) -> tuple[pb.Manifest, list[tuple[int, int, int, in
                                       content_hash=m.chunks.hashes[(ref - 1) * 32:ref * 32])[0]
             out.append((bo.id, i, fi, off, ln, head.codec, ref))
     return m, out
+
+
+def o_direct_here(path) -> bool:
+    """Whether the file system of directory `path` takes O_DIRECT (a probe file, removed again)."""
+    probe = os.path.join(path, "o_direct_probe")
+    with open(probe, "wb"):
+        pass
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_DIRECT))
+        return True
+    except OSError:
+        return False
+    finally:
+        os.unlink(probe)

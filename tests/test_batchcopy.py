@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 import xxhash
-from helpers import Workload, blank_spec_like, engine, memfd, run
+from helpers import Workload, blank_spec_like, engine, memfd, o_direct_here, run
 
 from vramd.backends import BoRef
 from vramd.engine import BoSpec, RestoreTarget
@@ -179,17 +179,6 @@ def test_engine_round_trip(flavour, image_dir):
 
 # --- the one-thread batch path keeps the image's guarantees (issue #12) -------------------
 
-def _o_direct_here(path) -> bool:
-    probe = os.path.join(path, "probe")
-    with open(probe, "wb"):
-        pass
-    try:
-        os.close(os.open(probe, os.O_WRONLY | os.O_DIRECT))
-        return True
-    except OSError:
-        return False
-    finally:
-        os.unlink(probe)
 
 
 def test_inline_dump_binds_every_record_and_writes_off_the_loop(flavour, image_dir, monkeypatch):
@@ -221,7 +210,7 @@ def test_inline_dump_binds_every_record_and_writes_off_the_loop(flavour, image_d
         os.close(src)
         os.close(small)
     assert seen["pwrite"] and all(n.startswith("vramd-copy") for s in seen.values() for n in s), seen
-    direct = _o_direct_here(path)
+    direct = o_direct_here(path)
     assert bool(seen["direct"]) == direct  # O_DIRECT wherever the file system takes it (not tmpfs)
     data = [(path / f.name).read_bytes() for f in m.files]  # the GPU's stripes (two copy threads: two)
     assert len(data) == 2 and [f.name for f in m.files] == [data_file_name(m.image_id, 0, k) for k in (0, 1)]
@@ -262,7 +251,7 @@ def test_a_cold_image_is_read_by_the_io_threads_several_records_at_once(flavour,
 
     from vramd.engine.jobs import read
     path, dfd = image_dir
-    if not _o_direct_here(path):
+    if not o_direct_here(path):
         pytest.skip("the file system of tmp_path refuses O_DIRECT")
     content = os.urandom(6 * MiB)
     src = memfd(content)
@@ -408,7 +397,7 @@ def test_reopen_direct_follows_the_image_opening_rules(tmp_path):
             assert reopen_direct(d, "link", fd, os.O_RDONLY) is None
             assert reopen_direct(d, "b", fd, os.O_RDONLY) is None
             got = reopen_direct(d, "a", fd, os.O_RDONLY)
-            if _o_direct_here(tmp_path):
+            if o_direct_here(tmp_path):
                 assert got is not None and os.fstat(got).st_ino == os.fstat(fd).st_ino
                 os.close(got)
             else:
@@ -442,7 +431,7 @@ def test_a_cached_record_is_read_through_the_page_cache_and_an_evicted_one_with_
     from vramd.hostmem.staging import StagingBuffer, StagingPool
     from vramd.image.reader import ImageReader
     path, dfd = image_dir
-    if not _o_direct_here(path):
+    if not o_direct_here(path):
         pytest.skip("this file system refuses O_DIRECT (tmpfs): nothing to choose")
     src = memfd(os.urandom(2 * MiB))
     try:

@@ -11,7 +11,7 @@ import os
 import socket
 
 import pytest
-from helpers import memfd
+from helpers import memfd, o_direct_here
 
 from vramd.client import SESSION_DUMP, SESSION_RESTORE, Client, ClientBo
 from vramd.errors import InvalidRequestError, LimitExceededError
@@ -229,18 +229,10 @@ def test_the_launcher_reads_notes_for_the_daemons_whole_life(run_dir):
 
 # --- finding 3 / 9: per-session and per-uid bounds on what sessions hold --------------------
 
-def _o_direct_here(path) -> bool:
-    try:
-        fd = os.open(path / "probe", os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600)
-    except OSError:
-        return False
-    os.close(fd)
-    os.unlink(path / "probe")
-    return True
 
 
 def test_bos_fds_and_chunks_are_bounded_per_session_and_per_uid(run_dir, tmp_path):
-    per_file = 1 + _o_direct_here(tmp_path)  # a dump's data file: its fd, and its O_DIRECT twin where allowed
+    per_file = 1 + o_direct_here(tmp_path)  # a dump's data file: its fd, and its O_DIRECT twin where allowed
     max_fds = 2 * per_file + 3  # a: a data file and its BO fd twice (two AddBos); b: a data file; then room for one
     cfg = config(tmp_path, f"max_bos_per_session = 6\nmax_bos_per_uid = 8\nmax_fds_per_uid = {max_fds}\n"
                            "max_chunks_per_session = 10\ndata_files_per_gpu = 1\n")  # one data file a GPU

@@ -12,7 +12,7 @@ import os
 import threading
 
 import pytest
-from helpers import engine, memfd, open_dir, run
+from helpers import engine, memfd, o_direct_here, open_dir, run
 
 from vramd.backends import BoRef
 from vramd.client import SESSION_DUMP, SESSION_RESTORE, Client, ClientBo
@@ -280,7 +280,7 @@ def test_a_client_makes_a_gpus_data_files_again_after_their_attach_was_refused(r
     session ends the same add_bos makes, attaches and commits them; no stray file is left."""
     from vramd.errors import LimitExceededError
     from vramd.testing import DaemonProcess
-    per_file = 1 + _o_direct_here(tmp_path)  # a data file: its fd, and its O_DIRECT twin where allowed
+    per_file = 1 + o_direct_here(tmp_path)  # a data file: its fd, and its O_DIRECT twin where allowed
     limit = 2 * per_file + 1 + per_file  # A: two data files and a BO fd; B: room for one data file only
     cfg = tmp_path / "vramd.toml"
     cfg.write_text(f"data_files_per_gpu = 2\nmax_fds_per_uid = {limit}\n")
@@ -312,13 +312,3 @@ def test_a_client_makes_a_gpus_data_files_again_after_their_attach_was_refused(r
     finally:
         for fd in (*dfds, src):
             os.close(fd)
-
-
-def _o_direct_here(path) -> bool:
-    try:
-        fd = os.open(path / "probe", os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600)
-    except OSError:
-        return False
-    os.close(fd)
-    os.unlink(path / "probe")
-    return True

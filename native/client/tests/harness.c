@@ -11,6 +11,7 @@
  */
 #define _GNU_SOURCE
 #include "harness.h"
+#include "rpc.pb-c.h"
 
 #include <dirent.h>
 #include <errno.h>
@@ -320,4 +321,18 @@ int main(int argc, char **argv)
     }
     printf("%d test(s), %d failed\n", ran, failed);
     return failed ? 1 : 0;
+}
+
+size_t frame_response(uint8_t *out, size_t cap, const struct Vramd__Rpc__V1__Response *resp)
+{
+    size_t n = vramd__rpc__v1__response__get_packed_size(resp);
+    if (n + 12 > cap)
+        return 0;
+    memcpy(out, "VRDP", 4);
+    out[4] = 1; /* frame version */
+    out[5] = 2; /* a response */
+    out[6] = out[7] = 0;
+    out[8] = (uint8_t)n, out[9] = (uint8_t)(n >> 8), out[10] = (uint8_t)(n >> 16), out[11] = (uint8_t)(n >> 24);
+    vramd__rpc__v1__response__pack(resp, out + 12);
+    return n + 12;
 }

@@ -43,6 +43,10 @@ extern const struct test criu_tests[];
 extern const struct test failure_tests[];
 extern const struct test files_tests[];
 
+/* A fake daemon's reply as a frame (header + packed message) in `out`: its length, 0 if it does not fit. */
+struct Vramd__Rpc__V1__Response;
+size_t frame_response(uint8_t *out, size_t cap, const struct Vramd__Rpc__V1__Response *resp);
+
 /* the daemon's socket ($VRAMD_SOCKET) */
 const char *daemon_socket(void);
 /* An integer from the environment, or dflt. */

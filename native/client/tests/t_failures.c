@@ -467,20 +467,6 @@ static int t_daemon_stopped(void)
 enum fake { FAKE_BAD_MAGIC, FAKE_BAD_KIND, FAKE_BAD_LENGTH, FAKE_WRONG_ID, FAKE_GARBAGE, FAKE_HANGUP, FAKE_REFUSE,
             FAKE_FD_ATTACHED, FAKE_NO_BODY, FAKE_TRUNCATED };
 
-static size_t frame(uint8_t *out, size_t cap, Vramd__Rpc__V1__Response *resp)
-{
-    size_t n = vramd__rpc__v1__response__get_packed_size(resp);
-    if (n + 12 > cap)
-        return 0;
-    memcpy(out, "VRDP", 4);
-    out[4] = 1;
-    out[5] = 2;
-    out[6] = out[7] = 0;
-    out[8] = (uint8_t)n, out[9] = (uint8_t)(n >> 8), out[10] = (uint8_t)(n >> 16), out[11] = (uint8_t)(n >> 24);
-    vramd__rpc__v1__response__pack(resp, out + 12);
-    return n + 12;
-}
-
 static void fake_daemon(int s, enum fake how)
 {
     static uint8_t in[1 << 16], out[(1 << 20) + 64];
@@ -511,7 +497,7 @@ static void fake_daemon(int s, enum fake how)
     if (how == FAKE_NO_BODY)
         resp.body_case = VRAMD__RPC__V1__RESPONSE__BODY__NOT_SET;
     vramd__rpc__v1__request__free_unpacked(req, NULL);
-    size_t len = frame(out, sizeof out, &resp);
+    size_t len = frame_response(out, sizeof out, &resp);
     switch (how) {
     case FAKE_BAD_MAGIC: out[0] = 'X'; break;
     case FAKE_BAD_KIND: out[5] = 1; break;

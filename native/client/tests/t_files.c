@@ -572,15 +572,38 @@ static void fake_asks(int s, const char *name, uint32_t image)
             resp.session = &si;
         }
         vramd__rpc__v1__request__free_unpacked(req, NULL);
-        size_t len = vramd__rpc__v1__response__get_packed_size(&resp);
-        memcpy(out, "VRDP", 4);
-        out[4] = 1, out[5] = 2, out[6] = out[7] = 0;
-        out[8] = (uint8_t)len, out[9] = (uint8_t)(len >> 8), out[10] = out[11] = 0;
-        vramd__rpc__v1__response__pack(&resp, out + 12);
-        if (send(s, out, len + 12, MSG_NOSIGNAL) != (ssize_t)(len + 12))
+        size_t len = frame_response(out, sizeof out, &resp);
+        if (!len || send(s, out, len, MSG_NOSIGNAL) != (ssize_t)len)
             _exit(4);
     }
     _exit(0);
+}
+
+/* A restore's OpenSession on dfd against a fake daemon asking for `name` of image `image`: its result in *r,
+ * *err and whether it broke the connection; the fake reaped, no fd left open.  0, or 1: a check failed. */
+static int open_asked(int dfd, const char *name, uint32_t image, int *r, bool *broken, struct vramd_error *err)
+{
+    int sp[2];
+    CHECK(socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sp) == 0, "socketpair");
+    pid_t pid = fork();
+    CHECK(pid >= 0, "fork");
+    if (pid == 0) {
+        close(sp[0]);
+        fake_asks(sp[1], name, image);
+    }
+    close(sp[1]);
+    int before = count_fds();
+    struct vramd_conn *c = NULL;
+    OK(vramd_connect_fd(&c, sp[0], NULL, err), err);
+    struct vramd_open_args a = {.kind = VRAMD_SESSION_RESTORE, .dir_fd = dfd};
+    struct vramd_token t;
+    *r = vramd_open_session(c, &a, &t, NULL, err);
+    *broken = vramd_conn_broken(c);
+    vramd_close(c);
+    int st = reap(pid);
+    CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0, "fake daemon status %#x", st);
+    CHECK(count_fds() == before - 1, "fds left open");
+    return 0;
 }
 
 static int t_fake_asks_for_a_file(void)
@@ -603,29 +626,13 @@ static int t_fake_asks_for_a_file(void)
     } asks[] = {{"secret", 0}, {"../../etc/shadow", 0}, {"data-0123456789abcdef-00000000.vrd/x", 0},
                 {"data-0123456789abcdef-00000000.vrd", 1}};
     for (size_t i = 0; i < sizeof asks / sizeof asks[0]; i++) {
-        int sp[2];
-        CHECK(socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sp) == 0, "socketpair");
-        pid_t pid = fork();
-        CHECK(pid >= 0, "fork");
-        if (pid == 0) {
-            close(sp[0]);
-            fake_asks(sp[1], asks[i].name, asks[i].image);
-        }
-        close(sp[1]);
-        int before = count_fds();
-        struct vramd_conn *c = NULL;
+        int r;
+        bool broken;
         struct vramd_error err;
-        OK(vramd_connect_fd(&c, sp[0], NULL, &err), &err);
-        struct vramd_open_args a = {.kind = VRAMD_SESSION_RESTORE, .dir_fd = dfd};
-        struct vramd_token t;
-        int r = vramd_open_session(c, &a, &t, NULL, &err);
-        CHECK(r == -EPROTO && err.code == VRAMD_CODE_PROTOCOL_ERROR && vramd_conn_broken(c),
-              "asked for %s of image %u: %d %s: %s", asks[i].name, asks[i].image, r, vramd_code_name(err.code),
-              err.message);
-        vramd_close(c);
-        int st = reap(pid);
-        CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0, "fake daemon status %#x", st);
-        CHECK(count_fds() == before - 1, "fds left open");
+        if (open_asked(dfd, asks[i].name, asks[i].image, &r, &broken, &err))
+            return 1;
+        CHECK(r == -EPROTO && err.code == VRAMD_CODE_PROTOCOL_ERROR && broken, "asked for %s of image %u: %d %s: %s",
+              asks[i].name, asks[i].image, r, vramd_code_name(err.code), err.message);
     }
     close(dfd);
     remove_dir(path);
@@ -660,31 +667,18 @@ static int t_data_file_names(void)
         {"data-0123456789abcdef-000000013.vrd", false},  {"DATA-0123456789abcdef-00000001-3.vrd", false},
     };
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
-        int sp[2];
-        CHECK(socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sp) == 0, "socketpair");
-        pid_t pid = fork();
-        CHECK(pid >= 0, "fork");
-        if (pid == 0) {
-            close(sp[0]);
-            fake_asks(sp[1], names[i].name, 0);
-        }
-        close(sp[1]);
-        struct vramd_conn *c = NULL;
+        int r;
+        bool broken;
         struct vramd_error err;
-        OK(vramd_connect_fd(&c, sp[0], NULL, &err), &err);
-        struct vramd_open_args a = {.kind = VRAMD_SESSION_RESTORE, .dir_fd = dfd};
-        struct vramd_token t;
-        int r = vramd_open_session(c, &a, &t, NULL, &err);
+        if (open_asked(dfd, names[i].name, 0, &r, &broken, &err))
+            return 1;
         if (names[i].valid)
             CHECK(r == -ENOENT && err.code == VRAMD_CODE_LOCAL && strstr(err.message, names[i].name),
                   "%s: %d %s: %s (want it opened: -ENOENT)", names[i].name, r, vramd_code_name(err.code),
                   err.message);
         else
-            CHECK(r == -EPROTO && err.code == VRAMD_CODE_PROTOCOL_ERROR && vramd_conn_broken(c),
-                  "%s: %d %s: %s (want it refused)", names[i].name, r, vramd_code_name(err.code), err.message);
-        vramd_close(c);
-        int st = reap(pid);
-        CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0, "fake daemon status %#x", st);
+            CHECK(r == -EPROTO && err.code == VRAMD_CODE_PROTOCOL_ERROR && broken, "%s: %d %s: %s (want it refused)",
+                  names[i].name, r, vramd_code_name(err.code), err.message);
     }
     close(dfd);
     remove_dir(path);
@@ -761,12 +755,8 @@ static void fake_dump(int s, uint32_t per_gpu, uint32_t max_fds, int report)
             resp.body_case = VRAMD__RPC__V1__RESPONSE__BODY_SESSION, resp.session = &si;
         }
         vramd__rpc__v1__request__free_unpacked(req, NULL);
-        size_t len = vramd__rpc__v1__response__get_packed_size(&resp);
-        memcpy(out, "VRDP", 4);
-        out[4] = 1, out[5] = 2, out[6] = out[7] = 0;
-        out[8] = (uint8_t)len, out[9] = (uint8_t)(len >> 8), out[10] = out[11] = 0;
-        vramd__rpc__v1__response__pack(&resp, out + 12);
-        if (send(s, out, len + 12, MSG_NOSIGNAL) != (ssize_t)(len + 12))
+        size_t len = frame_response(out, sizeof out, &resp);
+        if (!len || send(s, out, len, MSG_NOSIGNAL) != (ssize_t)len)
             _exit(4);
     }
 }
