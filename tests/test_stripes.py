@@ -61,48 +61,63 @@ def test_a_stripe_name_in_a_v2_manifest_is_corrupt():
 
 def test_each_copy_thread_claims_a_data_file_no_other_one_writes(tmp_path):
     """claim: the first free stripe; with every one busy, the next in turn once it is free.  A write meant
-    for O_DIRECT always takes the first, one at a time, where it waits on a device; into tmpfs (memory),
-    it claims as any write does."""
+    for O_DIRECT, where it waits on a device, always takes stripe 0, and one such write of the dump at a time
+    on that device, whatever the GPU; into tmpfs (memory), or without an O_DIRECT twin, it claims as any
+    write does."""
     w = ImageWriter(ID, chunk_size=MiB, compression=pb.Compression(codec=pb.CODEC_RAW), stripes=2)
-    fds = [os.open(tmp_path / f"f{k}", os.O_RDWR | os.O_CREAT, 0o600) for k in range(2)]
+    fds = [os.open(tmp_path / f"f{k}", os.O_RDWR | os.O_CREAT, 0o600) for k in range(4)]
     try:
-        files = [w.attach(7, fd, stripe=k) for k, fd in enumerate(fds)]
-        for f in files:
-            f.memory = False  # on a disk, whatever tmp_path is here
+        # GPU 7 and GPU 8, two files each, all on tmp_path's device; each with an "O_DIRECT twin" (its own fd:
+        # claim only asks whether there is one), and taken as a disk's (not memory), whatever tmp_path is here
+        files = [w.attach(7, fds[k], fds[k], stripe=k) for k in range(2)]
+        other = [w.attach(8, fds[2 + k], fds[2 + k], stripe=k) for k in range(2)]
+        for f in files + other:
+            f.memory = False
         with pytest.raises(InvalidRequestError, match="attached already"):
             w.attach(7, fds[0], stripe=1)
         with pytest.raises(InvalidRequestError, match="takes 2 per GPU"):
             w.attach(7, fds[0], stripe=2)
         assert w.data_file(7) is files[0]
-        holding, release = threading.Event(), threading.Event()
-        got: list[object] = []
 
-        def hold() -> None:
-            with w.claim(7) as f:
-                got.append(f)
-                holding.set()
-                release.wait()
-        t = threading.Thread(target=hold)
-        t.start()
+        def in_thread(direct: bool, gpu: int = 7) -> tuple[threading.Thread, list[object], threading.Event,
+                                                           threading.Event]:
+            """A claim held in a thread until `release` is set: (thread, what it got, holding, release)."""
+            got: list[object] = []
+            holding, release = threading.Event(), threading.Event()
+
+            def run() -> None:
+                with w.claim(gpu, direct=direct) as f:
+                    got.append(f)
+                    holding.set()
+                    release.wait()
+            t = threading.Thread(target=run)
+            t.start()
+            return t, got, holding, release
+        t, got, holding, release = in_thread(False)
         holding.wait()
         assert got == [files[0]]
-        direct: list[object] = []
-
-        def device_write() -> None:
-            with w.claim(7, direct=True) as f:
-                direct.append(f)
         with w.claim(7) as f:
             assert f is files[1]  # stripe 0 is being written: the other one
-            d = threading.Thread(target=device_write)  # both busy: it waits for stripe 0, not for stripe 1
-            d.start()
-            release.set()  # stripe 0 free again: the waiter takes it
-            d.join(60)  # (a guard: had it waited for stripe 1, which is held here, it would never end)
-            assert not d.is_alive() and direct == [files[0]]
+        d, direct, _, end_d = in_thread(True)  # stripe 1 free, stripe 0 busy: it waits for stripe 0
+        release.set()
         t.join()
-        with w.claim(7, direct=True) as f:  # stripe 0 free, stripe 1 free: the first
-            assert f is files[0]
-            with w.claim(7) as g:
-                assert g is files[1]
+        end_d.set()
+        d.join(60)
+        assert not d.is_alive() and direct == [files[0]]
+        # a device write of GPU 7 in progress: GPU 8's waits for it (same device), its other writes do not
+        d7, got7, holding7, end7 = in_thread(True)
+        holding7.wait()
+        assert got7 == [files[0]]
+        turns = w._device_turns[files[0].device] = _Watched(w._device_turns[files[0].device])
+        d8, got8, _, end8 = in_thread(True, gpu=8)
+        assert turns.entered.wait(60) and not got8  # it waits for the device's turn, which GPU 7's write holds
+        with w.claim(8) as f:
+            assert f is other[0]  # and holds nothing of GPU 8's meanwhile
+        end7.set()
+        d7.join()
+        end8.set()
+        d8.join(60)
+        assert not d8.is_alive() and got8 == [other[0]]
         files[0].memory = True  # tmpfs: its "O_DIRECT" writes wait on no device
         with w.claim(7) as f, w.claim(7, direct=True) as g:
             assert (f, g) == (files[0], files[1])
@@ -114,6 +129,21 @@ def test_each_copy_thread_claims_a_data_file_no_other_one_writes(tmp_path):
         w.close()
         for fd in fds:
             os.close(fd)
+
+
+class _Watched:
+    """A lock that says when a thread began to wait for it."""
+
+    def __init__(self, lock: threading.Lock) -> None:
+        self.lock, self.entered = lock, threading.Event()
+
+    def __enter__(self) -> _Watched:
+        self.entered.set()
+        self.lock.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.lock.release()
 
 
 def _dump(c: Client, dfd: int, bos: list[ClientBo], *, stripes: int | None = None) -> tuple[rpc.SessionInfo, int]:
