@@ -621,8 +621,9 @@ def bench_case(case: Case, sink_dir: str, reps: int, criu: str | None = None, la
     subject = Criu(criu, case.size, work) if criu and case.backend == "procmem" else None
     size = case.size
     need_dump, need_restore = size + (256 << 20), 256 << 20  # output + staging; staging
-    par = engine_config().copy_threads  # the *_par rows: each stage alone, in as many threads as vramd copies in
-    stripes = engine_config().data_files_per_gpu  # and a dump's into as many files as vramd's data files per GPU
+    cfg = engine_config()
+    par = cfg.copy_threads  # the *_par rows: each stage alone, in as many threads as vramd copies in
+    stripes = cfg.data_files_per_gpu  # and a dump's into as many files as vramd's data files per GPU
 
     def fresh(fn):
         def run():

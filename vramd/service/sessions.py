@@ -244,36 +244,40 @@ class Session:
         async with self._adding:
             self._check_open()
             job = self.job
+            dump = job if isinstance(job, DumpJob) else None
             own: list[tuple[DataFileWriter, list[int]]] = []  # a dump's own data files this message attached
             try:
                 for f in files:
-                    mark = len(self.fds)
-                    mine = isinstance(job, DumpJob) and f.HasField("gpu_id")
-                    try:
-                        fd = self._keep(bundle, f.fd_index)
-                        direct = self._keep(bundle, f.direct_fd_index) if f.HasField("direct_fd_index") else None
-                        if mine:
-                            assert isinstance(job, DumpJob)
-                            own.append((self._attach_data_file(job, f, fd, direct), self.fds[mark:]))
-                            continue
-                    except BaseException:
-                        if mine:  # its fds, held for a file never attached
-                            close_fds(self._unkeep(self.fds[mark:]))
-                        raise
-                    await self._attach_needed(job, f, fd, direct)
+                    if dump is not None and f.HasField("gpu_id"):
+                        own.append(self._take_data_file(dump, f, bundle))
+                    else:
+                        await self._attach_needed(job, f, *self._keep_file(bundle, f))
             except BaseException:
-                if own:
-                    assert isinstance(job, DumpJob)
-                    job.writer.detach([w for w, _ in own])
+                if dump is not None and own:
+                    dump.writer.detach([w for w, _ in own])
                     for w, fds in own:  # closed in the file's writer thread, after its header write
                         w.abandon(self._unkeep(fds))
                 raise
-            if own:
-                assert isinstance(job, DumpJob)
-                job.writer.publish([w for w, _ in own])
+            if dump is not None and own:
+                dump.writer.publish([w for w, _ in own])
             if self.ready and self.kind == rpc.SESSION_VERIFY and self.state == rpc.SESSION_OPEN:
                 self._enter(rpc.SESSION_SEALED)
                 self._end_soon()
+
+    def _keep_file(self, bundle: FdBundle, f: rpc.FileRef) -> tuple[int, int | None]:
+        """The file's fd and its O_DIRECT twin's (if given), held by the session (`_keep`)."""
+        fd = self._keep(bundle, f.fd_index)
+        return fd, self._keep(bundle, f.direct_fd_index) if f.HasField("direct_fd_index") else None
+
+    def _take_data_file(self, job: DumpJob, f: rpc.FileRef, bundle: FdBundle) -> tuple[DataFileWriter, list[int]]:
+        """A dump's own data file, attached (`_attach_data_file`), with the fds the session holds for it; a
+        refused one holds none."""
+        mark = len(self.fds)
+        try:
+            return self._attach_data_file(job, f, *self._keep_file(bundle, f)), self.fds[mark:]
+        except BaseException:
+            close_fds(self._unkeep(self.fds[mark:]))
+            raise
 
     async def _attach_needed(self, job: Job, f: rpc.FileRef, fd: int, direct: int | None) -> None:
         """A file of files_needed: of the image a restore or verify reads, or of a parent."""
