@@ -61,6 +61,17 @@ class LocalFiles(Protocol):
 
 
 @dataclass(eq=False)
+class _Writeback:
+    """What the file systems of one image's data files said to sync_file_range, by st_dev: it started the
+    writeback (`taken`), or it has no such call (`refused`: not asked again).  `asking`: held for a device's
+    first ask, so that its data files ask once between them."""
+
+    taken: set[int] = field(default_factory=set)
+    refused: set[int] = field(default_factory=set)
+    asking: threading.Lock = field(default_factory=threading.Lock)
+
+
+@dataclass(eq=False)
 class DataFileWriter:
     """One of a GPU's data files (`stripe`), written through the fd the client created (`fd`; `direct`: the
     same file opened with O_DIRECT, or None).  Offsets are reserved on the event loop; the header, the writes and the
@@ -80,6 +91,8 @@ class DataFileWriter:
     direct: int | None = None
     stripe: int = 0  # which of its GPU's data files
     version: int = FORMAT_VERSION  # the image's format version, in the header
+    # what the image's file systems said to sync_file_range: shared by its data files (_written)
+    writeback: _Writeback = field(default_factory=_Writeback, repr=False)
     end: int = 0  # next free byte
     writer: ThreadPoolExecutor = field(init=False, repr=False)
     _opened: Future[None] = field(init=False, repr=False)
@@ -87,10 +100,8 @@ class DataFileWriter:
     busy: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)  # ImageWriter.claim
     memory: bool = field(init=False, default=False)  # on a file system whose files are memory (tmpfs)
     device: int = field(init=False, default=0)  # the file's st_dev
-    # bytes written through the page cache since the last writeback began (_written), and whether the
-    # file system takes sync_file_range at all
+    # bytes written through the page cache since the last writeback began (_written)
     _dirty: int = field(default=0, init=False, repr=False)
-    _writeback: bool = field(default=True, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.memory = memory_file(self.fd)
@@ -136,18 +147,29 @@ class DataFileWriter:
         """Every WRITEBACK_EVERY bytes written through the page cache, start writing the file's dirty pages
         to its device (sync_file_range, waiting for nothing): the commit's fsync then finds little left to
         write, instead of all of it.  An error it reports is the write's: nothing here may hide one from
-        the fsync.  File systems without it (EINVAL, ESPIPE) are not asked again."""
+        the fsync.  A file system without it (EINVAL, ESPIPE) is asked once per image, whatever the number of
+        its data files on it (`writeback`)."""
         with self._lock:  # the copy threads write too
             self._dirty += n
-            if self._dirty < WRITEBACK_EVERY or not self._writeback:
+            if self._dirty < WRITEBACK_EVERY or self.device in self.writeback.refused:
                 return
             self._dirty = 0
+        wb = self.writeback
+        if self.device in wb.taken:
+            self._start_writeback()
+            return
+        with wb.asking:  # the device's first ask: once, by whichever of the image's files gets there first
+            if self.device not in wb.refused:
+                self._start_writeback()
+
+    def _start_writeback(self) -> None:
         if libc.sync_file_range(self.fd, 0, 0, SYNC_FILE_RANGE_WRITE) != 0:
             err = libc_ffi.errno
             if err in (errno.EINVAL, errno.ESPIPE, errno.ENOSYS):
-                self._writeback = False
+                self.writeback.refused.add(self.device)
                 return
             raise OSError(err, os.strerror(err))
+        self.writeback.taken.add(self.device)
 
     def pwrite(self, iov: Sequence[Bytes], offset: int, *, bo_id: int | None = None, bo_offset: int | None = None,
                direct: bool = False) -> None:
@@ -217,6 +239,7 @@ class ImageWriter:
         self._turn: dict[int, int] = {}  # gpu_id -> the last of its files `next_file` gave
         self._turn_lock = threading.Lock()
         self._device_turns: dict[int, threading.Lock] = {}  # st_dev -> its O_DIRECT writes take turns (claim)
+        self._writeback = _Writeback()  # what its file systems said to sync_file_range (DataFileWriter._written)
         self.local = local
         self.manifest_fd: int | None = None  # where the manifest goes (set before commit)
         # The manifest is built, encoded and written off the event loop, in the image's own thread.
@@ -237,7 +260,7 @@ class ImageWriter:
         self.check_stripe(gpu_id, stripe)
         f = self.files[(gpu_id, stripe)] = DataFileWriter(
             len(self.files), gpu_id, data_file_name(self.image_id, gpu_id, stripe), fd, self.image_id, direct,
-            stripe=stripe, version=self.version)
+            stripe=stripe, version=self.version, writeback=self._writeback)
         self._device_turns.setdefault(f.device, threading.Lock())
         if publish:
             self.publish([f])
