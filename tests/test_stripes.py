@@ -8,11 +8,14 @@ client that attaches only the first (one written before stripes) still dumps.
 """
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import threading
 
 import pytest
-from helpers import engine, memfd, o_direct_here, open_dir, run
+from helpers import ROOT, engine, memfd, o_direct_here, open_dir, run
 
 from vramd.backends import BoRef
 from vramd.client import SESSION_DUMP, SESSION_RESTORE, Client, ClientBo
@@ -225,8 +228,9 @@ def test_the_daemon_takes_only_the_stripes_it_asked_for(daemon, image_dir, tmp_p
 @pytest.mark.parametrize("stripes", [1, 2, 3])
 def test_records_in_any_stripe_restore_and_the_version_says_how_many(image_dir, monkeypatch, stripes):
     """Every record written into the GPU's last data file (claim made to give it): the chunk table names it,
-    a restore and a verify read them back.  One data file per GPU is a format v2 image (older readers read
-    it), more is v3, in the manifest and in every data file's header."""
+    a restore and a verify read them back, and `vramctl inspect` says the BO is in that file.  One data file
+    per GPU is a format v2 image (older readers read it), more is v3, in the manifest and in every data
+    file's header."""
     path, dfd = image_dir
     real = ImageWriter.claim
 
@@ -254,6 +258,11 @@ def test_records_in_any_stripe_restore_and_the_version_says_how_many(image_dir, 
     assert m.format_version == version
     for f in m.files:
         assert DATA_HEADER.unpack_from((path / f.name).read_bytes())[1] == version
+    r = subprocess.run([sys.executable, "-m", "vramd.cli", "inspect", str(path), "--json"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    (bo,) = json.loads(r.stdout)["bos"]
+    assert bo["files"] == [data_file_name(m.image_id, 0, stripes - 1)] and bo["file"] == bo["files"][0]
 
 
 def _holding(f):

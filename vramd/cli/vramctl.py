@@ -40,7 +40,7 @@ from .. import __version__
 from ..client import SESSION_DUMP, SESSION_RESTORE, Client, ClientBo, topology_checks_from_env
 from ..errors import NotWritableError, PermissionDeniedError, VramdError
 from ..image.codec import compression_name
-from ..image.format import chunk_count
+from ..image.format import chunk_count, chunk_record
 from ..pb import image_pb2 as pb
 from ..pb import rpc_pb2 as rpc
 from ..units import format_size, parse_size
@@ -406,6 +406,15 @@ def cmd_verify(ns: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def bo_files(m: pb.Manifest, bo: pb.BoEntry) -> dict[str, Any]:
+    """The image's own data files that hold `bo`'s records, by name, in the manifest's order: `files`, and
+    `file` (the first of them; a v1 or v2 image keeps a BO's records in one file).  A BO whose every
+    chunk is a hole, a duplicate or its parent's has none."""
+    held = {loc[0] for i in range(chunk_count(bo.size, m.chunk_size)) if (loc := chunk_record(m, bo, i)) is not None}
+    names = [m.files[k].name for k in sorted(held)]  # indices checked when the manifest was read
+    return {"files": names, "file": names[0] if names else None}
+
+
 def cmd_inspect(ns: argparse.Namespace) -> int:
     dfd = open_image_dir(ns.dir, create=False)
     try:
@@ -418,7 +427,7 @@ def cmd_inspect(ns: argparse.Namespace) -> int:
             "source_offset": e.source_offset, "va_addr": e.va_addr, "alloc_flags": e.alloc_flags, "name": e.name,
             "chunks": nchunks(e.size, m.chunk_size), "stored_bytes": e.stored_bytes, "zero_bytes": e.zero_bytes,
             "deduplicated_bytes": e.dedup_bytes, "referenced_bytes": e.parent_bytes, "delta_bytes": e.delta_bytes,
-            "file": m.files[e.file_index].name if e.size and e.file_index < len(m.files) else None} for e in m.bos]
+            **bo_files(m, e)} for e in m.bos]
     t = m.totals
     parents = [{"image_id": p.image_id.hex(), "recorded_at": p.relative_path} for p in m.parents]
     data = {"format_version": m.format_version, "image_id": m.image_id.hex(), "chunk_size": m.chunk_size,
