@@ -73,6 +73,8 @@ struct vramd_conn {
     int min_fd;                          /* vramd_options.min_fd */
     struct dump_entry *dumps;            /* the dump sessions it opened, until CloseSession */
     size_t n_dumps, cap_dumps;
+    uint32_t *gpus;                      /* HelloReply.allowed_gpu_ids: the GPUs a BO may name */
+    size_t n_gpus;                       /* 0: the daemon listed none (then no GPU is skipped) */
 };
 
 /* --- errors ---------------------------------------------------------------- */
@@ -605,8 +607,28 @@ static int hello(struct vramd_conn *c, const char *name, struct vramd_error *err
         if (b && b->has_available && b->available && b->name)
             copy_str(c->backends[c->n_backends++], sizeof c->backends[0], b->name);
     }
+    free(c->gpus);
+    c->gpus = NULL, c->n_gpus = 0;
+    if (hr->n_allowed_gpu_ids) {
+        c->gpus = malloc(hr->n_allowed_gpu_ids * sizeof *c->gpus);
+        if (!c->gpus) {
+            free_response(resp);
+            return fail_errno(err, ENOMEM, "the daemon's GPU list");
+        }
+        memcpy(c->gpus, hr->allowed_gpu_ids, hr->n_allowed_gpu_ids * sizeof *c->gpus);
+        c->n_gpus = hr->n_allowed_gpu_ids;
+    }
     free_response(resp);
     return 0;
+}
+
+/* Whether a BO may name this GPU (the daemon's list from Hello; with no list, every GPU may). */
+static bool gpu_allowed(const struct vramd_conn *c, uint32_t gpu_id)
+{
+    for (size_t i = 0; i < c->n_gpus; i++)
+        if (c->gpus[i] == gpu_id)
+            return true;
+    return c->n_gpus == 0;
 }
 
 static int conn_new(struct vramd_conn **out, int fd, const struct vramd_options *opts, struct vramd_error *err)
@@ -743,6 +765,7 @@ void vramd_close(struct vramd_conn *c)
     free(c->rx);
     free(c->bo_buf);
     free(c->bo_ptrs);
+    free(c->gpus);
     free(c);
 }
 
@@ -1019,9 +1042,10 @@ static int attach_needed(struct vramd_conn *c, char *tok, PbFileRef *const *need
 }
 
 /*
- * A dump's own data files: for each GPU of bos[] that has none yet (a BO without gpu_id is GPU 0),
- * create every data file the daemon asked for (data-<id>-<gpu>.vrd.tmp, then data-<id>-<gpu>-<k>.vrd.tmp
- * for stripes k = 1 to data_files_per_gpu - 1) and attach them, before the AddBos that needs them.
+ * A dump's own data files: for each GPU of bos[] that has none yet (a BO without gpu_id is GPU 0) and
+ * that the daemon allows (HelloReply.allowed_gpu_ids), create every data file the daemon asked for
+ * (data-<id>-<gpu>.vrd.tmp, then data-<id>-<gpu>-<k>.vrd.tmp for stripes k = 1 to data_files_per_gpu - 1)
+ * and attach them, before the AddBos that needs them.
  * Stripe 0 goes in the first message that holds any of its GPU's files.  A file whose AttachFiles
  * failed is removed again.
  */
@@ -1044,7 +1068,8 @@ static int attach_dump_data(struct vramd_conn *c, struct dump_entry *e, char *to
         int r = 0;
         while (i < n) {
             uint32_t gpu = bos[i].has_gpu_id ? bos[i].gpu_id : 0;
-            if (k == stripes || (k == 0 && vramd__dump_has_gpu(&e->d, gpu))) {
+            /* a GPU the daemon does not know gets no file: its BO's refusal names the BO */
+            if (k == stripes || (k == 0 && (vramd__dump_has_gpu(&e->d, gpu) || !gpu_allowed(c, gpu)))) {
                 i++, k = 0;
                 continue;
             }

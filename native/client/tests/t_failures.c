@@ -194,6 +194,59 @@ static int t_bad_fds(void)
     return 0;
 }
 
+/* Data files in dir whose name holds `part` (NULL: every data file). */
+static int count_data_files(const char *dir, const char *part)
+{
+    DIR *d = opendir(dir);
+    if (!d)
+        return -1;
+    struct dirent *e;
+    int n = 0;
+    while ((e = readdir(d)))
+        n += strncmp(e->d_name, "data-", 5) == 0 && (!part || strstr(e->d_name, part));
+    closedir(d);
+    return n;
+}
+
+/* A BO on a GPU the daemon does not know (it listed only GPU 0 at Hello): refused by the daemon, naming
+ * the BO; no data file is made for that GPU; the session goes on and commits its other BOs. */
+static int t_unknown_gpu(void)
+{
+    struct vramd_conn *c = NULL;
+    struct vramd_error err;
+    char path[PATH_MAX];
+    int dfd = make_image_dir(path);
+    CHECK(dfd >= 0, "dir");
+    OK(test_connect(&c, &err), &err);
+    int mf = make_memfd(8192, 9, 0, 8192);
+    CHECK(mf >= 0, "memfd");
+    struct vramd_token t;
+    struct vramd_open_args a = {.kind = VRAMD_SESSION_DUMP, .dir_fd = dfd};
+    struct vramd_session_info info;
+    OK(vramd_open_session(c, &a, &t, &info, &err), &err);
+    struct vramd_bo bo = {.id = 7, .fd = mf, .size = 4096, .has_gpu_id = true, .gpu_id = 0x2a};
+    int r = vramd_add_bos(c, &t, &bo, 1, NULL, &err);
+    CHECK(r == -EINVAL && err.code == VRAMD_CODE_INVALID_REQUEST && err.has_bo_id && err.bo_id == 7,
+          "a BO on gpu 0x2a: %d %s bo %d/%llu: %s", r, vramd_code_name(err.code), err.has_bo_id,
+          (unsigned long long)err.bo_id, err.message);
+    CHECK(count_data_files(path, "-0000002a") == 0, "a data file was made for gpu 0x2a");
+    CHECK(!vramd_conn_broken(c), "the refusal broke the connection");
+    bo = (struct vramd_bo){.id = 8, .fd = mf, .offset = 4096, .size = 4096};
+    OK(vramd_add_bos(c, &t, &bo, 1, NULL, &err), &err);
+    OK(vramd_start(c, &t, NULL, &err), &err);
+    OK(vramd_wait(c, &t, 30000, &info, &err), &err);
+    OK(vramd_close_session(c, &t, NULL, &err), &err);
+    CHECK(info.state == VRAMD_STATE_DONE && info.has_image && info.image.bo_count == 1, "state %d, %u BOs",
+          info.state, info.image.bo_count);
+    int all = count_data_files(path, NULL), gpu0 = count_data_files(path, "-00000000");
+    CHECK(gpu0 >= 1 && all == gpu0, "data files: %d, of gpu 0: %d", all, gpu0);
+    close(mf);
+    vramd_close(c);
+    close(dfd);
+    remove_dir(path);
+    return 0;
+}
+
 /* The largest data file in dir (a GPU's records may be spread over several; the others may hold none). */
 static int find_data_file(const char *dir, char *out)
 {
@@ -590,6 +643,7 @@ const struct test failure_tests[] = {
     {"no_daemon", t_no_daemon, "all quick"},
     {"fake_daemon", t_fake_daemon, "all quick"},
     {"bad_fds", t_bad_fds, "all quick"},
+    {"unknown_gpu", t_unknown_gpu, "all quick"},
     {"uid_refused", t_uid_refused, "all quick"},
     {"corrupt_image", t_corrupt_image, "all quick"},
     {"task_dies_attach_in_grace", t_task_dies_attach_in_grace, "grace"},

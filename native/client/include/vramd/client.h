@@ -353,7 +353,8 @@ struct vramd_bo {
  * GPU's data files are created in the image directory and attached: as many
  * as the daemon asked for at OpenSession (1 to 16), the first as
  * data-<image id>-<gpu id>.vrd.tmp, file k (1 to 15) as
- * data-<image id>-<gpu id>-<k as one hex digit>.vrd.tmp.
+ * data-<image id>-<gpu id>-<k as one hex digit>.vrd.tmp.  A GPU the daemon
+ * did not list at Hello gets no file: the daemon refuses its BO, naming it.
  */
 VRAMD_API int vramd_add_bos(struct vramd_conn *conn, const struct vramd_token *token, const struct vramd_bo *bos,
                             size_t n, struct vramd_session_info *info, struct vramd_error *err);
