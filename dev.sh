@@ -61,17 +61,23 @@ ensure_libvramd() {
 }
 
 ensure_venv() {
-    local stamp=.venv/.installed
-    # rebuilt when the packaging or the native sources (binding, SDMA model) change
-    if [ -f "$stamp" ] && [ -z "$(find pyproject.toml setup.py native -newer "$stamp" -print -quit)" ] &&
+    local stamp=.venv/.installed extras=test
+    # rebuilt when the packaging or the native sources the package builds change (binding, copy loop, SDMA
+    # model; not native/client, libvramd, which meson builds: ensure_libvramd)
+    if [ -f "$stamp" ] &&
+        [ -z "$(find pyproject.toml setup.py native -path native/client -prune -o -newer "$stamp" -print -quit)" ] &&
         .venv/bin/python -c 'import vramd' 2>/dev/null; then
         return 0
+    fi
+    # a venv that had the bench extra (bench/README.md) gets it again
+    if [ -x .venv/bin/python ] && .venv/bin/python -c 'import torch' 2>/dev/null; then
+        extras=test,bench
     fi
     rm -rf .venv
     python3 -m venv .venv
     .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip >/dev/null
     # the SDMA software model too: the tests verify the SDMA backend against it
-    VRAMD_BUILD_MODEL=1 .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
+    VRAMD_BUILD_MODEL=1 .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[$extras]"
     touch "$stamp"
 }
 
