@@ -409,7 +409,7 @@ def cmd_verify(ns: argparse.Namespace) -> int:
 def bo_files(m: pb.Manifest, bo: pb.BoEntry) -> dict[str, Any]:
     """The image's own data files that hold `bo`'s records, by name, in the manifest's order: `files`, and
     `file` (the first of them; a v1 or v2 image keeps a BO's records in one file).  A BO whose every
-    chunk is a hole, a duplicate or its parent's has none."""
+    chunk is a hole or its parent's has none."""
     held = {loc[0] for i in range(chunk_count(bo.size, m.chunk_size)) if (loc := chunk_record(m, bo, i)) is not None}
     names = [m.files[k].name for k in sorted(held)]  # indices checked when the manifest was read
     return {"files": names, "file": names[0] if names else None}
