@@ -62,7 +62,7 @@ requires are work any engine must do), and the cores the three
 single-stream stages would keep busy at 0.90 x min(stage) and at vramd's
 rate (rate x the sum of 1 / each stage's rate; meaningful where every
 stage is CPU-bound, as on tmpfs).  `--judge ROWS_JSON` judges an earlier
-run's rows again.
+run's rows again; `--markdown ROWS_JSON` prints them as a markdown table.
 
 Memory condition: on a VM, the first touch of never-used guest memory can
 cost a host fault per page (measured on our Firecracker machines: ~0.35 GB/s,
@@ -100,7 +100,7 @@ from vramd.hostmem.staging import StagingBuffer, buffer_unit
 from vramd.image.fileio import pread_into, pwrite_all
 from vramd.image.format import checksum, content_hash
 from vramd.testing import Workload, blank_spec_like, seal_size
-from vramd.units import parse_size
+from vramd.units import format_size, parse_size
 
 CHUNK = 8 << 20
 DUMP_HASHES = ("blake3", "xxh3")  # what a dump computes over every chunk (format v2)
@@ -836,6 +836,27 @@ def print_table(rows: list[dict], summary: list[dict]) -> None:
               f"{'all met' if not missed else 'MISSED: ' + ', '.join(missed)}")
 
 
+STRATEGY_ORDER = ("source_only", "sink_only", "source_par", "sink_par", "hash_only", "serial", "overlapped",
+                  "parallel", "vramd", "vramd_warm", "vramd_2lanes", "criu")
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """The rows as bench/README.md quotes them: one line per backend, direction and size, one column per
+    strategy the run measured, each cell "GB/s · CPU s/GiB" (medians)."""
+    cells: dict[tuple[str, str, int], dict[str, dict]] = {}
+    for r in rows:
+        cells.setdefault((r["backend"], r["direction"], r["bytes"]), {})[r["strategy"]] = r
+    measured = {r["strategy"] for r in rows}
+    cols = [c for c in STRATEGY_ORDER if c in measured] + sorted(measured - set(STRATEGY_ORDER))
+    sizes = {k[2] for k in cells}
+    out = ["| row | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
+    for (backend, direction, size), got in cells.items():
+        name = f"{format_size(size)}, " if len(sizes) > 1 else ""
+        line = [f"{got[c]['gbps']:.2f} · {got[c]['cpu_s_per_gib']:.2f}" if c in got else "—" for c in cols]
+        out.append(f"| {name}{backend} {direction} | " + " | ".join(line) + " |")
+    return "\n".join(out)
+
+
 def verdicts_path(out: str) -> str:
     return os.path.splitext(out)[0] + ".verdicts.json"
 
@@ -876,9 +897,15 @@ def main() -> int:
     ap.add_argument("--chunk", help=f"the image's chunk size, every stage's buffer (default {CHUNK >> 20} MiB)")
     ap.add_argument("--judge", metavar="ROWS_JSON",
                     help="judge the rows of an earlier run (its --out file) again, and rewrite its verdicts")
+    ap.add_argument("--markdown", metavar="ROWS_JSON",
+                    help="print the rows of an earlier run (its --out file) as a markdown table, GB/s · CPU s/GiB")
     ns = ap.parse_args()
     if ns.judge:
         return judge(ns.judge)
+    if ns.markdown:
+        with open(ns.markdown) as f:
+            print(markdown_table(json.load(f)))
+        return 0
     if not ns.sink_dir:
         ap.error("--sink-dir is required")
     if ns.chunk:
@@ -886,8 +913,9 @@ def main() -> int:
     ENGINE_SETTINGS.update({k: v for k, v in (("copy_threads", ns.copy_threads), ("inflight_per_gpu", ns.inflight),
                                               ("data_files_per_gpu", ns.data_files_per_gpu)) if v is not None})
     cfg = engine_config()
-    print(f"engine: {cfg.copy_threads} copy threads, {cfg.inflight_per_gpu} batches in flight per GPU, a dump's "
-          f"records in {cfg.data_files_per_gpu} data files per GPU", flush=True)
+    print(f"engine: {cfg.copy_threads} copy threads; batches in flight per GPU: {cfg.inflight_per_gpu} for a restore, "
+          f"{cfg.dump_inflight_per_gpu} for a dump; a dump's records in {cfg.data_files_per_gpu} data files per GPU",
+          flush=True)
     sizes = [parse_size(x) for x in ns.size.split(",")]
     warm = parse_size(ns.warm) if ns.warm is not None else 8 * max(sizes)
     criu = os.environ.get("CRIU_BIN") or None
