@@ -351,3 +351,41 @@ def test_a_client_makes_a_gpus_data_files_again_after_their_attach_was_refused(r
     finally:
         for fd in (*dfds, src):
             os.close(fd)
+
+
+def test_a_gpus_data_files_are_made_again_after_one_could_not_be_created(run_dir, tmp_path):
+    """Creating a GPU's second data file fails (a directory holds its name): the first one, made but never
+    sent, is removed too, and once the name is free the same add_bos makes and attaches them all; the image
+    commits with no stray file."""
+    from vramd.errors import VramdError
+    from vramd.testing import DaemonProcess
+    cfg = tmp_path / "vramd.toml"
+    cfg.write_text("data_files_per_gpu = 2\n")
+    image = tmp_path / "image"
+    image.mkdir()
+    dfd = open_dir(image)
+    content = os.urandom(3 * MiB)
+    src = memfd(content)
+    try:
+        with DaemonProcess(run_dir, "--config", str(cfg)) as daemon, Client(daemon.socket) as c:
+            s = c.open_session(SESSION_DUMP, dfd, chunk_size=MiB)
+            assert s.data_files_per_gpu == 2
+            taken = image / (data_file_name(s.image_id, 0, 1) + ".tmp")
+            taken.mkdir()
+            with pytest.raises(VramdError, match="cannot create") as e:
+                c.add_bos(s.token, [ClientBo(1, src, size=len(content))])
+            assert taken.name in str(e.value)
+            assert os.listdir(image) == [taken.name]  # the first data file went with the failed add_bos
+            taken.rmdir()
+            c.add_bos(s.token, [ClientBo(1, src, size=len(content))])
+            c.start(s.token)
+            assert c.wait(s.token).state == rpc.SESSION_DONE
+            m = decode_manifest((image / MANIFEST_NAME).read_bytes())
+            assert [f.name for f in m.files] == [data_file_name(m.image_id, 0, k) for k in range(2)]
+            assert sorted(os.listdir(image)) == sorted([MANIFEST_NAME, *(f.name for f in m.files)])
+            assert _restored(c, dfd, {1: len(content)}) == {1: content}
+            c._forget(s.token)
+            assert daemon.proc.poll() is None
+    finally:
+        os.close(dfd)
+        os.close(src)

@@ -211,13 +211,16 @@ class Client:
             known = set(self.hello.allowed_gpu_ids)
             new = sorted(({b.gpu_id or 0 for b in bos} & known) - local.dump.gpus())
             if new:
-                made = [f for g in new for f in local.dump.gpu_files(g)]
+                made: list[OpenedFile] = []
                 taken = [0]
                 try:
+                    for g in new:  # one at a time: a create that fails leaves the ones before it in `made`
+                        for k in range(local.dump.stripes):
+                            made.append(local.dump.data_file(g, k))
                     self._attach(token, made, taken)
                 except BaseException:
-                    # the daemon attached none of a refused message's own data files: those, and the ones after,
-                    # go (the next add_bos makes and attaches them again)
+                    # the daemon attached none of a refused message's own data files: those, the ones after, and
+                    # any made but never sent (a create failed) go; the next add_bos makes and attaches them again
                     local.dump.drop(made[taken[0]:])
                     raise
         info = None

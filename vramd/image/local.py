@@ -324,10 +324,6 @@ class DumpDirectory:
         """The GPUs whose data files are created."""
         return {gpu for gpu, _ in self.data}
 
-    def gpu_files(self, gpu_id: int) -> list[OpenedFile]:
-        """Every data file of the GPU the daemon asked for (`begin`), created on first use."""
-        return [self.data_file(gpu_id, k) for k in range(self.stripes)]
-
     def _create(self, name: str) -> int:
         try:
             fd = os.open(name, CREATE_FLAGS, FILE_MODE, dir_fd=self.dir_fd)
