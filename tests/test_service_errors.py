@@ -205,3 +205,73 @@ def test_an_error_code_this_client_does_not_know_is_still_typed():
     from vramd.protocol import error_from_pb
     e = error_from_pb(rpc.Error(code=9, message="a newer daemon's error"))
     assert type(e) is VramdError and e.code == "CODE_9" and e.message == "a newer daemon's error"
+
+
+def test_a_session_that_ends_during_an_attach_answers_its_own_error(tmp_path):
+    """One AttachFiles message: a dump's own data file, then a parent's file whose check awaits (a thread's
+    read, here held by the test).  The session is cancelled meanwhile and ends: its writer closes, and every
+    fd it holds is closed and uncounted.  The message is then answered with the session's error, not
+    INTERNAL, and the own data file's fds are closed once, by the session."""
+    import os
+
+    from vramd.engine import DumpJob
+    from vramd.errors import JobCancelledError
+    from vramd.image.format import data_file_name
+    from vramd.image.writer import ImageWriter
+    from vramd.pb import image_pb2 as pb
+
+    image_id = bytes(range(16))
+    own_path, parent_path = tmp_path / (data_file_name(image_id, 0) + ".tmp"), tmp_path / "parent.vrd"
+
+    class Parent:  # the parent image's reader: its header check waits for the test
+        def __init__(self) -> None:
+            self.entered, self.go = asyncio.Event(), asyncio.Event()
+
+        async def attach(self, image, name, fd, direct):
+            self.entered.set()
+            await self.go.wait()
+
+    class Dump(DumpJob):  # the job's ending as a cancelled dump's: its image writer closed, then the error
+        error = None
+        progress = Progress()
+
+        def __init__(self, writer: ImageWriter) -> None:
+            self.writer, self.parent, self.reason = writer, Parent(), ""
+
+        def on_fail(self, callback):
+            pass
+
+        def cancel(self, reason=""):
+            self.reason = reason
+
+        async def finish(self):
+            await self.writer.aclose()
+            raise JobCancelledError(self.reason)
+
+    def open_as(fd: int) -> str | None:
+        try:
+            return os.readlink(f"/proc/self/fd/{fd}")
+        except FileNotFoundError:
+            return None
+
+    async def main():
+        writer = ImageWriter(image_id, chunk_size=1 << 20, compression=pb.Compression(codec=pb.CODEC_RAW), stripes=2)
+        job = Dump(writer)
+        usage = UidUsage(UidLimits(10, 10))
+        s = Session(1, rpc.SESSION_DUMP, 0, 1, "", job, SessionLimits(10, 10), Metrics(), usage, image_id=image_id)
+        own = os.open(own_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        parent = os.open(parent_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        files = [rpc.FileRef(name=data_file_name(image_id, 0), fd_index=0, gpu_id=0),
+                 rpc.FileRef(image=1, name="data-0001020304050607-00000000.vrd", fd_index=1)]
+        attach = asyncio.get_running_loop().create_task(s.attach(files, FdBundle([own, parent])))
+        await job.parent.entered.wait()
+        assert usage.fds == 2
+        s.cancel("cancelled by the test")
+        await s.wait(None)
+        assert s.state == rpc.SESSION_CANCELLED and usage.fds == 0 and s.fds == []
+        job.parent.go.set()
+        with pytest.raises(JobCancelledError, match="cancelled by the test"):
+            await attach
+        assert usage.fds == 0
+        assert open_as(own) != str(own_path) and open_as(parent) != str(parent_path)  # closed by the session
+    uvloop.run(main())

@@ -204,14 +204,19 @@ class DataFileWriter:
 
     def abandon(self, fds: Sequence[int]) -> None:
         """A file never written into but its header (ImageWriter.detach): `fds` (its own, handed over) are
-        closed in its writer thread once the header write is done, and the thread ends; nothing waits."""
+        closed in its writer thread once the header write is done, and the thread ends; nothing waits.  Where
+        the image closed the file already (its session ended meanwhile: `close`), they are closed here."""
         def close() -> None:
             for fd in fds:
                 try:
                     os.close(fd)
                 except OSError:
                     pass
-        self.writer.submit(close)
+        try:
+            self.writer.submit(close)
+        except RuntimeError:  # shut down: the header write is done, nothing to wait for
+            close()
+            return
         self.writer.shutdown(wait=False)
 
 

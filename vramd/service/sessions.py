@@ -255,8 +255,9 @@ class Session:
             except BaseException:
                 if dump is not None and own:
                     dump.writer.detach([w for w, _ in own])
-                    for w, fds in own:  # closed in the file's writer thread, after its header write
-                        w.abandon(self._unkeep(fds))
+                    for w, fds in own:  # closed in the file's writer thread, after its header write; a session
+                        # that ended during the message (an await above) closed and forgot its fds already
+                        w.abandon(self._unkeep([fd for fd in fds if fd in self.fds]))
                 raise
             if dump is not None and own:
                 dump.writer.publish([w for w, _ in own])
