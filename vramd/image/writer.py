@@ -198,6 +198,19 @@ class DataFileWriter:
         """fsync in the writer thread, after every write queued before it."""
         return asyncio.get_running_loop().run_in_executor(self.writer, self._fsync)
 
+    def _set_version(self, version: int) -> None:
+        self._opened.result()
+        try:
+            pwrite_all(self.fd, [encode_data_header(self.image_id, version)], 0)
+        except OSError as e:
+            raise image_os_error(e, f"cannot write {self.tmp}") from None
+        self.version = version
+
+    def set_version(self, version: int) -> asyncio.Future[None]:
+        """The header says `version` (written over, in the writer thread; the header's length is the same in
+        every version, so no record moves)."""
+        return asyncio.get_running_loop().run_in_executor(self.writer, self._set_version, version)
+
     def close(self) -> None:
         """Wait for the writer thread to drain (the fds stay the caller's)."""
         self.writer.shutdown(wait=True)
@@ -238,6 +251,8 @@ class ImageWriter:
         self.compression = compression
         self.stripes = stripes  # data files per GPU the client may attach (SessionInfo.data_files_per_gpu)
         # One data file per GPU is format v2, which readers older than v3 read; more is v3 (docs/image-format.md).
+        # The data files' headers say this version from the start; a dump whose client attached only each
+        # GPU's first file (one written before stripes) is v2 after all, and says so at commit.
         self.version = FORMAT_VERSION if stripes > 1 else 2
         self.files: dict[tuple[int, int], DataFileWriter] = {}  # (gpu_id, stripe) -> its data file
         self._gpus: dict[int, list[DataFileWriter]] = {}  # gpu_id -> its data files, in stripe order
@@ -348,6 +363,10 @@ class ImageWriter:
         if self.manifest_fd is None:
             raise InvalidRequestError("no file for the manifest was given (Start's manifest_fd_index)")
         files = sorted(self.files.values(), key=lambda f: f.index)
+        version = FORMAT_VERSION if any(f.stripe for f in files) else 2
+        if version != self.version:
+            await asyncio.gather(*(f.set_version(version) for f in files))
+            self.version = version
         await asyncio.gather(*(f.fsync() for f in files))
         loop = asyncio.get_running_loop()
         # Building and encoding the manifest is CPU work that grows with the BOs: in the image's thread too,
