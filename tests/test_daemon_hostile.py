@@ -19,6 +19,7 @@ from vramd.errors import (
     PermissionDeniedError,
     TargetTooSmallError,
     UnmappedRangeError,
+    VramdError,
 )
 from vramd.image.format import is_own_temporary
 from vramd.image.local import DumpDirectory
@@ -331,6 +332,134 @@ def test_a_memfd_sealed_to_its_size_is_mapped_and_its_owner_cannot_make_the_daem
         os.close(fd)
     assert daemon.proc.poll() is None
     _serves_another_client(daemon, tmp_path)
+
+
+@pytest.fixture
+def huge_pages():
+    """Two more huge pages in the system's pool for the test (root; the pool is put back after): their size."""
+    with open("/proc/meminfo") as f:
+        size = next(int(line.split()[1]) << 10 for line in f if line.startswith("Hugepagesize:"))
+    path = "/proc/sys/vm/nr_hugepages"
+    with open(path) as f:
+        before = int(f.read())
+    try:
+        with open(path, "w") as f:
+            f.write(str(before + 2))
+        with open(path) as f:
+            got = int(f.read())
+    except OSError as e:
+        pytest.skip(f"no huge pages to be had here: {e}")
+    try:
+        if got < before + 2:
+            pytest.skip(f"the kernel gave {got - before} of 2 huge pages")
+        yield size
+    finally:
+        with open(path, "w") as f:
+            f.write(str(before))
+
+
+def test_a_huge_page_memfd_is_never_mapped_so_its_owner_cannot_make_the_daemon_fault(daemon, image_dir, tmp_path,
+                                                                                      huge_pages):
+    """A memfd of huge pages (MFD_HUGETLB) takes F_SEAL_SHRINK, but its owner can still punch holes in it, and a
+    hole of hugetlbfs is backed by no zero page: touching one through a mapping needs a free huge page, and
+    where its owner took them all the kernel raises SIGBUS (a review reproduced it killing the process of
+    the copy thread).  So the daemon reads and writes such a memfd with pread/pwrite and never maps it: here,
+    with its page punched out and every free huge page taken (before the fix: the mapping itself failed), a
+    dump of it reads zeros and ends DONE; a restore into one is a typed error naming the BO (hugetlbfs takes
+    no write(2)); the daemon goes on serving."""
+    import ctypes
+    import mmap
+
+    from helpers import seal_size
+    size = huge_pages
+    fd = os.memfd_create("huge", os.MFD_HUGETLB | os.MFD_ALLOW_SEALING)
+    libc = ctypes.CDLL(None, use_errno=True)
+    hogs: list[mmap.mmap] = []
+    try:
+        os.ftruncate(fd, size)
+        with mmap.mmap(fd, size) as m:  # the BO's bytes: one huge page
+            m[:] = os.urandom(size)
+        seal_size(fd)
+        # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE: the page goes back to the pool...
+        assert libc.fallocate(fd, 3, ctypes.c_long(0), ctypes.c_long(size)) == 0, os.strerror(ctypes.get_errno())
+        while True:  # ... and the owner takes every free huge page
+            hog = os.memfd_create("hog", os.MFD_HUGETLB)
+            try:
+                os.ftruncate(hog, size)
+                m = mmap.mmap(hog, size)
+                m[:1] = b"\1"
+            except OSError:
+                break
+            finally:
+                os.close(hog)
+            hogs.append(m)
+        assert len(hogs) >= 2
+        maps = f"/proc/{daemon.proc.pid}/maps"
+        with Client(daemon.socket) as c:
+            info = c.run_session(SESSION_DUMP, image_dir[1], [ClientBo(3, fd, size=size, backend="mmap")])
+            assert info.state == rpc.SESSION_DONE and info.image.bo_count == 1
+            with open(maps) as f:
+                assert "/memfd:huge" not in f.read()
+            dst = os.memfd_create("huge-target", os.MFD_HUGETLB | os.MFD_ALLOW_SEALING)
+            try:
+                os.ftruncate(dst, size)
+                seal_size(dst)
+                with pytest.raises(VramdError) as e:
+                    c.run_session(SESSION_RESTORE, image_dir[1], [ClientBo(3, dst, backend="mmap")])
+                assert e.value.bo_id == 3 and e.value.code != "INTERNAL"
+            finally:
+                os.close(dst)
+    finally:
+        for m in hogs:
+            m.close()
+        os.close(fd)
+    assert daemon.proc.poll() is None
+    _serves_another_client(daemon, tmp_path)
+
+
+def test_a_window_that_cannot_be_faulted_in_is_an_error_before_any_touch(huge_pages):
+    """populate (MADV_POPULATE_READ/WRITE) tells where touching a mapping would raise SIGBUS, without touching
+    it, and the mmap backend turns that answer into a typed error naming the BO.  The case: a huge-page memfd
+    mapped as a dmabuf is (its page reserved and faulted in), then that page punched out by its owner (its
+    reservation goes with it) and every free huge page taken."""
+    import ctypes
+    import errno
+    import mmap
+
+    from vramd.backends import BackendOptions, BoRef, Direction, MmapBackend
+    from vramd.backends.mmapfd import _MappedBo
+    from vramd.errors import BackendError
+    from vramd.hostmem.libc import populate
+    size = huge_pages
+    fd = os.memfd_create("huge", os.MFD_HUGETLB)
+    libc = ctypes.CDLL(None, use_errno=True)
+    backend = MmapBackend(BackendOptions())
+    hogs: list[mmap.mmap] = []
+    h = _MappedBo(9, BoRef("mmap", fd, 0), size, 0, Direction.READ)  # the mapped path, as open gives a dmabuf
+    try:
+        os.ftruncate(fd, size)
+        assert backend.endpoint(h, 0, size)[0] == -1  # mapped, and its page faulted in
+        assert libc.fallocate(fd, 3, ctypes.c_long(0), ctypes.c_long(size)) == 0, os.strerror(ctypes.get_errno())
+        while True:
+            hog = os.memfd_create("hog", os.MFD_HUGETLB)
+            try:
+                os.ftruncate(hog, size)
+                m = mmap.mmap(hog, size)
+                m[:1] = b"\1"
+            except OSError:
+                break
+            finally:
+                os.close(hog)
+            hogs.append(m)
+        assert populate(h.base, size, writing=False) in (errno.EFAULT, errno.ENOMEM)
+        with pytest.raises(BackendError, match="cannot be faulted in") as e:
+            backend.endpoint(h, 0, size)
+        assert e.value.bo_id == 9 and e.value.offset == 0
+    finally:
+        backend.release(h)
+        for m in hogs:
+            m.close()
+        os.close(fd)
 
 
 def test_image_files_the_client_attaches_are_checked(daemon, image_dir, tmp_path):

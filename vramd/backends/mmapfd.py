@@ -15,6 +15,9 @@ driver refuses a mapping outside the BO, and a memfd sealed against
 shrinking (F_SEAL_SHRINK, which no one can lift) refuses every ftruncate
 below its size.  Such a memfd takes the very path a dmabuf takes, which is
 how the tests and bench/throughput.py run the large-BAR path without a GPU.
+A huge-page memfd is not mapped even so (`cannot_shrink`), and a window
+the kernel says it cannot fault in (MADV_POPULATE: EFAULT, where a touch
+would raise SIGBUS) is a typed error, never touched.
 
 Each BO is mapped once, at its first chunk, and unmapped as soon as its
 last chunk has landed (the engine releases a BO's handle then).  Mapping
@@ -40,7 +43,7 @@ import threading
 from dataclasses import dataclass, field
 
 from ..errors import BackendError, TargetTooSmallError
-from ..hostmem.libc import Pointer, address, ffi, pointer, populate
+from ..hostmem.libc import TMPFS_MAGIC, Pointer, address, ffi, fs_type, pointer, populate
 from ..units import PAGE
 from .base import BoHandle, BoRef, Capabilities, Direction, FdMemo, fd_size
 from .threaded import ThreadedBackend
@@ -63,12 +66,16 @@ _WRITE_LOCKS = tuple(threading.Lock() for _ in range(64))
 
 
 def cannot_shrink(fd: int) -> bool:
-    """Whether fd is a memfd sealed against shrinking (F_SEAL_SHRINK): then no one, its owner included, can cut
-    it short, and mapping it is as safe as mapping a dmabuf.  Any other file says EINVAL (no seals)."""
+    """Whether fd is a memfd of shared memory (shmem) sealed against shrinking (F_SEAL_SHRINK): then no one,
+    its owner included, can cut it short, and mapping it is as safe as mapping a dmabuf.  Any other file says
+    EINVAL (no seals).  A huge-page memfd (MFD_HUGETLB, on hugetlbfs) takes the seal but is not mapped: its
+    owner can still punch holes in it, and hugetlbfs has no zero page, so the next touch of a hole needs a
+    huge page from a pool its owner can empty, and without one the kernel raises SIGBUS."""
     try:
-        return bool(fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK)
+        sealed = bool(fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK)
     except OSError:
         return False
+    return sealed and fs_type(fd) == TMPFS_MAGIC
 
 
 class MmapBackend(ThreadedBackend):
@@ -118,9 +125,13 @@ class MmapBackend(ThreadedBackend):
             if h.mm is None:
                 self._map(h)
         start = h.base + bo_offset
-        # prefault the window in one call; where unsupported, the copy faults pages in itself
+        # prefault the window in one call (where unsupported, the copy faults pages in itself); a window the
+        # kernel says cannot be faulted in is not touched, since touching it would raise SIGBUS
         lo = address(start) % PAGE
-        populate(start - lo, lo + length, writing=h.direction is Direction.WRITE)
+        err = populate(start - lo, lo + length, writing=h.direction is Direction.WRITE)
+        if err:
+            raise BackendError(f"fd {h.ref.fd}: {length} bytes at {h.ref.offset + bo_offset:#x} of its mapping "
+                               f"cannot be faulted in: {os.strerror(err)}", bo_id=h.bo_id, offset=bo_offset)
         return -1, address(start)
 
     def write_lock(self, handle: BoHandle) -> threading.Lock | None:

@@ -41,7 +41,9 @@ MAP_FAILED: Any = ffi.cast("void *", -1)
 SYNC_FILE_RANGE_WRITE = 0x2  # start writeback of the range's dirty pages; wait for nothing
 PROT_NONE, MAP_SHARED = 0x0, 0x01
 SYS_CACHESTAT = 451  # Linux 6.5+, the same number on every architecture (new system calls share one table)
-MEMORY_FS = (0x01021994, 0x858458F6)  # TMPFS_MAGIC, RAMFS_MAGIC: file systems whose files are memory
+TMPFS_MAGIC, RAMFS_MAGIC = 0x01021994, 0x858458F6
+EHWPOISON = 133  # a memory error hit the page (Linux; Python's errno module has no name for it)
+MEMORY_FS = (TMPFS_MAGIC, RAMFS_MAGIC)  # file systems whose files are memory
 
 # A cdata char* (cffi has no finer static type for it).
 Pointer = Any
@@ -71,9 +73,14 @@ def copy_ptr(dst: Pointer, src: Pointer, n: int) -> None:
         libc.memcpy(dst, src, n)
 
 
-def populate(p: Pointer, length: int, *, writing: bool) -> None:
-    """Prefault `length` bytes at p in one call; where unsupported, the copy faults pages in itself."""
-    libc.madvise(p, length, MADV_POPULATE_WRITE if writing else MADV_POPULATE_READ)
+def populate(p: Pointer, length: int, *, writing: bool) -> int:
+    """Prefault `length` bytes at p in one call: 0, or why the range cannot be faulted in (EFAULT: touching
+    it would raise SIGBUS; ENOMEM: no memory for it).  Where the kernel cannot prefault (EINVAL, before Linux
+    5.14) or was interrupted, 0: the copy faults pages in itself."""
+    if libc.madvise(p, length, MADV_POPULATE_WRITE if writing else MADV_POPULATE_READ) == 0:
+        return 0
+    err: int = ffi.errno
+    return err if err in (errno.EFAULT, errno.ENOMEM, EHWPOISON) else 0
 
 
 _cachestat = [True]  # cleared where the kernel has no cachestat (ENOSYS): mincore then
@@ -114,8 +121,14 @@ def cached_pages(fd: int, offset: int, length: int) -> int | None:
         libc.munmap(p, span)
 
 
+def fs_type(fd: int) -> int | None:
+    """The magic number of the file system behind fd (fstatfs(2)'s f_type, the first field of struct statfs,
+    a long on 64-bit Linux); None where fstatfs fails."""
+    buf = ffi.new("long[32]")  # struct statfs is 120 bytes on x86-64 and arm64
+    return int(buf[0]) & 0xFFFFFFFF if libc.fstatfs(fd, buf) == 0 else None
+
+
 def memory_file(fd: int) -> bool:
     """Whether the file behind fd lives on a file system whose files are memory (tmpfs, ramfs): reading it
-    waits on no device.  fstatfs(2)'s f_type, the first field of struct statfs (a long on 64-bit Linux)."""
-    buf = ffi.new("long[32]")  # struct statfs is 120 bytes on x86-64 and arm64
-    return libc.fstatfs(fd, buf) == 0 and (buf[0] & 0xFFFFFFFF) in MEMORY_FS
+    waits on no device."""
+    return fs_type(fd) in MEMORY_FS
