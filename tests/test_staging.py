@@ -119,3 +119,71 @@ def test_big_staging_buffers_sit_on_huge_pages_and_never_hold_more_than_their_si
             pool.release(bufs)
             pool.close()
     run(go())
+
+
+def test_a_buffer_the_pool_cannot_have_fails_its_acquire_and_costs_the_pool_nothing():
+    """A buffer refused when it is mapped (here by an on_alloc hook, as an SDMA backend's registration of it
+    may be): that acquire fails with the hook's error and nothing stays counted, in use or mapped.  A waiter
+    that a release would have served gets the error, not the releaser, and is not left waiting; the pool
+    then serves as before."""
+    from vramd.errors import BackendError
+
+    def refuse(buf):
+        raise BackendError(f"cannot register {buf.size} bytes of staging")
+
+    async def go():
+        unit = buffer_unit(MiB)
+        pool = StagingPool(3 * unit)
+        pool.on_alloc.append(refuse)
+        with pytest.raises(BackendError, match="cannot register"):
+            await pool.acquire(MiB, 2)
+        assert pool.in_use_bytes == 0 and pool.allocated_bytes == 0
+        pool.on_alloc.clear()
+        held = await pool.acquire(MiB, 3)  # the whole budget
+        waiter = asyncio.create_task(pool.acquire(2 * MiB, 1))  # a size no idle buffer has: mapped when served
+        await asyncio.sleep(0)  # it queues (not synchronisation: asserted next)
+        assert not waiter.done() and pool._waiters
+        pool.on_alloc.append(refuse)
+        pool.release(held)  # serves the waiter, whose buffer is refused
+        with pytest.raises(BackendError, match="cannot register"):
+            await waiter
+        assert pool.in_use_bytes == 0 and not pool._waiters
+        assert pool.allocated_bytes <= pool.budget
+        pool.on_alloc.clear()
+        again = await pool.acquire(2 * MiB, 1)
+        assert pool.in_use_bytes == buffer_unit(2 * MiB)
+        pool.release(again)
+        pool.close()
+    run(go())
+
+
+def test_staging_the_host_cannot_map_is_a_job_error():
+    """Where the host cannot map a staging buffer (here its address space is limited: RLIMIT_AS, in a child
+    process), acquire fails with JobError naming staging memory, not a bare OSError (INTERNAL), and nothing
+    stays counted in use."""
+    import subprocess
+    import sys
+    import textwrap
+
+    from helpers import ROOT
+    code = textwrap.dedent("""
+        import asyncio, resource
+        from vramd.errors import JobError
+        from vramd.hostmem.staging import StagingPool
+        MiB = 1 << 20
+        with open("/proc/self/status") as f:
+            vm = next(int(line.split()[1]) << 10 for line in f if line.startswith("VmSize:"))
+        resource.setrlimit(resource.RLIMIT_AS, (vm + 16 * MiB, resource.getrlimit(resource.RLIMIT_AS)[1]))
+        async def main():
+            pool = StagingPool(256 * MiB)
+            try:
+                await pool.acquire(64 * MiB, 2)
+            except JobError as e:
+                print("JobError:", e, pool.in_use_bytes)
+        asyncio.run(main())
+    """)
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("JobError: cannot map ")
+    assert "bytes of staging memory: Cannot allocate memory" in r.stdout
+    assert r.stdout.split()[-1] == "0"

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import InvalidRequestError
+from ..errors import InvalidRequestError, JobError, from_os_error
 from ..units import PAGE, round_up
 from .libc import Pointer, address, ffi, pointer
 
@@ -143,18 +143,32 @@ class StagingPool:
             raise
 
     def _take(self, unit: int, n: int) -> list[StagingBuffer]:
-        self.in_use_bytes += n * unit
-        self.peak_in_use_bytes = max(self.peak_in_use_bytes, self.in_use_bytes)
+        """`n` buffers of `unit` bytes, idle ones first, the rest mapped now.  Where mapping one fails (the host
+        is out of memory) or a hook refuses it, JobError, and the pool is as it was: the idle buffers taken
+        go back, the new ones stay idle, and nothing is counted in use."""
         free = self._free[unit]
         bufs = [free.pop() for _ in range(min(n, len(free)))]
-        while len(bufs) < n:
-            while self.allocated_bytes + unit > self.budget:
-                self._evict_one(keep=unit)
-            buf = StagingBuffer(unit, anonymous(unit, huge=self.huge_pages))
-            self.allocated_bytes += unit
-            for hook in self.on_alloc:
-                hook(buf)
-            bufs.append(buf)
+        try:
+            while len(bufs) < n:
+                while self.allocated_bytes + unit > self.budget:
+                    self._evict_one(keep=unit)
+                try:
+                    buf = StagingBuffer(unit, anonymous(unit, huge=self.huge_pages))
+                except OSError as e:
+                    raise from_os_error(e, f"cannot map {unit} bytes of staging memory", JobError) from None
+                self.allocated_bytes += unit
+                try:
+                    for hook in self.on_alloc:
+                        hook(buf)
+                except BaseException:
+                    self._unmap(buf)
+                    raise
+                bufs.append(buf)
+        except BaseException:
+            free.extend(bufs)
+            raise
+        self.in_use_bytes += n * unit
+        self.peak_in_use_bytes = max(self.peak_in_use_bytes, self.in_use_bytes)
         return bufs
 
     def _evict_one(self, keep: int) -> None:
@@ -185,7 +199,12 @@ class StagingPool:
             if self.in_use_bytes + n * unit > self.budget:
                 return
             self._waiters.popleft()
-            fut.set_result(self._take(unit, n))
+            try:
+                bufs = self._take(unit, n)
+            except Exception as e:  # the waiter's, not the releaser's: it fails, the others still wait their turn
+                fut.set_exception(e)
+                continue
+            fut.set_result(bufs)
 
     def close(self) -> None:
         for free in self._free.values():
