@@ -107,6 +107,28 @@ def test_pipelined_requests_with_fds_then_hang_up_leave_nothing_behind(daemon):
         assert c.status().connections == 1
 
 
+def test_a_wait_then_a_packet_the_protocol_refuses_leaves_no_session_held(daemon):
+    """A Wait on a dump nobody will start, then a packet the protocol refuses, back to back: the daemon closes
+    the connection (the Wait queued before the bad packet is never handled; one already waiting is dropped,
+    as when a client hangs up), so the client's session loses its holder and is reaped once the grace period
+    is over.  Before, the queued Wait blocked the connection's handler for good: nobody read the socket any
+    more, and the session, its fds and the connection's slot stayed held."""
+    s = raw_connect(daemon.socket)
+    say_hello(s)
+    send(s, rpc.Request(id=2, open_session=rpc.OpenSession(kind=rpc.SESSION_DUMP)))
+    token = decode_response(s.recv(1 << 20)).session.token
+    send(s, rpc.Request(id=3, wait=rpc.Wait(token=token)))
+    s.sendmsg([b"\xff" * 16])
+    replies = read_all(s)  # until the daemon closes the connection (a timeout here: it never did)
+    assert all(r.error.code == rpc.PROTOCOL_ERROR for r in replies)
+    s.close()
+    daemon.expect_log(r"session \d+: no client holds it any more \(grace period over\); cancelling")
+    daemon.expect_log(r"session \d+ \(dump, uid 0, pid \d+\): SESSION_CANCELLED: ")
+    with Client(daemon.socket) as c:
+        st = c.status()
+        assert st.sessions == 0 and st.connections == 1
+
+
 def test_a_client_queueing_too_many_requests_is_told_and_closed(run_dir, tmp_path):
     cfg = config(tmp_path, "max_queued_requests = 4\n")
     with DaemonProcess(run_dir, "--config", cfg) as d, Client(d.socket) as watcher:

@@ -134,6 +134,11 @@ async def _serve(daemon: Daemon, conn: Connection) -> None:
                 break
             for event in events:
                 queue.put_nowait(event)
+            if conn.protocol.closed:
+                # The packet broke the protocol: its error is the last answer, and no request queued before
+                # it is handled. One could be a Wait that never ends, and from here on nobody reads the
+                # socket to see the peer hang up.
+                _drop_queued(queue, keep_replies=True)
     finally:
         if hung_up:  # nobody to answer: what is still queued is never handled
             _drop_queued(queue)
@@ -151,11 +156,18 @@ def _queue_refusal(conn: Connection, queue: asyncio.Queue[Received | Reply | Non
         queue.put_nowait(r)
 
 
-def _drop_queued(queue: asyncio.Queue[Received | Reply | None]) -> None:
+def _drop_queued(queue: asyncio.Queue[Received | Reply | None], *, keep_replies: bool = False) -> None:
+    """Drop the requests queued and not yet handled (their fds closed); `keep_replies`: the answers queued
+    (a refusal, a protocol error) stay, in order."""
+    kept: list[Received | Reply | None] = []
     while not queue.empty():
         ev = queue.get_nowait()
         if isinstance(ev, Received):
             ev.fds.close()
+        elif keep_replies:
+            kept.append(ev)
+    for ev in kept:
+        queue.put_nowait(ev)
 
 
 async def _handle_queue(daemon: Daemon, conn: Connection, queue: asyncio.Queue[Received | Reply | None]) -> None:
