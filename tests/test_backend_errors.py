@@ -169,3 +169,43 @@ def test_open_ahead_is_only_a_head_start(image_dir):
             run(go())
         finally:
             os.close(mem)
+
+
+def test_a_bo_whose_open_failed_ahead_is_not_opened_again_on_the_event_loop(image_dir, monkeypatch):
+    """A BO whose probe failed in the worker thread (open_ahead, as a session runs it) is not probed again by
+    add, on the event loop: add raises the error the thread met, naming the BO and where its hole starts, in
+    order.  Finding that start reads up to the whole BO before the hole (`_first_unmapped`), which for a
+    BO of tens of GiB held the event loop, and every other client, for seconds."""
+    import asyncio
+    import threading
+
+    from vramd.backends.procmem import ProcMemBackend
+    scans: list[threading.Thread] = []
+    real = ProcMemBackend._first_unmapped
+
+    def first_unmapped(handle, off):
+        scans.append(threading.current_thread())
+        return real(handle, off)
+    monkeypatch.setattr(ProcMemBackend, "_first_unmapped", staticmethod(first_unmapped))
+    page = 4096
+    with Workload([{"size": 8 * page, "fill": "random", "holes": [[5 * page, page]]}]) as w:
+        base = w.regions[0]["addr"]
+        mem = w.open_mem()
+        specs = [BoSpec(i + 1, page, BoRef("procmem", mem, base + i * page)) for i in range(8)]
+
+        async def go():
+            async with engine(staging_budget=8 * MiB, chunk_size=MiB) as e:
+                job = await e.start_local_dump(image_dir[1])
+                ahead = await asyncio.get_running_loop().run_in_executor(None, job.open_ahead, specs)
+                assert ahead == {} and ahead.failed is not None and ahead.failed[0] == 6
+                assert len(scans) == 1 and scans[0] is not threading.current_thread()
+                with pytest.raises(errors.UnmappedRangeError) as ei:
+                    job.add(specs, ahead)
+                assert (ei.value.bo_id, ei.value.address) == (6, base + 5 * page)
+                assert len(scans) == 1  # not again, on the event loop
+                with pytest.raises(errors.UnmappedRangeError):
+                    await job.finish()
+        try:
+            run(go())
+        finally:
+            os.close(mem)

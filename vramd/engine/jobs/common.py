@@ -82,9 +82,13 @@ def submit_batch(copies: Sequence[tuple[Backend, CopyItem]]) -> asyncio.Future[N
     return land_all(futs)
 
 
-# BOs opened ahead in a worker thread (JobBase.open_ahead): bo_id -> (backend, what was opened, handle, the
-# spec or target it was opened for)
-Ahead = dict[int, tuple[Backend, OpenItem, BoHandle, Any]]
+class Ahead(dict[int, tuple[Backend, OpenItem, BoHandle, Any]]):
+    """BOs opened ahead in a worker thread (JobBase.open_ahead): bo_id -> (backend, what was opened, handle,
+    the spec or target it was opened for).  `failed`: the BO whose open failed there, and its error: `add`
+    raises it when it reaches that BO, without opening it again on the event loop (a failing procmem probe
+    reads up to the whole BO to find where its hole starts)."""
+
+    failed: tuple[int, VramdError] | None = None
 
 OFF_T_MAX = (1 << 63) - 1  # the largest file offset (off_t) a syscall takes
 DEFAULT_MAX_BO_BYTES = 1 << 40
@@ -220,11 +224,15 @@ class JobBase(Generic[BoT]):
         The caller passes what is returned to `add`, then to `drop_ahead`."""
         valid, _ = self._validate(todo)
         opened = [(v, spec) for v, spec in zip(valid, todo) if v[0].cpu_copies]
+        ahead = Ahead()
         try:
             handles = self._open_all([v for v, _ in opened])
-        except VramdError:
-            return {}
-        return {item[0]: (backend, item, h, spec) for ((backend, item), spec), h in zip(opened, handles)}
+        except VramdError as e:
+            if e.bo_id is not None and any(item[0] == e.bo_id for (_, item), _ in opened):
+                ahead.failed = (e.bo_id, e)
+            return ahead
+        ahead.update({item[0]: (backend, item, h, spec) for ((backend, item), spec), h in zip(opened, handles)})
+        return ahead
 
     def _validated(self, todo: Sequence[Any], ahead: Ahead | None) -> tuple[list[tuple[Backend, OpenItem]],
                                                                            VramdError | None]:
@@ -254,10 +262,13 @@ class JobBase(Generic[BoT]):
         taken from there.  The first BO that fails raises its error after the handles opened
         or taken here are released; the BOs after it are not opened."""
         handles: list[BoHandle] = []
+        failed = getattr(ahead, "failed", None)  # (a plain dict of handles records no failure)
         i = 0
         try:
             while i < len(items):
                 backend, item = items[i]
+                if failed is not None and item[0] == failed[0]:
+                    raise failed[1]  # as it failed in the worker thread, moments ago
                 got = ahead.pop(item[0], None) if ahead else None
                 if got is not None:
                     if got[0] is backend and got[1] == item:
@@ -266,7 +277,8 @@ class JobBase(Generic[BoT]):
                         continue
                     got[0].release(got[2])  # opened for something else: not this BO's handle
                 j = i + 1
-                while j < len(items) and items[j][0] is backend and not (ahead and items[j][1][0] in ahead):
+                while j < len(items) and items[j][0] is backend and not (ahead and items[j][1][0] in ahead) \
+                        and not (failed is not None and items[j][1][0] == failed[0]):
                     j += 1
                 handles += backend.open_many([it for _, it in items[i:j]], self.direction, checked=self._checked)
                 i = j
