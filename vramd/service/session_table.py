@@ -197,6 +197,13 @@ class SessionTable:
             return False
         del self.by_token[s.token]
         s.usage.bos -= s.bo_count  # its BOs go with it (its fds are closed by its end)
+        # No token reaches it any more: the connections that held it forget it (a long-lived connection that
+        # looked at sessions others closed kept each, with its job and image, for as long as it lived)
+        for conn in s.holders:
+            held = getattr(conn, "sessions", None)
+            if held is not None:
+                held.discard(s)
+        s.holders.clear()
         if s.reap_timer is not None:
             s.reap_timer.cancel()
             s.reap_timer = None
