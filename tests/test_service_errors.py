@@ -209,9 +209,9 @@ def test_an_error_code_this_client_does_not_know_is_still_typed():
 
 def test_a_session_that_ends_during_an_attach_answers_its_own_error(tmp_path):
     """One AttachFiles message: a dump's own data file, then a parent's file whose check awaits (a thread's
-    read, here held by the test).  The session is cancelled meanwhile and ends: its writer closes, and every
-    fd it holds is closed and uncounted.  The message is then answered with the session's error, not
-    INTERNAL, and the own data file's fds are closed once, by the session."""
+    read, here held by the test).  The session is cancelled meanwhile: its job ends and its writer closes,
+    but it closes the fds it holds only once the message is done with them.  The message is answered with
+    the session's error, not INTERNAL; every fd is closed once and uncounted."""
     import os
 
     from vramd.engine import DumpJob
@@ -246,6 +246,7 @@ def test_a_session_that_ends_during_an_attach_answers_its_own_error(tmp_path):
 
         async def finish(self):
             await self.writer.aclose()
+            writer_closed.set()
             raise JobCancelledError(self.reason)
 
     def open_as(fd: int) -> str | None:
@@ -254,7 +255,11 @@ def test_a_session_that_ends_during_an_attach_answers_its_own_error(tmp_path):
         except FileNotFoundError:
             return None
 
+    writer_closed: asyncio.Event
+
     async def main():
+        nonlocal writer_closed
+        writer_closed = asyncio.Event()
         writer = ImageWriter(image_id, chunk_size=1 << 20, compression=pb.Compression(codec=pb.CODEC_RAW), stripes=2)
         job = Dump(writer)
         usage = UidUsage(UidLimits(10, 10))
@@ -267,13 +272,14 @@ def test_a_session_that_ends_during_an_attach_answers_its_own_error(tmp_path):
         await job.parent.entered.wait()
         assert usage.fds == 2
         s.cancel("cancelled by the test")
-        await s.wait(None)
-        assert s.state == rpc.SESSION_CANCELLED and usage.fds == 0 and s.fds == []
+        await writer_closed.wait()  # the job has ended...
+        assert not s.done and open_as(own) == str(own_path)  # ...but the fds the message uses stay open
         job.parent.go.set()
         with pytest.raises(JobCancelledError, match="cancelled by the test"):
             await attach
-        assert usage.fds == 0
-        assert open_as(own) != str(own_path) and open_as(parent) != str(parent_path)  # closed by the session
+        await s.wait(None)
+        assert s.state == rpc.SESSION_CANCELLED and usage.fds == 0 and s.fds == []
+        assert open_as(own) != str(own_path) and open_as(parent) != str(parent_path)  # closed
     uvloop.run(main())
 
 

@@ -255,9 +255,9 @@ class Session:
             except BaseException:
                 if dump is not None and own:
                     dump.writer.detach([w for w, _ in own])
-                    for w, fds in own:  # closed in the file's writer thread, after its header write; a session
-                        # that ended during the message (an await above) closed and forgot its fds already
-                        w.abandon(self._unkeep([fd for fd in fds if fd in self.fds]))
+                    for w, fds in own:  # closed in the file's writer thread, after its header write (the
+                        # session's end waits for this message before it closes the fds it holds: _finish)
+                        w.abandon(self._unkeep(fds))
                 raise
             if dump is not None and own:
                 dump.writer.publish([w for w, _ in own])
@@ -503,7 +503,14 @@ class Session:
             self.error = InternalError(f"internal error: {e!r}")
         finally:
             self._enter(outcome_state(self.error))
-            self._close_fds()
+            try:
+                # An AddBos or AttachFiles under way uses the session's fds in a worker thread (fd checks,
+                # probes, a header read): they are closed once it is done, never under it, where their
+                # numbers could already be another client's fds
+                async with self._adding:
+                    self._close_fds()
+            finally:
+                self._close_fds()  # nothing left, unless the wait above was cancelled (the daemon stopping)
             self.ended = time.monotonic()
             self._account()
             self._done.set()
