@@ -908,7 +908,7 @@ static int session_call(struct vramd_conn *c, Request *req, const int *fds, size
 
 static int reply_ms(const struct vramd_conn *c)
 {
-    return c->timeout_ms > 0 ? c->timeout_ms : -1;
+    return c && c->timeout_ms > 0 ? c->timeout_ms : -1;
 }
 
 /* --- the client's dump sessions -------------------------------------------- */
@@ -1279,8 +1279,8 @@ int vramd_open_session(struct vramd_conn *c, const struct vramd_open_args *a, st
 }
 
 /* A request whose body names only the token: Start, GetProgress, CloseSession. */
-static int token_call(struct vramd_conn *c, const struct vramd_token *t, int which, struct vramd_session_info *info,
-                      struct vramd_error *err)
+static int token_call(struct vramd_conn *c, const struct vramd_token *t, int which, int within_ms,
+                      struct vramd_session_info *info, struct vramd_error *err)
 {
     vramd__clear_error(err);
     if (!c || !t)
@@ -1306,7 +1306,7 @@ static int token_call(struct vramd_conn *c, const struct vramd_token *t, int whi
         req.close_session = &cs;
         break;
     }
-    return session_call(c, &req, NULL, 0, reply_ms(c), info, NULL, NULL, err);
+    return session_call(c, &req, NULL, 0, within_ms, info, NULL, NULL, err);
 }
 
 int vramd_start(struct vramd_conn *c, const struct vramd_token *t, struct vramd_session_info *info,
@@ -1317,7 +1317,7 @@ int vramd_start(struct vramd_conn *c, const struct vramd_token *t, struct vramd_
         return vramd__fail(err, -EINVAL, VRAMD_CODE_LOCAL, "vramd_start: NULL argument");
     struct dump_entry *e = find_dump(c, t);
     if (!e || e->d.phase != VRAMD__DUMP_OPEN)
-        return token_call(c, t, VRAMD__RPC__V1__REQUEST__BODY_START, info, err);
+        return token_call(c, t, VRAMD__RPC__V1__REQUEST__BODY_START, reply_ms(c), info, err);
     if (c->broken)
         return vramd__fail(err, -ENOTCONN, VRAMD_CODE_LOCAL, "the connection to vramd is broken");
     /* a dump names the file its manifest goes into: the temporary the commit renames */
@@ -1342,13 +1342,19 @@ int vramd_start(struct vramd_conn *c, const struct vramd_token *t, struct vramd_
 int vramd_progress(struct vramd_conn *c, const struct vramd_token *t, struct vramd_session_info *info,
                    struct vramd_error *err)
 {
-    return token_call(c, t, VRAMD__RPC__V1__REQUEST__BODY_GET_PROGRESS, info, err);
+    return token_call(c, t, VRAMD__RPC__V1__REQUEST__BODY_GET_PROGRESS, reply_ms(c), info, err);
 }
 
 int vramd_close_session(struct vramd_conn *c, const struct vramd_token *t, struct vramd_session_info *info,
                         struct vramd_error *err)
 {
-    int r = token_call(c, t, VRAMD__RPC__V1__REQUEST__BODY_CLOSE_SESSION, info, err);
+    return vramd__close_session_within(c, t, reply_ms(c), info, err);
+}
+
+int vramd__close_session_within(struct vramd_conn *c, const struct vramd_token *t, int within_ms,
+                                struct vramd_session_info *info, struct vramd_error *err)
+{
+    int r = token_call(c, t, VRAMD__RPC__V1__REQUEST__BODY_CLOSE_SESSION, within_ms, info, err);
     /* a dump not committed by now never will be: what it created goes (the daemon writes no name, so
      * even a session that still runs, if this call failed, cannot put an image in place) */
     struct dump_entry *e = c && t ? find_dump(c, t) : NULL;

@@ -58,12 +58,27 @@ static struct vramd_bo *to_bos(const struct vramd_criu_config *cfg, const struct
     return out;
 }
 
-/* Close a session after a failure, keeping the first error in *err. */
-static void abandon(struct vramd_conn *c, const struct vramd_token *t)
+/*
+ * Close a session after a failure, keeping the first error in *err: CloseSession cancels it and returns once
+ * its job has stopped, so no copy of it still writes into the caller's BOs.  A connection that broke (a reply
+ * timed out, the daemon hung up) cannot carry it: a new connection does, by the session's token, where the
+ * config names a socket path (or none: the default) rather than a socket it handed over.  If that fails too,
+ * the daemon cancels the session once its grace period is over.
+ */
+static void abandon(const struct vramd_criu_config *cfg, struct vramd_conn *c, const struct vramd_token *t)
 {
     struct vramd_error ignored;
-    if (!vramd_conn_broken(c))
+    if (!vramd_conn_broken(c)) {
         (void)vramd_close_session(c, t, NULL, &ignored);
+        return;
+    }
+    if (cfg->sock_fd >= 0)
+        return;
+    struct vramd_conn *again = NULL;
+    if (open_conn(cfg, &again, &ignored) == 0) {
+        (void)vramd_close_session(again, t, NULL, &ignored);
+        vramd_close(again);
+    }
 }
 
 /* Wait (bounded by cfg->wait_timeout_ms: then cancel), then close the session. */
@@ -76,7 +91,13 @@ static int wait_and_close(const struct vramd_criu_config *cfg, struct vramd_conn
         vramd__fail(err, r, VRAMD_CODE_TIMEOUT, "the copies did not finish within %d ms; session cancelled",
                     cfg->wait_timeout_ms);
     if (r < 0) {
-        abandon(c, t); /* CloseSession cancels a running session and waits for its job to stop */
+        if (r == -ETIMEDOUT) { /* CloseSession cancels it; its job may not stop within the bound either */
+            struct vramd_error ignored;
+            if (!vramd_conn_broken(c))
+                (void)vramd__close_session_within(c, t, cfg->wait_timeout_ms, NULL, &ignored);
+        } else {
+            abandon(cfg, c, t);
+        }
         return r;
     }
     struct vramd_error cerr;
@@ -129,7 +150,7 @@ int vramd_criu_dump(const struct vramd_criu_config *cfg, int dir_fd, const struc
         if (r == 0)
             r = wait_and_close(cfg, c, &t, info, err);
         else
-            abandon(c, &t);
+            abandon(cfg, c, &t);
     }
     free(list);
     vramd_close(c);
@@ -175,7 +196,7 @@ int vramd_criu_restore_submit(const struct vramd_criu_config *cfg, int dir_fd, c
         if (r == 0)
             r = vramd_start(c, &t, NULL, err);
         if (r < 0)
-            abandon(c, &t);
+            abandon(cfg, c, &t);
     }
     free(list);
     vramd_close(c);

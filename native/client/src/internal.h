@@ -18,6 +18,9 @@
 
 /* Fill *err (may be NULL) and return errnum (negative). */
 int vramd__fail(struct vramd_error *err, int errnum, int code, const char *fmt, ...) VRAMD_PRINTF(4, 5);
+/* vramd_close_session with its own bound on the reply (-1: none), whatever the connection's timeout_ms. */
+int vramd__close_session_within(struct vramd_conn *c, const struct vramd_token *t, int within_ms,
+                                struct vramd_session_info *info, struct vramd_error *err);
 void vramd__clear_error(struct vramd_error *err);
 /* close() that keeps errno and ignores EINTR (the fd is gone either way on Linux). */
 void vramd__close_fd(int fd);

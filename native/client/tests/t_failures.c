@@ -17,6 +17,7 @@
 #include <fcntl.h>
 #include <grp.h>
 #include <limits.h>
+#include <poll.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
@@ -639,11 +640,136 @@ static int t_fake_daemon(void)
     return 0;
 }
 
+/* One request from the fake daemon's peer: its id and what it asks (the body's case); 0 at hang-up. */
+static int fake_recv(int s, uint64_t *id, char *token, size_t cap)
+{
+    static uint8_t in[1 << 16];
+    ssize_t n = recv(s, in, sizeof in, 0);
+    if (n < 12)
+        return 0;
+    Vramd__Rpc__V1__Request *req = vramd__rpc__v1__request__unpack(NULL, (size_t)n - 12, in + 12);
+    if (!req)
+        _exit(3);
+    int which = (int)req->body_case;
+    *id = req->id;
+    if (token && which == VRAMD__RPC__V1__REQUEST__BODY_CLOSE_SESSION && req->close_session->token)
+        snprintf(token, cap, "%s", req->close_session->token);
+    vramd__rpc__v1__request__free_unpacked(req, NULL);
+    return which;
+}
+
+static void fake_send(int s, uint64_t id, Vramd__Rpc__V1__SessionInfo *session)
+{
+    static uint8_t out[1 << 16];
+    Vramd__Rpc__V1__Response resp = VRAMD__RPC__V1__RESPONSE__INIT;
+    Vramd__Rpc__V1__HelloReply hr = VRAMD__RPC__V1__HELLO_REPLY__INIT;
+    resp.has_id = 1;
+    resp.id = id;
+    if (session) {
+        resp.body_case = VRAMD__RPC__V1__RESPONSE__BODY_SESSION;
+        resp.session = session;
+    } else {
+        hr.has_version = 1;
+        hr.version = VRAMD_PROTOCOL_VERSION;
+        hr.server = "fake";
+        resp.body_case = VRAMD__RPC__V1__RESPONSE__BODY_HELLO;
+        resp.hello = &hr;
+    }
+    size_t len = frame_response(out, sizeof out, &resp);
+    if (send(s, out, len, MSG_NOSIGNAL) != (ssize_t)len)
+        _exit(4);
+}
+
+#define FAKE_TOKEN "00112233445566778899aabbccddeeff"
+
+/*
+ * A restore submit whose AddBos reply never comes (the daemon stalls: the reply times out and the connection
+ * is broken): before returning, the library closes the session over a new connection, by its token, so no
+ * copy of it writes into the BOs once the caller falls back to copying them itself.  A fake daemon on a
+ * socket path checks that the CloseSession comes, with that token.
+ */
+static int t_submit_closes_its_session_over_a_new_connection(void)
+{
+    char dir[] = "/tmp/vramd-fake-XXXXXX", sock[PATH_MAX], img[PATH_MAX];
+    CHECK(mkdtemp(dir) != NULL, "mkdtemp");
+    snprintf(sock, sizeof sock, "%s/sock", dir);
+    int ls = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    snprintf(sa.sun_path, sizeof sa.sun_path, "%s", sock);
+    CHECK(ls >= 0 && bind(ls, (struct sockaddr *)&sa, sizeof sa) == 0 && listen(ls, 4) == 0, "listen");
+    pid_t pid = fork();
+    CHECK(pid >= 0, "fork");
+    if (pid == 0) {
+        uint64_t id;
+        Vramd__Rpc__V1__SessionInfo si = VRAMD__RPC__V1__SESSION_INFO__INIT;
+        si.token = FAKE_TOKEN;
+        si.has_state = 1, si.state = VRAMD__RPC__V1__SESSION_STATE__SESSION_OPEN;
+        si.has_kind = 1, si.kind = VRAMD__RPC__V1__SESSION_KIND__SESSION_RESTORE;
+        int a = accept(ls, NULL, NULL);
+        if (a < 0 || fake_recv(a, &id, NULL, 0) != VRAMD__RPC__V1__REQUEST__BODY_HELLO)
+            _exit(10);
+        fake_send(a, id, NULL);
+        if (fake_recv(a, &id, NULL, 0) != VRAMD__RPC__V1__REQUEST__BODY_OPEN_SESSION)
+            _exit(11);
+        fake_send(a, id, &si);
+        if (fake_recv(a, &id, NULL, 0) != VRAMD__RPC__V1__REQUEST__BODY_ADD_BOS)
+            _exit(12);
+        /* no answer: the client's reply bound runs out, and it must come back on a new connection (within
+         * seconds: a client that never does fails the test, not hangs it) */
+        struct pollfd pl = {.fd = ls, .events = POLLIN};
+        if (poll(&pl, 1, 10000) != 1)
+            _exit(16);
+        int b = accept(ls, NULL, NULL);
+        if (b < 0 || fake_recv(b, &id, NULL, 0) != VRAMD__RPC__V1__REQUEST__BODY_HELLO)
+            _exit(13);
+        fake_send(b, id, NULL);
+        char token[64] = "";
+        if (fake_recv(b, &id, token, sizeof token) != VRAMD__RPC__V1__REQUEST__BODY_CLOSE_SESSION)
+            _exit(14);
+        if (strcmp(token, FAKE_TOKEN) != 0)
+            _exit(15);
+        si.state = VRAMD__RPC__V1__SESSION_STATE__SESSION_CANCELLED;
+        fake_send(b, id, &si);
+        _exit(0);
+    }
+    close(ls);
+    snprintf(img, sizeof img, "%s/image", dir);
+    CHECK(mkdir(img, 0700) == 0, "mkdir");
+    char manifest[PATH_MAX];
+    snprintf(manifest, sizeof manifest, "%s/manifest.vrdm", img);
+    int mf = open(manifest, O_WRONLY | O_CREAT | O_CLOEXEC, 0600);
+    CHECK(mf >= 0, "manifest");
+    close(mf);
+    int dfd = open(img, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    int bo = make_memfd(4096, 1, 0, 4096);
+    CHECK(dfd >= 0 && bo >= 0, "setup");
+    struct vramd_criu_config cfg;
+    vramd_criu_config_init(&cfg);
+    cfg.socket_path = sock;
+    cfg.timeout_ms = 300;
+    struct vramd_criu_bo b = {.id = 1, .fd = bo};
+    struct vramd_criu_ticket ticket;
+    struct vramd_error err;
+    int r = vramd_criu_restore_submit(&cfg, dfd, &b, 1, 0, &ticket, &err);
+    int st = reap(pid);
+    CHECK(r == -ETIME && err.code == VRAMD_CODE_LOCAL, "submit: %d %s %s", r, vramd_code_name(err.code), err.message);
+    CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0, "the fake daemon saw no CloseSession of the token: status %#x",
+          st);
+    close(bo);
+    close(dfd);
+    unlink(manifest);
+    rmdir(img);
+    unlink(sock);
+    rmdir(dir);
+    return 0;
+}
+
 const struct test failure_tests[] = {
     {"no_daemon", t_no_daemon, "all quick"},
     {"fake_daemon", t_fake_daemon, "all quick"},
     {"bad_fds", t_bad_fds, "all quick"},
     {"unknown_gpu", t_unknown_gpu, "all quick"},
+    {"submit_closes_its_session_over_a_new_connection", t_submit_closes_its_session_over_a_new_connection, "all quick"},
     {"uid_refused", t_uid_refused, "all quick"},
     {"corrupt_image", t_corrupt_image, "all quick"},
     {"task_dies_attach_in_grace", t_task_dies_attach_in_grace, "grace"},

@@ -103,7 +103,11 @@ struct vramd_criu_ticket {
  * period, so CRIU main must attach (vramd_criu_restore_attach or _barrier)
  * within it, or the daemon reaps (cancels) the session.  On failure every
  * session this call opened is closed (its copies stopped) before it
- * returns, so the caller can fall back to copying by itself.
+ * returns, so the caller can fall back to copying by itself; where the
+ * connection broke (a reply timed out, the daemon hung up), over a new one
+ * to cfg->socket_path.  Only with cfg->sock_fd (no path to connect to
+ * again) is a session whose connection broke left to the daemon, which
+ * cancels it when the grace period is over.
  */
 VRAMD_API int vramd_criu_restore_submit(const struct vramd_criu_config *cfg, int dir_fd,
                                         const struct vramd_criu_bo *bos, size_t n, pid_t pid,
@@ -120,8 +124,10 @@ VRAMD_API int vramd_criu_restore_attach(const struct vramd_criu_config *cfg, con
 /*
  * CRIU main: the barrier on an attached connection.  Waits until every copy
  * has landed (cfg->wait_timeout_ms bounds it; on expiry the session is
- * cancelled), then closes the session.  0 when all bytes are in place.
- * The connection stays the caller's.
+ * cancelled and closed, with the same bound on that reply, so the call
+ * returns within about twice the bound even if the copies do not stop),
+ * then closes the session.  0 when all bytes are in place.  The connection
+ * stays the caller's.
  */
 VRAMD_API int vramd_criu_restore_finish(const struct vramd_criu_config *cfg, struct vramd_conn *conn,
                                         const struct vramd_criu_ticket *ticket, struct vramd_session_info *info,
