@@ -658,13 +658,20 @@ static int fake_recv(int s, uint64_t *id, char *token, size_t cap)
     return which;
 }
 
-static void fake_send(int s, uint64_t id, Vramd__Rpc__V1__SessionInfo *session)
+static void fake_send_error(int s, uint64_t id, Vramd__Rpc__V1__SessionInfo *session, int code)
 {
     static uint8_t out[1 << 16];
     Vramd__Rpc__V1__Response resp = VRAMD__RPC__V1__RESPONSE__INIT;
     Vramd__Rpc__V1__HelloReply hr = VRAMD__RPC__V1__HELLO_REPLY__INIT;
+    Vramd__Rpc__V1__Error e = VRAMD__RPC__V1__ERROR__INIT;
     resp.has_id = 1;
     resp.id = id;
+    if (code) {
+        e.has_code = 1;
+        e.code = (Vramd__Rpc__V1__Code)code;
+        e.message = "still running";
+        resp.error = &e;
+    }
     if (session) {
         resp.body_case = VRAMD__RPC__V1__RESPONSE__BODY_SESSION;
         resp.session = session;
@@ -678,6 +685,11 @@ static void fake_send(int s, uint64_t id, Vramd__Rpc__V1__SessionInfo *session)
     size_t len = frame_response(out, sizeof out, &resp);
     if (send(s, out, len, MSG_NOSIGNAL) != (ssize_t)len)
         _exit(4);
+}
+
+static void fake_send(int s, uint64_t id, Vramd__Rpc__V1__SessionInfo *session)
+{
+    fake_send_error(s, id, session, 0);
 }
 
 #define FAKE_TOKEN "00112233445566778899aabbccddeeff"
@@ -764,11 +776,70 @@ static int t_submit_closes_its_session_over_a_new_connection(void)
     return 0;
 }
 
+/*
+ * The barrier's bound holds even where the copies do not stop: the Wait runs out (the daemon answers
+ * TIMEOUT), and the CloseSession that cancels the session gets no answer (its job hangs).  The call returns
+ * within about twice wait_timeout_ms, though the connection has no reply bound of its own.
+ */
+static int t_barrier_bound_holds_when_the_close_hangs(void)
+{
+    int sp[2];
+    CHECK(socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sp) == 0, "socketpair");
+    pid_t pid = fork();
+    CHECK(pid >= 0, "fork");
+    if (pid == 0) {
+        close(sp[0]);
+        uint64_t id;
+        Vramd__Rpc__V1__SessionInfo si = VRAMD__RPC__V1__SESSION_INFO__INIT;
+        si.token = FAKE_TOKEN;
+        si.has_state = 1, si.state = VRAMD__RPC__V1__SESSION_STATE__SESSION_SEALED;
+        si.has_kind = 1, si.kind = VRAMD__RPC__V1__SESSION_KIND__SESSION_RESTORE;
+        if (fake_recv(sp[1], &id, NULL, 0) != VRAMD__RPC__V1__REQUEST__BODY_HELLO)
+            _exit(10);
+        fake_send(sp[1], id, NULL);
+        if (fake_recv(sp[1], &id, NULL, 0) != VRAMD__RPC__V1__REQUEST__BODY_WAIT)
+            _exit(11);
+        fake_send_error(sp[1], id, &si, VRAMD__RPC__V1__CODE__TIMEOUT);
+        if (fake_recv(sp[1], &id, NULL, 0) != VRAMD__RPC__V1__REQUEST__BODY_CLOSE_SESSION)
+            _exit(12);
+        /* no answer: the job does not stop; the client hangs up when its bound runs out (a client that
+         * waits on is let go after 10 s, and fails the test, rather than hang it) */
+        struct pollfd pl = {.fd = sp[1], .events = POLLIN};
+        if (poll(&pl, 1, 10000) != 1)
+            _exit(13);
+        char b;
+        while (recv(sp[1], &b, 1, 0) > 0)
+            ;
+        _exit(0);
+    }
+    close(sp[1]);
+    struct vramd_conn *c = NULL;
+    struct vramd_error err;
+    OK(vramd_connect_fd(&c, sp[0], NULL, &err), &err);
+    struct vramd_criu_config cfg;
+    vramd_criu_config_init(&cfg);
+    cfg.wait_timeout_ms = 300;
+    struct vramd_criu_ticket ticket = {.pid = 1};
+    CHECK(vramd_token_parse(FAKE_TOKEN, &ticket.token) == 0, "token");
+    struct timespec t0;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    int r = vramd_criu_restore_finish(&cfg, c, &ticket, NULL, &err);
+    double took = since(&t0);
+    CHECK(r == -ETIMEDOUT && err.code == VRAMD_CODE_TIMEOUT, "finish: %d %s %s", r, vramd_code_name(err.code),
+          err.message);
+    CHECK(took < 3.0, "the barrier took %.2f s with a 0.3 s bound", took);
+    vramd_close(c);
+    int st = reap(pid);
+    CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0, "fake daemon status %#x", st);
+    return 0;
+}
+
 const struct test failure_tests[] = {
     {"no_daemon", t_no_daemon, "all quick"},
     {"fake_daemon", t_fake_daemon, "all quick"},
     {"bad_fds", t_bad_fds, "all quick"},
     {"unknown_gpu", t_unknown_gpu, "all quick"},
+    {"barrier_bound_holds_when_the_close_hangs", t_barrier_bound_holds_when_the_close_hangs, "all quick"},
     {"submit_closes_its_session_over_a_new_connection", t_submit_closes_its_session_over_a_new_connection, "all quick"},
     {"uid_refused", t_uid_refused, "all quick"},
     {"corrupt_image", t_corrupt_image, "all quick"},
