@@ -1,5 +1,7 @@
 """Bad sources and targets become typed errors naming the BO, offset and address."""
+import contextlib
 import os
+from collections.abc import Iterator
 
 import pytest
 from helpers import Workload, engine, run
@@ -140,15 +142,27 @@ def test_many_small_bos_in_one_add_name_the_first_failure_in_order(image_dir):
             os.close(wo)
 
 
+PAGE = 4096
+
+
+@contextlib.contextmanager
+def eight_pages_with_a_hole() -> Iterator[tuple[int, int, list[BoSpec]]]:
+    """A process's 8 pages of random bytes with page 5 unmapped: (their address, its /proc/<pid>/mem fd open
+    for reading, a procmem BO per page, ids 1 to 8: BO 6 is the hole)."""
+    with Workload([{"size": 8 * PAGE, "fill": "random", "holes": [[5 * PAGE, PAGE]]}]) as w:
+        base = w.regions[0]["addr"]
+        mem = w.open_mem()
+        try:
+            yield base, mem, [BoSpec(i + 1, PAGE, BoRef("procmem", mem, base + i * PAGE)) for i in range(8)]
+        finally:
+            os.close(mem)
+
+
 def test_open_ahead_is_only_a_head_start(image_dir):
     """JobBase.open_ahead (what a session runs in its io thread) opens what add would; add takes a
     handle only for the very same BO; an error in the thread keeps nothing and add raises it, in order."""
-    page = 4096
-    with Workload([{"size": 8 * page, "fill": "random", "holes": [[5 * page, page]]}]) as w:
-        base = w.regions[0]["addr"]
-        mem = w.open_mem()
-        specs = [BoSpec(i + 1, page, BoRef("procmem", mem, base + i * page)) for i in range(8)]
-
+    page = PAGE
+    with eight_pages_with_a_hole() as (base, mem, specs):
         async def go():
             async with engine(staging_budget=8 * MiB, chunk_size=MiB) as e:
                 job = await e.start_local_dump(image_dir[1])
@@ -165,10 +179,7 @@ def test_open_ahead_is_only_a_head_start(image_dir):
                 assert (ei.value.bo_id, ei.value.address) == (6, base + 5 * page)
                 with pytest.raises(errors.UnmappedRangeError):
                     await job.finish()
-        try:
-            run(go())
-        finally:
-            os.close(mem)
+        run(go())
 
 
 def test_a_bo_whose_open_failed_ahead_is_not_opened_again_on_the_event_loop(image_dir, monkeypatch):
@@ -187,12 +198,7 @@ def test_a_bo_whose_open_failed_ahead_is_not_opened_again_on_the_event_loop(imag
         scans.append(threading.current_thread())
         return real(handle, off)
     monkeypatch.setattr(ProcMemBackend, "_first_unmapped", staticmethod(first_unmapped))
-    page = 4096
-    with Workload([{"size": 8 * page, "fill": "random", "holes": [[5 * page, page]]}]) as w:
-        base = w.regions[0]["addr"]
-        mem = w.open_mem()
-        specs = [BoSpec(i + 1, page, BoRef("procmem", mem, base + i * page)) for i in range(8)]
-
+    with eight_pages_with_a_hole() as (base, _, specs):
         async def go():
             async with engine(staging_budget=8 * MiB, chunk_size=MiB) as e:
                 job = await e.start_local_dump(image_dir[1])
@@ -201,11 +207,8 @@ def test_a_bo_whose_open_failed_ahead_is_not_opened_again_on_the_event_loop(imag
                 assert len(scans) == 1 and scans[0] is not threading.current_thread()
                 with pytest.raises(errors.UnmappedRangeError) as ei:
                     job.add(specs, ahead)
-                assert (ei.value.bo_id, ei.value.address) == (6, base + 5 * page)
+                assert (ei.value.bo_id, ei.value.address) == (6, base + 5 * PAGE)
                 assert len(scans) == 1  # not again, on the event loop
                 with pytest.raises(errors.UnmappedRangeError):
                     await job.finish()
-        try:
-            run(go())
-        finally:
-            os.close(mem)
+        run(go())

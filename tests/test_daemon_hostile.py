@@ -358,6 +358,28 @@ def huge_pages():
             f.write(str(before))
 
 
+def _punch_and_take_every_huge_page(fd: int, size: int) -> list:
+    """What a hostile owner of a huge-page memfd does: punch its pages out (FALLOC_FL_PUNCH_HOLE |
+    FALLOC_FL_KEEP_SIZE: they go back to the pool, with their reservations), then take every free huge page
+    of the pool (the mappings returned hold them until closed)."""
+    import ctypes
+    import mmap
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.fallocate(fd, 3, ctypes.c_long(0), ctypes.c_long(size)) == 0, os.strerror(ctypes.get_errno())
+    hogs = []
+    while True:
+        hog = os.memfd_create("hog", os.MFD_HUGETLB)
+        try:
+            os.ftruncate(hog, size)
+            m = mmap.mmap(hog, size)
+            m[:1] = b"\1"
+        except OSError:
+            return hogs
+        finally:
+            os.close(hog)
+        hogs.append(m)
+
+
 def test_a_huge_page_memfd_is_never_mapped_so_its_owner_cannot_make_the_daemon_fault(daemon, image_dir, tmp_path,
                                                                                       huge_pages):
     """A memfd of huge pages (MFD_HUGETLB) takes F_SEAL_SHRINK, but its owner can still punch holes in it, and a
@@ -367,32 +389,18 @@ def test_a_huge_page_memfd_is_never_mapped_so_its_owner_cannot_make_the_daemon_f
     with its page punched out and every free huge page taken (before the fix: the mapping itself failed), a
     dump of it reads zeros and ends DONE; a restore into one is a typed error naming the BO (hugetlbfs takes
     no write(2)); the daemon goes on serving."""
-    import ctypes
     import mmap
 
     from helpers import seal_size
     size = huge_pages
     fd = os.memfd_create("huge", os.MFD_HUGETLB | os.MFD_ALLOW_SEALING)
-    libc = ctypes.CDLL(None, use_errno=True)
     hogs: list[mmap.mmap] = []
     try:
         os.ftruncate(fd, size)
         with mmap.mmap(fd, size) as m:  # the BO's bytes: one huge page
             m[:] = os.urandom(size)
         seal_size(fd)
-        # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE: the page goes back to the pool...
-        assert libc.fallocate(fd, 3, ctypes.c_long(0), ctypes.c_long(size)) == 0, os.strerror(ctypes.get_errno())
-        while True:  # ... and the owner takes every free huge page
-            hog = os.memfd_create("hog", os.MFD_HUGETLB)
-            try:
-                os.ftruncate(hog, size)
-                m = mmap.mmap(hog, size)
-                m[:1] = b"\1"
-            except OSError:
-                break
-            finally:
-                os.close(hog)
-            hogs.append(m)
+        hogs = _punch_and_take_every_huge_page(fd, size)  # the page goes back to the pool, and its owner takes it
         assert len(hogs) >= 2
         maps = f"/proc/{daemon.proc.pid}/maps"
         with Client(daemon.socket) as c:
@@ -422,7 +430,6 @@ def test_a_window_that_cannot_be_faulted_in_is_an_error_before_any_touch(huge_pa
     it, and the mmap backend turns that answer into a typed error naming the BO.  The case: a huge-page memfd
     mapped as a dmabuf is (its page reserved and faulted in), then that page punched out by its owner (its
     reservation goes with it) and every free huge page taken."""
-    import ctypes
     import errno
     import mmap
 
@@ -432,25 +439,13 @@ def test_a_window_that_cannot_be_faulted_in_is_an_error_before_any_touch(huge_pa
     from vramd.hostmem.libc import populate
     size = huge_pages
     fd = os.memfd_create("huge", os.MFD_HUGETLB)
-    libc = ctypes.CDLL(None, use_errno=True)
     backend = MmapBackend(BackendOptions())
     hogs: list[mmap.mmap] = []
     h = _MappedBo(9, BoRef("mmap", fd, 0), size, 0, Direction.READ)  # the mapped path, as open gives a dmabuf
     try:
         os.ftruncate(fd, size)
         assert backend.endpoint(h, 0, size)[0] == -1  # mapped, and its page faulted in
-        assert libc.fallocate(fd, 3, ctypes.c_long(0), ctypes.c_long(size)) == 0, os.strerror(ctypes.get_errno())
-        while True:
-            hog = os.memfd_create("hog", os.MFD_HUGETLB)
-            try:
-                os.ftruncate(hog, size)
-                m = mmap.mmap(hog, size)
-                m[:1] = b"\1"
-            except OSError:
-                break
-            finally:
-                os.close(hog)
-            hogs.append(m)
+        hogs = _punch_and_take_every_huge_page(fd, size)
         assert populate(h.base, size, writing=False) in (errno.EFAULT, errno.ENOMEM)
         with pytest.raises(BackendError, match="cannot be faulted in") as e:
             backend.endpoint(h, 0, size)
