@@ -144,8 +144,9 @@ class StagingPool:
 
     def _take(self, unit: int, n: int) -> list[StagingBuffer]:
         """`n` buffers of `unit` bytes, idle ones first, the rest mapped now.  Where mapping one fails (the host
-        is out of memory) or a hook refuses it, JobError, and the pool is as it was: the idle buffers taken
-        go back, the new ones stay idle, and nothing is counted in use."""
+        is out of memory: JobError) or an on_alloc hook refuses it (its error), the pool is as it was: the
+        idle buffers taken go back, the new ones stay idle (the refused one is unmapped), and nothing is
+        counted in use."""
         free = self._free[unit]
         bufs = [free.pop() for _ in range(min(n, len(free)))]
         try:
