@@ -412,3 +412,40 @@ def test_operator_lists_and_cancels_every_uids_sessions(run_dir, image_dir):
         assert rpc.Code.Name(r.error.code) == "INVALID_REQUEST"
         assert vramctl("cancel", "not-a-session", socket=d.socket).returncode == 2
         c.close_session(mine.token)
+
+
+def test_rm_removes_only_vramds_regular_files_and_unmarks_parents_last(daemon, tmp_path):
+    """vramctl rm removes the manifest first, then the image's files, and its marks in its parents last: where
+    a step fails (here the child's directory is immutable, chattr +i), the parent keeps the child's mark and
+    goes on refusing its own removal, rather than being left unprotected under a child that is still whole.
+    And rm removes only regular files: a symlink or a FIFO that bears a data file's name stays."""
+    bo = tmp_path / "bo.bin"
+    bo.write_bytes(os.urandom(200_000))
+    parent, child = tmp_path / "parent", tmp_path / "child"
+    for img, more in ((parent, []), (child, ["--parent", str(parent)])):
+        r = vramctl("dump", "--bo-file", str(bo), "--image", str(img), *more, socket=daemon.socket)
+        assert r.returncode == 0, r.stderr
+    marks = [n for n in os.listdir(parent) if n.startswith(".child.")]
+    assert len(marks) == 1
+    lock = subprocess.run(["chattr", "+i", str(child)], capture_output=True, text=True)
+    if lock.returncode != 0:
+        pytest.skip(f"no immutable directories here: {lock.stderr.strip()}")
+    try:
+        r = vramctl("rm", str(child))
+        assert r.returncode == 1 and "manifest.vrdm" in r.stderr, r.stderr
+    finally:
+        subprocess.run(["chattr", "-i", str(child)], check=True)
+    assert (child / "manifest.vrdm").exists() and vramctl("verify", str(child)).returncode == 0
+    assert [n for n in os.listdir(parent) if n.startswith(".child.")] == marks  # still protected
+    r = vramctl("rm", str(parent))
+    assert r.returncode == 1 and "parent of 1 incremental image" in r.stderr
+
+    others = [f"data-{'0' * 16}-00000000.vrd", f"data-{'0' * 16}-00000001.vrd"]
+    (child / others[0]).symlink_to(bo)
+    os.mkfifo(child / others[1])
+    r = vramctl("rm", str(child))
+    assert r.returncode == 0, r.stderr
+    assert sorted(os.listdir(child)) == sorted(others) and bo.exists()  # not vramd's files: kept, and the dir
+    assert not [n for n in os.listdir(parent) if n.startswith(".child.")]
+    r = vramctl("rm", str(parent))
+    assert r.returncode == 0, r.stderr

@@ -568,14 +568,15 @@ PARENT_HELP = ("an incremental image's parent directory, where it is not where t
 
 
 def cmd_rm(ns: argparse.Namespace) -> int:
-    """Remove an image: refused while incremental images are marked as needing it; an incremental image
-    first removes its marks from its parents.  Only vramd's own files go (the manifest first: from then on
-    the directory holds no image), then the directory if nothing else is left in it.  All under the
-    directory's lock, as a dump holds it: refused while a dump writes into the directory, and a child
-    dump marking this image as its parent (under the same lock) either comes first, and the mark
-    refuses the removal, or fails to mark."""
+    """Remove an image: refused while incremental images are marked as needing it.  Only vramd's own files
+    go, regular files only: the manifest first (from then on the directory holds no image), then its data
+    files and temporaries, then, for an incremental image, its marks in its parents (last: where a step
+    fails, a mark stays and keeps protecting a parent, never the other way round), then the directory if
+    nothing else is left in it.  All under the directory's lock, as a dump holds it: refused while a dump
+    writes into the directory, and a child dump marking this image as its parent (under the same lock)
+    either comes first, and the mark refuses the removal, or fails to mark."""
     from ..image.format import CHILD_MARK, MANIFEST_NAME, child_mark_name, is_data_file_name, is_own_temporary
-    from ..image.local import lock_directory
+    from ..image.local import lock_directory, unlink_regular
     dfd = open_image_dir(ns.dir, create=False)
     fds = [dfd]
     try:
@@ -585,21 +586,22 @@ def cmd_rm(ns: argparse.Namespace) -> int:
         if children:
             raise Failure(f"{ns.dir} is the parent of {len(children)} incremental image(s) ({children[0]}...): "
                           "remove or flatten them first")
+        parent_fds: list[int] = []
         if m.parents:
             try:
                 _paths, parent_fds = open_parents(ns.dir, m, ns.parent)
             except Failure as e:
                 raise Failure(f"{e} (vramctl rm unmarks the image in its parents)") from None
             fds += parent_fds
-            for fd in parent_fds:
-                try:
-                    os.unlink(child_mark_name(m.image_id), dir_fd=fd)
-                except FileNotFoundError:
-                    pass
         os.unlink(MANIFEST_NAME, dir_fd=dfd)
         for name in os.listdir(dfd):
             if is_data_file_name(name) or is_own_temporary(name):
-                os.unlink(name, dir_fd=dfd)
+                unlink_regular(dfd, name)
+        for fd in parent_fds:
+            try:
+                os.unlink(child_mark_name(m.image_id), dir_fd=fd)
+            except FileNotFoundError:
+                pass
         left = os.listdir(dfd)
     finally:
         for fd in fds:

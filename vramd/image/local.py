@@ -229,6 +229,16 @@ def lock_directory(dir_fd: int, where: str = "the image directory", *, shared: b
     return lock_fd
 
 
+def unlink_regular(dir_fd: int, name: str) -> bool:
+    """Remove `name` from the directory `dir_fd` if it is a regular file (lstat, then unlinkat of the name:
+    never a symlink, a FIFO or a directory that bears a name like vramd's); False where it is something
+    else.  An OSError comes as it is."""
+    if not stat.S_ISREG(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
+        return False
+    os.unlink(name, dir_fd=dir_fd)
+    return True
+
+
 def sweep_temporaries(dir_fd: int, keep: str = "") -> list[str]:
     """Remove the temporaries crashed dumps left in the directory `dir_fd` (whose flock the caller holds:
     a dump that died cannot hold it, so whatever matches is garbage); returns their names.
@@ -247,9 +257,7 @@ def sweep_temporaries(dir_fd: int, keep: str = "") -> list[str]:
         if not is_own_temporary(name) or (keep and keep in name):
             continue
         try:
-            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-            if stat.S_ISREG(st.st_mode):
-                os.unlink(name, dir_fd=dir_fd)
+            if unlink_regular(dir_fd, name):
                 removed.append(name)
         except OSError as e:
             log.warning("stale temporary %s not removed: %s", name, e.strerror)
@@ -406,8 +414,7 @@ class DumpDirectory:
             if not DATA_FILE_NAME.fullmatch(name) or name.startswith(mine):
                 continue
             try:
-                if stat.S_ISREG(os.stat(name, dir_fd=self.dir_fd, follow_symlinks=False).st_mode):
-                    os.unlink(name, dir_fd=self.dir_fd)
+                unlink_regular(self.dir_fd, name)
             except OSError as e:
                 log.warning("data file %s of the replaced image not removed: %s", name, e.strerror)
 
