@@ -426,6 +426,31 @@ def test_children_of_one_parent_commit_at_once_but_not_while_a_dump_writes_there
     assert [n for n in os.listdir(pp) if n.startswith(".child.")] == [f".child.{am.image_id.hex()}"]
 
 
+def test_a_parent_cannot_be_replaced_while_a_child_of_it_is_being_dumped(tmp_path):
+    """A child dump holds its parent directory's lock, shared, from before it reads the parent to its end.
+    A dump replacing the parent in between would see no mark yet, and the child would then commit against
+    an image that is gone: it is refused, and the child commits against the image it read."""
+    (pp, pfd), (_cp, cfd) = _dirs(tmp_path, "parent", "child")
+    parent = os.urandom(CHUNK)
+    pm = _dump(pfd, {1: parent})
+    fd = memfd(parent)
+
+    async def go():
+        async with engine(staging_budget=16 * MiB, chunk_size=CHUNK) as e:
+            job = await e.start_local_dump(cfd, parent_fds=[pfd])
+            job.add([BoSpec(1, CHUNK, BoRef("mmap", fd))])
+            with pytest.raises(errors.InvalidRequestError, match="reads its image as its parent"):
+                await e.start_local_dump(pfd)  # replacing the parent: no mark there yet
+            return await job.finish()
+    try:
+        cm = run(go())
+    finally:
+        os.close(fd)
+    assert [p.image_id for p in cm.parents] == [pm.image_id]
+    assert (pp / f".child.{cm.image_id.hex()}").exists()
+    assert _restore(cfd, {1: CHUNK}, parent_fds=[pfd])[1] == parent
+
+
 def test_a_failed_child_dump_leaves_no_mark(tmp_path):
     (pp, pfd), (cp, cfd) = _dirs(tmp_path, "parent", "child")
     _dump(pfd, {1: os.urandom(CHUNK)})

@@ -224,7 +224,8 @@ def lock_directory(dir_fd: int, where: str = "the image directory", *, shared: b
     except OSError as e:
         os.close(lock_fd)
         if e.errno == errno.EWOULDBLOCK:
-            raise InvalidRequestError(f"another dump is writing into {where}") from None
+            also = "" if shared else " (or an incremental dump reads its image as its parent)"
+            raise InvalidRequestError(f"another dump is writing into {where}{also}") from None
         raise from_os_error(e, f"cannot lock {where}", InvalidRequestError) from None
     return lock_fd
 
@@ -275,11 +276,13 @@ def children_marks(dir_fd: int) -> list[str]:
 
 
 class DumpDirectory:
-    """A dump's directory, on the client's side: locked from here to `close`.
+    """A dump's directory, on the client's side: locked from here to `close`, and each of its parent
+    chain's directories (`parent_dirs`, nearest first) locked shared, so that none is replaced or removed
+    while this child reads it and until its mark is there.
 
     Refuses a directory whose image incremental images need (their `.child.<id>`
-    marks) unless `replace_parent`, and one of the dump's own parent chain
-    (`parent_dirs`, nearest first); removes a crashed dump's temporaries.  Once
+    marks) unless `replace_parent`, and one of the dump's own parent chain;
+    removes a crashed dump's temporaries.  Once
     the daemon has named the image (`begin`), creates each GPU's data file and
     the manifest's temporary (mode 0600, the client's); `commit` puts them in
     place after the daemon has written and fsynced them.  Without a commit,
@@ -298,6 +301,7 @@ class DumpDirectory:
         self.manifest_fd: int | None = None
         self._created: list[str] = []           # names this dump made that go unless it commits
         self._marked: list[int] = []            # parent directories marked (unmarked unless it commits)
+        self._parent_locks: list[int] = []      # each parent directory's lock, shared, held to the end
         self.committed = False
         try:
             marks = [] if replace_parent else children_marks(self._lock_fd)
@@ -312,6 +316,12 @@ class DumpDirectory:
                 if (st.st_dev, st.st_ino) == (here.st_dev, here.st_ino):
                     raise InvalidRequestError(f"{where} is a directory of the parent chain: an incremental image "
                                               "goes into a directory of its own")
+            # Each parent directory's lock, shared, from before the parents are read to the end: a dump replacing
+            # a parent (or an rm of it) takes that lock exclusively, so it cannot run between this child's
+            # reading of the parent and its mark there (it would see no mark, and the child would commit
+            # against an image that is gone); children of one parent do not exclude each other.
+            for k, fd in enumerate(self.parent_dirs, 1):
+                self._parent_locks.append(lock_directory(fd, f"parent directory #{k}", shared=True))
             sweep_temporaries(self._lock_fd)
         except BaseException:
             self.close()
@@ -428,10 +438,8 @@ class DumpDirectory:
             if me != 0 and os.fstat(fd).st_uid != me:  # a mark must never let one user block another's image
                 log.info("parent directory #%d not marked: %s does not own it", k, _who())
                 continue
-            # under the parent directory's lock: a dump replacing that image checked for marks when it began and
-            # holds the lock to its end, so this child either fails here or is seen by every later dump.  A shared
-            # lock: children of one parent committing at the same moment do not fail each other.
-            lock = lock_directory(fd, f"parent directory #{k}", shared=True)
+            # under the parent directory's lock, held since this dump began (__init__): every later dump of
+            # that directory sees the mark, and no earlier one replaced the image this child read
             try:
                 try:
                     mark = os.open(name, CREATE_FLAGS, FILE_MODE, dir_fd=fd)
@@ -446,8 +454,6 @@ class DumpDirectory:
             except OSError as e:
                 raise image_os_error(e, f"cannot mark this incremental image ({name}) in parent directory #{k}") \
                     from None
-            finally:
-                os.close(lock)
 
     def close(self) -> None:
         """Close the files; without a commit, remove everything this dump created; unlock."""
@@ -470,6 +476,9 @@ class DumpDirectory:
                     pass
         self._created.clear()
         self._marked.clear()
+        for lock in self._parent_locks:
+            os.close(lock)
+        self._parent_locks.clear()
         if self._lock_fd >= 0:
             os.close(self._lock_fd)  # drops the lock
             self._lock_fd = -1
