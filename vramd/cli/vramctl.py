@@ -573,8 +573,8 @@ def cmd_rm(ns: argparse.Namespace) -> int:
     files and temporaries, then, for an incremental image, its marks in its parents (last: where a step
     fails, a mark stays and keeps protecting a parent, never the other way round), then the directory if
     nothing else is left in it.  All under the directory's lock, as a dump holds it: refused while a dump
-    writes into the directory, and a child dump marking this image as its parent (under the same lock)
-    either comes first, and the mark refuses the removal, or fails to mark."""
+    writes into the directory or a child dump reads this image as its parent (it holds the lock shared from
+    its start to its end), and a child dump started while rm runs is refused."""
     from ..image.format import CHILD_MARK, MANIFEST_NAME, child_mark_name, is_data_file_name, is_own_temporary
     from ..image.local import lock_directory, unlink_regular
     dfd = open_image_dir(ns.dir, create=False)
