@@ -275,14 +275,15 @@ int vramd__dump_begin(struct vramd__dump *d, int dir_fd, const int *parents, siz
         return vramd__fail(err, -ENOTDIR, VRAMD_CODE_LOCAL, "image directory fd %d is not a directory", dir_fd);
     if (np) {
         d->parent_fds = calloc(np, sizeof *d->parent_fds);
+        d->parent_locks = calloc(np, sizeof *d->parent_locks);
         d->marked = calloc(np, sizeof *d->marked);
-        if (!d->parent_fds || !d->marked) {
+        if (!d->parent_fds || !d->parent_locks || !d->marked) {
             vramd__dump_release(d);
             return vramd__fail(err, -ENOMEM, VRAMD_CODE_LOCAL, "dump state: out of memory");
         }
     }
     for (size_t i = 0; i < np; i++)
-        d->parent_fds[i] = -1;
+        d->parent_fds[i] = d->parent_locks[i] = -1;
     int r = dup_fd(dir_fd, min_fd);
     if (r < 0) {
         vramd__dump_release(d);
@@ -318,6 +319,29 @@ int vramd__dump_begin(struct vramd__dump *d, int dir_fd, const int *parents, siz
         }
         d->parent_fds[i] = r;
         d->n_parents = i + 1;
+        /* its lock, shared, from before the parent is read (the caller opens its manifest after this) to the
+         * end: a dump replacing the parent, or vramctl rm, holds it exclusively, so neither runs between this
+         * child's reading of the parent and its mark there; the children of one parent never exclude each
+         * other */
+        r = open_self(r, min_fd);
+        if (r < 0) {
+            r = fail_name(err, -r, "open", ".", d->parent_fds[i]);
+            vramd__dump_release(d);
+            return r;
+        }
+        d->parent_locks[i] = r;
+        if (flock(r, LOCK_SH | LOCK_NB) < 0) {
+            int e = errno;
+            char path[PATH_MAX];
+            vramd__dir_label(d->parent_fds[i], path, sizeof path);
+            vramd__dump_release(d);
+            if (e == EWOULDBLOCK)
+                return vramd__fail(err, -EBUSY, VRAMD_CODE_LOCAL,
+                                   "another dump is writing into the directory of parent #%zu, %s (it holds its "
+                                   "lock)", i + 1, path);
+            return vramd__fail(err, -e, VRAMD_CODE_LOCAL, "cannot lock the parent directory %s: %s", path,
+                               errtext(e));
+        }
     }
     /* 1. the lock, on a description of our own, held to the end */
     r = open_self(d->dir_fd, min_fd);
@@ -424,25 +448,7 @@ static int mark_parent(struct vramd__dump *d, size_t i, struct vramd_error *err)
     if (fstat(pfd, &st) < 0 || (geteuid() != 0 && st.st_uid != geteuid()))
         return 0;
     mark_name(d, name);
-    int lock = open_self(pfd, d->min_fd);
-    if (lock < 0) {
-        if (lock == -EACCES || lock == -EPERM)
-            return 0;
-        return fail_name(err, -lock, "open", ".", pfd);
-    }
-    /* shared: the children of one parent committing at once do not fail each other; a dump writing into the
-     * directory (or vramctl gc / rm) holds it exclusively */
-    if (flock(lock, LOCK_SH | LOCK_NB) < 0) {
-        int e = errno;
-        char path[PATH_MAX];
-        vramd__dir_label(pfd, path, sizeof path);
-        vramd__close_fd(lock);
-        if (e == EWOULDBLOCK)
-            return vramd__fail(err, -EBUSY, VRAMD_CODE_LOCAL,
-                               "cannot mark this incremental image in its parent #%zu's directory %s: another dump "
-                               "is writing there (it holds its lock)", i + 1, path);
-        return vramd__fail(err, -e, VRAMD_CODE_LOCAL, "cannot lock the parent directory %s: %s", path, errtext(e));
-    }
+    int lock = d->parent_locks[i]; /* held, shared, since vramd__dump_begin */
     int r = 0;
     int m = open_at(pfd, name, O_WRONLY | O_CREAT | O_EXCL | OPEN_FLAGS, d->min_fd);
     if (m < 0) {
@@ -454,7 +460,6 @@ static int mark_parent(struct vramd__dump *d, size_t i, struct vramd_error *err)
         if (fsync(lock) < 0)
             r = fail_name(err, errno, "fsync the mark", name, pfd);
     }
-    vramd__close_fd(lock); /* unlocks */
     return r;
 }
 
@@ -559,12 +564,15 @@ void vramd__dump_release(struct vramd__dump *d)
     vramd__close_fd(d->lock_fd); /* drops the lock */
     vramd__close_fd(d->dir_fd);
     d->lock_fd = d->dir_fd = -1;
-    for (size_t i = 0; i < d->n_parents; i++)
+    for (size_t i = 0; i < d->n_parents; i++) {
+        vramd__close_fd(d->parent_locks[i]); /* drops its lock */
         vramd__close_fd(d->parent_fds[i]);
+    }
     free(d->parent_fds);
+    free(d->parent_locks);
     free(d->marked);
     free(d->files);
-    d->parent_fds = NULL;
+    d->parent_fds = d->parent_locks = NULL;
     d->marked = NULL;
     d->files = NULL;
     d->n_parents = d->n_files = d->cap_files = d->n_renamed = 0;

@@ -62,6 +62,7 @@ struct vramd__dump {
     int dir_fd;                          /* our duplicate of the image directory */
     int lock_fd;                         /* our own description of it, flocked; closing it unlocks */
     int *parent_fds;                     /* duplicates of the parent directories (for the marks) */
+    int *parent_locks;                   /* per parent: our own description of it, flocked shared, to the end */
     bool *marked;                        /* per parent: this dump's mark is there */
     size_t n_parents;
     uint32_t stripes;                    /* data files per GPU (SessionInfo.data_files_per_gpu, at least 1) */

@@ -526,6 +526,17 @@ static int t_sibling_children(void)
     CHECK(count_entries(ppath, ".child.", "", NULL) == 1, "the failed child left a mark");
     CHECK(!exists(bpath, "manifest.vrdm"), "the failed child committed");
     close(held);
+    /* a child being dumped holds its parent directory's lock, shared, from its OpenSession to its end: a dump
+     * replacing the parent meanwhile (it would see no mark of this child yet) is refused */
+    struct vramd_open_args ca = {.kind = VRAMD_SESSION_DUMP, .dir_fd = bfd, .chunk_size = 1 << 20,
+                                 .parent_dir_fds = &pfd, .n_parent_dir_fds = 1};
+    struct vramd_token ct;
+    OK(vramd_open_session(c, &ca, &ct, NULL, &err), &err);
+    r = dump_one(c, pfd, src, NULL, 0, true, &err);
+    CHECK(r == -EBUSY && strstr(err.message, "another dump is writing into") && strstr(err.message, ppath),
+          "replacing a parent while a child of it is being dumped: %d %s", r, err.message);
+    OK(vramd_close_session(c, &ct, NULL, &err), &err);
+    OK(dump_one(c, pfd, src, NULL, 0, true, &err), &err); /* the child is gone: now it may (replace_parent) */
     vramd_close(c);
     close(src);
     close(pfd);
