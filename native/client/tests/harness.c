@@ -21,6 +21,7 @@
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <sys/mman.h>
 #include <linux/close_range.h>
 #include <sys/prctl.h>
@@ -335,4 +336,51 @@ size_t frame_response(uint8_t *out, size_t cap, const struct Vramd__Rpc__V1__Res
     out[8] = (uint8_t)n, out[9] = (uint8_t)(n >> 8), out[10] = (uint8_t)(n >> 16), out[11] = (uint8_t)(n >> 24);
     vramd__rpc__v1__response__pack(resp, out + 12);
     return n + 12;
+}
+
+Vramd__Rpc__V1__Request *fake_request(int s)
+{
+    static uint8_t in[1 << 16];
+    ssize_t n = recv(s, in, sizeof in, 0);
+    if (n <= 0)
+        return NULL;
+    if (n < 12)
+        _exit(2);
+    Vramd__Rpc__V1__Request *req = vramd__rpc__v1__request__unpack(NULL, (size_t)n - 12, in + 12);
+    if (!req)
+        _exit(3);
+    return req;
+}
+
+void fake_reply(int s, const struct Vramd__Rpc__V1__Response *resp)
+{
+    static uint8_t out[1 << 16];
+    size_t len = frame_response(out, sizeof out, resp);
+    if (!len || send(s, out, len, MSG_NOSIGNAL) != (ssize_t)len)
+        _exit(4);
+}
+
+pid_t fork_peer(int *fd)
+{
+    int sp[2];
+    if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sp) < 0)
+        return -1;
+    pid_t pid = fork();
+    if (pid < 0) {
+        close(sp[0]);
+        close(sp[1]);
+        return -1;
+    }
+    close(sp[pid == 0 ? 0 : 1]);
+    *fd = sp[pid == 0 ? 1 : 0];
+    return pid;
+}
+
+int touch_at(int dir_fd, const char *name)
+{
+    int fd = openat(dir_fd, name, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    if (fd < 0)
+        return -errno;
+    close(fd);
+    return 0;
 }

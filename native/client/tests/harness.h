@@ -45,7 +45,22 @@ extern const struct test files_tests[];
 
 /* A fake daemon's reply as a frame (header + packed message) in `out`: its length, 0 if it does not fit. */
 struct Vramd__Rpc__V1__Response;
+struct Vramd__Rpc__V1__Request;
 size_t frame_response(uint8_t *out, size_t cap, const struct Vramd__Rpc__V1__Response *resp);
+/* A fake daemon's next request from its client, unpacked (the caller frees it with
+ * vramd__rpc__v1__request__free_unpacked); NULL when the client hung up.  The fds a packet carries are
+ * discarded (no control buffer); a packet that is no request ends the fake: _exit(2) too short, _exit(3)
+ * not a request. */
+struct Vramd__Rpc__V1__Request *fake_request(int s);
+/* A fake daemon's reply, as one frame; one it cannot send ends the fake: _exit(4). */
+void fake_reply(int s, const struct Vramd__Rpc__V1__Response *resp);
+/* A SOCK_SEQPACKET socketpair with a child process on one end: in the child, *fd is its end (the other one
+ * closed) and 0 is returned; in the caller, *fd is the other end and the child's pid is returned; -1 on
+ * failure, nothing left open. */
+pid_t fork_peer(int *fd);
+
+/* A new empty file `name` in the directory dir_fd (O_EXCL, mode 0600): 0, or -errno. */
+int touch_at(int dir_fd, const char *name);
 
 /* the daemon's socket ($VRAMD_SOCKET) */
 const char *daemon_socket(void);

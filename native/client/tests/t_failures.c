@@ -355,12 +355,10 @@ static int task_dies(bool start, struct vramd_criu_ticket *tk, char *path, int *
     vramd_close(c);
     close(src);
 
-    int sp[2];
-    CHECK(socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sp) == 0, "socketpair");
-    pid_t pid = fork();
-    CHECK(pid >= 0, "fork");
+    int sock;
+    pid_t pid = fork_peer(&sock);
+    CHECK(pid >= 0, "socketpair, fork");
     if (pid == 0) {
-        close(sp[0]);
         struct vramd_conn *tc = NULL;
         struct vramd_token tt;
         if (test_connect(&tc, &err) < 0)
@@ -372,16 +370,15 @@ static int task_dies(bool start, struct vramd_criu_ticket *tk, char *path, int *
         if (start && vramd_start(tc, &tt, NULL, &err) < 0)
             _exit(12);
         struct vramd_criu_ticket k = {.pid = (int32_t)getpid(), .token = tt};
-        if (vramd_criu_ticket_send(sp[1], &k, &err) < 0)
+        if (vramd_criu_ticket_send(sock, &k, &err) < 0)
             _exit(13);
         _exit(0); /* dies holding its connection: the kernel closes it */
     }
-    close(sp[1]);
     int st = reap(pid);
     CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0, "task status %#x", st);
     struct vramd_error e2;
-    int r = vramd_criu_ticket_recv(sp[0], tk, 10000, &e2);
-    close(sp[0]);
+    int r = vramd_criu_ticket_recv(sock, tk, 10000, &e2);
+    close(sock);
     CHECK(r == 0, "ticket: %s", e2.message);
     return 0;
 }
@@ -523,13 +520,10 @@ enum fake { FAKE_BAD_MAGIC, FAKE_BAD_KIND, FAKE_BAD_LENGTH, FAKE_WRONG_ID, FAKE_
 
 static void fake_daemon(int s, enum fake how)
 {
-    static uint8_t in[1 << 16], out[(1 << 20) + 64];
-    ssize_t n = recv(s, in, sizeof in, 0);
-    if (n < 12)
-        _exit(2);
-    Vramd__Rpc__V1__Request *req = vramd__rpc__v1__request__unpack(NULL, (size_t)n - 12, in + 12);
+    static uint8_t out[(1 << 20) + 64];
+    Vramd__Rpc__V1__Request *req = fake_request(s);
     if (!req)
-        _exit(3);
+        _exit(2);
     Vramd__Rpc__V1__Response resp = VRAMD__RPC__V1__RESPONSE__INIT;
     Vramd__Rpc__V1__Error e = VRAMD__RPC__V1__ERROR__INIT;
     Vramd__Rpc__V1__HelloReply hr = VRAMD__RPC__V1__HELLO_REPLY__INIT;
@@ -643,13 +637,9 @@ static int t_fake_daemon(void)
 /* One request from the fake daemon's peer: its id and what it asks (the body's case); 0 at hang-up. */
 static int fake_recv(int s, uint64_t *id, char *token, size_t cap)
 {
-    static uint8_t in[1 << 16];
-    ssize_t n = recv(s, in, sizeof in, 0);
-    if (n < 12)
-        return 0;
-    Vramd__Rpc__V1__Request *req = vramd__rpc__v1__request__unpack(NULL, (size_t)n - 12, in + 12);
+    Vramd__Rpc__V1__Request *req = fake_request(s);
     if (!req)
-        _exit(3);
+        return 0;
     int which = (int)req->body_case;
     *id = req->id;
     if (token && which == VRAMD__RPC__V1__REQUEST__BODY_CLOSE_SESSION && req->close_session->token)
@@ -660,7 +650,6 @@ static int fake_recv(int s, uint64_t *id, char *token, size_t cap)
 
 static void fake_send_error(int s, uint64_t id, Vramd__Rpc__V1__SessionInfo *session, int code)
 {
-    static uint8_t out[1 << 16];
     Vramd__Rpc__V1__Response resp = VRAMD__RPC__V1__RESPONSE__INIT;
     Vramd__Rpc__V1__HelloReply hr = VRAMD__RPC__V1__HELLO_REPLY__INIT;
     Vramd__Rpc__V1__Error e = VRAMD__RPC__V1__ERROR__INIT;
@@ -682,9 +671,7 @@ static void fake_send_error(int s, uint64_t id, Vramd__Rpc__V1__SessionInfo *ses
         resp.body_case = VRAMD__RPC__V1__RESPONSE__BODY_HELLO;
         resp.hello = &hr;
     }
-    size_t len = frame_response(out, sizeof out, &resp);
-    if (send(s, out, len, MSG_NOSIGNAL) != (ssize_t)len)
-        _exit(4);
+    fake_reply(s, &resp);
 }
 
 static void fake_send(int s, uint64_t id, Vramd__Rpc__V1__SessionInfo *session)
@@ -745,16 +732,9 @@ static int t_submit_closes_its_session_over_a_new_connection(void)
         _exit(0);
     }
     close(ls);
-    snprintf(img, sizeof img, "%s/image", dir);
-    CHECK(mkdir(img, 0700) == 0, "mkdir");
-    char manifest[PATH_MAX];
-    snprintf(manifest, sizeof manifest, "%s/manifest.vrdm", img);
-    int mf = open(manifest, O_WRONLY | O_CREAT | O_CLOEXEC, 0600);
-    CHECK(mf >= 0, "manifest");
-    close(mf);
-    int dfd = open(img, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    int dfd = make_image_dir(img);
     int bo = make_memfd(4096, 1, 0, 4096);
-    CHECK(dfd >= 0 && bo >= 0, "setup");
+    CHECK(dfd >= 0 && bo >= 0 && touch_at(dfd, "manifest.vrdm") == 0, "setup");
     struct vramd_criu_config cfg;
     vramd_criu_config_init(&cfg);
     cfg.socket_path = sock;
@@ -769,8 +749,7 @@ static int t_submit_closes_its_session_over_a_new_connection(void)
           st);
     close(bo);
     close(dfd);
-    unlink(manifest);
-    rmdir(img);
+    remove_dir(img);
     unlink(sock);
     rmdir(dir);
     return 0;
@@ -783,39 +762,36 @@ static int t_submit_closes_its_session_over_a_new_connection(void)
  */
 static int t_barrier_bound_holds_when_the_close_hangs(void)
 {
-    int sp[2];
-    CHECK(socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sp) == 0, "socketpair");
-    pid_t pid = fork();
-    CHECK(pid >= 0, "fork");
+    int fd;
+    pid_t pid = fork_peer(&fd);
+    CHECK(pid >= 0, "socketpair, fork");
     if (pid == 0) {
-        close(sp[0]);
         uint64_t id;
         Vramd__Rpc__V1__SessionInfo si = VRAMD__RPC__V1__SESSION_INFO__INIT;
         si.token = FAKE_TOKEN;
         si.has_state = 1, si.state = VRAMD__RPC__V1__SESSION_STATE__SESSION_SEALED;
         si.has_kind = 1, si.kind = VRAMD__RPC__V1__SESSION_KIND__SESSION_RESTORE;
-        if (fake_recv(sp[1], &id, NULL, 0) != VRAMD__RPC__V1__REQUEST__BODY_HELLO)
+        if (fake_recv(fd, &id, NULL, 0) != VRAMD__RPC__V1__REQUEST__BODY_HELLO)
             _exit(10);
-        fake_send(sp[1], id, NULL);
-        if (fake_recv(sp[1], &id, NULL, 0) != VRAMD__RPC__V1__REQUEST__BODY_WAIT)
+        fake_send(fd, id, NULL);
+        if (fake_recv(fd, &id, NULL, 0) != VRAMD__RPC__V1__REQUEST__BODY_WAIT)
             _exit(11);
-        fake_send_error(sp[1], id, &si, VRAMD__RPC__V1__CODE__TIMEOUT);
-        if (fake_recv(sp[1], &id, NULL, 0) != VRAMD__RPC__V1__REQUEST__BODY_CLOSE_SESSION)
+        fake_send_error(fd, id, &si, VRAMD__RPC__V1__CODE__TIMEOUT);
+        if (fake_recv(fd, &id, NULL, 0) != VRAMD__RPC__V1__REQUEST__BODY_CLOSE_SESSION)
             _exit(12);
         /* no answer: the job does not stop; the client hangs up when its bound runs out (a client that
          * waits on is let go after 10 s, and fails the test, rather than hang it) */
-        struct pollfd pl = {.fd = sp[1], .events = POLLIN};
+        struct pollfd pl = {.fd = fd, .events = POLLIN};
         if (poll(&pl, 1, 10000) != 1)
             _exit(13);
         char b;
-        while (recv(sp[1], &b, 1, 0) > 0)
+        while (recv(fd, &b, 1, 0) > 0)
             ;
         _exit(0);
     }
-    close(sp[1]);
     struct vramd_conn *c = NULL;
     struct vramd_error err;
-    OK(vramd_connect_fd(&c, sp[0], NULL, &err), &err);
+    OK(vramd_connect_fd(&c, fd, NULL, &err), &err);
     struct vramd_criu_config cfg;
     vramd_criu_config_init(&cfg);
     cfg.wait_timeout_ms = 300;

@@ -237,9 +237,7 @@ static int t_dump_commit(void)
      * and nothing else (a name outside the format, even one that looks like a data file, is not vramd's) */
     data_file(name, first, 0, 0, "");
     memcpy(name + strlen(name) - 4, "-0.vrd", 7); /* data-<old id>-00000000-0.vrd: not a data file name */
-    int fd = openat(dfd, name, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-    CHECK(fd >= 0, "create %s", name);
-    close(fd);
+    CHECK(touch_at(dfd, name) == 0, "create %s", name);
     OK(dump_one(c, dfd, src, NULL, 0, false, &err), &err);
     CHECK(exists(path, name) && unlinkat(dfd, name, 0) == 0, "%s was removed", name);
     if (gpu0_files(path, n, false, now))
@@ -467,12 +465,9 @@ static int t_marks_and_sweep(void)
                                           "data-0123456789abcdef-00000000-10.vrd.tmp",
                                           "data-0123456789abcdef-00000000-A.vrd.tmp"};
     enum { NSTALE = sizeof stale / sizeof stale[0], NFOREIGN = sizeof foreign / sizeof foreign[0] };
-    for (size_t i = 0; i < NSTALE + NFOREIGN; i++) {
-        snprintf(p, sizeof p, "%s/%s", cpath, i < NSTALE ? stale[i] : foreign[i - NSTALE]);
-        int fd = open(p, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-        CHECK(fd >= 0, "create %s", p);
-        close(fd);
-    }
+    for (size_t i = 0; i < NSTALE + NFOREIGN; i++)
+        CHECK(touch_at(cfd, i < NSTALE ? stale[i] : foreign[i - NSTALE]) == 0, "create %s",
+              i < NSTALE ? stale[i] : foreign[i - NSTALE]);
     snprintf(p, sizeof p, "%s/data-fedcba9876543210-00000000.vrd.tmp", cpath);
     CHECK(symlink("manifest.vrdm", p) == 0, "symlink");
     struct vramd_open_args a = {.kind = VRAMD_SESSION_DUMP, .dir_fd = cfd, .chunk_size = 1 << 20,
@@ -551,14 +546,10 @@ static int t_sibling_children(void)
 /* A daemon (fake) that asks for a file no image holds: the client opens nothing, breaks the connection. */
 static void fake_asks(int s, const char *name, uint32_t image)
 {
-    static uint8_t in[1 << 16], out[1 << 16];
     for (int step = 0; step < 2; step++) {
-        ssize_t n = recv(s, in, sizeof in, 0); /* no control buffer: the fds sent are discarded */
-        if (n < 12)
-            _exit(2);
-        Vramd__Rpc__V1__Request *req = vramd__rpc__v1__request__unpack(NULL, (size_t)n - 12, in + 12);
+        Vramd__Rpc__V1__Request *req = fake_request(s); /* the fds sent are discarded */
         if (!req)
-            _exit(3);
+            _exit(2);
         Vramd__Rpc__V1__Response resp = VRAMD__RPC__V1__RESPONSE__INIT;
         Vramd__Rpc__V1__HelloReply hr = VRAMD__RPC__V1__HELLO_REPLY__INIT;
         Vramd__Rpc__V1__SessionInfo si = VRAMD__RPC__V1__SESSION_INFO__INIT;
@@ -583,9 +574,7 @@ static void fake_asks(int s, const char *name, uint32_t image)
             resp.session = &si;
         }
         vramd__rpc__v1__request__free_unpacked(req, NULL);
-        size_t len = frame_response(out, sizeof out, &resp);
-        if (!len || send(s, out, len, MSG_NOSIGNAL) != (ssize_t)len)
-            _exit(4);
+        fake_reply(s, &resp);
     }
     _exit(0);
 }
@@ -594,18 +583,14 @@ static void fake_asks(int s, const char *name, uint32_t image)
  * *err and whether it broke the connection; the fake reaped, no fd left open.  0, or 1: a check failed. */
 static int open_asked(int dfd, const char *name, uint32_t image, int *r, bool *broken, struct vramd_error *err)
 {
-    int sp[2];
-    CHECK(socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sp) == 0, "socketpair");
-    pid_t pid = fork();
-    CHECK(pid >= 0, "fork");
-    if (pid == 0) {
-        close(sp[0]);
-        fake_asks(sp[1], name, image);
-    }
-    close(sp[1]);
+    int fd;
+    pid_t pid = fork_peer(&fd);
+    CHECK(pid >= 0, "socketpair, fork");
+    if (pid == 0)
+        fake_asks(fd, name, image);
     int before = count_fds();
     struct vramd_conn *c = NULL;
-    OK(vramd_connect_fd(&c, sp[0], NULL, err), err);
+    OK(vramd_connect_fd(&c, fd, NULL, err), err);
     struct vramd_open_args a = {.kind = VRAMD_SESSION_RESTORE, .dir_fd = dfd};
     struct vramd_token t;
     *r = vramd_open_session(c, &a, &t, NULL, err);
@@ -624,13 +609,8 @@ static int t_fake_asks_for_a_file(void)
     CHECK(dfd >= 0, "dir");
     /* a manifest to open (the fake never reads it) and a file the fake will try to get */
     static const char *const files[] = {"manifest.vrdm", "secret"};
-    for (size_t i = 0; i < 2; i++) {
-        char p[PATH_MAX];
-        snprintf(p, sizeof p, "%s/%s", path, files[i]);
-        int fd = open(p, O_WRONLY | O_CREAT | O_CLOEXEC, 0600);
-        CHECK(fd >= 0, "create %s", p);
-        close(fd);
-    }
+    for (size_t i = 0; i < 2; i++)
+        CHECK(touch_at(dfd, files[i]) == 0, "create %s", files[i]);
     static const struct {
         const char *name;
         uint32_t image;
@@ -657,11 +637,7 @@ static int t_data_file_names(void)
     char path[PATH_MAX];
     int dfd = make_image_dir(path);
     CHECK(dfd >= 0, "dir");
-    char p[PATH_MAX];
-    snprintf(p, sizeof p, "%s/manifest.vrdm", path);
-    int fd = open(p, O_WRONLY | O_CREAT | O_CLOEXEC, 0600);
-    CHECK(fd >= 0, "create %s", p);
-    close(fd);
+    CHECK(touch_at(dfd, "manifest.vrdm") == 0, "create manifest.vrdm");
     static const struct {
         const char *name;
         bool valid;
@@ -708,7 +684,7 @@ static const uint8_t fake_image_id[16] = {0x01, 0x23, 0x45, 0x67, 0x89, 0xab, 0x
 
 static void fake_dump(int s, uint32_t per_gpu, uint32_t max_fds, int report)
 {
-    static uint8_t in[1 << 16], out[1 << 16];
+    static uint8_t in[1 << 16];
     for (unsigned number = 0;; number++) {
         union {
             char buf[CMSG_SPACE(sizeof(int) * 253)];
@@ -766,9 +742,7 @@ static void fake_dump(int s, uint32_t per_gpu, uint32_t max_fds, int report)
             resp.body_case = VRAMD__RPC__V1__RESPONSE__BODY_SESSION, resp.session = &si;
         }
         vramd__rpc__v1__request__free_unpacked(req, NULL);
-        size_t len = frame_response(out, sizeof out, &resp);
-        if (!len || send(s, out, len, MSG_NOSIGNAL) != (ssize_t)len)
-            _exit(4);
+        fake_reply(s, &resp);
     }
 }
 
