@@ -118,7 +118,13 @@ class DataFileWriter:
     def _begin(self) -> None:
         try:
             os.ftruncate(self.fd, 0)  # whatever the file held: the image is only what this dump writes
-            pwrite_all(self.fd, [encode_data_header(self.image_id, self.version)], 0)
+        except OSError as e:
+            raise image_os_error(e, f"cannot write {self.tmp}") from None
+        self._write_header(self.version)
+
+    def _write_header(self, version: int) -> None:
+        try:
+            pwrite_all(self.fd, [encode_data_header(self.image_id, version)], 0)
         except OSError as e:
             raise image_os_error(e, f"cannot write {self.tmp}") from None
 
@@ -200,10 +206,7 @@ class DataFileWriter:
 
     def _set_version(self, version: int) -> None:
         self._opened.result()
-        try:
-            pwrite_all(self.fd, [encode_data_header(self.image_id, version)], 0)
-        except OSError as e:
-            raise image_os_error(e, f"cannot write {self.tmp}") from None
+        self._write_header(version)
         self.version = version
 
     def set_version(self, version: int) -> asyncio.Future[None]:
