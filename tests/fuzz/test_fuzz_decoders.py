@@ -287,6 +287,11 @@ def _buffer(data: bytes, size: int = 1 << 16) -> StagingBuffer:
 # its own ZstdError (INTERNAL on the wire) instead of a CorruptChunkError
 @example(rec=(b"VRDC\x0f\x00\x00\x009F\xd01h\x821%\x08\x01\x18\x01(\x031\xc2\x94\xd38\x05\x80\x06-", b"", 1, 1, 0),
          stored_delta=0, raw_delta=0, with_out=True)
+# found by the long mode (./dev.sh fuzz): a planes record whose frame disagreed with the chunk's length raised
+# BufferError (a view of the payload still open in the error's traceback) instead of a CorruptChunkError
+@example(rec=(b"VRDC\x14\x00\x00\x00\xd0\xd0l\x19\xe0\xdac\xca\x08\x01\x10\x80 \x18\x0b \x17(\x031Pv,\x02x\xe3-K",
+              b"(\xb5/\xfd$\nQ\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x1a& \xad", 10, 1, 4096),
+         stored_delta=0, raw_delta=1, with_out=True)
 def test_decode_chunk_raises_only_image_errors(rec, stored_delta, raw_delta, with_out):
     head, payload, raw_len, bo_id, offset = rec
     stored, out = _buffer(payload), _buffer(b"") if with_out else None

@@ -206,38 +206,45 @@ def decompress_planes(payload: Buffer, word: int, raw_length: int, dest: memoryv
     `dest` is written only after the whole frame decoded and verified.
     """
     _check_word(word)
-    p = _bytes_view(payload)
-    try:
-        params = zstandard.get_frame_parameters(p)
-    except zstandard.ZstdError as e:
-        raise bad(f"planes frame has no valid zstd frame header: {e}") from None
-    if params.content_size != raw_length:
-        size = "no content size" if params.content_size == zstandard.CONTENTSIZE_UNKNOWN else \
-            f"content size {params.content_size}"
-        raise bad(f"planes frame says {size}, expected {raw_length}")
-    if not params.has_checksum:
-        raise bad("planes frame carries no content checksum")
-    length = zstd_frame_length(p)
-    if length != len(p):
-        raise bad(f"planes payload holds {len(p)} bytes, its zstd frame {length}"
-                  if length > 0 else "planes frame is cut short")
-    d = _bytes_view(dest)
-    if len(d) < raw_length:
-        raise ValueError(f"planes: destination holds {len(d)} bytes, expected {raw_length}")
-    scratch = _scratch(raw_length)
-    try:
-        unzstd_exact(p, scratch, raw_length, bad, "planes frame")
-        merge_into(scratch, word, d[:raw_length])
-    finally:
-        scratch.release()
+    # Both views are released before anything raised here reaches the caller: an exception's traceback keeps
+    # this frame, and a view still open in it would make the caller's release of `payload` (or unmapping of
+    # `dest`'s buffer) fail with BufferError instead of the CorruptChunkError (found by the long fuzz run).
+    with _bytes_view(payload) as p:
+        try:
+            params = zstandard.get_frame_parameters(p)
+        except zstandard.ZstdError as e:
+            raise bad(f"planes frame has no valid zstd frame header: {e}") from None
+        if params.content_size != raw_length:
+            size = "no content size" if params.content_size == zstandard.CONTENTSIZE_UNKNOWN else \
+                f"content size {params.content_size}"
+            raise bad(f"planes frame says {size}, expected {raw_length}")
+        if not params.has_checksum:
+            raise bad("planes frame carries no content checksum")
+        length = zstd_frame_length(p)
+        if length != len(p):
+            raise bad(f"planes payload holds {len(p)} bytes, its zstd frame {length}"
+                      if length > 0 else "planes frame is cut short")
+        with _bytes_view(dest) as d:
+            if len(d) < raw_length:
+                raise ValueError(f"planes: destination holds {len(d)} bytes, expected {raw_length}")
+            scratch = _scratch(raw_length)
+            try:
+                unzstd_exact(p, scratch, raw_length, bad, "planes frame")
+                merge_into(scratch, word, d[:raw_length])
+            finally:
+                scratch.release()
 
 
 def unzstd_exact(payload: Buffer, out: memoryview, raw_length: int, bad: Callable[[str], Exception],
                  what: str = "zstd frame") -> None:
     """Decompress one zstd frame into out[:raw_length]: exactly raw_length bytes, and its content checksum
-    checked (zstd checks it when reading past the end); anything else is `bad(...)` naming `what`."""
+    checked (zstd checks it when reading past the end); anything else is `bad(...)` naming `what`.
+
+    The reader (which holds a view of `payload`) is gone before `bad` is raised, so the caller can release
+    `payload` while the error propagates."""
+    problem = None
+    reader = zstd_decompressor().stream_reader(payload, read_across_frames=False)
     try:
-        reader = zstd_decompressor().stream_reader(payload, read_across_frames=False)
         got = 0
         while got < raw_length:
             n = reader.readinto(out[got:raw_length])
@@ -245,6 +252,10 @@ def unzstd_exact(payload: Buffer, out: memoryview, raw_length: int, bad: Callabl
                 break
             got += n
         if got != raw_length or reader.read(1):
-            raise bad(f"{what} holds {'more than' if got == raw_length else got} bytes, expected {raw_length}")
+            problem = f"{what} holds {'more than' if got == raw_length else got} bytes, expected {raw_length}"
     except zstandard.ZstdError as e:
-        raise bad(f"{what} does not decode: {e}") from None
+        problem = f"{what} does not decode: {e}"
+    finally:
+        del reader  # its last reference: its view of `payload` goes with it
+    if problem is not None:
+        raise bad(problem)
