@@ -4,6 +4,8 @@
 #   ./dev.sh test [pytest args] install what is missing, then run the test suite
 #   ./dev.sh check              the gates CI runs before the tests: ruff, mypy, the layer
 #                               contract, the SDMA model's own C tests (plain, ASan+UBSan, TSan)
+#   ./dev.sh fuzz [args]        the fuzz harness's long mode (not in CI): over a million inputs,
+#                               counted (tests/fuzz/README.md)
 # Installs apt packages only when something is missing (as root, or via sudo),
 # keeps the virtual environment in .venv (rebuilt when pyproject.toml changes),
 # and builds libvramd, the C client, into build/libvramd (rebuilt when
@@ -103,5 +105,6 @@ case "$cmd" in
     demo) ensure_system; ensure_venv; ensure_libvramd; exec .venv/bin/python -m vramd.cli.demo "$@" ;;
     test) ensure_system; ensure_venv; ensure_libvramd; exec .venv/bin/python -m pytest "$@" ;;
     check) ensure_system; ensure_venv; check ;;
-    *) sed -n '2,10p' "$0" >&2; exit 2 ;;
+    fuzz) ensure_system; ensure_venv; exec .venv/bin/python tests/fuzz/long.py "$@" ;;
+    *) sed -n '2,12p' "$0" >&2; exit 2 ;;
 esac
