@@ -324,6 +324,8 @@ def test_every_client_refuses_a_squatted_tmp_dir_and_sends_nothing(world: World,
         got = squatter.finish()
     uid = w.squatter.uid
     owner = f"/tmp/vramd-{user.uid}"
+    # first of all: nothing reached the squatter, not even a connection
+    assert_nothing_received(got, connected=False)
     # the Python client: one typed error, PERMISSION_DENIED, naming the path, the directory and its owner
     assert not py["ok"] and py["type"] == "UntrustedDaemonError" and py["code"] == "PERMISSION_DENIED", py
     assert sock in py["message"] and owner in py["message"] and f"uid {uid}" in py["message"], py
@@ -335,8 +337,7 @@ def test_every_client_refuses_a_squatted_tmp_dir_and_sends_nothing(world: World,
     # libvramd's CRIU adapter: -EPERM, a local error naming the path and the uid
     assert c["rc"] == -errno.EPERM and c["socket_path"] == sock, c
     assert sock in c["message"] and owner in c["message"] and f"uid {uid}" in c["message"], c
-    # and nothing reached the squatter; the clients created nothing in their image directories
-    assert_nothing_received(got, connected=False)
+    # and the clients created nothing in their image directories
     for img in (py_img, ctl_img, c_img):
         assert sorted(os.listdir(img)) == [], img
 
