@@ -135,15 +135,15 @@ def check_socket_path(path: str, trusted: TrustedUids) -> None:
     root-owned sticky directory only as an ancestor); ConnectionError where the walk fails (a missing
     component, no search permission), as connect would."""
     def refuse(what: str, st: os.stat_result, why: str) -> UntrustedDaemonError:
-        return UntrustedDaemonError(f"refusing the vramd socket {path}: {what} is {why} (owner {_owner(st.st_uid)},"
-                                    f" mode {stat.S_IMODE(st.st_mode):04o}); trusted: {trusted.describe()}")
+        return UntrustedDaemonError(f"untrusted vramd socket {path}: {_owner(st.st_uid)} owns {what} (mode "
+                                    f"{stat.S_IMODE(st.st_mode):04o}; {why}); trusted: {trusted.describe()}")
 
     def check_dir(d: str, st: os.stat_result) -> bool:
         """Whether `d` is trusted only as an ancestor (a root-owned sticky directory others may write)."""
         if not stat.S_ISDIR(st.st_mode):
             raise ConnectionError(f"cannot connect to vramd at {path}: {d} is not a directory")
         if st.st_uid not in trusted:
-            raise refuse(d, st, "owned by an untrusted uid")
+            raise refuse(d, st, "not a trusted uid")
         if st.st_mode & 0o022:
             if st.st_uid == 0 and st.st_mode & stat.S_ISVTX:
                 return True
@@ -170,7 +170,7 @@ def check_socket_path(path: str, trusted: TrustedUids) -> None:
             st = os.lstat(nxt)
             if stat.S_ISLNK(st.st_mode):
                 if st.st_uid not in trusted:
-                    raise refuse(nxt, st, "a symbolic link owned by an untrusted uid")
+                    raise refuse(nxt, st, "a symbolic link of an untrusted uid")
                 links += 1
                 if links > MAX_SYMLINKS:
                     raise ConnectionError(f"cannot connect to vramd at {path}: too many levels of symbolic links")
@@ -184,7 +184,7 @@ def check_socket_path(path: str, trusted: TrustedUids) -> None:
             if not todo:  # the socket itself: its own directory must be one only trusted uids write
                 if sticky_only:
                     parent = os.lstat(cur)
-                    raise refuse(cur, parent, "the socket's own directory and writable by others")
+                    raise refuse(cur, parent, "the socket's own directory, writable by others")
                 return
             sticky_only = check_dir(nxt, st)
             cur = nxt
@@ -199,5 +199,5 @@ def check_peer(sock: socket.socket, path: str, trusted: TrustedUids) -> None:
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("iII"))
     pid, uid, _gid = struct.unpack("iII", creds)
     if uid not in trusted:
-        raise UntrustedDaemonError(f"refusing the vramd socket {path}: its listener (pid {pid}) runs as "
+        raise UntrustedDaemonError(f"untrusted vramd socket {path}: its listener (pid {pid}) runs as "
                                    f"{_owner(uid)}; trusted: {trusted.describe()}")

@@ -365,9 +365,10 @@ static int untrusted(struct vramd_error *err, const char *path, const char *what
         snprintf(du, sizeof du, "%u", (unsigned)t->daemon);
     else
         snprintf(du, sizeof du, "none");
-    return vramd__fail(err, -EPERM, VRAMD_CODE_LOCAL, "untrusted vramd socket %s: %s is %s (owner uid %u, mode %04o); "
-                       "trusted: uid 0, %u, daemon user %s=%s", path, what, why, (unsigned)st->st_uid,
-                       (unsigned)(st->st_mode & 07777), (unsigned)t->me, t->user, du);
+    /* the uid early: a long path must not truncate it away (256 bytes) */
+    return vramd__fail(err, -EPERM, VRAMD_CODE_LOCAL, "untrusted vramd socket %s: uid %u owns %s (mode %04o; %s); "
+                       "trusted: uid 0, %u, daemon user %s=%s", path, (unsigned)st->st_uid, what,
+                       (unsigned)(st->st_mode & 07777), why, (unsigned)t->me, t->user, du);
 }
 
 /* A directory on the way: trusted owner, writable by nobody else; *ancestor_only: a root-owned sticky one. */
@@ -379,7 +380,7 @@ static int check_dir(const char *path, const char *dir, const struct stat *st, s
         return vramd__fail(err, -ENOTDIR, VRAMD_CODE_LOCAL, "cannot connect to vramd at %s: %s is not a directory",
                            path, dir);
     if (!trusted(t, st->st_uid))
-        return untrusted(err, path, dir, st, "owned by an untrusted uid", t);
+        return untrusted(err, path, dir, st, "not a trusted uid", t);
     if (st->st_mode & (S_IWGRP | S_IWOTH)) {
         if (st->st_uid == 0 && (st->st_mode & S_ISVTX)) {
             *ancestor_only = true;
@@ -457,7 +458,7 @@ static int check_socket_path(const char *path, struct trust *t, struct vramd_err
             return walk_failed(err, path, errno);
         if (S_ISLNK(st.st_mode)) {
             if (!trusted(t, st.st_uid))
-                return untrusted(err, path, next, &st, "a symbolic link owned by an untrusted uid", t);
+                return untrusted(err, path, next, &st, "a symbolic link of an untrusted uid", t);
             if (++links > 40)
                 return walk_failed(err, path, ELOOP);
             ssize_t m = readlink(next, link, sizeof link);
@@ -484,7 +485,7 @@ static int check_socket_path(const char *path, struct trust *t, struct vramd_err
             if (ancestor_only) {
                 if (lstat(cur, &st) < 0)
                     return walk_failed(err, path, errno);
-                return untrusted(err, path, cur, &st, "the socket's directory and writable by others", t);
+                return untrusted(err, path, cur, &st, "the socket's own directory, writable by others", t);
             }
             return 0;
         }
