@@ -407,6 +407,67 @@ def test_the_configured_daemon_user_is_trusted(world: World) -> None:
     assert got["connections"] == 2 and got["packets"] >= 2, got
 
 
+def test_symbolic_links_on_the_way_are_walked_and_their_owners_checked(world: World) -> None:
+    """A link is followed only if a trusted uid owns it, and its target is checked like the rest of the path:
+    root's link to the real daemon works; the same link owned by `nobody`, and root's link into a directory of
+    `nobody`'s (where `nobody` listens), are refused naming the link or the directory and uid 65534."""
+    w = world
+    run, tmp = views(w, "links")
+    links = w.base / "links"
+    links.mkdir(mode=0o755)
+    foreign = w.base / "links-foreign"
+    foreign.mkdir(mode=0o755)
+    os.chown(foreign, w.squatter.uid, w.squatter.gid)
+    squatter = Squatter(w, f"{foreign}/vramd.sock", 0o755)
+    good, bad_owner, into = links / "good", links / "bad-owner", links / "into-foreign"
+    os.symlink(os.path.relpath(w.upstream.socket, links), good)  # a relative link, resolved from its directory
+    os.symlink(w.upstream.socket, bad_owner)
+    os.lchown(bad_owner, w.squatter.uid, w.squatter.gid)
+    os.symlink(f"{foreign}/vramd.sock", into)
+    out = {}
+    try:
+        for link in (good, bad_owner, into):
+            out[link.name] = (
+                in_namespace(w, w.root, run, tmp, [*w.root.python, "-m", "vramd.cli", "status", "--json",
+                                                   "--socket", str(link)]),
+                outcome(in_namespace(w, w.root, run, tmp, [*w.root.python, "-c", C_CLIENT, str(w.lib), "connect",
+                                                           str(link)])))
+    finally:
+        got = squatter.finish()
+    uid = w.squatter.uid
+    ctl, c = out["good"]
+    assert ctl.returncode == 0 and json.loads(ctl.stdout)["sessions"] == 0, ctl.stderr
+    assert c["rc"] == 0, c
+    for name, culprit in (("bad-owner", str(bad_owner)), ("into-foreign", str(foreign))):
+        ctl, c = out[name]
+        assert ctl.returncode == 1 and ctl.stderr.startswith("vramctl: PERMISSION_DENIED: "), ctl.stderr
+        assert culprit in ctl.stderr and f"uid {uid}" in ctl.stderr, ctl.stderr
+        assert c["rc"] == -errno.EPERM and culprit in c["message"] and f"uid {uid}" in c["message"], c
+    assert_nothing_received(got, connected=False)
+
+
+def test_a_socket_directly_in_a_sticky_directory_is_refused(world: World) -> None:
+    """/tmp may be on the way, but not the socket's own directory: anyone may create names in it.  A socket
+    /tmp/vramd.sock listened on by root itself is refused by both clients, naming /tmp, and nobody connects."""
+    w = world
+    run, tmp = views(w, "sticky")
+    lst = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        lst.bind(str(tmp / "vramd.sock"))
+        lst.listen(8)
+        env = {"VRAMD_SOCKET": "/tmp/vramd.sock"}
+        ctl = in_namespace(w, w.root, run, tmp, [*w.root.python, "-m", "vramd.cli", "status", "--json"], env)
+        c = outcome(in_namespace(w, w.root, run, tmp, [*w.root.python, "-c", C_CLIENT, str(w.lib), "connect"], env))
+        lst.setblocking(False)
+        with pytest.raises(BlockingIOError):  # no connection is pending: nobody connected
+            lst.accept()
+    finally:
+        lst.close()
+    assert ctl.returncode == 1 and ctl.stderr.startswith("vramctl: PERMISSION_DENIED: "), ctl.stderr
+    assert "owns /tmp (mode 1777; the socket's own directory" in ctl.stderr, ctl.stderr
+    assert c["rc"] == -errno.EPERM and "owns /tmp (mode 1777; the socket's own directory" in c["message"], c
+
+
 # --- the search order -----------------------------------------------------------------------------------------
 
 def test_the_system_socket_is_preferred_over_tmp(world: World) -> None:
