@@ -448,24 +448,24 @@ def test_symbolic_links_on_the_way_are_walked_and_their_owners_checked(world: Wo
 
 def test_a_socket_directly_in_a_sticky_directory_is_refused(world: World) -> None:
     """/tmp may be on the way, but not the socket's own directory: anyone may create names in it.  A socket
-    /tmp/vramd.sock listened on by root itself is refused by both clients, naming /tmp, and nobody connects."""
+    /tmp/vramd.sock (root bound it) is refused by both clients on its path alone, naming /tmp: they do not even
+    connect, so the listener's uid is never asked."""
     w = world
     run, tmp = views(w, "sticky")
     lst = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    lst.bind(str(tmp / "vramd.sock"))
+    recorder = Squatter(w, listener=lst)
+    lst.close()
+    env = {"VRAMD_SOCKET": "/tmp/vramd.sock"}
     try:
-        lst.bind(str(tmp / "vramd.sock"))
-        lst.listen(8)
-        env = {"VRAMD_SOCKET": "/tmp/vramd.sock"}
         ctl = in_namespace(w, w.root, run, tmp, [*w.root.python, "-m", "vramd.cli", "status", "--json"], env)
         c = outcome(in_namespace(w, w.root, run, tmp, [*w.root.python, "-c", C_CLIENT, str(w.lib), "connect"], env))
-        lst.setblocking(False)
-        with pytest.raises(BlockingIOError):  # no connection is pending: nobody connected
-            lst.accept()
     finally:
-        lst.close()
+        got = recorder.finish()
     assert ctl.returncode == 1 and ctl.stderr.startswith("vramctl: PERMISSION_DENIED: "), ctl.stderr
     assert "owns /tmp (mode 1777; the socket's own directory" in ctl.stderr, ctl.stderr
     assert c["rc"] == -errno.EPERM and "owns /tmp (mode 1777; the socket's own directory" in c["message"], c
+    assert_nothing_received(got, connected=False)
 
 
 # --- the search order -----------------------------------------------------------------------------------------
