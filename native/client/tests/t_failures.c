@@ -1,6 +1,7 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
- * Failure paths: no daemon, refused uid, bad fds, a corrupt image, a restored
+ * Failure paths: no daemon, refused uid, an impostor daemon (a foreign directory,
+ * link or listener), bad fds, a corrupt image, a restored
  * task that dies before CRIU main attaches, a daemon that stops answering or
  * dies during a Wait, and replies that break the protocol (a fake daemon).
  *
