@@ -544,5 +544,35 @@ def test_root_never_uses_tmp(world: World) -> None:
     assert_nothing_received(got, connected=False)
 
 
+def test_a_root_daemon_started_by_hand_listens_where_roots_clients_look(world: World) -> None:
+    """Root without XDG_RUNTIME_DIR: `vramd` with no --socket makes /run/vramd (root's, 0755) and listens on
+    /run/vramd/vramd.sock, not in /tmp, and root's clients (vramctl, libvramd) find it there by default."""
+    w = world
+    run, tmp = views(w, "root-daemon")
+    kw = {k: v for k, v in w.root.popen_kwargs().items() if k not in ("user", "group", "extra_groups")}
+    daemon = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "--", "sh", "-ec",
+                               'mount --bind "$1" /run; mount --bind "$2" /tmp; shift 2; exec "$@"', "sh", str(run),
+                               str(tmp), *w.root.python, "-m", "vramd.service.main", "--log-level", "info"],
+                              stderr=subprocess.PIPE, text=True, **kw)
+    try:
+        assert daemon.stderr is not None
+        said = ""
+        for said in daemon.stderr:  # it logs where it listens once it does
+            if "listening on" in said:
+                break
+        assert said.rstrip().endswith("listening on /run/vramd/vramd.sock"), said
+        st = os.stat(run / "vramd")
+        assert (st.st_uid, st.st_mode & 0o7777) == (0, 0o755)
+        assert os.listdir(tmp) == []
+        ctl = in_namespace(w, w.root, run, tmp, [*w.root.python, "-m", "vramd.cli", "status", "--json"])
+        c = outcome(in_namespace(w, w.root, run, tmp, [*w.root.python, "-c", C_CLIENT, str(w.lib), "connect"]))
+    finally:
+        daemon.terminate()
+        daemon.communicate(timeout=60)
+    assert daemon.returncode == 0
+    assert ctl.returncode == 0 and json.loads(ctl.stdout)["sessions"] == 0, ctl.stderr
+    assert c["rc"] == 0 and c["socket_path"] == "/run/vramd/vramd.sock", c
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v"]))
