@@ -188,6 +188,8 @@ def check_socket_path(path: str, trusted: TrustedUids) -> None:
                 return
             sticky_only = check_dir(nxt, st)
             cur = nxt
+    except ConnectionError:
+        raise
     except OSError as e:
         raise ConnectionError(f"cannot connect to vramd at {path}: {e.strerror or e}") from None
     raise ConnectionError(f"cannot connect to vramd at {path}: not a socket")
