@@ -574,5 +574,78 @@ def test_a_root_daemon_started_by_hand_listens_where_roots_clients_look(world: W
     assert c["rc"] == 0 and c["socket_path"] == "/run/vramd/vramd.sock", c
 
 
+# --- setuid and file-capability programs -------------------------------------------------------------------
+
+# A program linking libvramd (loaded with dlopen: a setuid program ignores LD_LIBRARY_PATH).  argv: LIB PATH;
+# prints its euid, vramd_socket_path(), vramd_connect_path(PATH)'s return value, then the error's message.
+SETUID_CLIENT = r"""
+#include <dlfcn.h>
+#include <stdio.h>
+#include <unistd.h>
+#include <vramd/client.h>
+int main(int argc, char **argv)
+{
+    void *lib = dlopen(argv[1], RTLD_NOW);
+    if (!lib || argc != 3)
+        return 2;
+    int (*socket_path)(char *, size_t) = (int (*)(char *, size_t))dlsym(lib, "vramd_socket_path");
+    int (*connect_path)(struct vramd_conn **, const char *, const struct vramd_options *, struct vramd_error *) =
+        (int (*)(struct vramd_conn **, const char *, const struct vramd_options *, struct vramd_error *))
+            dlsym(lib, "vramd_connect_path");
+    void (*close_conn)(struct vramd_conn *) = (void (*)(struct vramd_conn *))dlsym(lib, "vramd_close");
+    char where[4096] = "";
+    struct vramd_error err = {0};
+    struct vramd_conn *conn = NULL;
+    socket_path(where, sizeof where);
+    int r = connect_path(&conn, argv[2], NULL, &err);
+    if (r == 0)
+        close_conn(conn);
+    printf("%u\n%s\n%d\n%s\n", (unsigned)geteuid(), where, r, err.message);
+    return 0;
+}
+"""
+
+
+def test_a_setuid_program_ignores_the_callers_environment(world: World) -> None:
+    """A setuid-root program linking libvramd, run by vramd-e2e, who sets VRAMD_DAEMON_USER to `nobody`'s uid
+    and VRAMD_SOCKET / XDG_RUNTIME_DIR to paths of their choice: libvramd reads none of them there (glibc's
+    secure_getenv), so the caller cannot widen root's trust to `nobody`, who listens on a socket in a root-owned
+    0755 directory (as a listener handed to a less privileged service would), nor pick root's socket.  The
+    same program run by root itself, not setuid, honours the environment (the control: the relay answers)."""
+    w, user = world, world.user
+    run, tmp = views(w, "setuid")
+    prog = w.base / "setuid-client"
+    src = w.base / "setuid-client.c"
+    src.write_text(SETUID_CLIENT)
+    subprocess.run(["cc", "-O0", "-o", str(prog), str(src), f"-I{ROOT}/native/client/include", "-ldl"], check=True,
+                   capture_output=True)
+    os.chmod(prog, 0o4755)  # root's (the test runs as root), setuid
+    d = w.base / "setuid-sock"
+    d.mkdir(mode=0o755)
+    path = str(d / "vramd.sock")
+    lst = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    lst.bind(path)
+    os.chmod(path, 0o666)
+    squatter = Squatter(w, listener=lst)
+    lst.close()
+    uid = w.squatter.uid
+    env = {"VRAMD_DAEMON_USER": str(uid), "VRAMD_SOCKET": path, "XDG_RUNTIME_DIR": "/tmp"}
+    try:
+        setuid = in_namespace(w, user, run, tmp, [str(prog), str(w.lib), path], env)
+        plain = in_namespace(w, w.root, run, tmp, [str(prog), str(w.lib), path], env)
+    finally:
+        got = squatter.finish()
+    for r in (setuid, plain):
+        assert r.returncode == 0 and r.stdout.count("\n") == 4, f"exit {r.returncode}: {r.stdout}{r.stderr}"
+    euid, where, rc, message = setuid.stdout.split("\n")[:4]
+    assert euid == "0", setuid.stdout  # it did run setuid root
+    assert where == "/run/vramd/vramd.sock", setuid.stdout  # neither $VRAMD_SOCKET nor $XDG_RUNTIME_DIR
+    assert int(rc) == -errno.EPERM and path in message and f"uid {uid}" in message, setuid.stdout
+    euid, where, rc, message = plain.stdout.split("\n")[:4]
+    assert (euid, where, int(rc)) == ("0", path, 0), plain.stdout
+    # two connections (the listener's uid is only known once connected); packets only from the plain run's Hello
+    assert got["connections"] == 2 and got["packets"] >= 1 and got["fds"] == 0, got
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v"]))

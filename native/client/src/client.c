@@ -288,8 +288,10 @@ static bool is_root(void)
 int vramd_socket_path(char *buf, size_t size)
 {
     char mine[PATH_MAX];
-    const char *env = getenv("VRAMD_SOCKET");
-    const char *xdg = getenv("XDG_RUNTIME_DIR");
+    /* secure_getenv: in a setuid, setgid or file-capability program (AT_SECURE) its caller's environment
+       must not choose where the fds go; such a program gets the system socket, or names its own */
+    const char *env = secure_getenv("VRAMD_SOCKET");
+    const char *xdg = secure_getenv("XDG_RUNTIME_DIR");
     const char *path = VRAMD_SYSTEM_SOCKET; /* also root's when nothing else applies: never /tmp */
     struct stat st;
     int n;
@@ -328,7 +330,7 @@ struct trust {
 
 static void trust_init(struct trust *t)
 {
-    const char *u = getenv("VRAMD_DAEMON_USER");
+    const char *u = secure_getenv("VRAMD_DAEMON_USER"); /* AT_SECURE: the caller's environment widens no trust */
     memset(t, 0, sizeof *t);
     t->me = geteuid();
     t->user = u && *u ? u : "vramd";

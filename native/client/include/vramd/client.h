@@ -178,7 +178,8 @@ VRAMD_API void vramd_options_init(struct vramd_options *opts);
  * XDG_RUNTIME_DIR /tmp/vramd-<uid>/vramd.sock, the latter never for root
  * (root gets the system socket's path).  The choice does not depend on
  * whether the socket can be trusted: connecting refuses an untrusted one,
- * it never falls back to the next.
+ * it never falls back to the next.  In a setuid, setgid or file-capability
+ * program (AT_SECURE) the environment is ignored (secure_getenv).
  * Returns the length written (without the NUL), or -ENAMETOOLONG.
  */
 VRAMD_API int vramd_socket_path(char *buf, size_t size);
@@ -187,8 +188,9 @@ VRAMD_API int vramd_socket_path(char *buf, size_t size);
  * Connecting by path authenticates the daemon before anything is sent
  * (docs/protocol.md, "Socket paths"; the same rule as the Python client and
  * vramctl).  The trusted uids are root, the caller's effective uid and the
- * daemon user: $VRAMD_DAEMON_USER (a name or a uid), default "vramd" (no
- * such user: none).  Before connect, every directory on the path (symbolic
+ * daemon user: $VRAMD_DAEMON_USER (a name or a uid; ignored in an AT_SECURE
+ * program: its caller may not widen its trust), default "vramd" (no such
+ * user: none).  Before connect, every directory on the path (symbolic
  * links resolved, each link owned by a trusted uid) must be owned by a
  * trusted uid and writable by nobody else; a root-owned sticky directory
  * such as /tmp may be an ancestor, not the socket's own directory.  After
