@@ -574,6 +574,28 @@ def test_a_root_daemon_started_by_hand_listens_where_roots_clients_look(world: W
     assert c["rc"] == 0 and c["socket_path"] == "/run/vramd/vramd.sock", c
 
 
+def test_an_abstract_socket_is_refused_with_a_typed_error(world: World) -> None:
+    """An abstract socket ("\0name") has no path to walk and any uid may bind any name: root's Python client
+    refuses it with UntrustedDaemonError naming it (@name), without connecting, although the listener's
+    socket was made by root (`nobody` only listens on it, as a listener handed to another service)."""
+    w = world
+    run, tmp = views(w, "abstract")
+    name = f"vramd-auth-{os.getpid()}-{os.urandom(4).hex()}"
+    lst = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    lst.bind("\0" + name)
+    recorder = Squatter(w, listener=lst)
+    lst.close()
+    code = ("import sys\nfrom vramd.client import Client\ntry:\n Client(sys.argv[1].replace('@', chr(0), 1))\n"
+            " print('connected')\nexcept Exception as e:\n print(type(e).__name__, '|', e)")
+    try:
+        py = in_namespace(w, w.root, run, tmp, [*w.root.python, "-c", code, "@" + name])
+    finally:
+        got = recorder.finish()
+    assert py.stdout.startswith("UntrustedDaemonError | ") and f"@{name}" in py.stdout, py
+    assert "abstract" in py.stdout, py
+    assert_nothing_received(got, connected=False)
+
+
 # --- setuid and file-capability programs -------------------------------------------------------------------
 
 # A program linking libvramd (loaded with dlopen: a setuid program ignores LD_LIBRARY_PATH).  argv: LIB PATH;

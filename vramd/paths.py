@@ -150,6 +150,10 @@ def check_socket_path(path: str, trusted: TrustedUids) -> None:
             raise refuse(d, st, "writable by others")
         return False
 
+    if "\0" in path:  # an abstract socket ("\0name"): no path to walk, and any uid may bind any name
+        shown = path.replace("\0", "@")
+        raise UntrustedDaemonError(f"untrusted vramd socket {shown}: an abstract socket (or a name with a NUL byte)"
+                                   " cannot be authenticated; use a socket path")
     full = path if os.path.isabs(path) else os.path.join(os.getcwd(), path)
     todo = [p for p in reversed(full.split("/")) if p]  # a stack: the next component last
     cur = "/"
