@@ -596,6 +596,14 @@ def test_an_abstract_socket_is_refused_with_a_typed_error(world: World) -> None:
     assert_nothing_received(got, connected=False)
 
 
+def test_a_path_object_is_still_accepted(daemon: DaemonProcess) -> None:
+    """Client(pathlib.Path(...)) connected before clients authenticated the daemon (socket.connect takes any
+    path-like): the walk takes it too."""
+    from vramd.client import Client
+    with Client(Path(daemon.socket)) as c:
+        assert c.status().connections == 1
+
+
 # --- setuid and file-capability programs -------------------------------------------------------------------
 
 # A program linking libvramd (loaded with dlopen: a setuid program ignores LD_LIBRARY_PATH).  argv: LIB PATH;

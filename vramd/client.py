@@ -82,9 +82,9 @@ class Client:
     sent (vramd.paths: the path's directories, then the listener's uid); UntrustedDaemonError if either belongs
     to a uid other than root, ours or `daemon_user` (default: $VRAMD_DAEMON_USER, else "vramd")."""
 
-    def __init__(self, path: str | None = None, *, timeout: float | None = None, name: str = "python",
-                 daemon_user: str | int | None = None) -> None:
-        self.path = path or client_socket_path()
+    def __init__(self, path: str | os.PathLike[str] | None = None, *, timeout: float | None = None,
+                 name: str = "python", daemon_user: str | int | None = None) -> None:
+        self.path = os.fspath(path) if path else client_socket_path()
         self.protocol = ClientProtocol(f"{name} {__version__}")
         trusted = TrustedUids(daemon_user)
         check_socket_path(self.path, trusted)
