@@ -604,6 +604,64 @@ def test_a_path_object_is_still_accepted(daemon: DaemonProcess) -> None:
         assert c.status().connections == 1
 
 
+# An NSS module: it leaves a mark when loaded and when asked for a user.  MARK is replaced by a path.
+NSS_MODULE = r"""
+#include <fcntl.h>
+#include <nss.h>
+#include <pwd.h>
+#include <unistd.h>
+static void mark(void)
+{
+    int fd = open("MARK", O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+    if (fd >= 0) {
+        (void)write(fd, "loaded\n", 7);
+        close(fd);
+    }
+}
+__attribute__((constructor)) static void on_load(void) { mark(); }
+enum nss_status _nss_vramdtest_getpwnam_r(const char *name, struct passwd *pw, char *buf, size_t len, int *e)
+{
+    (void)name; (void)pw; (void)buf; (void)len; (void)e;
+    mark();
+    return NSS_STATUS_NOTFOUND;
+}
+"""
+
+
+def test_libvramd_loads_no_nss_module_to_find_the_daemon_user(world: World) -> None:
+    """libvramd may run where /etc is another root's: in the task CRIU restores, already in a container's mount
+    namespace and still with CRIU's privileges (docs/criu-integration.md, way 2).  A path component of a foreign
+    uid makes it look up the daemon user; that must not load the NSS modules that root's /etc/nsswitch.conf
+    names (their code would run as root).  Here a mount namespace's /etc/nsswitch.conf names a module that
+    leaves a mark: root's vramd_connect_path to `nobody`'s directory is refused, naming it, and the module was
+    never loaded, while the daemon user `vramd` is still found, in /etc/passwd itself."""
+    w = world
+    nss = w.base / "nss"
+    nss.mkdir(mode=0o755)
+    mark = nss / "mark"
+    src = nss / "nss.c"
+    src.write_text(NSS_MODULE.replace("MARK", str(mark)))
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(nss / "libnss_vramdtest.so.2"), str(src)], check=True,
+                   capture_output=True)
+    conf = nss / "nsswitch.conf"
+    conf.write_text("passwd: vramdtest files\ngroup: files\nshadow: files\n")
+    foreign = w.base / "nss-foreign"
+    foreign.mkdir(mode=0o755)
+    os.chown(foreign, w.squatter.uid, w.squatter.gid)
+    path = str(foreign / "vramd.sock")
+    kw = {k: v for k, v in w.root.popen_kwargs().items() if k not in ("user", "group", "extra_groups")}
+    kw["env"]["LD_LIBRARY_PATH"] = str(nss)
+    r = subprocess.run(["unshare", "--mount", "--propagation", "private", "--", "sh", "-ec",
+                        'mount --bind "$1" /etc/nsswitch.conf; shift; exec "$@"', "sh", str(conf),
+                        *w.root.python, "-c", C_CLIENT, str(w.lib), "connect", path],
+                       capture_output=True, text=True, timeout=120, **kw)
+    c = outcome(r)
+    assert c["rc"] == -errno.EPERM and str(foreign) in c["message"] and f"uid {w.squatter.uid}" in c["message"], c
+    assert not mark.exists(), f"libvramd loaded the namespace's NSS module: {mark.read_text()!r}"
+    assert "daemon user vramd=" in c["message"], c  # looked up, by /etc/passwd: vramd exists (ensure_users)
+    assert f"daemon user vramd={pwd.getpwnam('vramd').pw_uid}" in c["message"], c
+
+
 # --- setuid and file-capability programs -------------------------------------------------------------------
 
 # A program linking libvramd (loaded with dlopen: a setuid program ignores LD_LIBRARY_PATH).  argv: LIB PATH;

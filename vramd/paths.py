@@ -10,7 +10,8 @@ uid other than root.
 
 The trust rule (`check_socket_path` before connect, `check_peer` after it, before anything is sent): the trusted
 uids are root, this process's (effective) uid and the daemon user ($VRAMD_DAEMON_USER, a name or a uid, default
-`vramd`; a user that does not exist adds nothing).  Every directory on the way to the socket, symbolic links
+`vramd`; a user that does not exist adds nothing; libvramd looks a name up in /etc/passwd only, never through
+NSS).  Every directory on the way to the socket, symbolic links
 resolved, must be owned by a trusted uid and writable by nobody else (no group or other write bit), except that a
 root-owned sticky directory (/tmp) may be an ancestor but not the socket's own directory; a symbolic link on the
 way must itself be owned by a trusted uid.  The listener's SO_PEERCRED uid must be trusted.  Otherwise:

@@ -348,12 +348,21 @@ static bool trusted(struct trust *t, uid_t uid)
             t->has_daemon = v <= UINT32_MAX && (uid_t)v != (uid_t)-1;
             t->daemon = (uid_t)v;
         } else {
+            /* /etc/passwd itself, never NSS (getpwnam): the library may run where /etc is another root's (a task
+               CRIU restores, in a container's mount namespace, still privileged), whose nsswitch.conf could make
+               a lookup load and run that root's code */
             struct passwd pw, *res = NULL;
             char pwbuf[4096];
-            if (getpwnam_r(u, &pw, pwbuf, sizeof pwbuf, &res) == 0 && res) {
-                t->has_daemon = true;
-                t->daemon = res->pw_uid;
+            FILE *f = fopen("/etc/passwd", "re");
+            while (f && fgetpwent_r(f, &pw, pwbuf, sizeof pwbuf, &res) == 0) {
+                if (strcmp(res->pw_name, u) == 0) {
+                    t->has_daemon = true;
+                    t->daemon = res->pw_uid;
+                    break;
+                }
             }
+            if (f)
+                fclose(f);
         }
     }
     return t->has_daemon && uid == t->daemon;

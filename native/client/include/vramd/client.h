@@ -190,7 +190,8 @@ VRAMD_API int vramd_socket_path(char *buf, size_t size);
  * vramctl).  The trusted uids are root, the caller's effective uid and the
  * daemon user: $VRAMD_DAEMON_USER (a name or a uid; ignored in an AT_SECURE
  * program: its caller may not widen its trust), default "vramd" (no such
- * user: none).  Before connect, every directory on the path (symbolic
+ * user: none); a name is looked up in /etc/passwd itself, never through NSS
+ * modules (the library may run in another root's mount namespace).  Before connect, every directory on the path (symbolic
  * links resolved, each link owned by a trusted uid) must be owned by a
  * trusted uid and writable by nobody else; a root-owned sticky directory
  * such as /tmp may be an ancestor, not the socket's own directory.  After
