@@ -662,6 +662,20 @@ def test_libvramd_loads_no_nss_module_to_find_the_daemon_user(world: World) -> N
     assert f"daemon user vramd={pwd.getpwnam('vramd').pw_uid}" in c["message"], c
 
 
+def test_a_daemon_user_of_non_ascii_digits_is_a_name(world: World) -> None:
+    """`--daemon-user ²` (str.isdigit() is true for it, int() refuses it) is a user name that does not exist, as
+    libvramd reads it: vramctl refuses `nobody`'s directory with its one-line error, not a traceback."""
+    w = world
+    foreign = w.base / "digits-foreign"
+    foreign.mkdir(mode=0o755)
+    os.chown(foreign, w.squatter.uid, w.squatter.gid)
+    path = str(foreign / "vramd.sock")
+    ctl = subprocess.run([*w.root.python, "-m", "vramd.cli", "status", "--socket", path, "--daemon-user", "²"],
+                         capture_output=True, text=True, timeout=120, **w.root.popen_kwargs())
+    assert ctl.returncode == 1 and ctl.stderr.startswith("vramctl: PERMISSION_DENIED: "), ctl.stderr
+    assert str(foreign) in ctl.stderr and "daemon user ² (no such user)" in ctl.stderr, ctl.stderr
+
+
 # --- setuid and file-capability programs -------------------------------------------------------------------
 
 # A program linking libvramd (loaded with dlopen: a setuid program ignores LD_LIBRARY_PATH).  argv: LIB PATH;

@@ -104,7 +104,7 @@ class TrustedUids:
             user = self.daemon_user
             if isinstance(user, int):
                 self._daemon_uid = user
-            elif user.strip().isdigit():
+            elif user.strip().isascii() and user.strip().isdigit():  # as libvramd: "²" is a name
                 self._daemon_uid = int(user.strip())
             else:
                 try:
