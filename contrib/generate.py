@@ -92,7 +92,9 @@ VRAMD_TAIL = [
     ".SH FILES",
     ".TP", "\\fI/etc/vramd/vramd.toml\\fR", "the configuration (every setting and its default: the vramd.toml vramd "
     "ships).",
-    ".TP", "\\fI/run/vramd/vramd.sock\\fR", "the socket systemd creates (vramd.socket).",
+    ".TP", "\\fI/run/vramd/vramd.sock\\fR", "the socket systemd creates (vramd.socket), and a daemon root "
+    "starts by hand listens on without \\-\\-socket.  Clients prefer it whenever it exists, and use a socket only "
+    "if its directories and its listener belong to root, themselves or the daemon user (vramctl(1), SOCKET).",
     ".SH EXIT STATUS", "0 after a drain or \\-\\-check\\-config; 2 for a bad configuration, with one line naming "
     "the key.",
     ".SH SEE ALSO", "\\fBvramctl\\fR(1), \\fBsystemd.socket\\fR(5)",
@@ -100,7 +102,18 @@ VRAMD_TAIL = [
 VRAMCTL_TAIL = [
     ".SH EXIT STATUS", "0 success; 1 failure, with a one-line reason on stderr (and in the JSON with \\-\\-json); "
     "2 usage error.",
+    ".SH SOCKET",
+    "Without \\-\\-socket, vramctl uses \\fB$VRAMD_SOCKET\\fR; else \\fI/run/vramd/vramd.sock\\fR if it exists "
+    "(if it cannot be trusted, vramctl fails: it does not fall back); else your own daemon's, "
+    "\\fI$XDG_RUNTIME_DIR/vramd/vramd.sock\\fR, or without XDG_RUNTIME_DIR "
+    "\\fI/tmp/vramd\\-UID/vramd.sock\\fR, which root never uses.",
+    "Before it sends anything, vramctl checks the socket: every directory on its path (symbolic links resolved) "
+    "must belong to root, to you or to the daemon user and be writable by nobody else (a root-owned sticky "
+    "directory such as /tmp only above the socket's own directory), and the process listening on it must run as "
+    "one of those uids.  Otherwise it fails with PERMISSION_DENIED, naming the path and the uid that owns it.",
     ".SH ENVIRONMENT", ".TP", "\\fBVRAMD_SOCKET\\fR", "the daemon's socket, when \\-\\-socket is not given.",
+    ".TP", "\\fBVRAMD_DAEMON_USER\\fR", "the daemon user (a name or a uid) trusted besides root and you, when "
+    "\\-\\-daemon\\-user is not given; default vramd (if no such user exists: only root and you).",
     ".SH SEE ALSO", "\\fBvramd\\fR(8)",
 ]
 

@@ -27,7 +27,7 @@ from typing import Any
 from . import __version__
 from .errors import VramdError, WaitTimeoutError
 from .image.local import DumpDirectory, ImageFiles, OpenedFile
-from .paths import client_socket_path
+from .paths import TrustedUids, check_peer, check_socket_path, client_socket_path
 from .pb import rpc_pb2 as rpc
 from .protocol.client import ClientBo, ClientFile, ClientProtocol, Outgoing
 from .protocol.fds import pack_fds, unpack_fds
@@ -78,9 +78,16 @@ def _wire(f: OpenedFile) -> ClientFile:
 
 
 class Client:
-    def __init__(self, path: str | None = None, *, timeout: float | None = None, name: str = "python") -> None:
-        self.path = path or client_socket_path()
+    """A connection to the daemon at `path` (default: `client_socket_path()`), authenticated before anything is
+    sent (vramd.paths: the path's directories, then the listener's uid); UntrustedDaemonError if either belongs
+    to a uid other than root, ours or `daemon_user` (default: $VRAMD_DAEMON_USER, else "vramd")."""
+
+    def __init__(self, path: str | os.PathLike[str] | None = None, *, timeout: float | None = None,
+                 name: str = "python", daemon_user: str | int | None = None) -> None:
+        self.path = os.fspath(path) if path else client_socket_path()
         self.protocol = ClientProtocol(f"{name} {__version__}")
+        trusted = TrustedUids(daemon_user)
+        check_socket_path(self.path, trusted)
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         self.sock.settimeout(timeout)
         self._local: dict[str, _Local] = {}  # token -> the files of the sessions this client opened
@@ -89,6 +96,7 @@ class Client:
                 self.sock.connect(self.path)
             except OSError as e:
                 raise ConnectionError(f"cannot connect to vramd at {self.path}: {e.strerror or e}") from None
+            check_peer(self.sock, self.path, trusted)
             self._exchange(self.protocol.hello_request())
         except BaseException:
             self.sock.close()

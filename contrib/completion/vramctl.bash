@@ -9,18 +9,18 @@ _vramctl() {
         esac
     done
     case "$cmd" in
-        status) COMPREPLY=($(compgen -W "-h --help --json --socket" -- "$cur")) ;;
-        sessions) COMPREPLY=($(compgen -W "-h --help --json --socket --all" -- "$cur")) ;;
-        cancel) COMPREPLY=($(compgen -W "-h --help --json --socket --reason" -- "$cur")) ;;
-        dump) COMPREPLY=($(compgen -W "-h --help --json --socket --pid --range --bo-file --image --compress --force --parent --no-dedup --replace-parent" -- "$cur")) ;;
-        restore) COMPREPLY=($(compgen -W "-h --help --json --socket --pid --image --bo-file --to-recorded-paths --parent" -- "$cur")) ;;
+        status) COMPREPLY=($(compgen -W "-h --help --json --socket --daemon-user" -- "$cur")) ;;
+        sessions) COMPREPLY=($(compgen -W "-h --help --json --socket --daemon-user --all" -- "$cur")) ;;
+        cancel) COMPREPLY=($(compgen -W "-h --help --json --socket --daemon-user --reason" -- "$cur")) ;;
+        dump) COMPREPLY=($(compgen -W "-h --help --json --socket --daemon-user --pid --range --bo-file --image --compress --force --parent --no-dedup --replace-parent" -- "$cur")) ;;
+        restore) COMPREPLY=($(compgen -W "-h --help --json --socket --daemon-user --pid --image --bo-file --to-recorded-paths --parent" -- "$cur")) ;;
         verify) COMPREPLY=($(compgen -W "-h --help --json --parent" -- "$cur")) ;;
         rm) COMPREPLY=($(compgen -W "-h --help --json --parent" -- "$cur")) ;;
         gc) COMPREPLY=($(compgen -W "-h --help --json" -- "$cur")) ;;
         flatten) COMPREPLY=($(compgen -W "-h --help --json --parent" -- "$cur")) ;;
-        selftest) COMPREPLY=($(compgen -W "-h --help --json --socket --size --workdir" -- "$cur")) ;;
+        selftest) COMPREPLY=($(compgen -W "-h --help --json --socket --daemon-user --size --workdir" -- "$cur")) ;;
         inspect) COMPREPLY=($(compgen -W "-h --help --json" -- "$cur")) ;;
-        "") COMPREPLY=($(compgen -W "-h --help --version --socket status sessions cancel dump restore verify rm gc flatten selftest inspect" -- "$cur")) ;;
+        "") COMPREPLY=($(compgen -W "-h --help --version --socket --daemon-user status sessions cancel dump restore verify rm gc flatten selftest inspect" -- "$cur")) ;;
     esac
     case "${COMP_WORDS[COMP_CWORD-1]}" in
         --image|--workdir|--socket) COMPREPLY=($(compgen -f -- "$cur")) ;;

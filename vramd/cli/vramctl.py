@@ -127,7 +127,7 @@ def rate(nbytes: int, seconds: float) -> str:
 def transfer(ns: argparse.Namespace, kind: rpc.SessionKind, dfd: int, bos: list[ClientBo], what: str,
              **open_kw: Any) -> tuple[rpc.SessionInfo, float]:
     """One dump or restore session through the daemon: (its final info, seconds it took)."""
-    with Client(ns.socket, name="vramctl") as c:
+    with Client(ns.socket, name="vramctl", daemon_user=ns.daemon_user) as c:
         t0 = time.monotonic()
         label = f"vramctl {what}" + (f" pid {ns.pid}" if ns.pid is not None else "")
         s = c.open_session(kind, dfd, label=label, **open_kw)
@@ -455,7 +455,7 @@ def cmd_inspect(ns: argparse.Namespace) -> int:
 
 
 def cmd_status(ns: argparse.Namespace) -> int:
-    with Client(ns.socket, name="vramctl") as c:
+    with Client(ns.socket, name="vramctl", daemon_user=ns.daemon_user) as c:
         st = c.status()
     backends = [{"name": b.name, "available": b.available, "can_read": b.can_read, "can_write": b.can_write,
                  "asynchronous_dma": b.asynchronous_dma, "reason": b.reason} for b in st.backends]
@@ -500,7 +500,7 @@ def sessions_table(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def cmd_sessions(ns: argparse.Namespace) -> int:
-    with Client(ns.socket, name="vramctl") as c:
+    with Client(ns.socket, name="vramctl", daemon_user=ns.daemon_user) as c:
         infos = c.sessions()  # root and the daemon's uid get every uid's; others their own
     if not ns.all:
         infos = [i for i in infos if i.uid == os.getuid()]
@@ -533,7 +533,7 @@ def parse_session_ref(text: str) -> tuple[str, int | None]:
 
 def cmd_cancel(ns: argparse.Namespace) -> int:
     token, sid = ns.session
-    with Client(ns.socket, name="vramctl") as c:
+    with Client(ns.socket, name="vramctl", daemon_user=ns.daemon_user) as c:
         if sid is None:
             info = c.cancel(token, ns.reason or "")
         else:
@@ -547,7 +547,7 @@ def cmd_cancel(ns: argparse.Namespace) -> int:
 
 def cmd_selftest(ns: argparse.Namespace) -> int:
     from .selftest import format_rows, run_selftest
-    with Client(ns.socket, name="vramctl selftest") as c:
+    with Client(ns.socket, name="vramctl selftest", daemon_user=ns.daemon_user) as c:
         work = tempfile.mkdtemp(prefix="vramd-selftest-", dir=ns.workdir)
         try:
             rows, notes = run_selftest(c, ns.size, work)
@@ -657,8 +657,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="vramctl", description="Control the vramd VRAM checkpoint daemon.",
                                  epilog="exit codes: 0 success, 1 failure (reason on stderr), 2 usage error")
     ap.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    socket_help = "daemon socket (default: $VRAMD_SOCKET, the user's daemon, /run/vramd/vramd.sock)"
+    socket_help = ("daemon socket (default: $VRAMD_SOCKET, else /run/vramd/vramd.sock if it exists, else your own "
+                   "daemon's; used only if its directories and its listener belong to root, you or the daemon user)")
+    user_help = ("the daemon user trusted besides root and you, a name or a uid (default: $VRAMD_DAEMON_USER, "
+                 "else vramd)")
     ap.add_argument("--socket", help=socket_help)
+    ap.add_argument("--daemon-user", metavar="USER", help=user_help)
     sub = ap.add_subparsers(dest="command", required=True)
 
     def cmd(name: str, fn: Any, help_text: str, *, daemon: bool = True) -> argparse.ArgumentParser:
@@ -666,6 +670,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--json", action="store_true", help="print one JSON document")
         if daemon:  # also after the command; SUPPRESS keeps a --socket given before it
             p.add_argument("--socket", default=argparse.SUPPRESS, help=socket_help)
+            p.add_argument("--daemon-user", metavar="USER", default=argparse.SUPPRESS, help=user_help)
         p.set_defaults(fn=fn)
         return p
 

@@ -7,7 +7,8 @@
 
 Listens on the socket passed by systemd (socket activation) if there is
 one, else on --socket / the config's socket / $VRAMD_SOCKET /
-$XDG_RUNTIME_DIR/vramd/vramd.sock / /tmp/vramd-<uid>/vramd.sock.
+$XDG_RUNTIME_DIR/vramd/vramd.sock / /tmp/vramd-<uid>/vramd.sock (root:
+/run/vramd/vramd.sock, as root's clients never look in /tmp).
 SIGTERM or SIGINT drains running sessions (up to --drain-timeout), then
 exits 0.  SIGHUP re-reads --config and applies what can change at run time
 (config.RELOADABLE); a bad file is logged and the running settings stay.
@@ -45,7 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
                                  "contents between the file descriptors its clients pass and checkpoint images.")
     ap.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     ap.add_argument("--config", help="TOML configuration file")
-    ap.add_argument("--socket", help="unix socket path to listen on")
+    ap.add_argument("--socket", help="unix socket path to listen on (default: $VRAMD_SOCKET, else "
+                    "$XDG_RUNTIME_DIR/vramd/vramd.sock, else /tmp/vramd-UID/vramd.sock, for root "
+                    "/run/vramd/vramd.sock: where clients look)")
     ap.add_argument("--socket-mode", help="permissions of the socket file (octal, e.g. 0660)")
     ap.add_argument("--staging-budget", type=parse_size, help="host staging memory budget (e.g. 512M)")
     ap.add_argument("--chunk-size", type=parse_size, help="chunk size (e.g. 8M)")
@@ -88,8 +91,8 @@ def bind_socket(path: str, mode: int) -> socket.socket:
     parent = os.path.dirname(path) or "."
     if parent == user_run_dir():
         ensure_private_dir(parent)
-    else:
-        os.makedirs(parent, exist_ok=True)
+    else:  # (clients trust only directories nobody but root, their uid and the daemon user can write)
+        os.makedirs(parent, mode=0o755, exist_ok=True)
     try:
         st = os.lstat(path)
     except FileNotFoundError:

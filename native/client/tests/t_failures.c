@@ -1,6 +1,7 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
- * Failure paths: no daemon, refused uid, bad fds, a corrupt image, a restored
+ * Failure paths: no daemon, refused uid, an impostor daemon (a foreign directory,
+ * link or listener), bad fds, a corrupt image, a restored
  * task that dies before CRIU main attaches, a daemon that stops answering or
  * dies during a Wait, and replies that break the protocol (a fake daemon).
  *
@@ -112,6 +113,145 @@ static int t_uid_refused(void)
     struct vramd_error err;
     OK(test_connect(&c, &err), &err);
     vramd_close(c);
+    return 0;
+}
+
+/* A socket bound at `path` and listening, or -1. */
+static int listen_at(const char *path)
+{
+    int s = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    snprintf(sa.sun_path, sizeof sa.sun_path, "%s", path);
+    if (s < 0 || bind(s, (struct sockaddr *)&sa, sizeof sa) < 0 || listen(s, 8) < 0) {
+        if (s >= 0)
+            close(s);
+        return -1;
+    }
+    return s;
+}
+
+/* Whether a connection waits on listener l (nobody should have connected). */
+static bool pending(int l)
+{
+    struct pollfd p = {.fd = l, .events = POLLIN};
+    return poll(&p, 1, 0) > 0;
+}
+
+/*
+ * The daemon's authentication (docs/protocol.md): a directory, a link or a listener of another uid, or a
+ * socket directly in a sticky directory, is -EPERM with VRAMD_CODE_LOCAL naming the path and the uid, no fd
+ * is left, and the impostor gets nothing: no connection where the path is refused, no packet where the
+ * listener is.
+ */
+static int t_untrusted_daemon(void)
+{
+    if (geteuid() != 0) {
+        printf("  skipped: needs root to make uid 65534's directory, link and listener\n");
+        return 0;
+    }
+    const uid_t nobody = 65534;
+    char dir[PATH_MAX], sub[PATH_MAX], sock[PATH_MAX], link[PATH_MAX];
+    struct vramd_conn *c = NULL;
+    struct vramd_error err;
+    struct vramd_options o; /* bounded, so that a client which did talk to an impostor fails instead of waiting */
+    vramd_options_init(&o);
+    o.timeout_ms = 2000;
+    int dfd = make_image_dir(dir);
+    CHECK(dfd >= 0, "dir");
+    close(dfd);
+    int before = count_fds();
+
+    /* a directory of uid 65534 */
+    snprintf(sub, sizeof sub, "%s/foreign", dir);
+    CHECK(mkdir(sub, 0755) == 0 && chown(sub, nobody, nobody) == 0, "foreign dir: %s", strerror(errno));
+    snprintf(sock, sizeof sock, "%s/vramd.sock", sub);
+    int l1 = listen_at(sock);
+    CHECK(l1 >= 0, "listen at %s", sock);
+    int r = vramd_connect_path(&c, sock, &o, &err);
+    CHECK(r == -EPERM && c == NULL && err.code == VRAMD_CODE_LOCAL, "foreign dir: %d %s", r, err.message);
+    CHECK(strstr(err.message, sock) && strstr(err.message, "uid 65534 owns") && strstr(err.message, sub),
+          "foreign dir: %s", err.message);
+    /* a link owned by uid 65534, in a directory of root's, to that same socket */
+    snprintf(link, sizeof link, "%s/link", dir);
+    CHECK(symlink(sock, link) == 0 && lchown(link, nobody, nobody) == 0, "link");
+    r = vramd_connect_path(&c, link, &o, &err);
+    CHECK(r == -EPERM && strstr(err.message, link) && strstr(err.message, "uid 65534 owns") &&
+          strstr(err.message, "symbolic link"), "foreign link: %d %s", r, err.message);
+    /* root's link into the foreign directory: the target's directories are checked too */
+    CHECK(unlink(link) == 0 && symlink("foreign/./../foreign/vramd.sock", link) == 0, "relative link");
+    r = vramd_connect_path(&c, link, &o, &err);
+    CHECK(r == -EPERM && strstr(err.message, sub) && strstr(err.message, "uid 65534 owns"),
+          "link into the foreign dir: %d %s", r, err.message);
+    CHECK(!pending(l1), "someone connected to the socket in the foreign directory");
+    close(l1);
+
+    /* a socket directly in a sticky directory (root's, 01777), root listening */
+    snprintf(sub, sizeof sub, "%s/sticky", dir);
+    CHECK(mkdir(sub, 0755) == 0 && chmod(sub, 01777) == 0, "sticky dir");
+    snprintf(sock, sizeof sock, "%s/vramd.sock", sub);
+    int l2 = listen_at(sock);
+    CHECK(l2 >= 0, "listen at %s", sock);
+    r = vramd_connect_path(&c, sock, &o, &err);
+    CHECK(r == -EPERM && strstr(err.message, sock) && strstr(err.message, "socket's own directory"),
+          "sticky dir: %d %s", r, err.message);
+    CHECK(!pending(l2), "someone connected to the socket in the sticky directory");
+    close(l2);
+
+    /* a listener of uid 65534 on a socket root bound in root's directory: refused after connect, before Hello */
+    snprintf(sock, sizeof sock, "%s/peer.sock", dir);
+    int ready[2], done[2], result[2];
+    CHECK(pipe2(ready, O_CLOEXEC) == 0 && pipe2(done, O_CLOEXEC) == 0 && pipe2(result, O_CLOEXEC) == 0, "pipes");
+    int s = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    snprintf(sa.sun_path, sizeof sa.sun_path, "%s", sock);
+    CHECK(s >= 0 && bind(s, (struct sockaddr *)&sa, sizeof sa) == 0, "bind %s", sock);
+    pid_t pid = fork();
+    CHECK(pid >= 0, "fork");
+    if (pid == 0) { /* the impostor: listen as 65534, then count what arrives until told to stop */
+        close(ready[0]);
+        close(done[1]);
+        close(result[0]);
+        if (setgroups(0, NULL) < 0 || setgid(nobody) < 0 || setuid(nobody) < 0 || listen(s, 8) < 0)
+            _exit(10);
+        if (write(ready[1], "r", 1) != 1)
+            _exit(11);
+        char b;
+        if (read(done[0], &b, 1) < 0)
+            _exit(12);
+        int got[2] = {0, 0}; /* connections, packets */
+        int a;
+        if (fcntl(s, F_SETFL, O_NONBLOCK) < 0)
+            _exit(14);
+        while ((a = accept4(s, NULL, NULL, SOCK_NONBLOCK)) >= 0) { /* the client has returned: all is queued */
+            got[0]++;
+            char buf[4096];
+            while (recv(a, buf, sizeof buf, MSG_DONTWAIT) > 0)
+                got[1]++;
+            close(a);
+        }
+        _exit(write(result[1], got, sizeof got) == sizeof got ? 0 : 13);
+    }
+    close(s);
+    close(ready[1]);
+    close(done[0]);
+    close(result[1]);
+    char b;
+    CHECK(read(ready[0], &b, 1) == 1, "the impostor did not start");
+    r = vramd_connect_path(&c, sock, &o, &err);
+    close(done[1]);
+    int got[2] = {-1, -1};
+    ssize_t n = read(result[0], got, sizeof got);
+    close(ready[0]);
+    close(result[0]);
+    int status = reap(pid);
+    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0 && n == sizeof got, "impostor status %#x", status);
+    CHECK(r == -EPERM && c == NULL && err.code == VRAMD_CODE_LOCAL, "foreign listener: %d %s", r, err.message);
+    CHECK(strstr(err.message, sock) && strstr(err.message, "runs as uid 65534"), "foreign listener: %s",
+          err.message);
+    CHECK(got[0] == 1 && got[1] == 0, "the impostor got %d connection(s), %d packet(s)", got[0], got[1]);
+
+    CHECK(count_fds() == before, "fds: %d before, %d after", before, count_fds());
+    remove_dir(dir);
     return 0;
 }
 
@@ -818,6 +958,7 @@ const struct test failure_tests[] = {
     {"barrier_bound_holds_when_the_close_hangs", t_barrier_bound_holds_when_the_close_hangs, "all quick"},
     {"submit_closes_its_session_over_a_new_connection", t_submit_closes_its_session_over_a_new_connection, "all quick"},
     {"uid_refused", t_uid_refused, "all quick"},
+    {"untrusted_daemon", t_untrusted_daemon, "all quick"},
     {"corrupt_image", t_corrupt_image, "all quick"},
     {"task_dies_attach_in_grace", t_task_dies_attach_in_grace, "grace"},
     {"task_dies_reaped", t_task_dies_reaped, "interactive"},

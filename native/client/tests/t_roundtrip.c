@@ -360,24 +360,24 @@ static int t_socket_path(void)
     unsetenv("VRAMD_SOCKET");
     setenv("XDG_RUNTIME_DIR", dir, 1);
     snprintf(want, sizeof want, "%s/vramd/vramd.sock", dir);
-    /* the user's socket does not exist: the system one if it exists, else the user's */
+    /* the system socket first whenever it exists, else the user's: whether the user's exists or not */
     if (vramd_socket_path(buf, sizeof buf) < 0 || strcmp(buf, system ? VRAMD_SYSTEM_SOCKET : want) != 0)
         goto out;
-    /* the user's socket exists: always it */
     char sub[PATH_MAX];
     snprintf(sub, sizeof sub, "%s/vramd", dir);
     mkdir(sub, 0700);
     int fd = open(want, O_CREAT | O_WRONLY | O_CLOEXEC, 0600);
     CHECK(fd >= 0, "create %s", want);
     close(fd);
-    if (vramd_socket_path(buf, sizeof buf) < 0 || strcmp(buf, want) != 0)
+    if (vramd_socket_path(buf, sizeof buf) < 0 || strcmp(buf, system ? VRAMD_SYSTEM_SOCKET : want) != 0)
         goto out;
     unlink(want);
     rmdir(sub);
+    /* without XDG_RUNTIME_DIR: /tmp/vramd-<uid> only for a uid other than root; root gets the system path */
     unsetenv("XDG_RUNTIME_DIR");
     snprintf(want, sizeof want, "/tmp/vramd-%u/vramd.sock", (unsigned)getuid());
-    bool mine = stat(want, &st) == 0;
-    if (vramd_socket_path(buf, sizeof buf) < 0 || strcmp(buf, mine || !system ? want : VRAMD_SYSTEM_SOCKET) != 0)
+    bool root = getuid() == 0 || geteuid() == 0;
+    if (vramd_socket_path(buf, sizeof buf) < 0 || strcmp(buf, system || root ? VRAMD_SYSTEM_SOCKET : want) != 0)
         goto out;
     rc = 0;
 out:

@@ -173,13 +173,33 @@ VRAMD_API void vramd_options_init(struct vramd_options *opts);
 
 /*
  * The socket clients use, as vramctl resolves it: $VRAMD_SOCKET if set and
- * not empty; else the user's own socket ($XDG_RUNTIME_DIR/vramd/vramd.sock,
- * or /tmp/vramd-<uid>/vramd.sock without XDG_RUNTIME_DIR) if it exists or if
- * the system socket does not; else /run/vramd/vramd.sock.
+ * not empty; else the system socket (VRAMD_SYSTEM_SOCKET) if it exists; else
+ * the user's own daemon's, $XDG_RUNTIME_DIR/vramd/vramd.sock, or without
+ * XDG_RUNTIME_DIR /tmp/vramd-<uid>/vramd.sock, the latter never for root
+ * (root gets the system socket's path).  The choice does not depend on
+ * whether the socket can be trusted: connecting refuses an untrusted one,
+ * it never falls back to the next.  In a setuid, setgid or file-capability
+ * program (AT_SECURE) the environment is ignored (secure_getenv).
  * Returns the length written (without the NUL), or -ENAMETOOLONG.
  */
 VRAMD_API int vramd_socket_path(char *buf, size_t size);
 
+/*
+ * Connecting by path authenticates the daemon before anything is sent
+ * (docs/protocol.md, "Socket paths"; the same rule as the Python client and
+ * vramctl).  The trusted uids are root, the caller's effective uid and the
+ * daemon user: $VRAMD_DAEMON_USER (a name or a uid; ignored in an AT_SECURE
+ * program: its caller may not widen its trust), default "vramd" (no such
+ * user: none); a name is looked up in /etc/passwd itself, never through NSS
+ * modules (the library may run in another root's mount namespace).  Before connect, every directory on the path (symbolic
+ * links resolved, each link owned by a trusted uid) must be owned by a
+ * trusted uid and writable by nobody else; a root-owned sticky directory
+ * such as /tmp may be an ancestor, not the socket's own directory.  After
+ * connect, the listener's SO_PEERCRED uid must be trusted.  Otherwise the
+ * call fails with -EPERM and VRAMD_CODE_LOCAL, the message naming the path
+ * and the uid at fault, and nothing has been sent.  A component that cannot
+ * be examined fails as connect would (-ENOENT, -EACCES, -ENOTDIR, ...).
+ */
 /* Connect to vramd_socket_path() and negotiate with Hello. opts may be NULL. */
 VRAMD_API int vramd_connect(struct vramd_conn **out, const struct vramd_options *opts, struct vramd_error *err);
 /* Connect to `path` and negotiate with Hello. */
@@ -190,7 +210,10 @@ VRAMD_API int vramd_connect_path(struct vramd_conn **out, const char *path, cons
  * daemon (for example connected by another process before it switched
  * namespaces, and inherited), and negotiate with Hello on it.  The library
  * takes the fd over in every case: on failure it has been closed.  The fd
- * keeps its number (min_fd does not move it) and gets FD_CLOEXEC.
+ * keeps its number (min_fd does not move it) and gets FD_CLOEXEC.  The
+ * library does not authenticate this socket's peer (in a user namespace its
+ * uid may not even map): whoever connected it vouches for it, and should
+ * have checked the path and the peer as vramd_connect_path does.
  */
 VRAMD_API int vramd_connect_fd(struct vramd_conn **out, int fd, const struct vramd_options *opts,
                                struct vramd_error *err);

@@ -39,7 +39,8 @@ extern "C" {
 #endif
 
 struct vramd_criu_config {
-    const char *socket_path;  /* NULL: vramd_socket_path() */
+    const char *socket_path;  /* NULL: vramd_socket_path(); authenticated as vramd_connect_path() does
+                                 (-EPERM, VRAMD_CODE_LOCAL: not the daemon's, nothing sent) */
     int sock_fd;              /* >= 0: a connected vramd socket to use instead of connecting (see
                                  vramd_connect_fd); the call takes it over and closes it. -1: connect */
     int min_fd;               /* fds created go at or above this (e.g. CRIU's service fd floor); 0: anywhere */
