@@ -322,5 +322,8 @@ class Daemon:
     def unregister(self, conn: Connection) -> None:
         """`conn` has closed: it no longer holds its sessions."""
         del self.connections[conn.id]
-        for s in conn.sessions:
+        for s in list(conn.sessions):
             self.sessions.let_go(s, conn)
+            # a dump nobody can commit any more is cancelled now, and reaped now if nobody else holds it
+            if s.opener_gone(conn) and not s.holders and self.sessions.detach(s, "the dump's opener hung up"):
+                s.reap_task = asyncio.get_running_loop().create_task(s.close("session reaped: its opener hung up"))
