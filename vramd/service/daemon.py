@@ -15,9 +15,8 @@ import time
 
 from .. import __version__, topology
 from ..backends import REGISTRY
-from ..engine import Engine, EngineConfig
+from ..engine import Engine
 from ..errors import WIRE_ERRORS
-from ..image.codec import Compression
 from ..pb import rpc_pb2 as rpc
 from ..protocol.server import ServerProtocol
 from . import systemd
@@ -87,14 +86,8 @@ class Daemon:
         self.cfg = cfg
         self.topology = self._read_topology()
         gpus = self.topology.gpus if self.topology else []
-        self.engine = engine or Engine(EngineConfig(
-            staging_budget=cfg.staging_budget, staging_huge_pages=cfg.staging_huge_pages,
-            chunk_size=cfg.chunk_size, workers_per_gpu=cfg.workers_per_gpu,
-            inflight_per_gpu=cfg.inflight_per_gpu, copy_threads=cfg.copy_threads,
-            dump_inflight_per_gpu=cfg.dump_inflight_per_gpu, device_inflight_per_gpu=cfg.device_inflight_per_gpu,
-            data_files_per_gpu=cfg.data_files_per_gpu,
-            compression=Compression.parse(cfg.compression), io_threads=cfg.io_threads, sdma=cfg.sdma,
-            sdma_library=cfg.sdma_library, render_nodes={g.gpu_id: topology.render_node(g) for g in gpus}))
+        self.engine = engine or Engine(cfg.engine_config(
+            render_nodes={g.gpu_id: topology.render_node(g) for g in gpus}))
         self.metrics = Metrics()
         # The GPUs a BO may name (each gpu_id gets pools and lanes): the topology's, else 0 and the configured ones
         self.gpu_ids = frozenset(g.gpu_id for g in gpus) if self.topology else frozenset({0, *cfg.gpu_ids})
