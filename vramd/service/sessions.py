@@ -498,9 +498,7 @@ class Session:
         if self.opener is None or self.opener() is not conn or self.kind != rpc.SESSION_DUMP:
             return False
         if not self.done:
-            p = self.job.progress
-            log.warning("session %d: the connection that opened the dump has closed; cancelling (%d/%d bytes "
-                        "copied)", self.id, p.bytes_done, p.bytes_total)
+            log.warning("session %d: the connection that opened the dump has closed; cancelling", self.id)
             self.cancel("cancelled: the connection that opened the dump has closed (no one can commit it)")
         return True
 
@@ -512,6 +510,9 @@ class Session:
             error = exc if isinstance(exc, VramdError) else InternalError(f"internal error: {exc!r}")
             self.error = error
             self._enter(rpc.SESSION_CANCELLING if isinstance(error, JobCancelledError) else rpc.SESSION_FAILED)
+            p = self.job.progress  # what had moved when it stopped; the summary at its end says what moved in all
+            log.info("session %d: %s at %d/%d bytes: %s", self.id, rpc.SessionState.Name(self.state), p.bytes_done,
+                     p.bytes_total, error)
         self._end_soon()
 
     async def wait(self, timeout: float | None) -> None:
