@@ -25,8 +25,8 @@ def vramd(*args: str) -> subprocess.CompletedProcess[str]:
     (["--chunk-size", "256M"], "", "staging_budget, chunk_size, compression"),
     # a full dump fits (2 x 8M), an incremental one (4 x 8M: its parent's chunk too) does not
     (["--staging-budget", "24M", "--chunk-size", "8M"], "", "staging_budget, chunk_size"),
-    ([], "max_fds_per_session = 3\n", "max_fds_per_session"),  # data files, their twins, a BO, the manifest
-    ([], "max_fds_per_uid = 3\n", "max_fds_per_uid"),
+    ([], "data_files_per_gpu = 2\nmax_fds_per_session = 3\n", "max_fds_per_session"),  # 2 files, a BO, a manifest
+    ([], "data_files_per_gpu = 2\nmax_fds_per_uid = 3\n", "max_fds_per_uid"),
     ([], "max_fds_per_message = 1\n", "max_fds_per_message"),  # a data file and its O_DIRECT twin: one message
 ])
 def test_check_config_refuses_what_every_dump_would_refuse(tmp_path, args, text, names):

@@ -286,8 +286,8 @@ class DaemonConfig:
         for key in ("max_fds_per_session", "max_fds_per_uid"):
             if getattr(self, key) < need:
                 raise ConfigError(origin, key, f"{getattr(self, key)} is less than the {need} fds the smallest "
-                                  f"dump holds ({engine.data_files_per_gpu} data file(s) per GPU, each with its "
-                                  "O_DIRECT twin, one BO's fd and the manifest's)")
+                                  f"dump holds ({engine.data_files_per_gpu} data file(s) per GPU, one BO's fd and "
+                                  "the manifest's; with O_DIRECT, each data file's twin too)")
 
     def engine_config(self, **extra: Any) -> EngineConfig:
         """The engine's settings from these (`extra`: what the daemon adds, e.g. the render nodes)."""

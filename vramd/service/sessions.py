@@ -99,10 +99,11 @@ def image_summary(m: pb.Manifest) -> rpc.ImageSummary:
 
 
 def dump_fds(stripes: int) -> int:
-    """The fds the smallest dump holds at once (one GPU, one BO): each of its GPU's `stripes` data files and its
-    O_DIRECT twin (where the file system has O_DIRECT), the BO's fd, and the manifest's file given at Start.
-    Limits below this make every dump fail LIMIT_EXCEEDED (the configuration check refuses them)."""
-    return 2 * stripes + 2
+    """The fds the smallest dump holds at once (one GPU, one BO): its GPU's `stripes` data files, the BO's fd,
+    and the manifest's file given at Start.  Limits below this make every dump fail LIMIT_EXCEEDED (the
+    configuration check refuses them).  Where the image's file system has O_DIRECT each data file also comes
+    with its O_DIRECT twin: `stripes` more."""
+    return stripes + 2
 
 
 @dataclass(frozen=True)
