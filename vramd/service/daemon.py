@@ -24,7 +24,7 @@ from .config import RELOADABLE, DaemonConfig
 from .connection import Connection, serve_connection
 from .metrics import Metrics
 from .session_table import SessionTable
-from .sessions import KIND_NAMES, SessionLimits, UidLimits
+from .sessions import KIND_NAMES, Session, SessionLimits, UidLimits
 from .transport import PacketChannel
 
 log = logging.getLogger("vramd.service.daemon")
@@ -106,6 +106,7 @@ class Daemon:
         self._next_conn = 1
         self.refusing = 0  # refused peers being answered
         self._conn_tasks: set[asyncio.Task[None]] = set()
+        self._reaping: set[asyncio.Task[None]] = set()  # dumps whose opener hung up, reaped once stopped
         self._stop = asyncio.Event()
         self._wake = asyncio.Event()  # housekeeping runs now (a reload)
         self.server = SERVER
@@ -317,6 +318,15 @@ class Daemon:
         del self.connections[conn.id]
         for s in list(conn.sessions):
             self.sessions.let_go(s, conn)
-            # a dump nobody can commit any more is cancelled now, and reaped now if nobody else holds it
-            if s.opener_gone(conn) and not s.holders and self.sessions.detach(s, "the dump's opener hung up"):
-                s.reap_task = asyncio.get_running_loop().create_task(s.close("session reaped: its opener hung up"))
+            # a dump nobody can commit any more is cancelled now, and reaped once stopped if nobody else holds it
+            if s.opener_gone(conn) and not s.holders:
+                task = asyncio.get_running_loop().create_task(self._reap_when_stopped(s))
+                self._reaping.add(task)
+                task.add_done_callback(self._reaping.discard)
+
+    async def _reap_when_stopped(self, s: Session) -> None:
+        """A dump whose opener hung up: listed (CANCELLING) until its copies have stopped, then reaped at once,
+        not after the grace period, unless another connection has come to hold it meanwhile."""
+        await s.wait(None)
+        if not s.holders and self.sessions.detach(s, "its opener hung up"):
+            await s.close("session reaped: its opener hung up")
