@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 import pytest
-from helpers import ROOT
+from helpers import ROOT, memfd
 
 from vramd.client import SESSION_DUMP, SESSION_RESTORE, Client, ClientBo
 from vramd.errors import JobCancelledError
@@ -178,3 +178,38 @@ def test_a_restore_whose_opener_hung_up_still_completes(slow_daemon, image_dir):
             os.close(mem2)
         assert w2.digests() == digests
 
+
+
+def test_a_cancel_after_the_last_copy_landed_says_cancelling_and_ends_consistently(slow_daemon, image_dir):
+    """A cancel that comes once every chunk has landed, while the daemon builds and writes the manifest (16,000
+    BOs: that takes it a while): the reply says CANCELLING, as for any cancel of a running session (not
+    SEALED); the end is CANCELLED (no image: the manifest is not written once cancelled), or DONE where the
+    manifest was being written already, and Wait, GetProgress and the image on disk agree on which."""
+    path, dfd = image_dir
+    n = 16_000
+    src = memfd(os.urandom(n * 4096))
+    try:
+        with Client(slow_daemon.socket) as c:
+            s = c.open_session(SESSION_DUMP, dfd, compression="none")
+            c.add_bos(s.token, [ClientBo(i + 1, src, offset=i * 4096, size=4096) for i in range(n)])
+            c.start(s.token)
+
+            def landed() -> rpc.SessionInfo | None:
+                p = c.progress(s.token)
+                done = p.progress.bytes_done == p.progress.bytes_total and p.progress.bos_done == n
+                return p if done or p.state in ENDED else None
+            before = until("every chunk landed", 60, landed)
+            assert before.state == rpc.SESSION_SEALED, rpc.SessionState.Name(before.state)  # still finishing
+            info = c.cancel(s.token, "late cancel")
+            assert info.state == rpc.SESSION_CANCELLING, rpc.SessionState.Name(info.state)
+            try:
+                end = c.wait(s.token)
+            except JobCancelledError as e:
+                assert e.message == "late cancel"
+                end = None
+            final = c.progress(s.token)
+            assert final.state == (rpc.SESSION_DONE if end is not None else rpc.SESSION_CANCELLED)
+            assert os.path.exists(path / MANIFEST_NAME) == (end is not None)
+            c.close_session(s.token)
+    finally:
+        os.close(src)

@@ -485,6 +485,10 @@ class Session:
         stops: `_job_stopped`), CANCELLED once its copies have."""
         if not self.done:
             self.job.cancel(reason)
+            if self.state in (rpc.SESSION_OPEN, rpc.SESSION_SEALED):
+                # every copy had landed (the job reports no more failures): it is finishing (a dump: writing
+                # its manifest), and ends CANCELLED, or DONE where the cancel came too late to stop it
+                self._job_stopped(JobCancelledError(reason))
             self._end_soon()
 
     def opened_by(self, conn: object) -> None:

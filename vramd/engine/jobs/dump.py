@@ -528,6 +528,8 @@ class DumpJob(JobBase[DumpBo]):
             await self.pipeline.wait()
             # CPU work that grows with the BOs: off the event loop (other clients are answered meanwhile)
             entries, table, totals = await asyncio.get_running_loop().run_in_executor(self.ctx.cpu, self._entries)
+            if self.pipeline.error is not None:  # cancelled after the last copy landed: no manifest is written
+                raise self.pipeline.error
             return await self.writer.commit(entries, totals, self.topology_json, chunks=table, parents=self.parents)
         finally:
             self._release_all()
