@@ -290,22 +290,25 @@ def check_fd(fd: int, direction: Direction, *, bo_id: int, write_needs_rdwr: boo
 
 
 def _check_fd(fd: int, direction: Direction, *, bo_id: int, write_needs_rdwr: bool) -> os.stat_result:
+    # The messages name the BO, never `fd`: that is the daemon's number for the client's fd, which means
+    # nothing to the client.
+    bo = f"the fd of BO {bo_id}"
     try:
         st = os.fstat(fd)
         flags = fcntl.fcntl(fd, fcntl.F_GETFL)
     except OSError as e:
-        raise from_os_error(e, f"fd {fd} is not usable", BadDescriptorError, bo_id=bo_id) from None
+        raise from_os_error(e, f"{bo} is not usable", BadDescriptorError, bo_id=bo_id) from None
     if stat.S_ISDIR(st.st_mode):
-        raise BadDescriptorError(f"fd {fd} is a directory, not a BO", bo_id=bo_id)
+        raise BadDescriptorError(f"{bo} is a directory, not a BO", bo_id=bo_id)
     if flags & getattr(os, "O_PATH", 0o10000000):
-        raise BadDescriptorError(f"fd {fd} is an O_PATH descriptor: it allows no I/O", bo_id=bo_id)
+        raise BadDescriptorError(f"{bo} is an O_PATH descriptor: it allows no I/O", bo_id=bo_id)
     acc = flags & os.O_ACCMODE
     if direction is Direction.READ and acc == os.O_WRONLY:
-        raise BadDescriptorError(f"fd {fd} is write-only; dumping needs read access", bo_id=bo_id)
+        raise BadDescriptorError(f"{bo} is write-only; dumping needs read access", bo_id=bo_id)
     if direction is Direction.WRITE and acc == os.O_RDONLY:
-        raise BadDescriptorError(f"fd {fd} is read-only; restoring needs write access", bo_id=bo_id)
+        raise BadDescriptorError(f"{bo} is read-only; restoring needs write access", bo_id=bo_id)
     if direction is Direction.WRITE and write_needs_rdwr and acc != os.O_RDWR:
-        raise BadDescriptorError(f"fd {fd} must be open read-write to map it for writing", bo_id=bo_id)
+        raise BadDescriptorError(f"{bo} must be open read-write to map it for writing", bo_id=bo_id)
     return st
 
 

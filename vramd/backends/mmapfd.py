@@ -42,7 +42,7 @@ import stat
 import threading
 from dataclasses import dataclass, field
 
-from ..errors import BackendError, TargetTooSmallError
+from ..errors import BackendError, BadDescriptorError, TargetTooSmallError
 from ..hostmem.libc import TMPFS_MAGIC, Pointer, address, ffi, fs_type, pointer, populate
 from ..units import PAGE
 from .base import BoHandle, BoRef, Capabilities, Direction, FdMemo, fd_size
@@ -63,6 +63,29 @@ class _MappedBo(BoHandle):
 # measured on 2 cores, two copy threads restoring into one memfd spent 13 % of their CPU spinning there.  So
 # writes into one file take one of these, chosen by its inode (two files that share one only take turns).
 _WRITE_LOCKS = tuple(threading.Lock() for _ in range(64))
+
+
+DRM_MAJOR = 226  # /dev/dri/card*, /dev/dri/renderD*: a BO is mapped through its node at the BO's mmap offset
+DMA_BUF_MAGIC = 0x444D4142  # fstatfs(2) f_type of a dmabuf's file ("DMAB")
+
+
+def unmappable_kind(fd: int, st: os.stat_result) -> str | None:
+    """What fd is, where it is nothing this backend can copy a BO through (said up front, at AddBos, rather than
+    as a failed mmap at copy time); None where it can: a regular file or memfd (pread/pwrite, or mapped when
+    sealed), a DRM device node (a render node at the BO's offset), a dmabuf."""
+    mode = st.st_mode
+    if stat.S_ISREG(mode):
+        return None
+    if stat.S_ISCHR(mode):
+        return None if os.major(st.st_rdev) == DRM_MAJOR else \
+            f"a character device ({os.major(st.st_rdev)}:{os.minor(st.st_rdev)}) that is not a DRM device"
+    for test, kind in ((stat.S_ISFIFO, "a pipe or FIFO"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a directory")):
+        if test(mode):
+            return kind
+    if fs_type(fd) == DMA_BUF_MAGIC:
+        return None
+    return "an anonymous inode that is not a dmabuf (an eventfd, a timerfd, an epoll fd, ...)"
 
 
 def cannot_shrink(fd: int) -> bool:
@@ -89,14 +112,24 @@ class MmapBackend(ThreadedBackend):
             description="CPU mapping of a dmabuf / render-node / memfd fd (large BAR)",
         )
 
+    def check(self, fd: int, direction: Direction, *, bo_id: int, checked: FdMemo | None = None) -> os.stat_result:
+        """check_fd, then the kind of object: one a BO can be copied through (`unmappable_kind`), else
+        BAD_DESCRIPTOR naming the BO."""
+        st = super().check(fd, direction, bo_id=bo_id, checked=checked)
+        kind = unmappable_kind(fd, st)
+        if kind is not None:
+            raise BadDescriptorError(f"BO {bo_id}'s fd is {kind}: the mmap backend copies through a dmabuf, a "
+                                     "DRM render node, a memfd or a regular file", bo_id=bo_id)
+        return st
+
     def open(self, bo_id: int, ref: BoRef, size: int, gpu_id: int, direction: Direction,
              checked: FdMemo | None = None) -> BoHandle:
         st = self.check(ref.fd, direction, bo_id=bo_id, checked=checked)
         have = fd_size(ref.fd, st)
         if have is not None and ref.offset + size > have:
             raise TargetTooSmallError(
-                f"fd {ref.fd} holds {have} bytes; the BO needs {size} bytes at offset {ref.offset:#x}",
-                bo_id=bo_id, offset=max(0, have - ref.offset),
+                f"the fd of BO {bo_id} (gpu {gpu_id:#x}) holds {have} bytes; the BO needs {size} bytes at its "
+                f"offset {ref.offset:#x}", bo_id=bo_id, offset=max(0, have - ref.offset),
             )
         by_fd = stat.S_ISREG(st.st_mode) and not cannot_shrink(ref.fd)
         lock = _WRITE_LOCKS[hash((st.st_dev, st.st_ino)) % len(_WRITE_LOCKS)] \
@@ -111,8 +144,9 @@ class MmapBackend(ThreadedBackend):
             h.mm = mmap.mmap(h.ref.fd, delta + h.size, flags=mmap.MAP_SHARED,
                              prot=mmap.PROT_READ | (mmap.PROT_WRITE if writing else 0), offset=aligned)
         except (OSError, ValueError) as e:
-            raise BackendError(f"mmap of fd {h.ref.fd} at {aligned:#x}+{delta + h.size} failed: {e}",
-                               bo_id=h.bo_id, offset=0) from None
+            why = (e.strerror or str(e)) if isinstance(e, OSError) else str(e)
+            raise BackendError(f"mmap of BO {h.bo_id} (gpu {h.gpu_id:#x}) at its fd's offset {aligned:#x}, "
+                               f"{delta + h.size} bytes, failed: {why}", bo_id=h.bo_id, offset=0) from None
         h.anchor = pointer(h.mm, writable=writing)
         h.base = h.anchor + delta
 
@@ -130,8 +164,9 @@ class MmapBackend(ThreadedBackend):
         lo = address(start) % PAGE
         err = populate(start - lo, lo + length, writing=h.direction is Direction.WRITE)
         if err:
-            raise BackendError(f"fd {h.ref.fd}: {length} bytes at {h.ref.offset + bo_offset:#x} of its mapping "
-                               f"cannot be faulted in: {os.strerror(err)}", bo_id=h.bo_id, offset=bo_offset)
+            raise BackendError(f"BO {h.bo_id} (gpu {h.gpu_id:#x}): {length} bytes at {h.ref.offset + bo_offset:#x} of "
+                               f"its fd's mapping cannot be faulted in: {os.strerror(err)}", bo_id=h.bo_id,
+                               offset=bo_offset)
         return -1, address(start)
 
     def write_lock(self, handle: BoHandle) -> threading.Lock | None:
@@ -139,12 +174,12 @@ class MmapBackend(ThreadedBackend):
         return handle.write_lock
 
     def copy_error(self, handle: BoHandle, bo_offset: int, err: int) -> BackendError:
-        fd = handle.ref.fd
+        bo = f"BO {handle.bo_id} (gpu {handle.gpu_id:#x})"
         if err > 0:
-            return BackendError(f"copy {'from' if handle.direction is Direction.READ else 'to'} fd {fd} at "
-                                f"{handle.ref.offset + bo_offset:#x} failed: {os.strerror(err)}",
+            return BackendError(f"copy {'from' if handle.direction is Direction.READ else 'to'} {bo} at its fd's "
+                                f"offset {handle.ref.offset + bo_offset:#x} failed: {os.strerror(err)}",
                                 bo_id=handle.bo_id, offset=bo_offset)
-        return TargetTooSmallError(f"fd {fd} ends at {handle.ref.offset + bo_offset:#x}, inside the BO: "
+        return TargetTooSmallError(f"the fd of {bo} ends at {handle.ref.offset + bo_offset:#x}, inside the BO: "
                                    f"it was truncated during the copy", bo_id=handle.bo_id, offset=bo_offset)
 
     def after_copy(self, handle: BoHandle, bo_offset: int, length: int) -> None:

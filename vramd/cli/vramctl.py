@@ -485,7 +485,7 @@ def format_age(seconds: float) -> str:
 
 def sessions_table(rows: list[dict[str, Any]]) -> list[str]:
     """The admin view: every column an operator needs to decide what to cancel."""
-    head = (f"{'id':>6} {'uid':>6} {'pid':>8} {'target':>8} {'kind':>7} {'state':>9} {'bytes done/total':>21} "
+    head = (f"{'id':>6} {'uid':>6} {'pid':>8} {'target':>8} {'kind':>7} {'state':>10} {'bytes done/total':>21} "
             f"{'rate':>11} {'age':>7}  label / error")
     lines = [head]
     for r in rows:
@@ -494,7 +494,7 @@ def sessions_table(rows: list[dict[str, Any]]) -> list[str]:
         err = r.get("error")
         note = r["label"] + (f"  {err['code']}: {err['message']}" if err else "")
         lines.append(f"{r['session_id']:>6} {r['uid']:>6} {r['pid']:>8} {targets:>8} {r['kind']:>7} "
-                     f"{r['state']:>9} {format_size(p['bytes_done']):>10}/{format_size(p['bytes_total']):<10} "
+                     f"{r['state']:>10} {format_size(p['bytes_done']):>10}/{format_size(p['bytes_total']):<10} "
                      f"{gbps(r['rate_bytes_per_s']):>11} {format_age(r['age_s']):>7}  {note}")
     return lines
 
@@ -540,7 +540,8 @@ def cmd_cancel(ns: argparse.Namespace) -> int:
             info = c.cancel_by_id(sid, ns.reason or "")
     d = session_dict(info)
     d.update(ok=True)
-    emit(ns, d, f"session {info.session_id} (uid {info.uid}, pid {info.pid}): cancel requested; it was "
+    # the state after the cancel: cancelling (its copies stopping), or the end it had reached already
+    emit(ns, d, f"session {info.session_id} (uid {info.uid}, pid {info.pid}): cancel requested; it is now "
                 f"{d['state']}")
     return EXIT_OK
 
@@ -680,7 +681,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="every session the daemon shows you (root and the daemon's uid: every uid's) with uid, "
                         "client and target pids, rate (GB/s), age and error; default: your uid's")
     p = cmd("cancel", cmd_cancel, "cancel a session: by its token (its holders) or by its id (root and the "
-            "daemon's uid)")
+            "daemon's uid); it shows as cancelling until its copies have stopped, then cancelled")
     p.add_argument("session", type=parse_session_ref, metavar="TOKEN|ID")
     p.add_argument("--reason", help="recorded as the session's error message")
     p = cmd("dump", cmd_dump, "dump memory ranges of a process and/or files into an image")

@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..backends import REGISTRY, Backend, BackendOptions
 from ..errors import BackendUnavailableError, InvalidRequestError, LimitExceededError
-from ..hostmem.staging import StagingPool, buffer_unit
+from ..hostmem.staging import StagingPool, staging_shortfall
 from ..image.chunks import parent_entries
 from ..image.codec import Compression
 from ..image.format import MAX_STRIPES
@@ -130,16 +130,42 @@ class EngineConfig:
         if not self.data_files_per_gpu:
             self.data_files_per_gpu = max(1, min(self.copy_threads, self.dump_inflight_per_gpu, MAX_STRIPES))
 
-    def check(self) -> None:
+    def problems(self) -> Iterator[tuple[str, str]]:
+        """Every rule these settings break that the engine would refuse them (or a job) for: (the names of
+        the settings, why).  `check` raises the first; the daemon's configuration check reports it naming the
+        settings (vramd.service.config)."""
         if not PAGE <= self.chunk_size <= 1 << 30 or self.chunk_size % PAGE:
-            raise InvalidRequestError(f"chunk size {self.chunk_size} must be a multiple of 4 KiB, at most 1 GiB")
-        if min(self.inflight_per_gpu, self.dump_inflight_per_gpu, self.device_inflight_per_gpu, self.copy_threads,
-               self.cpu_threads, self.io_threads) < 1:
-            raise InvalidRequestError("batches in flight and thread counts must be at least 1")
+            yield "chunk_size", f"chunk size {self.chunk_size} must be a multiple of 4 KiB, at most 1 GiB"
+        counts = {"inflight_per_gpu": self.inflight_per_gpu, "dump_inflight_per_gpu": self.dump_inflight_per_gpu,
+                  "device_inflight_per_gpu": self.device_inflight_per_gpu, "copy_threads": self.copy_threads,
+                  "cpu_threads": self.cpu_threads, "io_threads": self.io_threads}
+        low = [k for k, v in counts.items() if v < 1]
+        if low:
+            yield ", ".join(low), "batches in flight and thread counts must be at least 1"
         if not 1 <= self.data_files_per_gpu <= MAX_STRIPES:
-            raise InvalidRequestError(f"data_files_per_gpu {self.data_files_per_gpu} must be 1 to {MAX_STRIPES}")
+            yield "data_files_per_gpu", f"data_files_per_gpu {self.data_files_per_gpu} must be 1 to {MAX_STRIPES}"
         if not 0 <= self.max_bo_bytes <= OFF_T_MAX:
-            raise InvalidRequestError(f"max_bo_bytes {self.max_bo_bytes} must be between 0 and 2**63 - 1")
+            yield "max_bo_bytes", f"max_bo_bytes {self.max_bo_bytes} must be between 0 and 2**63 - 1"
+
+    def check(self) -> None:
+        for _names, problem in self.problems():
+            raise InvalidRequestError(problem)
+
+    def default_job_problems(self) -> Iterator[tuple[str, str]]:
+        """What the engine would refuse every job with the default settings for (`Engine.start_dump`: the
+        staging of a batch, `staging_shortfall`), as `problems` says it: a dump with the default compression and
+        chunk size, and an incremental one (which also reads its parent's chunk: the most buffers any batch
+        takes, as many as a restore of an image with deltas).  An engine may run with less (a caller that
+        asks for smaller chunks); a daemon's defaults must not (vramd.service.config)."""
+        for what, names, buffers in (
+                ("a dump with the default compression", "staging_budget, chunk_size, compression",
+                 dump_buffers(self.compression, incremental=False)),
+                ("an incremental dump", "staging_budget, chunk_size",
+                 dump_buffers(self.compression, incremental=True))):
+            short = staging_shortfall(self.staging_budget, self.chunk_size, buffers)
+            if short is not None:
+                yield names, f"{what}: {short}"
+                return
 
 
 @dataclass
@@ -272,11 +298,9 @@ class Engine:
 
     def _check_staging(self, chunk_size: int, buffers: int, what: str) -> None:
         """A job whose one batch cannot fit the staging budget could never move a byte: refuse it up front."""
-        need = buffers * buffer_unit(chunk_size)
-        if need > self.pool.budget:
-            raise LimitExceededError(
-                f"{what} {chunk_size} needs {buffers} x {buffer_unit(chunk_size)} bytes of staging per batch; "
-                f"the staging budget is {self.pool.budget} bytes")
+        short = staging_shortfall(self.pool.budget, chunk_size, buffers)
+        if short is not None:
+            raise LimitExceededError(f"{what}: {short}")
 
     def _check_image_staging(self, reader: ImageReader) -> None:
         self._check_staging(reader.manifest.chunk_size, buffers_to_read(reader), "the image's chunk size")

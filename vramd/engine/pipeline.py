@@ -59,6 +59,8 @@ HEAD_PAGE = PAGE  # free bytes before every piece in its slot (a record's head g
 MAX_BATCH = 256
 # What InlineEnds.run returns for a batch it leaves to the three stages (it has done nothing to it)
 DECLINED: Any = object()
+# What Pipeline._run_inline returns for a batch it did not start: the job had stopped while it was queued
+STOPPED: Any = object()
 
 
 def slot_size(length: int) -> int:
@@ -322,6 +324,17 @@ class Pipeline(Generic[BoT]):
     def cancel(self, reason: str = "job cancelled") -> None:
         self.fail(JobCancelledError(reason))
 
+    def stopped(self) -> bool:
+        """Whether the job has failed or been cancelled: no more bytes should move.  Cheap and thread-safe
+        (one attribute read): the ends look at it between the pieces of a batch, in the copy threads."""
+        return self.error is not None
+
+    @staticmethod
+    def dropped(task: ChunkTask[Any]) -> JobCancelledError:
+        """The error a batch raises that is dropped because the job has stopped: never the job's own
+        (the first error wins, and there is one already), only how the worker knows the batch did not land."""
+        return JobCancelledError("the job has stopped: batch dropped", bo_id=task.bo.id, offset=task.offset)
+
     async def wait(self) -> Progress:
         """The barrier: returns when every queued chunk has landed; raises the first error."""
         self.close_input()
@@ -421,6 +434,8 @@ class Pipeline(Generic[BoT]):
             assert self.copier is not None
             queued = time.perf_counter() if times is not None else 0.0
             product = await settle(loop.run_in_executor(self.copier, self._run_inline, inline, tasks, bufs, queued))
+            if product is STOPPED:
+                raise self.dropped(tasks[0])
             if product is not DECLINED:
                 inline.landed(tasks, product)
                 return
@@ -429,8 +444,10 @@ class Pipeline(Generic[BoT]):
         clock = Clock(times)
         filled = await ends.fill(tasks, bufs)
         clock.lap("fill")
-        product = await settle(loop.run_in_executor(self.cpu, ends.transform, tasks, bufs, filled))
+        product = await settle(loop.run_in_executor(self.cpu, self._transform, tasks, bufs, filled))
         clock.lap("transform")
+        if self.error is not None:  # stopped meanwhile: nothing more of this batch is written
+            raise self.dropped(tasks[0])
         await ends.drain(tasks, bufs, product)
         clock.lap("drain")
 
@@ -438,7 +455,15 @@ class Pipeline(Generic[BoT]):
                     queued: float) -> Any:
         if self.times is not None:
             self.times.add("queue", time.perf_counter() - queued)
+        if self.error is not None:  # queued behind other batches, and the job stopped meanwhile: never started
+            return STOPPED
         return inline.run(tasks, bufs, self.times)
+
+    def _transform(self, tasks: list[ChunkTask[BoT]], bufs: list[StagingBuffer], filled: Any) -> Any:
+        """`ends.transform` in a CPU thread, unless the job stopped while the batch was queued for one."""
+        if self.error is not None:
+            raise self.dropped(tasks[0])
+        return self.ends.transform(tasks, bufs, filled)
 
     async def _worker(self, lane: _Lane[BoT]) -> None:
         ends = self.ends

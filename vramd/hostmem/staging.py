@@ -40,6 +40,22 @@ def buffer_unit(chunk_size: int) -> int:
     return round_up(chunk_size + HEADROOM)
 
 
+def batch_bytes(chunk_size: int, buffers: int) -> int:
+    """Bytes of budget one batch of `buffers` staging buffers for `chunk_size`-byte chunks takes at once."""
+    return buffers * buffer_unit(chunk_size)
+
+
+def staging_shortfall(budget: int, chunk_size: int, buffers: int) -> str | None:
+    """The rule a batch's staging obeys: all its buffers fit the budget at once, or no byte ever moves.  None
+    where they fit, else why not (one line).  The pool (`acquire`), the engine (a job refused up front) and
+    the daemon's configuration check (vramd.service.config) all apply this one."""
+    need = batch_bytes(chunk_size, buffers)
+    if need <= budget:
+        return None
+    return (f"chunk size {chunk_size} needs {buffers} x {buffer_unit(chunk_size)} = {need} bytes of staging per "
+            f"batch; the staging budget is {budget} bytes")
+
+
 HUGE_PAGE = 2 << 20  # a transparent huge page (x86-64, arm64 with 4 KiB pages)
 
 
@@ -123,10 +139,9 @@ class StagingPool:
 
     async def acquire(self, chunk_size: int, n: int = 1) -> list[StagingBuffer]:
         unit = buffer_unit(chunk_size)
-        if n * unit > self.budget:
-            raise InvalidRequestError(
-                f"one chunk needs {n} x {unit} bytes of staging; the budget is {self.budget} bytes"
-            )
+        short = staging_shortfall(self.budget, chunk_size, n)
+        if short is not None:
+            raise InvalidRequestError(short)
         if not self._waiters and self.in_use_bytes + n * unit <= self.budget:
             return self._take(unit, n)
         fut: asyncio.Future[list[StagingBuffer]] = asyncio.get_running_loop().create_future()

@@ -59,6 +59,7 @@ class SessionState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SESSION_DONE: _ClassVar[SessionState]
     SESSION_FAILED: _ClassVar[SessionState]
     SESSION_CANCELLED: _ClassVar[SessionState]
+    SESSION_CANCELLING: _ClassVar[SessionState]
 OK: Code
 PROTOCOL_ERROR: Code
 PERMISSION_DENIED: Code
@@ -103,6 +104,7 @@ SESSION_SEALED: SessionState
 SESSION_DONE: SessionState
 SESSION_FAILED: SessionState
 SESSION_CANCELLED: SessionState
+SESSION_CANCELLING: SessionState
 
 class Error(_message.Message):
     __slots__ = ("code", "message", "bo_id", "offset")

@@ -36,11 +36,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..engine import EngineConfig
 from ..image.codec import Compression
 from ..image.format import MAX_STRIPES
 from ..protocol.frames import DEFAULT_MAX_MESSAGE, SCM_MAX_FD
 from ..topology import CHECK_ENV, DEFAULT_ROOT
 from ..units import PAGE, MiB, parse_size
+from .sessions import dump_fds
 
 DEFAULT_GROUP = "vramd"
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -188,7 +190,7 @@ KEYS: dict[str, Callable[[object], Any]] = {
     "grace_period": _seconds(0),
     "drain_timeout": _seconds(0),
     "max_message_bytes": _size(4096, 1 << 30),
-    "max_fds_per_message": _int(1, SCM_MAX_FD),
+    "max_fds_per_message": _int(2, SCM_MAX_FD),  # a data file and its O_DIRECT twin travel in one AttachFiles
     "max_bos_per_session": _COUNT,
     "max_fds_per_session": _COUNT,
     "max_chunks_per_session": _COUNT,
@@ -267,12 +269,35 @@ class DaemonConfig:
                 raise ConfigError(origin, key, str(e)) from None
 
     def check(self, origin: str = "configuration") -> None:
-        """What no single key can say: the relations between them."""
+        """What no single key can say: the relations between them.  Every rule the engine and the sessions apply
+        to these settings when a dump or restore runs is checked here, by the very code they run
+        (`EngineConfig.problems`, `EngineConfig.default_job_problems`, `sessions.dump_fds`), so a configuration
+        this accepts never makes every dump fail."""
         if self.staging_budget < self.chunk_size:
             raise ConfigError(origin, "staging_budget",
                               f"{self.staging_budget} bytes is less than one chunk (chunk_size = {self.chunk_size})")
-        if self.max_fds_per_session < 2:
-            raise ConfigError(origin, "max_fds_per_session", "must be at least 2 (a data file and a BO)")
+        try:
+            engine = self.engine_config()
+        except ValueError as e:  # the compression: checked by its key already
+            raise ConfigError(origin, "compression", str(e)) from None
+        for names, problem in (*engine.problems(), *engine.default_job_problems()):
+            raise ConfigError(origin, names, problem)
+        need = dump_fds(engine.data_files_per_gpu)
+        for key in ("max_fds_per_session", "max_fds_per_uid"):
+            if getattr(self, key) < need:
+                raise ConfigError(origin, key, f"{getattr(self, key)} is less than the {need} fds the smallest "
+                                  f"dump holds ({engine.data_files_per_gpu} data file(s) per GPU, one BO's fd and "
+                                  "the manifest's; with O_DIRECT, each data file's twin too)")
+
+    def engine_config(self, **extra: Any) -> EngineConfig:
+        """The engine's settings from these (`extra`: what the daemon adds, e.g. the render nodes)."""
+        return EngineConfig(
+            staging_budget=self.staging_budget, staging_huge_pages=self.staging_huge_pages,
+            chunk_size=self.chunk_size, workers_per_gpu=self.workers_per_gpu,
+            inflight_per_gpu=self.inflight_per_gpu, copy_threads=self.copy_threads,
+            dump_inflight_per_gpu=self.dump_inflight_per_gpu, device_inflight_per_gpu=self.device_inflight_per_gpu,
+            data_files_per_gpu=self.data_files_per_gpu, compression=Compression.parse(self.compression),
+            io_threads=self.io_threads, sdma=self.sdma, sdma_library=self.sdma_library, **extra)
 
     def effective(self) -> dict[str, Any]:
         """Every setting as a TOML-ready value (sizes in bytes, socket_mode as an octal string)."""

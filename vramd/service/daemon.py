@@ -15,9 +15,8 @@ import time
 
 from .. import __version__, topology
 from ..backends import REGISTRY
-from ..engine import Engine, EngineConfig
+from ..engine import Engine
 from ..errors import WIRE_ERRORS
-from ..image.codec import Compression
 from ..pb import rpc_pb2 as rpc
 from ..protocol.server import ServerProtocol
 from . import systemd
@@ -25,7 +24,7 @@ from .config import RELOADABLE, DaemonConfig
 from .connection import Connection, serve_connection
 from .metrics import Metrics
 from .session_table import SessionTable
-from .sessions import KIND_NAMES, SessionLimits, UidLimits
+from .sessions import KIND_NAMES, Session, SessionLimits, UidLimits
 from .transport import PacketChannel
 
 log = logging.getLogger("vramd.service.daemon")
@@ -87,14 +86,8 @@ class Daemon:
         self.cfg = cfg
         self.topology = self._read_topology()
         gpus = self.topology.gpus if self.topology else []
-        self.engine = engine or Engine(EngineConfig(
-            staging_budget=cfg.staging_budget, staging_huge_pages=cfg.staging_huge_pages,
-            chunk_size=cfg.chunk_size, workers_per_gpu=cfg.workers_per_gpu,
-            inflight_per_gpu=cfg.inflight_per_gpu, copy_threads=cfg.copy_threads,
-            dump_inflight_per_gpu=cfg.dump_inflight_per_gpu, device_inflight_per_gpu=cfg.device_inflight_per_gpu,
-            data_files_per_gpu=cfg.data_files_per_gpu,
-            compression=Compression.parse(cfg.compression), io_threads=cfg.io_threads, sdma=cfg.sdma,
-            sdma_library=cfg.sdma_library, render_nodes={g.gpu_id: topology.render_node(g) for g in gpus}))
+        self.engine = engine or Engine(cfg.engine_config(
+            render_nodes={g.gpu_id: topology.render_node(g) for g in gpus}))
         self.metrics = Metrics()
         # The GPUs a BO may name (each gpu_id gets pools and lanes): the topology's, else 0 and the configured ones
         self.gpu_ids = frozenset(g.gpu_id for g in gpus) if self.topology else frozenset({0, *cfg.gpu_ids})
@@ -113,6 +106,7 @@ class Daemon:
         self._next_conn = 1
         self.refusing = 0  # refused peers being answered
         self._conn_tasks: set[asyncio.Task[None]] = set()
+        self._reaping: set[asyncio.Task[None]] = set()  # dumps whose opener hung up, reaped once stopped
         self._stop = asyncio.Event()
         self._wake = asyncio.Event()  # housekeeping runs now (a reload)
         self.server = SERVER
@@ -322,5 +316,17 @@ class Daemon:
     def unregister(self, conn: Connection) -> None:
         """`conn` has closed: it no longer holds its sessions."""
         del self.connections[conn.id]
-        for s in conn.sessions:
+        for s in list(conn.sessions):
             self.sessions.let_go(s, conn)
+            # a dump nobody can commit any more is cancelled now, and reaped once stopped if nobody else holds it
+            if s.opener_gone(conn) and not s.holders:
+                task = asyncio.get_running_loop().create_task(self._reap_when_stopped(s))
+                self._reaping.add(task)
+                task.add_done_callback(self._reaping.discard)
+
+    async def _reap_when_stopped(self, s: Session) -> None:
+        """A dump whose opener hung up: listed (CANCELLING) until its copies have stopped, then reaped at once,
+        not after the grace period, unless another connection has come to hold it meanwhile."""
+        await s.wait(None)
+        if not s.holders and self.sessions.detach(s, "its opener hung up"):
+            await s.close("session reaped: its opener hung up")

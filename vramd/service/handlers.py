@@ -81,6 +81,7 @@ async def open_session(daemon: Daemon, conn: Connection, rid: int, body: rpc.Ope
     if daemon.draining:
         raise ShuttingDownError("the daemon is shutting down and takes no new sessions")
     s = _hold(daemon, conn, await daemon.sessions.open(body, fds, uid=conn.uid, pid=conn.pid))
+    s.opened_by(conn)  # its hang-up cancels a dump at once (Session.opener_gone)
     return reply(rid, session=s.info(with_token=True))
 
 

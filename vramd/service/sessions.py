@@ -16,6 +16,7 @@ import os
 import re
 import secrets
 import time
+import weakref
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -46,9 +47,13 @@ from .metrics import Metrics
 log = logging.getLogger("vramd.service.sessions")
 
 # Which state may follow which: the one place a session's state changes (Session._enter).
+# CANCELLING: the job was cancelled and its copies are stopping; the end state follows once they have.
 TRANSITIONS: dict[rpc.SessionState, frozenset[rpc.SessionState]] = {
-    rpc.SESSION_OPEN: frozenset({rpc.SESSION_SEALED, rpc.SESSION_DONE, rpc.SESSION_FAILED, rpc.SESSION_CANCELLED}),
-    rpc.SESSION_SEALED: frozenset({rpc.SESSION_DONE, rpc.SESSION_FAILED, rpc.SESSION_CANCELLED}),
+    rpc.SESSION_OPEN: frozenset({rpc.SESSION_SEALED, rpc.SESSION_DONE, rpc.SESSION_FAILED, rpc.SESSION_CANCELLED,
+                                 rpc.SESSION_CANCELLING}),
+    rpc.SESSION_SEALED: frozenset({rpc.SESSION_DONE, rpc.SESSION_FAILED, rpc.SESSION_CANCELLED,
+                                   rpc.SESSION_CANCELLING}),
+    rpc.SESSION_CANCELLING: frozenset({rpc.SESSION_CANCELLED, rpc.SESSION_FAILED, rpc.SESSION_DONE}),
     rpc.SESSION_DONE: frozenset(),
     rpc.SESSION_FAILED: frozenset(),
     rpc.SESSION_CANCELLED: frozenset(),
@@ -76,6 +81,9 @@ def pick_backend(fd: int) -> str:
     return "procmem" if procmem_pid(fd) is not None else "mmap"
 
 
+ENDED = frozenset({rpc.SESSION_DONE, rpc.SESSION_FAILED, rpc.SESSION_CANCELLED})  # no way out of these
+
+
 def outcome_state(error: VramdError | None) -> rpc.SessionState:
     """The state a session ends in, from how its job ended."""
     if error is None:
@@ -88,6 +96,14 @@ def image_summary(m: pb.Manifest) -> rpc.ImageSummary:
     return rpc.ImageSummary(bo_count=m.totals.bo_count, bo_bytes=m.totals.bo_bytes,
                             stored_bytes=m.totals.stored_bytes, zero_bytes=m.totals.zero_bytes,
                             chunk_size=m.chunk_size, compression=comp, data_files=len(m.files))
+
+
+def dump_fds(stripes: int) -> int:
+    """The fds the smallest dump holds at once (one GPU, one BO): its GPU's `stripes` data files, the BO's fd,
+    and the manifest's file given at Start.  Limits below this make every dump fail LIMIT_EXCEEDED (the
+    configuration check refuses them).  Where the image's file system has O_DIRECT each data file also comes
+    with its O_DIRECT twin: `stripes` more."""
+    return stripes + 2
 
 
 @dataclass(frozen=True)
@@ -153,6 +169,9 @@ class Session:
     image: rpc.ImageSummary | None = None
     fds: list[int] = field(default_factory=list)
     holders: set[object] = field(default_factory=set)  # the connections that used its token
+    # the connection that opened it (a dump is committed there, and only there); weak: no cycle through its
+    # `sessions`, which the daemon's garbage collection policy would leave to full collections
+    opener: weakref.ref[object] | None = None
     started: float = field(default_factory=time.monotonic)
     ended: float | None = None
     bo_count: int = 0  # BOs taken (reserved by an AddBos under way, then added)
@@ -169,7 +188,7 @@ class Session:
         self._adding = asyncio.Lock()  # one AddBos at a time; Start waits for the one under way
         # A copy that fails while the client is still adding BOs ends the session now,
         # so progress shows the error and the fds are released without waiting for Start.
-        self.job.on_fail(lambda exc: self._end_soon())
+        self.job.on_fail(self._job_stopped)
 
     @property
     def kind_name(self) -> str:
@@ -462,10 +481,44 @@ class Session:
             self._end_soon()
 
     def cancel(self, reason: str) -> None:
-        """End the session CANCELLED with `reason`, unless it has ended already."""
+        """End the session CANCELLED with `reason`, unless it has ended already: CANCELLING at once (the job
+        stops: `_job_stopped`), CANCELLED once its copies have."""
         if not self.done:
             self.job.cancel(reason)
+            if self.state in (rpc.SESSION_OPEN, rpc.SESSION_SEALED):
+                # every copy had landed (the job reports no more failures): it is finishing (a dump: writing
+                # its manifest), and ends CANCELLED, or DONE where the cancel came too late to stop it
+                self._job_stopped(JobCancelledError(reason))
             self._end_soon()
+
+    def opened_by(self, conn: object) -> None:
+        self.opener = weakref.ref(conn)
+
+    def opener_gone(self, conn: object) -> bool:
+        """`conn` has closed.  If it opened this dump, nobody can commit the image any more (a dump is committed
+        by the client on the connection that opened it): the dump is cancelled now, not at the end of the grace
+        period, and True is returned (the caller reaps it now unless another connection holds it).  A restore
+        or verify goes on for its other holders (the offload: one process submits, another waits), as the
+        grace period allows: False."""
+        if self.opener is None or self.opener() is not conn or self.kind != rpc.SESSION_DUMP:
+            return False
+        if not self.done:
+            log.warning("session %d: the connection that opened the dump has closed; cancelling", self.id)
+            self.cancel("cancelled: the connection that opened the dump has closed (no one can commit it)")
+        return True
+
+    def _job_stopped(self, exc: BaseException) -> None:
+        """The job's first error (a failed copy or AddBos, or a cancel), as it happens: a failure ends the
+        session FAILED at once, with that error, so GetProgress and Wait say so from now on; a cancel makes it
+        CANCELLING until its copies have stopped.  Its fds are closed once they have (`_finish`)."""
+        if self.state in (rpc.SESSION_OPEN, rpc.SESSION_SEALED):
+            error = exc if isinstance(exc, VramdError) else InternalError(f"internal error: {exc!r}")
+            self.error = error
+            self._enter(rpc.SESSION_CANCELLING if isinstance(error, JobCancelledError) else rpc.SESSION_FAILED)
+            p = self.job.progress  # what had moved when it stopped; the summary at its end says what moved in all
+            log.info("session %d: %s at %d/%d bytes: %s", self.id, rpc.SessionState.Name(self.state), p.bytes_done,
+                     p.bytes_total, error)
+        self._end_soon()
 
     async def wait(self, timeout: float | None) -> None:
         """The barrier: returns when the job has ended; raises WaitTimeoutError first if it takes longer."""
@@ -490,19 +543,24 @@ class Session:
             self.finisher = asyncio.get_running_loop().create_task(self._finish(), name=f"vramd-session-{self.id}")
 
     async def _finish(self) -> None:
+        error: VramdError | None = None
         try:
             self.image = image_summary(await self.job.finish())
         except VramdError as e:
             # A typed error is answered by its code and message, never logged with a traceback; dropping it
             # frees the job's frames (which hold the job, which holds the error: a cycle) by reference counting.
-            self.error = e.with_traceback(None)
+            error = e.with_traceback(None)
         except OSError as e:  # the daemon's own I/O (a full disk, an I/O error): not a bug, but typed
-            self.error = from_os_error(e, f"{self.kind_name} failed", JobError)
+            error = from_os_error(e, f"{self.kind_name} failed", JobError)
         except Exception as e:  # a bug: still an answer for the client
             log.exception("session %d: internal error", self.id)
-            self.error = InternalError(f"internal error: {e!r}")
+            error = InternalError(f"internal error: {e!r}")
         finally:
-            self._enter(outcome_state(self.error))
+            if self.state not in ENDED:  # FAILED already (`_job_stopped`): its first error stays
+                self.error = error
+                self._enter(outcome_state(error))
+            elif self.error is not None:
+                self.error = self.error.with_traceback(None)
             try:
                 # An AddBos or AttachFiles under way uses the session's fds in a worker thread (fd checks,
                 # probes, a header read): they are closed once it is done, never under it, where their

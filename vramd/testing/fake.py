@@ -55,7 +55,8 @@ class FakeDmaBackend(Backend):
              checked: FdMemo | None = None) -> BoHandle:
         st = self.check(ref.fd, direction, bo_id=bo_id, checked=checked)
         if ref.offset + size > st.st_size:
-            raise TargetTooSmallError(f"fd {ref.fd} holds {st.st_size} bytes; the BO needs {size} at {ref.offset:#x}",
+            raise TargetTooSmallError(f"the fd of BO {bo_id} holds {st.st_size} bytes; the BO needs {size} at "
+                                      f"{ref.offset:#x}",
                                       bo_id=bo_id, offset=max(0, st.st_size - ref.offset))
         return BoHandle(bo_id, ref, size, gpu_id, direction)
 
@@ -107,7 +108,7 @@ class FakeDmaBackend(Backend):
                 else:
                     n = os.pwritev(h.ref.fd, [part], at)
                 if n <= 0:
-                    raise BackendError(f"fake DMA: fd {h.ref.fd} ended at {at:#x}", bo_id=h.bo_id,
+                    raise BackendError(f"fake DMA: the fd of BO {h.bo_id} ended at {at:#x}", bo_id=h.bo_id,
                                        offset=bo_offset + done)
                 done += n
         finally:

@@ -5,7 +5,8 @@
 SPEC_JSON is a list of regions: {"size": N, "fill": KIND, "seed": S,
 "at": ADDR (optional fixed address), "skew": K (BO starts K bytes into its
 first page), "marks": [[offset, hex bytes], ...]}.  KIND is "random",
-"zero", "pattern", "blank" (0xA5 garbage, a restore target) or "sparse"
+"hex" (random hex digits: slow to compress), "zero", "pattern", "blank"
+(0xA5 garbage, a restore target) or "sparse"
 (zero pages left untouched, plus the marks).  "holes": [[offset, length]]
 unmaps page-aligned parts of the region after filling it.  The child maps each region,
 fills it, prints one JSON line {"pid", "regions": [{"addr", "size",
@@ -79,6 +80,13 @@ def fill(buf: Any, kind: str, seed: int) -> None:
         for off in range(0, n, 1 << 20):
             k = min(1 << 20, n - off)
             buf[off:off + k] = rng.randbytes(k)
+    elif kind == "hex":
+        # seeded random hex digits: half compressible, and slow for zstd's high levels (about 1.5 s per MiB at
+        # zstd:19 on one core), where a dump must be interrupted while it compresses
+        rng = random.Random(seed)
+        for off in range(0, n, 1 << 20):
+            k = min(1 << 20, n - off)
+            buf[off:off + k] = rng.randbytes((k + 1) // 2).hex().encode()[:k]
     elif kind == "pattern":
         unit = bytes(range(256)) * 16 + seed.to_bytes(8, "little")
         reps = n // len(unit) + 1

@@ -155,15 +155,15 @@ class SdmaBackend(Backend):
     @staticmethod
     def _check_fits(ref: BoRef, size: int, have: int, bo_id: int) -> None:
         if ref.offset + size > have:
-            raise TargetTooSmallError(f"dmabuf fd {ref.fd} holds {have} bytes; the BO needs {size} bytes at offset "
-                                      f"{ref.offset:#x}", bo_id=bo_id, offset=max(0, have - ref.offset))
+            raise TargetTooSmallError(f"the dmabuf of BO {bo_id} holds {have} bytes; the BO needs {size} bytes at "
+                                      f"its offset {ref.offset:#x}", bo_id=bo_id, offset=max(0, have - ref.offset))
 
     def _import(self, g: GpuDevice, h: SdmaBo) -> None:
         """In the GPU's submit thread: import the BO's dmabuf and map it into the GPU's VM (once per BO and job)."""
         ffi, lib = self.ffi, self.lib
         res = ffi.new("struct amdgpu_bo_import_result *")
         self._rc(lib.amdgpu_bo_import(g.dev, lib.amdgpu_bo_handle_type_dma_buf_fd, h.ref.fd, res),
-                 f"amdgpu_bo_import (dmabuf fd {h.ref.fd})", bo_id=h.bo_id)
+                 f"amdgpu_bo_import (the dmabuf of BO {h.bo_id}, gpu {h.gpu_id:#x})", bo_id=h.bo_id)
         bo, have = res.buf_handle, res.alloc_size
         try:
             self._check_fits(h.ref, h.size, have, h.bo_id)

@@ -42,7 +42,7 @@ from ...image.reader import ImageReader
 from ...image.writer import DataFileWriter, ImageWriter
 from ...pb import image_pb2 as pb
 from ...units import PAGE, round_up
-from ..pipeline import HEAD_PAGE, ChunkTask, Clock, ProgressCallback, StageTimes, blame, settle
+from ..pipeline import HEAD_PAGE, ChunkTask, Clock, Pipeline, ProgressCallback, StageTimes, blame, settle
 from .common import OFF_T_MAX, Ahead, BoSpec, CopiedBo, JobBase, JobContext, check_bo_range, landed, submit_batch
 
 DIRECT_MIN = 256 << 10  # a piece this big, alone in its batch, is written with O_DIRECT where possible
@@ -133,6 +133,10 @@ class DumpEnds:
         self.chooser = compression.chooser(workers)  # bplanes / auto: each chunk's codec
         self.policy = self.chooser if isinstance(self.chooser, AutoPolicy) else None
         self.plain = compression.mode == "none" and parent is None  # records are the staged bytes as they are
+        # Whether the job has stopped (failed or cancelled: Pipeline.stopped, set by DumpJob).  A batch looks
+        # before each piece's encoding and before its write, so that once a job stops, a copy thread finishes
+        # at most the piece it is encoding and writes nothing more (docs/engine.md, Cancelling).
+        self.stopped: Callable[[], bool] = lambda: False
 
     # --- a whole batch in one copy thread (InlineEnds) ----------------------
 
@@ -155,11 +159,13 @@ class DumpEnds:
         outcomes, failed = copy_batch(copies, HASH | ZERO)
         clock.lap("copy")
         landed(tasks, outcomes, failed)
+        self._check_going(tasks[0])
         pieces = [self._identify(t, buf, o.zero) for t, o in zip(tasks, outcomes)]
         clock.lap("hash")
         recs: list[tuple[ChunkTask[DumpBo], Piece, bytes]] = []
         for t, o, p in zip(tasks, outcomes, pieces):
             if p.kind == STORE:
+                self._check_going(t)
                 try:
                     if self.plain:
                         head = record_head(t.bo.id, t.offset, t.length, pb.CODEC_RAW, t.length, o.hash, p.chash)
@@ -175,6 +181,7 @@ class DumpEnds:
                     raise
         clock.lap("encode")
         if recs:
+            self._check_going(recs[0][0])
             gpu = tasks[0].bo.gpu_id
             assert all(t.bo.gpu_id == gpu for t in tasks)  # one lane = one GPU: its data files
             t0 = recs[0][0]
@@ -189,6 +196,11 @@ class DumpEnds:
                 self.policy.observe_sink(sum(p.length for _t, p, _h in recs), time.perf_counter() - start)
             clock.lap("write")
         return pieces
+
+    def _check_going(self, t: ChunkTask[DumpBo]) -> None:
+        """Raise (the batch is dropped) if the job has stopped: no more encoding or writing for it."""
+        if self.stopped():
+            raise Pipeline.dropped(t)
 
     def _encode(self, t: ChunkTask[DumpBo], bufs: list[StagingBuffer], p: Piece,
                 digest: int | None = None) -> EncodedChunk:
@@ -299,6 +311,7 @@ class DumpEnds:
             try:
                 p = self._identify(t, buf, is_zero_ptr(buf.ptr + t.buf_offset, t.length))
                 if p.kind == STORE:
+                    self._check_going(t)
                     self._encode(t, bufs, p)
                 out.append(p)
             except VramdError:
@@ -360,6 +373,7 @@ class DumpEnds:
         error: BaseException | None = None
         try:
             if recs:
+                self._check_going(recs[0][0])
                 gpu = recs[0][0].bo.gpu_id
                 assert all(t.bo.gpu_id == gpu for t, _ in recs)  # one lane = one GPU
                 file = self.writer.next_file(gpu)
@@ -405,6 +419,7 @@ class DumpJob(JobBase[DumpBo]):
             self.ends = DumpEnds(self.writer, compression, writer.chunk_size, index=self.index, parent=parent,
                                  workers=ctx.compress_workers)
             super().__init__(ctx, self.ends, on_progress)
+            self.ends.stopped = self.pipeline.stopped
         except BaseException:
             writer.close()
             if parent is not None:
@@ -513,6 +528,8 @@ class DumpJob(JobBase[DumpBo]):
             await self.pipeline.wait()
             # CPU work that grows with the BOs: off the event loop (other clients are answered meanwhile)
             entries, table, totals = await asyncio.get_running_loop().run_in_executor(self.ctx.cpu, self._entries)
+            if self.pipeline.error is not None:  # cancelled after the last copy landed: no manifest is written
+                raise self.pipeline.error
             return await self.writer.commit(entries, totals, self.topology_json, chunks=table, parents=self.parents)
         finally:
             self._release_all()

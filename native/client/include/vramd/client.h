@@ -268,6 +268,7 @@ enum vramd_session_state {
     VRAMD_STATE_DONE = 3,
     VRAMD_STATE_FAILED = 4,
     VRAMD_STATE_CANCELLED = 5,
+    VRAMD_STATE_CANCELLING = 6, /* cancel received, copies stopping; then CANCELLED (or FAILED) */
 };
 
 struct vramd_progress {
