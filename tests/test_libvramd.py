@@ -108,6 +108,13 @@ def test_c_suite(build, daemon):
         assert f"PASS {name} " in out, out
 
 
+def test_c_dump_short_of_fds_leaves_no_file(build, daemon):
+    """With no fd free above min_fd (RLIMIT_NOFILE lowered, the rest filled), a libvramd dump fails and leaves
+    no file it created: no data file, manifest temporary, lock file or mark; with enough fds it commits."""
+    out = run_suite(daemon, [str(build / TESTS_BIN)], ["fdlimit"], 300)
+    assert "PASS no_fd_left_no_file " in out, out
+
+
 def test_c_criu_topology(build, daemon):
     """CRIU's restore shape: 1, then 3 restored tasks submit, hand over tickets and rebuild
     1 GiB of memory each (VRAMD_TEST_TOUCH_MB) while CRIU main attaches and waits."""

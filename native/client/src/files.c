@@ -155,13 +155,18 @@ static int fail_name(struct vramd_error *err, int e, const char *what, const cha
 
 /* --- opening --------------------------------------------------------------- */
 
-/* openat + placement at min_fd; the fd or -errno (errno-style, nothing filled). */
+/* openat + placement at min_fd; the fd or -errno (errno-style, nothing filled).  A file this call created
+ * (O_CREAT|O_EXCL) that it cannot place (no fd free at or above min_fd) is removed again: a failed call
+ * leaves nothing it created. */
 static int open_at(int dir_fd, const char *name, int flags, int min_fd)
 {
     int fd = openat(dir_fd, name, flags, FILE_MODE);
     if (fd < 0)
         return -errno;
-    return vramd__place_fd(fd, min_fd);
+    int placed = vramd__place_fd(fd, min_fd);
+    if (placed < 0 && (flags & (O_CREAT | O_EXCL)) == (O_CREAT | O_EXCL))
+        (void)unlinkat(dir_fd, name, 0);
+    return placed;
 }
 
 /* A second description of `fd`'s file opened with O_DIRECT by name, or -1: the file system refuses it

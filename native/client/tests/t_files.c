@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/file.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -856,6 +857,88 @@ static int t_data_files_per_gpu(void)
     return 0;
 }
 
+/* Fill every fd from `floor` up to RLIMIT_NOFILE (at most `cap`) with duplicates of `fd`; how many. */
+static int fill_fds(int fd, int floor, int *fill, int cap)
+{
+    int n = 0;
+    while (n < cap && (fill[n] = fcntl(fd, F_DUPFD_CLOEXEC, floor)) >= 0)
+        n++;
+    return n;
+}
+
+/* With no fd free at or above min_fd, each step of a dump that creates a file fails (AddBos: the data files,
+ * Start: the manifest's temporary, Wait: the commit's mark in the parent) and the dump leaves nothing behind:
+ * no file it created in its directory or its parent's (criu.h: "nothing this call created is left").  The
+ * step that creates runs with the table full from the floor up (RLIMIT_NOFILE lowered, the rest filled);
+ * the steps before it, with room. */
+static int t_no_fd_left_no_file(void)
+{
+    enum { FLOOR = 256, ROOM = 48 };
+    struct vramd_conn *c = NULL;
+    struct vramd_error err;
+    char ppath[PATH_MAX], cpath[PATH_MAX];
+    int pfd = make_image_dir(ppath), cfd = make_image_dir(cpath);
+    int src = make_memfd(BO_BYTES, 13, 0, BO_BYTES);
+    CHECK(pfd >= 0 && cfd >= 0 && src >= 0 && pfd < FLOOR && cfd < FLOOR && src < FLOOR, "setup");
+    struct vramd_options o;
+    vramd_options_init(&o);
+    o.timeout_ms = 30000;
+    o.min_fd = FLOOR;
+    OK(vramd_connect_path(&c, daemon_socket(), &o, &err), &err);
+    OK(dump_one(c, pfd, src, NULL, 0, false, &err), &err);
+    int parent_entries = count_entries(ppath, "", "", NULL);
+    struct rlimit old, low;
+    CHECK(getrlimit(RLIMIT_NOFILE, &old) == 0 && old.rlim_cur >= FLOOR + ROOM, "RLIMIT_NOFILE %llu",
+          (unsigned long long)old.rlim_cur);
+    low = old;
+    low.rlim_cur = FLOOR + ROOM;
+    CHECK(setrlimit(RLIMIT_NOFILE, &low) == 0, "setrlimit: %s", strerror(errno));
+    static const char *const steps[] = {"AddBos", "Start", "Wait"};
+    int fill[ROOM], bad = -1, rc = 0;
+    char why[512] = "";
+    for (int step = 0; step < 3 && bad < 0; step++) {
+        struct vramd_open_args a = {.kind = VRAMD_SESSION_DUMP, .dir_fd = cfd, .chunk_size = 1 << 20,
+                                    .parent_dir_fds = &pfd, .n_parent_dir_fds = 1};
+        struct vramd_bo bo = {.id = 1, .fd = src, .size = BO_BYTES};
+        struct vramd_token t;
+        int r = vramd_open_session(c, &a, &t, NULL, &err), n = 0;
+        for (int k = 0; r == 0 && k <= step; k++) {
+            if (k == step)
+                n = fill_fds(src, FLOOR, fill, ROOM);
+            r = k == 0 ? vramd_add_bos(c, &t, &bo, 1, NULL, &err)
+                : k == 1 ? vramd_start(c, &t, NULL, &err)
+                         : vramd_wait(c, &t, 60000, NULL, &err);
+        }
+        for (int k = 0; k < n; k++)
+            close(fill[k]);
+        rc = r;
+        snprintf(why, sizeof why, "%s", err.message);
+        struct vramd_error ignored;
+        vramd_close_session(c, &t, NULL, &ignored);
+        char first[PATH_MAX] = "";
+        if (r == 0 || n == 0 || count_entries(cpath, "", "", first) != 0 ||
+            count_entries(ppath, "", "", NULL) != parent_entries)
+            bad = step;
+    }
+    CHECK(setrlimit(RLIMIT_NOFILE, &old) == 0, "setrlimit back: %s", strerror(errno));
+    if (bad >= 0) {
+        char first[PATH_MAX] = "";
+        int left = count_entries(cpath, "", "", first);
+        CHECK(0, "%s with no fd free above %d: %d (%s); %d entries left in the image directory (first %s), %d in "
+              "the parent's (was %d)", steps[bad], FLOOR, rc, why, left, first, count_entries(ppath, "", "", NULL),
+              parent_entries);
+    }
+    OK(dump_one(c, cfd, src, &pfd, 1, false, &err), &err); /* with room it commits */
+    CHECK(exists(cpath, "manifest.vrdm") && count_entries(ppath, ".child.", "", NULL) == 1, "the dump with room");
+    vramd_close(c);
+    close(src);
+    close(pfd);
+    close(cfd);
+    remove_dir(cpath);
+    remove_dir(ppath);
+    return 0;
+}
+
 const struct test files_tests[] = {
     {"dump_commit", t_dump_commit, "all quick"},
     {"dump_no_commit", t_dump_no_commit, "all quick"},
@@ -863,6 +946,7 @@ const struct test files_tests[] = {
     {"unreadable_image", t_unreadable_image, "all quick"},
     {"marks_and_sweep", t_marks_and_sweep, "all quick"},
     {"sibling_children", t_sibling_children, "all quick"},
+    {"no_fd_left_no_file", t_no_fd_left_no_file, "fdlimit"},
     {"fake_asks_for_a_file", t_fake_asks_for_a_file, "all quick"},
     {"data_file_names", t_data_file_names, "all quick"},
     {"data_files_per_gpu", t_data_files_per_gpu, "all quick"},
