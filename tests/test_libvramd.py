@@ -53,7 +53,8 @@ def run(cmd, **kw) -> subprocess.CompletedProcess:
 
 
 def c_env(daemon, **extra) -> dict:
-    env = dict(os.environ, VRAMD_SOCKET=daemon.socket, VRAMD_TEST_TMP="/var/tmp")
+    env = dict(os.environ, VRAMD_SOCKET=daemon.socket, VRAMD_TEST_TMP="/var/tmp",
+               VRAMD_TEST_VRAMCTL=f"cd {ROOT} && {sys.executable} -m vramd.cli")
     env.update({k: str(v) for k, v in extra.items()})
     return env
 

@@ -75,6 +75,20 @@ static int owned_by_me(const char *dir, const char *name)
     return 0;
 }
 
+/* The directory's lock as vramctl and vramd.client take it (vramd.image.local.take_lock): its .lock file
+ * (created 0600 where missing), flocked with `how` (LOCK_SH or LOCK_EX, LOCK_NB added); the fd, or -1. */
+static int hold_lock(const char *dir, int how)
+{
+    char p[PATH_MAX];
+    snprintf(p, sizeof p, "%s/.lock", dir);
+    int fd = open(p, O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600);
+    if (fd >= 0 && flock(fd, how | LOCK_NB) < 0) {
+        close(fd);
+        return -1;
+    }
+    return fd;
+}
+
 static int exists(const char *dir, const char *name)
 {
     char p[PATH_MAX];
@@ -205,7 +219,8 @@ static int t_dump_commit(void)
     struct vramd_session_info info;
     OK(vramd_open_session(c, &a, &t, &info, &err), &err);
     CHECK(info.state == VRAMD_STATE_OPEN, "state %d", info.state);
-    CHECK(count_entries(path, "", "", NULL) == 0, "the directory changed at OpenSession");
+    CHECK(count_entries(path, "", "", NULL) == 1 && owned_by_me(path, ".lock") == 0,
+          "the directory changed at OpenSession (other than its lock file, .lock)");
     struct vramd_bo bo = {.id = 1, .fd = src, .size = BO_BYTES};
     OK(vramd_add_bos(c, &t, &bo, 1, NULL, &err), &err);
     if (gpu0_files(path, n, true, first))
@@ -345,13 +360,31 @@ static int t_dump_busy(void)
           vramd_code_name(err.code), err.message);
     r = vramd_open_session(c, &a, &t2, NULL, &err);
     CHECK(r == -EBUSY, "second dump on the same connection: %d", r);
+    /* vramctl takes the same lock: its rm and gc are refused while this dump holds the directory */
+    const char *vramctl = getenv("VRAMD_TEST_VRAMCTL");
+    if (vramctl && *vramctl) {
+        static const char *const cmds[] = {"rm", "gc"};
+        for (int k = 0; k < 2; k++) {
+            char cmd[3 * PATH_MAX];
+            snprintf(cmd, sizeof cmd, "%s %s '%s' 2>/dev/null >/dev/null", vramctl, cmds[k], path);
+            int st = system(cmd);
+            CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 1, "vramctl %s while a libvramd dump holds %s: status %#x",
+                  cmds[k], path, st);
+        }
+    }
     OK(vramd_close_session(c, &t, NULL, &err), &err);
     OK(dump_one(c2, dfd, src, NULL, 0, false, &err), &err);
-    /* anyone's flock on the directory counts (vramctl's, another client's) */
-    int lk = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    CHECK(lk >= 0 && flock(lk, LOCK_EX | LOCK_NB) == 0, "flock");
+    CHECK(!exists(path, ".lock"), "the lock file outlived its holders");
+    /* the lock vramctl and vramd.client take (the directory's .lock, flocked) counts */
+    int lk = hold_lock(path, LOCK_EX);
+    CHECK(lk >= 0, "flock of .lock: %s", strerror(errno));
     r = dump_one(c, dfd, src, NULL, 0, false, &err);
     CHECK(r == -EBUSY, "dump into a locked directory: %d %s", r, err.message);
+    close(lk);
+    /* a flock on the directory itself, which anyone who may read it can take, blocks nothing */
+    lk = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    CHECK(lk >= 0 && flock(lk, LOCK_EX | LOCK_NB) == 0, "flock of the directory");
+    OK(dump_one(c, dfd, src, NULL, 0, false, &err), &err);
     close(lk);
     OK(dump_one(c, dfd, src, NULL, 0, false, &err), &err);
     vramd_close(c2);
@@ -448,6 +481,30 @@ static int t_marks_and_sweep(void)
     CHECK(count_entries(ppath, ".child.", "", mark) == 1 && strlen(mark) == 7 + 32, "parent marks: %d",
           count_entries(ppath, ".child.", "", NULL));
     CHECK(count_entries(cpath, ".child.", "", NULL) == 0, "the child marked itself");
+    /* the mark names the child: its image id, its directory from the parent's and its absolute path */
+    {
+        char want[3 * PATH_MAX], got[3 * PATH_MAX], real[PATH_MAX];
+        const char *base = strrchr(cpath, '/') + 1;
+        CHECK(realpath(cpath, real) != NULL, "realpath %s", cpath);
+        snprintf(want, sizeof want, "vramd child mark 1\nimage %s\npath ../%s\nabs %s\n", mark + 7, base, real);
+        snprintf(p, sizeof p, "%s/%s", ppath, mark);
+        int mf = open(p, O_RDONLY | O_CLOEXEC);
+        ssize_t n = mf >= 0 ? read(mf, got, sizeof got - 1) : -1;
+        if (mf >= 0)
+            close(mf);
+        CHECK(n > 0, "read %s", p);
+        got[n] = '\0';
+        CHECK(strcmp(got, want) == 0, "the mark holds \"%s\", want \"%s\"", got, want);
+    }
+    /* a child replaced, twice: its parent holds one mark, the new image's (the old one's went with its commit) */
+    for (int k = 0; k < 2; k++) {
+        char now[PATH_MAX];
+        OK(dump_one(c, cfd, src, &pfd, 1, false, &err), &err);
+        CHECK(count_entries(ppath, ".child.", "", now) == 1 && strcmp(now, mark) != 0,
+              "replacement %d: %d parent marks (first %s, before %s)", k + 1, count_entries(ppath, ".child.", "", NULL),
+              now, mark);
+        memcpy(mark, now, strlen(now) + 1);
+    }
     /* the parent is needed: not replaced unless replace_parent */
     int r = dump_one(c, pfd, src, NULL, 0, false, &err);
     CHECK(r == -EINVAL && err.code == VRAMD_CODE_LOCAL && strstr(err.message, mark), "dump over a parent: %d %s", r,
@@ -511,8 +568,8 @@ static int t_sibling_children(void)
     CHECK(pfd >= 0 && afd >= 0 && bfd >= 0 && src >= 0, "setup");
     OK(test_connect(&c, &err), &err);
     OK(dump_one(c, pfd, src, NULL, 0, false, &err), &err);
-    int held = open(ppath, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    CHECK(held >= 0 && flock(held, LOCK_SH) == 0, "a sibling's shared lock");
+    int held = hold_lock(ppath, LOCK_SH);
+    CHECK(held >= 0, "a sibling's shared lock");
     OK(dump_one(c, afd, src, &pfd, 1, false, &err), &err);
     CHECK(count_entries(ppath, ".child.", "", NULL) == 1, "the child did not mark its parent");
     CHECK(flock(held, LOCK_EX) == 0, "a dump's exclusive lock");
@@ -797,8 +854,8 @@ static int t_data_files_per_gpu(void)
                                       {.id = 3, .fd = src, .size = 4096, .has_gpu_id = true, .gpu_id = gpus[0]}};
             OK(vramd_add_bos(c, &t, bos, 3, NULL, &err), &err);
             OK(vramd_add_bos(c, &t, &bos[1], 1, NULL, &err), &err); /* a GPU with files gets none again */
-            CHECK(count_entries(path, "", "", NULL) == (int)(NGPUS * n), "%u per GPU: %d files in the directory",
-                  per_gpu, count_entries(path, "", "", NULL));
+            CHECK(count_entries(path, "", "", NULL) == (int)(NGPUS * n) + 1, "%u per GPU: %d files in the directory "
+                  "(the lock file one of them)", per_gpu, count_entries(path, "", "", NULL));
             for (size_t g = 0; g < NGPUS; g++)
                 for (uint32_t k = 0; k < n; k++) {
                     char want[PATH_MAX];
@@ -809,8 +866,8 @@ static int t_data_files_per_gpu(void)
         }
         CHECK(count_entries(path, "", "", NULL) == 0, "%u per GPU: %d files left", per_gpu,
               count_entries(path, "", "", NULL));
-        int lk = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-        CHECK(lk >= 0 && flock(lk, LOCK_EX | LOCK_NB) == 0, "%u per GPU: the directory is still locked", per_gpu);
+        int lk = hold_lock(path, LOCK_EX);
+        CHECK(lk >= 0, "%u per GPU: the directory is still locked", per_gpu);
         close(lk);
         vramd_close(c);
         int st = reap(pid);
