@@ -271,6 +271,8 @@ def _open_lock_file(dir_fd: int, where: str, owner: os.stat_result, optional: bo
         except FileNotFoundError:
             return _open_lock_file(dir_fd, where, owner, optional)  # its holder removed it just now
         except OSError as e:
+            if optional and e.errno == errno.EROFS:
+                return None
             if e.errno == errno.ELOOP:
                 raise _lock_refused(where, "is a symbolic link") from None
             if e.errno in (errno.EACCES, errno.EPERM):
@@ -289,8 +291,10 @@ def _open_lock_file(dir_fd: int, where: str, owner: os.stat_result, optional: bo
                                    f"({e.strerror})") from None
         raise image_os_error(e, f"cannot lock {where}: cannot create its {LOCK_NAME}") from None
     try:
-        if created and me == 0 and owner.st_uid != 0:
-            os.fchown(fd, owner.st_uid, owner.st_gid)
+        if created:
+            os.fchmod(fd, FILE_MODE)  # whatever the umask: its owner may open it read-write again
+            if me == 0 and owner.st_uid != 0:
+                os.fchown(fd, owner.st_uid, owner.st_gid)
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise _lock_refused(where, "is not a regular file")
@@ -458,7 +462,7 @@ def _child_state(dir_fd: int, path: bytes, image_id: bytes) -> tuple[str, str]:
     """mark_state of one path a mark records for its child."""
     shown = os.fsdecode(path)
     try:
-        cfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=dir_fd)
+        cfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
     except (FileNotFoundError, NotADirectoryError):
         return "stale", f"{shown} is gone"
     except OSError as e:

@@ -256,6 +256,8 @@ static int open_lock_file(int dir_fd, const struct stat *owner, bool optional, i
         fd = open_at(dir_fd, VRAMD__LOCK_NAME, O_RDWR | OPEN_FLAGS, min_fd);
         if (fd == -ENOENT) /* its holder removed it just now */
             return open_lock_file(dir_fd, owner, optional, min_fd, err);
+        if (optional && fd == -EROFS)
+            return 1;
         if (fd == -ELOOP)
             return lock_refused(err, ELOOP, dir_fd, "is a symbolic link");
         if (fd == -EACCES || fd == -EPERM) {
@@ -274,7 +276,9 @@ static int open_lock_file(int dir_fd, const struct stat *owner, bool optional, i
     }
     struct stat st;
     char why[128] = "";
-    if (created && me == 0 && owner->st_uid != 0 && fchown(fd, owner->st_uid, owner->st_gid) < 0)
+    if (created && fchmod(fd, FILE_MODE) < 0) /* whatever the umask: its owner may open it read-write again */
+        snprintf(why, sizeof why, "cannot be made 0600 (%s)", errtext(errno));
+    else if (created && me == 0 && owner->st_uid != 0 && fchown(fd, owner->st_uid, owner->st_gid) < 0)
         snprintf(why, sizeof why, "cannot be given to the directory's owner (%s)", errtext(errno));
     else if (fstat(fd, &st) < 0)
         snprintf(why, sizeof why, "cannot be checked (%s)", errtext(errno));
