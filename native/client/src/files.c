@@ -214,7 +214,7 @@ int vramd__open_image_file(int dir_fd, const char *name, bool direct, int min_fd
 
 /* --- a dump's directory ---------------------------------------------------- */
 
-/* A description of the directory of our own (flock is per description), at or above min_fd. */
+/* A description of the directory of our own (to read it: fdopendir takes it over), at or above min_fd. */
 static int open_self(int dir_fd, int min_fd)
 {
     return open_at(dir_fd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC, min_fd);

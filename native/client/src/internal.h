@@ -61,7 +61,7 @@ struct vramd__dump {
     int min_fd;
     uint8_t image_id[VRAMD__ID_BYTES];
     int dir_fd;                          /* our duplicate of the image directory */
-    int lock_fd;                         /* its lock file (.lock), flocked; vramd__release_lock unlocks */
+    int lock_fd;                         /* its lock file (.lock), flocked; release_lock (files.c) unlocks */
     int *parent_fds;                     /* duplicates of the parent directories (for the marks) */
     int *parent_locks;                   /* per parent: its lock file, flocked shared, to the end (-1: this
                                             client may not take it, and does not mark that parent) */
