@@ -8,6 +8,7 @@
  * here, naming the file.
  */
 #define _GNU_SOURCE
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
@@ -914,6 +915,56 @@ static int t_data_files_per_gpu(void)
     return 0;
 }
 
+/* A child dump whose client may only read its parent (uid 65534, a parent of root's made readable: a shared
+ * base image) takes no lock of the parent's: while its session is open, root takes the parent directory's
+ * flock and its .lock exclusively (before, the child held a shared flock on the directory, which any reader
+ * can take, and so blocked the parent's owner's dump, rm and gc). */
+static int t_reader_child_locks_nothing(void)
+{
+    if (geteuid() != 0) {
+        printf("  skipped: needs root to act as uid 65534\n");
+        return 0;
+    }
+    struct vramd_conn *c = NULL;
+    struct vramd_error err;
+    char ppath[PATH_MAX], cpath[PATH_MAX];
+    int pfd = make_image_dir(ppath), cfd = make_image_dir(cpath);
+    int src = make_memfd(BO_BYTES, 17, 0, BO_BYTES);
+    CHECK(pfd >= 0 && cfd >= 0 && src >= 0, "setup");
+    OK(test_connect(&c, &err), &err);
+    OK(dump_one(c, pfd, src, NULL, 0, false, &err), &err);
+    /* the parent readable by all (a shared base image), the child's directory uid 65534's */
+    DIR *dir = opendir(ppath);
+    CHECK(dir, "opendir %s", ppath);
+    for (struct dirent *e; (e = readdir(dir));)
+        if (e->d_name[0] != '.')
+            CHECK(fchmodat(pfd, e->d_name, 0644, 0) == 0, "chmod %s", e->d_name);
+    closedir(dir);
+    CHECK(chmod(ppath, 0755) == 0 && chown(cpath, 65534, 65534) == 0, "chmod/chown");
+    struct vramd_open_args a = {.kind = VRAMD_SESSION_DUMP, .dir_fd = cfd, .chunk_size = 1 << 20,
+                                .parent_dir_fds = &pfd, .n_parent_dir_fds = 1};
+    struct vramd_token t;
+    CHECK(setegid(65534) == 0 && seteuid(65534) == 0, "seteuid: %s", strerror(errno));
+    int r = vramd_open_session(c, &a, &t, NULL, &err);
+    CHECK(seteuid(0) == 0 && setegid(0) == 0, "seteuid back: %s", strerror(errno));
+    OK(r, &err);
+    int lk = open(ppath, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    CHECK(lk >= 0 && flock(lk, LOCK_EX | LOCK_NB) == 0, "a child dump of uid 65534 holds its parent's directory flock");
+    close(lk);
+    CHECK(!exists(ppath, ".lock"), "a child dump of uid 65534 made its parent's lock file");
+    lk = hold_lock(ppath, LOCK_EX);
+    CHECK(lk >= 0, "a child dump of uid 65534 holds its parent's lock file");
+    close(lk);
+    OK(vramd_close_session(c, &t, NULL, &err), &err);
+    vramd_close(c);
+    close(src);
+    close(pfd);
+    close(cfd);
+    remove_dir(cpath);
+    remove_dir(ppath);
+    return 0;
+}
+
 /* Fill every fd from `floor` up to RLIMIT_NOFILE (at most `cap`) with duplicates of `fd`; how many. */
 static int fill_fds(int fd, int floor, int *fill, int cap)
 {
@@ -1004,6 +1055,7 @@ const struct test files_tests[] = {
     {"marks_and_sweep", t_marks_and_sweep, "all quick"},
     {"sibling_children", t_sibling_children, "all quick"},
     {"no_fd_left_no_file", t_no_fd_left_no_file, "fdlimit"},
+    {"reader_child_locks_nothing", t_reader_child_locks_nothing, "all quick"},
     {"fake_asks_for_a_file", t_fake_asks_for_a_file, "all quick"},
     {"data_file_names", t_data_file_names, "all quick"},
     {"data_files_per_gpu", t_data_files_per_gpu, "all quick"},
