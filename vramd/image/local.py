@@ -671,7 +671,10 @@ class DumpDirectory:
         """After the commit: in each parent directory this dump marked, the marks that name this directory
         but another image (the image this one replaced, or a child dump into it that died in its commit) go."""
         mine = child_mark_name(self.image_id)
-        here = os.fstat(self.dir_fd)
+        try:
+            here = os.fstat(self.dir_fd)
+        except OSError:
+            return  # best effort: the new image is committed either way (what is left reads as stale)
         for fd in self._marked:
             for name in children_marks(fd):
                 if name == mine or not mark_names(fd, name, here):
