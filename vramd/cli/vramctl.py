@@ -579,7 +579,7 @@ def cmd_rm(ns: argparse.Namespace) -> int:
     parent (it holds the lock shared from its start to its end), and a child dump started while rm runs is
     refused."""
     from ..image.format import LOCK_NAME, MANIFEST_NAME, child_mark_name, is_data_file_name, is_own_temporary
-    from ..image.local import lock_directory, mark_names, remove_stale_marks, unlink_regular
+    from ..image.local import lock_directory, mark_names, read_mark, remove_stale_marks, unlink_regular
     dfd = open_image_dir(ns.dir, create=False)
     fds = [dfd]
     lock = None
@@ -610,7 +610,10 @@ def cmd_rm(ns: argparse.Namespace) -> int:
             if mark_names(fd, mark, here, m.image_id):
                 unlink_regular(fd, mark)
             elif os.path.lexists(f"/proc/self/fd/{fd}/{mark}"):
-                notes.append(f"kept {mark} in parent #{k}: it does not name {ns.dir}")
+                why = (f"it names another directory than {ns.dir}" if read_mark(fd, mark) else
+                       "it names no child (an older vramd's, or not vramd's): remove it by hand if no child needs "
+                       "that parent")
+                notes.append(f"kept {mark} in parent #{k}: {why}")
         left = [n for n in os.listdir(dfd) if n != LOCK_NAME]
     finally:
         if lock is not None:
