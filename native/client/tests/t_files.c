@@ -915,6 +915,52 @@ static int t_data_files_per_gpu(void)
     return 0;
 }
 
+/* vramctl ($VRAMD_TEST_VRAMCTL) reads the marks libvramd writes: rm of the parent is refused while the child
+ * is whole, gc keeps the live mark, rm of the child removes its mark (it names that very directory), and then
+ * rm of the parent works. */
+static int vramctl_status(const char *vramctl, const char *args, const char *path)
+{
+    char cmd[3 * PATH_MAX];
+    snprintf(cmd, sizeof cmd, "%s %s '%s' >/dev/null 2>&1", vramctl, args, path);
+    int st = system(cmd);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+static int t_marks_read_by_vramctl(void)
+{
+    const char *vramctl = getenv("VRAMD_TEST_VRAMCTL");
+    if (!vramctl || !*vramctl) {
+        printf("  skipped: VRAMD_TEST_VRAMCTL is not set\n");
+        return 0;
+    }
+    struct vramd_conn *c = NULL;
+    struct vramd_error err;
+    char ppath[PATH_MAX], cpath[PATH_MAX];
+    int pfd = make_image_dir(ppath), cfd = make_image_dir(cpath);
+    int src = make_memfd(BO_BYTES, 19, 0, BO_BYTES);
+    CHECK(pfd >= 0 && cfd >= 0 && src >= 0, "setup");
+    OK(test_connect(&c, &err), &err);
+    OK(dump_one(c, pfd, src, NULL, 0, false, &err), &err);
+    OK(dump_one(c, cfd, src, &pfd, 1, false, &err), &err);
+    OK(dump_one(c, cfd, src, &pfd, 1, false, &err), &err); /* replaced once: still one mark */
+    vramd_close(c);
+    CHECK(count_entries(ppath, ".child.", "", NULL) == 1, "%d marks", count_entries(ppath, ".child.", "", NULL));
+    CHECK(vramctl_status(vramctl, "rm", ppath) == 1, "vramctl rm of a parent whose child is whole");
+    CHECK(vramctl_status(vramctl, "gc", ppath) == 0 && count_entries(ppath, ".child.", "", NULL) == 1,
+          "vramctl gc removed a live mark libvramd wrote");
+    char rm_child[PATH_MAX + 32];
+    snprintf(rm_child, sizeof rm_child, "rm --parent '%s'", ppath); /* these dumps record no parent path */
+    CHECK(vramctl_status(vramctl, rm_child, cpath) == 0 && count_entries(ppath, ".child.", "", NULL) == 0,
+          "vramctl rm of the child left its mark (%d)", count_entries(ppath, ".child.", "", NULL));
+    CHECK(vramctl_status(vramctl, "rm", ppath) == 0 && !exists(ppath, "manifest.vrdm"), "vramctl rm of the parent");
+    close(src);
+    close(pfd);
+    close(cfd);
+    remove_dir(cpath);
+    remove_dir(ppath);
+    return 0;
+}
+
 /* A child dump whose client may only read its parent (uid 65534, a parent of root's made readable: a shared
  * base image) takes no lock of the parent's: while its session is open, root takes the parent directory's
  * flock and its .lock exclusively (before, the child held a shared flock on the directory, which any reader
@@ -1056,6 +1102,7 @@ const struct test files_tests[] = {
     {"sibling_children", t_sibling_children, "all quick"},
     {"no_fd_left_no_file", t_no_fd_left_no_file, "fdlimit"},
     {"reader_child_locks_nothing", t_reader_child_locks_nothing, "all quick"},
+    {"marks_read_by_vramctl", t_marks_read_by_vramctl, "all quick"},
     {"fake_asks_for_a_file", t_fake_asks_for_a_file, "all quick"},
     {"data_file_names", t_data_file_names, "all quick"},
     {"data_files_per_gpu", t_data_files_per_gpu, "all quick"},
