@@ -106,7 +106,7 @@ def test_c_suite(build, daemon):
                  "uid_refused", "corrupt_image", "bad_fds", "no_daemon", "fake_daemon", "fd_placement",
                  "wait_timeout", "incremental", "cancel_by_id", "dump_commit", "dump_no_commit", "dump_busy",
                  "unreadable_image", "marks_and_sweep", "sibling_children", "fake_asks_for_a_file",
-                 "reader_child_locks_nothing", "marks_read_by_vramctl"):
+                 "reader_child_locks_nothing", "marks_read_by_vramctl", "lock_on_fd_one"):
         assert f"PASS {name} " in out, out
 
 

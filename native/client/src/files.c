@@ -245,9 +245,12 @@ static int lock_refused(struct vramd_error *err, int e, int dir_fd, const char *
 
 /* `.lock` in dir_fd opened read-write, created 0600 where missing (by root: given to the directory's owner)
  * and checked as vramd.image.local does: a regular file, one link, of the directory's owner or of this uid,
- * nobody else's to open.  The fd; 1 where `optional` and this uid may not create it; or -errno, err filled. */
-static int open_lock_file(int dir_fd, const struct stat *owner, bool optional, int min_fd, struct vramd_error *err)
+ * nobody else's to open.  0 with *out the fd, or -1 where `optional` and this uid may not create it (an out
+ * parameter: any fd number, 0 and 1 too, may be the lock's where min_fd is 0); or -errno, err filled. */
+static int open_lock_file(int dir_fd, const struct stat *owner, bool optional, int min_fd, int *out,
+                          struct vramd_error *err)
 {
+    *out = -1;
     uid_t me = geteuid();
     bool created = true;
     int fd = open_at(dir_fd, VRAMD__LOCK_NAME, O_RDWR | O_CREAT | O_EXCL | OPEN_FLAGS, min_fd);
@@ -255,9 +258,9 @@ static int open_lock_file(int dir_fd, const struct stat *owner, bool optional, i
         created = false;
         fd = open_at(dir_fd, VRAMD__LOCK_NAME, O_RDWR | OPEN_FLAGS, min_fd);
         if (fd == -ENOENT) /* its holder removed it just now */
-            return open_lock_file(dir_fd, owner, optional, min_fd, err);
+            return open_lock_file(dir_fd, owner, optional, min_fd, out, err);
         if (optional && fd == -EROFS)
-            return 1;
+            return 0;
         if (fd == -ELOOP)
             return lock_refused(err, ELOOP, dir_fd, "is a symbolic link");
         if (fd == -EACCES || fd == -EPERM) {
@@ -271,7 +274,7 @@ static int open_lock_file(int dir_fd, const struct stat *owner, bool optional, i
             return fail_name(err, -fd, "open", VRAMD__LOCK_NAME, dir_fd);
     } else if (fd < 0) {
         if (optional && (fd == -EACCES || fd == -EPERM || fd == -EROFS))
-            return 1;
+            return 0;
         return fail_name(err, -fd, "create", VRAMD__LOCK_NAME, dir_fd);
     }
     struct stat st;
@@ -291,8 +294,10 @@ static int open_lock_file(int dir_fd, const struct stat *owner, bool optional, i
                  (unsigned)st.st_uid, (unsigned)owner->st_uid, (unsigned)me);
     else if (st.st_mode & 077)
         snprintf(why, sizeof why, "has mode %04o: others may open it", (unsigned)(st.st_mode & 07777));
-    if (!why[0])
-        return fd;
+    if (!why[0]) {
+        *out = fd;
+        return 0;
+    }
     vramd__close_fd(fd);
     if (created)
         (void)unlinkat(dir_fd, VRAMD__LOCK_NAME, 0);
@@ -311,11 +316,12 @@ static int take_lock(int dir_fd, bool shared, bool optional, const char *label, 
     if (fstat(dir_fd, &owner) < 0)
         return fail_name(err, errno, "stat", ".", dir_fd);
     for (int tries = 0; tries < 8; tries++) {
-        int fd = open_lock_file(dir_fd, &owner, optional, min_fd, err);
-        if (fd == 1)
-            return 0;
+        int fd;
+        int r = open_lock_file(dir_fd, &owner, optional, min_fd, &fd, err);
+        if (r < 0)
+            return r;
         if (fd < 0)
-            return fd;
+            return 0;
         if (flock(fd, (shared ? LOCK_SH : LOCK_EX) | LOCK_NB) < 0) {
             int e = errno;
             char path[PATH_MAX];

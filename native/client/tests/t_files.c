@@ -602,6 +602,49 @@ static int t_sibling_children(void)
     return 0;
 }
 
+/* A process whose fds 0 and 1 are free (a daemon that closed its stdio) with min_fd 0: the dump's directory
+ * duplicate lands on 0 and its .lock on 1, and the lock is still taken and held (a vramctl-style flock of
+ * .lock is refused) and released at the end, and fd 1 is not left holding .lock.  (found by review: fd 1 was
+ * read as "this uid may not create .lock" and the dump went on unlocked, .lock open on fd 1 for good) */
+static int t_lock_on_fd_one(void)
+{
+    struct vramd_conn *c = NULL;
+    struct vramd_error err;
+    char path[PATH_MAX];
+    int dfd = make_image_dir(path);
+    CHECK(dfd >= 0, "setup");
+    OK(test_connect(&c, &err), &err);
+    struct vramd_open_args a = {.kind = VRAMD_SESSION_DUMP, .dir_fd = dfd};
+    struct vramd_token t;
+    int saved0 = fcntl(0, F_DUPFD_CLOEXEC, 100), saved1 = fcntl(1, F_DUPFD_CLOEXEC, 100);
+    CHECK(saved0 >= 0 && saved1 >= 0, "saving fds 0 and 1: %s", strerror(errno));
+    close(0);
+    close(1);
+    int r = vramd_open_session(c, &a, &t, NULL, &err);
+    int other = hold_lock(path, LOCK_SH); /* as vramctl rm/gc would take it */
+    struct stat one;
+    bool one_is_lock = fstat(1, &one) == 0 && S_ISREG(one.st_mode);
+    if (other >= 0)
+        close(other);
+    struct vramd_error ignored;
+    if (r == 0)
+        vramd_close_session(c, &t, NULL, &ignored);
+    bool one_open_after = fcntl(1, F_GETFD) >= 0 && fstat(1, &one) == 0 && S_ISREG(one.st_mode);
+    dup2(saved0, 0);
+    dup2(saved1, 1);
+    close(saved0);
+    close(saved1);
+    CHECK(r == 0, "dump with fds 0 and 1 free: %d %s", r, err.message);
+    CHECK(other < 0, "the dump (its .lock on fd %s) did not hold the directory's lock: another took it",
+          one_is_lock ? "1" : "?");
+    CHECK(!one_open_after, "fd 1 still holds a regular file (.lock) after the session ended");
+    CHECK(!exists(path, ".lock"), "the lock file outlived its holder");
+    vramd_close(c);
+    close(dfd);
+    remove_dir(path);
+    return 0;
+}
+
 /* A daemon (fake) that asks for a file no image holds: the client opens nothing, breaks the connection. */
 static void fake_asks(int s, const char *name, uint32_t image)
 {
@@ -1100,6 +1143,7 @@ const struct test files_tests[] = {
     {"unreadable_image", t_unreadable_image, "all quick"},
     {"marks_and_sweep", t_marks_and_sweep, "all quick"},
     {"sibling_children", t_sibling_children, "all quick"},
+    {"lock_on_fd_one", t_lock_on_fd_one, "all quick"},
     {"no_fd_left_no_file", t_no_fd_left_no_file, "fdlimit"},
     {"reader_child_locks_nothing", t_reader_child_locks_nothing, "all quick"},
     {"marks_read_by_vramctl", t_marks_read_by_vramctl, "all quick"},
