@@ -220,19 +220,24 @@ class DirectoryLock:
     """An image directory's lock, held: its `.lock` file open and flocked.  `release` unlocks, and removes the
     name where no other holder is left, so the file exists only while someone holds it (or after a crash)."""
 
-    def __init__(self, dir_fd: int, fd: int) -> None:
+    def __init__(self, dir_fd: int, fd: int, shared: bool) -> None:
         self.dir_fd = dir_fd  # our own duplicate of the directory's fd
         self.fd = fd
+        self.shared = shared
 
     def release(self) -> None:
         if self.fd < 0:
             return
         try:
-            # exclusive at once only where nobody else holds it (a shared holder's conversion may drop its own
-            # lock first: it is releasing anyway); then the name is ours to remove, and a process that opened
-            # this file meanwhile sees, once it holds it, that the name has gone, and takes the new one
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            # the name is ours to remove where nobody else holds the lock: an exclusive holder knows it; a
+            # shared one takes it exclusively at once, which succeeds only then (the conversion may drop its
+            # own lock first: it is releasing anyway).  A process that opened this file meanwhile sees, once it
+            # holds it or fails to, that the name has gone, and takes the new one.  The name is checked first,
+            # while we hold the lock (nobody removes it meanwhile), so that a shared holder's exclusive lock,
+            # which refuses a sibling's shared one, is held for one unlink only (take_lock waits that out).
             if _same_file(os.fstat(self.fd), self.dir_fd, LOCK_NAME):
+                if self.shared:
+                    fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 os.unlink(LOCK_NAME, dir_fd=self.dir_fd)
         except OSError:
             pass
@@ -298,7 +303,7 @@ def _open_lock_file(dir_fd: int, where: str, owner: os.stat_result, optional: bo
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise _lock_refused(where, "is not a regular file")
-        if st.st_nlink != 1:
+        if st.st_nlink > 1:  # 0: its last holder removed it just now (take_lock starts again)
             raise _lock_refused(where, f"has {st.st_nlink} links")
         if st.st_uid not in (owner.st_uid, me):
             raise _lock_refused(where, f"is uid {st.st_uid}'s, neither the directory's owner's (uid "
@@ -314,6 +319,27 @@ def _open_lock_file(dir_fd: int, where: str, owner: os.stat_result, optional: bo
                 pass
         raise
     return fd
+
+
+# How often a shared taker looks again at a lock held exclusively under an unchanged name: a sibling child
+# releasing its shared lock holds it exclusively for one unlink (DirectoryLock.release); a dump's exclusive lock
+# refuses it this many times over, in a few milliseconds.
+RELEASE_SPINS = 1000
+
+
+def _flock_waiting_out_releases(fd: int, dir_fd: int, shared: bool) -> bool:
+    """flock `fd` (shared or exclusive, never waiting): True once held, False where `.lock` is no longer this
+    file (its last holder removed it: take the new one); EWOULDBLOCK raised where another holds it."""
+    for _ in range(RELEASE_SPINS if shared else 1):
+        try:
+            fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if not _same_file(os.fstat(fd), dir_fd, LOCK_NAME):
+                return False
+            if shared:
+                os.sched_yield()
+    raise OSError(errno.EWOULDBLOCK, os.strerror(errno.EWOULDBLOCK))
 
 
 def take_lock(dir_fd: int, where: str = "the image directory", *, shared: bool = False,
@@ -333,11 +359,12 @@ def take_lock(dir_fd: int, where: str = "the image directory", *, shared: bool =
         if fd is None:
             return None
         try:
-            fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
-            # its last holder may have removed the name between our open and our flock: then this file
-            # excludes nobody, and the one at the name now is the lock
-            if _same_file(os.fstat(fd), dir_fd, LOCK_NAME):
-                return DirectoryLock(os.dup(dir_fd), fd)
+            if _flock_waiting_out_releases(fd, dir_fd, shared):
+                # its last holder may have removed the name between our open and our flock: then this file
+                # excludes nobody, and the one at the name now is the lock
+                if _same_file(os.fstat(fd), dir_fd, LOCK_NAME):
+                    return DirectoryLock(os.dup(dir_fd), fd, shared)
+            # else its last holder, removing it, held it exclusively: the lock is the new one
         except OSError as e:
             os.close(fd)
             if e.errno == errno.EWOULDBLOCK:
