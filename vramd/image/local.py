@@ -359,12 +359,10 @@ def take_lock(dir_fd: int, where: str = "the image directory", *, shared: bool =
         if fd is None:
             return None
         try:
-            if _flock_waiting_out_releases(fd, dir_fd, shared):
-                # its last holder may have removed the name between our open and our flock: then this file
-                # excludes nobody, and the one at the name now is the lock
-                if _same_file(os.fstat(fd), dir_fd, LOCK_NAME):
-                    return DirectoryLock(os.dup(dir_fd), fd, shared)
-            # else its last holder, removing it, held it exclusively: the lock is the new one
+            # its last holder may have removed the name between our open and our flock (or held it exclusively
+            # to remove it): then this file excludes nobody, and the one at the name now is the lock
+            if _flock_waiting_out_releases(fd, dir_fd, shared) and _same_file(os.fstat(fd), dir_fd, LOCK_NAME):
+                return DirectoryLock(os.dup(dir_fd), fd, shared)
         except OSError as e:
             os.close(fd)
             if e.errno == errno.EWOULDBLOCK:
