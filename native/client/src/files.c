@@ -12,6 +12,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -287,7 +288,7 @@ static int open_lock_file(int dir_fd, const struct stat *owner, bool optional, i
         snprintf(why, sizeof why, "cannot be checked (%s)", errtext(errno));
     else if (!S_ISREG(st.st_mode))
         snprintf(why, sizeof why, "is not a regular file");
-    else if (st.st_nlink != 1)
+    else if (st.st_nlink > 1) /* 0: its last holder removed it just now (take_lock starts again) */
         snprintf(why, sizeof why, "has %lu links", (unsigned long)st.st_nlink);
     else if (st.st_uid != owner->st_uid && st.st_uid != me)
         snprintf(why, sizeof why, "is uid %u's, neither the directory's owner's (uid %u) nor uid %u's",
@@ -302,6 +303,28 @@ static int open_lock_file(int dir_fd, const struct stat *owner, bool optional, i
     if (created)
         (void)unlinkat(dir_fd, VRAMD__LOCK_NAME, 0);
     return lock_refused(err, EPERM, dir_fd, why);
+}
+
+/* vramd.image.local.RELEASE_SPINS: how often a shared taker looks again at a lock held exclusively
+ * under an unchanged name (a sibling releasing its shared lock holds it so for one unlink). */
+#define RELEASE_SPINS 1000
+
+/* flock fd (shared or exclusive, never waiting): 0 once held, 1 where .lock is no longer this file (its last
+ * holder removed it), -errno (-EWOULDBLOCK: another holds it). */
+static int flock_waiting_out_releases(int fd, int dir_fd, bool shared)
+{
+    for (int spin = 0; spin < (shared ? RELEASE_SPINS : 1); spin++) {
+        if (flock(fd, (shared ? LOCK_SH : LOCK_EX) | LOCK_NB) == 0)
+            return 0;
+        if (errno != EWOULDBLOCK)
+            return -errno;
+        struct stat st;
+        if (fstat(fd, &st) == 0 && !same_file(&st, dir_fd, VRAMD__LOCK_NAME, false))
+            return 1;
+        if (shared)
+            sched_yield();
+    }
+    return -EWOULDBLOCK;
 }
 
 /* The directory's lock, as vramd.image.local.take_lock takes it: its .lock, flocked (shared: a child's lock
@@ -322,8 +345,13 @@ static int take_lock(int dir_fd, bool shared, bool optional, const char *label, 
             return r;
         if (fd < 0)
             return 0;
-        if (flock(fd, (shared ? LOCK_SH : LOCK_EX) | LOCK_NB) < 0) {
-            int e = errno;
+        r = flock_waiting_out_releases(fd, dir_fd, shared);
+        if (r == 1) { /* its last holder, removing it, held it exclusively: the lock is the new one */
+            vramd__close_fd(fd);
+            continue;
+        }
+        if (r < 0) {
+            int e = -r;
             char path[PATH_MAX];
             vramd__close_fd(fd);
             vramd__dir_label(dir_fd, path, sizeof path);
@@ -347,14 +375,17 @@ static int take_lock(int dir_fd, bool shared, bool optional, const char *label, 
                        "times in a row", label, path);
 }
 
-/* Unlock: where no other holder is left, the name goes first (it exists only while held, or after a crash). */
-static void release_lock(int dir_fd, int lock_fd)
+/* Unlock: where no other holder is left, the name goes first (it exists only while held, or after a crash).
+ * As vramd.image.local.DirectoryLock.release: an exclusive holder knows it is the only one; a shared one
+ * takes the lock exclusively at once, which succeeds only then, after checking the name (nobody removes it
+ * while we hold the lock), so that its exclusive hold, which refuses a sibling, covers one unlink. */
+static void release_lock(int dir_fd, int lock_fd, bool shared)
 {
     if (lock_fd < 0)
         return;
     struct stat st;
-    if (dir_fd >= 0 && flock(lock_fd, LOCK_EX | LOCK_NB) == 0 && fstat(lock_fd, &st) == 0 &&
-        same_file(&st, dir_fd, VRAMD__LOCK_NAME, false))
+    if (dir_fd >= 0 && fstat(lock_fd, &st) == 0 && same_file(&st, dir_fd, VRAMD__LOCK_NAME, false) &&
+        (!shared || flock(lock_fd, LOCK_EX | LOCK_NB) == 0))
         (void)unlinkat(dir_fd, VRAMD__LOCK_NAME, 0);
     vramd__close_fd(lock_fd);
 }
@@ -814,11 +845,11 @@ void vramd__dump_abandon(struct vramd__dump *d)
 
 void vramd__dump_release(struct vramd__dump *d)
 {
-    release_lock(d->dir_fd, d->lock_fd);
+    release_lock(d->dir_fd, d->lock_fd, false);
     vramd__close_fd(d->dir_fd);
     d->lock_fd = d->dir_fd = -1;
     for (size_t i = 0; i < d->n_parents; i++) {
-        release_lock(d->parent_fds[i], d->parent_locks[i]);
+        release_lock(d->parent_fds[i], d->parent_locks[i], true);
         vramd__close_fd(d->parent_fds[i]);
     }
     free(d->parent_fds);

@@ -645,6 +645,105 @@ static int t_lock_on_fd_one(void)
     return 0;
 }
 
+/* Children of one image never exclude each other: 4 processes, each on its own connection, begin child dumps
+ * of one parent 20,000 times each at once, and none is refused the parent's lock.  Each child directory holds a
+ * mark, so each vramd_open_session takes the parent's lock (shared), then its own, then refuses the directory
+ * (-EINVAL, "the parent of 1 incremental image") and releases both, all locally: the lock is taken and
+ * released at full speed.  The parent is $VRAMD_TEST_CHURN_PARENT where set (one whose lock other processes,
+ * vramd.image.local's, take and release meanwhile: tests/test_libvramd.py), else one made here, whose .lock is
+ * gone at the end.  (found by review: a sibling opening .lock as its last holder removed it was refused, "has
+ * 0 links", and one flocking it while a releasing sibling held it exclusively for its unlink was -EBUSY) */
+static int t_sibling_lock_churn(void)
+{
+    enum { PROCS = 4, ROUNDS = 20000 };
+    struct vramd_conn *c = NULL;
+    struct vramd_error err;
+    char ppath[PATH_MAX], cpath[PROCS][PATH_MAX];
+    const char *given = getenv("VRAMD_TEST_CHURN_PARENT");
+    int pfd = given && *given ? open(given, O_RDONLY | O_DIRECTORY | O_CLOEXEC) : make_image_dir(ppath), cfd[PROCS];
+    int src = make_memfd(BO_BYTES, 17, 0, BO_BYTES);
+    CHECK(pfd >= 0 && src >= 0, "setup");
+    for (int k = 0; k < PROCS; k++) {
+        CHECK((cfd[k] = make_image_dir(cpath[k])) >= 0, "setup");
+        int m = openat(cfd[k], ".child.00000000000000000000000000000000", O_WRONLY | O_CREAT | O_CLOEXEC, 0600);
+        CHECK(m >= 0, "a mark in %s: %s", cpath[k], strerror(errno));
+        close(m);
+    }
+    if (!(given && *given)) {
+        OK(test_connect(&c, &err), &err);
+        OK(dump_one(c, pfd, src, NULL, 0, false, &err), &err);
+        vramd_close(c);
+    }
+    int go[2], report[2];
+    CHECK(pipe(go) == 0 && pipe(report) == 0, "pipe");
+    pid_t pids[PROCS];
+    for (int k = 0; k < PROCS; k++) {
+        pids[k] = fork();
+        CHECK(pids[k] >= 0, "fork");
+        if (pids[k] == 0) {
+            char line[256] = "";
+            struct vramd_conn *cc = NULL;
+            int refused = 0, first = 0;
+            char byte;
+            if (test_connect(&cc, &err) < 0 || read(go[0], &byte, 1) != 1) {
+                char out[512];
+                int n = snprintf(out, sizeof out, "[no connection: %s] ", err.message);
+                (void)!write(report[1], out, (size_t)n);
+                _exit(2);
+            }
+            for (int i = 0; i < ROUNDS; i++) {
+                struct vramd_open_args a = {.kind = VRAMD_SESSION_DUMP, .dir_fd = cfd[k], .chunk_size = 1 << 20,
+                                            .parent_dir_fds = &pfd, .n_parent_dir_fds = 1};
+                struct vramd_token t;
+                int r = vramd_open_session(cc, &a, &t, NULL, &err);
+                if (r == -EINVAL && strstr(err.message, "the parent of 1 incremental image"))
+                    continue; /* its own directory refused, after both locks were taken and released */
+                if (!refused++)
+                    first = r, snprintf(line, sizeof line, "%s", err.message);
+                if (r == 0) {
+                    struct vramd_error ignored;
+                    vramd_close_session(cc, &t, NULL, &ignored);
+                }
+            }
+            char out[512];
+            int n = snprintf(out, sizeof out, "[%d refused (first %d: %s)] ", refused, first, line);
+            (void)!write(report[1], out, (size_t)n);
+            vramd_close(cc);
+            _exit(refused ? 1 : 0);
+        }
+    }
+    close(go[0]);
+    close(report[1]);
+    char all[PROCS] = {0};
+    CHECK(write(go[1], all, PROCS) == PROCS, "go"); /* one byte each: all start at once */
+    close(go[1]);
+    int bad = 0;
+    for (int k = 0; k < PROCS; k++) {
+        int st;
+        CHECK(waitpid(pids[k], &st, 0) == pids[k], "waitpid");
+        if (!(WIFEXITED(st) && WEXITSTATUS(st) == 0))
+            bad++, fprintf(stderr, "sibling %d: status %#x\n", k, st);
+    }
+    char text[4096] = "";
+    size_t len = 0;
+    for (ssize_t n; len < sizeof text - 1 && (n = read(report[0], text + len, sizeof text - 1 - len)) > 0;)
+        len += (size_t)n;
+    text[len] = '\0';
+    close(report[0]);
+    CHECK(!bad, "%d of %d sibling processes were refused the parent's lock: %s", bad, PROCS, text);
+    close(src);
+    close(pfd);
+    for (int k = 0; k < PROCS; k++) {
+        close(cfd[k]);
+        remove_dir(cpath[k]);
+    }
+    if (!(given && *given)) {
+        CHECK(!exists(ppath, ".lock"), "the parent's lock file outlived its holders");
+        remove_dir(ppath);
+    }
+    return 0;
+}
+
 /* A daemon (fake) that asks for a file no image holds: the client opens nothing, breaks the connection. */
 static void fake_asks(int s, const char *name, uint32_t image)
 {
@@ -1144,6 +1243,7 @@ const struct test files_tests[] = {
     {"marks_and_sweep", t_marks_and_sweep, "all quick"},
     {"sibling_children", t_sibling_children, "all quick"},
     {"lock_on_fd_one", t_lock_on_fd_one, "all quick"},
+    {"sibling_lock_churn", t_sibling_lock_churn, "churn"},
     {"no_fd_left_no_file", t_no_fd_left_no_file, "fdlimit"},
     {"reader_child_locks_nothing", t_reader_child_locks_nothing, "all quick"},
     {"marks_read_by_vramctl", t_marks_read_by_vramctl, "all quick"},
