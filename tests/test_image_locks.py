@@ -300,3 +300,28 @@ def test_sibling_children_taking_and_releasing_a_parents_lock_never_refuse_each_
         assert p.returncode == 0, err
         assert out.startswith("0 "), out
     assert os.listdir(parent) == []
+
+
+@needs_root
+def test_a_child_in_another_owners_directory_does_not_mark_the_parent(daemon, shared_dir):
+    """Root (as CRIU through libvramd would) dumps an incremental image into a directory uid 65534 owns, whose
+    parent is in root's own directory: uid 65534, who may write only the child, would otherwise hold a mark
+    that refuses root's rm and plain dump of the parent for as long as it keeps the child.  The parent is
+    neither locked nor marked (as for a child whose client does not own the parent), and root's rm of the
+    parent goes through (found by review: rm was refused, "the parent of 1 incremental image(s)")."""
+    parent, child, bo = (os.path.join(shared_dir, n) for n in ("parent", "child", "bo.bin"))
+    with open(bo, "wb") as f:
+        f.write(os.urandom(200_000))
+    dump(daemon, parent, bo)
+    os.mkdir(child)
+    os.chown(child, NOBODY, NOBODY)
+    dump(daemon, child, bo, "--parent", parent)
+    assert marks(parent) == []
+    assert not os.path.exists(os.path.join(parent, ".lock"))
+    r = vramctl("rm", parent)
+    assert r.returncode == 0, r.stderr
+    # a child in a directory of the parent's owner is still marked
+    dump(daemon, parent, bo)
+    mine = os.path.join(shared_dir, "mine")
+    dump(daemon, mine, bo, "--parent", parent)
+    assert len(marks(parent)) == 1

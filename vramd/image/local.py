@@ -575,15 +575,18 @@ class DumpDirectory:
             # a parent (or an rm of it) takes that lock exclusively, so it cannot run between this child's
             # reading of the parent and its mark there (it would see no mark, and the child would commit
             # against an image that is gone); children of one parent do not exclude each other.  Only where
-            # this client owns the parent's directory (or is root) and may write it: a lock, like a mark, must
-            # never let one user block another's image.
+            # this client owns the parent's directory (or is root) and may write it, and the parent's directory
+            # has this directory's owner: a lock, like a mark, must never let one user block another's image
+            # (a mark lasts as long as its child, which whoever may write the child's directory keeps).
             me = os.geteuid()
             for k, fd in enumerate(self.parent_dirs, 1):
                 lock = None
-                if me == 0 or os.fstat(fd).st_uid == me:
+                owner = os.fstat(fd).st_uid
+                if (me == 0 or owner == me) and owner == here.st_uid:
                     lock = take_lock(fd, f"parent directory #{k}", shared=True, optional=True)
                 if lock is None:
-                    log.info("parent directory #%d neither locked nor marked: %s may not", k, _who())
+                    log.info("parent directory #%d neither locked nor marked: %s may not, or this directory's "
+                             "owner is not its owner", k, _who())
                 self._parent_locks.append(lock)
             sweep_temporaries(dir_fd)
         except BaseException:

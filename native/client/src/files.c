@@ -492,9 +492,10 @@ int vramd__dump_begin(struct vramd__dump *d, int dir_fd, const int *parents, siz
         /* its lock, shared, from before the parent is read (the caller opens its manifest after this) to the
          * end: a dump replacing the parent, or vramctl rm, holds it exclusively, so neither runs between this
          * child's reading of the parent and its mark there; the children of one parent never exclude each
-         * other.  Only where this client owns the parent's directory (or is root) and may write it: a lock,
-         * like a mark, must never let one user block another's image. */
-        if (geteuid() == 0 || ps.st_uid == geteuid()) {
+         * other.  Only where this client owns the parent's directory (or is root) and may write it, and the
+         * parent's directory has this directory's owner: a lock, like a mark, must never let one user block
+         * another's image (a mark lasts as long as its child, which whoever may write its directory keeps). */
+        if ((geteuid() == 0 || ps.st_uid == geteuid()) && ps.st_uid == ds.st_uid) {
             char label[48];
             snprintf(label, sizeof label, "the directory of parent #%zu, ", i + 1);
             r = take_lock(d->parent_fds[i], true, true, label, min_fd, &d->parent_locks[i], err);
@@ -635,7 +636,7 @@ static void rel_path(const char *from, const char *to, char *out, size_t size)
 }
 
 /* Under parent i's lock (held, shared, since vramd__dump_begin: only where this client owns the parent's
- * directory, or is root, and may write it): this child's mark in it, naming this image and this directory
+ * directory, or is root, and may write it, and it has this directory's owner): this child's mark in it, naming this image and this directory
  * (format.child_mark_content), fsynced.  0 (also when the caller may not write there) or a negative errno
  * with err filled. */
 static int mark_parent(struct vramd__dump *d, size_t i, struct vramd_error *err)

@@ -744,6 +744,41 @@ static int t_sibling_lock_churn(void)
     return 0;
 }
 
+/* Root (CRIU) dumps a child into a directory uid 65534 owns, with a parent in root's directory: the parent is
+ * neither locked nor marked, since uid 65534, who keeps the child, would otherwise refuse root's rm and dumps
+ * of the parent; a child in a directory of the parent's owner is marked.  (found by review) */
+static int t_child_of_another_owner_marks_nothing(void)
+{
+    if (geteuid() != 0) {
+        printf("  skipped: needs root to give a directory to uid 65534\n");
+        return 0;
+    }
+    struct vramd_conn *c = NULL;
+    struct vramd_error err;
+    char ppath[PATH_MAX], cpath[PATH_MAX], mpath[PATH_MAX];
+    int pfd = make_image_dir(ppath), cfd = make_image_dir(cpath), mfd = make_image_dir(mpath);
+    int src = make_memfd(BO_BYTES, 19, 0, BO_BYTES);
+    CHECK(pfd >= 0 && cfd >= 0 && mfd >= 0 && src >= 0, "setup");
+    CHECK(chown(cpath, 65534, 65534) == 0, "chown: %s", strerror(errno));
+    OK(test_connect(&c, &err), &err);
+    OK(dump_one(c, pfd, src, NULL, 0, false, &err), &err);
+    OK(dump_one(c, cfd, src, &pfd, 1, false, &err), &err);
+    CHECK(exists(cpath, "manifest.vrdm"), "the child committed");
+    CHECK(count_entries(ppath, ".child.", "", NULL) == 0, "root's child in uid 65534's directory marked the parent");
+    CHECK(!exists(ppath, ".lock"), "a .lock left in the parent");
+    OK(dump_one(c, mfd, src, &pfd, 1, false, &err), &err);
+    CHECK(count_entries(ppath, ".child.", "", NULL) == 1, "a child in root's own directory did not mark it");
+    vramd_close(c);
+    close(src);
+    close(pfd);
+    close(cfd);
+    close(mfd);
+    remove_dir(cpath);
+    remove_dir(mpath);
+    remove_dir(ppath);
+    return 0;
+}
+
 /* A daemon (fake) that asks for a file no image holds: the client opens nothing, breaks the connection. */
 static void fake_asks(int s, const char *name, uint32_t image)
 {
@@ -1243,6 +1278,7 @@ const struct test files_tests[] = {
     {"marks_and_sweep", t_marks_and_sweep, "all quick"},
     {"sibling_children", t_sibling_children, "all quick"},
     {"lock_on_fd_one", t_lock_on_fd_one, "all quick"},
+    {"child_of_another_owner_marks_nothing", t_child_of_another_owner_marks_nothing, "all quick"},
     {"sibling_lock_churn", t_sibling_lock_churn, "churn"},
     {"no_fd_left_no_file", t_no_fd_left_no_file, "fdlimit"},
     {"reader_child_locks_nothing", t_reader_child_locks_nothing, "all quick"},

@@ -386,7 +386,8 @@ VRAMD_API int vramd_progress(struct vramd_conn *conn, const struct vramd_token *
  * is committed): the data files are renamed into place, the child is marked
  * in its parents' directories (each under that directory's lock, taken
  * shared at vramd_open_session; one the caller does not own or may not
- * write is neither locked nor marked; one another dump holds is -EBUSY),
+ * write, or whose owner is not the image directory's, is neither locked nor
+ * marked; one another dump holds is -EBUSY),
  * the manifest is renamed to manifest.vrdm (the commit point), the directory
  * is fsynced, the replaced image's data files are removed, and so are the
  * marks in those parents that name this directory with another image id,
