@@ -325,3 +325,30 @@ def test_a_child_in_another_owners_directory_does_not_mark_the_parent(daemon, sh
     mine = os.path.join(shared_dir, "mine")
     dump(daemon, mine, bo, "--parent", parent)
     assert len(marks(parent)) == 1
+
+
+def test_a_mark_one_of_whose_paths_leads_elsewhere_is_kept(daemon, tmp_path):
+    """A parent and its child moved together (tree a/ renamed to b/): the child's mark finds it by its relative
+    path, while its absolute one names a/child, which no longer exists.  A new child dumped at a/child (parent
+    b/parent) must not take that mark for one of its own replaced image, nor must rm of a copy of the child
+    placed at a/child remove it: the live child b/child keeps its parent protected (found by review: either
+    removed the live child's mark, since one of its paths led to the directory they were given)."""
+    bo, a, b = tmp_path / "bo.bin", tmp_path / "a", tmp_path / "b"
+    bo.write_bytes(os.urandom(200_000))
+    a.mkdir()
+    dump(daemon, a / "parent", bo)
+    dump(daemon, a / "child", bo, "--parent", str(a / "parent"))
+    kid = child_mark_name(bytes.fromhex(image_id(a / "child")))
+    os.rename(a, b)
+    a.mkdir()
+    dump(daemon, a / "child", bo, "--parent", str(b / "parent"))  # its own, new child
+    assert kid in marks(b / "parent") and len(marks(b / "parent")) == 2
+    r = vramctl("rm", str(a / "child"))
+    assert r.returncode == 0, r.stderr
+    assert marks(b / "parent") == [kid]
+    shutil.copytree(b / "child", a / "child")  # the same image id, at the path the mark also records
+    r = vramctl("rm", str(a / "child"), "--parent", str(b / "parent"))
+    assert r.returncode == 0, r.stderr
+    assert marks(b / "parent") == [kid]
+    r = vramctl("rm", str(b / "parent"))
+    assert r.returncode == 1 and "parent of 1 incremental image" in r.stderr, r.stderr

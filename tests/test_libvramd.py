@@ -107,7 +107,7 @@ def test_c_suite(build, daemon):
                  "wait_timeout", "incremental", "cancel_by_id", "dump_commit", "dump_no_commit", "dump_busy",
                  "unreadable_image", "marks_and_sweep", "sibling_children", "fake_asks_for_a_file",
                  "reader_child_locks_nothing", "marks_read_by_vramctl", "lock_on_fd_one",
-                 "child_of_another_owner_marks_nothing"):
+                 "child_of_another_owner_marks_nothing", "moved_childs_mark_kept"):
         assert f"PASS {name} " in out, out
 
 

@@ -453,12 +453,25 @@ def read_mark(dir_fd: int, name: str) -> tuple[bytes, list[bytes]] | None:
 
 
 def mark_names(dir_fd: int, name: str, child: os.stat_result, image_id: bytes | None = None) -> bool:
-    """Whether the mark `name` in dir_fd names the directory `child` (and the image `image_id`, where given):
-    its recorded path, from dir_fd, leads to that very directory."""
+    """Whether the mark `name` in dir_fd names the directory `child` (and the image `image_id`, where given),
+    and no other: a path it records, from dir_fd, leads to that very directory, and each other one leads
+    nowhere (a mark whose other path finds a directory, maybe its live child moved along with its parent, is
+    not this directory's to remove)."""
     got = read_mark(dir_fd, name)
     if got is None or (image_id is not None and got[0] != image_id):
         return False
-    return any(_same_file(child, dir_fd, path, follow=True) for path in got[1])
+    here = 0
+    for path in got[1]:
+        try:
+            now = os.stat(path, dir_fd=dir_fd)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        except OSError:
+            return False
+        if (now.st_dev, now.st_ino) != (child.st_dev, child.st_ino):
+            return False
+        here += 1
+    return here > 0
 
 
 def mark_state(dir_fd: int, name: str) -> tuple[str, str]:

@@ -682,8 +682,8 @@ static int mark_parent(struct vramd__dump *d, size_t i, struct vramd_error *err)
     return r;
 }
 
-/* Whether the mark `name` in pfd names the directory `here` (format.parse_child_mark; either path it
- * records leads to that very directory). */
+/* Whether the mark `name` in pfd names the directory `here`, and no other (format.parse_child_mark;
+ * vramd.image.local.mark_names). */
 static bool mark_names(int pfd, const char *name, const struct stat *here)
 {
     char text[16384 + 2];
@@ -717,7 +717,24 @@ static bool mark_names(int pfd, const char *name, const struct stat *here)
     if (!end || end[1] != '\0')
         return false;
     *end = '\0';
-    return (*rel && same_file(here, pfd, rel, true)) || (*ab && same_file(here, pfd, ab, true));
+    /* one path leads to that very directory, and the other nowhere (a mark whose other path finds a
+     * directory, maybe its live child moved along with its parent, is not this directory's to remove) */
+    int hits = 0;
+    const char *paths[2] = {rel, ab};
+    for (int k = 0; k < 2; k++) {
+        struct stat now;
+        if (!*paths[k])
+            continue;
+        if (fstatat(pfd, paths[k], &now, 0) < 0) {
+            if (errno == ENOENT || errno == ENOTDIR)
+                continue;
+            return false;
+        }
+        if (now.st_dev != here->st_dev || now.st_ino != here->st_ino)
+            return false;
+        hits++;
+    }
+    return hits > 0;
 }
 
 /* After the commit point, in each parent directory this dump marked: the marks that name this directory but

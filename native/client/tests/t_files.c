@@ -779,6 +779,59 @@ static int t_child_of_another_owner_marks_nothing(void)
     return 0;
 }
 
+/* Open (creating) the directory `name` under `base`, its path in out. */
+static int sub_dir(const char *base, const char *name, char *out)
+{
+    snprintf(out, PATH_MAX, "%s/%s", base, name);
+    if (mkdir(out, 0700) < 0 && errno != EEXIST)
+        return -1;
+    return open(out, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+}
+
+/* A parent and its child moved together (base/a renamed to base/b): the child's mark finds it by its relative
+ * path; its absolute one names base/a/child, where a new child of base/b/parent is then dumped.  That dump's
+ * commit must not remove the moved child's mark as one of its own replaced image's; replacing that new child
+ * removes the new child's old mark (both its paths lead to it).  (found by review) */
+static int t_moved_childs_mark_kept(void)
+{
+    struct vramd_conn *c = NULL;
+    struct vramd_error err;
+    char base[PATH_MAX], a[PATH_MAX], b[PATH_MAX], p[PATH_MAX], k[PATH_MAX], moved[PATH_MAX];
+    int bfd = make_image_dir(base);
+    int src = make_memfd(BO_BYTES, 23, 0, BO_BYTES);
+    CHECK(bfd >= 0 && src >= 0, "setup");
+    int afd = sub_dir(base, "a", a);
+    int pfd = sub_dir(a, "parent", p), kfd = sub_dir(a, "child", k);
+    CHECK(afd >= 0 && pfd >= 0 && kfd >= 0, "setup");
+    OK(test_connect(&c, &err), &err);
+    OK(dump_one(c, pfd, src, NULL, 0, false, &err), &err);
+    OK(dump_one(c, kfd, src, &pfd, 1, false, &err), &err);
+    snprintf(b, sizeof b, "%s/b", base);
+    CHECK(rename(a, b) == 0, "rename: %s", strerror(errno));
+    snprintf(moved, sizeof moved, "%s/parent", b);
+    CHECK(count_entries(moved, ".child.", "", NULL) == 1, "the child's mark");
+    close(kfd);
+    int a2 = sub_dir(base, "a", a);
+    int nfd = sub_dir(a, "child", k);
+    CHECK(a2 >= 0 && nfd >= 0, "setup");
+    OK(dump_one(c, nfd, src, &pfd, 1, false, &err), &err); /* pfd: the moved parent */
+    int n = count_entries(moved, ".child.", "", NULL);
+    CHECK(n == 2, "the moved parent holds %d mark(s), not 2: the new child at the old path removed the moved "
+          "child's", n);
+    OK(dump_one(c, nfd, src, &pfd, 1, false, &err), &err); /* replacing the new child: its old mark goes */
+    n = count_entries(moved, ".child.", "", NULL);
+    CHECK(n == 2, "the moved parent holds %d mark(s) after the new child was replaced, not 2", n);
+    vramd_close(c);
+    close(src);
+    close(pfd);
+    close(nfd);
+    close(afd);
+    close(a2);
+    close(bfd);
+    remove_dir(base);
+    return 0;
+}
+
 /* A daemon (fake) that asks for a file no image holds: the client opens nothing, breaks the connection. */
 static void fake_asks(int s, const char *name, uint32_t image)
 {
@@ -1278,6 +1331,7 @@ const struct test files_tests[] = {
     {"marks_and_sweep", t_marks_and_sweep, "all quick"},
     {"sibling_children", t_sibling_children, "all quick"},
     {"lock_on_fd_one", t_lock_on_fd_one, "all quick"},
+    {"moved_childs_mark_kept", t_moved_childs_mark_kept, "all quick"},
     {"child_of_another_owner_marks_nothing", t_child_of_another_owner_marks_nothing, "all quick"},
     {"sibling_lock_churn", t_sibling_lock_churn, "churn"},
     {"no_fd_left_no_file", t_no_fd_left_no_file, "fdlimit"},
