@@ -28,6 +28,7 @@ import fcntl
 import logging
 import os
 import stat
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -322,23 +323,28 @@ def _open_lock_file(dir_fd: int, where: str, owner: os.stat_result, optional: bo
 
 
 # How often a shared taker looks again at a lock held exclusively under an unchanged name: a sibling child
-# releasing its shared lock holds it exclusively for one unlink (DirectoryLock.release); a dump's exclusive lock
-# refuses it this many times over, in a few milliseconds.
-RELEASE_SPINS = 1000
+# releasing its shared lock holds it exclusively for one unlink (DirectoryLock.release), which a preempted
+# releaser may stretch to a scheduler's time slice.  The first RELEASE_YIELDS looks yield the CPU, the others
+# follow a pause of RELEASE_PAUSE seconds: a dump's exclusive lock refuses a shared taker after about 0.2 s.
+RELEASE_SPINS = 300
+RELEASE_YIELDS = 100
+RELEASE_PAUSE = 0.001
 
 
 def _flock_waiting_out_releases(fd: int, dir_fd: int, shared: bool) -> bool:
     """flock `fd` (shared or exclusive, never waiting): True once held, False where `.lock` is no longer this
     file (its last holder removed it: take the new one); EWOULDBLOCK raised where another holds it."""
-    for _ in range(RELEASE_SPINS if shared else 1):
+    for spin in range(RELEASE_SPINS if shared else 1):
         try:
             fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
             return True
         except BlockingIOError:
             if not _same_file(os.fstat(fd), dir_fd, LOCK_NAME):
                 return False
-            if shared:
+            if shared and spin < RELEASE_YIELDS:
                 os.sched_yield()
+            elif shared:
+                time.sleep(RELEASE_PAUSE)
     raise OSError(errno.EWOULDBLOCK, os.strerror(errno.EWOULDBLOCK))
 
 

@@ -18,6 +18,7 @@
 #include <string.h>
 #include <sys/file.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "internal.h"
@@ -305,9 +306,12 @@ static int open_lock_file(int dir_fd, const struct stat *owner, bool optional, i
     return lock_refused(err, EPERM, dir_fd, why);
 }
 
-/* vramd.image.local.RELEASE_SPINS: how often a shared taker looks again at a lock held exclusively
- * under an unchanged name (a sibling releasing its shared lock holds it so for one unlink). */
-#define RELEASE_SPINS 1000
+/* vramd.image.local.RELEASE_SPINS, _YIELDS, _PAUSE: how often a shared taker looks again at a lock held
+ * exclusively under an unchanged name (a sibling releasing its shared lock holds it so for one unlink, which a
+ * preempted releaser may stretch to a time slice): yielding the CPU first, then after 1 ms pauses; a dump's
+ * exclusive lock refuses a shared taker after about 0.2 s. */
+#define RELEASE_SPINS 300
+#define RELEASE_YIELDS 100
 
 /* flock fd (shared or exclusive, never waiting): 0 once held, 1 where .lock is no longer this file (its last
  * holder removed it), -errno (-EWOULDBLOCK: another holds it). */
@@ -321,8 +325,10 @@ static int flock_waiting_out_releases(int fd, int dir_fd, bool shared)
         struct stat st;
         if (fstat(fd, &st) == 0 && !same_file(&st, dir_fd, VRAMD__LOCK_NAME, false))
             return 1;
-        if (shared)
+        if (shared && spin < RELEASE_YIELDS)
             sched_yield();
+        else if (shared)
+            nanosleep(&(struct timespec){.tv_nsec = 1000000}, NULL);
     }
     return -EWOULDBLOCK;
 }
