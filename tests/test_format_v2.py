@@ -410,19 +410,21 @@ def test_children_of_one_parent_commit_at_once_but_not_while_a_dump_writes_there
     """A child marks its parent's directory under a shared lock: another child marking it at that moment
     (a shared lock held on the directory) does not fail its commit; a dump writing into the directory (an
     exclusive lock) does, and the child leaves no mark."""
-    import fcntl
+    from vramd.image.local import lock_directory
     (pp, pfd), (_ap, afd), (_bp, bfd) = _dirs(tmp_path, "parent", "a", "b")
     _dump(pfd, {1: os.urandom(CHUNK)})
-    held = os.open(pp, os.O_RDONLY | os.O_DIRECTORY)
+    held = lock_directory(pfd, shared=True)  # a sibling marking the parent right now
     try:
-        fcntl.flock(held, fcntl.LOCK_SH)  # a sibling marking the parent right now
         am = _dump(afd, {1: os.urandom(CHUNK)}, parent_fds=[pfd])
         assert (pp / f".child.{am.image_id.hex()}").exists()
-        fcntl.flock(held, fcntl.LOCK_EX)  # a dump writing into the parent's directory
+    finally:
+        held.release()
+    held = lock_directory(pfd)  # a dump writing into the parent's directory
+    try:
         with pytest.raises(errors.InvalidRequestError, match="another dump is writing into parent directory #1"):
             _dump(bfd, {1: os.urandom(CHUNK)}, parent_fds=[pfd])
     finally:
-        os.close(held)
+        held.release()
     assert [n for n in os.listdir(pp) if n.startswith(".child.")] == [f".child.{am.image_id.hex()}"]
 
 

@@ -53,7 +53,8 @@ def run(cmd, **kw) -> subprocess.CompletedProcess:
 
 
 def c_env(daemon, **extra) -> dict:
-    env = dict(os.environ, VRAMD_SOCKET=daemon.socket, VRAMD_TEST_TMP="/var/tmp")
+    env = dict(os.environ, VRAMD_SOCKET=daemon.socket, VRAMD_TEST_TMP="/var/tmp",
+               VRAMD_TEST_VRAMCTL=f"cd {ROOT} && {sys.executable} -m vramd.cli")
     env.update({k: str(v) for k, v in extra.items()})
     return env
 
@@ -104,8 +105,65 @@ def test_c_suite(build, daemon):
     for name in ("memfd_roundtrip", "procmem_roundtrip", "many_fds", "criu_adapter", "criu_incremental",
                  "uid_refused", "corrupt_image", "bad_fds", "no_daemon", "fake_daemon", "fd_placement",
                  "wait_timeout", "incremental", "cancel_by_id", "dump_commit", "dump_no_commit", "dump_busy",
-                 "unreadable_image", "marks_and_sweep", "sibling_children", "fake_asks_for_a_file"):
+                 "unreadable_image", "marks_and_sweep", "sibling_children", "fake_asks_for_a_file",
+                 "reader_child_locks_nothing", "marks_read_by_vramctl", "lock_on_fd_one",
+                 "child_of_another_owner_marks_nothing", "moved_childs_mark_kept"):
         assert f"PASS {name} " in out, out
+
+
+def test_c_dump_short_of_fds_leaves_no_file(build, daemon):
+    """With no fd free above min_fd (RLIMIT_NOFILE lowered, the rest filled), a libvramd dump fails and leaves
+    no file it created: no data file, manifest temporary, lock file or mark; with enough fds it commits."""
+    out = run_suite(daemon, [str(build / TESTS_BIN)], ["fdlimit"], 300)
+    assert "PASS no_fd_left_no_file " in out, out
+
+
+# vramd.image.local's side of a parent's lock, taken and released shared (as a sibling child dump does) until
+# stdin closes; prints how many times it was refused, and the first message.
+SIBLING_HAMMER = """
+import os, select, sys
+from vramd.image.local import take_lock
+from vramd.errors import VramdError
+d = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY)
+print("READY", flush=True)
+refused, first, rounds = 0, "", 0
+while not select.select([0], [], [], 0)[0]:  # until stdin closes
+    rounds += 1
+    try:
+        lock = take_lock(d, "the parent", shared=True)
+    except VramdError as e:
+        refused, first = refused + 1, first or e.message
+        continue
+    lock.release()
+print(refused, rounds, first, flush=True)
+"""
+
+
+def test_c_and_python_siblings_never_refuse_each_other(build, daemon, tmp_path):
+    """libvramd child dumps (4 processes beginning 20,000 each: t_files.c, sibling_lock_churn) and
+    vramd.image.local siblings (3 processes taking and releasing the lock in a loop) share one parent's lock at
+    once: neither side is ever refused, and no .lock is left (found by review: "has 0 links" and -EBUSY
+    while a releasing sibling held the lock exclusively for its unlink)."""
+    parent, bo = tmp_path / "parent", tmp_path / "bo.bin"
+    bo.write_bytes(os.urandom(100_000))
+    r = subprocess.run([sys.executable, "-m", "vramd.cli", "--socket", daemon.socket, "dump", "--bo-file", str(bo),
+                        "--image", str(parent)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    hammers = [subprocess.Popen([sys.executable, "-c", SIBLING_HAMMER, str(parent)], cwd=ROOT, text=True,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+               for _ in range(3)]
+    try:
+        for h in hammers:
+            assert h.stdout.readline().strip() == "READY", h.stderr.read()
+        out = run_suite(daemon, [str(build / TESTS_BIN)], ["churn"], 300, VRAMD_TEST_CHURN_PARENT=str(parent))
+        assert "PASS sibling_lock_churn " in out, out
+    finally:
+        results = [h.communicate(timeout=60) for h in hammers]
+    for h, (hout, herr) in zip(hammers, results, strict=True):
+        assert h.returncode == 0, herr
+        refused, rounds = hout.split()[:2]
+        assert refused == "0" and int(rounds) > 0, hout
+    assert not (parent / ".lock").exists()
 
 
 def test_c_criu_topology(build, daemon):

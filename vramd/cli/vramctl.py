@@ -11,7 +11,7 @@
     vramctl inspect DIR [--json]                        (offline: no daemon)
     vramctl flatten DIR OUT [--parent DIR] [--json]     (offline: a self-contained copy)
     vramctl rm DIR [--parent DIR] [--json]              (offline: an image no child needs)
-    vramctl gc DIR [--json]                             (offline: an interrupted dump's temporaries)
+    vramctl gc DIR [--json]                             (offline: interrupted dumps' temporaries, stale marks)
     vramctl [--socket S] selftest [--size 64M] [--json]
 
 vramctl opens /proc/PID/mem and the BO files, and opens and creates the
@@ -569,24 +569,31 @@ PARENT_HELP = ("an incremental image's parent directory, where it is not where t
 
 
 def cmd_rm(ns: argparse.Namespace) -> int:
-    """Remove an image: refused while incremental images are marked as needing it.  Only vramd's own files
-    go, regular files only: the manifest first (from then on the directory holds no image), then its data
-    files and temporaries, then, for an incremental image, its marks in its parents (last: where a step
-    fails, a mark stays and keeps protecting a parent, never the other way round), then the directory if
-    nothing else is left in it.  All under the directory's lock, as a dump holds it: refused while a dump
-    writes into the directory or a child dump reads this image as its parent (it holds the lock shared from
-    its start to its end), and a child dump started while rm runs is refused."""
-    from ..image.format import CHILD_MARK, MANIFEST_NAME, child_mark_name, is_data_file_name, is_own_temporary
-    from ..image.local import lock_directory, unlink_regular
+    """Remove an image: refused while incremental images are marked as needing it (stale marks, whose child
+    is gone or holds another image, do not count: they go too, and rm says so).  Only vramd's own files go,
+    regular files only: the manifest first (from then on the directory holds no image), then its data files
+    and temporaries, then, for an incremental image, its marks in its parents (last: where a step fails, a
+    mark stays and keeps protecting a parent, never the other way round), then the directory if nothing else
+    is left in it.  A mark in a parent goes only where its content names this very directory and image: the
+    path an image records is read, never trusted to say what to delete.  All under the directory's lock, as
+    a dump holds it: refused while a dump writes into the directory or a child dump reads this image as its
+    parent (it holds the lock shared from its start to its end), and a child dump started while rm runs is
+    refused."""
+    from ..image.format import LOCK_NAME, MANIFEST_NAME, child_mark_name, is_data_file_name, is_own_temporary
+    from ..image.local import lock_directory, mark_names, read_mark, remove_stale_marks, unlink_regular
     dfd = open_image_dir(ns.dir, create=False)
     fds = [dfd]
+    lock = None
+    notes: list[str] = []
     try:
-        fds.append(lock_directory(dfd, ns.dir))  # closed (unlocked) last, with the others
+        lock = lock_directory(dfd, ns.dir)
         m = read_manifest_offline(dfd, ns.dir)
-        children = sorted(n for n in os.listdir(dfd) if CHILD_MARK.fullmatch(n))
-        if children:
-            raise Failure(f"{ns.dir} is the parent of {len(children)} incremental image(s) ({children[0]}...): "
-                          "remove or flatten them first")
+        stale, live = remove_stale_marks(dfd)
+        if live:
+            raise Failure(f"{ns.dir} is the parent of {len(live)} incremental image(s) ({live[0][0]}: "
+                          f"{live[0][1]}...): remove or flatten them first")
+        if stale:
+            notes.append(f"ignored and removed {len(stale)} stale mark(s): {'; '.join(stale)}")
         parent_fds: list[int] = []
         if m.parents:
             try:
@@ -594,41 +601,52 @@ def cmd_rm(ns: argparse.Namespace) -> int:
             except Failure as e:
                 raise Failure(f"{e} (vramctl rm unmarks the image in its parents)") from None
             fds += parent_fds
+        here = os.fstat(dfd)
         os.unlink(MANIFEST_NAME, dir_fd=dfd)
         for name in os.listdir(dfd):
             if is_data_file_name(name) or is_own_temporary(name):
                 unlink_regular(dfd, name)
-        for fd in parent_fds:
-            try:
-                os.unlink(child_mark_name(m.image_id), dir_fd=fd)
-            except FileNotFoundError:
-                pass
-        left = os.listdir(dfd)
+        mark = child_mark_name(m.image_id)
+        for k, fd in enumerate(parent_fds, 1):
+            if mark_names(fd, mark, here, m.image_id):
+                unlink_regular(fd, mark)
+            elif os.path.lexists(f"/proc/self/fd/{fd}/{mark}"):
+                why = (f"it names another directory than {ns.dir}" if read_mark(fd, mark) else
+                       "it names no child (an older vramd's, or not vramd's): remove it by hand if no child needs "
+                       "that parent")
+                notes.append(f"kept {mark} in parent #{k}: {why}")
+        left = [n for n in os.listdir(dfd) if n != LOCK_NAME]
     finally:
+        if lock is not None:
+            lock.release()
         for fd in fds:
             os.close(fd)
     if not left:
         os.rmdir(ns.dir)
-    emit(ns, {"ok": True, "removed": os.path.abspath(ns.dir), "directory_kept": bool(left)},
-         f"removed the image in {ns.dir}" + (f" (kept the directory: {len(left)} other file(s))" if left else ""))
+    emit(ns, {"ok": True, "removed": os.path.abspath(ns.dir), "directory_kept": bool(left), "notes": notes},
+         f"removed the image in {ns.dir}" + (f" (kept the directory: {len(left)} other file(s))" if left else "") +
+         "".join(f"\n  {n}" for n in notes))
     return EXIT_OK
 
 
 def cmd_gc(ns: argparse.Namespace) -> int:
-    """Remove what interrupted dumps left in an image directory (as the next dump into it would)."""
-    from ..image.local import lock_directory, sweep_temporaries
+    """Remove what interrupted dumps left in an image directory (as the next dump into it would), and its
+    stale marks (their child is gone or holds another image)."""
+    from ..image.local import lock_directory, remove_stale_marks, sweep_temporaries
     dfd = open_image_dir(ns.dir, create=False)
     try:
-        lock = lock_directory(dfd)  # a dump under way holds it: its temporaries are not garbage
+        lock = lock_directory(dfd, ns.dir)  # a dump under way holds it: its temporaries are not garbage
         try:
-            removed = sweep_temporaries(lock)
+            removed = sweep_temporaries(dfd)
+            stale, _live = remove_stale_marks(dfd)
         finally:
-            os.close(lock)
+            lock.release()
     finally:
         os.close(dfd)
-    emit(ns, {"ok": True, "removed": removed},
+    emit(ns, {"ok": True, "removed": removed, "stale_marks": stale},
          f"{ns.dir}: removed {len(removed)} temporary file(s) of interrupted dumps" +
-         "".join(f"\n  {n}" for n in removed))
+         "".join(f"\n  {n}" for n in removed) +
+         (f"\n{ns.dir}: removed {len(stale)} stale mark(s)" + "".join(f"\n  {n}" for n in stale) if stale else ""))
     return EXIT_OK
 
 
@@ -716,8 +734,8 @@ def build_parser() -> argparse.ArgumentParser:
             "an image incremental images need is kept", daemon=False)
     p.add_argument("dir", metavar="DIR")
     p.add_argument("--parent", metavar="DIR", help=PARENT_HELP)
-    p = cmd("gc", cmd_gc, "remove what interrupted dumps left in an image directory (offline; refused while a "
-            "dump writes into it)", daemon=False)
+    p = cmd("gc", cmd_gc, "remove what interrupted dumps left in an image directory, and its stale marks (their "
+            "child is gone or holds another image; offline; refused while a dump writes into it)", daemon=False)
     p.add_argument("dir", metavar="DIR")
     p = cmd("flatten", cmd_flatten, "copy an image into a self-contained one: no parents needed (offline)",
             daemon=False)

@@ -103,6 +103,43 @@ def child_mark_name(image_id: bytes) -> str:
     return f".child.{image_id.hex()}"
 
 
+# A mark's content names its child: the child's image id and the child's directory, relative to the directory
+# the mark is in and absolute, so that `vramctl rm` of the child removes only its own marks and `vramctl gc` of
+# the parent can tell a stale mark (its child gone, or holding another image) from a live one: the relative
+# path finds a child moved along with its parent, the absolute one a child whose parent moved alone.  Marks
+# made before this content existed are empty: they name no child.
+CHILD_MARK_HEAD = b"vramd child mark 1\n"
+MAX_CHILD_MARK_BYTES = 16384
+
+
+def child_mark_content(image_id: bytes, relative: bytes, absolute: bytes) -> bytes:
+    """What a mark holds, four lines: its head, `image <32 hex>`, `path <the child's directory, relative to
+    the mark's>`, `abs <the child's directory>` (a path holding a newline is not recorded: empty)."""
+    rel = b"" if b"\n" in relative else relative
+    ab = b"" if b"\n" in absolute else absolute
+    return CHILD_MARK_HEAD + b"image " + image_id.hex().encode() + b"\npath " + rel + b"\nabs " + ab + b"\n"
+
+
+def parse_child_mark(data: bytes) -> tuple[bytes, list[bytes]] | None:
+    """A mark's image id and the paths it records for its child (the relative one first; empty ones left
+    out), or None where it is not one this format makes (an empty, older mark too)."""
+    lines = data.split(b"\n")
+    if len(lines) != 5 or lines[0] + b"\n" != CHILD_MARK_HEAD or lines[4] or b"\0" in data:
+        return None
+    image, rel, ab = lines[1:4]
+    if not (image.startswith(b"image ") and rel.startswith(b"path ") and ab.startswith(b"abs ")):
+        return None
+    hexid = image[6:]
+    if not re.fullmatch(rb"[0-9a-f]{32}", hexid):
+        return None
+    return bytes.fromhex(hexid.decode()), [p for p in (rel[5:], ab[4:]) if p]
+
+
+# The directory's lock (image/local.py, lock_directory): a regular file of the directory's owner, mode 0600,
+# that exists while a dump, an rm or a gc holds it (and after a crash: then it is harmless).
+LOCK_NAME = ".lock"
+
+
 def is_data_file_name(name: str) -> bool:
     return DATA_FILE_NAME.fullmatch(name) is not None
 

@@ -9,6 +9,8 @@ same in C.
 
 - `ImageFiles`: an image to read (restore, verify) or a dump's parent chain:
   the manifests opened, then the data files the daemon names (`open_needed`).
+- `lock_directory`: the directory's lock, a file `.lock` only those who may write the image can open
+  (one dump, rm or gc at a time; children hold their parents' shared).
 - `DumpDirectory`: a dump's directory: locked, checked for children marks,
   swept of a crashed dump's temporaries; the data files and the manifest's
   temporary created; the commit (renames, parent marks, fsync, removal of the
@@ -26,6 +28,7 @@ import fcntl
 import logging
 import os
 import stat
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -42,16 +45,20 @@ from ..errors import (
     VramdError,
     from_os_error,
 )
-from .fileio import FILE_MODE, OPEN_FLAGS, image_os_error
+from .fileio import FILE_MODE, OPEN_FLAGS, image_os_error, read_manifest_now
 from .format import (
     CHILD_MARK,
     DATA_FILE_NAME,
+    LOCK_NAME,
     MANIFEST_NAME,
+    MAX_CHILD_MARK_BYTES,
     MAX_STRIPES,
+    child_mark_content,
     child_mark_name,
     data_file_name,
     is_own_temporary,
     manifest_tmp_name,
+    parse_child_mark,
 )
 
 log = logging.getLogger(__name__)
@@ -210,24 +217,173 @@ class ImageFiles:
         self.close()
 
 
-def lock_directory(dir_fd: int, where: str = "the image directory", *, shared: bool = False) -> int:
-    """A description of the directory of our own, flocked (one dump, or gc, or rm, at a time): the caller
-    closes it to unlock.  Another holder is INVALID_REQUEST.  `shared`: the lock children take to mark the
-    directory as their parent's: they never exclude each other (sibling dumps commit at once), only a dump
-    writing into the directory, or gc, or rm, excludes them, and they it."""
+class DirectoryLock:
+    """An image directory's lock, held: its `.lock` file open and flocked.  `release` unlocks, and removes the
+    name where no other holder is left, so the file exists only while someone holds it (or after a crash)."""
+
+    def __init__(self, dir_fd: int, fd: int, shared: bool) -> None:
+        self.dir_fd = dir_fd  # our own duplicate of the directory's fd
+        self.fd = fd
+        self.shared = shared
+
+    def release(self) -> None:
+        if self.fd < 0:
+            return
+        try:
+            # the name is ours to remove where nobody else holds the lock: an exclusive holder knows it; a
+            # shared one takes it exclusively at once, which succeeds only then (the conversion may drop its
+            # own lock first: it is releasing anyway).  A process that opened this file meanwhile sees, once it
+            # holds it or fails to, that the name has gone, and takes the new one.  The name is checked first,
+            # while we hold the lock (nobody removes it meanwhile), so that a shared holder's exclusive lock,
+            # which refuses a sibling's shared one, is held for one unlink only (take_lock waits that out).
+            if _same_file(os.fstat(self.fd), self.dir_fd, LOCK_NAME):
+                if self.shared:
+                    fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                os.unlink(LOCK_NAME, dir_fd=self.dir_fd)
+        except OSError:
+            pass
+        os.close(self.fd)
+        os.close(self.dir_fd)
+        self.fd = self.dir_fd = -1
+
+
+def _same_file(st: os.stat_result, dir_fd: int, name: str | bytes, *, follow: bool = False) -> bool:
+    """Whether `name` in `dir_fd` is the file `st` describes (False where it is missing)."""
     try:
-        lock_fd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=dir_fd)
+        now = os.stat(name, dir_fd=dir_fd, follow_symlinks=follow)
+    except OSError:
+        return False
+    return (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino)
+
+
+def _lock_refused(where: str, why: str) -> InvalidRequestError:
+    return InvalidRequestError(f"cannot lock {where}: its {LOCK_NAME} {why}; refused (remove it if no dump, rm or "
+                               "gc runs there)")
+
+
+def _open_lock_file(dir_fd: int, where: str, owner: os.stat_result, optional: bool) -> int | None:
+    """`.lock` in the directory, opened read-write (created 0600 if missing; created by root: given to the
+    directory's owner, who may then take it too) and checked: a regular file, one link, of the directory's
+    owner or of this uid, nobody else's to open.  None where `optional` and this uid may not create it."""
+    me = os.geteuid()
+    flags = os.O_RDWR | OPEN_FLAGS
+    try:
+        fd = os.open(LOCK_NAME, flags | os.O_CREAT | os.O_EXCL, FILE_MODE, dir_fd=dir_fd)
+        created = True
+    except FileExistsError:
+        created = False
+        try:
+            fd = os.open(LOCK_NAME, flags, dir_fd=dir_fd)
+        except FileNotFoundError:
+            return _open_lock_file(dir_fd, where, owner, optional)  # its holder removed it just now
+        except OSError as e:
+            if optional and e.errno == errno.EROFS:
+                return None
+            if e.errno == errno.ELOOP:
+                raise _lock_refused(where, "is a symbolic link") from None
+            if e.errno in (errno.EACCES, errno.EPERM):
+                try:
+                    uid = os.stat(LOCK_NAME, dir_fd=dir_fd, follow_symlinks=False).st_uid
+                except OSError:
+                    uid = -1
+                raise _lock_refused(where, f"is uid {uid}'s, and {_who()} may not open it") from None
+            raise from_os_error(e, f"cannot lock {where}: cannot open its {LOCK_NAME}", InvalidRequestError) \
+                from None
+    except OSError as e:
+        if optional and e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            return None
+        if e.errno in (errno.EACCES, errno.EPERM):
+            raise NotWritableError(f"cannot lock {where}: {_who()} may not create {LOCK_NAME} there "
+                                   f"({e.strerror})") from None
+        raise image_os_error(e, f"cannot lock {where}: cannot create its {LOCK_NAME}") from None
+    try:
+        if created:
+            os.fchmod(fd, FILE_MODE)  # whatever the umask: its owner may open it read-write again
+            if me == 0 and owner.st_uid != 0:
+                os.fchown(fd, owner.st_uid, owner.st_gid)
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _lock_refused(where, "is not a regular file")
+        if st.st_nlink > 1:  # 0: its last holder removed it just now (take_lock starts again)
+            raise _lock_refused(where, f"has {st.st_nlink} links")
+        if st.st_uid not in (owner.st_uid, me):
+            raise _lock_refused(where, f"is uid {st.st_uid}'s, neither the directory's owner's (uid "
+                                       f"{owner.st_uid}) nor {_who()}'s")
+        if st.st_mode & 0o077:
+            raise _lock_refused(where, f"has mode {stat.S_IMODE(st.st_mode):04o}: others may open it")
+    except BaseException:
+        os.close(fd)
+        if created:
+            try:
+                os.unlink(LOCK_NAME, dir_fd=dir_fd)
+            except OSError:
+                pass
+        raise
+    return fd
+
+
+# How often a shared taker looks again at a lock held exclusively under an unchanged name: a sibling child
+# releasing its shared lock holds it exclusively for one unlink (DirectoryLock.release), which a preempted
+# releaser may stretch to a scheduler's time slice.  The first RELEASE_YIELDS looks yield the CPU, the others
+# follow a pause of RELEASE_PAUSE seconds: a dump's exclusive lock refuses a shared taker after about 0.2 s.
+RELEASE_SPINS = 300
+RELEASE_YIELDS = 100
+RELEASE_PAUSE = 0.001
+
+
+def _flock_waiting_out_releases(fd: int, dir_fd: int, shared: bool) -> bool:
+    """flock `fd` (shared or exclusive, never waiting): True once held, False where `.lock` is no longer this
+    file (its last holder removed it: take the new one); EWOULDBLOCK raised where another holds it."""
+    for spin in range(RELEASE_SPINS if shared else 1):
+        try:
+            fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if not _same_file(os.fstat(fd), dir_fd, LOCK_NAME):
+                return False
+            if shared and spin < RELEASE_YIELDS:
+                os.sched_yield()
+            elif shared:
+                time.sleep(RELEASE_PAUSE)
+    raise OSError(errno.EWOULDBLOCK, os.strerror(errno.EWOULDBLOCK))
+
+
+def take_lock(dir_fd: int, where: str = "the image directory", *, shared: bool = False,
+              optional: bool = False) -> DirectoryLock | None:
+    """The directory's lock (`.lock` in it, flocked): one dump, or gc, or rm, at a time.  Another holder is
+    INVALID_REQUEST.  `shared`: the lock children take of their parents' directories: they never exclude each
+    other (sibling dumps commit at once), only a dump writing into the directory, or gc, or rm, excludes
+    them, and they it.  Only who may open `.lock` (its owner, the directory's, and root) can take it, and
+    only who may write the directory can create it: a reader of an image blocks nobody.  `optional`: None
+    where this uid may not create it (a read-only directory or file system)."""
+    try:
+        owner = os.fstat(dir_fd)
     except OSError as e:
         raise from_os_error(e, f"{where} cannot be opened", InvalidRequestError) from None
-    try:
-        fcntl.flock(lock_fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
-    except OSError as e:
-        os.close(lock_fd)
-        if e.errno == errno.EWOULDBLOCK:
-            also = "" if shared else " (or an incremental dump reads its image as its parent)"
-            raise InvalidRequestError(f"another dump is writing into {where}{also}") from None
-        raise from_os_error(e, f"cannot lock {where}", InvalidRequestError) from None
-    return lock_fd
+    for _ in range(8):
+        fd = _open_lock_file(dir_fd, where, owner, optional)
+        if fd is None:
+            return None
+        try:
+            # its last holder may have removed the name between our open and our flock (or held it exclusively
+            # to remove it): then this file excludes nobody, and the one at the name now is the lock
+            if _flock_waiting_out_releases(fd, dir_fd, shared) and _same_file(os.fstat(fd), dir_fd, LOCK_NAME):
+                return DirectoryLock(os.dup(dir_fd), fd, shared)
+        except OSError as e:
+            os.close(fd)
+            if e.errno == errno.EWOULDBLOCK:
+                also = "" if shared else " (or an incremental dump reads its image as its parent)"
+                raise InvalidRequestError(f"another dump is writing into {where}{also}") from None
+            raise from_os_error(e, f"cannot lock {where}", InvalidRequestError) from None
+        os.close(fd)
+    raise InvalidRequestError(f"cannot lock {where}: its {LOCK_NAME} was replaced 8 times in a row")
+
+
+def lock_directory(dir_fd: int, where: str = "the image directory", *, shared: bool = False) -> DirectoryLock:
+    """`take_lock`, required."""
+    lock = take_lock(dir_fd, where, shared=shared)
+    assert lock is not None
+    return lock
 
 
 def unlink_regular(dir_fd: int, name: str) -> bool:
@@ -275,6 +431,122 @@ def children_marks(dir_fd: int) -> list[str]:
         return []
 
 
+def dir_path(fd: int) -> bytes | None:
+    """The path of the directory `fd` (from /proc/self/fd), None where there is none."""
+    try:
+        p = os.readlink(f"/proc/self/fd/{fd}".encode())
+    except OSError:
+        return None
+    return p if p.startswith(b"/") and not p.endswith(b" (deleted)") else None
+
+
+def read_mark(dir_fd: int, name: str) -> tuple[bytes, list[bytes]] | None:
+    """The child image id and the paths of the child's directory (relative to dir_fd, then absolute) the mark
+    `name` holds; None where it is not a regular file, cannot be read, names no child (an older, empty mark)
+    or another image than its name."""
+    try:
+        fd = open_regular(dir_fd, name, "the parent directory")
+    except (OSError, VramdError):
+        return None
+    try:
+        data = os.read(fd, MAX_CHILD_MARK_BYTES + 1)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    got = parse_child_mark(data) if len(data) <= MAX_CHILD_MARK_BYTES else None
+    return got if got is not None and got[1] and child_mark_name(got[0]) == name else None
+
+
+def mark_names(dir_fd: int, name: str, child: os.stat_result, image_id: bytes | None = None) -> bool:
+    """Whether the mark `name` in dir_fd names the directory `child` (and the image `image_id`, where given),
+    and no other: a path it records, from dir_fd, leads to that very directory, and each other one leads
+    nowhere (a mark whose other path finds a directory, maybe its live child moved along with its parent, is
+    not this directory's to remove)."""
+    got = read_mark(dir_fd, name)
+    if got is None or (image_id is not None and got[0] != image_id):
+        return False
+    here = 0
+    for path in got[1]:
+        try:
+            now = os.stat(path, dir_fd=dir_fd)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        except OSError:
+            return False
+        if (now.st_dev, now.st_ino) != (child.st_dev, child.st_ino):
+            return False
+        here += 1
+    return here > 0
+
+
+def mark_state(dir_fd: int, name: str) -> tuple[str, str]:
+    """Whether the mark `name` in dir_fd still protects a child: ("live", ...), ("stale", why: its child's
+    directory is gone, holds no image or another image), ("unknown", why: it names no child this client
+    can check; it counts as live)."""
+    try:
+        if not stat.S_ISREG(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
+            return "unknown", "not a regular file"
+    except OSError as e:
+        return "unknown", e.strerror or "cannot stat it"
+    got = read_mark(dir_fd, name)
+    if got is None:
+        return "unknown", "it names no child (made by an older vramd, or not by vramd)"
+    image_id, paths = got
+    stale: list[str] = []
+    for path in paths:  # live where either path finds the child; stale where neither does
+        state, why = _child_state(dir_fd, path, image_id)
+        if state != "stale":
+            return state, why
+        stale.append(why)
+    return "stale", " and ".join(stale)
+
+
+def _child_state(dir_fd: int, path: bytes, image_id: bytes) -> tuple[str, str]:
+    """mark_state of one path a mark records for its child."""
+    shown = os.fsdecode(path)
+    try:
+        cfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    except (FileNotFoundError, NotADirectoryError):
+        return "stale", f"{shown} is gone"
+    except OSError as e:
+        return "unknown", f"its child's directory {shown} cannot be opened ({e.strerror})"
+    try:
+        try:
+            mfd = open_manifest(cfd, shown)
+        except ManifestMissingError:
+            return "stale", f"{shown} holds no image"
+        try:
+            m = read_manifest_now(mfd)
+        finally:
+            os.close(mfd)
+    except VramdError as e:
+        return "unknown", f"its child's image in {shown} cannot be read ({e.message})"
+    finally:
+        os.close(cfd)
+    if m.image_id != image_id:
+        return "stale", f"{shown} holds another image ({m.image_id.hex()[:16]})"
+    return "live", shown
+
+
+def remove_stale_marks(dir_fd: int) -> tuple[list[str], list[tuple[str, str]]]:
+    """Under the directory's lock: remove its stale marks (regular files only); returns the names removed and
+    (name, why) of each live or unknown one kept."""
+    removed: list[str] = []
+    kept: list[tuple[str, str]] = []
+    for name in children_marks(dir_fd):
+        state, why = mark_state(dir_fd, name)
+        if state == "stale":
+            try:
+                if unlink_regular(dir_fd, name):
+                    removed.append(f"{name} ({why})")
+                    continue
+            except OSError as e:
+                why = f"{why}; not removed: {e.strerror}"
+        kept.append((name, why))
+    return removed, kept
+
+
 class DumpDirectory:
     """A dump's directory, on the client's side: locked from here to `close`, and each of its parent
     chain's directories (`parent_dirs`, nearest first) locked shared, so that none is replaced or removed
@@ -294,22 +566,24 @@ class DumpDirectory:
         self.dir_fd = dir_fd
         self.where = where
         self.parent_dirs = list(parent_dirs)
-        self._lock_fd = lock_directory(dir_fd, where)
+        self._lock: DirectoryLock | None = lock_directory(dir_fd, where)
         self.image_id = b""
         self.stripes = 1  # data files per GPU (begin)
         self.data: dict[tuple[int, int], OpenedFile] = {}  # (gpu_id, stripe) -> a data file (created as name + ".tmp")
         self.manifest_fd: int | None = None
         self._created: list[str] = []           # names this dump made that go unless it commits
         self._marked: list[int] = []            # parent directories marked (unmarked unless it commits)
-        self._parent_locks: list[int] = []      # each parent directory's lock, shared, held to the end
+        self._parent_locks: list[DirectoryLock | None] = []  # each parent directory's lock, shared, held to
+        # the end (None: this client may not take it, and does not mark that parent)
         self.committed = False
         try:
-            marks = [] if replace_parent else children_marks(self._lock_fd)
+            marks = [] if replace_parent else children_marks(dir_fd)
             if marks:
                 raise InvalidRequestError(
                     f"the image in {where} is the parent of {len(marks)} incremental image(s) (marked "
                     f"{marks[0]}...); replacing it would break them: flatten or remove them first "
-                    "(vramctl flatten, vramctl rm), or replace it anyway (replace_parent)")
+                    "(vramctl flatten, vramctl rm; vramctl gc removes stale marks), or replace it anyway "
+                    "(replace_parent)")
             here = os.fstat(dir_fd)
             for fd in self.parent_dirs:
                 st = os.fstat(fd)
@@ -319,10 +593,21 @@ class DumpDirectory:
             # Each parent directory's lock, shared, from before the parents are read to the end: a dump replacing
             # a parent (or an rm of it) takes that lock exclusively, so it cannot run between this child's
             # reading of the parent and its mark there (it would see no mark, and the child would commit
-            # against an image that is gone); children of one parent do not exclude each other.
+            # against an image that is gone); children of one parent do not exclude each other.  Only where
+            # this client owns the parent's directory (or is root) and may write it, and the parent's directory
+            # has this directory's owner: a lock, like a mark, must never let one user block another's image
+            # (a mark lasts as long as its child, which whoever may write the child's directory keeps).
+            me = os.geteuid()
             for k, fd in enumerate(self.parent_dirs, 1):
-                self._parent_locks.append(lock_directory(fd, f"parent directory #{k}", shared=True))
-            sweep_temporaries(self._lock_fd)
+                lock = None
+                owner = os.fstat(fd).st_uid
+                if (me == 0 or owner == me) and owner == here.st_uid:
+                    lock = take_lock(fd, f"parent directory #{k}", shared=True, optional=True)
+                if lock is None:
+                    log.info("parent directory #%d neither locked nor marked: %s may not, or this directory's "
+                             "owner is not its owner", k, _who())
+                self._parent_locks.append(lock)
+            sweep_temporaries(dir_fd)
         except BaseException:
             self.close()
             raise
@@ -408,16 +693,17 @@ class DumpDirectory:
         self.committed = True  # from here on the image is the new one
         self._created.clear()
         try:
-            os.fsync(self._lock_fd)
+            os.fsync(d)
         except OSError as e:
             raise image_os_error(e, f"cannot fsync {self.where}") from None
         self._remove_replaced()
+        self._unmark_replaced()
 
     def _remove_replaced(self) -> None:
         """The data files of the image this one replaced: vramd's data file names of another image id."""
         mine = data_file_name(self.image_id, 0)[:len("data-") + 16]  # "data-<this image's id>"
         try:
-            names = os.listdir(self._lock_fd)
+            names = os.listdir(self.dir_fd)
         except OSError:
             return
         for name in names:
@@ -428,18 +714,37 @@ class DumpDirectory:
             except OSError as e:
                 log.warning("data file %s of the replaced image not removed: %s", name, e.strerror)
 
+    def _unmark_replaced(self) -> None:
+        """After the commit: in each parent directory this dump marked, the marks that name this directory
+        but another image (the image this one replaced, or a child dump into it that died in its commit) go."""
+        mine = child_mark_name(self.image_id)
+        try:
+            here = os.fstat(self.dir_fd)
+        except OSError:
+            return  # best effort: the new image is committed either way (what is left reads as stale)
+        for fd in self._marked:
+            for name in children_marks(fd):
+                if name == mine or not mark_names(fd, name, here):
+                    continue
+                try:
+                    unlink_regular(fd, name)
+                except OSError as e:
+                    log.warning("mark %s of the replaced image not removed: %s", name, e.strerror)
+
     def _mark_parents(self) -> None:
-        """Before the commit: this child's mark in each directory of its parent chain the client may write
-        (one it may not write, or on a read-only file system, is left unmarked: that parent is not protected),
-        each fsynced, under that directory's lock."""
+        """Before the commit: this child's mark in each directory of its parent chain whose lock it holds
+        (one it may not lock: not its own, read-only, on a read-only file system, is left unmarked: that
+        parent is not protected), each fsynced, under that directory's lock.  The mark names this image and
+        this directory (its path from the parent's)."""
         name = child_mark_name(self.image_id)
-        me = os.geteuid()
-        for k, fd in enumerate(self.parent_dirs, 1):
-            if me != 0 and os.fstat(fd).st_uid != me:  # a mark must never let one user block another's image
-                log.info("parent directory #%d not marked: %s does not own it", k, _who())
+        here = dir_path(self.dir_fd)
+        for k, (fd, lock) in enumerate(zip(self.parent_dirs, self._parent_locks, strict=True), 1):
+            if lock is None:
                 continue
             # under the parent directory's lock, held since this dump began (__init__): every later dump of
             # that directory sees the mark, and no earlier one replaced the image this child read
+            there = dir_path(fd)
+            path = os.path.relpath(here, there) if here and there else b""
             try:
                 try:
                     mark = os.open(name, CREATE_FLAGS, FILE_MODE, dir_fd=fd)
@@ -448,8 +753,12 @@ class DumpDirectory:
                         log.info("parent directory #%d not marked: %s may not write it", k, _who())
                         continue
                     raise
-                os.close(mark)
                 self._marked.append(fd)
+                try:
+                    os.write(mark, child_mark_content(self.image_id, path, here or b""))
+                    os.fsync(mark)
+                finally:
+                    os.close(mark)
                 os.fsync(fd)
             except OSError as e:
                 raise image_os_error(e, f"cannot mark this incremental image ({name}) in parent directory #{k}") \
@@ -477,11 +786,12 @@ class DumpDirectory:
         self._created.clear()
         self._marked.clear()
         for lock in self._parent_locks:
-            os.close(lock)
+            if lock is not None:
+                lock.release()
         self._parent_locks.clear()
-        if self._lock_fd >= 0:
-            os.close(self._lock_fd)  # drops the lock
-            self._lock_fd = -1
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
     def __enter__(self) -> DumpDirectory:
         return self

@@ -12,11 +12,13 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/file.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "internal.h"
@@ -155,13 +157,18 @@ static int fail_name(struct vramd_error *err, int e, const char *what, const cha
 
 /* --- opening --------------------------------------------------------------- */
 
-/* openat + placement at min_fd; the fd or -errno (errno-style, nothing filled). */
+/* openat + placement at min_fd; the fd or -errno (errno-style, nothing filled).  A file this call created
+ * (O_CREAT|O_EXCL) that it cannot place (no fd free at or above min_fd) is removed again: a failed call
+ * leaves nothing it created. */
 static int open_at(int dir_fd, const char *name, int flags, int min_fd)
 {
     int fd = openat(dir_fd, name, flags, FILE_MODE);
     if (fd < 0)
         return -errno;
-    return vramd__place_fd(fd, min_fd);
+    int placed = vramd__place_fd(fd, min_fd);
+    if (placed < 0 && (flags & (O_CREAT | O_EXCL)) == (O_CREAT | O_EXCL))
+        (void)unlinkat(dir_fd, name, 0);
+    return placed;
 }
 
 /* A second description of `fd`'s file opened with O_DIRECT by name, or -1: the file system refuses it
@@ -209,7 +216,7 @@ int vramd__open_image_file(int dir_fd, const char *name, bool direct, int min_fd
 
 /* --- a dump's directory ---------------------------------------------------- */
 
-/* A description of the directory of our own (flock is per description), at or above min_fd. */
+/* A description of the directory of our own (to read it: fdopendir takes it over), at or above min_fd. */
 static int open_self(int dir_fd, int min_fd)
 {
     return open_at(dir_fd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC, min_fd);
@@ -221,11 +228,179 @@ static int dup_fd(int fd, int min_fd)
     return n < 0 ? -errno : n;
 }
 
+/* Whether `name` in dir_fd is the file `st` describes (AT_SYMLINK_NOFOLLOW unless follow). */
+static bool same_file(const struct stat *st, int dir_fd, const char *name, bool follow)
+{
+    struct stat now;
+    return fstatat(dir_fd, name, &now, follow ? 0 : AT_SYMLINK_NOFOLLOW) == 0 && now.st_dev == st->st_dev &&
+           now.st_ino == st->st_ino;
+}
+
+/* Fill err for a refused .lock in dir_fd (`why`: what is wrong with it); returns -e. */
+static int lock_refused(struct vramd_error *err, int e, int dir_fd, const char *why)
+{
+    char path[PATH_MAX];
+    vramd__dir_label(dir_fd, path, sizeof path);
+    return vramd__fail(err, -e, VRAMD_CODE_LOCAL, "cannot lock %s: its " VRAMD__LOCK_NAME " %s; refused (remove it "
+                       "if no dump, rm or gc runs there)", path, why);
+}
+
+/* `.lock` in dir_fd opened read-write, created 0600 where missing (by root: given to the directory's owner)
+ * and checked as vramd.image.local does: a regular file, one link, of the directory's owner or of this uid,
+ * nobody else's to open.  0 with *out the fd, or -1 where `optional` and this uid may not create it (an out
+ * parameter: any fd number, 0 and 1 too, may be the lock's where min_fd is 0); or -errno, err filled. */
+static int open_lock_file(int dir_fd, const struct stat *owner, bool optional, int min_fd, int *out,
+                          struct vramd_error *err)
+{
+    *out = -1;
+    uid_t me = geteuid();
+    bool created = true;
+    int fd = open_at(dir_fd, VRAMD__LOCK_NAME, O_RDWR | O_CREAT | O_EXCL | OPEN_FLAGS, min_fd);
+    if (fd == -EEXIST) {
+        created = false;
+        fd = open_at(dir_fd, VRAMD__LOCK_NAME, O_RDWR | OPEN_FLAGS, min_fd);
+        if (fd == -ENOENT) /* its holder removed it just now */
+            return open_lock_file(dir_fd, owner, optional, min_fd, out, err);
+        if (optional && fd == -EROFS)
+            return 0;
+        if (fd == -ELOOP)
+            return lock_refused(err, ELOOP, dir_fd, "is a symbolic link");
+        if (fd == -EACCES || fd == -EPERM) {
+            struct stat ls;
+            char why[96];
+            long uid = fstatat(dir_fd, VRAMD__LOCK_NAME, &ls, AT_SYMLINK_NOFOLLOW) == 0 ? (long)ls.st_uid : -1;
+            snprintf(why, sizeof why, "is uid %ld's, and uid %u may not open it", uid, (unsigned)me);
+            return lock_refused(err, EACCES, dir_fd, why);
+        }
+        if (fd < 0)
+            return fail_name(err, -fd, "open", VRAMD__LOCK_NAME, dir_fd);
+    } else if (fd < 0) {
+        if (optional && (fd == -EACCES || fd == -EPERM || fd == -EROFS))
+            return 0;
+        return fail_name(err, -fd, "create", VRAMD__LOCK_NAME, dir_fd);
+    }
+    struct stat st;
+    char why[128] = "";
+    if (created && fchmod(fd, FILE_MODE) < 0) /* whatever the umask: its owner may open it read-write again */
+        snprintf(why, sizeof why, "cannot be made 0600 (%s)", errtext(errno));
+    else if (created && me == 0 && owner->st_uid != 0 && fchown(fd, owner->st_uid, owner->st_gid) < 0)
+        snprintf(why, sizeof why, "cannot be given to the directory's owner (%s)", errtext(errno));
+    else if (fstat(fd, &st) < 0)
+        snprintf(why, sizeof why, "cannot be checked (%s)", errtext(errno));
+    else if (!S_ISREG(st.st_mode))
+        snprintf(why, sizeof why, "is not a regular file");
+    else if (st.st_nlink > 1) /* 0: its last holder removed it just now (take_lock starts again) */
+        snprintf(why, sizeof why, "has %lu links", (unsigned long)st.st_nlink);
+    else if (st.st_uid != owner->st_uid && st.st_uid != me)
+        snprintf(why, sizeof why, "is uid %u's, neither the directory's owner's (uid %u) nor uid %u's",
+                 (unsigned)st.st_uid, (unsigned)owner->st_uid, (unsigned)me);
+    else if (st.st_mode & 077)
+        snprintf(why, sizeof why, "has mode %04o: others may open it", (unsigned)(st.st_mode & 07777));
+    if (!why[0]) {
+        *out = fd;
+        return 0;
+    }
+    vramd__close_fd(fd);
+    if (created)
+        (void)unlinkat(dir_fd, VRAMD__LOCK_NAME, 0);
+    return lock_refused(err, EPERM, dir_fd, why);
+}
+
+/* vramd.image.local.RELEASE_SPINS, _YIELDS, _PAUSE: how often a shared taker looks again at a lock held
+ * exclusively under an unchanged name (a sibling releasing its shared lock holds it so for one unlink, which a
+ * preempted releaser may stretch to a time slice): yielding the CPU first, then after 1 ms pauses; a dump's
+ * exclusive lock refuses a shared taker after about 0.2 s. */
+#define RELEASE_SPINS 300
+#define RELEASE_YIELDS 100
+
+/* flock fd (shared or exclusive, never waiting): 0 once held, 1 where .lock is no longer this file (its last
+ * holder removed it), -errno (-EWOULDBLOCK: another holds it). */
+static int flock_waiting_out_releases(int fd, int dir_fd, bool shared)
+{
+    for (int spin = 0; spin < (shared ? RELEASE_SPINS : 1); spin++) {
+        if (flock(fd, (shared ? LOCK_SH : LOCK_EX) | LOCK_NB) == 0)
+            return 0;
+        if (errno != EWOULDBLOCK)
+            return -errno;
+        struct stat st;
+        if (fstat(fd, &st) == 0 && !same_file(&st, dir_fd, VRAMD__LOCK_NAME, false))
+            return 1;
+        if (shared && spin < RELEASE_YIELDS)
+            sched_yield();
+        else if (shared)
+            nanosleep(&(struct timespec){.tv_nsec = 1000000}, NULL);
+    }
+    return -EWOULDBLOCK;
+}
+
+/* The directory's lock, as vramd.image.local.take_lock takes it: its .lock, flocked (shared: a child's lock
+ * of its parent), held while the name still is that file.  *lock_fd gets it (-1 where `optional` and this uid
+ * may not create it); 0, or -EBUSY when another holds it, or -errno, err filled.  `label`: how messages name
+ * the directory before its path. */
+static int take_lock(int dir_fd, bool shared, bool optional, const char *label, int min_fd, int *lock_fd,
+                     struct vramd_error *err)
+{
+    struct stat owner;
+    *lock_fd = -1;
+    if (fstat(dir_fd, &owner) < 0)
+        return fail_name(err, errno, "stat", ".", dir_fd);
+    for (int tries = 0; tries < 8; tries++) {
+        int fd;
+        int r = open_lock_file(dir_fd, &owner, optional, min_fd, &fd, err);
+        if (r < 0)
+            return r;
+        if (fd < 0)
+            return 0;
+        r = flock_waiting_out_releases(fd, dir_fd, shared);
+        if (r == 1) { /* its last holder, removing it, held it exclusively: the lock is the new one */
+            vramd__close_fd(fd);
+            continue;
+        }
+        if (r < 0) {
+            int e = -r;
+            char path[PATH_MAX];
+            vramd__close_fd(fd);
+            vramd__dir_label(dir_fd, path, sizeof path);
+            if (e == EWOULDBLOCK)
+                return vramd__fail(err, -EBUSY, VRAMD_CODE_LOCAL, "another dump is writing into %s%s (it holds its "
+                                   "lock)", label, path);
+            return vramd__fail(err, -e, VRAMD_CODE_LOCAL, "cannot lock %s%s: %s", label, path, errtext(e));
+        }
+        /* its last holder may have removed the name between our open and our flock: this file then excludes
+         * nobody, and the one at the name now is the lock */
+        struct stat st;
+        if (fstat(fd, &st) == 0 && same_file(&st, dir_fd, VRAMD__LOCK_NAME, false)) {
+            *lock_fd = fd;
+            return 0;
+        }
+        vramd__close_fd(fd);
+    }
+    char path[PATH_MAX];
+    vramd__dir_label(dir_fd, path, sizeof path);
+    return vramd__fail(err, -EBUSY, VRAMD_CODE_LOCAL, "cannot lock %s%s: its " VRAMD__LOCK_NAME " was replaced 8 "
+                       "times in a row", label, path);
+}
+
+/* Unlock: where no other holder is left, the name goes first (it exists only while held, or after a crash).
+ * As vramd.image.local.DirectoryLock.release: an exclusive holder knows it is the only one; a shared one
+ * takes the lock exclusively at once, which succeeds only then, after checking the name (nobody removes it
+ * while we hold the lock), so that its exclusive hold, which refuses a sibling, covers one unlink. */
+static void release_lock(int dir_fd, int lock_fd, bool shared)
+{
+    if (lock_fd < 0)
+        return;
+    struct stat st;
+    if (dir_fd >= 0 && fstat(lock_fd, &st) == 0 && same_file(&st, dir_fd, VRAMD__LOCK_NAME, false) &&
+        (!shared || flock(lock_fd, LOCK_EX | LOCK_NB) == 0))
+        (void)unlinkat(dir_fd, VRAMD__LOCK_NAME, 0);
+    vramd__close_fd(lock_fd);
+}
+
 /* One pass over the directory: refuse children's marks (unless replace_parent), sweep vramd's own
  * temporaries a crashed dump left (regular files only; this dump has created nothing yet). */
 static int scan_dir(struct vramd__dump *d, bool replace_parent, int min_fd, struct vramd_error *err)
 {
-    int fd = open_self(d->lock_fd, min_fd);
+    int fd = open_self(d->dir_fd, min_fd);
     if (fd < 0)
         return fail_name(err, -fd, "read", ".", d->dir_fd);
     DIR *dir = fdopendir(fd);
@@ -246,8 +421,8 @@ static int scan_dir(struct vramd__dump *d, bool replace_parent, int min_fd, stru
         if (!is_data_tmp(e->d_name) && !is_manifest_tmp(e->d_name))
             continue;
         struct stat st;
-        if (fstatat(d->lock_fd, e->d_name, &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISREG(st.st_mode))
-            (void)unlinkat(d->lock_fd, e->d_name, 0); /* a crashed dump's: nobody can hold the lock we hold */
+        if (fstatat(d->dir_fd, e->d_name, &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISREG(st.st_mode))
+            (void)unlinkat(d->dir_fd, e->d_name, 0); /* a crashed dump's: nobody can hold the lock we hold */
     }
     closedir(dir);
     if (marks && !replace_parent) {
@@ -255,7 +430,8 @@ static int scan_dir(struct vramd__dump *d, bool replace_parent, int min_fd, stru
         vramd__dir_label(d->dir_fd, path, sizeof path);
         return vramd__fail(err, -EINVAL, VRAMD_CODE_LOCAL,
                            "the image in %s is the parent of %zu incremental image(s) (marked %s...); replacing it "
-                           "would break them: flatten or remove them first, or set replace_parent",
+                           "would break them: flatten or remove them first (vramctl gc removes stale marks), or "
+                           "set replace_parent",
                            path, marks, first);
     }
     return 0;
@@ -322,44 +498,24 @@ int vramd__dump_begin(struct vramd__dump *d, int dir_fd, const int *parents, siz
         /* its lock, shared, from before the parent is read (the caller opens its manifest after this) to the
          * end: a dump replacing the parent, or vramctl rm, holds it exclusively, so neither runs between this
          * child's reading of the parent and its mark there; the children of one parent never exclude each
-         * other */
-        r = open_self(r, min_fd);
-        if (r < 0) {
-            r = fail_name(err, -r, "open", ".", d->parent_fds[i]);
-            vramd__dump_release(d);
-            return r;
-        }
-        d->parent_locks[i] = r;
-        if (flock(r, LOCK_SH | LOCK_NB) < 0) {
-            int e = errno;
-            char path[PATH_MAX];
-            vramd__dir_label(d->parent_fds[i], path, sizeof path);
-            vramd__dump_release(d);
-            if (e == EWOULDBLOCK)
-                return vramd__fail(err, -EBUSY, VRAMD_CODE_LOCAL,
-                                   "another dump is writing into the directory of parent #%zu, %s (it holds its "
-                                   "lock)", i + 1, path);
-            return vramd__fail(err, -e, VRAMD_CODE_LOCAL, "cannot lock the parent directory %s: %s", path,
-                               errtext(e));
+         * other.  Only where this client owns the parent's directory (or is root) and may write it, and the
+         * parent's directory has this directory's owner: a lock, like a mark, must never let one user block
+         * another's image (a mark lasts as long as its child, which whoever may write its directory keeps). */
+        if ((geteuid() == 0 || ps.st_uid == geteuid()) && ps.st_uid == ds.st_uid) {
+            char label[48];
+            snprintf(label, sizeof label, "the directory of parent #%zu, ", i + 1);
+            r = take_lock(d->parent_fds[i], true, true, label, min_fd, &d->parent_locks[i], err);
+            if (r < 0) {
+                vramd__dump_release(d);
+                return r;
+            }
         }
     }
-    /* 1. the lock, on a description of our own, held to the end */
-    r = open_self(d->dir_fd, min_fd);
+    /* 1. the lock, its .lock file, held to the end */
+    r = take_lock(d->dir_fd, false, false, "", min_fd, &d->lock_fd, err);
     if (r < 0) {
-        r = fail_name(err, -r, "open", ".", d->dir_fd);
         vramd__dump_release(d);
         return r;
-    }
-    d->lock_fd = r;
-    if (flock(d->lock_fd, LOCK_EX | LOCK_NB) < 0) {
-        int e = errno;
-        char path[PATH_MAX];
-        vramd__dir_label(d->dir_fd, path, sizeof path);
-        vramd__dump_release(d);
-        if (e == EWOULDBLOCK)
-            return vramd__fail(err, -EBUSY, VRAMD_CODE_LOCAL, "another dump is writing into %s (it holds its lock)",
-                               path);
-        return vramd__fail(err, -e, VRAMD_CODE_LOCAL, "cannot lock %s: %s", path, errtext(e));
     }
     /* 2. and 3.: children's marks, stale temporaries */
     r = scan_dir(d, replace_parent, min_fd, err);
@@ -437,37 +593,188 @@ int vramd__dump_manifest_tmp(struct vramd__dump *d, int *fd, struct vramd_error 
     return 0;
 }
 
-/* Under parent i's lock: this child's mark in it, fsynced.  0 (also when the caller may not write there,
- * or does not own it: a mark must never let one user block another's image, so only the directory's owner,
- * or root, marks it) or a negative errno with err filled. */
+/* The path of the directory fd (from /proc/self/fd) in out; false where there is none (or it holds a
+ * newline: a mark's line could not hold it). */
+static bool dir_path(int fd, char *out, size_t size)
+{
+    char link[64];
+    snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
+    ssize_t n = readlink(link, out, size - 1);
+    if (n <= 0 || (size_t)n >= size - 1)
+        return false;
+    out[n] = '\0';
+    size_t len = (size_t)n;
+    return out[0] == '/' && !strchr(out, '\n') &&
+           !(len >= 10 && strcmp(out + len - 10, " (deleted)") == 0);
+}
+
+/* os.path.relpath(to, from) of two absolute, normalized paths, in out ("" where it does not fit). */
+static void rel_path(const char *from, const char *to, char *out, size_t size)
+{
+    size_t common = 0;
+    for (size_t i = 0;; i++) { /* the last component boundary both share */
+        char a = from[i], b = to[i];
+        if ((a == '/' || a == '\0') && (b == '/' || b == '\0'))
+            common = i;
+        if (a == '\0' || b == '\0' || a != b)
+            break;
+    }
+    size_t len = 0;
+    out[0] = '\0';
+    for (const char *p = from + common; *p;) { /* one ".." per component of `from` below the common part */
+        while (*p == '/')
+            p++;
+        if (!*p)
+            break;
+        len += (size_t)snprintf(out + len, len < size ? size - len : 0, "%s..", len ? "/" : "");
+        while (*p && *p != '/')
+            p++;
+    }
+    const char *rest = to + common;
+    while (*rest == '/')
+        rest++;
+    if (*rest)
+        len += (size_t)snprintf(out + len, len < size ? size - len : 0, "%s%s", len ? "/" : "", rest);
+    if (!len)
+        len = (size_t)snprintf(out, size, ".");
+    if (len >= size)
+        out[0] = '\0';
+}
+
+/* Under parent i's lock (held, shared, since vramd__dump_begin: only where this client owns the parent's
+ * directory, or is root, and may write it, and it has this directory's owner): this child's mark in it, naming this image and this directory
+ * (format.child_mark_content), fsynced.  0 (also when the caller may not write there) or a negative errno
+ * with err filled. */
 static int mark_parent(struct vramd__dump *d, size_t i, struct vramd_error *err)
 {
     int pfd = d->parent_fds[i];
     char name[VRAMD__NAME_MAX];
-    struct stat st;
-    if (fstat(pfd, &st) < 0 || (geteuid() != 0 && st.st_uid != geteuid()))
+    if (d->parent_locks[i] < 0)
         return 0;
     mark_name(d, name);
-    int lock = d->parent_locks[i]; /* held, shared, since vramd__dump_begin */
     int r = 0;
     int m = open_at(pfd, name, O_WRONLY | O_CREAT | O_EXCL | OPEN_FLAGS, d->min_fd);
     if (m < 0) {
         if (m != -EACCES && m != -EPERM && m != -EROFS)
             r = fail_name(err, -m, "create the mark", name, pfd);
-    } else {
-        vramd__close_fd(m);
-        d->marked[i] = true;
-        if (fsync(lock) < 0)
-            r = fail_name(err, errno, "fsync the mark", name, pfd);
+        return r;
     }
+    d->marked[i] = true;
+    struct {
+        char here[PATH_MAX], there[PATH_MAX], rel[PATH_MAX], text[3 * PATH_MAX + 64];
+    } *buf = malloc(sizeof *buf);
+    if (!buf) {
+        vramd__close_fd(m);
+        return vramd__fail(err, -ENOMEM, VRAMD_CODE_LOCAL, "dump state: out of memory");
+    }
+    char *here = buf->here, *there = buf->there, *rel = buf->rel, *text = buf->text;
+    size_t text_size = sizeof buf->text;
+    char hex[2 * VRAMD__ID_BYTES + 1];
+    id_hex(d->image_id, hex);
+    bool have_here = dir_path(d->dir_fd, here, PATH_MAX);
+    if (!have_here)
+        here[0] = '\0';
+    rel[0] = '\0';
+    if (have_here && dir_path(pfd, there, PATH_MAX))
+        rel_path(there, here, rel, PATH_MAX);
+    int n = snprintf(text, text_size, "vramd child mark 1\nimage %s\npath %s\nabs %s\n", hex, rel, here);
+    ssize_t w = n > 0 && (size_t)n < text_size ? write(m, text, (size_t)n) : -1;
+    if (w != n)
+        r = fail_name(err, w < 0 ? errno : EIO, "write the mark", name, pfd);
+    else if (fsync(m) < 0 || fsync(pfd) < 0)
+        r = fail_name(err, errno, "fsync the mark", name, pfd);
+    vramd__close_fd(m);
+    free(buf);
     return r;
+}
+
+/* Whether the mark `name` in pfd names the directory `here`, and no other (format.parse_child_mark;
+ * vramd.image.local.mark_names). */
+static bool mark_names(int pfd, const char *name, const struct stat *here)
+{
+    char text[16384 + 2];
+    int fd = openat(pfd, name, O_RDONLY | OPEN_FLAGS);
+    if (fd < 0)
+        return false;
+    struct stat st;
+    ssize_t n = fstat(fd, &st) == 0 && S_ISREG(st.st_mode) ? read(fd, text, sizeof text - 1) : -1;
+    close(fd);
+    if (n <= 0 || (size_t)n >= sizeof text - 1)
+        return false;
+    text[n] = '\0';
+    if (strlen(text) != (size_t)n || text[n - 1] != '\n')
+        return false;
+    static const char head[] = "vramd child mark 1\nimage ";
+    if (strncmp(text, head, sizeof head - 1) != 0)
+        return false;
+    char *id = text + sizeof head - 1;
+    if (!is_lower_hex(id, 32) || id[32] != '\n' || strncmp(id, name + 7, 32) != 0)
+        return false;
+    char *rel = id + 33;
+    if (strncmp(rel, "path ", 5) != 0)
+        return false;
+    rel += 5;
+    char *ab = strchr(rel, '\n');
+    if (!ab || strncmp(ab + 1, "abs ", 4) != 0)
+        return false;
+    *ab = '\0';
+    ab += 5;
+    char *end = strchr(ab, '\n');
+    if (!end || end[1] != '\0')
+        return false;
+    *end = '\0';
+    /* one path leads to that very directory, and the other nowhere (a mark whose other path finds a
+     * directory, maybe its live child moved along with its parent, is not this directory's to remove) */
+    int hits = 0;
+    const char *paths[2] = {rel, ab};
+    for (int k = 0; k < 2; k++) {
+        struct stat now;
+        if (!*paths[k])
+            continue;
+        if (fstatat(pfd, paths[k], &now, 0) < 0) {
+            if (errno == ENOENT || errno == ENOTDIR)
+                continue;
+            return false;
+        }
+        if (now.st_dev != here->st_dev || now.st_ino != here->st_ino)
+            return false;
+        hits++;
+    }
+    return hits > 0;
+}
+
+/* After the commit point, in each parent directory this dump marked: the marks that name this directory but
+ * another image (the image this one replaced, or a child dump into it that died in its commit) go. */
+static void unmark_replaced(struct vramd__dump *d)
+{
+    char mine[VRAMD__NAME_MAX];
+    struct stat here;
+    mark_name(d, mine);
+    if (fstat(d->dir_fd, &here) < 0)
+        return;
+    for (size_t i = 0; i < d->n_parents; i++) {
+        if (!d->marked[i])
+            continue;
+        int fd = open_self(d->parent_fds[i], d->min_fd);
+        DIR *dir = fd < 0 ? NULL : fdopendir(fd);
+        if (!dir) {
+            vramd__close_fd(fd);
+            continue;
+        }
+        struct dirent *e;
+        while ((e = readdir(dir)))
+            if (is_child_mark(e->d_name) && strcmp(e->d_name, mine) != 0 &&
+                mark_names(d->parent_fds[i], e->d_name, &here))
+                (void)unlinkat(d->parent_fds[i], e->d_name, 0);
+        closedir(dir);
+    }
 }
 
 /* After the commit point: the data files of the image this one replaced (data-*.vrd of another id, every
  * stripe's). */
 static void remove_replaced(struct vramd__dump *d)
 {
-    int fd = open_self(d->lock_fd, d->min_fd);
+    int fd = open_self(d->dir_fd, d->min_fd);
     if (fd < 0)
         return;
     DIR *dir = fdopendir(fd);
@@ -482,8 +789,8 @@ static void remove_replaced(struct vramd__dump *d)
         if (!vramd__is_data_file_name(e->d_name) || memcmp(e->d_name + 5, hex, 16) == 0)
             continue;
         struct stat st;
-        if (fstatat(d->lock_fd, e->d_name, &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISREG(st.st_mode))
-            (void)unlinkat(d->lock_fd, e->d_name, 0); /* best effort: the new image is committed either way */
+        if (fstatat(d->dir_fd, e->d_name, &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISREG(st.st_mode))
+            (void)unlinkat(d->dir_fd, e->d_name, 0); /* best effort: the new image is committed either way */
     }
     closedir(dir);
 }
@@ -518,7 +825,7 @@ int vramd__dump_commit(struct vramd__dump *d, struct vramd_error *err)
     }
     d->manifest_tmp = false;
     d->phase = VRAMD__DUMP_COMMITTED;
-    if (fsync(d->lock_fd) < 0) {
+    if (fsync(d->dir_fd) < 0) {
         char path[PATH_MAX];
         int e = errno;
         vramd__dir_label(d->dir_fd, path, sizeof path);
@@ -526,6 +833,7 @@ int vramd__dump_commit(struct vramd__dump *d, struct vramd_error *err)
                         errtext(e));
     } else {
         remove_replaced(d);
+        unmark_replaced(d);
     }
     vramd__dump_release(d);
     return r;
@@ -561,11 +869,11 @@ void vramd__dump_abandon(struct vramd__dump *d)
 
 void vramd__dump_release(struct vramd__dump *d)
 {
-    vramd__close_fd(d->lock_fd); /* drops the lock */
+    release_lock(d->dir_fd, d->lock_fd, false);
     vramd__close_fd(d->dir_fd);
     d->lock_fd = d->dir_fd = -1;
     for (size_t i = 0; i < d->n_parents; i++) {
-        vramd__close_fd(d->parent_locks[i]); /* drops its lock */
+        release_lock(d->parent_fds[i], d->parent_locks[i], true);
         vramd__close_fd(d->parent_fds[i]);
     }
     free(d->parent_fds);

@@ -35,6 +35,7 @@ int vramd__place_fd(int fd, int min_fd);
 #define VRAMD__STRIPE_NAME_LEN 36        /* data-<16 hex>-<8 hex>-<stripe 1-f>.vrd */
 #define VRAMD__MAX_STRIPES 16            /* format.MAX_STRIPES: a GPU's data files, numbered by one hex digit */
 #define VRAMD__MANIFEST_NAME "manifest.vrdm"
+#define VRAMD__LOCK_NAME ".lock"         /* format.LOCK_NAME: an image directory's lock */
 
 /* A name the daemon may ask for: exactly format.DATA_FILE_NAME, either form (no path, no dot-dot). */
 bool vramd__is_data_file_name(const char *name);
@@ -60,9 +61,10 @@ struct vramd__dump {
     int min_fd;
     uint8_t image_id[VRAMD__ID_BYTES];
     int dir_fd;                          /* our duplicate of the image directory */
-    int lock_fd;                         /* our own description of it, flocked; closing it unlocks */
+    int lock_fd;                         /* its lock file (.lock), flocked; release_lock (files.c) unlocks */
     int *parent_fds;                     /* duplicates of the parent directories (for the marks) */
-    int *parent_locks;                   /* per parent: our own description of it, flocked shared, to the end */
+    int *parent_locks;                   /* per parent: its lock file, flocked shared, to the end (-1: this
+                                            client may not take it, and does not mark that parent) */
     bool *marked;                        /* per parent: this dump's mark is there */
     size_t n_parents;
     uint32_t stripes;                    /* data files per GPU (SessionInfo.data_files_per_gpu, at least 1) */

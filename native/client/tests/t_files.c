@@ -8,12 +8,14 @@
  * here, naming the file.
  */
 #define _GNU_SOURCE
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/file.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -72,6 +74,20 @@ static int owned_by_me(const char *dir, const char *name)
     CHECK(S_ISREG(st.st_mode) && st.st_uid == geteuid() && (st.st_mode & 07777) == 0600,
           "%s: mode %o uid %u (want a regular file, 0600, uid %u)", name, st.st_mode, st.st_uid, geteuid());
     return 0;
+}
+
+/* The directory's lock as vramctl and vramd.client take it (vramd.image.local.take_lock): its .lock file
+ * (created 0600 where missing), flocked with `how` (LOCK_SH or LOCK_EX, LOCK_NB added); the fd, or -1. */
+static int hold_lock(const char *dir, int how)
+{
+    char p[PATH_MAX];
+    snprintf(p, sizeof p, "%s/.lock", dir);
+    int fd = open(p, O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600);
+    if (fd >= 0 && flock(fd, how | LOCK_NB) < 0) {
+        close(fd);
+        return -1;
+    }
+    return fd;
 }
 
 static int exists(const char *dir, const char *name)
@@ -204,7 +220,8 @@ static int t_dump_commit(void)
     struct vramd_session_info info;
     OK(vramd_open_session(c, &a, &t, &info, &err), &err);
     CHECK(info.state == VRAMD_STATE_OPEN, "state %d", info.state);
-    CHECK(count_entries(path, "", "", NULL) == 0, "the directory changed at OpenSession");
+    CHECK(count_entries(path, "", "", NULL) == 1 && owned_by_me(path, ".lock") == 0,
+          "the directory changed at OpenSession (other than its lock file, .lock)");
     struct vramd_bo bo = {.id = 1, .fd = src, .size = BO_BYTES};
     OK(vramd_add_bos(c, &t, &bo, 1, NULL, &err), &err);
     if (gpu0_files(path, n, true, first))
@@ -344,13 +361,31 @@ static int t_dump_busy(void)
           vramd_code_name(err.code), err.message);
     r = vramd_open_session(c, &a, &t2, NULL, &err);
     CHECK(r == -EBUSY, "second dump on the same connection: %d", r);
+    /* vramctl takes the same lock: its rm and gc are refused while this dump holds the directory */
+    const char *vramctl = getenv("VRAMD_TEST_VRAMCTL");
+    if (vramctl && *vramctl) {
+        static const char *const cmds[] = {"rm", "gc"};
+        for (int k = 0; k < 2; k++) {
+            char cmd[3 * PATH_MAX];
+            snprintf(cmd, sizeof cmd, "%s %s '%s' 2>/dev/null >/dev/null", vramctl, cmds[k], path);
+            int st = system(cmd);
+            CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 1, "vramctl %s while a libvramd dump holds %s: status %#x",
+                  cmds[k], path, st);
+        }
+    }
     OK(vramd_close_session(c, &t, NULL, &err), &err);
     OK(dump_one(c2, dfd, src, NULL, 0, false, &err), &err);
-    /* anyone's flock on the directory counts (vramctl's, another client's) */
-    int lk = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    CHECK(lk >= 0 && flock(lk, LOCK_EX | LOCK_NB) == 0, "flock");
+    CHECK(!exists(path, ".lock"), "the lock file outlived its holders");
+    /* the lock vramctl and vramd.client take (the directory's .lock, flocked) counts */
+    int lk = hold_lock(path, LOCK_EX);
+    CHECK(lk >= 0, "flock of .lock: %s", strerror(errno));
     r = dump_one(c, dfd, src, NULL, 0, false, &err);
     CHECK(r == -EBUSY, "dump into a locked directory: %d %s", r, err.message);
+    close(lk);
+    /* a flock on the directory itself, which anyone who may read it can take, blocks nothing */
+    lk = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    CHECK(lk >= 0 && flock(lk, LOCK_EX | LOCK_NB) == 0, "flock of the directory");
+    OK(dump_one(c, dfd, src, NULL, 0, false, &err), &err);
     close(lk);
     OK(dump_one(c, dfd, src, NULL, 0, false, &err), &err);
     vramd_close(c2);
@@ -447,6 +482,30 @@ static int t_marks_and_sweep(void)
     CHECK(count_entries(ppath, ".child.", "", mark) == 1 && strlen(mark) == 7 + 32, "parent marks: %d",
           count_entries(ppath, ".child.", "", NULL));
     CHECK(count_entries(cpath, ".child.", "", NULL) == 0, "the child marked itself");
+    /* the mark names the child: its image id, its directory from the parent's and its absolute path */
+    {
+        char want[3 * PATH_MAX], got[3 * PATH_MAX], real[PATH_MAX];
+        const char *base = strrchr(cpath, '/') + 1;
+        CHECK(realpath(cpath, real) != NULL, "realpath %s", cpath);
+        snprintf(want, sizeof want, "vramd child mark 1\nimage %s\npath ../%s\nabs %s\n", mark + 7, base, real);
+        snprintf(p, sizeof p, "%s/%s", ppath, mark);
+        int mf = open(p, O_RDONLY | O_CLOEXEC);
+        ssize_t n = mf >= 0 ? read(mf, got, sizeof got - 1) : -1;
+        if (mf >= 0)
+            close(mf);
+        CHECK(n > 0, "read %s", p);
+        got[n] = '\0';
+        CHECK(strcmp(got, want) == 0, "the mark holds \"%s\", want \"%s\"", got, want);
+    }
+    /* a child replaced, twice: its parent holds one mark, the new image's (the old one's went with its commit) */
+    for (int k = 0; k < 2; k++) {
+        char now[PATH_MAX];
+        OK(dump_one(c, cfd, src, &pfd, 1, false, &err), &err);
+        CHECK(count_entries(ppath, ".child.", "", now) == 1 && strcmp(now, mark) != 0,
+              "replacement %d: %d parent marks (first %s, before %s)", k + 1, count_entries(ppath, ".child.", "", NULL),
+              now, mark);
+        memcpy(mark, now, strlen(now) + 1);
+    }
     /* the parent is needed: not replaced unless replace_parent */
     int r = dump_one(c, pfd, src, NULL, 0, false, &err);
     CHECK(r == -EINVAL && err.code == VRAMD_CODE_LOCAL && strstr(err.message, mark), "dump over a parent: %d %s", r,
@@ -510,8 +569,8 @@ static int t_sibling_children(void)
     CHECK(pfd >= 0 && afd >= 0 && bfd >= 0 && src >= 0, "setup");
     OK(test_connect(&c, &err), &err);
     OK(dump_one(c, pfd, src, NULL, 0, false, &err), &err);
-    int held = open(ppath, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    CHECK(held >= 0 && flock(held, LOCK_SH) == 0, "a sibling's shared lock");
+    int held = hold_lock(ppath, LOCK_SH);
+    CHECK(held >= 0, "a sibling's shared lock");
     OK(dump_one(c, afd, src, &pfd, 1, false, &err), &err);
     CHECK(count_entries(ppath, ".child.", "", NULL) == 1, "the child did not mark its parent");
     CHECK(flock(held, LOCK_EX) == 0, "a dump's exclusive lock");
@@ -540,6 +599,236 @@ static int t_sibling_children(void)
     remove_dir(apath);
     remove_dir(bpath);
     remove_dir(ppath);
+    return 0;
+}
+
+/* A process whose fds 0 and 1 are free (a daemon that closed its stdio) with min_fd 0: the dump's directory
+ * duplicate lands on 0 and its .lock on 1, and the lock is still taken and held (a vramctl-style flock of
+ * .lock is refused) and released at the end, and fd 1 is not left holding .lock.  (found by review: fd 1 was
+ * read as "this uid may not create .lock" and the dump went on unlocked, .lock open on fd 1 for good) */
+static int t_lock_on_fd_one(void)
+{
+    struct vramd_conn *c = NULL;
+    struct vramd_error err;
+    char path[PATH_MAX];
+    int dfd = make_image_dir(path);
+    CHECK(dfd >= 0, "setup");
+    OK(test_connect(&c, &err), &err);
+    struct vramd_open_args a = {.kind = VRAMD_SESSION_DUMP, .dir_fd = dfd};
+    struct vramd_token t;
+    int saved0 = fcntl(0, F_DUPFD_CLOEXEC, 100), saved1 = fcntl(1, F_DUPFD_CLOEXEC, 100);
+    CHECK(saved0 >= 0 && saved1 >= 0, "saving fds 0 and 1: %s", strerror(errno));
+    close(0);
+    close(1);
+    int r = vramd_open_session(c, &a, &t, NULL, &err);
+    int other = hold_lock(path, LOCK_SH); /* as vramctl rm/gc would take it */
+    struct stat one;
+    bool one_is_lock = fstat(1, &one) == 0 && S_ISREG(one.st_mode);
+    if (other >= 0)
+        close(other);
+    struct vramd_error ignored;
+    if (r == 0)
+        vramd_close_session(c, &t, NULL, &ignored);
+    bool one_open_after = fcntl(1, F_GETFD) >= 0 && fstat(1, &one) == 0 && S_ISREG(one.st_mode);
+    dup2(saved0, 0);
+    dup2(saved1, 1);
+    close(saved0);
+    close(saved1);
+    CHECK(r == 0, "dump with fds 0 and 1 free: %d %s", r, err.message);
+    CHECK(other < 0, "the dump (its .lock on fd %s) did not hold the directory's lock: another took it",
+          one_is_lock ? "1" : "?");
+    CHECK(!one_open_after, "fd 1 still holds a regular file (.lock) after the session ended");
+    CHECK(!exists(path, ".lock"), "the lock file outlived its holder");
+    vramd_close(c);
+    close(dfd);
+    remove_dir(path);
+    return 0;
+}
+
+/* Children of one image never exclude each other: 4 processes, each on its own connection, begin child dumps
+ * of one parent 20,000 times each at once, and none is refused the parent's lock.  Each child directory holds a
+ * mark, so each vramd_open_session takes the parent's lock (shared), then its own, then refuses the directory
+ * (-EINVAL, "the parent of 1 incremental image") and releases both, all locally: the lock is taken and
+ * released at full speed.  The parent is $VRAMD_TEST_CHURN_PARENT where set (one whose lock other processes,
+ * vramd.image.local's, take and release meanwhile: tests/test_libvramd.py), else one made here, whose .lock is
+ * gone at the end.  (found by review: a sibling opening .lock as its last holder removed it was refused, "has
+ * 0 links", and one flocking it while a releasing sibling held it exclusively for its unlink was -EBUSY) */
+static int t_sibling_lock_churn(void)
+{
+    enum { PROCS = 4, ROUNDS = 20000 };
+    struct vramd_conn *c = NULL;
+    struct vramd_error err;
+    char ppath[PATH_MAX], cpath[PROCS][PATH_MAX];
+    const char *given = getenv("VRAMD_TEST_CHURN_PARENT");
+    int pfd = given && *given ? open(given, O_RDONLY | O_DIRECTORY | O_CLOEXEC) : make_image_dir(ppath), cfd[PROCS];
+    int src = make_memfd(BO_BYTES, 17, 0, BO_BYTES);
+    CHECK(pfd >= 0 && src >= 0, "setup");
+    for (int k = 0; k < PROCS; k++) {
+        CHECK((cfd[k] = make_image_dir(cpath[k])) >= 0, "setup");
+        int m = openat(cfd[k], ".child.00000000000000000000000000000000", O_WRONLY | O_CREAT | O_CLOEXEC, 0600);
+        CHECK(m >= 0, "a mark in %s: %s", cpath[k], strerror(errno));
+        close(m);
+    }
+    if (!(given && *given)) {
+        OK(test_connect(&c, &err), &err);
+        OK(dump_one(c, pfd, src, NULL, 0, false, &err), &err);
+        vramd_close(c);
+    }
+    int go[2], report[2];
+    CHECK(pipe(go) == 0 && pipe(report) == 0, "pipe");
+    pid_t pids[PROCS];
+    for (int k = 0; k < PROCS; k++) {
+        pids[k] = fork();
+        CHECK(pids[k] >= 0, "fork");
+        if (pids[k] == 0) {
+            char line[256] = "";
+            struct vramd_conn *cc = NULL;
+            int refused = 0, first = 0;
+            char byte;
+            if (test_connect(&cc, &err) < 0 || read(go[0], &byte, 1) != 1) {
+                char out[512];
+                int n = snprintf(out, sizeof out, "[no connection: %s] ", err.message);
+                (void)!write(report[1], out, (size_t)n);
+                _exit(2);
+            }
+            for (int i = 0; i < ROUNDS; i++) {
+                struct vramd_open_args a = {.kind = VRAMD_SESSION_DUMP, .dir_fd = cfd[k], .chunk_size = 1 << 20,
+                                            .parent_dir_fds = &pfd, .n_parent_dir_fds = 1};
+                struct vramd_token t;
+                int r = vramd_open_session(cc, &a, &t, NULL, &err);
+                if (r == -EINVAL && strstr(err.message, "the parent of 1 incremental image"))
+                    continue; /* its own directory refused, after both locks were taken and released */
+                if (!refused++)
+                    first = r, snprintf(line, sizeof line, "%s", err.message);
+                if (r == 0) {
+                    struct vramd_error ignored;
+                    vramd_close_session(cc, &t, NULL, &ignored);
+                }
+            }
+            char out[512];
+            int n = snprintf(out, sizeof out, "[%d refused (first %d: %s)] ", refused, first, line);
+            (void)!write(report[1], out, (size_t)n);
+            vramd_close(cc);
+            _exit(refused ? 1 : 0);
+        }
+    }
+    close(go[0]);
+    close(report[1]);
+    char all[PROCS] = {0};
+    CHECK(write(go[1], all, PROCS) == PROCS, "go"); /* one byte each: all start at once */
+    close(go[1]);
+    int bad = 0;
+    for (int k = 0; k < PROCS; k++) {
+        int st;
+        CHECK(waitpid(pids[k], &st, 0) == pids[k], "waitpid");
+        if (!(WIFEXITED(st) && WEXITSTATUS(st) == 0))
+            bad++, fprintf(stderr, "sibling %d: status %#x\n", k, st);
+    }
+    char text[4096] = "";
+    size_t len = 0;
+    for (ssize_t n; len < sizeof text - 1 && (n = read(report[0], text + len, sizeof text - 1 - len)) > 0;)
+        len += (size_t)n;
+    text[len] = '\0';
+    close(report[0]);
+    CHECK(!bad, "%d of %d sibling processes were refused the parent's lock: %s", bad, PROCS, text);
+    close(src);
+    close(pfd);
+    for (int k = 0; k < PROCS; k++) {
+        close(cfd[k]);
+        remove_dir(cpath[k]);
+    }
+    if (!(given && *given)) {
+        CHECK(!exists(ppath, ".lock"), "the parent's lock file outlived its holders");
+        remove_dir(ppath);
+    }
+    return 0;
+}
+
+/* Root (CRIU) dumps a child into a directory uid 65534 owns, with a parent in root's directory: the parent is
+ * neither locked nor marked, since uid 65534, who keeps the child, would otherwise refuse root's rm and dumps
+ * of the parent; a child in a directory of the parent's owner is marked.  (found by review) */
+static int t_child_of_another_owner_marks_nothing(void)
+{
+    if (geteuid() != 0) {
+        printf("  skipped: needs root to give a directory to uid 65534\n");
+        return 0;
+    }
+    struct vramd_conn *c = NULL;
+    struct vramd_error err;
+    char ppath[PATH_MAX], cpath[PATH_MAX], mpath[PATH_MAX];
+    int pfd = make_image_dir(ppath), cfd = make_image_dir(cpath), mfd = make_image_dir(mpath);
+    int src = make_memfd(BO_BYTES, 19, 0, BO_BYTES);
+    CHECK(pfd >= 0 && cfd >= 0 && mfd >= 0 && src >= 0, "setup");
+    CHECK(chown(cpath, 65534, 65534) == 0, "chown: %s", strerror(errno));
+    OK(test_connect(&c, &err), &err);
+    OK(dump_one(c, pfd, src, NULL, 0, false, &err), &err);
+    OK(dump_one(c, cfd, src, &pfd, 1, false, &err), &err);
+    CHECK(exists(cpath, "manifest.vrdm"), "the child committed");
+    CHECK(count_entries(ppath, ".child.", "", NULL) == 0, "root's child in uid 65534's directory marked the parent");
+    CHECK(!exists(ppath, ".lock"), "a .lock left in the parent");
+    OK(dump_one(c, mfd, src, &pfd, 1, false, &err), &err);
+    CHECK(count_entries(ppath, ".child.", "", NULL) == 1, "a child in root's own directory did not mark it");
+    vramd_close(c);
+    close(src);
+    close(pfd);
+    close(cfd);
+    close(mfd);
+    remove_dir(cpath);
+    remove_dir(mpath);
+    remove_dir(ppath);
+    return 0;
+}
+
+/* Open (creating) the directory `name` under `base`, its path in out. */
+static int sub_dir(const char *base, const char *name, char *out)
+{
+    snprintf(out, PATH_MAX, "%s/%s", base, name);
+    if (mkdir(out, 0700) < 0 && errno != EEXIST)
+        return -1;
+    return open(out, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+}
+
+/* A parent and its child moved together (base/a renamed to base/b): the child's mark finds it by its relative
+ * path; its absolute one names base/a/child, where a new child of base/b/parent is then dumped.  That dump's
+ * commit must not remove the moved child's mark as one of its own replaced image's; replacing that new child
+ * removes the new child's old mark (both its paths lead to it).  (found by review) */
+static int t_moved_childs_mark_kept(void)
+{
+    struct vramd_conn *c = NULL;
+    struct vramd_error err;
+    char base[PATH_MAX], a[PATH_MAX], b[PATH_MAX], p[PATH_MAX], k[PATH_MAX], moved[PATH_MAX];
+    int bfd = make_image_dir(base);
+    int src = make_memfd(BO_BYTES, 23, 0, BO_BYTES);
+    CHECK(bfd >= 0 && src >= 0, "setup");
+    int afd = sub_dir(base, "a", a);
+    int pfd = sub_dir(a, "parent", p), kfd = sub_dir(a, "child", k);
+    CHECK(afd >= 0 && pfd >= 0 && kfd >= 0, "setup");
+    OK(test_connect(&c, &err), &err);
+    OK(dump_one(c, pfd, src, NULL, 0, false, &err), &err);
+    OK(dump_one(c, kfd, src, &pfd, 1, false, &err), &err);
+    snprintf(b, sizeof b, "%s/b", base);
+    CHECK(rename(a, b) == 0, "rename: %s", strerror(errno));
+    snprintf(moved, sizeof moved, "%s/parent", b);
+    CHECK(count_entries(moved, ".child.", "", NULL) == 1, "the child's mark");
+    close(kfd);
+    int a2 = sub_dir(base, "a", a);
+    int nfd = sub_dir(a, "child", k);
+    CHECK(a2 >= 0 && nfd >= 0, "setup");
+    OK(dump_one(c, nfd, src, &pfd, 1, false, &err), &err); /* pfd: the moved parent */
+    int n = count_entries(moved, ".child.", "", NULL);
+    CHECK(n == 2, "the moved parent holds %d mark(s), not 2: the new child at the old path removed the moved "
+          "child's", n);
+    OK(dump_one(c, nfd, src, &pfd, 1, false, &err), &err); /* replacing the new child: its old mark goes */
+    n = count_entries(moved, ".child.", "", NULL);
+    CHECK(n == 2, "the moved parent holds %d mark(s) after the new child was replaced, not 2", n);
+    vramd_close(c);
+    close(src);
+    close(pfd);
+    close(nfd);
+    close(afd);
+    close(a2);
+    close(bfd);
+    remove_dir(base);
     return 0;
 }
 
@@ -796,8 +1085,8 @@ static int t_data_files_per_gpu(void)
                                       {.id = 3, .fd = src, .size = 4096, .has_gpu_id = true, .gpu_id = gpus[0]}};
             OK(vramd_add_bos(c, &t, bos, 3, NULL, &err), &err);
             OK(vramd_add_bos(c, &t, &bos[1], 1, NULL, &err), &err); /* a GPU with files gets none again */
-            CHECK(count_entries(path, "", "", NULL) == (int)(NGPUS * n), "%u per GPU: %d files in the directory",
-                  per_gpu, count_entries(path, "", "", NULL));
+            CHECK(count_entries(path, "", "", NULL) == (int)(NGPUS * n) + 1, "%u per GPU: %d files in the directory "
+                  "(the lock file one of them)", per_gpu, count_entries(path, "", "", NULL));
             for (size_t g = 0; g < NGPUS; g++)
                 for (uint32_t k = 0; k < n; k++) {
                     char want[PATH_MAX];
@@ -808,8 +1097,8 @@ static int t_data_files_per_gpu(void)
         }
         CHECK(count_entries(path, "", "", NULL) == 0, "%u per GPU: %d files left", per_gpu,
               count_entries(path, "", "", NULL));
-        int lk = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-        CHECK(lk >= 0 && flock(lk, LOCK_EX | LOCK_NB) == 0, "%u per GPU: the directory is still locked", per_gpu);
+        int lk = hold_lock(path, LOCK_EX);
+        CHECK(lk >= 0, "%u per GPU: the directory is still locked", per_gpu);
         close(lk);
         vramd_close(c);
         int st = reap(pid);
@@ -856,6 +1145,184 @@ static int t_data_files_per_gpu(void)
     return 0;
 }
 
+/* vramctl ($VRAMD_TEST_VRAMCTL) reads the marks libvramd writes: rm of the parent is refused while the child
+ * is whole, gc keeps the live mark, rm of the child removes its mark (it names that very directory), and then
+ * rm of the parent works. */
+static int vramctl_status(const char *vramctl, const char *args, const char *path)
+{
+    char cmd[3 * PATH_MAX];
+    snprintf(cmd, sizeof cmd, "%s %s '%s' >/dev/null 2>&1", vramctl, args, path);
+    int st = system(cmd);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+static int t_marks_read_by_vramctl(void)
+{
+    const char *vramctl = getenv("VRAMD_TEST_VRAMCTL");
+    if (!vramctl || !*vramctl) {
+        printf("  skipped: VRAMD_TEST_VRAMCTL is not set\n");
+        return 0;
+    }
+    struct vramd_conn *c = NULL;
+    struct vramd_error err;
+    char ppath[PATH_MAX], cpath[PATH_MAX];
+    int pfd = make_image_dir(ppath), cfd = make_image_dir(cpath);
+    int src = make_memfd(BO_BYTES, 19, 0, BO_BYTES);
+    CHECK(pfd >= 0 && cfd >= 0 && src >= 0, "setup");
+    OK(test_connect(&c, &err), &err);
+    OK(dump_one(c, pfd, src, NULL, 0, false, &err), &err);
+    OK(dump_one(c, cfd, src, &pfd, 1, false, &err), &err);
+    OK(dump_one(c, cfd, src, &pfd, 1, false, &err), &err); /* replaced once: still one mark */
+    vramd_close(c);
+    CHECK(count_entries(ppath, ".child.", "", NULL) == 1, "%d marks", count_entries(ppath, ".child.", "", NULL));
+    CHECK(vramctl_status(vramctl, "rm", ppath) == 1, "vramctl rm of a parent whose child is whole");
+    CHECK(vramctl_status(vramctl, "gc", ppath) == 0 && count_entries(ppath, ".child.", "", NULL) == 1,
+          "vramctl gc removed a live mark libvramd wrote");
+    char rm_child[PATH_MAX + 32];
+    snprintf(rm_child, sizeof rm_child, "rm --parent '%s'", ppath); /* these dumps record no parent path */
+    CHECK(vramctl_status(vramctl, rm_child, cpath) == 0 && count_entries(ppath, ".child.", "", NULL) == 0,
+          "vramctl rm of the child left its mark (%d)", count_entries(ppath, ".child.", "", NULL));
+    CHECK(vramctl_status(vramctl, "rm", ppath) == 0 && !exists(ppath, "manifest.vrdm"), "vramctl rm of the parent");
+    close(src);
+    close(pfd);
+    close(cfd);
+    remove_dir(cpath);
+    remove_dir(ppath);
+    return 0;
+}
+
+/* A child dump whose client may only read its parent (uid 65534, a parent of root's made readable: a shared
+ * base image) takes no lock of the parent's: while its session is open, root takes the parent directory's
+ * flock and its .lock exclusively (before, the child held a shared flock on the directory, which any reader
+ * can take, and so blocked the parent's owner's dump, rm and gc). */
+static int t_reader_child_locks_nothing(void)
+{
+    if (geteuid() != 0) {
+        printf("  skipped: needs root to act as uid 65534\n");
+        return 0;
+    }
+    struct vramd_conn *c = NULL;
+    struct vramd_error err;
+    char ppath[PATH_MAX], cpath[PATH_MAX];
+    int pfd = make_image_dir(ppath), cfd = make_image_dir(cpath);
+    int src = make_memfd(BO_BYTES, 17, 0, BO_BYTES);
+    CHECK(pfd >= 0 && cfd >= 0 && src >= 0, "setup");
+    OK(test_connect(&c, &err), &err);
+    OK(dump_one(c, pfd, src, NULL, 0, false, &err), &err);
+    /* the parent readable by all (a shared base image), the child's directory uid 65534's */
+    DIR *dir = opendir(ppath);
+    CHECK(dir, "opendir %s", ppath);
+    for (struct dirent *e; (e = readdir(dir));)
+        if (e->d_name[0] != '.')
+            CHECK(fchmodat(pfd, e->d_name, 0644, 0) == 0, "chmod %s", e->d_name);
+    closedir(dir);
+    CHECK(chmod(ppath, 0755) == 0 && chown(cpath, 65534, 65534) == 0, "chmod/chown");
+    struct vramd_open_args a = {.kind = VRAMD_SESSION_DUMP, .dir_fd = cfd, .chunk_size = 1 << 20,
+                                .parent_dir_fds = &pfd, .n_parent_dir_fds = 1};
+    struct vramd_token t;
+    CHECK(setegid(65534) == 0 && seteuid(65534) == 0, "seteuid: %s", strerror(errno));
+    int r = vramd_open_session(c, &a, &t, NULL, &err);
+    CHECK(seteuid(0) == 0 && setegid(0) == 0, "seteuid back: %s", strerror(errno));
+    OK(r, &err);
+    int lk = open(ppath, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    CHECK(lk >= 0 && flock(lk, LOCK_EX | LOCK_NB) == 0, "a child dump of uid 65534 holds its parent's directory flock");
+    close(lk);
+    CHECK(!exists(ppath, ".lock"), "a child dump of uid 65534 made its parent's lock file");
+    lk = hold_lock(ppath, LOCK_EX);
+    CHECK(lk >= 0, "a child dump of uid 65534 holds its parent's lock file");
+    close(lk);
+    OK(vramd_close_session(c, &t, NULL, &err), &err);
+    vramd_close(c);
+    close(src);
+    close(pfd);
+    close(cfd);
+    remove_dir(cpath);
+    remove_dir(ppath);
+    return 0;
+}
+
+/* Fill every fd from `floor` up to RLIMIT_NOFILE (at most `cap`) with duplicates of `fd`; how many. */
+static int fill_fds(int fd, int floor, int *fill, int cap)
+{
+    int n = 0;
+    while (n < cap && (fill[n] = fcntl(fd, F_DUPFD_CLOEXEC, floor)) >= 0)
+        n++;
+    return n;
+}
+
+/* With no fd free at or above min_fd, each step of a dump that creates a file fails (AddBos: the data files,
+ * Start: the manifest's temporary, Wait: the commit's mark in the parent) and the dump leaves nothing behind:
+ * no file it created in its directory or its parent's (criu.h: "nothing this call created is left").  The
+ * step that creates runs with the table full from the floor up (RLIMIT_NOFILE lowered, the rest filled);
+ * the steps before it, with room. */
+static int t_no_fd_left_no_file(void)
+{
+    enum { FLOOR = 256, ROOM = 48 };
+    struct vramd_conn *c = NULL;
+    struct vramd_error err;
+    char ppath[PATH_MAX], cpath[PATH_MAX];
+    int pfd = make_image_dir(ppath), cfd = make_image_dir(cpath);
+    int src = make_memfd(BO_BYTES, 13, 0, BO_BYTES);
+    CHECK(pfd >= 0 && cfd >= 0 && src >= 0 && pfd < FLOOR && cfd < FLOOR && src < FLOOR, "setup");
+    struct vramd_options o;
+    vramd_options_init(&o);
+    o.timeout_ms = 30000;
+    o.min_fd = FLOOR;
+    OK(vramd_connect_path(&c, daemon_socket(), &o, &err), &err);
+    OK(dump_one(c, pfd, src, NULL, 0, false, &err), &err);
+    int parent_entries = count_entries(ppath, "", "", NULL);
+    struct rlimit old, low;
+    CHECK(getrlimit(RLIMIT_NOFILE, &old) == 0 && old.rlim_cur >= FLOOR + ROOM, "RLIMIT_NOFILE %llu",
+          (unsigned long long)old.rlim_cur);
+    low = old;
+    low.rlim_cur = FLOOR + ROOM;
+    CHECK(setrlimit(RLIMIT_NOFILE, &low) == 0, "setrlimit: %s", strerror(errno));
+    static const char *const steps[] = {"AddBos", "Start", "Wait"};
+    int fill[ROOM], bad = -1, rc = 0;
+    char why[512] = "";
+    for (int step = 0; step < 3 && bad < 0; step++) {
+        struct vramd_open_args a = {.kind = VRAMD_SESSION_DUMP, .dir_fd = cfd, .chunk_size = 1 << 20,
+                                    .parent_dir_fds = &pfd, .n_parent_dir_fds = 1};
+        struct vramd_bo bo = {.id = 1, .fd = src, .size = BO_BYTES};
+        struct vramd_token t;
+        int r = vramd_open_session(c, &a, &t, NULL, &err), n = 0;
+        for (int k = 0; r == 0 && k <= step; k++) {
+            if (k == step)
+                n = fill_fds(src, FLOOR, fill, ROOM);
+            r = k == 0 ? vramd_add_bos(c, &t, &bo, 1, NULL, &err)
+                : k == 1 ? vramd_start(c, &t, NULL, &err)
+                         : vramd_wait(c, &t, 60000, NULL, &err);
+        }
+        for (int k = 0; k < n; k++)
+            close(fill[k]);
+        rc = r;
+        snprintf(why, sizeof why, "%s", err.message);
+        struct vramd_error ignored;
+        vramd_close_session(c, &t, NULL, &ignored);
+        char first[PATH_MAX] = "";
+        if (r == 0 || n == 0 || count_entries(cpath, "", "", first) != 0 ||
+            count_entries(ppath, "", "", NULL) != parent_entries)
+            bad = step;
+    }
+    CHECK(setrlimit(RLIMIT_NOFILE, &old) == 0, "setrlimit back: %s", strerror(errno));
+    if (bad >= 0) {
+        char first[PATH_MAX] = "";
+        int left = count_entries(cpath, "", "", first);
+        CHECK(0, "%s with no fd free above %d: %d (%s); %d entries left in the image directory (first %s), %d in "
+              "the parent's (was %d)", steps[bad], FLOOR, rc, why, left, first, count_entries(ppath, "", "", NULL),
+              parent_entries);
+    }
+    OK(dump_one(c, cfd, src, &pfd, 1, false, &err), &err); /* with room it commits */
+    CHECK(exists(cpath, "manifest.vrdm") && count_entries(ppath, ".child.", "", NULL) == 1, "the dump with room");
+    vramd_close(c);
+    close(src);
+    close(pfd);
+    close(cfd);
+    remove_dir(cpath);
+    remove_dir(ppath);
+    return 0;
+}
+
 const struct test files_tests[] = {
     {"dump_commit", t_dump_commit, "all quick"},
     {"dump_no_commit", t_dump_no_commit, "all quick"},
@@ -863,6 +1330,13 @@ const struct test files_tests[] = {
     {"unreadable_image", t_unreadable_image, "all quick"},
     {"marks_and_sweep", t_marks_and_sweep, "all quick"},
     {"sibling_children", t_sibling_children, "all quick"},
+    {"lock_on_fd_one", t_lock_on_fd_one, "all quick"},
+    {"moved_childs_mark_kept", t_moved_childs_mark_kept, "all quick"},
+    {"child_of_another_owner_marks_nothing", t_child_of_another_owner_marks_nothing, "all quick"},
+    {"sibling_lock_churn", t_sibling_lock_churn, "churn"},
+    {"no_fd_left_no_file", t_no_fd_left_no_file, "fdlimit"},
+    {"reader_child_locks_nothing", t_reader_child_locks_nothing, "all quick"},
+    {"marks_read_by_vramctl", t_marks_read_by_vramctl, "all quick"},
     {"fake_asks_for_a_file", t_fake_asks_for_a_file, "all quick"},
     {"data_file_names", t_data_file_names, "all quick"},
     {"data_files_per_gpu", t_data_files_per_gpu, "all quick"},

@@ -330,8 +330,11 @@ struct vramd_open_args {
 /*
  * Open a session; *token receives its token.  info (may be NULL) is the last
  * reply (the OpenSession's, or that of the last AttachFiles).
- *   Dump: locks dir_fd (flock on a description of its own, held until the
- *   commit or the end of the session; another dump holds it: -EBUSY),
+ *   Dump: locks dir_fd (flock on its .lock file, created 0600 and checked to
+ *   be the directory owner's or the caller's own regular file, as vramctl
+ *   takes it; held until the commit or the end of the session; another dump,
+ *   rm or gc holds it: -EBUSY; a .lock that is not such a file: -ELOOP,
+ *   -EACCES or -EPERM),
  *   refuses a directory whose image incremental images need (.child.<id>
  *   marks; -EINVAL) unless replace_parent, and one that is also one of its
  *   parents (-EINVAL, always); removes the temporaries a crashed dump left;
@@ -405,11 +408,14 @@ VRAMD_API int vramd_progress(struct vramd_conn *conn, const struct vramd_token *
  * Dump: the commit happens here, in the caller's process, on the connection
  * that opened the session (on another one a DONE dump is -EXDEV, and nothing
  * is committed): the data files are renamed into place, the child is marked
- * in its parents' directories (each under that directory's lock; one the
- * caller may not write is skipped; one another dump holds is -EBUSY), the
- * manifest is renamed to manifest.vrdm (the commit point), the directory is
- * fsynced, the replaced image's data files are removed and the directory is
- * unlocked.  A commit that fails before the manifest's rename (a local
+ * in its parents' directories (each under that directory's lock, taken
+ * shared at vramd_open_session; one the caller does not own or may not
+ * write, or whose owner is not the image directory's, is neither locked nor
+ * marked; one another dump holds is -EBUSY),
+ * the manifest is renamed to manifest.vrdm (the commit point), the directory
+ * is fsynced, the replaced image's data files are removed, and so are the
+ * marks in those parents that name this directory with another image id,
+ * and the directory is unlocked.  A commit that fails before the manifest's rename (a local
  * error naming the file) removes everything the dump created, and the
  * directory keeps the image it had.  A session that ended FAILED or
  * CANCELLED has its files removed too.  A later Wait repeats the outcome.
