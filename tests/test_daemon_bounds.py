@@ -9,9 +9,12 @@ from __future__ import annotations
 import array
 import os
 import socket
+import subprocess
+import sys
+import textwrap
 
 import pytest
-from helpers import memfd, o_direct_here
+from helpers import ROOT, memfd, o_direct_here
 
 from vramd.client import SESSION_DUMP, SESSION_RESTORE, Client, ClientBo
 from vramd.errors import InvalidRequestError, LimitExceededError
@@ -288,3 +291,129 @@ def test_bos_fds_and_chunks_are_bounded_per_session_and_per_uid(run_dir, tmp_pat
             os.close(fd)
     for fd in [*dirs, bo]:
         os.close(fd)
+
+
+# --- issue #31, finding 6: a client flooding 253-fd packets must not freeze the daemon ---------------
+
+FLOODER = textwrap.dedent("""
+    import array, os, socket, sys, threading
+    from vramd.pb import rpc_pb2 as rpc
+    from vramd.protocol import PROTOCOL_VERSIONS, encode_request
+    path, nconns, senders = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    null = os.open("/dev/null", os.O_RDONLY)
+    anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [null] * 253))]  # 253 fds a packet
+    hello = encode_request(rpc.Request(id=1, hello=rpc.Hello(versions=list(PROTOCOL_VERSIONS))))
+    status = encode_request(rpc.Request(id=2, get_status=rpc.GetStatus()))
+    stop, started, counts = threading.Event(), threading.Semaphore(0), []
+
+    def send_until_dropped(s, dropped):
+        while not stop.is_set():
+            try:
+                s.sendmsg([status], anc)
+            except TimeoutError:
+                continue  # the daemon is not reading: try again (or stop)
+            except (BrokenPipeError, ConnectionResetError):
+                dropped.append(1)  # the daemon closed it: what a flooder should get
+                return
+            started.release()
+
+    def connection_after_connection():
+        conns = drops = 0
+        while not stop.is_set():  # a connection, flooded by `senders` threads until the daemon drops it
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            s.settimeout(0.2)  # only so that `stop` is seen
+            try:
+                s.connect(path)
+            except TimeoutError:  # the backlog is full
+                s.close()
+                continue
+            conns += 1
+            dropped = []
+            try:
+                s.sendmsg([hello])
+                threads = [threading.Thread(target=send_until_dropped, args=(s, dropped)) for _ in range(senders)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+            except (BrokenPipeError, ConnectionResetError):
+                dropped.append(1)
+            finally:
+                s.close()
+            drops += bool(dropped)
+        counts.append((conns, drops))
+
+    threads = [threading.Thread(target=connection_after_connection) for _ in range(nconns)]
+    for t in threads:
+        t.start()
+    started.acquire()
+    print("flooding", flush=True)
+    sys.stdin.readline()
+    stop.set()
+    for t in threads:
+        t.join()
+    print(*[sum(c[i] for c in counts) for i in (0, 1)], flush=True)
+""")
+
+PROBE = textwrap.dedent("""
+    import sys, time
+    from vramd.client import Client
+    path, seconds = sys.argv[1], float(sys.argv[2])
+    worst, n, new = 0.0, 0, 0
+    with Client(path, timeout=5) as c:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            t = time.perf_counter()
+            try:
+                if n % 5 == 4:  # a new connection: Hello + GetStatus
+                    new += 1
+                    with Client(path, timeout=5) as fresh:
+                        fresh.status()
+                else:
+                    c.status()
+            except (OSError, TimeoutError) as e:
+                print("FAILED", n, repr(e), flush=True)
+                raise
+            worst = max(worst, time.perf_counter() - t)
+            n += 1
+    print(n, new, worst, flush=True)
+""")
+
+
+def test_a_client_flooding_fds_is_dropped_and_everyone_else_is_answered_within_100_ms(run_dir):
+    """Four connections at a time (two processes, two each), each flooded by three threads sending 253-fd
+    packets as fast as they can; the daemon drops each one past max_queued_requests, and the flooder connects
+    and floods again.  Meanwhile another client's
+    GetStatus, and Hello + GetStatus on new connections, are answered within 100 ms every time, and every
+    flooding connection is dropped (its sends fail).  Before, dropping a connection read and discarded the
+    client's packets in a loop on the event loop until none was left, which a flooder never let happen: no
+    other client was answered, and the flooder was never disconnected.  The daemon and the probe run at nice
+    -10 (root may raise priority), as in test_daemon_latency.py: this measures what the event loop does with
+    its time, not how busy the machine's two cores are."""
+    nice = ["nice", "-n", "-10"] if os.geteuid() == 0 else []
+    with DaemonProcess(run_dir, argv_prefix=[*nice, sys.executable] if nice else None) as d:
+        with Client(d.socket) as c:
+            c.status()  # the daemon's fds once a connection has come and gone
+        d.expect_log(r"connection \d+ closed")
+        baseline = d.fds()
+        flooders = [subprocess.Popen([sys.executable, "-c", FLOODER, d.socket, "2", "3"], cwd=ROOT, text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE) for _ in range(2)]
+        try:
+            for f in flooders:
+                assert f.stdout.readline().strip() == "flooding"
+            probe = subprocess.run([*nice, sys.executable, "-c", PROBE, d.socket, "3"], cwd=ROOT, text=True,
+                                   capture_output=True, timeout=60)
+        finally:
+            counts = []
+            for f in flooders:
+                out, _ = f.communicate("\n", timeout=60)
+                counts.append(tuple(map(int, out.split())))
+        assert probe.returncode == 0, probe.stdout + probe.stderr
+        n, new, worst = probe.stdout.split()
+        assert int(n) >= 20 and int(new) >= 4, probe.stdout
+        assert float(worst) < 0.100, f"a GetStatus took {float(worst) * 1e3:.1f} ms during the flood"
+        for conns, drops in counts:  # every flooding connection was dropped, but the one each thread stopped on
+            assert drops >= conns - 2 and drops >= 2, counts
+        for _ in range(sum(conns for conns, _ in counts) + int(new)):
+            d.expect_log(r"connection \d+ closed")
+        assert d.fds() == baseline

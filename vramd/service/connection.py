@@ -67,7 +67,7 @@ async def serve_connection(daemon: Daemon, sock: socket.socket) -> None:
         finally:
             daemon.unregister(conn)
     finally:
-        channel.close()
+        await channel.close()  # bounded, and yields: a peer that floods the socket holds nobody else
         log.debug("%s closed", what)  # its socket, and every fd it sent, are closed by now
 
 
