@@ -140,6 +140,7 @@ async def _serve(daemon: Daemon, conn: Connection) -> None:
                 # socket to see the peer hang up.
                 _drop_queued(queue, keep_replies=True)
     finally:
+        conn.channel.stop_reading()  # nothing more is read: a flooding peer's sends fail now, not at the close
         if hung_up:  # nobody to answer: what is still queued is never handled
             _drop_queued(queue)
         if conn.waiting is not None:  # the peer is gone (or closed): nobody to answer the Wait
