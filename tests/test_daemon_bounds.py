@@ -12,12 +12,14 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 from helpers import ROOT, memfd, o_direct_here
 
 from vramd.client import SESSION_DUMP, SESSION_RESTORE, Client, ClientBo
 from vramd.errors import InvalidRequestError, LimitExceededError
+from vramd.image.format import MANIFEST_NAME
 from vramd.pb import rpc_pb2 as rpc
 from vramd.protocol import PROTOCOL_VERSIONS, decode_response, encode_request
 from vramd.testing import DaemonProcess
@@ -419,3 +421,104 @@ def test_a_client_flooding_fds_is_dropped_and_everyone_else_is_answered_within_1
         for _ in range(sum(conns for conns, _ in counts) + int(new)):
             d.expect_log(r"connection \d+ closed")
         assert d.fds() == baseline
+
+
+# --- issue #31, findings 3 and 4: per-uid bounds hold under concurrency -----------------------------
+
+def test_fds_of_requests_queued_behind_a_wait_count_against_max_fds_per_uid(run_dir, tmp_path):
+    """Eight connections of one uid each block their handler on a Wait, then send twelve GetStatus of 50 fds
+    each, all at once: the fds of requests queued and not yet handled count against max_fds_per_uid (512),
+    reserved as each packet is read, so exactly 10 of the 96 are taken (500 fds) and 86 are answered
+    LIMIT_EXCEEDED naming the limit, their fds closed at once; the daemon holds at most 512 of them.  Before,
+    queued fds were not counted: all 4,800 were held until the Waits ended."""
+    cfg = config(tmp_path, "max_fds_per_uid = 512\n")
+    conns, per_conn, nfds = 8, 12, 50
+    with DaemonProcess(run_dir, "--config", cfg) as d, Client(d.socket) as c:
+        baseline = d.fds()
+        socks, tokens = [], []
+        for _ in range(conns):
+            s = raw_connect(d.socket)
+            say_hello(s)
+            send(s, rpc.Request(id=2, open_session=rpc.OpenSession(kind=rpc.SESSION_DUMP)))
+            tokens.append(decode_response(s.recv(1 << 20)).session.token)
+            send(s, rpc.Request(id=3, wait=rpc.Wait(token=tokens[-1])))  # blocks this connection's handler
+            socks.append(s)
+        fd = memfd(b"q" * 4096)
+
+        def flood(s: socket.socket) -> None:
+            for k in range(per_conn):
+                send(s, rpc.Request(id=10 + k, get_status=rpc.GetStatus()), [fd] * nfds)
+
+        threads = [threading.Thread(target=flood, args=(s,)) for s in socks]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        refused = conns * per_conn - 512 // nfds
+        for _ in range(refused):  # every packet read: the ones taken were read before the first refusal
+            d.expect_log(r"request \d+ refused: uid \d+ would hold more than 512 fds \(max_fds_per_uid\)")
+        held = len(d.fds()) - len(baseline) - conns
+        assert held == 512 // nfds * nfds, held  # 500 fds of the 10 requests taken, nothing of the others
+        for token in tokens:  # the Waits end; each connection's queued requests are answered, in order
+            c.cancel(token)
+        answers = []
+        for s in socks:
+            assert decode_response(s.recv(1 << 20)).id == 3  # the Wait's answer first
+            got = [decode_response(s.recv(1 << 20)) for _ in range(per_conn)]
+            assert [r.id for r in got] == list(range(10, 10 + per_conn))
+            answers += got
+            s.close()
+        os.close(fd)
+        ok = [r for r in answers if r.error.code == rpc.OK]
+        over = [r for r in answers if r.error.code == rpc.LIMIT_EXCEEDED]
+        assert (len(ok), len(over)) == (512 // nfds, refused)
+        assert all("max_fds_per_uid" in r.error.message and f"this request carries {nfds}" in r.error.message
+                   for r in over)
+        for _ in socks:
+            d.expect_log(r"connection \d+ closed")
+        for token in tokens:
+            c.close_session(token)
+        assert d.fds() == baseline
+        s = raw_connect(d.socket)  # nothing is still counted: two requests of 253 fds (506 of 512) are taken
+        say_hello(s)
+        fd = memfd()
+        send(s, rpc.Request(id=2, get_status=rpc.GetStatus()), [fd] * 253)
+        send(s, rpc.Request(id=3, get_status=rpc.GetStatus()), [fd] * 253)
+        assert [decode_response(s.recv(1 << 20)).error.code for _ in range(2)] == [rpc.OK, rpc.OK]
+        s.close()
+        os.close(fd)
+
+
+def test_concurrent_opens_cannot_pass_max_sessions_per_uid(run_dir, tmp_path, image_dir):
+    """150 connections of one uid send OpenSession(VERIFY) at once against max_sessions_per_uid = 64: exactly 64
+    open and 86 get LIMIT_EXCEEDED naming the limit.  A verify reads its manifest in a worker thread; the open
+    counted the uid's sessions before that await and added its own after it, so all 150 passed one check."""
+    cfg = config(tmp_path, "max_sessions_per_uid = 64\n")
+    bo = memfd(os.urandom(8192))
+    with DaemonProcess(run_dir, "--config", cfg) as d, Client(d.socket) as c:
+        c.run_session(SESSION_DUMP, image_dir[1], [ClientBo(1, bo, size=8192)])
+        baseline = d.fds()
+        manifest = os.open(image_dir[0] / MANIFEST_NAME, os.O_RDONLY)
+        socks = []
+        for _ in range(150):
+            socks.append(raw_connect(d.socket))
+            say_hello(socks[-1])
+        for s in socks:  # every request sent before any is answered
+            send(s, rpc.Request(id=2, open_session=rpc.OpenSession(kind=rpc.SESSION_VERIFY, manifest_fd_index=0)),
+                 [manifest])
+        got = [decode_response(s.recv(1 << 20)) for s in socks]
+        os.close(manifest)
+        opened = [r for r in got if r.error.code == rpc.OK]
+        over = [r for r in got if r.error.code == rpc.LIMIT_EXCEEDED]
+        assert (len(opened), len(over)) == (64, 86), [r.error.message for r in got if r.error.code not in
+                                                     (rpc.OK, rpc.LIMIT_EXCEEDED)]
+        assert all("max_sessions_per_uid" in r.error.message for r in over)
+        assert len(c.sessions()) == 64
+        held = len(d.fds()) - len(baseline) - len(socks)
+        assert held <= 64, held  # a manifest fd per session open, none of the refused ones'
+        for s in socks:
+            s.close()
+        for r in opened:
+            c.close_session(r.session.token)
+        assert c.status().sessions == 0
+    os.close(bo)

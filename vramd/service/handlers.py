@@ -43,6 +43,8 @@ async def dispatch(daemon: Daemon, conn: Connection, req: rpc.Request, fds: FdBu
     kind = req.WhichOneof("body")
     daemon.metrics.inc("vramd_requests_total", type=str(kind))
     handler = HANDLERS.get(kind or "")
+    if kind not in TAKES_FDS:
+        fds.close()  # it takes none: a Wait that blocks for long holds none of them
     try:
         if handler is None:
             raise InvalidRequestError(f"request type {kind!r} is not handled here")
@@ -168,6 +170,9 @@ async def list_sessions(daemon: Daemon, conn: Connection, rid: int, body: rpc.Li
     infos = [s.info() for s in daemon.sessions if see_all or s.uid == conn.uid]
     return reply(rid, sessions=rpc.SessionList(sessions=infos))
 
+
+# The request types whose handlers take fds from their packet; any other request's fds are closed at once.
+TAKES_FDS = frozenset({"open_session", "add_bos", "attach_files", "start"})
 
 # Request type (the `body` oneof's field name in rpc.proto) -> handler.  Hello is the protocol's own.
 HANDLERS: dict[str, Handler] = {

@@ -106,11 +106,13 @@ class UidLimits:
 
 @dataclass
 class UidUsage:
-    """What one uid's sessions hold (kept by the session table, updated by the sessions)."""
+    """What one uid's sessions hold (kept by the session table, updated by the sessions), and the fds on its
+    requests received and not yet handled (`queued`, reserved by the connection that read them)."""
 
     limits: UidLimits
     bos: int = 0
     fds: int = 0
+    queued: int = 0
 
 
 # Per-BO work of an AddBos runs on the event loop in steps of at most this long, so
@@ -219,7 +221,7 @@ class Session:
         """The fd at `index` of the packet, held by the session (closed when it ends, counted for its uid)."""
         if len(self.fds) + 1 > self.limits.max_fds:
             raise LimitExceededError(f"more than {self.limits.max_fds} fds in one session (max_fds_per_session)")
-        if self.usage.fds + 1 > self.usage.limits.max_fds:
+        if self.usage.fds + self.usage.queued + 1 > self.usage.limits.max_fds:
             raise LimitExceededError(f"uid {self.uid}'s sessions would hold more than "
                                      f"{self.usage.limits.max_fds} fds (max_fds_per_uid)")
         fd = bundle.take(index)
@@ -369,7 +371,7 @@ class Session:
                     "(max_chunks_per_session)")
             if len(self.fds) + len(fds) > self.limits.max_fds:
                 raise LimitExceededError(f"more than {self.limits.max_fds} fds in one session (max_fds_per_session)")
-            if self.usage.fds + len(fds) > self.usage.limits.max_fds:
+            if self.usage.fds + self.usage.queued + len(fds) > self.usage.limits.max_fds:
                 raise LimitExceededError(f"uid {self.uid}'s sessions would hold more than "
                                          f"{self.usage.limits.max_fds} fds (max_fds_per_uid)")
             # reserved from here on: the BOs count whether or not the job takes them all
