@@ -156,13 +156,21 @@ async def close_session(daemon: Daemon, conn: Connection, rid: int, body: rpc.Cl
 
 
 async def get_status(daemon: Daemon, conn: Connection, rid: int, body: rpc.GetStatus, fds: FdBundle) -> Reply:
-    daemon.update_gauges()
+    """An operator (uid 0, the daemon's uid) sees the whole daemon; any other uid only its own connections and
+    sessions, and neither the staging memory in use nor the metrics: both sum up every uid's work (they go to
+    the metrics textfile, and to operators)."""
     pool = daemon.engine.pool
-    return reply(rid, status=rpc.StatusReply(
-        server=daemon.server, version=conn.protocol.version, uptime_s=time.monotonic() - daemon.started,
-        connections=len(daemon.connections), sessions=len(daemon.sessions), staging_budget=pool.budget,
-        staging_in_use=pool.in_use_bytes, backends=daemon.backend_infos(), metrics=daemon.metrics.render(),
-        draining=daemon.draining))
+    status = rpc.StatusReply(server=daemon.server, version=conn.protocol.version,
+                             uptime_s=time.monotonic() - daemon.started, staging_budget=pool.budget,
+                             backends=daemon.backend_infos(), draining=daemon.draining)
+    if is_operator(conn):
+        daemon.update_gauges()
+        status.connections, status.sessions = len(daemon.connections), len(daemon.sessions)
+        status.staging_in_use, status.metrics = pool.in_use_bytes, daemon.metrics.render()
+    else:
+        status.connections = daemon.connections_of(conn.uid)
+        status.sessions = sum(1 for s in daemon.sessions if s.uid == conn.uid)
+    return reply(rid, status=status)
 
 
 async def list_sessions(daemon: Daemon, conn: Connection, rid: int, body: rpc.ListSessions, fds: FdBundle) -> Reply:
