@@ -111,7 +111,8 @@ async def _serve(daemon: Daemon, conn: Connection) -> None:
         while not conn.protocol.closed and not handler.done():
             if conn.protocol.version is None:  # no Hello yet: only until the deadline
                 try:
-                    packet = await asyncio.wait_for(conn.channel.recv(), max(0.0, hello_deadline - loop.time()))
+                    async with asyncio.timeout_at(hello_deadline):  # no task of its own, unlike wait_for
+                        packet = await conn.channel.recv()
                 except TimeoutError:
                     log.warning("connection %d (pid %d uid %d): no Hello within %g s; closing", conn.id, conn.pid,
                                 conn.uid, cfg.hello_timeout)
