@@ -101,6 +101,7 @@ class SessionTable:
                     fds.append(bundle.take(i))
                 usage.fds += len(fds)  # reserved until the Session, which counts them, is made
                 reserved = len(fds)
+                bundle.close()  # what the packet carried besides: not held, uncounted, while the image is read
                 manifest_fd = fds[0] if reads else None
                 job, manifest, image_id = await self._job(req, manifest_fd, checks, fds[reads:])
             except BaseException:

@@ -380,6 +380,7 @@ class Session:
             self.chunks += chunks
             for index in fds:
                 self.fds.append(bundle.take(index))
+            bundle.close()  # the fds no BO names: not held, uncounted, while the BOs are opened
             self.usage.fds += len(fds)
             self.target_pids.update(pids)
 
