@@ -522,3 +522,34 @@ def test_concurrent_opens_cannot_pass_max_sessions_per_uid(run_dir, tmp_path, im
             c.close_session(r.session.token)
         assert c.status().sessions == 0
     os.close(bo)
+
+
+def test_concurrent_add_bos_cannot_pass_max_bos_per_uid(run_dir, tmp_path):
+    """Ten dump sessions of one uid, on ten connections, each get an AddBos of 10,000 BOs at once against
+    max_bos_per_uid = 25,000: exactly two are taken, and eight get LIMIT_EXCEEDED naming the limit.  An AddBos
+    checks its BOs in steps, yielding to the event loop between them; the uid's count was checked before the
+    steps and added to after them, so more passed it (3 or 4 of the ten, on 2 cores)."""
+    per, sessions = 10_000, 10
+    cfg = config(tmp_path, f"max_bos_per_uid = {2 * per + per // 2}\n")
+    bo = memfd(b"b" * 4096)
+    with DaemonProcess(run_dir, "--config", cfg) as d, Client(d.socket) as c:
+        socks, tokens = [], []
+        for _ in range(sessions):
+            s = raw_connect(d.socket)
+            say_hello(s)
+            send(s, rpc.Request(id=2, open_session=rpc.OpenSession(kind=rpc.SESSION_DUMP)))
+            tokens.append(decode_response(s.recv(1 << 20)).session.token)
+            socks.append(s)
+        for s, token in zip(socks, tokens):  # every request sent before any is answered
+            send(s, rpc.Request(id=3, add_bos=rpc.AddBos(token=token, bos=[rpc.Bo(id=i + 1, size=0)
+                                                                            for i in range(per)])), [bo])
+        got = [decode_response(s.recv(1 << 20)) for s in socks]
+        codes = sorted(r.error.code for r in got)
+        assert codes == [rpc.OK] * 2 + [rpc.LIMIT_EXCEEDED] * 8, [r.error.message for r in got]
+        assert all("max_bos_per_uid" in r.error.message for r in got if r.error.code)
+        assert sum(i.progress.bos_total for i in c.sessions()) == 2 * per
+        for s in socks:
+            s.close()
+        for token in tokens:
+            c.close_session(token)
+    os.close(bo)

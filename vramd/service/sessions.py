@@ -328,9 +328,6 @@ class Session:
             n = len(bos)
             if self.bo_count + n > self.limits.max_bos:
                 raise LimitExceededError(f"more than {self.limits.max_bos} BOs in one session (max_bos_per_session)")
-            if self.usage.bos + n > self.usage.limits.max_bos:
-                raise LimitExceededError(f"uid {self.uid}'s sessions would hold more than {self.usage.limits.max_bos}"
-                                         " BOs (max_bos_per_uid)")
             step = _Stepper()
             fds: dict[int, int] = {}
             kinds: dict[int, str] = {}  # the backend of a BO that names none follows from its fd: looked at once
@@ -365,6 +362,10 @@ class Session:
                             chunks += -(-size // chunk_size)
                     items.append(make(bo, BoRef(bo.backend or kinds[index], fd, bo.offset)))
             self._check_open()  # still open after the steps
+            # the per-uid checks here, with no await before the reservation: other sessions of the uid add too
+            if self.usage.bos + n > self.usage.limits.max_bos:
+                raise LimitExceededError(f"uid {self.uid}'s sessions would hold more than {self.usage.limits.max_bos}"
+                                         " BOs (max_bos_per_uid)")
             if self.chunks + chunks > self.limits.max_chunks:
                 raise LimitExceededError(
                     f"the session's BOs would make more than {self.limits.max_chunks} chunks of {chunk_size} bytes "
