@@ -384,13 +384,13 @@ PROBE = textwrap.dedent("""
 
 
 def test_a_client_flooding_fds_is_dropped_and_everyone_else_is_answered_within_100_ms(run_dir):
-    """Six connections at a time (two processes, three each), each flooded by four threads sending 253-fd
+    """Two connections at a time (two processes, one each), each flooded by four threads sending 253-fd
     packets as fast as they can through a send buffer as deep as any user may make it; the daemon drops each
     one past max_queued_requests, and the flooder connects and floods again.  Meanwhile another client's
     GetStatus, and Hello + GetStatus on new connections, are answered within 100 ms every time, every flooding
     connection is dropped (its sends fail), and the daemon's fds are back to what they were.  Before, dropping
     a connection read and discarded the client's packets in a loop on the event loop until none was left,
-    which a flooder never let happen: nobody else was answered (0.14-1.8 s, or not within 5 s) and the
+    which a flooder never let happen: nobody else was answered (0.25-1 s, or not within 5 s) and the
     flooder was not disconnected.  The daemon and the probe run at nice -20 (root may raise priority), as in
     test_daemon_latency.py: this measures what the event loop does with its time, not how busy the machine's
     two cores are."""
@@ -400,7 +400,7 @@ def test_a_client_flooding_fds_is_dropped_and_everyone_else_is_answered_within_1
             c.status()  # the daemon's fds once a connection has come and gone
         d.expect_log(r"connection \d+ closed")
         baseline = d.fds()
-        flooders = [subprocess.Popen([sys.executable, "-c", FLOODER, d.socket, "3", "4"], cwd=ROOT, text=True,
+        flooders = [subprocess.Popen([sys.executable, "-c", FLOODER, d.socket, "1", "4"], cwd=ROOT, text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE) for _ in range(2)]
         try:
             for f in flooders:
@@ -416,8 +416,8 @@ def test_a_client_flooding_fds_is_dropped_and_everyone_else_is_answered_within_1
         n, new, worst = probe.stdout.split()
         assert int(n) >= 20 and int(new) >= 4, probe.stdout
         assert float(worst) < 0.100, f"a GetStatus took {float(worst) * 1e3:.1f} ms during the flood"
-        for conns, drops in counts:  # every flooding connection was dropped, but the last of each of the three
-            assert drops >= conns - 3 and drops >= 3, counts
+        for conns, drops in counts:  # every flooding connection was dropped, but perhaps the last one
+            assert drops >= conns - 1 and drops >= 1, counts
         for _ in range(sum(conns for conns, _ in counts) + int(new)):
             d.expect_log(r"connection \d+ closed")
         assert d.fds() == baseline
