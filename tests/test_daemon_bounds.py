@@ -429,8 +429,9 @@ def test_fds_of_requests_queued_behind_a_wait_count_against_max_fds_per_uid(run_
     """Eight connections of one uid each block their handler on a Wait, then send twelve GetStatus of 50 fds
     each, all at once: the fds of requests queued and not yet handled count against max_fds_per_uid (512),
     reserved as each packet is read, so exactly 10 of the 96 are taken (500 fds) and 86 are answered
-    LIMIT_EXCEEDED naming the limit, their fds closed at once; the daemon holds at most 512 of them.  Before,
-    queued fds were not counted: all 4,800 were held until the Waits ended."""
+    LIMIT_EXCEEDED naming the limit, their fds closed at once; the daemon holds at most 512 of them.  A
+    session's fds count against the same total: an AddBos of 13 fds is refused, one of 12 fills it exactly.
+    Before, queued fds were not counted: all 4,800 were held until the Waits ended."""
     cfg = config(tmp_path, "max_fds_per_uid = 512\n")
     conns, per_conn, nfds = 8, 12, 50
     with DaemonProcess(run_dir, "--config", cfg) as d, Client(d.socket) as c:
@@ -459,6 +460,22 @@ def test_fds_of_requests_queued_behind_a_wait_count_against_max_fds_per_uid(run_
             d.expect_log(r"request \d+ refused: uid \d+ would hold more than 512 fds \(max_fds_per_uid\)")
         held = len(d.fds()) - len(baseline) - conns
         assert held == 512 // nfds * nfds, held  # 500 fds of the 10 requests taken, nothing of the others
+        # a session's fds count against the same total: 13 more are refused, 12 (512 in all) are taken
+        x = raw_connect(d.socket)
+        say_hello(x)
+        send(x, rpc.Request(id=2, open_session=rpc.OpenSession(kind=rpc.SESSION_DUMP)))
+        tokens.append(decode_response(x.recv(1 << 20)).session.token)
+
+        def add_bos(rid: int, k: int) -> rpc.Response:
+            bos = [rpc.Bo(id=i + 1, fd_index=i, size=0) for i in range(k)]
+            send(x, rpc.Request(id=rid, add_bos=rpc.AddBos(token=tokens[-1], bos=bos)), [fd] * k)
+            return decode_response(x.recv(1 << 20))
+
+        r = add_bos(3, 13)
+        assert r.error.code == rpc.LIMIT_EXCEEDED and "max_fds_per_uid" in r.error.message, r
+        assert "500 by its requests not yet handled" in r.error.message
+        assert add_bos(4, 12).error.code == rpc.OK
+        assert len(d.fds()) - len(baseline) - conns - 1 == 512
         for token in tokens:  # the Waits end; each connection's queued requests are answered, in order
             c.cancel(token)
         answers = []
@@ -474,7 +491,8 @@ def test_fds_of_requests_queued_behind_a_wait_count_against_max_fds_per_uid(run_
         assert (len(ok), len(over)) == (512 // nfds, refused)
         assert all("max_fds_per_uid" in r.error.message and f"this request carries {nfds}" in r.error.message
                    for r in over)
-        for _ in socks:
+        x.close()
+        for _ in range(conns + 1):
             d.expect_log(r"connection \d+ closed")
         for token in tokens:
             c.close_session(token)
