@@ -141,6 +141,10 @@ async def _serve(daemon: Daemon, conn: Connection) -> None:
                 # it is handled. One could be a Wait that never ends, and from here on nobody reads the
                 # socket to see the peer hang up.
                 _drop_queued(queue, usage, keep_replies=True)
+            # One packet per turn of the event loop: recv() returns at once while the socket holds more, so
+            # without this a connection kept full (253 fds a packet) was read up to max_queued_requests + 1
+            # packets in one go, and every other client waited for that, once per flooding connection.
+            await asyncio.sleep(0)
     finally:
         conn.channel.stop_reading()  # nothing more is read: a flooding peer's sends fail now, not at the close
         if hung_up:  # nobody to answer: what is still queued is never handled
