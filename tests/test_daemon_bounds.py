@@ -620,3 +620,112 @@ def test_concurrent_add_bos_cannot_pass_max_bos_per_uid(run_dir, tmp_path):
         for token in tokens:
             c.close_session(token)
     os.close(bo)
+
+
+def test_every_way_a_request_ends_gives_back_exactly_what_it_reserved(run_dir, tmp_path, image_dir):
+    """Twenty rounds of every way a request's reservation ends, on connections of one uid: queued behind a Wait
+    and the peer hangs up; queued, then a packet the protocol refuses; more than max_queued_requests queued;
+    refused past max_fds_per_uid; an OpenSession that fails (bad manifest, an fd index out of range); an AddBos
+    that fails, one that succeeds and its session closed; a request with fds before Hello; an AddBos whose peer
+    hangs up at once (its session reaped).  Afterwards the
+    uid's usage is exactly zero: two requests of 253 fds (506 = max_fds_per_uid) are taken behind a Wait and
+    one more fd is refused; max_sessions_per_uid sessions open and one more is refused; the daemon's fds are
+    back to what they were.  A reservation not given back would refuse too soon; one given back twice would
+    let the uid past its bound.  Before, queued fds were not counted at all: the extra fd was taken."""
+    cfg = config(tmp_path, "max_fds_per_uid = 506\nmax_sessions_per_uid = 4\ngrace_period = 0\n")
+    bo = memfd(os.urandom(8192))
+    junk = memfd(b"not a manifest")
+    with DaemonProcess(run_dir, "--config", cfg) as d, Client(d.socket) as c:
+        c.run_session(SESSION_DUMP, image_dir[1], [ClientBo(1, bo, size=8192)])
+        manifest = os.open(image_dir[0] / MANIFEST_NAME, os.O_RDONLY)
+        owner = raw_connect(d.socket)  # the session every Wait below waits for: it never ends on its own
+        say_hello(owner)
+        send(owner, rpc.Request(id=2, open_session=rpc.OpenSession(kind=rpc.SESSION_DUMP)))
+        token = decode_response(owner.recv(1 << 20)).session.token
+        baseline = d.fds()
+        status = rpc.Request(id=5, get_status=rpc.GetStatus())
+
+        def waiting() -> socket.socket:
+            s = raw_connect(d.socket)
+            say_hello(s)
+            send(s, rpc.Request(id=2, wait=rpc.Wait(token=token)))  # holds the handler: the rest is queued
+            return s
+
+        conns = 0
+        for _ in range(20):
+            s = waiting()  # queued behind the Wait, then the peer hangs up
+            for _ in range(3):
+                send(s, status, [bo] * 100)
+            s.close()
+            s = waiting()  # queued, then a packet the protocol refuses (with fds of its own)
+            send(s, status, [bo] * 100)
+            send(s, status, [bo] * 100)
+            s.sendmsg([b"\xff" * 64], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [bo] * 10))])
+            read_all(s)  # until the daemon closes it (the Wait is dropped, and with it any answer)
+            s.close()
+            s = waiting()  # more than max_queued_requests queued
+            for _ in range(17):
+                send(s, status, [bo] * 10)
+            read_all(s)
+            s.close()
+            s = waiting()  # refused past max_fds_per_uid, then the peer hangs up
+            for _ in range(3):
+                send(s, status, [bo] * 253)
+            s.close()
+            s = raw_connect(d.socket)  # OpenSession and AddBos that fail, an AddBos taken and its session closed
+            say_hello(s)
+            send(s, rpc.Request(id=2, open_session=rpc.OpenSession(kind=rpc.SESSION_VERIFY, manifest_fd_index=0)),
+                 [junk, bo, bo])
+            assert decode_response(s.recv(1 << 20)).error.code != rpc.OK
+            send(s, rpc.Request(id=3, open_session=rpc.OpenSession(kind=rpc.SESSION_RESTORE, manifest_fd_index=0,
+                                                                   parent_manifest_fd_indexes=[9])), [manifest, bo])
+            assert decode_response(s.recv(1 << 20)).error.code != rpc.OK
+            send(s, rpc.Request(id=4, open_session=rpc.OpenSession(kind=rpc.SESSION_DUMP)), [bo] * 5)
+            t = decode_response(s.recv(1 << 20)).session.token
+            send(s, rpc.Request(id=5, add_bos=rpc.AddBos(token=t, bos=[rpc.Bo(id=1, fd_index=0, size=0,
+                                                                              gpu_id=0xdead)])), [bo] * 7)
+            assert decode_response(s.recv(1 << 20)).error.code == rpc.INVALID_REQUEST
+            send(s, rpc.Request(id=6, add_bos=rpc.AddBos(token=t, bos=[rpc.Bo(id=1, fd_index=2, size=0)])),
+                 [bo] * 3)
+            assert decode_response(s.recv(1 << 20)).error.code == rpc.OK
+            send(s, rpc.Request(id=7, close_session=rpc.CloseSession(token=t)))
+            assert decode_response(s.recv(1 << 20)).error.code == rpc.OK
+            s.close()
+            s = raw_connect(d.socket)  # a request with fds before Hello
+            send(s, status, [bo] * 20)
+            assert [r.error.code for r in read_all(s)] == [rpc.PROTOCOL_ERROR]
+            s.close()
+            s = raw_connect(d.socket)  # an AddBos, and the peer hangs up while it is handled (or queued)
+            say_hello(s)
+            send(s, rpc.Request(id=2, open_session=rpc.OpenSession(kind=rpc.SESSION_DUMP)))
+            t = decode_response(s.recv(1 << 20)).session.token
+            send(s, rpc.Request(id=3, add_bos=rpc.AddBos(token=t, bos=[rpc.Bo(id=i + 1, fd_index=i, size=0)
+                                                                        for i in range(200)])), [bo] * 200)
+            s.close()
+            conns += 7
+        for _ in range(conns + 20):  # every connection closed, and the sessions of those that hung up reaped
+            d.expect_log(r"connection \d+ closed|session reaped: grace period over")
+        assert d.fds() == baseline
+        s = waiting()  # exactly max_fds_per_uid taken behind the Wait, not one fd more
+        send(s, rpc.Request(id=3, get_status=rpc.GetStatus()), [bo] * 253)
+        send(s, rpc.Request(id=4, get_status=rpc.GetStatus()), [bo] * 253)
+        send(s, rpc.Request(id=5, get_status=rpc.GetStatus()), [bo])
+        d.expect_log(r"request 5 refused: uid \d+ would hold more than 506 fds \(max_fds_per_uid\): 0 held by its "
+                     r"sessions, 506 by its requests not yet handled")
+        c.cancel(token)
+        assert [decode_response(s.recv(1 << 20)).error.code for _ in range(4)] == [
+            rpc.CANCELLED, rpc.OK, rpc.OK, rpc.LIMIT_EXCEEDED]
+        s.close()
+        owner.close()
+        c.close_session(token)
+        s = raw_connect(d.socket)  # exactly max_sessions_per_uid sessions, not one more
+        say_hello(s)
+        for rid in range(2, 7):
+            send(s, rpc.Request(id=rid, open_session=rpc.OpenSession(kind=rpc.SESSION_DUMP)))
+        got = [decode_response(s.recv(1 << 20)) for _ in range(5)]
+        assert [r.error.code for r in got] == [rpc.OK] * 4 + [rpc.LIMIT_EXCEEDED], got
+        assert "max_sessions_per_uid" in got[-1].error.message
+        s.close()
+        os.close(manifest)
+    os.close(bo)
+    os.close(junk)
