@@ -107,6 +107,7 @@ async def _serve(daemon: Daemon, conn: Connection) -> None:
     handler = loop.create_task(_handle_queue(daemon, conn, queue, usage))
     hello_deadline = loop.time() + cfg.hello_timeout
     hung_up = False
+    turn_fds = turn_bytes = 0  # read since the last yield to the event loop
     try:
         while not conn.protocol.closed and not handler.done():
             if conn.protocol.version is None:  # no Hello yet: only until the deadline
@@ -124,6 +125,8 @@ async def _serve(daemon: Daemon, conn: Connection) -> None:
             if packet is None:
                 hung_up = True
                 break
+            turn_fds += len(packet[1])  # counted before the protocol takes them (and may close them)
+            turn_bytes += len(packet[0])
             events = conn.protocol.receive(*packet)
             if queue.qsize() + len(events) > cfg.max_queued_requests:
                 for ev in events:
@@ -141,10 +144,13 @@ async def _serve(daemon: Daemon, conn: Connection) -> None:
                 # it is handled. One could be a Wait that never ends, and from here on nobody reads the
                 # socket to see the peer hang up.
                 _drop_queued(queue, usage, keep_replies=True)
-            # One packet per turn of the event loop: recv() returns at once while the socket holds more, so
-            # without this a connection kept full (253 fds a packet) was read up to max_queued_requests + 1
-            # packets in one go, and every other client waited for that, once per flooding connection.
-            await asyncio.sleep(0)
+            # recv() returns at once while the socket holds more: without a yield a connection kept full was
+            # read up to max_queued_requests + 1 packets (4,301 fds) in one go, and every other client waited
+            # for that, once per flooding connection.  A turn of the event loop reads at most a packet's worth
+            # of fds (their receipt and closing is the cost) or of bytes; small requests are still read ahead.
+            if turn_fds >= cfg.max_fds_per_message or turn_bytes >= cfg.max_message_bytes:
+                turn_fds = turn_bytes = 0
+                await asyncio.sleep(0)
     finally:
         conn.channel.stop_reading()  # nothing more is read: a flooding peer's sends fail now, not at the close
         if hung_up:  # nobody to answer: what is still queued is never handled
