@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import array
+import json
 import os
+import pwd
 import signal
 import socket
 import subprocess
@@ -565,3 +567,75 @@ def test_target_process_exiting_mid_restore_fails_that_session_only(daemon, imag
             os.close(mem)
     assert ei.value.bo_id == 1 and 0 < ei.value.offset < size, ei.value
     _serves_another_client(daemon, tmp_path)
+
+
+def _uid_of(name: str) -> int | None:
+    try:
+        return pwd.getpwnam(name).pw_uid
+    except KeyError:
+        return None
+
+
+USERS = [u for u in (_uid_of("nobody"), _uid_of("daemon")) if u is not None]
+
+
+def as_user_session(uid: int, sock_path: str, dirs: list[str]) -> subprocess.Popen:
+    """A child that drops to `uid` (its own gid, no other group) before connecting, opens a dump session on each
+    directory of `dirs`, says "opened", and at a line on stdin prints what GetStatus and ListSessions show it."""
+    gid = pwd.getpwuid(uid).pw_gid
+    code = textwrap.dedent(f"""
+        import json, os, sys
+        from vramd.client import Client, SESSION_DUMP
+        os.setgroups([]); os.setgid({gid}); os.setuid({uid})
+        with Client({sock_path!r}) as c:
+            for d in {dirs!r}:
+                c.open_session(SESSION_DUMP, os.open(d, os.O_RDONLY | os.O_DIRECTORY))
+            print("opened", flush=True)
+            sys.stdin.readline()
+            st = c.status()
+            print(json.dumps({{"connections": st.connections, "sessions": st.sessions, "metrics": st.metrics,
+                              "staging_in_use": st.staging_in_use, "listed": [s.uid for s in c.sessions()]}}),
+                  flush=True)
+            sys.stdin.readline()
+    """)
+    return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, text=True, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE)
+
+
+@needs_root
+@pytest.mark.skipif(len(USERS) < 2, reason="needs the users nobody and daemon")
+def test_a_user_sees_only_its_own_sessions_and_counts(run_dir, image_dir):
+    """Two unprivileged users (nobody, daemon) and root, each with sessions open: GetStatus and ListSessions
+    show each user its own connections and sessions only, and no metrics (they count every user's work);
+    root, the operator, sees all of it.  Before, any allowed uid saw every uid's counts and the metrics."""
+    a, b = USERS
+    dirs: dict[int, list[str]] = {}
+    for uid, n in ((a, 1), (b, 2)):  # a dump's directory each, the user's own
+        dirs[uid] = []
+        for i in range(n):
+            p = os.path.join(run_dir, f"img-{uid}-{i}")
+            os.mkdir(p)
+            os.chown(p, uid, pwd.getpwuid(uid).pw_gid)
+            dirs[uid].append(p)
+    allow = [arg for uid in (0, a, b) for arg in ("--allow-uid", str(uid))]
+    with DaemonProcess(run_dir, "--socket-mode", "666", *allow) as d, Client(d.socket) as root:
+        root.open_session(SESSION_DUMP, image_dir[1])
+        children = {uid: as_user_session(uid, d.socket, dirs[uid]) for uid in (a, b)}
+        try:
+            for child in children.values():
+                assert child.stdout.readline().strip() == "opened"
+            seen = {}
+            for uid, child in children.items():
+                child.stdin.write("\n")
+                child.stdin.flush()
+                seen[uid] = json.loads(child.stdout.readline())
+            st = root.status()
+            assert (st.connections, st.sessions) == (3, 4)  # the operator sees everyone
+            assert "vramd_sessions_active 4" in st.metrics
+            assert sorted(s.uid for s in root.sessions()) == sorted([0, a, b, b])
+        finally:
+            for child in children.values():
+                child.communicate("\n", timeout=60)
+        for uid, n in ((a, 1), (b, 2)):
+            assert seen[uid] == {"connections": 1, "sessions": n, "metrics": "", "staging_in_use": 0,
+                                 "listed": [uid] * n}, (uid, seen[uid])

@@ -88,11 +88,14 @@ class ServerProtocol:
 
     def _receive(self, data: bytes, bundle: FdBundle, flags: int) -> list[Received | Reply]:
         if flags & socket.MSG_CTRUNC:
-            raise LimitExceededError(f"fds were dropped: more than {self.max_fds} fds in one message")
+            raise LimitExceededError(f"fds were dropped: more than {self.max_fds} fds in one message "
+                                     "(max_fds_per_message)")
         if flags & socket.MSG_TRUNC or len(data) > self.max_message_bytes:
-            raise LimitExceededError(f"message larger than the limit of {self.max_message_bytes} bytes")
+            raise LimitExceededError(f"message larger than the limit of {self.max_message_bytes} bytes "
+                                     "(max_message_bytes)")
         if len(bundle) > self.max_fds:
-            raise LimitExceededError(f"{len(bundle)} fds in one message; the limit is {self.max_fds}")
+            raise LimitExceededError(f"{len(bundle)} fds in one message; the limit is {self.max_fds} "
+                                     "(max_fds_per_message)")
         body = decode_frame(data, KIND_REQUEST)
         req = rpc.Request()
         try:

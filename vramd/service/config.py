@@ -242,7 +242,7 @@ class DaemonConfig:
     max_chunks_per_session: int = 1 << 20  # a dump's declared bytes / chunk_size: about 100 bytes each
     max_sessions_per_uid: int = 64
     max_bos_per_uid: int = 65_536          # across the uid's sessions, ended but unclosed ones included
-    max_fds_per_uid: int = 65_536          # fds held by the uid's sessions
+    max_fds_per_uid: int = 65_536          # fds held by the uid's sessions and its requests not yet handled
     max_connections: int = 1024
     max_connections_per_uid: int = 256
     max_queued_requests: int = 16          # per connection, read ahead of the one being handled

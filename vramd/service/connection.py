@@ -12,7 +12,7 @@ from ..errors import LimitExceededError, PermissionDeniedError, VramdError
 from ..protocol.fds import close_fds
 from ..protocol.server import Received, Reply, ServerProtocol, reply
 from .handlers import dispatch
-from .sessions import Session
+from .sessions import Session, UidUsage
 from .transport import PacketChannel
 
 if TYPE_CHECKING:
@@ -67,7 +67,7 @@ async def serve_connection(daemon: Daemon, sock: socket.socket) -> None:
         finally:
             daemon.unregister(conn)
     finally:
-        channel.close()
+        await channel.close()  # bounded, and yields: a peer that floods the socket holds nobody else
         log.debug("%s closed", what)  # its socket, and every fd it sent, are closed by now
 
 
@@ -103,18 +103,21 @@ async def _serve(daemon: Daemon, conn: Connection) -> None:
     cfg = daemon.cfg
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[Received | Reply | None] = asyncio.Queue()  # bounded by the check below
-    handler = loop.create_task(_handle_queue(daemon, conn, queue))
+    usage = daemon.sessions.usage_of(conn.uid)  # the fds of the requests queued here count for the uid
+    handler = loop.create_task(_handle_queue(daemon, conn, queue, usage))
     hello_deadline = loop.time() + cfg.hello_timeout
     hung_up = False
+    turn_fds = turn_bytes = 0  # read since the last yield to the event loop
     try:
         while not conn.protocol.closed and not handler.done():
             if conn.protocol.version is None:  # no Hello yet: only until the deadline
                 try:
-                    packet = await asyncio.wait_for(conn.channel.recv(), max(0.0, hello_deadline - loop.time()))
+                    async with asyncio.timeout_at(hello_deadline):  # no task of its own, unlike wait_for
+                        packet = await conn.channel.recv()
                 except TimeoutError:
                     log.warning("connection %d (pid %d uid %d): no Hello within %g s; closing", conn.id, conn.pid,
                                 conn.uid, cfg.hello_timeout)
-                    _queue_refusal(conn, queue, LimitExceededError(
+                    _queue_refusal(conn, queue, usage, LimitExceededError(
                         f"no Hello within {cfg.hello_timeout:g} s (hello_timeout)"))
                     break
             else:
@@ -122,6 +125,8 @@ async def _serve(daemon: Daemon, conn: Connection) -> None:
             if packet is None:
                 hung_up = True
                 break
+            turn_fds += len(packet[1])  # counted before the protocol takes them (and may close them)
+            turn_bytes += len(packet[0])
             events = conn.protocol.receive(*packet)
             if queue.qsize() + len(events) > cfg.max_queued_requests:
                 for ev in events:
@@ -129,40 +134,76 @@ async def _serve(daemon: Daemon, conn: Connection) -> None:
                         ev.fds.close()
                 log.warning("connection %d (pid %d uid %d): more than %d requests queued; closing", conn.id,
                             conn.pid, conn.uid, cfg.max_queued_requests)
-                _queue_refusal(conn, queue, LimitExceededError(
+                _queue_refusal(conn, queue, usage, LimitExceededError(
                     f"more than {cfg.max_queued_requests} requests queued on one connection (max_queued_requests)"))
                 break
             for event in events:
-                queue.put_nowait(event)
+                queue.put_nowait(_reserve(conn, usage, event))
             if conn.protocol.closed:
                 # The packet broke the protocol: its error is the last answer, and no request queued before
                 # it is handled. One could be a Wait that never ends, and from here on nobody reads the
                 # socket to see the peer hang up.
-                _drop_queued(queue, keep_replies=True)
+                _drop_queued(queue, usage, keep_replies=True)
+            # recv() returns at once while the socket holds more: without a yield a connection kept full was
+            # read up to max_queued_requests + 1 packets (4,301 fds) in one go, and every other client waited
+            # for that, once per flooding connection.  A turn of the event loop reads at most a packet's worth
+            # of fds (their receipt and closing is the cost) or of bytes; small requests are still read ahead.
+            if turn_fds >= cfg.max_fds_per_message or turn_bytes >= cfg.max_message_bytes:
+                turn_fds = turn_bytes = 0
+                await asyncio.sleep(0)
     finally:
+        conn.channel.stop_reading()  # nothing more is read: a flooding peer's sends fail now, not at the close
         if hung_up:  # nobody to answer: what is still queued is never handled
-            _drop_queued(queue)
+            _drop_queued(queue, usage)
         if conn.waiting is not None:  # the peer is gone (or closed): nobody to answer the Wait
             conn.waiting.cancel()
         queue.put_nowait(None)
         await asyncio.gather(handler, return_exceptions=True)
-        _drop_queued(queue)  # events never handled: release their fds
+        _drop_queued(queue, usage)  # events never handled: release their fds
 
 
-def _queue_refusal(conn: Connection, queue: asyncio.Queue[Received | Reply | None], err: VramdError) -> None:
+def _reserve(conn: Connection, usage: UidUsage, event: Received | Reply) -> Received | Reply:
+    """A request's fds count for its uid from now until it is handled or dropped (`_release`); one that would
+    take the uid past max_fds_per_uid is answered LIMIT_EXCEEDED in its place, its fds closed at once.  No
+    await between the check and the count: every connection of the uid reserves from the same `usage`."""
+    if not isinstance(event, Received) or not (n := len(event.fds)):
+        return event
+    limit = usage.limits.max_fds
+    if usage.fds + usage.queued + n > limit:
+        event.fds.close()
+        err = LimitExceededError(f"uid {conn.uid} would hold more than {limit} fds (max_fds_per_uid): {usage.fds} "
+                                 f"held by its sessions, {usage.queued} by its requests not yet handled, and this "
+                                 f"request carries {n}")
+        log.warning("connection %d (pid %d uid %d): request %d refused: %s", conn.id, conn.pid, conn.uid,
+                    event.request.id, err.message)
+        return reply(event.request.id, err)
+    usage.queued += n
+    return event
+
+
+def _release(usage: UidUsage, event: Received) -> None:
+    """`event` is handled now, or dropped: its fds no longer count as queued (the handler's session counts
+    those it keeps)."""
+    usage.queued -= len(event.fds)
+
+
+def _queue_refusal(conn: Connection, queue: asyncio.Queue[Received | Reply | None], usage: UidUsage,
+                   err: VramdError) -> None:
     """Drop what is queued and not yet handled, then say why the connection closes."""
-    _drop_queued(queue)
+    _drop_queued(queue, usage)
     for r in conn.protocol.refuse(err):
         queue.put_nowait(r)
 
 
-def _drop_queued(queue: asyncio.Queue[Received | Reply | None], *, keep_replies: bool = False) -> None:
+def _drop_queued(queue: asyncio.Queue[Received | Reply | None], usage: UidUsage, *,
+                 keep_replies: bool = False) -> None:
     """Drop the requests queued and not yet handled (their fds closed); `keep_replies`: the answers queued
     (a refusal, a protocol error) stay, in order."""
     kept: list[Received | Reply | None] = []
     while not queue.empty():
         ev = queue.get_nowait()
         if isinstance(ev, Received):
+            _release(usage, ev)
             ev.fds.close()
         elif keep_replies:
             kept.append(ev)
@@ -170,12 +211,14 @@ def _drop_queued(queue: asyncio.Queue[Received | Reply | None], *, keep_replies:
         queue.put_nowait(ev)
 
 
-async def _handle_queue(daemon: Daemon, conn: Connection, queue: asyncio.Queue[Received | Reply | None]) -> None:
+async def _handle_queue(daemon: Daemon, conn: Connection, queue: asyncio.Queue[Received | Reply | None],
+                        usage: UidUsage) -> None:
     while (event := await queue.get()) is not None:
         if isinstance(event, Reply):
             if not await conn.channel.send(event.data) or event.close:
                 return
             continue
+        _release(usage, event)
         try:
             out = await dispatch(daemon, conn, event.request, event.fds)
         finally:

@@ -43,6 +43,8 @@ async def dispatch(daemon: Daemon, conn: Connection, req: rpc.Request, fds: FdBu
     kind = req.WhichOneof("body")
     daemon.metrics.inc("vramd_requests_total", type=str(kind))
     handler = HANDLERS.get(kind or "")
+    if kind not in TAKES_FDS:
+        fds.close()  # it takes none: a Wait that blocks for long holds none of them
     try:
         if handler is None:
             raise InvalidRequestError(f"request type {kind!r} is not handled here")
@@ -155,13 +157,21 @@ async def close_session(daemon: Daemon, conn: Connection, rid: int, body: rpc.Cl
 
 
 async def get_status(daemon: Daemon, conn: Connection, rid: int, body: rpc.GetStatus, fds: FdBundle) -> Reply:
-    daemon.update_gauges()
+    """An operator (uid 0, the daemon's uid) sees the whole daemon; any other uid only its own connections and
+    sessions, and neither the staging memory in use nor the metrics: both sum up every uid's work (they go to
+    the metrics textfile, and to operators)."""
     pool = daemon.engine.pool
-    return reply(rid, status=rpc.StatusReply(
-        server=daemon.server, version=conn.protocol.version, uptime_s=time.monotonic() - daemon.started,
-        connections=len(daemon.connections), sessions=len(daemon.sessions), staging_budget=pool.budget,
-        staging_in_use=pool.in_use_bytes, backends=daemon.backend_infos(), metrics=daemon.metrics.render(),
-        draining=daemon.draining))
+    status = rpc.StatusReply(server=daemon.server, version=conn.protocol.version,
+                             uptime_s=time.monotonic() - daemon.started, staging_budget=pool.budget,
+                             backends=daemon.backend_infos(), draining=daemon.draining)
+    if is_operator(conn):
+        daemon.update_gauges()
+        status.connections, status.sessions = len(daemon.connections), len(daemon.sessions)
+        status.staging_in_use, status.metrics = pool.in_use_bytes, daemon.metrics.render()
+    else:
+        status.connections = daemon.connections_of(conn.uid)
+        status.sessions = sum(1 for s in daemon.sessions if s.uid == conn.uid)
+    return reply(rid, status=status)
 
 
 async def list_sessions(daemon: Daemon, conn: Connection, rid: int, body: rpc.ListSessions, fds: FdBundle) -> Reply:
@@ -169,6 +179,9 @@ async def list_sessions(daemon: Daemon, conn: Connection, rid: int, body: rpc.Li
     infos = [s.info() for s in daemon.sessions if see_all or s.uid == conn.uid]
     return reply(rid, sessions=rpc.SessionList(sessions=infos))
 
+
+# The request types whose handlers take fds from their packet; any other request's fds are closed at once.
+TAKES_FDS = frozenset({"open_session", "add_bos", "attach_files", "start"})
 
 # Request type (the `body` oneof's field name in rpc.proto) -> handler.  Hello is the protocol's own.
 HANDLERS: dict[str, Handler] = {

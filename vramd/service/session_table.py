@@ -9,6 +9,7 @@ import asyncio
 import json
 import logging
 import os
+from collections import Counter
 from collections.abc import Iterator, Mapping
 
 from ..engine import Engine, Job
@@ -56,6 +57,7 @@ class SessionTable:
         self.topology = topology  # this machine's KFD topology: saved by dumps, mapped onto by restores
         self._topology_json = json.dumps(topology.to_dict()).encode() if topology is not None else b""
         self._next_id = 1
+        self._opening: Counter[int] = Counter()  # sessions being opened, by uid (counted as open)
 
     def __len__(self) -> int:
         return len(self.by_token)
@@ -63,41 +65,63 @@ class SessionTable:
     def __iter__(self) -> Iterator[Session]:
         return iter(list(self.by_token.values()))
 
+    def usage_of(self, uid: int) -> UidUsage:
+        """What `uid`'s sessions and queued requests hold (one object per uid, for as long as the daemon runs)."""
+        return self.usage.setdefault(uid, UidUsage(self.uid_limits))
+
+    def sessions_of(self, uid: int) -> int:
+        """`uid`'s sessions in the table (ended but unclosed ones included) and those being opened."""
+        return sum(1 for s in self.by_token.values() if s.uid == uid) + self._opening[uid]
+
     async def open(self, req: rpc.OpenSession, bundle: FdBundle, *, uid: int, pid: int) -> Session:
-        if sum(1 for s in self.by_token.values() if s.uid == uid) >= self.max_per_uid:
-            raise LimitExceededError(f"uid {uid} already has {self.max_per_uid} sessions open")
+        # Everything this open counts against its uid (a session, fds) is reserved before the first await,
+        # and given back if the open fails: concurrent opens cannot all pass one check.
+        if self.sessions_of(uid) >= self.max_per_uid:
+            raise LimitExceededError(f"uid {uid} already has {self.max_per_uid} sessions open "
+                                     "(max_sessions_per_uid)")
         if req.kind not in KIND_NAMES:
             raise InvalidRequestError(f"unknown session kind {req.kind}")
         checks = self._checks(req)
-        usage = self.usage.setdefault(uid, UidUsage(self.uid_limits))
+        usage = self.usage_of(uid)
         nparents = len(req.parent_manifest_fd_indexes)
         if nparents > MAX_PARENT_FDS:
             raise LimitExceededError(f"{nparents} parent manifests; at most {MAX_PARENT_FDS} are taken")
         reads = req.kind != rpc.SESSION_DUMP  # restore and verify read an image: its manifest comes along
-        if usage.fds + reads + nparents > self.uid_limits.max_fds:
-            raise LimitExceededError(f"uid {uid}'s sessions hold {usage.fds} fds (max_fds_per_uid)")
+        if usage.fds + usage.queued + reads + nparents > self.uid_limits.max_fds:
+            raise LimitExceededError(f"uid {uid} would hold more than {self.uid_limits.max_fds} fds (max_fds_per_uid): "
+                                     f"{usage.fds} held by its sessions, {usage.queued} by its queued requests")
         fds: list[int] = []
+        reserved = 0
+        self._opening[uid] += 1
         try:
-            if reads:
-                fds.append(bundle.take(req.manifest_fd_index))
-            for i in req.parent_manifest_fd_indexes:  # held, like the image's, until the session ends
-                fds.append(bundle.take(i))
-            manifest_fd = fds[0] if reads else None
-            job, manifest, image_id = await self._job(req, manifest_fd, checks, fds[reads:])
-        except BaseException:
-            close_fds(fds)
-            raise
-        s = Session(self._next_id, req.kind, uid, pid, req.label, job, self.limits, self.metrics, usage,
-                    fds=fds, image_id=image_id)
-        self._next_id += 1
-        if manifest is not None:  # the image a restore or verify reads
-            s.image = image_summary(manifest)
-        if req.replace_parent:
-            log.warning("session %d: uid %d replaces an image that incremental images are marked as needing "
-                        "(replace_parent)", s.id, uid)
-        if s.ready and req.kind == rpc.SESSION_VERIFY:
-            await s.seal()
-        self.by_token[s.token] = s
+            try:
+                if reads:
+                    fds.append(bundle.take(req.manifest_fd_index))
+                for i in req.parent_manifest_fd_indexes:  # held, like the image's, until the session ends
+                    fds.append(bundle.take(i))
+                usage.fds += len(fds)  # reserved until the Session, which counts them, is made
+                reserved = len(fds)
+                bundle.close()  # what the packet carried besides: not held, uncounted, while the image is read
+                manifest_fd = fds[0] if reads else None
+                job, manifest, image_id = await self._job(req, manifest_fd, checks, fds[reads:])
+            except BaseException:
+                usage.fds -= reserved
+                close_fds(fds)
+                raise
+            usage.fds -= reserved
+            s = Session(self._next_id, req.kind, uid, pid, req.label, job, self.limits, self.metrics, usage,
+                        fds=fds, image_id=image_id)
+            self._next_id += 1
+            if manifest is not None:  # the image a restore or verify reads
+                s.image = image_summary(manifest)
+            if req.replace_parent:
+                log.warning("session %d: uid %d replaces an image that incremental images are marked as needing "
+                            "(replace_parent)", s.id, uid)
+            if s.ready and req.kind == rpc.SESSION_VERIFY:
+                await s.seal()
+            self.by_token[s.token] = s  # counted in the table from here on, no longer as being opened
+        finally:
+            self._opening[uid] -= 1
         log.info("session %d (%s) opened by uid %d pid %d%s", s.id, s.kind_name, uid, pid,
                  f" [{req.label}]" if req.label else "")
         return s

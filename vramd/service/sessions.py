@@ -122,11 +122,13 @@ class UidLimits:
 
 @dataclass
 class UidUsage:
-    """What one uid's sessions hold (kept by the session table, updated by the sessions)."""
+    """What one uid's sessions hold (kept by the session table, updated by the sessions), and the fds on its
+    requests received and not yet handled (`queued`, reserved by the connection that read them)."""
 
     limits: UidLimits
     bos: int = 0
     fds: int = 0
+    queued: int = 0
 
 
 # Per-BO work of an AddBos runs on the event loop in steps of at most this long, so
@@ -238,7 +240,7 @@ class Session:
         """The fd at `index` of the packet, held by the session (closed when it ends, counted for its uid)."""
         if len(self.fds) + 1 > self.limits.max_fds:
             raise LimitExceededError(f"more than {self.limits.max_fds} fds in one session (max_fds_per_session)")
-        if self.usage.fds + 1 > self.usage.limits.max_fds:
+        if self.usage.fds + self.usage.queued + 1 > self.usage.limits.max_fds:
             raise LimitExceededError(f"uid {self.uid}'s sessions would hold more than "
                                      f"{self.usage.limits.max_fds} fds (max_fds_per_uid)")
         fd = bundle.take(index)
@@ -345,9 +347,6 @@ class Session:
             n = len(bos)
             if self.bo_count + n > self.limits.max_bos:
                 raise LimitExceededError(f"more than {self.limits.max_bos} BOs in one session (max_bos_per_session)")
-            if self.usage.bos + n > self.usage.limits.max_bos:
-                raise LimitExceededError(f"uid {self.uid}'s sessions would hold more than {self.usage.limits.max_bos}"
-                                         " BOs (max_bos_per_uid)")
             step = _Stepper()
             fds: dict[int, int] = {}
             kinds: dict[int, str] = {}  # the backend of a BO that names none follows from its fd: looked at once
@@ -382,13 +381,17 @@ class Session:
                             chunks += -(-size // chunk_size)
                     items.append(make(bo, BoRef(bo.backend or kinds[index], fd, bo.offset)))
             self._check_open()  # still open after the steps
+            # the per-uid checks here, with no await before the reservation: other sessions of the uid add too
+            if self.usage.bos + n > self.usage.limits.max_bos:
+                raise LimitExceededError(f"uid {self.uid}'s sessions would hold more than {self.usage.limits.max_bos}"
+                                         " BOs (max_bos_per_uid)")
             if self.chunks + chunks > self.limits.max_chunks:
                 raise LimitExceededError(
                     f"the session's BOs would make more than {self.limits.max_chunks} chunks of {chunk_size} bytes "
                     "(max_chunks_per_session)")
             if len(self.fds) + len(fds) > self.limits.max_fds:
                 raise LimitExceededError(f"more than {self.limits.max_fds} fds in one session (max_fds_per_session)")
-            if self.usage.fds + len(fds) > self.usage.limits.max_fds:
+            if self.usage.fds + self.usage.queued + len(fds) > self.usage.limits.max_fds:
                 raise LimitExceededError(f"uid {self.uid}'s sessions would hold more than "
                                          f"{self.usage.limits.max_fds} fds (max_fds_per_uid)")
             # reserved from here on: the BOs count whether or not the job takes them all
@@ -397,6 +400,7 @@ class Session:
             self.chunks += chunks
             for index in fds:
                 self.fds.append(bundle.take(index))
+            bundle.close()  # the fds no BO names: not held, uncounted, while the BOs are opened
             self.usage.fds += len(fds)
             self.target_pids.update(pids)
 

@@ -21,6 +21,9 @@ from ..protocol.frames import SCM_MAX_FD
 
 
 class PacketChannel:
+    DRAIN_PACKETS = 64   # packets a close discards at most: more than a client that keeps to the protocol queues
+    DRAIN_SLICE = 8      # packets discarded between yields to the event loop (< 1 ms with 253 fds each)
+
     def __init__(self, sock: socket.socket, *, max_bytes: int, max_fds: int = SCM_MAX_FD) -> None:
         sock.setblocking(False)
         self.sock = sock
@@ -91,20 +94,51 @@ class PacketChannel:
             return set(array.array("I", raw[: len(raw) - len(raw) % 4]))
         return set()
 
-    def discard_pending(self) -> None:
-        """Drop packets still queued (closing their fds): closing a unix socket with unread
-        data would reset the connection, and the peer could lose our last reply."""
-        while True:
+    def stop_reading(self) -> None:
+        """shutdown(SHUT_RD): the peer's sends fail (EPIPE) from now on; it still reads what we send."""
+        try:
+            self.sock.shutdown(socket.SHUT_RD)
+        except OSError:  # not connected any more
+            pass
+
+    async def close(self) -> None:
+        """Close the socket, after draining a bounded amount of what the peer sent and nobody read.
+
+        Closing a unix socket with unread data resets the connection: the peer's next read fails
+        with ECONNRESET, and it could lose our last reply (a refusal saying why).  So first
+        shutdown(SHUT_RD): from then on the peer's sends fail (EPIPE), and what is queued is all
+        there will be; then read and discard that (closing its fds), at most DRAIN_PACKETS
+        packets, DRAIN_SLICE at a time with a yield to the event loop between slices; then close.
+        A peer that queued more than that (it raised its send buffer, and was flooding) may see
+        the reset, and the kernel's freeing of the rest (a few µs a packet) runs in a worker
+        thread: no other client waits on a drain for more than a slice.
+        """
+        if self.closed:
+            return
+        self.closed = True
+        left = False
+        self.stop_reading()
+        try:
+            for _ in range(0, self.DRAIN_PACKETS, self.DRAIN_SLICE):
+                left = self._discard(self.DRAIN_SLICE)
+                if not left:
+                    break
+                await asyncio.sleep(0)
+        finally:
+            if left:
+                await asyncio.shield(asyncio.get_running_loop().run_in_executor(None, self.sock.close))
+            else:
+                self.sock.close()
+
+    def _discard(self, budget: int) -> bool:
+        """Read and drop up to `budget` queued packets, closing their fds; False once none is left."""
+        for _ in range(budget):
             try:
                 data, anc, _, _ = self.sock.recvmsg(self.max_bytes + 1, self.cmsg_space, socket.MSG_CMSG_CLOEXEC)
-            except OSError:
-                return
-            close_fds(unpack_fds(anc))
-            if not data and not anc:
-                return
-
-    def close(self) -> None:
-        if not self.closed:
-            self.discard_pending()
-            self.closed = True
-            self.sock.close()
+            except OSError:  # EAGAIN: empty; or the peer is gone
+                return False
+            fds = unpack_fds(anc)
+            close_fds(fds)
+            if not data and not fds:  # end of stream (after SHUT_RD, also what an empty queue reads as)
+                return False
+        return True
