@@ -25,6 +25,7 @@ import asyncio
 import os
 import posixpath
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -419,7 +420,10 @@ class DumpJob(JobBase[DumpBo]):
             self.ends = DumpEnds(self.writer, compression, writer.chunk_size, index=self.index, parent=parent,
                                  workers=ctx.compress_workers)
             super().__init__(ctx, self.ends, on_progress)
-            self.ends.stopped = self.pipeline.stopped
+            # through a weak reference: the pipeline holds the ends, and a bound method would make a cycle that
+            # keeps the job's chunk index until the cyclic GC runs
+            pipeline = weakref.ref(self.pipeline)
+            self.ends.stopped = lambda: (p := pipeline()) is None or p.stopped()
         except BaseException:
             writer.close()
             if parent is not None:
