@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from ..errors import LimitExceededError, PermissionDeniedError, VramdError
 from ..protocol.fds import close_fds
 from ..protocol.server import Received, Reply, ServerProtocol, reply
-from .handlers import dispatch
+from .handlers import TAKES_FDS, dispatch
 from .sessions import Session, UidUsage
 from .transport import PacketChannel
 
@@ -163,17 +163,18 @@ async def _serve(daemon: Daemon, conn: Connection) -> None:
 
 
 def _reserve(conn: Connection, usage: UidUsage, event: Received | Reply) -> Received | Reply:
-    """A request's fds count for its uid from now until it is handled or dropped (`_release`); one that would
+    """A request's fds count for its uid from now until it is handled (`_release`, then `handling` while it
+    is) or dropped; one that would
     take the uid past max_fds_per_uid is answered LIMIT_EXCEEDED in its place, its fds closed at once.  No
     await between the check and the count: every connection of the uid reserves from the same `usage`."""
     if not isinstance(event, Received) or not (n := len(event.fds)):
         return event
     limit = usage.limits.max_fds
-    if usage.fds + usage.queued + n > limit:
+    if usage.fds + usage.queued + usage.handling + n > limit:
         event.fds.close()
         err = LimitExceededError(f"uid {conn.uid} would hold more than {limit} fds (max_fds_per_uid): {usage.fds} "
-                                 f"held by its sessions, {usage.queued} by its requests not yet handled, and this "
-                                 f"request carries {n}")
+                                 f"held by its sessions, {usage.queued + usage.handling} by its requests not yet "
+                                 f"handled or being handled, and this request carries {n}")
         log.warning("connection %d (pid %d uid %d): request %d refused: %s", conn.id, conn.pid, conn.uid,
                     event.request.id, err.message)
         return reply(event.request.id, err)
@@ -218,11 +219,17 @@ async def _handle_queue(daemon: Daemon, conn: Connection, queue: asyncio.Queue[R
             if not await conn.channel.send(event.data) or event.close:
                 return
             continue
+        # From queued to being handled: the fds still count for the uid while the handler may wait (an AddBos
+        # or Start on its session's lock), until it has taken what it keeps and closed the rest.
+        # (A request that takes no fds has them closed before it runs: a Wait holds none.)
         _release(usage, event)
+        held = len(event.fds) if event.request.WhichOneof("body") in TAKES_FDS else 0
+        usage.handling += held
         try:
             out = await dispatch(daemon, conn, event.request, event.fds)
         finally:
             event.fds.close()
+            usage.handling -= held
         if out is None or not await _send_reply(conn, event.request.id, out):
             return
 

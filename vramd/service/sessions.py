@@ -123,12 +123,15 @@ class UidLimits:
 @dataclass
 class UidUsage:
     """What one uid's sessions hold (kept by the session table, updated by the sessions), and the fds on its
-    requests received and not yet handled (`queued`, reserved by the connection that read them)."""
+    requests received and not yet handled (`queued`, reserved by the connection that read them) or being
+    handled (`handling`: until the handler is done; what a session takes from them is counted in `fds` too
+    meanwhile, so a new request is refused early rather than late)."""
 
     limits: UidLimits
     bos: int = 0
     fds: int = 0
     queued: int = 0
+    handling: int = 0
 
 
 # Per-BO work of an AddBos runs on the event loop in steps of at most this long, so
