@@ -693,7 +693,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(fn=fn)
         return p
 
-    cmd("status", cmd_status, "daemon status and metrics")
+    cmd("status", cmd_status, "daemon status and metrics (of the whole daemon for root and the daemon's uid; "
+        "any other uid: its own connections and sessions)")
     p = cmd("sessions", cmd_sessions, "sessions the daemon holds")
     p.add_argument("--all", action="store_true",
                    help="every session the daemon shows you (root and the daemon's uid: every uid's) with uid, "
