@@ -257,6 +257,27 @@ class Squatter:
             self.proc.wait()
 
 
+def root_listener(w: World, address: str, mode: int | None = None) -> Squatter:
+    """A socket root binds at `address` (chmod `mode`, if given), listened on by the squatter user: a listener
+    handed to another service; the Squatter records what reaches it."""
+    lst = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    lst.bind(address)
+    if mode is not None:
+        os.chmod(address, mode)
+    try:
+        return Squatter(w, listener=lst)
+    finally:
+        lst.close()
+
+
+def foreign_listener(w: World, name: str) -> tuple[str, Squatter]:
+    """A socket in a root-owned 0755 directory, bound by root, listened on by the squatter user."""
+    d = w.base / f"{name}-sock"
+    d.mkdir(mode=0o755)
+    path = str(d / "vramd.sock")
+    return path, root_listener(w, path, 0o666)
+
+
 def views(w: World, name: str) -> tuple[Path, Path]:
     """A /run and a /tmp for one test's clients: root's, 0755 and 1777 as on a real system, both empty."""
     run, tmp = w.base / f"{name}-run", w.base / f"{name}-tmp"
@@ -350,14 +371,7 @@ def test_a_foreign_listener_in_a_trusted_directory_is_refused_by_its_uid(world: 
     listener's uid (SO_PEERCRED), and refuse before Hello, naming the path and uid 65534."""
     w = world
     run, tmp = views(w, "foreign")
-    d = w.base / "foreign-sock"
-    d.mkdir(mode=0o755)
-    path = str(d / "vramd.sock")
-    lst = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    lst.bind(path)
-    os.chmod(path, 0o666)
-    squatter = Squatter(w, listener=lst)
-    lst.close()
+    path, squatter = foreign_listener(w, "foreign")
     env = {"VRAMD_SOCKET": path}
     try:
         py = in_namespace(w, w.root, run, tmp, [*w.root.python, "-c",
@@ -385,14 +399,7 @@ def test_the_configured_daemon_user_is_trusted(world: World) -> None:
     $VRAMD_DAEMON_USER for libvramd): then it is the daemon, and the clients talk to it (the relay answers)."""
     w = world
     run, tmp = views(w, "daemonuser")
-    d = w.base / "daemonuser-sock"
-    d.mkdir(mode=0o755)
-    path = str(d / "vramd.sock")
-    lst = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    lst.bind(path)
-    os.chmod(path, 0o666)
-    squatter = Squatter(w, listener=lst)
-    lst.close()
+    path, squatter = foreign_listener(w, "daemonuser")
     uid = w.squatter.uid
     try:
         ctl = in_namespace(w, w.root, run, tmp, [*w.root.python, "-m", "vramd.cli", "status", "--json",
@@ -452,10 +459,7 @@ def test_a_socket_directly_in_a_sticky_directory_is_refused(world: World) -> Non
     connect, so the listener's uid is never asked."""
     w = world
     run, tmp = views(w, "sticky")
-    lst = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    lst.bind(str(tmp / "vramd.sock"))
-    recorder = Squatter(w, listener=lst)
-    lst.close()
+    recorder = root_listener(w, str(tmp / "vramd.sock"))
     env = {"VRAMD_SOCKET": "/tmp/vramd.sock"}
     try:
         ctl = in_namespace(w, w.root, run, tmp, [*w.root.python, "-m", "vramd.cli", "status", "--json"], env)
@@ -530,10 +534,7 @@ def test_root_never_uses_tmp(world: World) -> None:
     run, tmp = views(w, "root-tmp")
     d = own_dir(tmp / "vramd-0", w.root)
     path = str(d / "vramd.sock")
-    lst = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    lst.bind(path)
-    recorder = Squatter(w, listener=lst)  # root bound it; what matters here is whether anyone connects
-    lst.close()
+    recorder = root_listener(w, path)  # root bound it; what matters here is whether anyone connects
     try:
         ctl = in_namespace(w, w.root, run, tmp, [*w.root.python, "-m", "vramd.cli", "status", "--json"])
         c = outcome(in_namespace(w, w.root, run, tmp, [*w.root.python, "-c", C_CLIENT, str(w.lib), "connect"]))
@@ -581,10 +582,7 @@ def test_an_abstract_socket_is_refused_with_a_typed_error(world: World) -> None:
     w = world
     run, tmp = views(w, "abstract")
     name = f"vramd-auth-{os.getpid()}-{os.urandom(4).hex()}"
-    lst = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    lst.bind("\0" + name)
-    recorder = Squatter(w, listener=lst)
-    lst.close()
+    recorder = root_listener(w, "\0" + name)
     code = ("import sys\nfrom vramd.client import Client\ntry:\n Client(sys.argv[1].replace('@', chr(0), 1))\n"
             " print('connected')\nexcept Exception as e:\n print(type(e).__name__, '|', e)")
     try:
@@ -722,14 +720,7 @@ def test_a_setuid_program_ignores_the_callers_environment(world: World) -> None:
     subprocess.run(["cc", "-O0", "-o", str(prog), str(src), f"-I{ROOT}/native/client/include", "-ldl"], check=True,
                    capture_output=True)
     os.chmod(prog, 0o4755)  # root's (the test runs as root), setuid
-    d = w.base / "setuid-sock"
-    d.mkdir(mode=0o755)
-    path = str(d / "vramd.sock")
-    lst = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    lst.bind(path)
-    os.chmod(path, 0o666)
-    squatter = Squatter(w, listener=lst)
-    lst.close()
+    path, squatter = foreign_listener(w, "setuid")
     uid = w.squatter.uid
     env = {"VRAMD_DAEMON_USER": str(uid), "VRAMD_SOCKET": path, "XDG_RUNTIME_DIR": "/tmp"}
     try:
