@@ -450,3 +450,15 @@ def test_rm_removes_only_vramds_regular_files_and_unmarks_parents_last(daemon, t
     assert not [n for n in os.listdir(parent) if n.startswith(".child.")]
     r = vramctl("rm", str(parent))
     assert r.returncode == 0, r.stderr
+
+
+def test_a_session_state_kind_or_code_this_vramctl_does_not_know_is_shown_by_its_number():
+    """A newer daemon may send a state, kind or error code this vramctl does not know (CANCELLING, 6, was new
+    once; an older vramctl raised ValueError on it): `sessions` and `cancel` show it by its number."""
+    from vramd.cli.vramctl import session_dict
+
+    info = rpc.SessionInfo(session_id=7, kind=9, state=42, error=rpc.Error(code=77, message="newer"))
+    d = session_dict(info)
+    assert (d["kind"], d["state"], d["error"]["code"]) == ("kind_9", "state_42", "CODE_77")
+    known = session_dict(rpc.SessionInfo(kind=rpc.SESSION_DUMP, state=rpc.SESSION_CANCELLING))
+    assert (known["kind"], known["state"]) == ("dump", "cancelling")

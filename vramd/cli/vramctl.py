@@ -43,6 +43,7 @@ from ..image.codec import compression_name
 from ..image.format import chunk_count, chunk_record
 from ..pb import image_pb2 as pb
 from ..pb import rpc_pb2 as rpc
+from ..protocol.wire import code_name, enum_name
 from ..units import format_size, parse_size
 from .progress import Bar, follow
 
@@ -90,8 +91,11 @@ def parse_bo_file(text: str) -> tuple[str, int, int | None]:
 def session_dict(info: rpc.SessionInfo) -> dict[str, Any]:
     p = info.progress
     d: dict[str, Any] = {
-        "session_id": info.session_id, "kind": rpc.SessionKind.Name(info.kind).removeprefix("SESSION_").lower(),
-        "state": rpc.SessionState.Name(info.state).removeprefix("SESSION_").lower(), "uid": info.uid,
+        # a kind or state this vramctl does not know (a newer daemon's) is shown by its number, never a crash
+        "session_id": info.session_id,
+        "kind": enum_name(rpc.SessionKind, info.kind, "SESSION_KIND_").removeprefix("SESSION_").lower(),
+        "state": enum_name(rpc.SessionState, info.state, "SESSION_STATE_").removeprefix("SESSION_").lower(),
+        "uid": info.uid,
         "pid": info.pid, "label": info.label, "holders": info.holders, "target_pids": list(info.target_pids),
         "rate_bytes_per_s": round(info.rate_bytes_per_s, 3), "age_s": round(info.age_s, 6),
         "progress": {"bos_total": p.bos_total, "bos_done": p.bos_done, "bytes_total": p.bytes_total,
@@ -103,7 +107,7 @@ def session_dict(info: rpc.SessionInfo) -> dict[str, Any]:
                       "zero_bytes": i.zero_bytes, "chunk_size": i.chunk_size, "compression": i.compression,
                       "data_files": i.data_files}
     if info.error.code != rpc.OK:
-        d["error"] = {"code": rpc.Code.Name(info.error.code), "message": info.error.message,
+        d["error"] = {"code": code_name(info.error.code), "message": info.error.message,
                       "bo_id": info.error.bo_id if info.error.HasField("bo_id") else None,
                       "offset": info.error.offset if info.error.HasField("offset") else None}
     return d

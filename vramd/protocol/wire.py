@@ -1,6 +1,8 @@
 """Typed errors on the wire: VramdError <-> rpc.Error, both directions."""
 from __future__ import annotations
 
+from typing import Any
+
 from ..errors import VramdError, error_from_wire
 from ..pb import rpc_pb2 as rpc
 
@@ -17,10 +19,16 @@ def error_to_pb(exc: VramdError) -> rpc.Error:
 
 def code_name(code: int) -> str:
     """The name of a wire code; a code this side does not know (a newer peer's) keeps its number."""
+    return enum_name(rpc.Code, code, "CODE_")
+
+
+def enum_name(enum: Any, value: int, unknown: str) -> str:
+    """The name of `value` in a protobuf enum; a value this side does not know (a newer peer's: a new session
+    state or kind) is `unknown` followed by its number."""
     try:
-        return rpc.Code.Name(code)
+        return str(enum.Name(value))
     except ValueError:
-        return f"CODE_{code}"
+        return f"{unknown}{value}"
 
 
 def error_from_pb(err: rpc.Error) -> VramdError:
