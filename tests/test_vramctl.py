@@ -462,3 +462,16 @@ def test_a_session_state_kind_or_code_this_vramctl_does_not_know_is_shown_by_its
     assert (d["kind"], d["state"], d["error"]["code"]) == ("kind_9", "state_42", "CODE_77")
     known = session_dict(rpc.SessionInfo(kind=rpc.SESSION_DUMP, state=rpc.SESSION_CANCELLING))
     assert (known["kind"], known["state"]) == ("dump", "cancelling")
+
+
+def test_a_relative_socket_path_from_a_removed_directory_is_one_line(tmp_path):
+    """Run from a directory that is gone, a relative --socket cannot be resolved: one line and exit 1 (the
+    socket's path check raised a bare FileNotFoundError before)."""
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    code = (f"import os, runpy, sys; os.chdir({str(gone)!r}); os.rmdir({str(gone)!r}); "
+            "sys.argv = ['vramctl', 'status', '--socket', 'rel/vramd.sock']; "
+            "runpy.run_module('vramd.cli', run_name='__main__')")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1, r
+    assert r.stderr == "vramctl: cannot connect to vramd at rel/vramd.sock: No such file or directory\n", r.stderr

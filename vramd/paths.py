@@ -155,10 +155,10 @@ def check_socket_path(path: str, trusted: TrustedUids) -> None:
         shown = path.replace("\0", "@")
         raise UntrustedDaemonError(f"untrusted vramd socket {shown}: an abstract socket (or a name with a NUL byte)"
                                    " cannot be authenticated; use a socket path")
-    full = path if os.path.isabs(path) else os.path.join(os.getcwd(), path)
-    todo = [p for p in reversed(full.split("/")) if p]  # a stack: the next component last
     cur = "/"
     try:
+        full = path if os.path.isabs(path) else os.path.join(os.getcwd(), path)  # (a removed cwd: ENOENT)
+        todo = [p for p in reversed(full.split("/")) if p]  # a stack: the next component last
         st = os.lstat(cur)
         sticky_only = check_dir(cur, st)
         links = 0
