@@ -3,7 +3,7 @@
 #   ./dev.sh demo [demo args]   install what is missing, then run the end-to-end demo
 #   ./dev.sh test [pytest args] install what is missing, then run the test suite
 #   ./dev.sh check              the gates CI runs before the tests: ruff, mypy, the layer
-#                               contract, the SDMA model's own C tests (plain, ASan+UBSan, TSan)
+#                               contract, the SDMA and KFD models' C tests (plain, ASan+UBSan, TSan)
 # Installs apt packages only when something is missing (as root, or via sudo),
 # keeps the virtual environment in .venv (rebuilt when pyproject.toml changes),
 # and builds libvramd, the C client, into build/libvramd (rebuilt when
@@ -91,8 +91,8 @@ check() {
     echo "== layers";        .venv/bin/lint-imports
     if have_libdrm; then
         for flavour in "" --asan --tsan; do
-            echo "== SDMA model C tests ${flavour:-(plain)}"
-            $py native/model/build.py --test $flavour "$out" | tail -1
+            echo "== SDMA + KFD model C tests ${flavour:-(plain)}"
+            $py native/model/build.py --test $flavour "$out" | tail -2
         done
     fi
 }

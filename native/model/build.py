@@ -9,7 +9,8 @@ measured with it are model numbers, never hardware numbers
 
 CLI:
     python native/model/build.py OUT_DIR            build the library
-    python native/model/build.py --test OUT_DIR     build it and run test_model.c
+    python native/model/build.py --test OUT_DIR     build it and run test_model.c, then
+                                                    test_kfd.c (the KFD model, docs/kfd-model.md)
     add --tsan (ThreadSanitizer) or --asan (AddressSanitizer + UBSan) to either
     for an instrumented build (own file names)
 
@@ -31,6 +32,9 @@ HERE = Path(__file__).resolve().parent
 SOURCES = [HERE / "amdgpu_model.c"]
 HEADERS = [HERE / "vramd_model.h"]
 TEST_SOURCE = HERE / "test_model.c"
+KFD_SOURCES = [HERE / "kfd_model.c"]
+KFD_HEADERS = [HERE / "kfd_model.h"]
+KFD_TEST_SOURCE = HERE / "test_kfd.c"
 LIB_NAME = "libdrm_amdgpu_model.so"
 SONAME = "libdrm_amdgpu.so.1"
 CFLAGS = ["-std=gnu11", "-O2", "-g", "-pthread", "-Wall", "-Wextra", "-Werror"]
@@ -131,9 +135,42 @@ def build_test(out_dir: str | os.PathLike, sanitize: str | None = None) -> str:
     return str(exe)
 
 
+def kfd_cflags(out_dir: str | os.PathLike) -> list[str]:
+    """Flags to compile against the system's <linux/kfd_ioctl.h>, which includes
+    <drm/drm.h>: Debian's linux-libc-dev has no drm/ directory, libdrm-dev has
+    the header as <libdrm/drm.h>; a one-line forwarding header in OUT_DIR fills
+    the gap where needed."""
+    if not Path("/usr/include/linux/kfd_ioctl.h").is_file():
+        raise ModelBuildError("<linux/kfd_ioctl.h> not found (install linux-libc-dev)")
+    if Path("/usr/include/drm/drm.h").is_file():
+        return []
+    inc = Path(out_dir).resolve() / "kfd-include"
+    (inc / "drm").mkdir(parents=True, exist_ok=True)
+    fwd = inc / "drm" / "drm.h"
+    text = "#include <libdrm/drm.h>\n"
+    if not fwd.is_file() or fwd.read_text() != text:
+        fwd.write_text(text)
+    return [f"-I{inc}"]
+
+
+def build_kfd_test(out_dir: str | os.PathLike, sanitize: str | None = None) -> str:
+    """Builds test_kfd.c with the KFD model, linked to the SDMA model (as
+    libdrm_amdgpu.so.1, like build_test); returns the program's path."""
+    build_test(out_dir, sanitize)
+    out_dir = Path(out_dir).resolve()
+    link = out_dir / f"model-test-lib{_suffix(sanitize)}" / SONAME
+    exe = out_dir / f"test_kfd{_suffix(sanitize)}"
+    _run([_gcc(), *CFLAGS, *SANITIZERS[sanitize], *libdrm_cflags(), *kfd_cflags(out_dir), f"-I{HERE}",
+          "-o", str(exe), str(KFD_TEST_SOURCE), *map(str, KFD_SOURCES), str(link),
+          f"-Wl,-rpath,{link.parent}"])
+    return str(exe)
+
+
 def run_tests(out_dir: str | os.PathLike, sanitize: str | None = None, timeout: float = 600) -> int:
-    """Builds and runs test_model.c; returns its exit status (0 = all passed)."""
+    """Builds and runs test_model.c, then test_kfd.c; returns the first
+    non-zero exit status (0 = all passed)."""
     exe = build_test(out_dir, sanitize)
+    kfd_exe = build_kfd_test(out_dir, sanitize)
     env = dict(os.environ)
     for k in list(env):
         if k.startswith("VRAMD_SDMA_MODEL_"):
@@ -143,6 +180,10 @@ def run_tests(out_dir: str | os.PathLike, sanitize: str | None = None, timeout: 
     if sanitize == "address":
         env.setdefault("ASAN_OPTIONS", "detect_leaks=1 abort_on_error=1")
     proc = subprocess.run([exe], env=env, timeout=timeout)
+    if proc.returncode:
+        return proc.returncode
+    # the KFD model's state directory (sparse arenas) goes under OUT_DIR
+    proc = subprocess.run([kfd_exe, str(Path(out_dir).resolve())], env=env, timeout=timeout)
     return proc.returncode
 
 
