@@ -92,8 +92,10 @@ check() {
     if have_libdrm; then
         for flavour in "" --asan --tsan; do
             echo "== SDMA + KFD model C tests ${flavour:-(plain)}"
-            $py native/model/build.py --test $flavour "$out" | tail -2
+            $py native/model/build.py --test $flavour "$out" | tail -3
         done
+        echo "== KFD model C tests under valgrind"
+        $py native/model/build.py --valgrind "$out" | tail -1
     fi
 }
 

@@ -17,6 +17,7 @@
 #include <inttypes.h>
 #include <limits.h>
 #include <pthread.h>
+#include <stdarg.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -129,6 +130,20 @@ const char *kfdm_op_name(enum kfdm_op op)
 
 static uint64_t page_size(void) { return (uint64_t)sysconf(_SC_PAGESIZE); }
 
+/* open without going through libc: the identity shim (kfd_shim.c) wraps
+ * libc's open, and the model must not re-enter it. */
+static int raw_open(const char *path, int flags, ...)
+{
+	mode_t mode = 0;
+	if (flags & O_CREAT) {
+		va_list ap;
+		va_start(ap, flags);
+		mode = (mode_t)va_arg(ap, int);
+		va_end(ap);
+	}
+	return (int)syscall(SYS_openat, AT_FDCWD, path, flags, mode);
+}
+
 /* fstat without going through libc: the identity shim answers libc's fstat
  * for the stand-in files with device numbers; the model needs the truth. */
 static int raw_fstat(int fd, struct stat *st)
@@ -140,7 +155,7 @@ static uint64_t proc_starttime(int pid)
 {
 	char path[64], buf[1024];
 	snprintf(path, sizeof(path), "/proc/%d/stat", pid);
-	int fd = open(path, O_RDONLY | O_CLOEXEC);
+	int fd = raw_open(path, O_RDONLY | O_CLOEXEC);
 	if (fd < 0)
 		return 0;
 	ssize_t n = read(fd, buf, sizeof(buf) - 1);
@@ -163,7 +178,7 @@ static int tracer_of(int pid)
 {
 	char path[64], buf[4096];
 	snprintf(path, sizeof(path), "/proc/%d/status", pid);
-	int fd = open(path, O_RDONLY | O_CLOEXEC);
+	int fd = raw_open(path, O_RDONLY | O_CLOEXEC);
 	if (fd < 0)
 		return -1;
 	ssize_t n = read(fd, buf, sizeof(buf) - 1);
@@ -222,7 +237,7 @@ int kfdm_create(const char *dir, const struct kfdm_gpu *gpus, unsigned ngpus, un
 		return -errno;
 	for (unsigned i = 0; i < ngpus; i++) {
 		snprintf(path, sizeof(path), "%s/renderD%u", dir, gpus[i].minor);
-		int fd = open(path, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+		int fd = raw_open(path, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
 		if (fd < 0)
 			return -errno;
 		int r = ftruncate(fd, (off_t)ARENA_SIZE) ? -errno : 0;
@@ -231,7 +246,7 @@ int kfdm_create(const char *dir, const struct kfdm_gpu *gpus, unsigned ngpus, un
 			return r;
 	}
 	snprintf(path, sizeof(path), "%s/kfd", dir);
-	int fd = open(path, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+	int fd = raw_open(path, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
 	if (fd < 0)
 		return -errno;
 	int r = ftruncate(fd, (off_t)((1 + 2 * KFDM_MAX_GPUS) * pg)) ? -errno : 0;
@@ -239,7 +254,7 @@ int kfdm_create(const char *dir, const struct kfdm_gpu *gpus, unsigned ngpus, un
 	if (r)
 		return r;
 	snprintf(path, sizeof(path), "%s/state", dir);
-	fd = open(path, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+	fd = raw_open(path, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
 	if (fd < 0)
 		return -errno;
 	if (ftruncate(fd, sizeof(struct shared))) {
@@ -256,7 +271,7 @@ int kfdm_create(const char *dir, const struct kfdm_gpu *gpus, unsigned ngpus, un
 	s->kfd_minor = kfd_minor_version;
 	s->next_gen = 1;
 	uint64_t inst = 0;
-	int ufd = open("/dev/urandom", O_RDONLY | O_CLOEXEC);
+	int ufd = raw_open("/dev/urandom", O_RDONLY | O_CLOEXEC);
 	if (ufd >= 0) {
 		if (read(ufd, &inst, sizeof(inst)) != sizeof(inst))
 			inst = 0;
@@ -289,7 +304,7 @@ struct kfdm *kfdm_attach(const char *dir)
 	snprintf(m->dir, sizeof(m->dir), "%s", dir);
 	char path[PATH_MAX + 32];
 	snprintf(path, sizeof(path), "%s/state", dir);
-	int fd = open(path, O_RDWR | O_CLOEXEC);
+	int fd = raw_open(path, O_RDWR | O_CLOEXEC);
 	struct stat st;
 	if (fd < 0 || raw_fstat(fd, &st) || (size_t)st.st_size != sizeof(struct shared)) {
 		int e = fd < 0 ? errno : EINVAL;
@@ -311,7 +326,7 @@ struct kfdm *kfdm_attach(const char *dir)
 	}
 	for (unsigned i = 0; i < m->s->ngpus; i++) {
 		snprintf(path, sizeof(path), "%s/renderD%u", dir, m->s->gpus[i].g.minor);
-		m->arena_fd[i] = open(path, O_RDWR | O_CLOEXEC);
+		m->arena_fd[i] = raw_open(path, O_RDWR | O_CLOEXEC);
 		if (m->arena_fd[i] < 0) {
 			int e = errno;
 			kfdm_detach(m);
@@ -469,7 +484,7 @@ static int export_dmabuf(struct kfdm *m, struct sbo *b)
 	if (link(arena, name))
 		return -errno;
 	bool rw = b->flags & KFDM_WRITABLE;
-	int fd = open(name, (rw ? O_RDWR : O_RDONLY) | O_CLOEXEC);
+	int fd = raw_open(name, (rw ? O_RDWR : O_RDONLY) | O_CLOEXEC);
 	int e = errno;
 	unlink(name);
 	if (fd < 0)
