@@ -1002,6 +1002,16 @@ out:
 	return r;
 }
 
+/* Like libdrm: the fd the handle holds (its own dup of the one passed to
+ * amdgpu_device_initialize); -1 for a bad handle. */
+int amdgpu_device_get_fd(amdgpu_device_handle dev)
+{
+	pthread_mutex_lock(&G);
+	int fd = lookup(dev, H_DEV) == dev ? dev->fd : -1;
+	pthread_mutex_unlock(&G);
+	return fd;
+}
+
 int amdgpu_device_deinitialize(amdgpu_device_handle dev)
 {
 	pthread_mutex_lock(&G);

@@ -40,6 +40,7 @@ KFD_TEST_SOURCE = HERE / "test_kfd.c"
 KFD_SHIM_SOURCES = [HERE / "kfd_model.c", HERE / "kfd_shim.c"]
 KFD_SHIM_TEST_SOURCE = HERE / "test_kfd_shim.c"
 KFD_LIB_NAME = "libvramd_kfd_model.so"
+KFD_WORKLOAD_SOURCE = HERE / "kfd_workload.c"
 LIB_NAME = "libdrm_amdgpu_model.so"
 SONAME = "libdrm_amdgpu.so.1"
 CFLAGS = ["-std=gnu11", "-O2", "-g", "-pthread", "-Wall", "-Wextra", "-Werror"]
@@ -201,6 +202,17 @@ def build_kfd_shim_test(out_dir: str | os.PathLike, sanitize: str | None = None)
     exe = lib.parent / f"test_kfd_shim{_suffix(sanitize)}"
     _run([_gcc(), *CFLAGS, *SANITIZERS[sanitize], *libdrm_cflags(), *kfd_cflags(lib.parent), f"-I{HERE}",
           "-o", str(exe), str(KFD_SHIM_TEST_SOURCE), str(lib), f"-Wl,-rpath,{lib.parent}"])
+    return str(exe)
+
+
+def build_kfd_workload(out_dir: str | os.PathLike) -> str:
+    """Builds the emulated GPU process (kfd_workload.c; links nothing of the
+    model: it gets the model through LD_PRELOAD); returns its path."""
+    out_dir = Path(out_dir).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    exe = out_dir / "kfd_workload"
+    if not _up_to_date(exe, [KFD_WORKLOAD_SOURCE, Path(__file__).resolve()]):
+        _run([_gcc(), *CFLAGS, *kfd_cflags(out_dir), "-o", str(exe), str(KFD_WORKLOAD_SOURCE)])
     return str(exe)
 
 

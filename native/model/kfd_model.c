@@ -103,7 +103,8 @@ struct shared {
 struct kfdm {
 	char dir[PATH_MAX];
 	struct shared *s;
-	int arena_fd[KFDM_MAX_GPUS];
+	dev_t arena_dev[KFDM_MAX_GPUS];    /* identity of each GPU's arena file */
+	ino_t arena_ino[KFDM_MAX_GPUS];
 	int kfd_fd;
 };
 
@@ -151,7 +152,45 @@ static int raw_fstat(int fd, struct stat *st)
 	return (int)syscall(SYS_newfstatat, fd, "", st, AT_EMPTY_PATH);
 }
 
+static uint64_t proc_starttime_raw(int pid);
+
+/* The caller's time namespace boottime offset, in clock ticks.  /proc/<pid>/stat
+ * reports a start time shifted by the READER's offset, and CRIU restores tasks
+ * into a time namespace of their own: without this, a restored task and CRIU's
+ * main process would not agree on whether a process is the same one. */
+static int64_t boottime_offset_ticks(void)
+{
+	char buf[256];
+	int fd = raw_open("/proc/self/timens_offsets", O_RDONLY | O_CLOEXEC);
+	if (fd < 0)
+		return 0;                       /* no time namespaces: no offset */
+	ssize_t n = read(fd, buf, sizeof(buf) - 1);
+	close(fd);
+	if (n <= 0)
+		return 0;
+	buf[n] = 0;
+	const char *b = strstr(buf, "boottime");
+	long long sec = 0, nsec = 0;
+	if (!b || sscanf(b + 8, "%lld %lld", &sec, &nsec) != 2)
+		return 0;
+	long hz = sysconf(_SC_CLK_TCK);
+	return (int64_t)(sec * hz + nsec * hz / 1000000000LL);
+}
+
+/* The start time of PID in clock ticks since the host's boot; 0 if it is gone. */
 static uint64_t proc_starttime(int pid)
+{
+	uint64_t t = proc_starttime_raw(pid);
+	return t ? t - (uint64_t)boottime_offset_ticks() : 0;
+}
+
+/* the same process, allowing for the one tick the offset's rounding may cost */
+static bool same_start(uint64_t a, uint64_t b)
+{
+	return a && b && (a > b ? a - b : b - a) <= 1;
+}
+
+static uint64_t proc_starttime_raw(int pid)
 {
 	char path[64], buf[1024];
 	snprintf(path, sizeof(path), "/proc/%d/stat", pid);
@@ -199,6 +238,27 @@ static bool has_cr_capability(void)
 		return false;
 	uint64_t eff = (uint64_t)d[0].effective | ((uint64_t)d[1].effective << 32);
 	return (eff >> 40 /* CAP_CHECKPOINT_RESTORE */ & 1) || (eff >> 21 /* CAP_SYS_ADMIN */ & 1);
+}
+
+/* Every refusal can say why: VRAMD_KFD_MODEL_LOG=<file> (or "-" for stderr)
+ * appends one line per refused call, the errno last. */
+__attribute__((format(printf, 2, 3))) static int refuse(int err, const char *fmt, ...)
+{
+	const char *log = getenv("VRAMD_KFD_MODEL_LOG");
+	if (!log || !*log)
+		return err;
+	char msg[512];
+	va_list ap;
+	va_start(ap, fmt);
+	vsnprintf(msg, sizeof(msg), fmt, ap);
+	va_end(ap);
+	int fd = strcmp(log, "-") ? raw_open(log, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0600) : 2;
+	if (fd >= 0) {
+		dprintf(fd, "kfd-model[%d]: %s: %s\n", getpid(), msg, strerror(-err));
+		if (fd != 2)
+			close(fd);
+	}
+	return err;
 }
 
 static uint64_t fnv1a(const void *p, size_t n)
@@ -298,8 +358,6 @@ struct kfdm *kfdm_attach(const char *dir)
 	struct kfdm *m = calloc(1, sizeof(*m));
 	if (!m)
 		return NULL;
-	for (unsigned i = 0; i < KFDM_MAX_GPUS; i++)
-		m->arena_fd[i] = -1;
 	m->kfd_fd = -1;
 	snprintf(m->dir, sizeof(m->dir), "%s", dir);
 	char path[PATH_MAX + 32];
@@ -326,13 +384,19 @@ struct kfdm *kfdm_attach(const char *dir)
 	}
 	for (unsigned i = 0; i < m->s->ngpus; i++) {
 		snprintf(path, sizeof(path), "%s/renderD%u", dir, m->s->gpus[i].g.minor);
-		m->arena_fd[i] = raw_open(path, O_RDWR | O_CLOEXEC);
-		if (m->arena_fd[i] < 0) {
+		struct stat ast;
+		int fd = raw_open(path, O_RDWR | O_CLOEXEC);
+		if (fd < 0 || raw_fstat(fd, &ast)) {
 			int e = errno;
+			if (fd >= 0)
+				close(fd);
 			kfdm_detach(m);
 			errno = e;
 			return NULL;
 		}
+		close(fd);
+		m->arena_dev[i] = ast.st_dev;
+		m->arena_ino[i] = ast.st_ino;
 	}
 	return m;
 }
@@ -341,9 +405,6 @@ void kfdm_detach(struct kfdm *m)
 {
 	if (!m)
 		return;
-	for (unsigned i = 0; i < KFDM_MAX_GPUS; i++)
-		if (m->arena_fd[i] >= 0)
-			close(m->arena_fd[i]);
 	if (m->s)
 		munmap(m->s, sizeof(struct shared));
 	free(m);
@@ -367,13 +428,33 @@ static int user_gpu_index(struct shared *s, struct sproc *p, uint32_t user_gpu_i
 	return -1;
 }
 
+/* A transient fd of GPU GI's arena, for one pwrite or hole punch.  The model
+ * keeps no fd open between calls: it runs inside processes whose fd table
+ * others arrange (CRIU's restore closes what the restored task should not
+ * have and needs its low numbers free), so it must neither hold nor take one. */
+static int arena_open(struct kfdm *m, unsigned gi)
+{
+	char path[PATH_MAX + 32];
+	snprintf(path, sizeof(path), "%s/renderD%u", m->dir, m->s->gpus[gi].g.minor);
+	return raw_open(path, O_RDWR | O_CLOEXEC);
+}
+
+static bool is_arena(struct kfdm *m, unsigned gi, int fd)
+{
+	struct stat st;
+	return !raw_fstat(fd, &st) && st.st_dev == m->arena_dev[gi] && st.st_ino == m->arena_ino[gi];
+}
+
 static void bo_release(struct kfdm *m, struct sbo *b)
 {
 	struct shared *s = m->s;
 	if (b->flags & (KFD_IOC_ALLOC_MEM_FLAGS_VRAM | KFD_IOC_ALLOC_MEM_FLAGS_GTT)) {
 		/* give the memory back; the offsets are never handed out again */
-		fallocate(m->arena_fd[b->gpu], FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
-			  (off_t)b->offset, (off_t)b->size);
+		int fd = arena_open(m, b->gpu);
+		if (fd >= 0) {
+			fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)b->offset, (off_t)b->size);
+			close(fd);
+		}
 		if (b->flags & KFD_IOC_ALLOC_MEM_FLAGS_VRAM)
 			s->gpus[b->gpu].vram_used -= b->size;
 	}
@@ -395,7 +476,7 @@ static void proc_release(struct kfdm *m, unsigned slot)
 
 static bool proc_alive(struct sproc *p)
 {
-	return p->state != P_FREE && proc_starttime(p->pid) == p->starttime;
+	return p->state != P_FREE && same_start(proc_starttime(p->pid), p->starttime);
 }
 
 /* The injected failure for OP, if one is due (counts it down). */
@@ -429,7 +510,7 @@ int64_t kfdm_open(struct kfdm *m)
 			proc_release(m, i);     /* its process is gone: the kernel frees it with the mm */
 	for (unsigned i = 0; i < KFDM_MAX_PROCS; i++) {
 		struct sproc *p = &s->procs[i];
-		if (p->state != P_FREE && p->pid == pid && p->starttime == st) {
+		if (p->state != P_FREE && p->pid == pid && same_start(p->starttime, st)) {
 			ret = (int64_t)(p->gen << 8 | i);
 			goto out;
 		}
@@ -535,14 +616,14 @@ static int op_checkpoint(struct kfdm *m, struct sproc *p, unsigned slot, struct 
 {
 	struct shared *s = m->s;
 	if (!a->devices || !a->bos || !a->priv_data)
-		return -EINVAL;
+		return refuse(-EINVAL, "CHECKPOINT: devices, bos or priv_data is NULL");
 	if (!s->ngpus)
 		return -ENODEV;
 	if (!p->paused)
-		return -EINVAL;                 /* PROCESS_INFO did not run first */
+		return refuse(-EINVAL, "CHECKPOINT: queues not paused (PROCESS_INFO first)");                 /* PROCESS_INFO did not run first */
 	if (a->num_devices != s->ngpus || a->num_bos != p->nbos || a->num_objects != 0 ||
 	    a->priv_data_size != priv_size(s->ngpus, p->nbos))
-		return -EINVAL;                 /* not what PROCESS_INFO promised */
+		return refuse(-EINVAL, "CHECKPOINT: counts or priv_data_size differ from PROCESS_INFO's");                 /* not what PROCESS_INFO promised */
 	static struct sbo *list[KFDM_MAX_BOS];
 	unsigned n = proc_bos(s, slot, list);
 	struct kfd_criu_device_bucket *dev = (void *)(uintptr_t)a->devices;
@@ -607,12 +688,12 @@ static int op_restore(struct kfdm *m, struct sproc *p, unsigned slot, struct kfd
 	struct shared *s = m->s;
 	uint64_t pg = page_size();
 	if (!a->devices || !a->bos || !a->priv_data)
-		return -EINVAL;
+		return refuse(-EINVAL, "RESTORE: devices, bos or priv_data is NULL");
 	if (p->vm_mask || p->nbos || p->state != P_RUNNING || p->paused)
-		return -EINVAL;                 /* only a process that has done nothing yet */
+		return refuse(-EINVAL, "RESTORE: the process is not clean (VM acquired, BOs, restored or paused)");                 /* only a process that has done nothing yet */
 	if (a->num_devices != s->ngpus || a->num_bos > KFDM_MAX_BOS ||
 	    a->priv_data_size != priv_size(a->num_devices, a->num_bos))
-		return -EINVAL;
+		return refuse(-EINVAL, "RESTORE: num_devices %u (host has %u), num_bos %u or priv_data_size %llu do not fit", a->num_devices, s->ngpus, a->num_bos, (unsigned long long)a->priv_data_size);
 	const uint8_t *priv = (const void *)(uintptr_t)a->priv_data;
 	struct priv_hdr h;
 	memcpy(&h, priv, sizeof(h));
@@ -621,7 +702,7 @@ static int op_restore(struct kfdm *m, struct sproc *p, unsigned slot, struct kfd
 	if (memcmp(h.magic, PRIV_MAGIC, 8) || h.version != PRIV_VERSION || h.num_devices != a->num_devices ||
 	    h.num_bos != a->num_bos || h.num_objects != a->num_objects ||
 	    sum != fnv1a(priv, a->priv_data_size - 8))
-		return -EINVAL;                 /* not private data this driver wrote */
+		return refuse(-EINVAL, "RESTORE: priv_data was not written by this model (magic, version, counts or checksum)");                 /* not private data this driver wrote */
 	struct kfd_criu_device_bucket *dev = (void *)(uintptr_t)a->devices;
 	struct kfd_criu_bo_bucket *bo = (void *)(uintptr_t)a->bos;
 	const struct priv_bo *pbo = (const void *)(priv + sizeof(h) + a->num_devices * sizeof(struct priv_dev));
@@ -630,11 +711,9 @@ static int op_restore(struct kfdm *m, struct sproc *p, unsigned slot, struct kfd
 	for (unsigned i = 0; i < a->num_devices; i++) {
 		int gi = gpu_index(s, dev[i].actual_gpu_id);
 		if (gi < 0 || (seen >> gi & 1) || !dev[i].user_gpu_id)
-			return -EINVAL;             /* no such GPU here (or named twice) */
-		struct stat st, ast;
-		if (raw_fstat((int)dev[i].drm_fd, &st) || raw_fstat(m->arena_fd[gi], &ast) ||
-		    st.st_dev != ast.st_dev || st.st_ino != ast.st_ino)
-			return -EINVAL;             /* drm_fd is not that GPU's render node */
+			return refuse(-EINVAL, "RESTORE: device bucket %u: actual_gpu_id 0x%x unknown here or named twice", i, dev[i].actual_gpu_id);             /* no such GPU here (or named twice) */
+		if (!is_arena(m, (unsigned)gi, (int)dev[i].drm_fd))
+			return refuse(-EINVAL, "RESTORE: device bucket %u: drm_fd %u is not the render node of gpu 0x%x", i, dev[i].drm_fd, dev[i].actual_gpu_id);             /* drm_fd is not that GPU's render node */
 		seen |= 1u << gi;
 		user[gi] = dev[i].user_gpu_id;
 	}
@@ -654,7 +733,7 @@ static int op_restore(struct kfdm *m, struct sproc *p, unsigned slot, struct kfd
 						     KFD_IOC_ALLOC_MEM_FLAGS_MMIO_REMAP);
 		if (gi < 0 || !bo[i].size || bo[i].size % pg || bo[i].addr % pg || __builtin_popcount(type) != 1 ||
 		    pbo[i].va != bo[i].addr || pbo[i].flags != bo[i].alloc_flags || !pbo[i].idr)
-			return -EINVAL;
+			return refuse(-EINVAL, "RESTORE: BO bucket %u (gpu_id 0x%x addr 0x%llx size 0x%llx flags 0x%x) is invalid or disagrees with priv_data", i, bo[i].gpu_id, (unsigned long long)bo[i].addr, (unsigned long long)bo[i].size, bo[i].alloc_flags);
 		if (type & KFD_IOC_ALLOC_MEM_FLAGS_VRAM)
 			vram_need[gi] += bo[i].size;
 	}
@@ -733,7 +812,7 @@ static int op_resume(struct kfdm *m, struct kfd_ioctl_criu_args *a)
 			return 0;
 		}
 	}
-	return -ESRCH;
+	return refuse(-ESRCH, "RESUME: no live KFD process with pid %u", a->pid);
 }
 
 static int op_alloc(struct kfdm *m, struct sproc *p, unsigned slot, struct kfd_ioctl_alloc_memory_of_gpu_args *a)
@@ -742,18 +821,18 @@ static int op_alloc(struct kfdm *m, struct sproc *p, unsigned slot, struct kfd_i
 	uint64_t pg = page_size();
 	int gi = user_gpu_index(s, p, a->gpu_id);
 	if (gi < 0)
-		return -EINVAL;
+		return refuse(-EINVAL, "ALLOC: gpu_id 0x%x unknown", a->gpu_id);
 	if (!(p->vm_mask >> gi & 1))
-		return -EINVAL;                 /* AMDKFD_IOC_ACQUIRE_VM first */
+		return refuse(-EINVAL, "ALLOC: no VM acquired on gpu 0x%x", a->gpu_id);                 /* AMDKFD_IOC_ACQUIRE_VM first */
 	uint32_t type = a->flags & (KFD_IOC_ALLOC_MEM_FLAGS_VRAM | KFD_IOC_ALLOC_MEM_FLAGS_GTT |
 				    KFD_IOC_ALLOC_MEM_FLAGS_DOORBELL | KFD_IOC_ALLOC_MEM_FLAGS_MMIO_REMAP |
 				    KFD_IOC_ALLOC_MEM_FLAGS_USERPTR);
 	if (__builtin_popcount(type) != 1 || (type & KFD_IOC_ALLOC_MEM_FLAGS_USERPTR))
-		return -EINVAL;                 /* userptr BOs are not modelled */
+		return refuse(-EINVAL, "ALLOC: flags 0x%x: not exactly one of VRAM, GTT, DOORBELL, MMIO_REMAP", a->flags);                 /* userptr BOs are not modelled */
 	if (!a->size || a->size % pg || a->va_addr % pg)
-		return -EINVAL;
+		return refuse(-EINVAL, "ALLOC: size 0x%llx or va 0x%llx not page-aligned", (unsigned long long)a->size, (unsigned long long)a->va_addr);
 	if ((type & (KFD_IOC_ALLOC_MEM_FLAGS_DOORBELL | KFD_IOC_ALLOC_MEM_FLAGS_MMIO_REMAP)) && a->size != pg)
-		return -EINVAL;
+		return refuse(-EINVAL, "ALLOC: a doorbell or MMIO BO is one page, not 0x%llx", (unsigned long long)a->size);
 	if ((type & KFD_IOC_ALLOC_MEM_FLAGS_VRAM) && s->gpus[gi].vram_used + a->size > s->gpus[gi].g.vram_size)
 		return -ENOMEM;
 	if ((type & (KFD_IOC_ALLOC_MEM_FLAGS_VRAM | KFD_IOC_ALLOC_MEM_FLAGS_GTT)) &&
@@ -806,12 +885,9 @@ static int op_acquire_vm(struct kfdm *m, struct sproc *p, struct kfd_ioctl_acqui
 	struct shared *s = m->s;
 	int gi = user_gpu_index(s, p, a->gpu_id);
 	if (gi < 0)
-		return -EINVAL;
-	struct stat st, ast;
-	if (raw_fstat((int)a->drm_fd, &st))
-		return -EINVAL;
-	if (raw_fstat(m->arena_fd[gi], &ast) || st.st_dev != ast.st_dev || st.st_ino != ast.st_ino)
-		return -EINVAL;                 /* not this GPU's render node */
+		return refuse(-EINVAL, "ACQUIRE_VM: gpu_id 0x%x unknown", a->gpu_id);
+	if (!is_arena(m, (unsigned)gi, (int)a->drm_fd))
+		return refuse(-EINVAL, "ACQUIRE_VM: drm_fd %u is not the render node of gpu 0x%x", a->drm_fd, a->gpu_id);
 	p->vm_mask |= 1u << gi;
 	return 0;
 }
@@ -854,7 +930,7 @@ int kfdm_ioctl(struct kfdm *m, int64_t token, unsigned long req, void *arg)
 	}
 	/* only the process that opened /dev/kfd may use the fd; CRIU ops also
 	 * from its ptrace parent (the dumper); CRIU ops need the capability */
-	bool own = p->pid == getpid() && p->starttime == proc_starttime(getpid());
+	bool own = p->pid == getpid() && same_start(p->starttime, proc_starttime(getpid()));
 	if (!own && !(req == AMDKFD_IOC_CRIU_OP && tracer_of(p->pid) == getpid())) {
 		r = -EBADF;
 		goto out;
@@ -923,8 +999,11 @@ int kfdm_queue_write(struct kfdm *m, int64_t token, uint64_t handle, uint64_t of
 	} else {
 		const uint8_t *q = src;
 		uint64_t at = b->offset + off;
-		while (len) {
-			ssize_t n = pwrite(m->arena_fd[b->gpu], q, len, (off_t)at);
+		int fd = arena_open(m, b->gpu);
+		if (fd < 0)
+			r = -errno;
+		while (fd >= 0 && len) {
+			ssize_t n = pwrite(fd, q, len, (off_t)at);
 			if (n <= 0) {
 				r = n < 0 ? -errno : -EIO;
 				break;
@@ -933,6 +1012,8 @@ int kfdm_queue_write(struct kfdm *m, int64_t token, uint64_t handle, uint64_t of
 			at += (uint64_t)n;
 			len -= (size_t)n;
 		}
+		if (fd >= 0)
+			close(fd);
 	}
 	if (r < 0)
 		s->fails[KFDM_OP_QUEUE]++;

@@ -186,6 +186,12 @@ static void sdma_open(struct sdma *s, unsigned gi)
 	s->fd = open(arena_path(gi), O_RDWR | O_CLOEXEC);
 	CHECK(s->fd >= 0);
 	OK(amdgpu_device_initialize(s->fd, &maj, &min, &s->dev));
+	int dfd = amdgpu_device_get_fd(s->dev);        /* libdrm's own dup of the render fd */
+	struct stat a, b;
+	CHECK(dfd >= 0 && dfd != s->fd);
+	OK(fstat(dfd, &a));
+	OK(fstat(s->fd, &b));
+	CHECK(a.st_ino == b.st_ino && a.st_dev == b.st_dev);
 }
 
 static void sdma_close(struct sdma *s)
