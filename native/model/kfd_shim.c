@@ -210,10 +210,12 @@ EXPORT int statx(int dirfd, const char *path, int flags, unsigned mask, struct s
 	return 0;
 }
 
-/* After a real open: an fd of the kfd file gets its KFD process's token. */
-static int after_open(int fd)
+/* After a real open: an fd of the kfd file gets its KFD process's token.  An
+ * O_PATH open does not open the device (the kernel calls no open method), so
+ * it gets none: CRIU reads mappings through O_PATH opens of map_files. */
+static int after_open(int fd, int flags)
 {
-	if (fd < 0)
+	if (fd < 0 || (flags & O_PATH))
 		return fd;
 	struct stat st;
 	unsigned minor;
@@ -240,7 +242,7 @@ EXPORT int openat(int dirfd, const char *path, int flags, ...)
 	va_start(ap, flags);
 	mode_t mode = mode_arg(flags, ap);
 	va_end(ap);
-	return after_open((int)syscall(SYS_openat, dirfd, path, flags, mode));
+	return after_open((int)syscall(SYS_openat, dirfd, path, flags, mode), flags);
 }
 EXPORT int openat64(int dirfd, const char *path, int flags, ...) __attribute__((alias("openat")));
 
@@ -250,7 +252,7 @@ EXPORT int open(const char *path, int flags, ...)
 	va_start(ap, flags);
 	mode_t mode = mode_arg(flags, ap);
 	va_end(ap);
-	return after_open((int)syscall(SYS_openat, AT_FDCWD, path, flags, mode));
+	return after_open((int)syscall(SYS_openat, AT_FDCWD, path, flags, mode), flags);
 }
 EXPORT int open64(const char *path, int flags, ...) __attribute__((alias("open")));
 EXPORT int __open_2(const char *path, int flags) { return open(path, flags); }

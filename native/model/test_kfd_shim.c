@@ -140,6 +140,12 @@ static void test_b_ioctls(void)
 	CHECK_EQ(v.minor_version, 9);
 	off_t tok = lseek(p.kfd, 0, SEEK_CUR);
 	CHECK(tok > 0);
+	int opath = open(kfd_path, O_PATH | O_CLOEXEC);      /* opens no device: no token, no error */
+	CHECK(opath >= 0);
+	struct stat pst;
+	OK(fstat(opath, &pst));
+	IS_CHR(&pst, KFD_MAJOR, 0);
+	close(opath);
 	int again = open(kfd_path, O_RDWR);                  /* same process, same KFD process */
 	CHECK_EQ(lseek(again, 0, SEEK_CUR), tok);
 	int d = dup(again);
