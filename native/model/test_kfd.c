@@ -24,6 +24,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sched.h>
 #include <sys/ptrace.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -788,6 +789,69 @@ static void test_e_injection(void)
 	_exit(0);
 }
 
+/* CRIU restores tasks into a time namespace of their own, where /proc/<pid>/stat
+ * start times read shifted by its boottime offset: a process there and one
+ * outside must still agree on which KFD process is whose. */
+static void test_f_time_namespace(void)
+{
+	g_test = "f: a process in another time namespace";
+	int to_parent[2], to_child[2];
+	OK(pipe(to_parent));
+	OK(pipe(to_child));
+	pid_t mid = fork();
+	CHECK(mid >= 0);
+	if (mid == 0) {
+		close(to_parent[0]);
+		close(to_child[1]);                          /* g reads EOF if the parent fails */
+		if (unshare(CLONE_NEWTIME)) {
+			fprintf(stderr, "test_kfd: no time namespaces here (%s): test f skipped\n", strerror(errno));
+			pid_t none = 0;
+			CHECK_EQ(write(to_parent[1], &none, sizeof(none)), sizeof(none));
+			_exit(0);
+		}
+		int fd = open("/proc/self/timens_offsets", O_WRONLY);
+		CHECK(fd >= 0);
+		const char *off = "boottime 1000 0\n";
+		CHECK_EQ(write(fd, off, strlen(off)), (long)strlen(off));
+		close(fd);
+		pid_t g = fork();                            /* the child enters the new namespace */
+		CHECK(g >= 0);
+		if (g == 0) {
+			struct proc p;
+			proc_open(&p);
+			acquire(&p);
+			struct bo b;
+			OK(alloc(&p, &b, 0, 1ull << 33, pg, VRAM | W));
+			CHECK_EQ(kfdm_open(p.m), p.tok);         /* still the same process to itself */
+			pid_t me = getpid();
+			CHECK_EQ(write(to_parent[1], &me, sizeof(me)), sizeof(me));
+			CHECK_EQ(rd(to_child[0]), 'q');
+			CHECK_EQ(kfdm_paused(p.m, getpid()), 0);
+			_exit(0);
+		}
+		int st;
+		CHECK_EQ(waitpid(g, &st, 0), g);
+		_exit(WIFEXITED(st) ? WEXITSTATUS(st) : 1);
+	}
+	close(to_parent[1]);
+	close(to_child[0]);
+	pid_t g;
+	CHECK_EQ(read(to_parent[0], &g, sizeof(g)), sizeof(g));
+	if (g) {
+		struct proc me;
+		proc_open(&me);
+		CHECK_EQ(kfdm_open(me.m), me.tok);           /* would release g's KFD process if it looked dead */
+		CHECK_EQ(kfdm_paused(me.m, g), 0);
+		proc_close(&me);
+		wr(to_child[1], 'q');
+	}
+	int st;
+	CHECK_EQ(waitpid(mid, &st, 0), mid);
+	CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+	close(to_parent[0]);
+	close(to_child[1]);
+}
+
 int main(int argc, char **argv)
 {
 	pg = (uint64_t)sysconf(_SC_PAGESIZE);
@@ -810,6 +874,7 @@ int main(int argc, char **argv)
 	image_free(&img);
 	test_d_dumper_process();
 	test_e_injection();
+	test_f_time_namespace();
 	char cmd[400];
 	snprintf(cmd, sizeof(cmd), "rm -rf '%s'", g_dir);
 	if (system(cmd))

@@ -45,7 +45,10 @@ check() { rm -f $W/report; kill -USR1 "$1" && wait_for $W/report && echo "check:
 # a live workload: not a zombie, not another process that got the pid; a task CRIU is killing
 # after a failed restore gets a bounded while to go
 running() { grep -q '^kfd_workload$' /proc/$1/comm 2>/dev/null && ! grep -q ') [ZX] ' /proc/$1/stat 2>/dev/null; }
-alive() { for _ in $(seq 100); do running $1 || return 1; [ -n "${2:-}" ] && return 0; sleep 0.05; done; }
+alive() {  # "now": is it running; else wait (bounded) until the pid is free again or clearly running
+    [ -n "${2:-}" ] && { running $1; return; }
+    for _ in $(seq 200); do [ -e /proc/$1 ] || return 1; sleep 0.05; done; running $1
+}
 '''
 DUMP = START + r'''
 rm -rf $W/img $W/ready; mkdir -p $W/img
@@ -177,6 +180,23 @@ def test_restore_onto_another_host_remaps_gpus(case):
     assert "GPU: 0x5D21 -> 0x" in log and "GPU: 0x5D21 -> 0x5D21" not in log
     assert case.model.counters(b)["calls"]["restore"] == 1
     assert case.model.counters(a)["calls"]["restore"] == 0
+
+
+def test_fw_version_check_refuses_older_firmware_unless_switched_off(case):
+    """Host B's GPUs run older MEC firmware than A's: the plugin refuses to map A's GPUs onto them
+    (fw_version must not go down) unless KFD_FW_VER_CHECK=0."""
+    old = str(FIXTURES / "2gpu-mi100-xgmi-host2-oldfw")
+    a, b = case.state("state-a", TOPO_A), case.state("state-b", old)
+    d = case.run(DUMP, a, TOPO_A)
+    assert d["dump"] == "0", case.log("dump.log")[-3000:]
+    r = case.run(RESTORE, b, old)
+    assert r["restore"] != "0" and r["alive"] == "no"
+    log = case.log("restore.log")
+    assert "amdgpu_plugin: Failed to map GPUs" in log, log[-3000:]
+    assert case.model.counters(b)["calls"]["restore"] == 0
+    r = case.run(RESTORE, b, old, extra={"KFD_FW_VER_CHECK": "0"})
+    assert r["restore"] == "0", case.log("restore.log")[-3000:]
+    _ok(r["checks"], 1)
 
 
 def test_dump_fails_on_an_injected_checkpoint_error_and_the_process_runs_on(case):
