@@ -217,6 +217,54 @@ def test_dump_fails_on_an_injected_checkpoint_error_and_the_process_runs_on(case
         os.kill(pid, 15)
 
 
+# op -> (criu dump's exit status, the process's queues paused afterwards), as measured
+DUMP_FAILURES = {
+    "get_version": ("1", 0),       # the plugin declines the fd; CRIU cannot dump it
+    # the plugin's error path frees its still-NULL image message (free_e(NULL)): criu dies of SIGSEGV
+    "process_info": ("139", 0),
+    "unpause": ("1", 1),           # DUMP_DEVICES_LATE fails, and the queues stay evicted
+}
+
+
+@pytest.mark.parametrize("op", sorted(DUMP_FAILURES))
+def test_dump_with_an_injected_kfd_failure(case, op):
+    """Each dump-side op failing once (EIO): the dump fails, the process runs on; what the
+    plugin leaves behind is pinned (see DUMP_FAILURES)."""
+    rc, paused = DUMP_FAILURES[op]
+    a = case.state("state-a", TOPO_A)
+    case.model.inject(a, op, 5)
+    d = case.run(DUMP, a, TOPO_A, extra={"KEEP": "1"})
+    pid = int(d["pid"])
+    try:
+        assert d["dump"] == rc
+        assert d["alive"] == "yes"
+        _ok(d["checks"], 2)
+        assert case.model.counters(a)["fails"][op] == 1
+        assert case.model.paused(a, pid) == paused
+    finally:
+        os.kill(pid, 15)
+
+
+def test_a_failed_resume_leaves_a_restored_process_paused_and_criu_says_success(case):
+    """RESUME failing (EIO) in RESUME_DEVICES_LATE: the plugin logs it, CRIU only debug-logs a
+    failed late hook, so criu restore exits 0 and the process runs with its queues evicted."""
+    a = case.state("state-a", TOPO_A)
+    d = case.run(DUMP, a, TOPO_A)
+    assert d["dump"] == "0", case.log("dump.log")[-3000:]
+    case.model.inject(a, "resume", 5)
+    r = case.run(RESTORE.replace("kill -TERM $pid", '[ -n "${KEEP:-}" ] || kill -TERM $pid'), a, TOPO_A,
+                 extra={"KEEP": "1"})
+    with open(os.path.join(case.work, "ready")) as f:
+        pid = int(f.read().split()[1])
+    try:
+        assert r["restore"] == "0"
+        _ok(r["checks"], 1)
+        assert "restore late ioctl failed" in case.log("restore.log")
+        assert case.model.paused(a, pid) == 1
+    finally:
+        os.kill(pid, 15)
+
+
 def test_restore_fails_on_an_injected_restore_error_and_leaves_no_task(case):
     a = case.state("state-a", TOPO_A)
     d = case.run(DUMP, a, TOPO_A)
