@@ -806,8 +806,8 @@ static int op_resume(struct kfdm *m, struct kfd_ioctl_criu_args *a)
 	for (unsigned i = 0; i < KFDM_MAX_PROCS; i++) {
 		struct sproc *p = &s->procs[i];
 		if (p->state != P_FREE && p->pid == (int32_t)a->pid && proc_alive(p)) {
-			if (p->state != P_RESTORED)
-				return -EINVAL;
+			/* the kernel resumes what RESTORE blocked; a process it did not
+			 * restore has nothing blocked, and RESUME succeeds doing nothing */
 			p->state = P_RUNNING;
 			return 0;
 		}

@@ -10,7 +10,9 @@
  * one report line.  Under the KFD model it runs with libvramd_kfd_model.so
  * preloaded (docs/kfd-model.md).
  *
- * Usage: kfd_workload [-m MiB per GPU (default 768)] [-g GPUS (default all)] [-r ROOT] REPORT_FILE
+ * Usage: kfd_workload [-m MiB per GPU (default 768)] [-g GPUS (default all)] [-c] [-r ROOT] REPORT_FILE
+ *   -c: also fork an idle child (no GPU), so the process is a tree: CRIU's amdgpu plugin then
+ *       restores BO contents in the restored task, not in its parallel worker
  *   ROOT prefixes /dev/kfd, /dev/dri/renderD*, /sys/class/kfd (default "").
  * Prints "ready <pid> <bos> <bytes>" on stdout once filled.  On SIGUSR1 it
  * appends "ok <bos> <bytes>" or "bad bo <i> offset <o>" to REPORT_FILE; on
@@ -28,6 +30,7 @@
 #include <string.h>
 #include <sys/ioctl.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
 #include <unistd.h>
 #include <linux/kfd_ioctl.h>
 
@@ -88,19 +91,21 @@ int main(int argc, char **argv)
 	uint64_t per_gpu = 768ull << 20;
 	const char *root = "";
 	unsigned use_gpus = MAX_GPUS;
-	int opt;
-	while ((opt = getopt(argc, argv, "m:g:r:")) != -1) {
+	int opt, with_child = 0;
+	while ((opt = getopt(argc, argv, "m:g:cr:")) != -1) {
 		if (opt == 'm')
 			per_gpu = strtoull(optarg, NULL, 0) << 20;
 		else if (opt == 'g')
 			use_gpus = (unsigned)strtoul(optarg, NULL, 0);
+		else if (opt == 'c')
+			with_child = 1;
 		else if (opt == 'r')
 			root = optarg;
 		else
 			return 2;
 	}
 	if (optind != argc - 1) {
-		fprintf(stderr, "usage: kfd_workload [-m MiB] [-g GPUS] [-r ROOT] REPORT_FILE\n");
+		fprintf(stderr, "usage: kfd_workload [-m MiB] [-g GPUS] [-c] [-r ROOT] REPORT_FILE\n");
 		return 2;
 	}
 	const char *report = argv[optind];
@@ -196,6 +201,19 @@ int main(int argc, char **argv)
 	sigaddset(&block, SIGUSR1);
 	sigaddset(&block, SIGTERM);
 	sigprocmask(SIG_BLOCK, &block, &old);
+	if (with_child) {
+		pid_t parent = getpid();
+		pid_t c = fork();
+		if (c < 0)
+			die("fork");
+		if (c == 0) {                   /* idle; goes with its parent */
+			prctl(PR_SET_PDEATHSIG, SIGKILL);
+			if (getppid() != parent)
+				_exit(0);
+			for (;;)
+				pause();
+		}
+	}
 	printf("ready %d %u %" PRIu64 "\n", getpid(), nbos, total);
 	fflush(stdout);
 	for (;;) {

@@ -10,6 +10,7 @@ import importlib.util
 import os
 import shutil
 import subprocess
+import threading
 from pathlib import Path
 
 from vramd.topology import parse_topology
@@ -102,8 +103,50 @@ def ns_command(state: str, topology: str, scratch: str, cmd: list[str]) -> list[
             str(HERE / "kfd_ns.sh"), state, topology, scratch, *cmd]
 
 
+_reaper_started = False
+
+
+def _reap_orphans(spared: set[int]) -> None:
+    """As child subreaper, reap the tasks CRIU kills whose parent died first (this machine's
+    init leaves them as zombies, and a zombie keeps the pid a restore needs)."""
+    while True:
+        try:
+            info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOWAIT)
+        except ChildProcessError:
+            threading.Event().wait(0.05)   # no child at all right now
+            continue
+        if info is None or info.si_pid in spared:
+            threading.Event().wait(0.05)   # subprocess reaps its own child
+            continue
+        try:
+            os.waitpid(info.si_pid, 0)
+        except ChildProcessError:
+            pass
+
+
+_spared: set[int] = set()
+
+
+def _start_reaper() -> None:
+    global _reaper_started
+    if _reaper_started:
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(36, 1, 0, 0, 0):          # PR_SET_CHILD_SUBREAPER
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
+    threading.Thread(target=_reap_orphans, args=(_spared,), daemon=True).start()
+    _reaper_started = True
+
+
 def run_in_ns(state: str, topology: str, scratch: str, script: str, env: dict[str, str],
               timeout: float = 600) -> subprocess.CompletedProcess:
     """Runs a bash script inside the namespace (criu and the workload must share it)."""
-    return subprocess.run(ns_command(state, topology, scratch, ["bash", "-c", script]), env={**os.environ, **env},
-                          capture_output=True, text=True, timeout=timeout)
+    _start_reaper()
+    p = subprocess.Popen(ns_command(state, topology, scratch, ["bash", "-c", script]), env={**os.environ, **env},
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _spared.add(p.pid)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    finally:
+        _spared.discard(p.pid)
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)

@@ -294,6 +294,23 @@ def test_family_ai_dump_reports_success_but_saves_no_bytes(case):
     assert r["checks"] == "bad bo 1 offset 0\n"
 
 
+def test_two_gpus_in_a_process_tree_restored_by_per_gpu_threads_byte_exact(case):
+    """The workload forks an idle child, so the plugin disables its parallel restore and restores
+    the BOs of both GPUs in the restored task, one thread per GPU."""
+    a = case.state("state-a", TOPO_A)
+    d = case.run(DUMP.replace("-g $GPUS", "-g $GPUS -c"), a, TOPO_A, gpus=2)
+    assert d["dump"] == "0", case.log("dump.log")[-3000:]
+    assert d["checks"] == f"ok 14 {2 * MIB << 20}\n"
+    r = case.run(RESTORE, a, TOPO_A)
+    log = case.log("restore.log")
+    assert r["restore"] == "0", log[-3000:]
+    assert r["checks"] == f"ok 14 {2 * MIB << 20}\n"
+    assert "amdgpu_plugin: Parallel restore disabled" in log
+    for gpu in ("0x5d21", "0xa3f0"):
+        assert f"amdgpu_plugin: Thread[{gpu}] finished ret:0" in log
+    assert "restore late ioctl failed" not in log
+
+
 @pytest.mark.xfail(strict=True, reason="stock plugin: restore_bo_data() accumulates the pages-file read "
                                        "offset across GPUs, but each GPU has its own amdgpu-pages file, so the "
                                        "parallel restore reads GPU 2's BOs past its file's end")
