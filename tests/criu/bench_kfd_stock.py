@@ -50,6 +50,13 @@ def main() -> int:
         print(t.ENV.missing(), file=sys.stderr)
         return 2
     work = tempfile.mkdtemp(prefix="kfd-bench-")  # not under /dev: the namespace replaces /dev
+    try:
+        return _bench(work, args)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)  # the arenas and the images: GiBs
+
+
+def _bench(work: str, args: argparse.Namespace) -> int:
     model = Model(os.path.join(work, "build"))
     t.MIB = args.mib_per_gpu
     dump = t.DUMP.replace("-g $GPUS", "-g $GPUS -c")
@@ -76,7 +83,7 @@ def main() -> int:
                 wall, user, sys_ = map(float, f.read().split("time:")[1].split())
             row[what] = {"wall_s": wall, "cpu_s": user + sys_, "plugin_copy_s": _span(case.log(log), a, b)}
         rows.append(row)
-        shutil.rmtree(case.work)                 # the arena and the images: GiBs
+        shutil.rmtree(case.work)
         print(f"run {i}: " + "  ".join(f"{w} wall {v['wall_s']:.2f} s cpu {v['cpu_s']:.2f} s plugin copies "
                                        f"{v['plugin_copy_s']:.2f} s" for w, v in row.items()))
     med = {w: {k: statistics.median(r[w][k] for r in rows) for k in rows[0][w]} for w in ("dump", "restore")}
@@ -84,7 +91,6 @@ def main() -> int:
           + "  ".join(f"{w}: wall {v['wall_s']:.2f} s, cpu {v['cpu_s']:.2f} s, "
                       f"plugin copies {v['plugin_copy_s']:.2f} s "
                       f"({100 * v['plugin_copy_s'] / v['wall_s']:.0f}% of wall)" for w, v in med.items()))
-    shutil.rmtree(work)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"runs": rows, "median": med, "mib_per_gpu": args.mib_per_gpu}, f, indent=1)
