@@ -3,7 +3,7 @@
 #   ./dev.sh demo [demo args]   install what is missing, then run the end-to-end demo
 #   ./dev.sh test [pytest args] install what is missing, then run the test suite
 #   ./dev.sh check              the gates CI runs before the tests: ruff, mypy, the layer
-#                               contract, the SDMA model's own C tests (plain, ASan+UBSan, TSan)
+#                               contract, the SDMA and KFD models' C tests (plain, ASan+UBSan, TSan)
 #   ./dev.sh fuzz [args]        the fuzz harness's long mode (not in CI): over a million inputs,
 #                               counted (tests/fuzz/README.md)
 # Installs apt packages only when something is missing (as root, or via sudo),
@@ -93,9 +93,11 @@ check() {
     echo "== layers";        .venv/bin/lint-imports
     if have_libdrm; then
         for flavour in "" --asan --tsan; do
-            echo "== SDMA model C tests ${flavour:-(plain)}"
-            $py native/model/build.py --test $flavour "$out" | tail -1
+            echo "== SDMA + KFD model C tests ${flavour:-(plain)}"
+            $py native/model/build.py --test $flavour "$out" | tail -3
         done
+        echo "== KFD model C tests under valgrind"
+        $py native/model/build.py --valgrind "$out" | tail -1
     fi
 }
 

@@ -151,6 +151,7 @@ struct amdgpu_bo {
 	bool readonly;              /* imported fd could only be mapped read-only */
 	dev_t key_dev;
 	ino_t key_ino;
+	uint64_t key_off;           /* window start for a KFD model dmabuf (docs/kfd-model.md), else 0 */
 	struct amdgpu_bo *next_import;
 	bool in_imports;
 	int memfd;                  /* BO_ALLOC in VRAM: the memfd that stands for its dmabuf, else -1 */
@@ -1001,6 +1002,16 @@ out:
 	return r;
 }
 
+/* Like libdrm: the fd the handle holds (its own dup of the one passed to
+ * amdgpu_device_initialize); -1 for a bad handle. */
+int amdgpu_device_get_fd(amdgpu_device_handle dev)
+{
+	pthread_mutex_lock(&G);
+	int fd = lookup(dev, H_DEV) == dev ? dev->fd : -1;
+	pthread_mutex_unlock(&G);
+	return fd;
+}
+
 int amdgpu_device_deinitialize(amdgpu_device_handle dev)
 {
 	pthread_mutex_lock(&G);
@@ -1143,6 +1154,37 @@ int amdgpu_query_hw_ip_info(amdgpu_device_handle dev, unsigned type, unsigned ip
 /* BOs                                                                       */
 /* ------------------------------------------------------------------------ */
 
+/* A dmabuf exported by the KFD model (native/model/kfd_model.c) is the GPU's
+ * arena file opened through a name ending in "@<hex offset>+<hex size>" (then
+ * unlinked): the BO is that window of the file, which is also what the
+ * emulated process maps through its render node.  Returns 1 with the window,
+ * 0 for a plain dmabuf (the whole file), -1 for a window outside the file. */
+static int dmabuf_window(int fd, const struct stat *st, uint64_t *off, uint64_t *size)
+{
+	char link[64], path[4096];
+	snprintf(link, sizeof(link), "/proc/self/fd/%d", fd);
+	ssize_t n = readlink(link, path, sizeof(path) - 1);
+	if (n <= 0)
+		return 0;
+	path[n] = 0;
+	char *del = strstr(path, " (deleted)");
+	if (del)
+		*del = 0;
+	char *at = strrchr(path, '@');
+	const char *slash = strrchr(path, '/');
+	if (!at || !slash || at < slash || strncmp(slash + 1, "kfd-dmabuf.", 11))
+		return 0;
+	unsigned long long o, z;
+	int used = 0;
+	if (sscanf(at + 1, "%llx+%llx%n", &o, &z, &used) != 2 || at[1 + used] != 0)
+		return 0;
+	if (z == 0 || o % page_size() || o + z < o || o + z > (uint64_t)st->st_size)
+		return -1;
+	*off = o;
+	*size = z;
+	return 1;
+}
+
 int amdgpu_bo_import(amdgpu_device_handle dev, enum amdgpu_bo_handle_type type,
 		     uint32_t shared_handle, struct amdgpu_bo_import_result *output)
 {
@@ -1165,8 +1207,18 @@ int amdgpu_bo_import(amdgpu_device_handle dev, enum amdgpu_bo_handle_type type,
 		pthread_mutex_unlock(&G);
 		return r;
 	}
+	uint64_t win_off = 0, win_size = 0;
+	int w = dmabuf_window(fd, &stt, &win_off, &win_size);
+	if (w < 0) {
+		note(dev, "amdgpu_bo_import: fd %d names a KFD dmabuf window outside its file "
+		     "(size %lld): -EINVAL", fd, (long long)stt.st_size);
+		pthread_mutex_unlock(&G);
+		return -EINVAL;
+	}
+	if (w > 0)
+		stt.st_size = (off_t)win_size;
 	for (struct amdgpu_bo *bo = dev->imports; bo; bo = bo->next_import) {
-		if (bo->key_dev == stt.st_dev && bo->key_ino == stt.st_ino) {
+		if (bo->key_dev == stt.st_dev && bo->key_ino == stt.st_ino && bo->key_off == win_off) {
 			/* same dma-buf again: libdrm returns the same handle, refcounted */
 			bo->urefs++;
 			output->buf_handle = bo;
@@ -1184,9 +1236,20 @@ int amdgpu_bo_import(amdgpu_device_handle dev, enum amdgpu_bo_handle_type type,
 	}
 	uint64_t size = (uint64_t)stt.st_size;
 	bool ro = false;
-	void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+	void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, (off_t)win_off);
+	if (p == MAP_FAILED && errno == EACCES && w > 0) {
+		/* a KFD BO exported without DRM_RDWR: the mode limits CPU mmaps of
+		 * the dmabuf, not the GPU, which still writes the BO it imports */
+		char self[64];
+		snprintf(self, sizeof(self), "/proc/self/fd/%d", fd);
+		int rw = open(self, O_RDWR | O_CLOEXEC);
+		if (rw >= 0) {
+			p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, rw, (off_t)win_off);
+			close(rw);
+		}
+	}
 	if (p == MAP_FAILED && errno == EACCES) {
-		p = mmap(NULL, size, PROT_READ, MAP_SHARED, fd, 0);
+		p = mmap(NULL, size, PROT_READ, MAP_SHARED, fd, (off_t)win_off);
 		ro = true;
 	}
 	if (p == MAP_FAILED) {
@@ -1210,6 +1273,7 @@ int amdgpu_bo_import(amdgpu_device_handle dev, enum amdgpu_bo_handle_type type,
 	bo->readonly = ro;
 	bo->key_dev = stt.st_dev;
 	bo->key_ino = stt.st_ino;
+	bo->key_off = win_off;
 	bo->next_import = dev->imports;
 	bo->in_imports = true;
 	dev->imports = bo;

@@ -9,9 +9,12 @@ measured with it are model numbers, never hardware numbers
 
 CLI:
     python native/model/build.py OUT_DIR            build the library
-    python native/model/build.py --test OUT_DIR     build it and run test_model.c
+    python native/model/build.py --test OUT_DIR     build it and run test_model.c, then
+                                                    test_kfd.c (the KFD model, docs/kfd-model.md)
+                                                    and test_kfd_shim.c (its identity emulation)
     add --tsan (ThreadSanitizer) or --asan (AddressSanitizer + UBSan) to either
     for an instrumented build (own file names)
+    python native/model/build.py --valgrind OUT_DIR the KFD model's tests under valgrind
 
 The library has SONAME libdrm_amdgpu.so.1: a process that dlopen()s it with
 RTLD_GLOBAL before loading an extension linked against libdrm_amdgpu.so.1
@@ -31,6 +34,13 @@ HERE = Path(__file__).resolve().parent
 SOURCES = [HERE / "amdgpu_model.c"]
 HEADERS = [HERE / "vramd_model.h"]
 TEST_SOURCE = HERE / "test_model.c"
+KFD_SOURCES = [HERE / "kfd_model.c"]
+KFD_HEADERS = [HERE / "kfd_model.h"]
+KFD_TEST_SOURCE = HERE / "test_kfd.c"
+KFD_SHIM_SOURCES = [HERE / "kfd_model.c", HERE / "kfd_shim.c"]
+KFD_SHIM_TEST_SOURCE = HERE / "test_kfd_shim.c"
+KFD_LIB_NAME = "libvramd_kfd_model.so"
+KFD_WORKLOAD_SOURCE = HERE / "kfd_workload.c"
 LIB_NAME = "libdrm_amdgpu_model.so"
 SONAME = "libdrm_amdgpu.so.1"
 CFLAGS = ["-std=gnu11", "-O2", "-g", "-pthread", "-Wall", "-Wextra", "-Werror"]
@@ -131,9 +141,106 @@ def build_test(out_dir: str | os.PathLike, sanitize: str | None = None) -> str:
     return str(exe)
 
 
+def kfd_cflags(out_dir: str | os.PathLike) -> list[str]:
+    """Flags to compile against the system's <linux/kfd_ioctl.h>, which includes
+    <drm/drm.h>: Debian's linux-libc-dev has no drm/ directory, libdrm-dev has
+    the header as <libdrm/drm.h>; a one-line forwarding header in OUT_DIR fills
+    the gap where needed."""
+    if not Path("/usr/include/linux/kfd_ioctl.h").is_file():
+        raise ModelBuildError("<linux/kfd_ioctl.h> not found (install linux-libc-dev)")
+    if Path("/usr/include/drm/drm.h").is_file():
+        return []
+    inc = Path(out_dir).resolve() / "kfd-include"
+    (inc / "drm").mkdir(parents=True, exist_ok=True)
+    fwd = inc / "drm" / "drm.h"
+    text = "#include <libdrm/drm.h>\n"
+    if not fwd.is_file() or fwd.read_text() != text:
+        fwd.write_text(text)
+    return [f"-I{inc}"]
+
+
+def build_kfd_test(out_dir: str | os.PathLike, sanitize: str | None = None) -> str:
+    """Builds test_kfd.c with the KFD model, linked to the SDMA model (as
+    libdrm_amdgpu.so.1, like build_test); returns the program's path."""
+    build_test(out_dir, sanitize)
+    out_dir = Path(out_dir).resolve()
+    link = out_dir / f"model-test-lib{_suffix(sanitize)}" / SONAME
+    exe = out_dir / f"test_kfd{_suffix(sanitize)}"
+    _run([_gcc(), *CFLAGS, *SANITIZERS[sanitize], *libdrm_cflags(), *kfd_cflags(out_dir), f"-I{HERE}",
+          "-o", str(exe), str(KFD_TEST_SOURCE), *map(str, KFD_SOURCES), str(link),
+          f"-Wl,-rpath,{link.parent}"])
+    return str(exe)
+
+
+def build_kfd_lib(out_dir: str | os.PathLike, sanitize: str | None = None, force: bool = False) -> str:
+    """Compiles the KFD model and its identity emulation (kfd_shim.c) into
+    OUT_DIR/libvramd_kfd_model.so, the library to LD_PRELOAD into criu and the
+    emulated process (docs/kfd-model.md); returns its path."""
+    out_dir = Path(out_dir).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out = out_dir / KFD_LIB_NAME.replace(".so", f"{_suffix(sanitize)}.so")
+    inputs = KFD_SHIM_SOURCES + KFD_HEADERS + [Path(__file__).resolve()]
+    if not force and _up_to_date(out, inputs):
+        return str(out)
+    fd, tmp = tempfile.mkstemp(prefix=".kfd-", suffix=".so", dir=out_dir)
+    os.close(fd)
+    try:
+        _run([_gcc(), *CFLAGS, *SANITIZERS[sanitize], "-fPIC", "-shared", *libdrm_cflags(),
+              *kfd_cflags(out_dir), f"-I{HERE}", "-Wl,--no-undefined", "-o", tmp,
+              *map(str, KFD_SHIM_SOURCES)])
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return str(out)
+
+
+def build_kfd_shim_test(out_dir: str | os.PathLike, sanitize: str | None = None) -> str:
+    """Builds test_kfd_shim.c linked to libvramd_kfd_model.so (whose stat,
+    open and ioctl then come before libc's); returns the program's path."""
+    lib = Path(build_kfd_lib(out_dir, sanitize))
+    exe = lib.parent / f"test_kfd_shim{_suffix(sanitize)}"
+    _run([_gcc(), *CFLAGS, *SANITIZERS[sanitize], *libdrm_cflags(), *kfd_cflags(lib.parent), f"-I{HERE}",
+          "-o", str(exe), str(KFD_SHIM_TEST_SOURCE), str(lib), f"-Wl,-rpath,{lib.parent}"])
+    return str(exe)
+
+
+def build_kfd_workload(out_dir: str | os.PathLike) -> str:
+    """Builds the emulated GPU process (kfd_workload.c; links nothing of the
+    model: it gets the model through LD_PRELOAD); returns its path."""
+    out_dir = Path(out_dir).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    exe = out_dir / "kfd_workload"
+    if not _up_to_date(exe, [KFD_WORKLOAD_SOURCE, Path(__file__).resolve()]):
+        _run([_gcc(), *CFLAGS, *kfd_cflags(out_dir), "-o", str(exe), str(KFD_WORKLOAD_SOURCE)])
+    return str(exe)
+
+
+VALGRIND = ["valgrind", "-q", "--error-exitcode=9", "--trace-children=yes"]
+
+
+def run_kfd_valgrind(out_dir: str | os.PathLike, timeout: float = 600) -> int:
+    """Runs the KFD model's two test programs (plain build) under valgrind's
+    memcheck; returns the first non-zero exit status."""
+    if not shutil.which("valgrind"):
+        raise ModelBuildError("valgrind not found on PATH")
+    base = str(Path(out_dir).resolve())
+    for exe in (build_kfd_test(out_dir), build_kfd_shim_test(out_dir)):
+        proc = subprocess.run([*VALGRIND, exe, base], timeout=timeout)
+        if proc.returncode:
+            return proc.returncode
+    print("KFD MODEL TESTS PASSED under valgrind")
+    return 0
+
+
 def run_tests(out_dir: str | os.PathLike, sanitize: str | None = None, timeout: float = 600) -> int:
-    """Builds and runs test_model.c; returns its exit status (0 = all passed)."""
+    """Builds and runs test_model.c, then test_kfd.c and test_kfd_shim.c;
+    returns the first non-zero exit status (0 = all passed)."""
     exe = build_test(out_dir, sanitize)
+    kfd_exe = build_kfd_test(out_dir, sanitize)
+    # ThreadSanitizer's own stat/open interceptors cannot sit in front of the
+    # shim's (it crashes); the shim has no threads of its own to check
+    shim_exe = build_kfd_shim_test(out_dir, sanitize) if sanitize != "thread" else None
     env = dict(os.environ)
     for k in list(env):
         if k.startswith("VRAMD_SDMA_MODEL_"):
@@ -143,13 +250,25 @@ def run_tests(out_dir: str | os.PathLike, sanitize: str | None = None, timeout: 
     if sanitize == "address":
         env.setdefault("ASAN_OPTIONS", "detect_leaks=1 abort_on_error=1")
     proc = subprocess.run([exe], env=env, timeout=timeout)
+    if proc.returncode:
+        return proc.returncode
+    # the KFD model's state directory (sparse arenas) goes under OUT_DIR
+    proc = subprocess.run([kfd_exe, str(Path(out_dir).resolve())], env=env, timeout=timeout)
+    if proc.returncode:
+        return proc.returncode
+    if shim_exe is None:
+        print("KFD SHIM TESTS SKIPPED under ThreadSanitizer (run plain and with --asan)")
+        return 0
+    for k in ("VRAMD_KFD_STATE", "VRAMD_KFD_MAJOR"):
+        env.pop(k, None)
+    proc = subprocess.run([shim_exe, str(Path(out_dir).resolve())], env=env, timeout=timeout)
     return proc.returncode
 
 
 def main(argv: list[str]) -> int:
     args = [a for a in argv if not a.startswith("--")]
     opts = {a for a in argv if a.startswith("--")}
-    unknown = opts - {"--test", "--tsan", "--asan", "--force"}
+    unknown = opts - {"--test", "--tsan", "--asan", "--force", "--valgrind"}
     if len(args) != 1 or unknown:
         print(__doc__, file=sys.stderr)
         return 2
@@ -158,6 +277,8 @@ def main(argv: list[str]) -> int:
         return 2
     sanitize = "thread" if "--tsan" in opts else "address" if "--asan" in opts else None
     try:
+        if "--valgrind" in opts:
+            return run_kfd_valgrind(args[0])
         if "--test" in opts:
             return run_tests(args[0], sanitize)
         print(build(args[0], sanitize, force="--force" in opts))

@@ -26,10 +26,11 @@ REPO = os.path.dirname(os.path.dirname(HERE))
 
 
 def _in_repo(env_var: str, path: str, marker: str) -> str | None:
-    """$env_var, else this repository's own libvramd (built by ./dev.sh) if it is there."""
-    given = os.environ.get(env_var)
-    if given:
-        return given
+    """$env_var (made absolute: make runs in tests/criu), else this repository's own libvramd
+    (built by ./dev.sh) if it is there; set to the empty string, "without libvramd"."""
+    if env_var in os.environ:
+        given = os.environ[env_var]
+        return os.path.abspath(given) if given else None
     full = os.path.join(REPO, path)
     return full if os.path.exists(os.path.join(full, marker)) else None
 
@@ -63,7 +64,9 @@ def build(env: Env, out: str, with_vramd: bool) -> tuple[str, str]:
     # on make's command line: a VRAMD_CLIENT_* in the environment would otherwise leak into the log-only build
     inc, libdir = (env.vramd_inc, env.vramd_libdir) if with_vramd else ("", "")
     args += [f"VRAMD_CLIENT_INC={inc}", f"VRAMD_CLIENT_LIBDIR={libdir}"]
-    subprocess.run(args, check=True, capture_output=True, text=True)
+    r = subprocess.run(args, capture_output=True, text=True)
+    if r.returncode:  # the compiler's own words, not just "make returned 2"
+        raise RuntimeError(f"{' '.join(args)} failed ({r.returncode}):\n{r.stdout}{r.stderr}")
     return os.path.join(out, "plugins"), os.path.join(out, "workload")
 
 

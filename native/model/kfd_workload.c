@@ -1,0 +1,239 @@
+/*
+ * kfd_workload.c - the EMULATED GPU PROCESS for the KFD model.
+ *
+ * THIS RUNS ON A MODEL, NOT A GPU.  A small ROCm-like process that links
+ * nothing of CRIU or of the model: it finds the GPUs the way the ROCm thunk
+ * does (KFD topology in sysfs), opens /dev/kfd and each GPU's render node,
+ * acquires a VM per GPU, allocates BOs of mixed kinds and sizes, maps them
+ * through the render nodes (the doorbell through /dev/kfd), fills them with
+ * known bytes, and then, on SIGUSR1, checks every byte of every BO and writes
+ * one report line.  Under the KFD model it runs with libvramd_kfd_model.so
+ * preloaded (docs/kfd-model.md).
+ *
+ * Usage: kfd_workload [-m MiB per GPU (default 768)] [-g GPUS (default all)] [-c] [-r ROOT] REPORT_FILE
+ *   -c: also fork an idle child (no GPU), so the process is a tree: CRIU's amdgpu plugin then
+ *       restores BO contents in the restored task, not in its parallel worker
+ *   ROOT prefixes /dev/kfd, /dev/dri/renderD*, /sys/class/kfd (default "").
+ * Prints "ready <pid> <bos> <bytes>" on stdout once filled.  On SIGUSR1 it
+ * appends "ok <bos> <bytes>" or "bad bo <i> offset <o>" to REPORT_FILE; on
+ * SIGTERM it exits 0.
+ */
+#define _GNU_SOURCE
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/ioctl.h>
+#include <sys/mman.h>
+#include <sys/prctl.h>
+#include <unistd.h>
+#include <linux/kfd_ioctl.h>
+
+#define MAX_GPUS 8
+#define MAX_BOS 64
+#define WRITABLE (1u << 31)      /* KFD_IOC_ALLOC_MEM_FLAGS_WRITABLE, unsigned */
+
+struct bo {
+	uint64_t va, size;
+	uint32_t flags, gpu;
+	uint8_t *cpu;
+};
+
+static struct bo bos[MAX_BOS];
+static unsigned nbos;
+static volatile sig_atomic_t check_req, stop_req;
+
+static void die(const char *what)
+{
+	fprintf(stderr, "kfd_workload: %s: %s\n", what, strerror(errno));
+	exit(2);
+}
+
+static uint64_t word(unsigned i, uint64_t off)
+{
+	uint64_t x = (uint64_t)(i + 1) * 0x9E3779B97F4A7C15ULL ^ off;
+	x ^= x >> 31;
+	x *= 0xBF58476D1CE4E5B9ULL;
+	return x ^ (x >> 29);
+}
+
+static void fill(unsigned i)
+{
+	uint64_t *p = (uint64_t *)bos[i].cpu;
+	for (uint64_t k = 0; k < bos[i].size / 8; k++)
+		p[k] = word(i, k);
+}
+
+static long check(unsigned i)
+{
+	const uint64_t *p = (const uint64_t *)bos[i].cpu;
+	for (uint64_t k = 0; k < bos[i].size / 8; k++)
+		if (p[k] != word(i, k))
+			return (long)(k * 8);
+	return -1;
+}
+
+static void on_signal(int sig)
+{
+	if (sig == SIGUSR1)
+		check_req = 1;
+	else
+		stop_req = 1;
+}
+
+int main(int argc, char **argv)
+{
+	uint64_t per_gpu = 768ull << 20;
+	const char *root = "";
+	unsigned use_gpus = MAX_GPUS;
+	int opt, with_child = 0;
+	while ((opt = getopt(argc, argv, "m:g:cr:")) != -1) {
+		if (opt == 'm')
+			per_gpu = strtoull(optarg, NULL, 0) << 20;
+		else if (opt == 'g')
+			use_gpus = (unsigned)strtoul(optarg, NULL, 0);
+		else if (opt == 'c')
+			with_child = 1;
+		else if (opt == 'r')
+			root = optarg;
+		else
+			return 2;
+	}
+	if (optind != argc - 1) {
+		fprintf(stderr, "usage: kfd_workload [-m MiB] [-g GPUS] [-c] [-r ROOT] REPORT_FILE\n");
+		return 2;
+	}
+	const char *report = argv[optind];
+	long pg = sysconf(_SC_PAGESIZE);
+	char path[4096];
+	snprintf(path, sizeof(path), "%s/dev/kfd", root);
+	int kfd = open(path, O_RDWR | O_CLOEXEC);
+	if (kfd < 0)
+		die(path);
+	/* the GPUs, as the thunk finds them: topology nodes with a gpu_id */
+	uint32_t gpu_id[MAX_GPUS], minor[MAX_GPUS];
+	int render[MAX_GPUS];
+	unsigned ngpus = 0;
+	for (unsigned n = 0; n < 64 && ngpus < MAX_GPUS; n++) {
+		snprintf(path, sizeof(path), "%s/sys/class/kfd/kfd/topology/nodes/%u/gpu_id", root, n);
+		FILE *f = fopen(path, "re");
+		if (!f)
+			continue;
+		unsigned id = 0;
+		int got = fscanf(f, "%u", &id);
+		fclose(f);
+		if (got != 1 || !id)
+			continue;
+		snprintf(path, sizeof(path), "%s/sys/class/kfd/kfd/topology/nodes/%u/properties", root, n);
+		f = fopen(path, "re");
+		if (!f)
+			die(path);
+		char key[128];
+		unsigned long long val;
+		minor[ngpus] = 0;
+		while (fscanf(f, "%127s %llu", key, &val) == 2)
+			if (!strcmp(key, "drm_render_minor"))
+				minor[ngpus] = (uint32_t)val;
+		fclose(f);
+		gpu_id[ngpus] = id;
+		snprintf(path, sizeof(path), "%s/dev/dri/renderD%u", root, minor[ngpus]);
+		render[ngpus] = open(path, O_RDWR | O_CLOEXEC);
+		if (render[ngpus] < 0)
+			die(path);
+		struct kfd_ioctl_acquire_vm_args av = { .drm_fd = (uint32_t)render[ngpus], .gpu_id = id };
+		if (ioctl(kfd, AMDKFD_IOC_ACQUIRE_VM, &av))
+			die("AMDKFD_IOC_ACQUIRE_VM");
+		ngpus++;
+	}
+	if (!ngpus) {
+		fprintf(stderr, "kfd_workload: no GPU in the KFD topology\n");
+		return 2;
+	}
+	/* per GPU: a doorbell page, then VRAM and GTT BOs from one page up to half the budget */
+	uint64_t va = 1ull << 40, total = 0;
+	for (unsigned g = 0; g < ngpus && g < use_gpus; g++) {
+		uint64_t left = per_gpu, size = (uint64_t)pg;
+		uint32_t kinds[] = { KFD_IOC_ALLOC_MEM_FLAGS_DOORBELL, KFD_IOC_ALLOC_MEM_FLAGS_VRAM,
+				     KFD_IOC_ALLOC_MEM_FLAGS_GTT };
+		for (unsigned k = 0; nbos < MAX_BOS; k++) {
+			uint32_t kind = k == 0 ? kinds[0] : kinds[1 + (k & 1)];
+			uint64_t sz = kind == KFD_IOC_ALLOC_MEM_FLAGS_DOORBELL ? (uint64_t)pg : size;
+			if (kind != KFD_IOC_ALLOC_MEM_FLAGS_DOORBELL) {
+				if (!left)
+					break;
+				if (sz > left || (k > 1 && sz * 4 > left * 3))
+					sz = left;          /* the last BO takes the rest */
+				left -= sz;
+				size = size * 8 + (uint64_t)pg * 3;
+				size -= size % (uint64_t)pg;
+			}
+			struct kfd_ioctl_alloc_memory_of_gpu_args a = {
+				.va_addr = va, .size = sz, .gpu_id = gpu_id[g], .flags = kind | WRITABLE };
+			if (ioctl(kfd, AMDKFD_IOC_ALLOC_MEMORY_OF_GPU, &a))
+				die("AMDKFD_IOC_ALLOC_MEMORY_OF_GPU");
+			int fd = kind == KFD_IOC_ALLOC_MEM_FLAGS_DOORBELL ? kfd : render[g];
+			void *p = mmap((void *)(uintptr_t)va, sz, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED_NOREPLACE,
+				       fd, (off_t)a.mmap_offset);
+			if (p == MAP_FAILED)
+				die("mmap of a BO");
+			bos[nbos] = (struct bo){ .va = va, .size = sz, .flags = kind, .gpu = g, .cpu = p };
+			if (kind != KFD_IOC_ALLOC_MEM_FLAGS_DOORBELL) {
+				fill(nbos);
+				total += sz;
+			}
+			nbos++;
+			va += sz + (2ull << 20);
+			va -= va % (2ull << 20);
+		}
+	}
+	struct sigaction sa;
+	memset(&sa, 0, sizeof(sa));
+	sa.sa_handler = on_signal;
+	sigaction(SIGUSR1, &sa, NULL);
+	sigaction(SIGTERM, &sa, NULL);
+	sigset_t block, old;
+	sigemptyset(&block);
+	sigaddset(&block, SIGUSR1);
+	sigaddset(&block, SIGTERM);
+	sigprocmask(SIG_BLOCK, &block, &old);
+	if (with_child) {
+		pid_t parent = getpid();
+		pid_t c = fork();
+		if (c < 0)
+			die("fork");
+		if (c == 0) {                   /* idle; goes with its parent */
+			prctl(PR_SET_PDEATHSIG, SIGKILL);
+			if (getppid() != parent)
+				_exit(0);
+			for (;;)
+				pause();
+		}
+	}
+	printf("ready %d %u %" PRIu64 "\n", getpid(), nbos, total);
+	fflush(stdout);
+	for (;;) {
+		while (!check_req && !stop_req)
+			sigsuspend(&old);
+		if (stop_req)
+			return 0;
+		check_req = 0;
+		FILE *f = fopen(report, "ae");
+		if (!f)
+			die(report);
+		long bad = -1;
+		unsigned i;
+		for (i = 0; i < nbos && bad < 0; i++)
+			if (bos[i].flags != KFD_IOC_ALLOC_MEM_FLAGS_DOORBELL)
+				bad = check(i);
+		if (bad >= 0)
+			fprintf(f, "bad bo %u offset %ld\n", i - 1, bad);
+		else
+			fprintf(f, "ok %u %" PRIu64 "\n", nbos, total);
+		fclose(f);
+	}
+}
