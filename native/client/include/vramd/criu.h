@@ -40,7 +40,8 @@ extern "C" {
 
 struct vramd_criu_config {
     const char *socket_path;  /* NULL: vramd_socket_path(); authenticated as vramd_connect_path() does
-                                 (-EPERM, VRAMD_CODE_LOCAL: not the daemon's, nothing sent) */
+                                 (-EPERM, VRAMD_CODE_LOCAL: not the daemon's, nothing sent; a dump's refused
+                                 .lock in dir_fd is -EPERM, VRAMD_CODE_LOCAL too: see vramd_open_session) */
     int sock_fd;              /* >= 0: a connected vramd socket to use instead of connecting (see
                                  vramd_connect_fd); the call takes it over and closes it. -1: connect */
     int min_fd;               /* fds created go at or above this (e.g. CRIU's service fd floor); 0: anywhere */
@@ -82,7 +83,9 @@ struct vramd_criu_bo {
  * Dump: copy every BO into a new image in dir_fd and return once the image
  * is committed (or the first error; nothing is committed then, and nothing
  * this call created is left in dir_fd).  dir_fd is locked for the call: a
- * second dump into it meanwhile is -EBUSY.  The caller may close its BO fds
+ * second dump into it meanwhile (or vramctl rm or gc) is -EBUSY, a .lock
+ * that is not the directory owner's or the caller's own 0600 regular file
+ * -ELOOP, -EACCES or -EPERM (vramd_open_session), all after connecting.  The caller may close its BO fds
  * when this returns: the daemon has closed its copies.  info (may be NULL)
  * receives the final session state (image summary).
  */
