@@ -10,7 +10,7 @@
     copy_threads = 2                   # threads doing CPU copies (0: the core count)
     allowed_uids = [0]                 # the daemon's own uid is always allowed
     allowed_groups = ["vramd"]
-    grace_period = 30                  # seconds a session outlives its last connection
+    grace_period = 30                  # seconds a session outlives its last connection (not a dump whose opener left)
     drain_timeout = 30                 # seconds SIGTERM waits for running sessions
     metrics_textfile = "/var/lib/prometheus/node-exporter/vramd.prom"
     metrics_interval = 15              # seconds between rewrites of metrics_textfile

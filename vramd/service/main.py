@@ -57,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--allow-uid", type=int, action="append", dest="allowed_uids", help="uid allowed to connect")
     ap.add_argument("--allow-group", action="append", dest="allowed_groups",
                     help="group (name or gid) allowed to connect")
-    ap.add_argument("--grace-period", type=float, help="seconds a session outlives its last connection")
+    ap.add_argument("--grace-period", type=float, help="seconds a session outlives its last connection (not a dump "
+                    "whose opener hung up: cancelled at once)")
     ap.add_argument("--drain-timeout", type=float, help="seconds SIGTERM waits for running sessions")
     ap.add_argument("--metrics-textfile", help="write Prometheus metrics here (atomically)")
     ap.add_argument("--log-level", choices=list(LOG_LEVELS), help="log level (default: the config's log_level, info)")
