@@ -265,3 +265,19 @@ def test_metrics_interval_paces_the_textfile(run_dir, tmp_path, interval):
         assert d.stop() == 0
     assert float(_uptime(prom.read_text())) >= float(later)  # and once more on the way out
     assert prom.stat().st_mode & 0o777 == 0o644
+
+
+def test_socket_directories_the_daemon_makes_are_ones_its_clients_trust_whatever_the_umask(run_dir):
+    """A daemon started by hand on a --socket whose directories are missing makes them 0755 (docs/protocol.md,
+    "Socket paths"), not what a umask such as 002 leaves (0775): its clients refuse a group-writable directory on
+    the way to the socket, so a daemon started so was one nobody could use (UntrustedDaemonError naming it)."""
+    top = os.path.join(run_dir, "made")
+    sock = os.path.join(top, "by", "vramd.sock")
+    umask = os.umask(0o002)  # a login shell's umask on many systems
+    try:
+        d = DaemonProcess(run_dir, "--socket", sock)
+    finally:
+        os.umask(umask)
+    with d, Client(sock) as c:
+        assert c.status().server.startswith("vramd ")
+    assert [os.stat(p).st_mode & 0o777 for p in (top, os.path.dirname(sock))] == [0o755, 0o755]

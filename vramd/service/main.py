@@ -93,7 +93,11 @@ def bind_socket(path: str, mode: int) -> socket.socket:
     if parent == user_run_dir():
         ensure_private_dir(parent)
     else:  # (clients trust only directories nobody but root, their uid and the daemon user can write)
-        os.makedirs(parent, mode=0o755, exist_ok=True)
+        old = os.umask(0o022)  # 0755 whatever the umask: under 002 they were 0775, and every client refused them
+        try:
+            os.makedirs(parent, mode=0o755, exist_ok=True)
+        finally:
+            os.umask(old)
     try:
         st = os.lstat(path)
     except FileNotFoundError:
