@@ -119,8 +119,14 @@ class Case:
             return f.read()
 
 
-def _host_paths() -> dict[str, bool]:
-    return {p: os.path.lexists(p) for p in ("/dev/kfd", "/dev/dri", "/sys/class/kfd", "/run/criu-amdgpu")}
+def _host_paths() -> dict[str, object]:
+    """What a test must not change on the host: these paths' existence, and /dev/dri's entries
+    where the host has one (the stand-ins must not land in it)."""
+    paths: dict[str, object] = {p: os.path.lexists(p)
+                                for p in ("/dev/kfd", "/dev/dri", "/sys/class/kfd", "/run/criu-amdgpu")}
+    if os.path.isdir("/dev/dri"):
+        paths["/dev/dri/"] = sorted(os.listdir("/dev/dri"))
+    return paths
 
 
 @pytest.fixture
