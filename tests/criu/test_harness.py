@@ -45,7 +45,12 @@ KFD_NS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kfd_ns.sh")
 TOPO = os.path.join(REPO, "tests", "fixtures", "topology", "2gpu-mi100-xgmi")
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root and unshare(1)")
+def _can_unshare_mounts() -> bool:
+    return os.geteuid() == 0 and shutil.which("unshare") is not None and subprocess.run(
+        ["unshare", "-m", "--propagation", "private", "true"], capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not _can_unshare_mounts(), reason="needs root, unshare(1) and mount namespaces")
 def test_kfd_ns_on_a_host_with_dri_and_kfd_writes_nothing_there(tmp_path):
     """kfd_ns.sh on a host that has its own /dev/dri (any machine with a DRM device) and /dev/kfd:
     the stand-ins exist only in the namespace; no file is created in the host's /dev/dri and the
