@@ -86,7 +86,7 @@ ensure_venv() {
 check() {
     local py=.venv/bin/python out
     out=$(mktemp -d)
-    trap 'rm -rf "$out"' RETURN
+    trap "rm -rf '$out'" RETURN EXIT   # EXIT too: a failing gate exits the script (set -e) without RETURN
     echo "== ruff";          .venv/bin/ruff check vramd tests bench proto contrib
     echo "== mypy";          .venv/bin/mypy                      # the whole package; --strict where pyproject says
     echo "== mypy --strict"; .venv/bin/mypy --strict vramd/protocol vramd/image vramd/hostmem vramd/engine

@@ -624,7 +624,10 @@ static int op_checkpoint(struct kfdm *m, struct sproc *p, unsigned slot, struct 
 	if (a->num_devices != s->ngpus || a->num_bos != p->nbos || a->num_objects != 0 ||
 	    a->priv_data_size != priv_size(s->ngpus, p->nbos))
 		return refuse(-EINVAL, "CHECKPOINT: counts or priv_data_size differ from PROCESS_INFO's");                 /* not what PROCESS_INFO promised */
-	static struct sbo *list[KFDM_MAX_BOS];
+	/* not static: two states (two locks) may checkpoint at once in one process */
+	struct sbo **list = malloc(KFDM_MAX_BOS * sizeof(*list));
+	if (!list)
+		return -ENOMEM;
 	unsigned n = proc_bos(s, slot, list);
 	struct kfd_criu_device_bucket *dev = (void *)(uintptr_t)a->devices;
 	struct kfd_criu_bo_bucket *bo = (void *)(uintptr_t)a->bos;
@@ -676,8 +679,10 @@ static int op_checkpoint(struct kfdm *m, struct sproc *p, unsigned slot, struct 
 				bo[k].dmabuf_fd = KFD_INVALID_FD;
 				s->stats[KFDM_STAT_DMABUFS]--;
 			}
+		free(list);
 		return r;
 	}
+	free(list);
 	uint64_t sum = fnv1a(priv, (size_t)(w - priv));
 	memcpy(w, &sum, 8);
 	return 0;

@@ -16,6 +16,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdbool.h>
@@ -853,6 +854,83 @@ static void test_f_time_namespace(void)
 	close(to_child[1]);
 }
 
+/* Two states (two model instances, two locks) used by two threads of one
+ * process at once: each CHECKPOINT lists its own process's BOs only. */
+struct twin { char dir[300]; uint64_t va0; };
+
+static void *twin_dumps(void *arg)
+{
+	struct twin *t = arg;
+	struct kfdm *m = kfdm_attach(t->dir);
+	CHECK(m != NULL);
+	int64_t tok = kfdm_open(m);
+	CHECK(tok > 0);
+	char path[400];
+	snprintf(path, sizeof(path), "%s/renderD%u", t->dir, GPUS[0].minor);
+	int render = open(path, O_RDWR | O_CLOEXEC);
+	CHECK(render >= 0);
+	struct kfd_ioctl_acquire_vm_args av = { .drm_fd = (uint32_t)render, .gpu_id = GPUS[0].gpu_id };
+	OK(kfdm_ioctl(m, tok, AMDKFD_IOC_ACQUIRE_VM, &av));
+	enum { N = 64 };
+	for (unsigned i = 0; i < N; i++) {
+		struct kfd_ioctl_alloc_memory_of_gpu_args a = {
+			.va_addr = t->va0 + i * pg, .size = pg, .gpu_id = GPUS[0].gpu_id, .flags = DOORBELL };
+		if (i)
+			a.flags = GTT | W;
+		OK(kfdm_ioctl(m, tok, AMDKFD_IOC_ALLOC_MEMORY_OF_GPU, &a));
+	}
+	struct kfd_criu_device_bucket d[2];
+	struct kfd_criu_bo_bucket bb[N];
+	uint8_t priv[4096];
+	for (unsigned round = 0; round < 200; round++) {
+		struct kfd_ioctl_criu_args a = { .op = KFD_CRIU_OP_PROCESS_INFO };
+		OK(kfdm_ioctl(m, tok, AMDKFD_IOC_CRIU_OP, &a));
+		CHECK_EQ(a.num_bos, N);
+		CHECK(a.priv_data_size <= sizeof(priv));
+		a.devices = (uintptr_t)d;
+		a.bos = (uintptr_t)bb;
+		a.priv_data = (uintptr_t)priv;
+		a.op = KFD_CRIU_OP_CHECKPOINT;
+		OK(kfdm_ioctl(m, tok, AMDKFD_IOC_CRIU_OP, &a));
+		for (unsigned i = 0; i < N; i++) {
+			CHECK_EQ(bb[i].addr, t->va0 + i * pg);       /* its own BOs, in handle order */
+			if (bb[i].dmabuf_fd != KFD_INVALID_FD)
+				close((int)bb[i].dmabuf_fd);
+		}
+		a.op = KFD_CRIU_OP_UNPAUSE;
+		OK(kfdm_ioctl(m, tok, AMDKFD_IOC_CRIU_OP, &a));
+	}
+	close(render);
+	kfdm_detach(m);
+	return NULL;
+}
+
+static void test_g_two_states_at_once(void)
+{
+	g_test = "g: two model states checkpointed by two threads at once";
+	pid_t pid = fork();                       /* a fresh process: one KFD process per state */
+	CHECK(pid >= 0);
+	if (pid) {
+		int status;
+		CHECK_EQ(waitpid(pid, &status, 0), pid);
+		CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+		return;
+	}
+	struct twin t[2];
+	pthread_t th[2];
+	for (unsigned i = 0; i < 2; i++) {
+		snprintf(t[i].dir, sizeof(t[i].dir), "%s/twin%u", g_dir, i);
+		OK(mkdir(t[i].dir, 0700));
+		OK(kfdm_create(t[i].dir, GPUS, 2, 8));
+		t[i].va0 = (i + 1) * 0x100000000ull;
+	}
+	for (unsigned i = 0; i < 2; i++)
+		OK(pthread_create(&th[i], NULL, twin_dumps, &t[i]));
+	for (unsigned i = 0; i < 2; i++)
+		OK(pthread_join(th[i], NULL));
+	_exit(0);
+}
+
 int main(int argc, char **argv)
 {
 	pg = (uint64_t)sysconf(_SC_PAGESIZE);
@@ -876,6 +954,7 @@ int main(int argc, char **argv)
 	test_d_dumper_process();
 	test_e_injection();
 	test_f_time_namespace();
+	test_g_two_states_at_once();
 	char cmd[400];
 	snprintf(cmd, sizeof(cmd), "rm -rf '%s'", g_dir);
 	if (system(cmd))

@@ -20,6 +20,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -50,6 +51,10 @@ def main() -> int:
         print(t.ENV.missing(), file=sys.stderr)
         return 2
     work = tempfile.mkdtemp(prefix="kfd-bench-")  # not under /dev: the namespace replaces /dev
+    # a bench stopped by a timeout or ^C still removes its work directory (SIGTERM's default
+    # action skips the finally below; two such directories were found left in /dev/shm)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda signum, frame: sys.exit(128 + signum))
     try:
         return _bench(work, args)
     finally:

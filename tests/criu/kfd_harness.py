@@ -9,6 +9,7 @@ import ctypes
 import importlib.util
 import os
 import shutil
+import signal
 import subprocess
 import threading
 from pathlib import Path
@@ -142,11 +143,17 @@ def run_in_ns(state: str, topology: str, scratch: str, script: str, env: dict[st
               timeout: float = 600) -> subprocess.CompletedProcess:
     """Runs a bash script inside the namespace (criu and the workload must share it)."""
     _start_reaper()
+    # its own process group: a run cut short (timeout, ^C, SIGTERM) takes the workload with it,
+    # which would otherwise run on holding the state's arenas
     p = subprocess.Popen(ns_command(state, topology, scratch, ["bash", "-c", script]), env={**os.environ, **env},
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, process_group=0)
     _spared.add(p.pid)
     try:
         out, err = p.communicate(timeout=timeout)
+    except BaseException:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+        raise
     finally:
         _spared.discard(p.pid)
     return subprocess.CompletedProcess(p.args, p.returncode, out, err)

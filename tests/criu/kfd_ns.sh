@@ -6,8 +6,10 @@
 #   /dev/dri/renderD<minor>   <- STATE/renderD<minor>
 #   /sys/class                a tmpfs holding bind mounts of the host's /sys/class entries, plus
 #   /sys/class/kfd/kfd/topology <- TOPOLOGY (a fixture tree, tests/fixtures/topology/*)
-# Nothing is created on the host's /dev or /sys: the new files live in the two tmpfs mounts,
-# which exist only in the namespace.
+# Nothing is created on the host's /dev or /sys: the new files live in tmpfs mounts (/dev,
+# /dev/dri, /sys/class) which exist only in the namespace; a host directory reached through a
+# bind mount (such as the host's own /dev/dri) is never written, and a host device file that
+# is covered (such as a real /dev/kfd) is never opened.
 #   usage: unshare -m --propagation private tests/criu/kfd_ns.sh STATE TOPOLOGY SCRATCH cmd...
 set -euo pipefail
 state=$1 topo=$2 scratch=$3
@@ -26,16 +28,30 @@ replicate() {  # replicate DIR's entries from OLD (a bind of the original) into 
     done
 }
 
+private_dir() {  # DIR (absent, or a bind of the host's) becomes a tmpfs of the namespace with DIR's entries
+    local dir=$1 old=$2
+    if [ -d "$dir" ]; then
+        mkdir -p "$old"
+        mount --rbind "$dir" "$old"
+        mount -t tmpfs -o mode=755 kfd-model "$dir"
+        replicate "$old" "$dir"
+    else
+        mkdir "$dir"
+    fi
+}
+mount_file() {  # bind SRC over DST, creating DST only when absent (an existing one is a host file: not opened)
+    [ -e "$2" ] || touch "$2"
+    mount --bind "$1" "$2"
+}
+
 mkdir -p "$scratch/olddev" "$scratch/oldclass"
 mount --rbind /dev "$scratch/olddev"
 mount -t tmpfs -o mode=755 kfd-model-dev /dev
 replicate "$scratch/olddev" /dev
-mkdir -p /dev/dri
-touch /dev/kfd
-mount --bind "$state/kfd" /dev/kfd
+private_dir /dev/dri "$scratch/olddri"     # the host's /dev/dri, if any, is an rbind: never create in it
+mount_file "$state/kfd" /dev/kfd
 for r in "$state"/renderD*; do
-    touch "/dev/dri/${r##*/}"
-    mount --bind "$r" "/dev/dri/${r##*/}"
+    mount_file "$r" "/dev/dri/${r##*/}"
 done
 mount --rbind /sys/class "$scratch/oldclass"
 mount -t tmpfs -o mode=755 kfd-model-class /sys/class

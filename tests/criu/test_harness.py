@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import sys
 
 import pytest
@@ -38,3 +39,50 @@ def test_a_failing_plugin_build_shows_the_compilers_error(tmp_path):
     (criu / "criu" / "include" / "criu-plugin.h").write_text("#error vramd-harness-test-marker\n")
     with pytest.raises(RuntimeError, match="vramd-harness-test-marker"):
         build(Env(criu_src=str(criu), criu_bin="/bin/true"), str(tmp_path / "out"), with_vramd=False)
+
+
+KFD_NS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kfd_ns.sh")
+TOPO = os.path.join(REPO, "tests", "fixtures", "topology", "2gpu-mi100-xgmi")
+
+
+def _can_unshare_mounts() -> bool:
+    return os.geteuid() == 0 and shutil.which("unshare") is not None and subprocess.run(
+        ["unshare", "-m", "--propagation", "private", "true"], capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not _can_unshare_mounts(), reason="needs root, unshare(1) and mount namespaces")
+def test_kfd_ns_on_a_host_with_dri_and_kfd_writes_nothing_there(tmp_path):
+    """kfd_ns.sh on a host that has its own /dev/dri (any machine with a DRM device) and /dev/kfd:
+    the stand-ins exist only in the namespace; no file is created in the host's /dev/dri and the
+    host's /dev/kfd is not opened for writing.  The "host" here is an outer private mount namespace
+    whose /dev is a tmpfs with a render node and a kfd (regular files), so the real host's /dev is
+    never at risk, even with the bug."""
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "kfd").write_text("model-kfd\n")
+    (state / "renderD129").write_text("model-render\n")
+    script = r'''
+set -eu
+T=$1 NS=$2 TOPO=$3
+mkdir -p $T/realdev
+mount --rbind /dev $T/realdev
+mount -t tmpfs fake-host-dev /dev
+touch /dev/null; mount --bind $T/realdev/null /dev/null
+mkdir /dev/dri
+echo host-render > /dev/dri/renderD128
+echo host-kfd > /dev/kfd
+touch -d @0 /dev/kfd /dev/dri/renderD128
+unshare -m --propagation private $NS $T/state $TOPO $T/scratch \
+    sh -c 'echo "ns kfd: $(cat /dev/kfd)"; echo "ns render: $(cat /dev/dri/renderD129)";
+           echo "ns host render: $(cat /dev/dri/renderD128)"'
+echo "host dri: $(ls -A /dev/dri | tr '\n' ' ')"
+echo "host kfd mtime: $(stat -c %Y /dev/kfd)"
+'''
+    r = subprocess.run(["unshare", "-m", "--propagation", "private", "bash", "-c", script, "-", str(tmp_path),
+                        KFD_NS, TOPO], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    out = dict(line.split(": ", 1) for line in r.stdout.splitlines())
+    assert out["ns kfd"] == "model-kfd" and out["ns render"] == "model-render"
+    assert out["ns host render"] == "host-render"
+    assert out["host dri"] == "renderD128 "
+    assert out["host kfd mtime"] == "0"
