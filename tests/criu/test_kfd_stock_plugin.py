@@ -188,21 +188,47 @@ def test_restore_onto_another_host_remaps_gpus(case):
     assert case.model.counters(a)["calls"]["restore"] == 0
 
 
-def test_fw_version_check_refuses_older_firmware_unless_switched_off(case):
-    """Host B's GPUs run older MEC firmware than A's: the plugin refuses to map A's GPUs onto them
-    (fw_version must not go down) unless KFD_FW_VER_CHECK=0."""
-    old = str(FIXTURES / "2gpu-mi100-xgmi-host2-oldfw")
-    a, b = case.state("state-a", TOPO_A), case.state("state-b", old)
+# Each KFD_*_CHECK switch the plugin reads at restore, and a host-B fixture that differs from host A
+# in just the property that switch guards, in the direction the plugin refuses.  What the plugin
+# compares, per GPU it tries to map A's onto (B's value vs A's): fw_version >= (MEC firmware),
+# sdma_fw_version >=, caches_count >=, num_gws >=, VRAM size (the first public/private mem bank's
+# size_in_bytes) >=, capability == (so a differing word refuses either way), and with
+# KFD_NUMA_CHECK the CPU node a GPU links to must map consistently: GPUs that share a CPU on A
+# must share one on B (with it off, any CPU link of a matching kind will do).  The third field is
+# the plugin's debug line for the candidate it turned down.
+PROPS = "Device properties do not match"
+CHECKS = [
+    ("KFD_FW_VER_CHECK", "oldfw", PROPS),
+    ("KFD_SDMA_FW_VER_CHECK", "oldsdmafw", PROPS),
+    ("KFD_CACHES_COUNT_CHECK", "fewercaches", PROPS),
+    ("KFD_NUM_GWS_CHECK", "fewergws", PROPS),
+    ("KFD_VRAM_SIZE_CHECK", "lessvram", PROPS),
+    ("KFD_CAPABILITY_CHECK", "othercap", PROPS),
+    ("KFD_NUMA_CHECK", "numa", "Mismatch between iolink to CPU"),
+]
+
+
+@pytest.mark.parametrize("switch,host,why", CHECKS, ids=[c[0] for c in CHECKS])
+def test_kfd_check_refuses_the_restore_host_unless_switched_off(case, switch, host, why):
+    """Host B (2gpu-mi100-xgmi-host2-<host>) falls short of A in the one property `switch` guards
+    (see CHECKS): the plugin finds no GPU of B to map A's onto and the restore fails with no task
+    left; with `switch`=0 (every other check still on) it maps them and restores byte-exact."""
+    b_topo = str(FIXTURES / f"2gpu-mi100-xgmi-host2-{host}")
+    a, b = case.state("state-a", TOPO_A), case.state("state-b", b_topo)
     d = case.run(DUMP, a, TOPO_A)
     assert d["dump"] == "0", case.log("dump.log")[-3000:]
-    r = case.run(RESTORE, b, old)
+    r = case.run(RESTORE, b, b_topo)
     assert r["restore"] != "0" and r["alive"] == "no"
     log = case.log("restore.log")
     assert "amdgpu_plugin: Failed to map GPUs" in log, log[-3000:]
+    assert why in log and (why == PROPS or PROPS not in log), log[-3000:]
     assert case.model.counters(b)["calls"]["restore"] == 0
-    r = case.run(RESTORE, b, old, extra={"KFD_FW_VER_CHECK": "0"})
-    assert r["restore"] == "0", case.log("restore.log")[-3000:]
+    r = case.run(RESTORE, b, b_topo, extra={switch: "0"})
+    log = case.log("restore.log")
+    assert r["restore"] == "0", log[-3000:]
     _ok(r["checks"], 1)
+    assert "amdgpu_plugin: All nodes mapped successfully" in log
+    assert case.model.counters(b)["calls"]["restore"] == 1
 
 
 def test_dump_fails_on_an_injected_checkpoint_error_and_the_process_runs_on(case):
