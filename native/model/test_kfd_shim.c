@@ -36,23 +36,7 @@
 
 #include "kfd_model.h"
 
-static const char *g_test = "?";
-
-static void fail(int line, const char *fmt, ...)
-{
-	va_list ap;
-	fprintf(stderr, "FAIL [%s] test_kfd_shim.c:%d (pid %d): ", g_test, line, getpid());
-	va_start(ap, fmt);
-	vfprintf(stderr, fmt, ap);
-	va_end(ap);
-	fputc('\n', stderr);
-	exit(1);
-}
-
-#define CHECK(c) do { if (!(c)) fail(__LINE__, "%s", #c); } while (0)
-#define CHECK_EQ(a, b) do { long long _a = (long long)(a), _b = (long long)(b); \
-	if (_a != _b) fail(__LINE__, "%s == %lld, expected %s == %lld", #a, _a, #b, _b); } while (0)
-#define OK(call) CHECK_EQ((call), 0)
+#include "test_check.h"
 #define ERR(call, e) do { errno = 0; CHECK_EQ((call), -1); CHECK_EQ(errno, (e)); } while (0)
 
 #define KFD_MAJOR 240
