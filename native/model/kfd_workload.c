@@ -11,12 +11,17 @@
  * preloaded (docs/kfd-model.md).
  *
  * Usage: kfd_workload [-m MiB per GPU (default 768)] [-g GPUS (default all)] [-c] [-r ROOT] REPORT_FILE
- *   -c: also fork an idle child (no GPU), so the process is a tree: CRIU's amdgpu plugin then
- *       restores BO contents in the restored task, not in its parallel worker
+ *   -c: fork a child first, before anything is opened, so the process is a tree: the child
+ *       opens /dev/kfd itself (its own KFD process) and allocates its own BOs, the same kinds
+ *       on the same GPUs with CHILD_MIB (4) MiB per GPU and other content than the parent's.
+ *       CRIU's amdgpu plugin then restores BO contents in each restored task, not in its
+ *       parallel worker.
  *   ROOT prefixes /dev/kfd, /dev/dri/renderD*, /sys/class/kfd (default "").
- * Prints "ready <pid> <bos> <bytes>" on stdout once filled.  On SIGUSR1 it
- * appends "ok <bos> <bytes>" or "bad bo <i> offset <o>" to REPORT_FILE; on
- * SIGTERM it exits 0.
+ * Prints "ready <pid> <bos> <bytes>" on stdout once filled (with -c: once the child's BOs are
+ * filled too).  On SIGUSR1 it appends "ok <bos> <bytes>" or "bad bo <i> offset <o>" to
+ * REPORT_FILE; with -c it first has the child check every byte of its BOs (SIGUSR1 to the
+ * child, which answers in REPORT_FILE.child and with SIGUSR2) and appends one line
+ * "<its own result>; child <the child's result>".  On SIGTERM it exits 0 (the child dies with it).
  */
 #define _GNU_SOURCE
 #include <dirent.h>
@@ -37,6 +42,9 @@
 #define MAX_GPUS 8
 #define MAX_BOS 64
 #define WRITABLE (1u << 31)      /* KFD_IOC_ALLOC_MEM_FLAGS_WRITABLE, unsigned */
+#define CHILD_MIB 4
+#define CHILD_SALT 1000          /* the child's BO i holds what a parent's BO i + 1000 would */
+#define ANSWER_S 60              /* bound on waiting for the child's answer */
 
 struct bo {
 	uint64_t va, size;
@@ -45,7 +53,7 @@ struct bo {
 };
 
 static struct bo bos[MAX_BOS];
-static unsigned nbos;
+static unsigned nbos, salt;
 static volatile sig_atomic_t check_req, stop_req;
 
 static void die(const char *what)
@@ -56,7 +64,7 @@ static void die(const char *what)
 
 static uint64_t word(unsigned i, uint64_t off)
 {
-	uint64_t x = (uint64_t)(i + 1) * 0x9E3779B97F4A7C15ULL ^ off;
+	uint64_t x = (uint64_t)(i + salt + 1) * 0x9E3779B97F4A7C15ULL ^ off;
 	x ^= x >> 31;
 	x *= 0xBF58476D1CE4E5B9ULL;
 	return x ^ (x >> 29);
@@ -86,29 +94,11 @@ static void on_signal(int sig)
 		stop_req = 1;
 }
 
-int main(int argc, char **argv)
+/* Opens /dev/kfd (the calling process's KFD process) and the render nodes, acquires a VM
+ * per GPU, allocates per_gpu bytes of BOs on each of the first use_gpus GPUs and fills them.
+ * Returns their bytes. */
+static uint64_t setup(const char *root, uint64_t per_gpu, unsigned use_gpus)
 {
-	uint64_t per_gpu = 768ull << 20;
-	const char *root = "";
-	unsigned use_gpus = MAX_GPUS;
-	int opt, with_child = 0;
-	while ((opt = getopt(argc, argv, "m:g:cr:")) != -1) {
-		if (opt == 'm')
-			per_gpu = strtoull(optarg, NULL, 0) << 20;
-		else if (opt == 'g')
-			use_gpus = (unsigned)strtoul(optarg, NULL, 0);
-		else if (opt == 'c')
-			with_child = 1;
-		else if (opt == 'r')
-			root = optarg;
-		else
-			return 2;
-	}
-	if (optind != argc - 1) {
-		fprintf(stderr, "usage: kfd_workload [-m MiB] [-g GPUS] [-c] [-r ROOT] REPORT_FILE\n");
-		return 2;
-	}
-	const char *report = argv[optind];
 	long pg = sysconf(_SC_PAGESIZE);
 	char path[4096];
 	snprintf(path, sizeof(path), "%s/dev/kfd", root);
@@ -152,7 +142,7 @@ int main(int argc, char **argv)
 	}
 	if (!ngpus) {
 		fprintf(stderr, "kfd_workload: no GPU in the KFD topology\n");
-		return 2;
+		exit(2);
 	}
 	/* per GPU: a doorbell page, then VRAM and GTT BOs from one page up to half the budget */
 	uint64_t va = 1ull << 40, total = 0;
@@ -191,49 +181,140 @@ int main(int argc, char **argv)
 			va -= va % (2ull << 20);
 		}
 	}
+	return total;
+}
+
+/* Checks every byte of every BO; the result line, without newline, into buf. */
+static void result(char *buf, size_t len, uint64_t total)
+{
+	long bad = -1;
+	unsigned i;
+	for (i = 0; i < nbos && bad < 0; i++)
+		if (bos[i].flags != KFD_IOC_ALLOC_MEM_FLAGS_DOORBELL)
+			bad = check(i);
+	if (bad >= 0)
+		snprintf(buf, len, "bad bo %u offset %ld", i - 1, bad);
+	else
+		snprintf(buf, len, "ok %u %" PRIu64, nbos, total);
+}
+
+/* Waits (bounded) for the child's SIGUSR2; 0 if it came. */
+static int child_answer(void)
+{
+	sigset_t usr2;
+	sigemptyset(&usr2);
+	sigaddset(&usr2, SIGUSR2);
+	struct timespec t = { .tv_sec = ANSWER_S };
+	int r;
+	while ((r = sigtimedwait(&usr2, NULL, &t)) < 0 && errno == EINTR)
+		;
+	return r == SIGUSR2 ? 0 : -1;
+}
+
+int main(int argc, char **argv)
+{
+	uint64_t per_gpu = 768ull << 20;
+	const char *root = "";
+	unsigned use_gpus = MAX_GPUS;
+	int opt, with_child = 0;
+	while ((opt = getopt(argc, argv, "m:g:cr:")) != -1) {
+		if (opt == 'm')
+			per_gpu = strtoull(optarg, NULL, 0) << 20;
+		else if (opt == 'g')
+			use_gpus = (unsigned)strtoul(optarg, NULL, 0);
+		else if (opt == 'c')
+			with_child = 1;
+		else if (opt == 'r')
+			root = optarg;
+		else
+			return 2;
+	}
+	if (optind != argc - 1) {
+		fprintf(stderr, "usage: kfd_workload [-m MiB] [-g GPUS] [-c] [-r ROOT] REPORT_FILE\n");
+		return 2;
+	}
+	const char *report = argv[optind];
 	struct sigaction sa;
 	memset(&sa, 0, sizeof(sa));
 	sa.sa_handler = on_signal;
 	sigaction(SIGUSR1, &sa, NULL);
 	sigaction(SIGTERM, &sa, NULL);
-	sigset_t block, old;
+	sigset_t block, old, wait_mask;
 	sigemptyset(&block);
 	sigaddset(&block, SIGUSR1);
+	sigaddset(&block, SIGUSR2);
 	sigaddset(&block, SIGTERM);
 	sigprocmask(SIG_BLOCK, &block, &old);
-	if (with_child) {
-		pid_t parent = getpid();
-		pid_t c = fork();
-		if (c < 0)
+	wait_mask = old;                      /* SIGUSR2 only ever through sigtimedwait */
+	sigaddset(&wait_mask, SIGUSR2);
+	sigdelset(&wait_mask, SIGUSR1);
+	sigdelset(&wait_mask, SIGTERM);
+	char child_report[4096];
+	snprintf(child_report, sizeof(child_report), "%s.child", report);
+	pid_t parent = getpid(), child = 0;
+	if (with_child) {                     /* before anything is opened: nothing GPU is inherited */
+		child = fork();
+		if (child < 0)
 			die("fork");
-		if (c == 0) {                   /* idle; goes with its parent */
+		if (child == 0) {
 			prctl(PR_SET_PDEATHSIG, SIGKILL);
 			if (getppid() != parent)
 				_exit(0);
-			for (;;)
-				pause();
+			salt = CHILD_SALT;
+			uint64_t total = setup(root, (uint64_t)CHILD_MIB << 20, use_gpus);
+			kill(parent, SIGUSR2);        /* filled */
+			for (;;) {
+				while (!check_req && !stop_req)
+					sigsuspend(&wait_mask);
+				if (stop_req)
+					_exit(0);
+				check_req = 0;
+				char line[128];
+				result(line, sizeof(line), total);
+				FILE *f = fopen(child_report, "we");
+				if (!f)
+					die(child_report);
+				fprintf(f, "%s\n", line);
+				if (fclose(f))
+					die(child_report);
+				kill(parent, SIGUSR2);
+			}
 		}
+	}
+	uint64_t total = setup(root, per_gpu, use_gpus);
+	if (with_child && child_answer()) {
+		fprintf(stderr, "kfd_workload: the child did not fill its BOs within %d s\n", ANSWER_S);
+		kill(child, SIGKILL);
+		return 2;
 	}
 	printf("ready %d %u %" PRIu64 "\n", getpid(), nbos, total);
 	fflush(stdout);
 	for (;;) {
 		while (!check_req && !stop_req)
-			sigsuspend(&old);
+			sigsuspend(&wait_mask);
 		if (stop_req)
 			return 0;
 		check_req = 0;
+		char line[128], theirs[128] = "no answer";
+		result(line, sizeof(line), total);
+		if (with_child) {
+			unlink(child_report);
+			if (kill(child, SIGUSR1) == 0 && child_answer() == 0) {
+				FILE *c = fopen(child_report, "re");
+				if (!c || !fgets(theirs, sizeof(theirs), c))
+					snprintf(theirs, sizeof(theirs), "no report");
+				if (c)
+					fclose(c);
+				theirs[strcspn(theirs, "\n")] = 0;
+			}
+		}
 		FILE *f = fopen(report, "ae");
 		if (!f)
 			die(report);
-		long bad = -1;
-		unsigned i;
-		for (i = 0; i < nbos && bad < 0; i++)
-			if (bos[i].flags != KFD_IOC_ALLOC_MEM_FLAGS_DOORBELL)
-				bad = check(i);
-		if (bad >= 0)
-			fprintf(f, "bad bo %u offset %ld\n", i - 1, bad);
+		if (with_child)
+			fprintf(f, "%s; child %s\n", line, theirs);
 		else
-			fprintf(f, "ok %u %" PRIu64 "\n", nbos, total);
+			fprintf(f, "%s\n", line);
 		fclose(f);
 	}
 }

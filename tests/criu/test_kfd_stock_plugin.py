@@ -9,6 +9,7 @@ namespace (tests/criu/kfd_ns.sh); nothing is created on the host's /dev, /sys or
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -327,20 +328,44 @@ def test_family_ai_dump_reports_success_but_saves_no_bytes(case):
 
 
 def test_two_gpus_in_a_process_tree_restored_by_per_gpu_threads_byte_exact(case):
-    """The workload forks an idle child, so the plugin disables its parallel restore and restores
-    the BOs of both GPUs in the restored task, one thread per GPU."""
+    """A parent and a child, each its own KFD process with its own BOs on both GPUs (the child's
+    forked before anything is opened: 4 MiB per GPU, other content): the plugin disables its
+    parallel restore and restores the BOs in each restored task, one thread per GPU, and both
+    processes find every byte of theirs."""
     a = case.state("state-a", TOPO_A)
+    expect = f"ok 14 {2 * MIB << 20}; child ok 10 {2 * 4 << 20}\n"
     d = case.run(DUMP.replace("-g $GPUS", "-g $GPUS -c"), a, TOPO_A, gpus=2)
     assert d["dump"] == "0", case.log("dump.log")[-3000:]
-    assert d["checks"] == f"ok 14 {2 * MIB << 20}\n"
+    assert d["checks"] == expect
+    kfds = [n for n in os.listdir(os.path.join(case.work, "img")) if n.startswith("amdgpu-kfd-")]
+    assert len(kfds) == 2, kfds                      # one KFD process per task
+    dump_log = case.log("dump.log")
+    assert "amdgpu_plugin: devices:2 bos:14 objects:0" in dump_log
+    assert "amdgpu_plugin: devices:2 bos:10 objects:0" in dump_log
     r = case.run(RESTORE, a, TOPO_A)
     log = case.log("restore.log")
     assert r["restore"] == "0", log[-3000:]
-    assert r["checks"] == f"ok 14 {2 * MIB << 20}\n"
+    assert r["checks"] == expect
     assert "amdgpu_plugin: Parallel restore disabled" in log
-    for gpu in ("0x5d21", "0xa3f0"):
-        assert f"amdgpu_plugin: Thread[{gpu}] finished ret:0" in log
+    assert "Begin to send parallel restore cmd" not in log
+    # each restored task (CRIU's log names it by pid) restores its own BOs, one thread per GPU:
+    # the parent's 6 VRAM/GTT BOs per GPU, the child's 4
+    with open(os.path.join(case.work, "ready")) as f:
+        parent = int(f.read().split()[1])
+    done = {(int(p), g, int(n)) for p, g, n in
+            re.findall(r" (\d+): amdgpu_plugin: Thread\[(0x[0-9a-f]+)\] done num_bos:(\d+) ret:0\n", log)}
+    children = {p for p, _, _ in done} - {parent}
+    assert len(children) == 1, done
+    child = children.pop()
+    assert done == {(pid, gpu, n) for pid, n in ((parent, 6), (child, 4)) for gpu in ("0x5d21", "0xa3f0")}
+    for pid in (parent, child):
+        for gpu in ("0x5d21", "0xa3f0"):
+            assert f"{pid}: amdgpu_plugin: Thread[{gpu}] finished ret:0" in log
+        assert f"{pid}: amdgpu_plugin: Restore successful" in log
     assert "restore late ioctl failed" not in log
+    c = case.model.counters(a)
+    assert (c["calls"]["process_info"], c["calls"]["checkpoint"], c["calls"]["unpause"]) == (2, 2, 2)
+    assert (c["calls"]["restore"], c["calls"]["resume"]) == (2, 2)
 
 
 def test_two_gpus_one_process_restore_reports_success_with_a_gpus_bos_unfilled(case):
