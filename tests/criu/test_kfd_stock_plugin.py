@@ -387,3 +387,20 @@ def test_two_gpus_one_process_restore_reports_success_with_a_gpus_bos_unfilled(c
     assert r["restore"] == "0"
     assert r["checks"] == "bad bo 1 offset 0\n"
     assert case.model.counters(a)["calls"]["resume"] == 1
+
+
+def test_process_tree_restore_fails_when_the_second_tasks_restore_fails(case):
+    """The process tree of the test above, RESTORE failing (EIO) for the second KFD process only:
+    criu restore fails and leaves no task of the tree, although the first task's RESTORE
+    succeeded."""
+    a = case.state("state-a", TOPO_A)
+    d = case.run(DUMP.replace("-g $GPUS", "-g $GPUS -c"), a, TOPO_A, gpus=2)
+    assert d["dump"] == "0", case.log("dump.log")[-3000:]
+    case.model.inject(a, "restore", 5, skip=1)
+    r = case.run(RESTORE, a, TOPO_A)
+    log = case.log("restore.log")
+    assert r["restore"] != "0" and r["alive"] == "no", log[-3000:]
+    assert log.count("amdgpu_plugin: Restore ioctl failed") == 1
+    c = case.model.counters(a)
+    # the first task's RESTORE succeeded, the second's failed, nothing was resumed
+    assert (c["calls"]["restore"], c["fails"]["restore"], c["calls"]["resume"]) == (2, 1, 0)
