@@ -98,6 +98,19 @@ def _up_to_date(out: Path, inputs: list[Path]) -> bool:
     return all(p.stat().st_mtime_ns <= t for p in inputs)
 
 
+def _compile_into(out: Path, cmd: list[str], sources: list[Path]) -> None:
+    """Run `cmd -o <temporary> sources` in out's directory, then rename the result to `out`: concurrent
+    builders never see half a file."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.stem}-", suffix=out.suffix, dir=out.parent)
+    os.close(fd)
+    try:
+        _run([*cmd, "-o", tmp, *map(str, sources)])
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
 def build(out_dir: str | os.PathLike, sanitize: str | None = None, force: bool = False) -> str:
     """Compiles the model into OUT_DIR/libdrm_amdgpu_model.so (or
     libdrm_amdgpu_model-thread.so with sanitize="thread"); returns its path.
@@ -112,15 +125,7 @@ def build(out_dir: str | os.PathLike, sanitize: str | None = None, force: bool =
         return str(out)
     cmd = [_gcc(), *CFLAGS, *SANITIZERS[sanitize], "-fPIC", "-shared", "-fvisibility=hidden",
            *libdrm_cflags(), f"-I{HERE}", f"-Wl,-soname,{SONAME}", "-Wl,--no-undefined"]
-    # compile to a temporary name, then rename: concurrent builders never see half a file
-    fd, tmp = tempfile.mkstemp(prefix=".model-", suffix=".so", dir=out_dir)
-    os.close(fd)
-    try:
-        _run([*cmd, "-o", tmp, *map(str, SOURCES)])
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    _compile_into(out, cmd, SOURCES)
     return str(out)
 
 
@@ -182,16 +187,8 @@ def build_kfd_lib(out_dir: str | os.PathLike, sanitize: str | None = None, force
     inputs = KFD_SHIM_SOURCES + KFD_HEADERS + [Path(__file__).resolve()]
     if not force and _up_to_date(out, inputs):
         return str(out)
-    fd, tmp = tempfile.mkstemp(prefix=".kfd-", suffix=".so", dir=out_dir)
-    os.close(fd)
-    try:
-        _run([_gcc(), *CFLAGS, *SANITIZERS[sanitize], "-fPIC", "-shared", *libdrm_cflags(),
-              *kfd_cflags(out_dir), f"-I{HERE}", "-Wl,--no-undefined", "-o", tmp,
-              *map(str, KFD_SHIM_SOURCES)])
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    _compile_into(out, [_gcc(), *CFLAGS, *SANITIZERS[sanitize], "-fPIC", "-shared", *libdrm_cflags(),
+                        *kfd_cflags(out_dir), f"-I{HERE}", "-Wl,--no-undefined"], KFD_SHIM_SOURCES)
     return str(out)
 
 
