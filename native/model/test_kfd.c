@@ -518,6 +518,29 @@ static void test_b_dump_in_process(struct image *img)
 	proc_close(&p);
 }
 
+/* fork() with a pipe each way: in each process, *rfd reads what the other writes to its *wfd (the
+ * other ends are closed; a reader sees EOF once the other side has gone). */
+static pid_t fork_with_pipes(int *rfd, int *wfd)
+{
+	int down[2], up[2];
+	OK(pipe(down));
+	OK(pipe(up));
+	pid_t pid = fork();
+	CHECK(pid >= 0);
+	if (pid == 0) {
+		close(down[1]);
+		close(up[0]);
+		*rfd = down[0];
+		*wfd = up[1];
+	} else {
+		close(down[0]);
+		close(up[1]);
+		*rfd = up[0];
+		*wfd = down[1];
+	}
+	return pid;
+}
+
 static void wr(int fd, char c) { CHECK_EQ(write(fd, &c, 1), 1); }
 static char rd(int fd) { char c = 0; CHECK_EQ(read(fd, &c, 1), 1); return c; }
 
@@ -525,14 +548,9 @@ static char rd(int fd) { char c = 0; CHECK_EQ(read(fd, &c, 1), 1); return c; }
 static void test_c_restore(struct image *img)
 {
 	g_test = "c: RESTORE in a clean process, RESUME";
-	int to_child[2], to_parent[2];
-	OK(pipe(to_child));
-	OK(pipe(to_parent));
-	pid_t pid = fork();
-	CHECK(pid >= 0);
+	int rfd, wfd;
+	pid_t pid = fork_with_pipes(&rfd, &wfd);
 	if (pid == 0) {
-		close(to_child[1]);
-		close(to_parent[0]);
 		struct proc p;
 		proc_open(&p);
 		struct kfd_ioctl_criu_args a = img->info;
@@ -597,8 +615,8 @@ static void test_c_restore(struct image *img)
 		uint64_t h = (uint64_t)bb[0].gpu_id << 32 | 1;
 		uint8_t x = 0;
 		CHECK_EQ(kfdm_queue_write(p.m, p.tok, h, 0, &x, 1), -EAGAIN);
-		wr(to_parent[1], 'r');
-		CHECK_EQ(rd(to_child[0]), 'g');
+		wr(wfd, 'r');
+		CHECK_EQ(rd(rfd), 'g');
 		CHECK_EQ(kfdm_paused(p.m, getpid()), 0);
 		for (unsigned i = 0; i < a.num_bos; i++) {
 			if (!img->content[i])
@@ -613,11 +631,9 @@ static void test_c_restore(struct image *img)
 		proc_close(&p);
 		_exit(0);
 	}
-	close(to_child[0]);
-	close(to_parent[1]);
 	struct proc me;
 	proc_open(&me);
-	CHECK_EQ(rd(to_parent[0]), 'r');
+	CHECK_EQ(rd(rfd), 'r');
 	struct kfd_ioctl_criu_args a = { .pid = (uint32_t)pid };
 	OK(kfdm_inject(me.m, KFDM_OP_RESUME, EIO, 0, 1));
 	CHECK_EQ(criu(&me, me.tok, &a, KFD_CRIU_OP_RESUME), -EIO);
@@ -625,14 +641,14 @@ static void test_c_restore(struct image *img)
 	OK(criu(&me, me.tok, &a, KFD_CRIU_OP_RESUME));
 	OK(criu(&me, me.tok, &a, KFD_CRIU_OP_RESUME));                   /* again: nothing to resume */
 	CHECK_EQ(kfdm_paused(me.m, pid), 0);
-	wr(to_child[1], 'g');
+	wr(wfd, 'g');
 	int status;
 	CHECK_EQ(waitpid(pid, &status, 0), pid);
 	CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
 	a.pid = (uint32_t)pid;
 	CHECK_EQ(criu(&me, me.tok, &a, KFD_CRIU_OP_RESUME), -ESRCH);     /* gone */
-	close(to_child[1]);
-	close(to_parent[0]);
+	close(wfd);
+	close(rfd);
 	proc_close(&me);
 }
 
@@ -649,21 +665,16 @@ static void drop_caps(void)
 static void test_d_dumper_process(void)
 {
 	g_test = "d: ptrace parent, capability, dead processes";
-	int to_child[2], to_parent[2];
-	OK(pipe(to_child));
-	OK(pipe(to_parent));
-	pid_t pid = fork();
-	CHECK(pid >= 0);
+	int rfd, wfd;
+	pid_t pid = fork_with_pipes(&rfd, &wfd);
 	if (pid == 0) {
-		close(to_child[1]);
-		close(to_parent[0]);
 		struct proc p;
 		proc_open(&p);
 		acquire(&p);
 		struct bo bos[8];
 		make_bos(&p, bos);
-		CHECK_EQ(write(to_parent[1], &p.tok, sizeof(p.tok)), sizeof(p.tok));
-		CHECK_EQ(rd(to_child[0]), 'c');
+		CHECK_EQ(write(wfd, &p.tok, sizeof(p.tok)), sizeof(p.tok));
+		CHECK_EQ(rd(rfd), 'c');
 		for (unsigned i = 0; i < 8; i++)      /* what the dump saw is still there */
 			if (bos[i].cpu)
 				CHECK(same(bos[i].cpu, bos[i].size, bos[i].seed));
@@ -674,12 +685,10 @@ static void test_d_dumper_process(void)
 		OK(kfdm_ioctl(p.m, p.tok, AMDKFD_IOC_GET_VERSION, &v));     /* not a CRIU op */
 		_exit(0);
 	}
-	close(to_child[0]);
-	close(to_parent[1]);
 	struct proc me;
 	proc_open(&me);
 	int64_t tok;
-	CHECK_EQ(read(to_parent[0], &tok, sizeof(tok)), sizeof(tok));
+	CHECK_EQ(read(rfd, &tok, sizeof(tok)), sizeof(tok));
 	struct kfd_ioctl_criu_args a = { 0 };
 	CHECK_EQ(criu(&me, tok, &a, KFD_CRIU_OP_PROCESS_INFO), -EBADF);  /* not its tracer */
 	OK((int)ptrace(PTRACE_SEIZE, pid, 0, 0));
@@ -693,7 +702,7 @@ static void test_d_dumper_process(void)
 	image_free(&img);
 	uint64_t st[KFDM_STAT_COUNT];
 	kfdm_counters(me.m, NULL, NULL, st);
-	wr(to_child[1], 'c');
+	wr(wfd, 'c');
 	int status;
 	CHECK_EQ(waitpid(pid, &status, 0), pid);
 	CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
@@ -704,8 +713,8 @@ static void test_d_dumper_process(void)
 	CHECK_EQ(st2[KFDM_STAT_PROCS_LIVE], st[KFDM_STAT_PROCS_LIVE] - 1);
 	CHECK_EQ(st2[KFDM_STAT_BOS_LIVE], st[KFDM_STAT_BOS_LIVE] - 8);
 	CHECK_EQ(criu(&me, tok, &a, KFD_CRIU_OP_PROCESS_INFO), -EBADF);  /* its token is stale */
-	close(to_child[1]);
-	close(to_parent[0]);
+	close(wfd);
+	close(rfd);
 	proc_close(&me);
 }
 
@@ -781,18 +790,13 @@ static void test_e_injection(void)
 static void test_f_time_namespace(void)
 {
 	g_test = "f: a process in another time namespace";
-	int to_parent[2], to_child[2];
-	OK(pipe(to_parent));
-	OK(pipe(to_child));
-	pid_t mid = fork();
-	CHECK(mid >= 0);
+	int rfd, wfd;
+	pid_t mid = fork_with_pipes(&rfd, &wfd);
 	if (mid == 0) {
-		close(to_parent[0]);
-		close(to_child[1]);                          /* g reads EOF if the parent fails */
 		if (unshare(CLONE_NEWTIME)) {
 			fprintf(stderr, "test_kfd: no time namespaces here (%s): test f skipped\n", strerror(errno));
 			pid_t none = 0;
-			CHECK_EQ(write(to_parent[1], &none, sizeof(none)), sizeof(none));
+			CHECK_EQ(write(wfd, &none, sizeof(none)), sizeof(none));
 			_exit(0);
 		}
 		int fd = open("/proc/self/timens_offsets", O_WRONLY);
@@ -810,8 +814,8 @@ static void test_f_time_namespace(void)
 			OK(alloc(&p, &b, 0, 1ull << 33, pg, VRAM | W));
 			CHECK_EQ(kfdm_open(p.m), p.tok);         /* still the same process to itself */
 			pid_t me = getpid();
-			CHECK_EQ(write(to_parent[1], &me, sizeof(me)), sizeof(me));
-			CHECK_EQ(rd(to_child[0]), 'q');
+			CHECK_EQ(write(wfd, &me, sizeof(me)), sizeof(me));
+			CHECK_EQ(rd(rfd), 'q');
 			CHECK_EQ(kfdm_paused(p.m, getpid()), 0);
 			_exit(0);
 		}
@@ -819,23 +823,21 @@ static void test_f_time_namespace(void)
 		CHECK_EQ(waitpid(g, &st, 0), g);
 		_exit(WIFEXITED(st) ? WEXITSTATUS(st) : 1);
 	}
-	close(to_parent[1]);
-	close(to_child[0]);
 	pid_t g;
-	CHECK_EQ(read(to_parent[0], &g, sizeof(g)), sizeof(g));
+	CHECK_EQ(read(rfd, &g, sizeof(g)), sizeof(g));
 	if (g) {
 		struct proc me;
 		proc_open(&me);
 		CHECK_EQ(kfdm_open(me.m), me.tok);           /* would release g's KFD process if it looked dead */
 		CHECK_EQ(kfdm_paused(me.m, g), 0);
 		proc_close(&me);
-		wr(to_child[1], 'q');
+		wr(wfd, 'q');
 	}
 	int st;
 	CHECK_EQ(waitpid(mid, &st, 0), mid);
 	CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0);
-	close(to_parent[0]);
-	close(to_child[1]);
+	close(rfd);
+	close(wfd);
 }
 
 /* Two states (two model instances, two locks) used by two threads of one
