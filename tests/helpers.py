@@ -4,6 +4,8 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import uvloop
@@ -15,6 +17,14 @@ from vramd.pb import image_pb2 as pb
 from vramd.testing import Workload, blank_spec_like, seal_size  # noqa: F401  (re-exported for tests)
 
 ROOT = str(Path(__file__).resolve().parent.parent)  # the repository
+
+
+def vramctl(*args: str, socket: str | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """`vramctl ARGS` (with --socket SOCKET) as a subprocess of this Python, output captured; the timeout only
+    detects a vramctl that hangs (it fails the test), nothing waits on it."""
+    pre = ["--socket", socket] if socket else []
+    return subprocess.run([sys.executable, "-m", "vramd.cli", *pre, *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
 
 
 def run(coro):

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 import pytest
-from helpers import ROOT, memfd
+from helpers import ROOT, memfd, vramctl
 
 from vramd.client import SESSION_DUMP, SESSION_RESTORE, Client, ClientBo
 from vramd.errors import JobCancelledError
@@ -52,11 +52,6 @@ def session_of(c: Client, pid: int) -> rpc.SessionInfo | None:
     found = [s for s in c.sessions() if s.pid == pid]
     assert len(found) <= 1
     return found[0] if found else None
-
-
-def vramctl(socket: str, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "vramd.cli", "--socket", socket, *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60)
 
 
 def start_vramctl_dump(socket: str, w: Workload, image: str) -> subprocess.Popen[str]:
@@ -140,7 +135,7 @@ def test_vramctl_cancel_says_cancelling(slow_daemon, tmp_path):
         p = start_vramctl_dump(slow_daemon.socket, w, image)
         try:
             running = until("the dump's first batch", 60, lambda: moving(c, p.pid))
-            r = vramctl(slow_daemon.socket, "cancel", str(running.session_id))
+            r = vramctl("cancel", str(running.session_id), socket=slow_daemon.socket, timeout=60)
             assert r.returncode == 0, r.stderr
             assert r.stdout.strip().endswith(("it is now cancelling", "it is now cancelled")), r.stdout
             _, err = p.communicate(timeout=30)

@@ -19,20 +19,13 @@ import sys
 import tempfile
 
 import pytest
-from helpers import ROOT
+from helpers import ROOT, vramctl
 
 from vramd.image.format import child_mark_name
 
 NOBODY = 65534
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="acting as another uid needs root (CI runs as root)")
 DROP = f"import os; os.setgroups([]); os.setgid({NOBODY}); os.setuid({NOBODY})\n"
-
-
-def vramctl(*args, socket=None) -> subprocess.CompletedProcess:
-    pre = ["--socket", socket] if socket else []
-    # the timeout only detects a vramctl that hangs (it would fail the test); nothing waits on it
-    return subprocess.run([sys.executable, "-m", "vramd.cli", *pre, *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
 
 
 @pytest.fixture

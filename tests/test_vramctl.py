@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import ROOT
+from helpers import ROOT, vramctl
 
 from vramd.engine import EngineConfig
 from vramd.pb import rpc_pb2 as rpc
@@ -15,12 +15,6 @@ from vramd.testing import Workload, blank_spec_like
 
 SPEC = [{"size": (2 << 20) + 5, "fill": "random", "seed": 7}, {"size": 64 << 10, "fill": "zero"},
         {"size": 4097, "fill": "pattern", "seed": 8, "skew": 13}]
-
-
-def vramctl(*args, socket=None) -> subprocess.CompletedProcess:
-    pre = ["--socket", socket] if socket else []
-    return subprocess.run([sys.executable, "-m", "vramd.cli", *pre, *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
 
 
 def test_dump_restore_verify_inspect(daemon, tmp_path):
