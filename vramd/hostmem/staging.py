@@ -40,16 +40,11 @@ def buffer_unit(chunk_size: int) -> int:
     return round_up(chunk_size + HEADROOM)
 
 
-def batch_bytes(chunk_size: int, buffers: int) -> int:
-    """Bytes of budget one batch of `buffers` staging buffers for `chunk_size`-byte chunks takes at once."""
-    return buffers * buffer_unit(chunk_size)
-
-
 def staging_shortfall(budget: int, chunk_size: int, buffers: int) -> str | None:
     """The rule a batch's staging obeys: all its buffers fit the budget at once, or no byte ever moves.  None
     where they fit, else why not (one line).  The pool (`acquire`), the engine (a job refused up front) and
     the daemon's configuration check (vramd.service.config) all apply this one."""
-    need = batch_bytes(chunk_size, buffers)
+    need = buffers * buffer_unit(chunk_size)
     if need <= budget:
         return None
     return (f"chunk size {chunk_size} needs {buffers} x {buffer_unit(chunk_size)} = {need} bytes of staging per "
