@@ -261,10 +261,14 @@ def _lock_refused(where: str, why: str) -> InvalidRequestError:
                                "gc runs there)")
 
 
+GONE = -1  # _open_lock_file: `.lock` was removed under it
+
+
 def _open_lock_file(dir_fd: int, where: str, owner: os.stat_result, optional: bool) -> int | None:
     """`.lock` in the directory, opened read-write (created 0600 if missing; created by root: given to the
     directory's owner, who may then take it too) and checked: a regular file, one link, of the directory's
-    owner or of this uid, nobody else's to open.  None where `optional` and this uid may not create it."""
+    owner or of this uid, nobody else's to open.  None where `optional` and this uid may not create it; GONE
+    where it went between the create and the open."""
     me = os.geteuid()
     flags = os.O_RDWR | OPEN_FLAGS
     try:
@@ -275,7 +279,7 @@ def _open_lock_file(dir_fd: int, where: str, owner: os.stat_result, optional: bo
         try:
             fd = os.open(LOCK_NAME, flags, dir_fd=dir_fd)
         except FileNotFoundError:
-            return _open_lock_file(dir_fd, where, owner, optional)  # its holder removed it just now
+            return GONE  # its holder removed it just now: take_lock looks again
         except OSError as e:
             if optional and e.errno == errno.EROFS:
                 return None
@@ -364,6 +368,8 @@ def take_lock(dir_fd: int, where: str = "the image directory", *, shared: bool =
         fd = _open_lock_file(dir_fd, where, owner, optional)
         if fd is None:
             return None
+        if fd == GONE:
+            continue
         try:
             # its last holder may have removed the name between our open and our flock (or held it exclusively
             # to remove it): then this file excludes nobody, and the one at the name now is the lock

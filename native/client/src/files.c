@@ -248,7 +248,8 @@ static int lock_refused(struct vramd_error *err, int e, int dir_fd, const char *
 /* `.lock` in dir_fd opened read-write, created 0600 where missing (by root: given to the directory's owner)
  * and checked as vramd.image.local does: a regular file, one link, of the directory's owner or of this uid,
  * nobody else's to open.  0 with *out the fd, or -1 where `optional` and this uid may not create it (an out
- * parameter: any fd number, 0 and 1 too, may be the lock's where min_fd is 0); or -errno, err filled. */
+ * parameter: any fd number, 0 and 1 too, may be the lock's where min_fd is 0); 1 where it went between the
+ * create and the open; or -errno, err filled. */
 static int open_lock_file(int dir_fd, const struct stat *owner, bool optional, int min_fd, int *out,
                           struct vramd_error *err)
 {
@@ -259,8 +260,8 @@ static int open_lock_file(int dir_fd, const struct stat *owner, bool optional, i
     if (fd == -EEXIST) {
         created = false;
         fd = open_at(dir_fd, VRAMD__LOCK_NAME, O_RDWR | OPEN_FLAGS, min_fd);
-        if (fd == -ENOENT) /* its holder removed it just now */
-            return open_lock_file(dir_fd, owner, optional, min_fd, out, err);
+        if (fd == -ENOENT) /* its holder removed it just now: take_lock looks again */
+            return 1;
         if (optional && fd == -EROFS)
             return 0;
         if (fd == -ELOOP)
@@ -349,6 +350,8 @@ static int take_lock(int dir_fd, bool shared, bool optional, const char *label, 
         int r = open_lock_file(dir_fd, &owner, optional, min_fd, &fd, err);
         if (r < 0)
             return r;
+        if (r == 1)
+            continue;
         if (fd < 0)
             return 0;
         r = flock_waiting_out_releases(fd, dir_fd, shared);
