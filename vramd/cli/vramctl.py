@@ -128,10 +128,15 @@ def rate(nbytes: int, seconds: float) -> str:
 
 # --- sessions ----------------------------------------------------------------
 
+def connect(ns: argparse.Namespace, name: str = "vramctl") -> Client:
+    """The daemon at --socket (else the search order), authenticated with --daemon-user (vramd.paths)."""
+    return Client(ns.socket, name=name, daemon_user=ns.daemon_user)
+
+
 def transfer(ns: argparse.Namespace, kind: rpc.SessionKind, dfd: int, bos: list[ClientBo], what: str,
              **open_kw: Any) -> tuple[rpc.SessionInfo, float]:
     """One dump or restore session through the daemon: (its final info, seconds it took)."""
-    with Client(ns.socket, name="vramctl", daemon_user=ns.daemon_user) as c:
+    with connect(ns) as c:
         t0 = time.monotonic()
         label = f"vramctl {what}" + (f" pid {ns.pid}" if ns.pid is not None else "")
         s = c.open_session(kind, dfd, label=label, **open_kw)
@@ -459,7 +464,7 @@ def cmd_inspect(ns: argparse.Namespace) -> int:
 
 
 def cmd_status(ns: argparse.Namespace) -> int:
-    with Client(ns.socket, name="vramctl", daemon_user=ns.daemon_user) as c:
+    with connect(ns) as c:
         st = c.status()
     backends = [{"name": b.name, "available": b.available, "can_read": b.can_read, "can_write": b.can_write,
                  "asynchronous_dma": b.asynchronous_dma, "reason": b.reason} for b in st.backends]
@@ -504,7 +509,7 @@ def sessions_table(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def cmd_sessions(ns: argparse.Namespace) -> int:
-    with Client(ns.socket, name="vramctl", daemon_user=ns.daemon_user) as c:
+    with connect(ns) as c:
         infos = c.sessions()  # root and the daemon's uid get every uid's; others their own
     if not ns.all:
         infos = [i for i in infos if i.uid == os.getuid()]
@@ -537,7 +542,7 @@ def parse_session_ref(text: str) -> tuple[str, int | None]:
 
 def cmd_cancel(ns: argparse.Namespace) -> int:
     token, sid = ns.session
-    with Client(ns.socket, name="vramctl", daemon_user=ns.daemon_user) as c:
+    with connect(ns) as c:
         if sid is None:
             info = c.cancel(token, ns.reason or "")
         else:
@@ -552,7 +557,7 @@ def cmd_cancel(ns: argparse.Namespace) -> int:
 
 def cmd_selftest(ns: argparse.Namespace) -> int:
     from .selftest import format_rows, run_selftest
-    with Client(ns.socket, name="vramctl selftest", daemon_user=ns.daemon_user) as c:
+    with connect(ns, "vramctl selftest") as c:
         work = tempfile.mkdtemp(prefix="vramd-selftest-", dir=ns.workdir)
         try:
             rows, notes = run_selftest(c, ns.size, work)
