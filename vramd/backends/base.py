@@ -49,7 +49,7 @@ class BoRef(NamedTuple):
     session adds, and a frozen dataclass cost 3-4 times as much to make.)
     """
 
-    kind: str
+    kind: str  # the backend's name: a BackendKind for vramd's own (parsed where a request arrives)
     fd: int
     offset: int = 0
 

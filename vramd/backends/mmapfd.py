@@ -46,6 +46,7 @@ from ..errors import BackendError, BadDescriptorError, TargetTooSmallError
 from ..hostmem.libc import TMPFS_MAGIC, Pointer, address, ffi, fs_type, pointer, populate
 from ..units import PAGE
 from .base import BoHandle, BoRef, Capabilities, Direction, FdMemo, fd_size
+from .kind import BackendKind
 from .threaded import ThreadedBackend
 
 
@@ -102,7 +103,7 @@ def cannot_shrink(fd: int) -> bool:
 
 
 class MmapBackend(ThreadedBackend):
-    name = "mmap"
+    name = BackendKind.MMAP
     write_needs_rdwr = True  # a MAP_SHARED writable mapping needs O_RDWR
 
     def capabilities(self) -> Capabilities:

@@ -17,11 +17,12 @@ from ..hostmem.batchcopy import Copy, copy_batch
 from ..hostmem.libc import ffi as libc_ffi
 from ..units import PAGE
 from .base import BoHandle, BoRef, Capabilities, Direction, FdMemo, OpenItem
+from .kind import BackendKind
 from .threaded import ThreadedBackend
 
 
 class ProcMemBackend(ThreadedBackend):
-    name = "procmem"
+    name = BackendKind.PROCMEM
 
     def capabilities(self) -> Capabilities:
         return Capabilities(

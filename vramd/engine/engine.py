@@ -1,8 +1,8 @@
 """The transfer engine: one staging budget, the backends, and the thread pools.
 
     async with Engine(EngineConfig(staging_budget=512 << 20)) as engine:
-        manifest = await engine.dump(dir_fd, [BoSpec(1, size, BoRef("procmem", mem_fd, addr))])
-        await engine.restore(dir_fd, [RestoreTarget(1, BoRef("procmem", mem_fd2, addr))])
+        manifest = await engine.dump(dir_fd, [BoSpec(1, size, BoRef(BackendKind.PROCMEM, mem_fd, addr))])
+        await engine.restore(dir_fd, [RestoreTarget(1, BoRef(BackendKind.PROCMEM, mem_fd2, addr))])
         report = await engine.verify(dir_fd)
 
 Every fd (BO sources and targets, image files) is the caller's; the engine
@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..backends import REGISTRY, Backend, BackendOptions
+from ..backends import REGISTRY, Backend, BackendKind, BackendOptions
 from ..errors import BackendUnavailableError, InvalidRequestError, LimitExceededError
 from ..hostmem.staging import StagingPool, staging_shortfall
 from ..image.chunks import parent_entries
@@ -201,7 +201,7 @@ class Engine:
         options = BackendOptions(workers_per_gpu=c.inflight_per_gpu, copy_threads=c.copy_threads,
                                  sdma_library=c.sdma_library,
                                  render_nodes=c.render_nodes, recommended_mask=c.recommended_mask)
-        disabled = set() if c.sdma else {"sdma"}
+        disabled = set() if c.sdma else {BackendKind.SDMA}
         backends: dict[str, Backend] = {}
         for name, cls in REGISTRY.items():
             if name in disabled:

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import re
 import secrets
 import time
 import weakref
@@ -21,7 +19,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ..backends import BoRef
+from ..backends import BackendKind, BoRef
 from ..engine import Ahead, BoSpec, DumpJob, Job, RestoreJob, RestoreTarget, VerifyJob
 from ..errors import (
     InternalError,
@@ -59,26 +57,8 @@ TRANSITIONS: dict[rpc.SessionState, frozenset[rpc.SessionState]] = {
     rpc.SESSION_CANCELLED: frozenset(),
 }
 
-_PROCMEM_LINK = re.compile(r"^/proc/(\d+)/mem$")
 RATE_WINDOW = 5.0  # seconds: a running session's rate is measured over looks at most this far back
 KIND_NAMES = {rpc.SESSION_DUMP: "dump", rpc.SESSION_RESTORE: "restore", rpc.SESSION_VERIFY: "verify"}
-
-
-def procmem_pid(fd: int) -> int | None:
-    """The pid of the process whose memory `fd` is, when it is a /proc/<pid>/mem fd; else None.
-
-    Read from the link of our own fd table, never from a path a client named."""
-    try:
-        target = os.readlink(f"/proc/self/fd/{fd}")
-    except OSError:
-        return None
-    m = _PROCMEM_LINK.match(target)
-    return int(m.group(1)) if m else None
-
-
-def pick_backend(fd: int) -> str:
-    """The backend for an fd whose client named none: procmem for /proc/<pid>/mem, else mmap."""
-    return "procmem" if procmem_pid(fd) is not None else "mmap"
 
 
 ENDED = frozenset({rpc.SESSION_DONE, rpc.SESSION_FAILED, rpc.SESSION_CANCELLED})  # no way out of these
@@ -352,7 +332,7 @@ class Session:
                 raise LimitExceededError(f"more than {self.limits.max_bos} BOs in one session (max_bos_per_session)")
             step = _Stepper()
             fds: dict[int, int] = {}
-            kinds: dict[int, str] = {}  # the backend of a BO that names none follows from its fd: looked at once
+            kinds: dict[int, BackendKind] = {}  # a BO naming no backend: its fd picks one, looked at once
             pids: set[int] = set()
             chunks = 0
             chunk_size = job.chunk_size if isinstance(job, DumpJob) else 0
@@ -369,8 +349,7 @@ class Session:
                     fd = fds.get(index)
                     if fd is None:
                         fd = fds[index] = bundle.peek(index)
-                        pid = procmem_pid(fd)
-                        kinds[index] = "mmap" if pid is None else "procmem"
+                        kinds[index], pid = BackendKind.for_fd(fd)
                         if pid is not None:
                             pids.add(pid)
                     if not (default_gpu and not bo.HasField("gpu_id")):
@@ -382,7 +361,8 @@ class Session:
                                 raise InvalidRequestError(f"no data file is attached for gpu_id {bo.gpu_id:#x} "
                                                           "(AttachFiles it before its first BO)", bo_id=bo.id)
                             chunks += -(-size // chunk_size)
-                    items.append(make(bo, BoRef(bo.backend or kinds[index], fd, bo.offset)))
+                    kind = BackendKind.parse(bo.backend, bo_id=bo.id) if bo.backend else kinds[index]
+                    items.append(make(bo, BoRef(kind, fd, bo.offset)))
             self._check_open()  # still open after the steps
             # the per-uid checks here, with no await before the reservation: other sessions of the uid add too
             if self.usage.bos + n > self.usage.limits.max_bos:

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from ..backends import REGISTRY, Backend, BackendOptions, BoHandle, BoRef, Direction
+from ..backends import REGISTRY, Backend, BackendKind, BackendOptions, BoHandle, BoRef, Direction
 from ..errors import BackendError, BadDescriptorError
 from ..hostmem.libc import address, pointer
 from ..hostmem.staging import StagingPool
@@ -64,13 +64,13 @@ def seal_size(fd: int) -> None:
 
 def mmap_subject() -> Subject:
     """mmap on memfds, read and written with pread/pwrite (a memfd that may shrink is never mapped)."""
-    s = Subject(REGISTRY["mmap"].create(BackendOptions()), "mmap", lambda d: _memfd_bo("mmap", s.cleanups, d))
+    s = Subject(REGISTRY[BackendKind.MMAP].create(BackendOptions()), "mmap", lambda d: _memfd_bo("mmap", s.cleanups, d))
     return s
 
 
 def mapped_subject() -> Subject:
     """mmap on memfds sealed to their size: mapped and copied through the mapping, as a dmabuf (large BAR) is."""
-    s = Subject(REGISTRY["mmap"].create(BackendOptions()), "mmap",
+    s = Subject(REGISTRY[BackendKind.MMAP].create(BackendOptions()), "mmap",
                 lambda d: _memfd_bo("mmap", s.cleanups, d, sealed=True))
     return s
 
@@ -82,7 +82,7 @@ def fake_subject() -> Subject:
 
 def sdma_model_subject() -> Subject:
     """SDMA on the software model of libdrm_amdgpu + SDMA: a dmabuf is a page-rounded memfd there."""
-    backend = REGISTRY["sdma"].create(BackendOptions(sdma_library="model"))
+    backend = REGISTRY[BackendKind.SDMA].create(BackendOptions(sdma_library="model"))
     s = Subject(backend, "sdma", lambda d: _memfd_bo("sdma", s.cleanups, d, page_rounded=True))
     return s
 
@@ -90,7 +90,7 @@ def sdma_model_subject() -> Subject:
 def procmem_subject() -> Subject:
     """procmem on this very process: BOs are anonymous mappings, reached through /proc/self/mem."""
     mem = os.open("/proc/self/mem", os.O_RDWR | os.O_CLOEXEC)
-    s = Subject(REGISTRY["procmem"].create(BackendOptions()), "procmem", lambda d: new(d))
+    s = Subject(REGISTRY[BackendKind.PROCMEM].create(BackendOptions()), "procmem", lambda d: new(d))
     s.cleanups.append(lambda: os.close(mem))
 
     def new(data: bytes) -> tuple[BoRef, Callable[[], bytes]]:

@@ -31,28 +31,30 @@ from __future__ import annotations
 
 import array
 import asyncio
-import logging
 import os
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Self, TypeVar
+from typing import TYPE_CHECKING, Self, TypeVar
 
 from ...errors import BackendError, BackendUnavailableError, TargetTooSmallError, from_os_error
 from ...hostmem.staging import StagingBuffer, StagingPool
 from ...units import round_up
 from ..base import Backend, BackendOptions, BoHandle, BoRef, Capabilities, CopyItem, Direction, FdMemo, fd_size
+from ..kind import BackendKind
 from .binding import Unavailable, is_model, load, resolve
 from .device import GpuDevice, Handle, Ring, SdmaBo
+from .driver import Driver
 from .packets import GPU_PAGE, IB_SLOT_BYTES, IB_SLOTS_PER_RING, TIMEOUT_INFINITE, copy_linear_packets
 
-log = logging.getLogger("vramd.backends.sdma")
+if TYPE_CHECKING:
+    from ._amdgpu import _FFI, _Lib
 
 
 class SdmaBackend(Backend):
     """Backend over libdrm_amdgpu (real, or the software model)."""
 
-    name = "sdma"
+    name = BackendKind.SDMA
 
     @classmethod
     def create(cls, options: BackendOptions) -> Self:
@@ -67,9 +69,10 @@ class SdmaBackend(Backend):
             raise BackendUnavailableError("no AMD GPU found in the KFD topology (VRAMD_AMDGPU_LIBRARY=model "
                                           "selects the software model)")
         try:
-            self.ffi, self.lib, _ = load(library)
+            ffi, lib, _ = load(library)
         except Unavailable as e:
             raise BackendUnavailableError(str(e)) from None
+        self.driver = Driver(ffi, lib, model=self.model)  # the libdrm calls of the backend and its GPUs
         self.recommended_mask = recommended_mask or {}
         self.workers_per_gpu = workers_per_gpu
         self.pool: StagingPool | None = None
@@ -81,16 +84,18 @@ class SdmaBackend(Backend):
 
     # --- plumbing --------------------------------------------------------------
 
-    def _rc(self, rc: int, call: str, *, bo_id: int | None = None, offset: int | None = None) -> None:
-        if rc:
-            raise BackendError(f"{call} failed: {os.strerror(-rc) if rc < 0 else rc} ({rc})"
-                               f"{' [software model]' if self.model else ''}", bo_id=bo_id, offset=offset)
+    @property
+    def ffi(self) -> _FFI:
+        return self.driver.ffi
 
-    @staticmethod
-    def cleanup(rc: int, call: str) -> None:
-        """A failing teardown call is logged, never raised: it must not replace the error that got us here."""
-        if rc:
-            log.warning("sdma cleanup: %s failed (%d)", call, rc)
+    @property
+    def lib(self) -> _Lib:
+        """The library every libdrm call of the backend and its GPUs goes to (replaceable, e.g. by a spy)."""
+        return self.driver.lib
+
+    @lib.setter
+    def lib(self, lib: _Lib) -> None:
+        self.driver.lib = lib
 
     def _submitter(self, gpu_id: int) -> ThreadPoolExecutor:
         with self._lock:
@@ -105,7 +110,8 @@ class SdmaBackend(Backend):
         with self._lock:
             g = self._gpus.get(gpu_id)
             if g is None:
-                g = self._gpus[gpu_id] = GpuDevice(self, gpu_id, self._device_fd(gpu_id))
+                g = self._gpus[gpu_id] = GpuDevice(self.driver, gpu_id, self._device_fd(gpu_id),
+                                                     self.recommended_mask.get(gpu_id))
             return g
 
     def _device_fd(self, gpu_id: int) -> int:
@@ -162,7 +168,7 @@ class SdmaBackend(Backend):
         """In the GPU's submit thread: import the BO's dmabuf and map it into the GPU's VM (once per BO and job)."""
         ffi, lib = self.ffi, self.lib
         res = ffi.new("struct amdgpu_bo_import_result *")
-        self._rc(lib.amdgpu_bo_import(g.dev, lib.amdgpu_bo_handle_type_dma_buf_fd, h.ref.fd, res),
+        self.driver.rc(lib.amdgpu_bo_import(g.dev, lib.amdgpu_bo_handle_type_dma_buf_fd, h.ref.fd, res),
                  f"amdgpu_bo_import (the dmabuf of BO {h.bo_id}, gpu {h.gpu_id:#x})", bo_id=h.bo_id)
         bo, have = res.buf_handle, res.alloc_size
         try:
@@ -170,7 +176,7 @@ class SdmaBackend(Backend):
             map_size = round_up(max(have, 1), GPU_PAGE)
             h.va, h.va_handle = g.map_va(bo, map_size, f"BO {h.bo_id}", bo_id=h.bo_id)
         except BaseException:
-            self.cleanup(lib.amdgpu_bo_free(bo), "amdgpu_bo_free")
+            self.driver.cleanup(lib.amdgpu_bo_free(bo), "amdgpu_bo_free")
             raise
         h.bo, h.map_size = bo, map_size
 
@@ -191,7 +197,7 @@ class SdmaBackend(Backend):
         g = self._gpus.get(handle.gpu_id)
         if g is not None:
             g.unmap_va(handle.bo, handle.map_size, handle.va, handle.va_handle, f"BO {handle.bo_id}")
-        self.cleanup(self.lib.amdgpu_bo_free(handle.bo), "amdgpu_bo_free (BO)")
+        self.driver.cleanup(self.lib.amdgpu_bo_free(handle.bo), "amdgpu_bo_free (BO)")
         handle.bo = None
 
     def submit(self, handle: BoHandle, bo_offset: int, buf: StagingBuffer, buf_offset: int,
@@ -282,7 +288,7 @@ class SdmaBackend(Backend):
         try:
             return self._submit(ring, slot, ib, first, items[0][1], bo_list)
         finally:  # the kernel looked the list up at submit
-            self.cleanup(self.lib.amdgpu_bo_list_destroy(bo_list), "amdgpu_bo_list_destroy")
+            self.driver.cleanup(self.lib.amdgpu_bo_list_destroy(bo_list), "amdgpu_bo_list_destroy")
 
     def _bo_list(self, g: GpuDevice, ring: Ring, items: Sequence[CopyItem]) -> Handle:
         """The BOs a submission touches (BOs, staging userptrs, the IB): the kernel makes them resident."""
@@ -296,7 +302,7 @@ class SdmaBackend(Backend):
             handles[id(ub)] = ub
         arr = ffi.new("amdgpu_bo_handle[]", list(handles.values()))
         out = ffi.new("amdgpu_bo_list_handle *")
-        self._rc(lib.amdgpu_bo_list_create(g.dev, len(handles), arr, ffi.NULL, out), "amdgpu_bo_list_create",
+        self.driver.rc(lib.amdgpu_bo_list_create(g.dev, len(handles), arr, ffi.NULL, out), "amdgpu_bo_list_create",
                  bo_id=items[0][0].bo_id, offset=items[0][1])
         return out[0]
 
@@ -317,7 +323,7 @@ class SdmaBackend(Backend):
         req.number_of_ibs = 1
         req.ibs = info
         req.resources = bo_list
-        self._rc(lib.amdgpu_cs_submit(ring.ctx, 0, req, 1),
+        self.driver.rc(lib.amdgpu_cs_submit(ring.ctx, 0, req, 1),
                  f"amdgpu_cs_submit (ring {ring.index})", bo_id=h.bo_id, offset=offset)
         seq: int = req.seq_no
         return seq
@@ -331,12 +337,12 @@ class SdmaBackend(Backend):
         fence.ring = ring.index
         fence.fence = seq
         expired = ffi.new("uint32_t *")
-        self._rc(lib.amdgpu_cs_query_fence_status(fence, TIMEOUT_INFINITE, 0, expired),
+        self.driver.rc(lib.amdgpu_cs_query_fence_status(fence, TIMEOUT_INFINITE, 0, expired),
                    "amdgpu_cs_query_fence_status", bo_id=h.bo_id, offset=offset)
         if not expired[0]:
             raise BackendError("SDMA fence did not signal", bo_id=h.bo_id, offset=offset)
         flags = ffi.new("uint64_t *")
-        self._rc(lib.amdgpu_cs_query_reset_state2(ring.ctx, flags), "amdgpu_cs_query_reset_state2",
+        self.driver.rc(lib.amdgpu_cs_query_reset_state2(ring.ctx, flags), "amdgpu_cs_query_reset_state2",
                    bo_id=h.bo_id, offset=offset)
         if flags[0] & (lib.AMDGPU_CTX_QUERY2_FLAGS_GUILTY | lib.AMDGPU_CTX_QUERY2_FLAGS_VRAMLOST):
             self._renew_context(g, ring)

@@ -15,6 +15,7 @@ measured through the model is a model number, never a hardware one.
 from __future__ import annotations
 
 import ctypes
+import importlib
 import os
 import sys
 import threading
@@ -61,14 +62,16 @@ def load(library: str | None = None) -> tuple[_FFI, _Lib, str]:
                 ctypes.CDLL(path, mode=os.RTLD_NOW | os.RTLD_GLOBAL)
             except OSError as e:
                 raise Unavailable(f"cannot load {path}: {e}") from None
-        try:
-            from . import _amdgpu
+        try:  # by name: the compiled module only, never this package's modules above the binding
+            amdgpu = importlib.import_module(BINDING)
         except ImportError as e:
             raise Unavailable(
                 f"the libdrm_amdgpu binding is not usable: {e}. Install libdrm-dev (Debian; provides "
                 "amdgpu.h and libdrm_amdgpu.pc) and reinstall vramd to build it") from None
-        _loaded.update(ffi=_amdgpu.ffi, lib=_amdgpu.lib, path=path)
-        return _amdgpu.ffi, _amdgpu.lib, path
+        ffi: _FFI = amdgpu.ffi
+        lib: _Lib = amdgpu.lib
+        _loaded.update(ffi=ffi, lib=lib, path=path)
+        return ffi, lib, path
 
 
 def is_model(path: str) -> bool:

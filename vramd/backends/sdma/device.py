@@ -8,15 +8,13 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ...errors import BackendUnavailableError
 from ...hostmem.staging import StagingBuffer
 from ..base import BoHandle, Direction
+from .driver import Driver
 from .packets import GPU_PAGE, IB_SLOT_BYTES, IB_SLOTS_PER_RING, KERNEL_DMA_RINGS
-
-if TYPE_CHECKING:
-    from .backend import SdmaBackend
 
 log = logging.getLogger("vramd.backends.sdma")
 
@@ -51,22 +49,23 @@ class Ring:
 class GpuDevice:
     """One GPU: device handle, rings, and the staging buffers registered with it."""
 
-    def __init__(self, backend: SdmaBackend, gpu_id: int, fd: int) -> None:
-        self.b, self.gpu_id, self.fd = backend, gpu_id, fd
+    def __init__(self, driver: Driver, gpu_id: int, fd: int, recommended_mask: int | None = None) -> None:
+        """`recommended_mask`: the topology's SDMA engines for host copies (logged only: see below)."""
+        self.driver, self.gpu_id, self.fd = driver, gpu_id, fd
         self.dev: Handle = None
         self.rings: list[Ring] = []
         self.retired: list[Handle] = []   # guilty contexts replaced, freed at close
         self.userptrs: list[StagingBuffer] = []  # staging buffers registered here
-        ffi, lib = backend.ffi, backend.lib
+        ffi, lib = driver.ffi, driver.lib
         try:  # from here on, close() releases whatever was set up, the fd included
             major, minor, dev = ffi.new("uint32_t *"), ffi.new("uint32_t *"), ffi.new("amdgpu_device_handle *")
-            backend._rc(lib.amdgpu_device_initialize(fd, major, minor, dev), "amdgpu_device_initialize")
+            driver.rc(lib.amdgpu_device_initialize(fd, major, minor, dev), "amdgpu_device_initialize")
             self.dev = dev[0]
             info = ffi.new("struct amdgpu_gpu_info *")
-            backend._rc(lib.amdgpu_query_gpu_info(self.dev, info), "amdgpu_query_gpu_info")
+            driver.rc(lib.amdgpu_query_gpu_info(self.dev, info), "amdgpu_query_gpu_info")
             self.family = info.family_id
             ip = ffi.new("struct drm_amdgpu_info_hw_ip *")
-            backend._rc(lib.amdgpu_query_hw_ip_info(self.dev, lib.AMDGPU_HW_IP_DMA, 0, ip), "amdgpu_query_hw_ip_info")
+            driver.rc(lib.amdgpu_query_hw_ip_info(self.dev, lib.AMDGPU_HW_IP_DMA, 0, ip), "amdgpu_query_hw_ip_info")
             engines = [i for i in range(32) if ip.available_rings >> i & 1]
             # A context has KERNEL_DMA_RINGS DMA ring slots whatever the engine count (the kernel's
             # amdgpu_ctx_num_entities), and the kernel's scheduler places each slot on an idle
@@ -74,7 +73,7 @@ class GpuDevice:
             # recommended_sdma_engine_id_mask (which KFD honours for user-mode SDMA queues)
             # cannot be applied here; it is logged for the record.
             rings = list(range(min(len(engines), KERNEL_DMA_RINGS)))
-            self.recommended_mask = backend.recommended_mask.get(gpu_id)
+            self.recommended_mask = recommended_mask
             if not rings:
                 raise BackendUnavailableError(f"GPU {gpu_id:#x} reports no SDMA ring")
             for r in rings:
@@ -86,41 +85,41 @@ class GpuDevice:
         log.info("sdma: GPU %#x family %d, %d engine(s), ring slots %s, recommended engine mask %s%s", gpu_id,
                  self.family, len(engines), [r.index for r in self.rings],
                  hex(self.recommended_mask) if self.recommended_mask else "none",
-                 " (software model)" if backend.model else "")
+                 " (software model)" if driver.model else "")
 
     def _make_ring(self, index: int) -> Ring:
-        b, ffi, lib = self.b, self.b.ffi, self.b.lib
+        b, ffi, lib = self.driver, self.driver.ffi, self.driver.lib
         ctx = ffi.new("amdgpu_context_handle *")
-        b._rc(lib.amdgpu_cs_ctx_create(self.dev, ctx), "amdgpu_cs_ctx_create")
+        b.rc(lib.amdgpu_cs_ctx_create(self.dev, ctx), "amdgpu_cs_ctx_create")
         req = ffi.new("struct amdgpu_bo_alloc_request *")
         req.alloc_size = IB_SLOT_BYTES * IB_SLOTS_PER_RING
         req.phys_alignment = GPU_PAGE
         req.preferred_heap = lib.AMDGPU_GEM_DOMAIN_GTT
         bo = ffi.new("amdgpu_bo_handle *")
-        b._rc(lib.amdgpu_bo_alloc(self.dev, req, bo), "amdgpu_bo_alloc (IB)")
+        b.rc(lib.amdgpu_bo_alloc(self.dev, req, bo), "amdgpu_bo_alloc (IB)")
         cpu = ffi.new("void **")
-        b._rc(lib.amdgpu_bo_cpu_map(bo[0], cpu), "amdgpu_bo_cpu_map (IB)")
+        b.rc(lib.amdgpu_bo_cpu_map(bo[0], cpu), "amdgpu_bo_cpu_map (IB)")
         va, vah = self.map_va(bo[0], req.alloc_size, "IB")
         return Ring(index, ctx[0], bo[0], cpu[0], va, vah,
                      ThreadPoolExecutor(1, thread_name_prefix=f"vramd-sdma-{self.gpu_id:x}-r{index}"),
                      free_slots=list(range(IB_SLOTS_PER_RING)))
 
     def map_va(self, bo: Handle, size: int, what: str, *, bo_id: int | None = None) -> tuple[int, Handle]:
-        b, ffi, lib = self.b, self.b.ffi, self.b.lib
+        b, ffi, lib = self.driver, self.driver.ffi, self.driver.lib
         va = ffi.new("uint64_t *")
         vah = ffi.new("amdgpu_va_handle *")
-        b._rc(lib.amdgpu_va_range_alloc(self.dev, lib.amdgpu_gpu_va_range_general, size, GPU_PAGE, 0, va, vah, 0),
+        b.rc(lib.amdgpu_va_range_alloc(self.dev, lib.amdgpu_gpu_va_range_general, size, GPU_PAGE, 0, va, vah, 0),
                 f"amdgpu_va_range_alloc ({what})", bo_id=bo_id)
         rc = lib.amdgpu_bo_va_op(bo, 0, size, va[0], 0, lib.AMDGPU_VA_OP_MAP)
         if rc:
             lib.amdgpu_va_range_free(vah[0])
-            b._rc(rc, f"amdgpu_bo_va_op MAP ({what})", bo_id=bo_id)
+            b.rc(rc, f"amdgpu_bo_va_op MAP ({what})", bo_id=bo_id)
         return va[0], vah[0]
 
     def unmap_va(self, bo: Handle, size: int, va: int, vah: Handle, what: str) -> None:
-        lib = self.b.lib
-        self.b.cleanup(lib.amdgpu_bo_va_op(bo, 0, size, va, 0, lib.AMDGPU_VA_OP_UNMAP), f"UNMAP {what}")
-        self.b.cleanup(lib.amdgpu_va_range_free(vah), f"amdgpu_va_range_free {what}")
+        lib = self.driver.lib
+        self.driver.cleanup(lib.amdgpu_bo_va_op(bo, 0, size, va, 0, lib.AMDGPU_VA_OP_UNMAP), f"UNMAP {what}")
+        self.driver.cleanup(lib.amdgpu_va_range_free(vah), f"amdgpu_va_range_free {what}")
 
     def ring_for(self, direction: Direction) -> Ring:
         """Dump and restore on different rings when there are several; round-robin within a direction."""
@@ -138,10 +137,10 @@ class GpuDevice:
         key = ("sdma", self.gpu_id)
         entry = buf.backend_state.get(key)
         if entry is None:
-            ffi, lib = self.b.ffi, self.b.lib
+            ffi, lib = self.driver.ffi, self.driver.lib
             size = buf.size  # its usable bytes: a buffer on huge pages maps more (hostmem.staging), never touched
             bo = ffi.new("amdgpu_bo_handle *")
-            self.b._rc(lib.amdgpu_create_bo_from_user_mem(self.dev, ffi.cast("void *", buf.address), size, bo),
+            self.driver.rc(lib.amdgpu_create_bo_from_user_mem(self.dev, ffi.cast("void *", buf.address), size, bo),
                          "amdgpu_create_bo_from_user_mem (staging)")
             try:
                 va, vah = self.map_va(bo[0], size, "staging")
@@ -158,25 +157,25 @@ class GpuDevice:
         if entry is not None:
             bo, va, vah, size = entry
             self.unmap_va(bo, size, va, vah, "staging")
-            self.b.cleanup(self.b.lib.amdgpu_bo_free(bo), "amdgpu_bo_free (staging)")
+            self.driver.cleanup(self.driver.lib.amdgpu_bo_free(bo), "amdgpu_bo_free (staging)")
             if buf in self.userptrs:
                 self.userptrs.remove(buf)
 
     def close(self) -> None:
-        lib = self.b.lib
+        lib = self.driver.lib
         for ring in self.rings:
             ring.waiter.shutdown(wait=True)
             self.unmap_va(ring.ib_bo, IB_SLOT_BYTES * IB_SLOTS_PER_RING, ring.ib_va, ring.ib_va_handle, "IB")
-            self.b.cleanup(lib.amdgpu_bo_cpu_unmap(ring.ib_bo), "amdgpu_bo_cpu_unmap (IB)")
-            self.b.cleanup(lib.amdgpu_bo_free(ring.ib_bo), "amdgpu_bo_free (IB)")
-            self.b.cleanup(lib.amdgpu_cs_ctx_free(ring.ctx), "amdgpu_cs_ctx_free")
+            self.driver.cleanup(lib.amdgpu_bo_cpu_unmap(ring.ib_bo), "amdgpu_bo_cpu_unmap (IB)")
+            self.driver.cleanup(lib.amdgpu_bo_free(ring.ib_bo), "amdgpu_bo_free (IB)")
+            self.driver.cleanup(lib.amdgpu_cs_ctx_free(ring.ctx), "amdgpu_cs_ctx_free")
         self.rings = []
         for ctx in self.retired:
-            self.b.cleanup(lib.amdgpu_cs_ctx_free(ctx), "amdgpu_cs_ctx_free (retired)")
+            self.driver.cleanup(lib.amdgpu_cs_ctx_free(ctx), "amdgpu_cs_ctx_free (retired)")
         self.retired = []
         for buf in list(self.userptrs):
             self.forget(buf)
         if self.dev is not None:
-            self.b.cleanup(lib.amdgpu_device_deinitialize(self.dev), "amdgpu_device_deinitialize")
+            self.driver.cleanup(lib.amdgpu_device_deinitialize(self.dev), "amdgpu_device_deinitialize")
             self.dev = None
         os.close(self.fd)

@@ -29,7 +29,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from ...backends import Backend, Direction, OpenItem, land_all
+from ...backends import Backend, BackendKind, Direction, OpenItem, land_all
 from ...errors import InternalError, InvalidRequestError, JobError, LimitExceededError, VramdError
 from ...hostmem.batchcopy import HASH, ZERO, copy_batch, xor_into
 from ...hostmem.libc import ffi as libc_ffi
@@ -88,7 +88,8 @@ class Piece:
     file: int = -1                   # and the index of the data file that holds it
 
 
-SOURCE_KINDS = {"procmem": pb.SOURCE_PROCMEM, "mmap": pb.SOURCE_MMAP, "sdma": pb.SOURCE_SDMA}
+SOURCE_KINDS: dict[str, pb.SourceKind] = {BackendKind.PROCMEM: pb.SOURCE_PROCMEM, BackendKind.MMAP: pb.SOURCE_MMAP,
+                                          BackendKind.SDMA: pb.SOURCE_SDMA}
 
 
 @dataclass(eq=False)
@@ -512,7 +513,7 @@ class DumpJob(JobBase[DumpBo]):
     def _same_buffer(self, spec: BoSpec) -> tuple[tuple[int, int, int, int] | None, DumpBo | None]:
         """A dmabuf (or memfd) given before, as the same inode, offset and size: (its key, the BO first given
         with it, or None)."""
-        if spec.ref.kind == "procmem" or not spec.size:
+        if spec.ref.kind == BackendKind.PROCMEM or not spec.size:
             return None, None
         try:
             st = os.fstat(spec.ref.fd)
