@@ -10,6 +10,7 @@ import pytest
 
 from vramd.backends import MmapBackend
 from vramd.backends.sdma.binding import MODEL_PATH
+from vramd.errors import BackendError
 from vramd.testing import SUBJECTS, Subject, check_backend
 from vramd.testing.contract import mmap_subject
 
@@ -35,6 +36,20 @@ class _Untruthful(MmapBackend):
         return os.fstat(0)
 
 
+class _NoCopier(MmapBackend):
+    """Says its copies are CPU copies (not asynchronous DMA) but hands out no CPU copier: the contract must notice."""
+
+    def cpu_copier(self):
+        return None
+
+
+class _AnonymousCopyError(MmapBackend):
+    """Its CPU copier's errors name no BO: the contract must notice."""
+
+    def copy_error(self, handle, bo_offset, err):
+        return BackendError("a copy failed somewhere")
+
+
 def _subject_with(cls):
     def make():
         s = mmap_subject()
@@ -43,7 +58,7 @@ def _subject_with(cls):
     return make
 
 
-@pytest.mark.parametrize("broken", [_OffByOne, _Untruthful])
+@pytest.mark.parametrize("broken", [_OffByOne, _Untruthful, _NoCopier, _AnonymousCopyError])
 def test_the_contract_catches_a_broken_backend(broken):
     with pytest.raises(AssertionError):
         check_backend(_subject_with(broken))

@@ -14,6 +14,7 @@ from .base import (
     BoRef,
     Capabilities,
     CopyItem,
+    CpuCopier,
     Direction,
     FdMemo,
     OpenItem,
@@ -31,4 +32,5 @@ REGISTRY: dict[BackendKind, type[Backend]] = {
 }
 
 __all__ = ["REGISTRY", "Backend", "BackendKind", "BackendOptions", "BoHandle", "BoRef", "Capabilities", "CopyItem",
-           "Direction", "FdMemo", "MmapBackend", "OpenItem", "ProcMemBackend", "SdmaBackend", "land_all", "procmem_pid"]
+           "CpuCopier", "Direction", "FdMemo", "MmapBackend", "OpenItem", "ProcMemBackend", "SdmaBackend", "land_all",
+           "procmem_pid"]

@@ -13,6 +13,11 @@ batch's copies at once with `submit_many`: one future for many copies, so a
 batch costs one completion (a CPU backend: one thread hand-off; a DMA
 backend: one submission of many packets and one fence) however many pieces
 it holds.
+
+That asynchronous core (open, submit, completion, release, close) is all a
+backend must have.  A backend whose copies are plain CPU copies also hands
+out a `CpuCopier` (`Backend.cpu_copier`): the engine asks for it and, where
+there is one, runs whole batches through it in its own copy threads.
 """
 from __future__ import annotations
 
@@ -26,7 +31,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Iterable, Iterator, Mapping, MutableMapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import ClassVar, NamedTuple, Self
+from typing import ClassVar, NamedTuple, Protocol, Self
 
 from ..errors import BadDescriptorError, VramdError, from_os_error
 from ..hostmem.batchcopy import Copy
@@ -176,34 +181,38 @@ class Backend(ABC):
     def release(self, handle: BoHandle) -> None:
         """The job is done with this BO."""
 
-    # --- CPU copies the engine runs itself ----------------------------------
-    # A backend whose copies are plain CPU copies (procmem, mmap) says so with
-    # `cpu_copies`; the engine may then run a whole batch (copy, zero scan,
-    # checksum, file I/O) as one call in its own copy threads
-    # (vramd.hostmem.batchcopy) instead of going through `submit_many`.
+    def cpu_copier(self) -> CpuCopier | None:
+        """The backend's CPU copies, where its copies are plain CPU copies (procmem, mmap): the engine then runs
+        a whole batch (copy, zero scan, checksum, file I/O) as one call in its own copy threads
+        (vramd.hostmem.batchcopy) through it, instead of going through `submit_many`.  None (the default): the
+        backend's copies complete asynchronously (a DMA engine), through `submit_many` only."""
+        return None
 
-    cpu_copies: ClassVar[bool] = False
+    def close(self) -> None:
+        """The job is over; drop per-job resources."""
+
+
+class CpuCopier(Protocol):
+    """The optional half of a backend: copies that are plain CPU copies, run by whoever holds a copy thread.
+
+    Asked for by capability (`Backend.cpu_copier`); every method but `plan` is blocking work for a copy
+    thread.  `CpuCopies` (vramd.backends.threaded) is the one implementation the CPU backends share.
+    """
 
     def endpoint(self, handle: BoHandle, bo_offset: int, length: int) -> tuple[int, int]:
         """Where a CPU copy reaches bytes [bo_offset, bo_offset + length) of the BO.
 
         `(fd, file offset)` for pread/pwrite, or `(-1, address)` for memory
         that stays valid until `release` (e.g. a mapping).  Blocking; called
-        in a copy thread.  Only for backends with `cpu_copies`.
+        in a copy thread.
         """
-        raise NotImplementedError(f"backend {self.name!r} has no CPU endpoints")
 
     def plan(self, handle: BoHandle, bo_offset: int, address: int, length: int) -> Copy:
         """The CPU copy between bytes [bo_offset, +length) of the BO and staging memory at `address`."""
-        fd, pos = self.endpoint(handle, bo_offset, length)
-        if handle.direction is Direction.READ:
-            return Copy(fd, pos, -1, address, length)
-        return Copy(-1, address, fd, pos, length)
 
     def copy_error(self, handle: BoHandle, bo_offset: int, err: int) -> VramdError:
         """The typed error for a CPU copy that stopped at BO offset `bo_offset`
         (`err`: an errno, or batchcopy.END_OF_FILE when the fd ended there)."""
-        raise NotImplementedError(f"backend {self.name!r} has no CPU endpoints")
 
     def after_copy(self, handle: BoHandle, bo_offset: int, length: int) -> None:
         """Called in the copy thread after a CPU copy of the BO landed (e.g. to unmap a BO copied whole)."""
@@ -212,15 +221,11 @@ class Backend(ABC):
         """A lock that every CPU copy into this BO holds (`holding`), where the kernel runs such writes one
         at a time anyway: a copy thread waiting here sleeps, where one waiting in the kernel spins.  None:
         copies into the BO run side by side."""
-        return None
-
-    def close(self) -> None:
-        """The job is over; drop per-job resources."""
 
 
 @contextmanager
 def holding(locks: Iterable[threading.Lock | None]) -> Iterator[None]:
-    """Hold every distinct lock of `locks` (Backend.write_lock's; None: no lock), taken in one order
+    """Hold every distinct lock of `locks` (CpuCopier.write_lock's; None: no lock), taken in one order
     everywhere, so two copy threads that need some of the same locks never wait for each other in a cycle."""
     held = [lock for _, lock in sorted({id(lock): lock for lock in locks if lock is not None}.items())]
     for lock in held:

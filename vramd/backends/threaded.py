@@ -5,24 +5,55 @@ call without the GIL where the C module is built), in a per-GPU worker pool
 when they come through `submit_many`.  The engine can also run such copies
 itself, in its own copy threads, fused with the rest of a batch's work: a
 subclass only says where each BO's bytes are (`endpoint`) and what a failed
-copy means (`copy_error`).
+copy means (`copy_error`): `CpuCopies`, the CPU-copier half it hands the
+engine (`cpu_copier`).
 """
 from __future__ import annotations
 
 import asyncio
+import threading
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Self
 
-from ..hostmem.batchcopy import copy_batch
+from ..errors import VramdError
+from ..hostmem.batchcopy import Copy, copy_batch
 from ..hostmem.staging import StagingBuffer
-from .base import Backend, BackendOptions, BoHandle, CopyItem, holding
+from .base import Backend, BackendOptions, BoHandle, CopyItem, CpuCopier, Direction, holding
 
 
-class ThreadedBackend(Backend):
-    """Base for CPU-copy backends: a submit runs in a per-GPU worker thread pool."""
+class CpuCopies(ABC):
+    """The CPU copier (base.CpuCopier) of a backend: where each BO's bytes are and what a failed copy means."""
 
-    cpu_copies = True
+    @abstractmethod
+    def endpoint(self, handle: BoHandle, bo_offset: int, length: int) -> tuple[int, int]:
+        """CpuCopier.endpoint."""
+
+    def plan(self, handle: BoHandle, bo_offset: int, address: int, length: int) -> Copy:
+        fd, pos = self.endpoint(handle, bo_offset, length)
+        if handle.direction is Direction.READ:
+            return Copy(fd, pos, -1, address, length)
+        return Copy(-1, address, fd, pos, length)
+
+    @abstractmethod
+    def copy_error(self, handle: BoHandle, bo_offset: int, err: int) -> VramdError:
+        """CpuCopier.copy_error."""
+
+    def after_copy(self, handle: BoHandle, bo_offset: int, length: int) -> None:
+        """Nothing to do after a copy (CpuCopier.after_copy)."""
+
+    def write_lock(self, handle: BoHandle) -> threading.Lock | None:
+        """Copies into a BO run side by side (CpuCopier.write_lock)."""
+        return None
+
+
+class ThreadedBackend(CpuCopies, Backend):
+    """Base for CPU-copy backends: a submit runs in a per-GPU worker thread pool, and the engine may run
+    copies itself, through the backend's CPU copier (itself)."""
+
+    def cpu_copier(self) -> CpuCopier:
+        return self
 
     def __init__(self, workers_per_gpu: int = 2) -> None:
         self.workers_per_gpu = workers_per_gpu  # threads per GPU for copies that come through submit

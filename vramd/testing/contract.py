@@ -8,6 +8,9 @@ relies on: capabilities that tell the truth, byte-exact copies in both
 directions at any offset and into any slot of a staging buffer, one
 future per batch (`submit_many`) that completes when every copy landed,
 typed errors that name the BO, and release/close that free everything.
+A backend that hands out a CPU copier (`Backend.cpu_copier`) has that half
+checked too, the way the engine's copy threads drive it: planned copies run
+by batchcopy, `after_copy`, write locks, and `copy_error` naming the BO.
 """
 from __future__ import annotations
 
@@ -21,7 +24,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from ..backends import REGISTRY, Backend, BackendKind, BackendOptions, BoHandle, BoRef, Direction
-from ..errors import BackendError, BadDescriptorError
+from ..backends.base import holding
+from ..errors import BackendError, BadDescriptorError, VramdError
+from ..hostmem.batchcopy import END_OF_FILE, copy_batch
 from ..hostmem.libc import address, pointer
 from ..hostmem.staging import StagingPool
 from ..units import PAGE, round_up
@@ -133,6 +138,9 @@ async def _capabilities(make: Callable[[], Subject]) -> None:
         assert caps.name == s.backend.name, (caps.name, s.backend.name)
         assert caps.can_read and caps.can_write, "every backend vramd has dumps and restores"
         assert caps.preferred_chunk > 0 and caps.max_inflight > 0
+        has_copier = s.backend.cpu_copier() is not None
+        assert has_copier != caps.asynchronous_dma, \
+            f"a backend has a CPU copier exactly when its copies are not asynchronous DMA (copier: {has_copier})"
 
 
 async def _read_round_trip(make: Callable[[], Subject]) -> None:
@@ -203,7 +211,44 @@ async def _errors_name_the_bo(make: Callable[[], Subject]) -> None:
         assert h is None
 
 
-CHECKS = (_capabilities, _read_round_trip, _write_round_trip, _errors_name_the_bo)
+async def _cpu_copier(make: Callable[[], Subject]) -> None:
+    """The CPU-copier half, as the engine's copy threads use it: a BO read whole and in a piece, a piece written
+    into another BO under its write lock, each landed copy told to `after_copy`; a copy that stops is
+    `copy_error`'s typed error naming the BO and the offset."""
+    with _subject(make) as (s, pool):
+        copier = s.backend.cpu_copier()
+        if copier is None:
+            return  # asynchronous DMA only: the other checks cover it
+        n = 3 * PAGE + 77
+        a = _data(n, 5)
+        ra, _ = s.new_bo(a)
+        rb, read_b = s.new_bo(bytes(n))
+        ha = s.backend.open(1, ra, n, GPU, Direction.READ)
+        hb = s.backend.open(2, rb, n, GPU, Direction.WRITE)
+        buf, = await pool.acquire(1 << 20)
+        try:
+            plans = [copier.plan(ha, 0, buf.address, n), copier.plan(ha, PAGE + 3, buf.address + 8 * PAGE, 500)]
+            outcomes, failed = copy_batch(plans)
+            assert failed < 0, f"a planned read failed: {outcomes}"
+            for bo_offset, length in ((0, n), (PAGE + 3, 500)):
+                copier.after_copy(ha, bo_offset, length)
+            assert buf.view[:n] == a, "a planned read copied other bytes"
+            assert buf.view[8 * PAGE:8 * PAGE + 500] == a[PAGE + 3:PAGE + 503], "a planned piece at an offset"
+            with holding([copier.write_lock(hb)]):
+                outcomes, failed = copy_batch([copier.plan(hb, PAGE, buf.address + 8 * PAGE, 500)])
+            assert failed < 0, f"a planned write failed: {outcomes}"
+            copier.after_copy(hb, PAGE, 500)
+        finally:
+            pool.release([buf])
+            s.backend.release(ha)
+            s.backend.release(hb)
+        assert read_b() == bytes(PAGE) + a[PAGE + 3:PAGE + 503] + bytes(n - PAGE - 500), "a planned write landed elsewhere"
+        for err in (5, END_OF_FILE):  # EIO, and an fd that ended inside the BO
+            e = copier.copy_error(ha, PAGE, err)
+            assert isinstance(e, VramdError) and e.bo_id == 1 and e.offset == PAGE, (err, e)
+
+
+CHECKS = (_capabilities, _read_round_trip, _write_round_trip, _errors_name_the_bo, _cpu_copier)
 
 
 def check_backend(make: Callable[[], Subject]) -> None:

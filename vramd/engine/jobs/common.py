@@ -12,10 +12,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Generic, NamedTuple, Protocol, TypeVar
 
-from ...backends import Backend, BoHandle, BoRef, CopyItem, Direction, FdMemo, OpenItem, land_all
+from ...backends import Backend, BoHandle, BoRef, CopyItem, CpuCopier, Direction, FdMemo, OpenItem, land_all
 from ...errors import BackendUnavailableError, InvalidRequestError, LimitExceededError, VramdError
 from ...hostmem.batchcopy import Outcome
 from ...hostmem.staging import StagingPool
@@ -53,6 +53,10 @@ class CopiedBo:
     backend: Backend | None
     handle: BoHandle | None
     chunks_left: int = 0
+    copier: CpuCopier | None = field(init=False, default=None)  # the backend's CPU copies, if it has them
+
+    def __post_init__(self) -> None:
+        self.copier = self.backend.cpu_copier() if self.backend is not None else None
 
     def release(self) -> None:
         """The BO's last chunk has landed (or the job ended): let the backend drop it."""
@@ -98,15 +102,15 @@ BoT = TypeVar("BoT", bound=CopiedBo)
 
 
 def landed(tasks: Sequence[ChunkTask[BoT]], outcomes: Sequence[Outcome], failed: int) -> None:
-    """After one `copy_batch` over `tasks`: tell each backend which pieces landed, then raise the
+    """After one `copy_batch` over `tasks`: tell each BO's CPU copier which pieces landed, then raise the
     first failure as its backend's typed error, naming the BO and the offset where it stopped."""
     for t in tasks[:failed if failed >= 0 else len(tasks)]:
-        assert t.bo.backend is not None and t.bo.handle is not None  # set by add(), dropped only when done
-        t.bo.backend.after_copy(t.bo.handle, t.offset, t.length)
+        assert t.bo.copier is not None and t.bo.handle is not None  # set by add(), dropped only when done
+        t.bo.copier.after_copy(t.bo.handle, t.offset, t.length)
     if failed >= 0:
         t, o = tasks[failed], outcomes[failed]
-        assert t.bo.backend is not None and t.bo.handle is not None
-        raise t.bo.backend.copy_error(t.bo.handle, t.offset + o.done, o.err)
+        assert t.bo.copier is not None and t.bo.handle is not None
+        raise t.bo.copier.copy_error(t.bo.handle, t.offset + o.done, o.err)
 
 
 @dataclass
@@ -223,7 +227,7 @@ class JobBase(Generic[BoT]):
         raised here: on any error nothing is kept, and `add` meets the error again, in order.
         The caller passes what is returned to `add`, then to `drop_ahead`."""
         valid, _ = self._validate(todo)
-        opened = [(v, spec) for v, spec in zip(valid, todo) if v[0].cpu_copies]
+        opened = [(v, spec) for v, spec in zip(valid, todo) if v[0].cpu_copier() is not None]
         ahead = Ahead()
         try:
             handles = self._open_all([v for v, _ in opened])

@@ -143,7 +143,7 @@ class DumpEnds:
     # --- a whole batch in one copy thread (InlineEnds) ----------------------
 
     def inline(self, tasks: list[ChunkTask[DumpBo]]) -> bool:
-        return all(t.bo.backend is not None and t.bo.backend.cpu_copies for t in tasks)
+        return all(t.bo.copier is not None for t in tasks)
 
     def run(self, tasks: list[ChunkTask[DumpBo]], bufs: list[StagingBuffer],
             times: StageTimes | None) -> list[Piece]:
@@ -154,9 +154,9 @@ class DumpEnds:
         clock = Clock(times)
         copies = []
         for t in tasks:
-            backend, handle = t.bo.backend, t.bo.handle
-            assert backend is not None and handle is not None  # set by add(), dropped only when done
-            copies.append(backend.plan(handle, t.offset, buf.address + t.buf_offset, t.length))
+            copier, handle = t.bo.copier, t.bo.handle
+            assert copier is not None and handle is not None  # set by add(), dropped only when done
+            copies.append(copier.plan(handle, t.offset, buf.address + t.buf_offset, t.length))
         clock.lap("python")
         outcomes, failed = copy_batch(copies, HASH | ZERO)
         clock.lap("copy")

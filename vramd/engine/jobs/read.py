@@ -110,7 +110,7 @@ class ImageReadEnds(ABC):
     # --- a whole batch in one copy thread (InlineEnds) ----------------------
 
     def inline(self, tasks: list[ChunkTask[ImageBo]]) -> bool:
-        return self.buffers_per_chunk == 1 and all(t.bo.backend is None or t.bo.backend.cpu_copies for t in tasks)
+        return self.buffers_per_chunk == 1 and all(t.bo.backend is None or t.bo.copier is not None for t in tasks)
 
     def run(self, tasks: list[ChunkTask[ImageBo]], bufs: list[StagingBuffer], times: StageTimes | None) -> Any:
         """Read, check and copy out the batch here, unless it is one record that `_read_plan` would read with

@@ -22,11 +22,11 @@ class RestoreEnds(ImageReadEnds):
     def _copy_out(self, tasks: list[ChunkTask[ImageBo]], decoded: list[DecodedChunk], clock: Clock) -> None:
         copies, locks = [], []
         for t, d in zip(tasks, decoded):
-            backend, handle = t.bo.backend, t.bo.handle
-            assert backend is not None and handle is not None  # set by add(), dropped only when done
+            copier, handle = t.bo.copier, t.bo.handle
+            assert copier is not None and handle is not None  # set by add(), dropped only when done
             src = d.buf.address + d.offset if d.buf is not None else self.pool.zeros(self.chunk_size).address
-            copies.append(backend.plan(handle, t.offset, src, t.length))
-            locks.append(backend.write_lock(handle))
+            copies.append(copier.plan(handle, t.offset, src, t.length))
+            locks.append(copier.write_lock(handle))
         clock.lap("python")
         with holding(locks):
             outcomes, failed = copy_batch(copies)
