@@ -1,26 +1,19 @@
 """The one pipeline: per-GPU worker pools moving batches of chunks through three stages.
 
-A job (dump, restore or verify) supplies *ends*: how to `fill` a staging
-buffer (dump: backend copy from the BO; restore: read the records from the
-image), how to `transform` it in a CPU thread (dump: hole detection,
-compression, checksum; restore: checksum verification, decompression) and
-how to `drain` it (dump: write the records; restore: backend copy into the
-BO).  Everything else is shared: lanes per GPU, `workers_per_gpu` batches in
-flight per lane, one staging budget across all lanes and jobs, the first
-error winning and stopping the job.  With several batches in flight per GPU,
-the fill of batch n+1, the transform of batch n and the drain of batch n-1
-run at once.
+A job (dump, restore or verify) supplies *ends* (vramd.engine.stages): how
+to `fill` a staging buffer (dump: backend copy from the BO; restore: read
+the records from the image), how to `transform` it in a CPU thread (dump:
+hole detection, compression, checksum; restore: checksum verification,
+decompression) and how to `drain` it (dump: write the records; restore:
+backend copy into the BO).  Everything else is shared: lanes per GPU,
+`workers_per_gpu` batches in flight per lane, one staging budget across all
+lanes and jobs, the first error winning and stopping the job.  With several
+batches in flight per GPU, the fill of batch n+1, the transform of batch n
+and the drain of batch n-1 run at once.
 
-A batch is one staging buffer's worth of work: a full chunk alone, or as
-many small chunks (pieces of small BOs, tails of big ones) as fit, each in
-its own page-aligned slot of the buffer (`ChunkTask.buf_offset`).  Each end
-is called once per batch, so a batch costs one thread hand-off per stage
-however many pieces it holds; progress, `bo_done` and errors stay per piece.
-
-Every piece's slot starts with one free page (its *head page*) before its
-bytes: a dump puts the record's head there, right before the payload, so a
-record can go to the image file in one aligned write (O_DIRECT), and a
-restore reads a whole record into a slot in one call.
+Each end is called once per batch (stages.py says what a batch is), so a
+batch costs one thread hand-off per stage however many pieces it holds;
+progress, `bo_done` and errors stay per piece.
 
 Ends whose every piece is a CPU copy may run a whole batch as one blocking
 call (`InlineEnds.run`) in one of the engine's copy threads: fill, transform
@@ -35,94 +28,62 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import enum
 import logging
-import threading
 import time
 import traceback
 from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar
 
-from ..backends import Backend
 from ..errors import JobCancelledError, JobError, VramdError
 from ..hostmem.staging import StagingBuffer, StagingPool, buffer_unit
-from ..image.reader import Loc
-from ..units import PAGE, round_up
+from .stages import (
+    DECLINED,
+    HEAD_PAGE,
+    MAX_BATCH,
+    SLOT_ALIGN,
+    BoT,
+    ChunkTask,
+    Clock,
+    Declined,
+    Ends,
+    FilledT,
+    InlineEnds,
+    PipelineBo,
+    ProductT,
+    Progress,
+    ProgressCallback,
+    StageTimes,
+    blame,
+    settle,
+    slot_size,
+)
+
+__all__ = ["DECLINED", "HEAD_PAGE", "MAX_BATCH", "SLOT_ALIGN", "ChunkTask", "Clock", "Declined", "Ends", "InlineEnds",
+           "Pipeline", "PipelineBo", "Progress", "ProgressCallback", "StageTimes", "blame", "settle", "slot_size"]
 
 log = logging.getLogger(__name__)
 
-SLOT_ALIGN = PAGE  # pieces of a batch start at page-aligned offsets of the staging buffer
-HEAD_PAGE = PAGE  # free bytes before every piece in its slot (a record's head goes there)
-# At most this many pieces per batch: a dump writes a batch's records with one
-# pwritev of two iovecs (head, payload) per piece, which must stay under IOV_MAX (1024).
-MAX_BATCH = 256
-# What InlineEnds.run returns for a batch it leaves to the three stages (it has done nothing to it)
-DECLINED: Any = object()
-# What Pipeline._run_inline returns for a batch it did not start: the job had stopped while it was queued
-STOPPED: Any = object()
+
+class _Stopped(enum.Enum):
+    """What Pipeline._run_inline returns for a batch it did not start: the job had stopped while it was queued."""
+
+    STOPPED = "stopped"
 
 
-def slot_size(length: int) -> int:
-    """The bytes of staging buffer a piece of `length` bytes occupies in a batch (its head page included)."""
-    return HEAD_PAGE + round_up(length, SLOT_ALIGN)
+_B = TypeVar("_B", bound=PipelineBo)
+_BoIn = TypeVar("_BoIn", bound=PipelineBo, contravariant=True)
 
 
-T = TypeVar("T")
+class Shape(Protocol[_BoIn]):
+    """What the pipeline itself asks of a job's ends, whatever their stages pass each other."""
 
+    chunk_size: int
+    buffers_per_chunk: int
 
-async def settle(fut: Awaitable[T]) -> T:
-    """Await a copy that cannot be interrupted.
-
-    If the awaiting task is cancelled, keep waiting until the copy has
-    landed before propagating the cancellation, so no staging buffer is
-    reused or unmapped while a thread or DMA engine still uses it.
-    """
-    task = asyncio.ensure_future(fut)
-    try:
-        return await asyncio.shield(task)
-    except asyncio.CancelledError:
-        while not task.done():
-            try:
-                await asyncio.wait([task])
-            except asyncio.CancelledError:
-                pass
-        raise
-
-
-class PipelineBo(Protocol):
-    """What the pipeline needs of a job's per-BO record (dump, restore and verify each have their own)."""
-
-    id: int
-    chunks_left: int  # chunks not yet landed; the pipeline counts it down
-
-    @property
-    def backend(self) -> Backend | None: ...  # None: the job copies to no BO (verify)
-
-
-BoT = TypeVar("BoT", bound=PipelineBo)
-
-
-@dataclass(eq=False)
-class ChunkTask(Generic[BoT]):
-    bo: BoT          # the job's per-BO record
-    index: int       # chunk number within the BO
-    offset: int      # byte offset within the BO
-    length: int      # raw bytes
-    record_offset: int = 0  # restore: where the record is in its data file
-    record_length: int = 0
-    loc: Loc | None = None  # restore: the record (None: a format v2 hole, no record)
-    buf_offset: int = HEAD_PAGE  # where in the batch's staging buffer(s) this piece's bytes go (after its head page)
-
-
-def blame(exc: BaseException, task: ChunkTask[Any]) -> BaseException:
-    """Mark an unexpected (non-VramdError) exception with the piece it happened on."""
-    if not hasattr(exc, "vramd_task"):
-        try:
-            exc.vramd_task = task  # type: ignore[attr-defined]  # read back by the worker's bug report
-        except AttributeError:  # an exception type that takes no attributes
-            pass
-    return exc
+    def bo_done(self, bo: _BoIn) -> None: ...
 
 
 def _unpin(exc: BaseException | None) -> None:
@@ -139,102 +100,6 @@ def _unpin(exc: BaseException | None) -> None:
         exc = exc.__cause__ or exc.__context__
 
 
-class Ends(Protocol[BoT]):
-    """The job-specific stages; each is called once per batch, with the batch's pieces in slot order.
-
-    Every piece's bytes live at its `buf_offset` in the staging buffers.  A
-    stage that fails raises the error of the first piece that failed, naming
-    that piece's BO and offset.
-    """
-
-    chunk_size: int
-    buffers_per_chunk: int
-
-    async def fill(self, tasks: list[ChunkTask[BoT]], bufs: list[StagingBuffer]) -> Any: ...
-    def transform(self, tasks: list[ChunkTask[BoT]], bufs: list[StagingBuffer], filled: Any) -> Any: ...
-    async def drain(self, tasks: list[ChunkTask[BoT]], bufs: list[StagingBuffer], product: Any) -> None: ...
-    def bo_done(self, bo: BoT) -> None: ...
-
-
-class InlineEnds(Ends[BoT], Protocol[BoT]):
-    """Ends that can also run a whole batch as one blocking call in a copy thread."""
-
-    def inline(self, tasks: list[ChunkTask[BoT]]) -> bool:
-        """True when `run` can do this batch (every piece a CPU copy); else the three stages do it."""
-
-    def run(self, tasks: list[ChunkTask[BoT]], bufs: list[StagingBuffer], times: StageTimes | None) -> Any:
-        """Fill, transform and drain the batch (blocking, in a copy thread); returns what `landed` takes, or
-        DECLINED, having done nothing, for a batch the three stages serve better (e.g. one that would wait on
-        a device: the copy thread would wait with it)."""
-
-    def landed(self, tasks: list[ChunkTask[BoT]], product: Any) -> None:
-        """Back on the event loop after `run`: record what the batch produced."""
-
-
-class StageTimes:
-    """Where a job's batches spend their time, per stage: wall and thread-CPU seconds, summed over batches.
-
-    Off by default (EngineConfig.stage_times): when on, each stage is timed
-    with two clock reads.  Stages: `staging` (waiting for a staging buffer),
-    `fill`, `transform`, `drain` (the three-stage path, wall time on the event
-    loop for fill/drain); `queue` (an inline batch waiting for a copy thread),
-    `copy` (batchcopy: copy + zero scan + xxh3, GIL released), `python`
-    (per-piece Python work of an inline batch: heads, checks; its wall time
-    beyond its CPU time is time spent waiting for the GIL), `write`/`read`
-    (file I/O of an inline batch), `out` (restore: staging -> BO).
-    """
-
-    def __init__(self) -> None:
-        self.batches = 0   # batches run
-        self.pieces = 0    # pieces in them
-        self.largest = 0   # pieces in the largest batch
-        self.wall: dict[str, float] = {}
-        self.cpu: dict[str, float] = {}
-        self._lock = threading.Lock()
-
-    def add(self, stage: str, wall: float, cpu: float = 0.0) -> None:
-        with self._lock:
-            self.wall[stage] = self.wall.get(stage, 0.0) + wall
-            self.cpu[stage] = self.cpu.get(stage, 0.0) + cpu
-
-    def as_dict(self) -> dict[str, Any]:
-        with self._lock:
-            return {"batches": self.batches, "pieces": self.pieces, "largest": self.largest,
-                    "wall": dict(self.wall), "cpu": dict(self.cpu)}
-
-
-class Clock:
-    """Times consecutive steps of one thread into a StageTimes (nothing at all when `times` is None)."""
-
-    __slots__ = ("cpu", "times", "wall")
-
-    def __init__(self, times: StageTimes | None) -> None:
-        self.times = times
-        if times is not None:
-            self.wall, self.cpu = time.perf_counter(), time.thread_time()
-
-    def lap(self, stage: str) -> None:
-        if self.times is not None:
-            wall, cpu = time.perf_counter(), time.thread_time()
-            self.times.add(stage, wall - self.wall, cpu - self.cpu)
-            self.wall, self.cpu = wall, cpu
-
-
-@dataclass
-class Progress:
-    bos_total: int = 0
-    bos_done: int = 0
-    bytes_total: int = 0
-    bytes_done: int = 0
-    chunks_done: int = 0
-    per_gpu_bytes: dict[int, int] = field(default_factory=dict)
-    per_backend_bytes: dict[str, int] = field(default_factory=dict)  # BO bytes each backend copied
-
-
-
-ProgressCallback = Callable[[Progress], None]
-
-
 @dataclass(eq=False)
 class _Lane(Generic[BoT]):
     gpu_id: int
@@ -245,20 +110,54 @@ class _Lane(Generic[BoT]):
     changed: asyncio.Future[None] | None = None
 
 
+class _ThreeStages(Generic[BoT, FilledT, ProductT]):
+    """A batch through a job's three stages: fill (on the loop), transform (in a CPU thread), drain (on the loop),
+    each stage's output typed as the next one takes it.  (It holds no pipeline: the pipeline holds it, and a
+    cycle between them would leave a finished job to the cyclic GC.)"""
+
+    def __init__(self, ends: Ends[BoT, FilledT, ProductT]) -> None:
+        self.ends = ends
+
+    async def run(self, p: Pipeline[BoT], tasks: list[ChunkTask[BoT]], bufs: list[StagingBuffer]) -> None:
+        # Its own frame: what the stages hand on (views into `bufs`) dies with it.
+        ends = self.ends
+        clock = Clock(p.times)
+        filled = await ends.fill(tasks, bufs)
+        clock.lap("fill")
+        product = await settle(asyncio.get_running_loop().run_in_executor(
+            p.cpu, self.transform, p, tasks, bufs, filled))
+        clock.lap("transform")
+        if p.error is not None:  # stopped meanwhile: nothing more of this batch is written
+            raise p.dropped(tasks[0])
+        await ends.drain(tasks, bufs, product)
+        clock.lap("drain")
+
+    def transform(self, p: Pipeline[BoT], tasks: list[ChunkTask[BoT]], bufs: list[StagingBuffer],
+                  filled: FilledT) -> ProductT:
+        """`ends.transform` in a CPU thread, unless the job stopped while the batch was queued for one."""
+        if p.error is not None:
+            raise p.dropped(tasks[0])
+        return self.ends.transform(tasks, bufs, filled)
+
+
 class Pipeline(Generic[BoT]):
-    def __init__(self, ends: Ends[BoT], pool: StagingPool, cpu: Executor, *, workers_per_gpu: int,
+    def __init__(self, ends: Ends[BoT, FilledT, ProductT], pool: StagingPool, cpu: Executor, *, workers_per_gpu: int,
                  device_workers: int = 0, on_progress: ProgressCallback | None = None,
                  copier: Executor | None = None, times: StageTimes | None = None) -> None:
         """`workers_per_gpu`: batches in flight per GPU lane.  `device_workers`: batches a lane adds the
         first time a copy thread declines one of its batches (it would wait on a device: `_grow`).
         `copier`: the copy threads that run inline batches (None: always the three stages).  `times`:
         where to add stage timings."""
-        self.ends = ends
+        self.ends: Shape[BoT] = ends
         self.pool = pool
         self.cpu = cpu
         self.copier = copier
         self.times = times
-        self._inline: InlineEnds[BoT] | None = ends if copier is not None and hasattr(ends, "inline") else None  # type: ignore[assignment]
+        self._three: Callable[[Pipeline[BoT], list[ChunkTask[BoT]], list[StagingBuffer]], Awaitable[None]] = \
+            _ThreeStages(ends).run
+        # ends that can run a batch whole (InlineEnds: what their run hands `landed` is theirs alone)
+        self._inline: InlineEnds[BoT, object] | None = \
+            ends if copier is not None and isinstance(ends, InlineEnds) else None
         self.workers_per_gpu = max(1, workers_per_gpu)
         self.device_workers = max(0, device_workers)
         self.on_progress = on_progress
@@ -330,7 +229,7 @@ class Pipeline(Generic[BoT]):
         return self.error is not None
 
     @staticmethod
-    def dropped(task: ChunkTask[Any]) -> JobCancelledError:
+    def dropped(task: ChunkTask[_B]) -> JobCancelledError:
         """The error a batch raises that is dropped because the job has stopped: never the job's own
         (the first error wins, and there is one already), only how the worker knows the batch did not land."""
         return JobCancelledError("the job has stopped: batch dropped", bo_id=task.bo.id, offset=task.offset)
@@ -426,44 +325,27 @@ class Pipeline(Generic[BoT]):
             self._start_workers(lane, self.device_workers)
 
     async def _stages(self, lane: _Lane[BoT], tasks: list[ChunkTask[BoT]], bufs: list[StagingBuffer]) -> None:
-        # Its own frame: what the stages hand on (views into `bufs`) dies with it.
-        loop = asyncio.get_running_loop()
-        times = self.times
         inline = self._inline
         if inline is not None and inline.inline(tasks):
             assert self.copier is not None
-            queued = time.perf_counter() if times is not None else 0.0
-            product = await settle(loop.run_in_executor(self.copier, self._run_inline, inline, tasks, bufs, queued))
-            if product is STOPPED:
+            queued = time.perf_counter() if self.times is not None else 0.0
+            product = await settle(asyncio.get_running_loop().run_in_executor(
+                self.copier, self._run_inline, inline, tasks, bufs, queued))
+            if product is _Stopped.STOPPED:
                 raise self.dropped(tasks[0])
             if product is not DECLINED:
                 inline.landed(tasks, product)
                 return
             self._grow(lane)
-        ends = self.ends
-        clock = Clock(times)
-        filled = await ends.fill(tasks, bufs)
-        clock.lap("fill")
-        product = await settle(loop.run_in_executor(self.cpu, self._transform, tasks, bufs, filled))
-        clock.lap("transform")
-        if self.error is not None:  # stopped meanwhile: nothing more of this batch is written
-            raise self.dropped(tasks[0])
-        await ends.drain(tasks, bufs, product)
-        clock.lap("drain")
+        await self._three(self, tasks, bufs)
 
-    def _run_inline(self, inline: InlineEnds[BoT], tasks: list[ChunkTask[BoT]], bufs: list[StagingBuffer],
-                    queued: float) -> Any:
+    def _run_inline(self, inline: InlineEnds[BoT, object], tasks: list[ChunkTask[BoT]], bufs: list[StagingBuffer],
+                    queued: float) -> object:
         if self.times is not None:
             self.times.add("queue", time.perf_counter() - queued)
         if self.error is not None:  # queued behind other batches, and the job stopped meanwhile: never started
-            return STOPPED
+            return _Stopped.STOPPED
         return inline.run(tasks, bufs, self.times)
-
-    def _transform(self, tasks: list[ChunkTask[BoT]], bufs: list[StagingBuffer], filled: Any) -> Any:
-        """`ends.transform` in a CPU thread, unless the job stopped while the batch was queued for one."""
-        if self.error is not None:
-            raise self.dropped(tasks[0])
-        return self.ends.transform(tasks, bufs, filled)
 
     async def _worker(self, lane: _Lane[BoT]) -> None:
         ends = self.ends
@@ -505,44 +387,10 @@ class Pipeline(Generic[BoT]):
                 self.fail(JobError(f"internal error: {e!r}", bo_id=task.bo.id, offset=task.offset))
             else:
                 if self.on_progress is None:  # nobody watches each piece land: count the batch at once
-                    self._count_batch(lane, tasks)
+                    self.progress.landed_batch(lane.gpu_id, tasks, self.ends.bo_done)
                 else:
                     for task in tasks:
-                        self._count(lane, task)
+                        self.progress.landed(lane.gpu_id, task, self.ends.bo_done)
+                        self.on_progress(self.progress)
             finally:
                 self.pool.release(bufs)
-
-    def _count_batch(self, lane: _Lane[BoT], tasks: list[ChunkTask[BoT]]) -> None:
-        """`_count` of every piece of a landed batch, with the totals added once (the same sums)."""
-        p = self.progress
-        nbytes = 0
-        by_backend: dict[str, int] = {}
-        for task in tasks:
-            nbytes += task.length
-            backend = task.bo.backend  # None: verify copies nowhere
-            if backend is not None:
-                by_backend[backend.name] = by_backend.get(backend.name, 0) + task.length
-            task.bo.chunks_left -= 1
-            if task.bo.chunks_left == 0:
-                p.bos_done += 1
-                self.ends.bo_done(task.bo)  # e.g. unmap it now, not at the end of the job
-        p.bytes_done += nbytes
-        p.chunks_done += len(tasks)
-        p.per_gpu_bytes[lane.gpu_id] = p.per_gpu_bytes.get(lane.gpu_id, 0) + nbytes
-        for name, n in by_backend.items():
-            p.per_backend_bytes[name] = p.per_backend_bytes.get(name, 0) + n
-
-    def _count(self, lane: _Lane[BoT], task: ChunkTask[BoT]) -> None:
-        p = self.progress
-        p.bytes_done += task.length
-        p.chunks_done += 1
-        p.per_gpu_bytes[lane.gpu_id] = p.per_gpu_bytes.get(lane.gpu_id, 0) + task.length
-        backend = task.bo.backend  # None: verify copies nowhere
-        if backend is not None:
-            p.per_backend_bytes[backend.name] = p.per_backend_bytes.get(backend.name, 0) + task.length
-        task.bo.chunks_left -= 1
-        if task.bo.chunks_left == 0:
-            p.bos_done += 1
-            self.ends.bo_done(task.bo)  # e.g. unmap it now, not at the end of the job
-        if self.on_progress is not None:
-            self.on_progress(p)

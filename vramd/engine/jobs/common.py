@@ -21,6 +21,7 @@ from ...hostmem.batchcopy import Outcome
 from ...hostmem.staging import StagingPool
 from ...pb import image_pb2 as pb
 from ..pipeline import ChunkTask, Ends, Pipeline, Progress, ProgressCallback, StageTimes
+from ..stages import FilledT, ProductT
 
 
 class BoSpec(NamedTuple):
@@ -172,7 +173,8 @@ class JobBase(Generic[BoT]):
 
     direction: Direction
 
-    def __init__(self, ctx: JobContext, ends: Ends[BoT], on_progress: ProgressCallback | None = None) -> None:
+    def __init__(self, ctx: JobContext, ends: Ends[BoT, FilledT, ProductT],
+                 on_progress: ProgressCallback | None = None) -> None:
         self.ctx = ctx
         self.bos: dict[int, BoT] = {}
         self._usable: dict[str, Backend] = {}
