@@ -59,7 +59,7 @@ def codec_row(mv: memoryview, level: int, reps: int, dest: memoryview) -> dict[s
     size = mv.nbytes
     gb = size / 1e9
     results = {}
-    cands = policy.candidates(policy.CompressionSpec("bplanes", level))
+    cands = policy.candidates("bplanes", level)
     for codec in cands:
         payload = codec.compress(mv)
         tc = cpu(lambda c=codec: c.compress(mv), reps)

@@ -1,4 +1,5 @@
-"""Codec choice (vramd/image/policy.py): --compression forms, the trial, and the auto model."""
+"""Codec choice (vramd/image/policy.py): --compression forms (vramd/image/compression.py), the trial, and the auto
+model."""
 import array
 import random
 import threading
@@ -6,7 +7,9 @@ import threading
 import pytest
 
 from vramd.image import planes, policy
-from vramd.image.policy import RAW, AutoPolicy, Codec, CompressionSpec, choose, parse_compression, sample_slices
+from vramd.image.compression import Compression, compression_name
+from vramd.image.policy import RAW, AutoPolicy, Codec, choose, sample_slices
+from vramd.pb import image_pb2 as pb
 
 MiB = 1 << 20
 
@@ -31,35 +34,45 @@ def chunks():
             "random": memoryview(random.Random(3).randbytes(MiB))}
 
 
-# --- parse_compression ----------------------------------------------------------
+# --- Compression.parse -----------------------------------------------------------
 
 @pytest.mark.parametrize("text, spec", [
-    ("none", CompressionSpec("none", 0)),
-    ("zstd", CompressionSpec("zstd", 1)),
-    ("zstd:3", CompressionSpec("zstd", 3)),
-    ("zstd:-7", CompressionSpec("zstd", -7)),
-    ("zstd:22", CompressionSpec("zstd", 22)),
-    ("bplanes", CompressionSpec("bplanes", 1)),
-    ("bplanes:5", CompressionSpec("bplanes", 5)),
-    ("auto", CompressionSpec("auto", 1)),
-    ("auto:3", CompressionSpec("auto", 3)),
+    ("none", Compression()),
+    ("zstd", Compression("zstd", 1)),
+    ("zstd:3", Compression("zstd", 3)),
+    ("zstd:-7", Compression("zstd", -7)),
+    ("zstd:22", Compression("zstd", 22)),
+    ("bplanes", Compression("bplanes", 1)),
+    ("bplanes:5", Compression("bplanes", 5)),
+    ("auto", Compression("auto", 1)),
+    ("auto:3", Compression("auto", 3)),
 ])
 def test_parse_accepts(text, spec):
-    assert parse_compression(text) == spec
-    assert parse_compression(str(spec)) == spec
+    assert Compression.parse(text) == spec
+    assert Compression.parse(str(spec)) == spec
+    assert Compression.from_pb(spec.to_pb()) == spec  # what the manifest records reads back as the same value
+    assert compression_name(spec.to_pb()) == str(spec)
+
+
+def test_a_manifest_names_its_compression_as_the_cli_takes_it():
+    assert compression_name(pb.Compression(codec=pb.CODEC_RAW)) == "none"
+    assert compression_name(pb.Compression(codec=pb.CODEC_ZSTD, level=3)) == "zstd:3"
+    assert compression_name(pb.Compression(codec=pb.CODEC_PLANES, level=2)) == "bplanes:2"
+    assert compression_name(pb.Compression(codec=pb.CODEC_PLANES, level=5, automatic=True)) == "auto:5"
+    assert compression_name(pb.Compression(codec=pb.CODEC_PLANES, automatic=True)) == "auto"  # no level recorded
 
 
 @pytest.mark.parametrize("text", ["", "None", "zstd:", "zstd:23", "zstd:-8", "zstd:x", "zstd:+3", "zstd: 3",
                                   "zstd:3:4", "none:1", "bplanes:", "planes", "auto:abc", "lz4", " zstd", "zstd:1_0"])
 def test_parse_rejects(text):
     with pytest.raises(ValueError, match=r"none, zstd|out of range"):
-        parse_compression(text)
+        Compression.parse(text)
 
 
 def test_candidates():
-    assert policy.candidates(parse_compression("none")) == ()
-    assert policy.candidates(parse_compression("zstd:4")) == (Codec("zstd", 0, 4),)
-    assert policy.candidates(parse_compression("bplanes:2")) == policy.candidates(parse_compression("auto:2")) == (
+    assert policy.candidates("none", 0) == ()
+    assert policy.candidates("zstd", 4) == (Codec("zstd", 0, 4),)
+    assert policy.candidates("bplanes", 2) == policy.candidates("auto", 2) == (
         Codec("zstd", 0, 2), Codec("planes", 2, 2), Codec("planes", 4, 2))
     with pytest.raises(ValueError):
         Codec("planes", 3, 1)
@@ -95,7 +108,7 @@ def test_sample_positions():
 
 @pytest.mark.parametrize("level", [1, 3])
 def test_choose_picks_planes_on_floats(chunks, level):
-    cands = policy.candidates(CompressionSpec("bplanes", level))
+    cands = policy.candidates("bplanes", level)
     c16 = choose(sample_slices(chunks["bf16"]), cands)
     assert c16.codec.kind == "planes" and c16.ratio < 0.8
     c32 = choose(sample_slices(chunks["fp32"]), cands)
@@ -107,7 +120,7 @@ def test_choose_picks_planes_on_floats(chunks, level):
 
 
 def test_choose_raw_on_random_bytes(chunks):
-    c = choose(sample_slices(chunks["random"]), policy.candidates(CompressionSpec("bplanes", 1)))
+    c = choose(sample_slices(chunks["random"]), policy.candidates("bplanes", 1))
     assert c.codec == RAW and c.ratio == 1.0 and c.best_ratio >= policy.RAW_ABOVE
     assert len(c.trial) == 3
 
@@ -117,7 +130,7 @@ def test_choose_zstd_on_unaligned_repeats():
     rnd = random.Random(5)
     words = [rnd.randbytes(rnd.randint(3, 9)) for _ in range(300)]
     data = memoryview(b"".join(rnd.choice(words) for _ in range(200000)))
-    c = choose(sample_slices(data), policy.candidates(CompressionSpec("bplanes", 1)))
+    c = choose(sample_slices(data), policy.candidates("bplanes", 1))
     assert c.codec == Codec("zstd", 0, 1) and c.ratio < 0.6
 
 
@@ -172,7 +185,7 @@ def test_inequality_and_parallelism(chunks):
 
 
 def test_hysteresis(chunks):
-    c = choose(sample_slices(chunks["bf16"]), policy.candidates(CompressionSpec("auto", 1)))
+    c = choose(sample_slices(chunks["bf16"]), policy.candidates("auto", 1))
     t_c = 0.5e9
     gain = 1.07  # between STAY_MARGIN and ENTER_MARGIN
     borderline = (1 - c.ratio) * t_c / gain
@@ -282,7 +295,7 @@ def test_thread_safety_smoke(chunks):
 
 def test_codec_compress_round_trips(chunks):
     src = chunks["bf16"][:4096 + 3]
-    for c in policy.candidates(CompressionSpec("bplanes", 1)):
+    for c in policy.candidates("bplanes", 1):
         payload = c.compress(src)
         out = bytearray(src.nbytes)
         if c.kind == "planes":

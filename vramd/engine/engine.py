@@ -24,7 +24,7 @@ from ..backends import REGISTRY, Backend, BackendKind, BackendOptions
 from ..errors import BackendUnavailableError, InvalidRequestError, LimitExceededError
 from ..hostmem.staging import StagingPool, staging_shortfall
 from ..image.chunks import parent_entries
-from ..image.codec import Compression
+from ..image.compression import Compression
 from ..image.format import MAX_STRIPES
 from ..image.local import DumpDirectory
 from ..image.reader import ImageReader

@@ -19,6 +19,9 @@ from ..hostmem.batchcopy import xor_into
 from ..hostmem.libc import is_zero_ptr
 from ..hostmem.staging import StagingBuffer
 from ..pb import image_pb2 as pb
+from .compression import Chooser
+from .compression import Compression as Compression  # the one compression value (image/compression.py)
+from .compression import compression_name as compression_name
 from .format import (
     DELTA_CODECS,
     EMPTY_CHECKSUM,
@@ -38,61 +41,7 @@ from .format import (
 from .format import content_hash as content_hash_of
 from .planes import compress_planes, decompress_planes, unzstd_exact, zstd_frame_length
 from .planes import zstd_compressor as _compressor
-from .policy import AutoPolicy, Choice, CompressionSpec, Mode, candidates, choose, parse_compression, sample_slices
-
-
-@dataclass(frozen=True)
-class Compression:
-    """What a dump asks for: `none`, `zstd[:L]`, `bplanes[:L]` (per chunk, a trial on a sample picks byte
-    planes of 2- or 4-byte words or plain zstd), `auto[:L]` (bplanes' choice, but a chunk is compressed
-    only where that makes the dump faster at the sink's measured speed: image.policy.AutoPolicy)."""
-
-    mode: Mode = "none"
-    level: int = 1
-
-    @classmethod
-    def parse(cls, text: str) -> Compression:
-        spec = parse_compression(text)  # ValueError naming the accepted forms
-        return cls(spec.mode, spec.level or 1) if spec.mode != "none" else cls()
-
-    @property
-    def codec(self) -> pb.Codec:
-        """The codec the manifest names (auto: CODEC_PLANES, with `automatic`)."""
-        return {"none": pb.CODEC_RAW, "zstd": pb.CODEC_ZSTD}.get(self.mode, pb.CODEC_PLANES)
-
-    def to_pb(self) -> pb.Compression:
-        if self.mode == "none":
-            return pb.Compression(codec=pb.CODEC_RAW)
-        return pb.Compression(codec=self.codec, level=self.level, automatic=self.mode == "auto")
-
-    @property
-    def buffers_per_chunk(self) -> int:
-        return 1 if self.mode == "none" else 2
-
-    def chooser(self, workers: int) -> Chooser | None:
-        """Per chunk, which codec (None for plain zstd or none: no trial).  `workers`: the threads that
-        compress at once (auto weighs its CPU cost against the sink's speed with it)."""
-        if self.mode == "bplanes":
-            cands = candidates(CompressionSpec("bplanes", self.level))
-            return lambda view: choose(sample_slices(view), cands)
-        if self.mode == "auto":
-            return AutoPolicy(self.level, workers)
-        return None
-
-
-# Picks a chunk's codec: image.policy.AutoPolicy (whose `decide` learns what pays), or bplanes' trial.
-Chooser = AutoPolicy | Callable[[memoryview], Choice]
-
-
-def compression_name(c: pb.Compression) -> str:
-    """How an image's manifest names its compression (as `--compress` takes it)."""
-    if c.automatic:
-        return f"auto:{c.level}" if c.level else "auto"
-    if c.codec == pb.CODEC_ZSTD:
-        return f"zstd:{c.level}"
-    if c.codec == pb.CODEC_PLANES:
-        return f"bplanes:{c.level}"
-    return "none"
+from .policy import AutoPolicy
 
 
 @dataclass

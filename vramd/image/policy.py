@@ -1,12 +1,6 @@
-"""Which codec a chunk gets: the `--compression` forms, the per-chunk trial, and the `auto` mode.
+"""Which codec a chunk gets under a compression mode (vramd.image.compression): the per-chunk trial, and `auto`.
 
 Pure decisions, no I/O: the writer feeds in what it measured and asks per chunk.
-
-`--compression` (parse_compression):
-    none            store every chunk raw (holes are always holes)
-    zstd[:L]        one zstd frame per chunk at level L (default 1)
-    bplanes[:L]     per chunk, a trial on a sample picks plane words 2, 4 or plain zstd at level L
-    auto[:L]        bplanes' trial, and compress a chunk only where that makes the dump faster
 
 The trial (choose): a few slices of the chunk (by default three of 16 KiB: its start,
 middle and end; `sample_slices`) are compressed with each candidate codec, and the
@@ -60,7 +54,6 @@ state changes happen under one lock, and the trial (the CPU part) runs outside i
 """
 from __future__ import annotations
 
-import re
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -82,33 +75,6 @@ LEVELS = (-7, 22)         # zstd's levels, as vramd accepts them
 Mode = Literal["none", "zstd", "bplanes", "auto"]
 Kind = Literal["raw", "zstd", "planes"]
 
-_FORMS = "none, zstd, zstd:LEVEL, bplanes, bplanes:LEVEL, auto, auto:LEVEL"
-_SPEC = re.compile(r"(none|zstd|bplanes|auto)(?::(-?[0-9]{1,2}))?")
-
-
-@dataclass(frozen=True)
-class CompressionSpec:
-    """What `--compression` asked for: a mode and its zstd level (0 for none)."""
-
-    mode: Mode = "none"
-    level: int = 0
-
-    def __str__(self) -> str:
-        return self.mode if self.mode == "none" else f"{self.mode}:{self.level}"
-
-
-def parse_compression(text: str) -> CompressionSpec:
-    """'none', 'zstd[:L]', 'bplanes[:L]' or 'auto[:L]' (L a zstd level, -7..22; default 1)."""
-    m = _SPEC.fullmatch(text)
-    if m is None or (m.group(1) == "none" and m.group(2) is not None):
-        raise ValueError(f"unknown compression {text!r} (accepted: {_FORMS})")
-    mode: Mode = m.group(1)  # type: ignore[assignment]  # the pattern admits only the four
-    if mode == "none":
-        return CompressionSpec()
-    level = int(m.group(2)) if m.group(2) is not None else 1
-    if not LEVELS[0] <= level <= LEVELS[1]:
-        raise ValueError(f"zstd level {level} out of range ({LEVELS[0]}..{LEVELS[1]}) in {text!r}")
-    return CompressionSpec(mode, level)
 
 
 @dataclass(frozen=True)
@@ -138,13 +104,14 @@ class Codec:
 RAW = Codec("raw")
 
 
-def candidates(spec: CompressionSpec) -> tuple[Codec, ...]:
-    """The codecs the trial compares under `spec`: none for 'none', plain zstd for 'zstd', all three otherwise."""
-    if spec.mode == "none":
+def candidates(mode: Mode, level: int) -> tuple[Codec, ...]:
+    """The codecs the trial compares under a mode at a zstd level: none for 'none', plain zstd for 'zstd', all
+    three otherwise."""
+    if mode == "none":
         return ()
-    if spec.mode == "zstd":
-        return (Codec("zstd", 0, spec.level),)
-    return (Codec("zstd", 0, spec.level), Codec("planes", 2, spec.level), Codec("planes", 4, spec.level))
+    if mode == "zstd":
+        return (Codec("zstd", 0, level),)
+    return (Codec("zstd", 0, level), Codec("planes", 2, level), Codec("planes", 4, level))
 
 
 @dataclass(frozen=True)
@@ -299,7 +266,7 @@ class AutoPolicy:
             raise ValueError("workers must be >= 1")
         if not 0 <= stay_margin <= enter_margin:
             raise ValueError("margins must satisfy 0 <= stay_margin <= enter_margin")
-        self.codecs = tuple(codecs) if codecs is not None else candidates(CompressionSpec("auto", level))
+        self.codecs = tuple(codecs) if codecs is not None else candidates("auto", level)
         if not self.codecs or RAW in self.codecs:
             raise ValueError("AutoPolicy needs compressing candidate codecs")
         self.samples, self.sample_size, self.raw_above = samples, sample_size, raw_above
@@ -426,5 +393,5 @@ def describe(choices: Iterable[Choice]) -> dict[str, int]:
     return counts
 
 
-__all__ = ["RAW", "RAW_ABOVE", "AutoPolicy", "Choice", "Codec", "CompressionSpec", "candidates", "choose",
-           "describe", "parse_compression", "sample_slices"]
+__all__ = ["RAW", "RAW_ABOVE", "AutoPolicy", "Choice", "Codec", "candidates", "choose", "describe",
+           "sample_slices"]

@@ -242,7 +242,8 @@ async def _cpu_copier(make: Callable[[], Subject]) -> None:
             pool.release([buf])
             s.backend.release(ha)
             s.backend.release(hb)
-        assert read_b() == bytes(PAGE) + a[PAGE + 3:PAGE + 503] + bytes(n - PAGE - 500), "a planned write landed elsewhere"
+        assert read_b() == bytes(PAGE) + a[PAGE + 3:PAGE + 503] + bytes(n - PAGE - 500), \
+            "a planned write landed elsewhere"
         for err in (5, END_OF_FILE):  # EIO, and an fd that ended inside the BO
             e = copier.copy_error(ha, PAGE, err)
             assert isinstance(e, VramdError) and e.bo_id == 1 and e.offset == PAGE, (err, e)
