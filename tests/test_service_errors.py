@@ -288,15 +288,13 @@ def test_a_closed_session_is_forgotten_by_every_connection_that_held_it():
     reaches it any more, and a long-lived connection that looked at many sessions others closed kept every
     one of them, with its job, for as long as it lived (3000 of them: +42 MB in the daemon)."""
     from vramd.engine import Engine, EngineConfig
-    from vramd.image.codec import Compression
     from vramd.service.session_table import SessionTable
 
     async def main():
         engine = Engine(EngineConfig(staging_budget=16 << 20))
         try:
             table = SessionTable(engine, Metrics(), grace_period=30.0, max_per_uid=4,
-                                 limits=SessionLimits(10, 10), default_compression=Compression(),
-                                 default_chunk_size=1 << 20)
+                                 limits=SessionLimits(10, 10))
             s = await table.open(rpc.OpenSession(kind=rpc.SESSION_DUMP), FdBundle([]), uid=0, pid=1)
             class Conn:  # what the table needs of a connection: the sessions it holds
                 def __init__(self) -> None:

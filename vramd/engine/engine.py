@@ -56,6 +56,13 @@ DEVICE_INFLIGHT = 2
 GpuMap = Callable[[pb.Manifest], "dict[int, int] | None"]
 
 
+def chunk_size_problem(chunk_size: int) -> str | None:
+    """Why a chunk size is refused (EngineConfig.chunk_size, or the one a dump asks for), or None."""
+    if not PAGE <= chunk_size <= 1 << 30 or chunk_size % PAGE:
+        return f"chunk size {chunk_size} must be a multiple of 4 KiB, at most 1 GiB"
+    return None
+
+
 def cores() -> int:
     """The CPUs this process may run on."""
     try:
@@ -134,8 +141,9 @@ class EngineConfig:
         """Every rule these settings break that the engine would refuse them (or a job) for: (the names of
         the settings, why).  `check` raises the first; the daemon's configuration check reports it naming the
         settings (vramd.service.config)."""
-        if not PAGE <= self.chunk_size <= 1 << 30 or self.chunk_size % PAGE:
-            yield "chunk_size", f"chunk size {self.chunk_size} must be a multiple of 4 KiB, at most 1 GiB"
+        problem = chunk_size_problem(self.chunk_size)
+        if problem is not None:
+            yield "chunk_size", problem
         counts = {"inflight_per_gpu": self.inflight_per_gpu, "dump_inflight_per_gpu": self.dump_inflight_per_gpu,
                   "device_inflight_per_gpu": self.device_inflight_per_gpu, "copy_threads": self.copy_threads,
                   "cpu_threads": self.cpu_threads, "io_threads": self.io_threads}
@@ -233,14 +241,17 @@ class Engine:
                    compression: Compression | None = None, chunk_size: int | None = None,
                    on_progress: ProgressCallback | None = None, parent: ImageReader | None = None,
                    parent_hint: str = "", dedup: bool = True) -> DumpJob:
-        """A dump into a new image `image_id`, whose data files are attached to `job.writer` and whose
-        manifest file is set (`job.writer.manifest_fd`) before `finish`; or, with `local`, a directory this
-        process writes itself (`start_local_dump`).
+        """A dump into a new image `image_id` in chunks of `chunk_size` bytes (None: the engine's), compressed as
+        `compression` says (None: the engine's); the image's writer holds the chunk size from here on (the job
+        and its pipeline read it there).  Its data files are attached to `job.writer` and its manifest file
+        set (`job.writer.manifest_fd`) before `finish`; or, with `local`, a directory this process writes itself
+        (`start_local_dump`).
         `parent` (from `open_parent`): an incremental dump; the job owns and closes it, even on error."""
         try:
-            cs = chunk_size or self.config.chunk_size
-            if cs != self.config.chunk_size:
-                EngineConfig(chunk_size=cs).check()
+            cs = chunk_size or self.config.chunk_size  # the one default: the engine's (a daemon's: its config's)
+            problem = chunk_size_problem(cs)
+            if problem is not None:
+                raise InvalidRequestError(problem)
             if parent is not None and parent.manifest.chunk_size != cs:
                 raise InvalidRequestError(f"the parent image's chunk size is {parent.manifest.chunk_size}; an "
                                           f"incremental image must use the same (asked: {cs})")

@@ -96,7 +96,6 @@ class Daemon:
             limits=SessionLimits(cfg.max_bos_per_session, cfg.max_fds_per_session, cfg.max_chunks_per_session,
                                  self.gpu_ids),
             uid_limits=UidLimits(cfg.max_bos_per_uid, cfg.max_fds_per_uid),
-            default_compression=self.engine.config.compression, default_chunk_size=cfg.chunk_size,
             topology=self.topology, topology_checks=cfg.topology_checks)
         self.connections: dict[int, Connection] = {}
         self.allowed_uids = set(cfg.allowed_uids) | {os.getuid()}  # the daemon's own uid, always

@@ -39,7 +39,7 @@ class SessionTable:
     """Every live session, by token; opening, lookup with the uid check, reaping."""
 
     def __init__(self, engine: Engine, metrics: Metrics, *, grace_period: float, max_per_uid: int,
-                 limits: SessionLimits, default_compression: Compression, default_chunk_size: int,
+                 limits: SessionLimits,
                  uid_limits: UidLimits | None = None, topology: Topology | None = None,
                  topology_checks: Mapping[str, bool] | None = None) -> None:
         self.engine = engine
@@ -47,8 +47,6 @@ class SessionTable:
         self.grace_period = grace_period
         self.max_per_uid = max_per_uid
         self.limits = limits
-        self.default_compression = default_compression
-        self.default_chunk_size = default_chunk_size
         self.by_token: dict[str, Session] = {}
         self.uid_limits = uid_limits or UidLimits(limits.max_bos * max_per_uid, limits.max_fds * max_per_uid)
         self.usage: dict[int, UidUsage] = {}  # what each uid's sessions hold
@@ -140,13 +138,13 @@ class SessionTable:
         """The session's job, the manifest of the image it reads (None for a dump), and the image's id."""
         if req.kind == rpc.SESSION_DUMP:
             try:
-                comp = Compression.parse(req.compression) if req.compression else self.default_compression
+                comp = Compression.parse(req.compression) if req.compression else None  # None: the engine's
             except ValueError as e:
                 raise InvalidRequestError(str(e)) from None
             parent = await self.engine.open_parent(parent_fds) if parent_fds else None
             image_id = os.urandom(16)
             job = self.engine.start_dump(image_id, compression=comp,
-                                         chunk_size=req.chunk_size or self.default_chunk_size, parent=parent,
+                                         chunk_size=req.chunk_size or None, parent=parent,
                                          parent_hint=req.parent_hint, dedup=not req.no_dedup)
             job.topology_json = self._topology_json
             return job, None, image_id
