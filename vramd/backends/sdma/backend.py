@@ -294,7 +294,7 @@ class SdmaBackend(Backend):
         """The BOs a submission touches (BOs, staging userptrs, the IB): the kernel makes them resident."""
         ffi, lib = self.ffi, self.lib
         handles = {id(ring.ib_bo): ring.ib_bo}
-        key = ("sdma", g.gpu_id)
+        key = (BackendKind.SDMA, g.gpu_id)
         for h, _, buf, _, _ in items:
             assert isinstance(h, SdmaBo)
             handles[id(h.bo)] = h.bo

@@ -13,6 +13,7 @@ from typing import Any
 from ...errors import BackendUnavailableError
 from ...hostmem.staging import StagingBuffer
 from ..base import BoHandle, Direction
+from ..kind import BackendKind
 from .driver import Driver
 from .packets import GPU_PAGE, IB_SLOT_BYTES, IB_SLOTS_PER_RING, KERNEL_DMA_RINGS
 
@@ -134,7 +135,7 @@ class GpuDevice:
 
     def userptr_va(self, buf: StagingBuffer) -> int:
         """The GPU VA of a staging buffer, registering it as a userptr BO on first use."""
-        key = ("sdma", self.gpu_id)
+        key = (BackendKind.SDMA, self.gpu_id)
         entry = buf.backend_state.get(key)
         if entry is None:
             ffi, lib = self.driver.ffi, self.driver.lib
@@ -153,7 +154,7 @@ class GpuDevice:
         return va_out
 
     def forget(self, buf: StagingBuffer) -> None:
-        entry = buf.backend_state.pop(("sdma", self.gpu_id), None)
+        entry = buf.backend_state.pop((BackendKind.SDMA, self.gpu_id), None)
         if entry is not None:
             bo, va, vah, size = entry
             self.unmap_va(bo, size, va, vah, "staging")
