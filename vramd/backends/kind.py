@@ -3,15 +3,14 @@
 The wire (AddBos' `backend`) and the CLI carry the name as a string; the
 daemon parses it into a `BackendKind` where the request arrives
 (`BackendKind.parse`), and a BO that names none gets the one default chosen
-here, from what its fd is (`BackendKind.for_fd`).
+here, from what its fd is (`BackendKind.for_fd`).  The engine's backends
+go by these names (a test may hand it one of its own under another name).
 """
 from __future__ import annotations
 
 import enum
 import os
 import re
-
-from ..errors import BackendUnavailableError
 
 _PROCMEM_LINK = re.compile(r"^/proc/(\d+)/mem$")
 
@@ -24,15 +23,14 @@ class BackendKind(enum.StrEnum):
     SDMA = "sdma"        # a dmabuf copied by the GPU's SDMA engines
 
     @classmethod
-    def parse(cls, name: str, *, bo_id: int | None = None) -> BackendKind:
-        """The kind a client named; BACKEND_UNAVAILABLE naming the known ones for a name vramd has no backend
-        for."""
+    def parse(cls, name: str) -> BackendKind | str:
+        """The kind a client named.  A name vramd has no backend for stays the client's string: the job refuses
+        it when it reaches that BO (BACKEND_UNAVAILABLE, failing the session), as it refuses a backend that is
+        not available here, so every BO before it is checked and taken as usual."""
         try:
             return cls(name)
         except ValueError:
-            raise BackendUnavailableError(
-                f"backend {name!r} is not available (vramd has: {', '.join(k.value for k in cls)})",
-                bo_id=bo_id) from None
+            return name
 
     @classmethod
     def for_fd(cls, fd: int) -> tuple[BackendKind, int | None]:

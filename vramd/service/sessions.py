@@ -361,7 +361,7 @@ class Session:
                                 raise InvalidRequestError(f"no data file is attached for gpu_id {bo.gpu_id:#x} "
                                                           "(AttachFiles it before its first BO)", bo_id=bo.id)
                             chunks += -(-size // chunk_size)
-                    kind = BackendKind.parse(bo.backend, bo_id=bo.id) if bo.backend else kinds[index]
+                    kind = BackendKind.parse(bo.backend) if bo.backend else kinds[index]
                     items.append(make(bo, BoRef(kind, fd, bo.offset)))
             self._check_open()  # still open after the steps
             # the per-uid checks here, with no await before the reservation: other sessions of the uid add too
