@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Generic, Protocol, TypedDict, TypeVar, runtime_checkable
+from typing import Final, Generic, Protocol, TypedDict, TypeVar, runtime_checkable
 
 from ..backends import Backend
 from ..hostmem.staging import StagingBuffer
@@ -41,9 +41,7 @@ class Declined(enum.Enum):
     DECLINED = "declined"
 
 
-DECLINED = Declined.DECLINED
-
-
+DECLINED: Final = Declined.DECLINED
 
 
 def slot_size(length: int) -> int:
@@ -247,7 +245,6 @@ class Progress:
         self.per_gpu_bytes[gpu_id] = self.per_gpu_bytes.get(gpu_id, 0) + nbytes
         for name, n in by_backend.items():
             self.per_backend_bytes[name] = self.per_backend_bytes.get(name, 0) + n
-
 
 
 ProgressCallback = Callable[[Progress], None]
