@@ -52,6 +52,10 @@ DUMP_INFLIGHT = 4
 # 1.88-2.11 at 0.51-0.70.  Storage that needs deeper queues to stream (a network file system) may want more.
 DEVICE_INFLIGHT = 2
 
+# A dump's chunk size when neither the dump nor the configuration names one (EngineConfig.chunk_size; a
+# daemon's configuration defaults to it too).
+DEFAULT_CHUNK_SIZE = 8 * MiB
+
 # image manifest -> {image gpu_id: present gpu_id}, or None to keep the saved ones
 GpuMap = Callable[[pb.Manifest], "dict[int, int] | None"]
 
@@ -103,7 +107,7 @@ class EngineConfig:
 
     staging_budget: int = 512 * MiB
     staging_huge_pages: bool = True  # staging buffers of 2 MiB or more on transparent huge pages (hostmem.staging)
-    chunk_size: int = 8 * MiB
+    chunk_size: int = DEFAULT_CHUNK_SIZE
     max_bo_bytes: int = DEFAULT_MAX_BO_BYTES  # the largest BO size a client may declare (LIMIT_EXCEEDED above)
     inflight_per_gpu: int = 0   # 0: copy threads + 2 (at least 4)
     dump_inflight_per_gpu: int = 0  # 0: inflight_per_gpu, at most DUMP_INFLIGHT

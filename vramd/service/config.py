@@ -36,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..engine import EngineConfig
+from ..engine import DEFAULT_CHUNK_SIZE, EngineConfig
 from ..image.codec import Compression
 from ..image.format import MAX_STRIPES
 from ..protocol.frames import DEFAULT_MAX_MESSAGE, SCM_MAX_FD
@@ -222,7 +222,7 @@ class DaemonConfig:
     socket_mode: int = 0o660
     staging_budget: int = 512 * MiB
     staging_huge_pages: bool = True    # staging buffers on transparent huge pages where the kernel has them
-    chunk_size: int = 8 * MiB
+    chunk_size: int = DEFAULT_CHUNK_SIZE
     compression: str = "auto"
     inflight_per_gpu: int = 0  # 0: chosen from the core count (EngineConfig)
     copy_threads: int = 0      # 0: the core count
