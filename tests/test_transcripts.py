@@ -57,14 +57,14 @@ def c_script(setup: dict, socket_path: str, root: Path) -> str:
 
     lines = [f"socket {socket_path}"]
     for b in setup.get("bos", []):
-        lines.append(f"bo {b['id']} {b['memfd_size']} {b.get('size', 0)} {int('gpu_id' in b)} {b.get('gpu_id', 0)} "
-                     f"{w(b.get('backend'))} {w(b.get('name'))}")
+        lines.append(f"bo {b['id']} {b.get('memfd_size', 0)} {b.get('size', 0)} {int('gpu_id' in b)} {b.get('gpu_id', 0)} "
+                     f"{w(b.get('backend'))} {w(b.get('name'))} {b.get('fd_of', '-')} {b.get('offset', 0)}")
     for a in setup["actions"]:
         do = a["do"]
         if do == "open":
             lines.append(f"open {a['kind']} {root / a['dir']} {w(a.get('compression'))} {a.get('chunk_size', 0)} "
                          f"{w(a.get('label'))} {int(bool(a.get('allow_partial')))} {w(a.get('parent_hint'))} "
-                         f"{dirs(a)}")
+                         f"{dirs(a)} {int(bool(a.get('no_dedup')))} {int(bool(a.get('replace_parent')))}")
         elif do == "wait":
             lines.append(f"wait {a.get('timeout_ms', -1)}")
         elif do == "cancel":

@@ -48,11 +48,13 @@ def bo_bytes(seed: int, size: int) -> bytes:
 
 
 def make_bos(setup: Spec) -> dict[int, int]:
-    """Each BO's memfd: id -> fd (the caller closes them)."""
+    """Each BO's memfd: id -> fd (the caller closes them; a BO with "fd_of" shares that BO's)."""
     out: dict[int, int] = {}
     try:
         for b in _spec_list(setup, "bos"):
             bo_id = _int(b, "id")
+            if "fd_of" in b:
+                continue
             fd = out[bo_id] = os.memfd_create(bo_memfd_name(bo_id), os.MFD_CLOEXEC)
             size = _int(b, "memfd_size")
             if "seed" in b:
@@ -64,6 +66,10 @@ def make_bos(setup: Spec) -> dict[int, int]:
             os.close(fd)
         raise
     return out
+
+
+def bo_fd(b: Spec, fds: Mapping[int, int]) -> int:
+    return fds[_int(b, "fd_of") if "fd_of" in b else _int(b, "id")]
 
 
 def make_dirs(setup: Spec, root: Path) -> None:
@@ -83,9 +89,10 @@ def client_bos(setup: Spec, fds: Mapping[int, int], *, restore_criu: bool = Fals
     for b in _spec_list(setup, "bos"):
         bo_id = _int(b, "id")
         if restore_criu:  # vramd_criu_restore_submit: id, fd, offset and the config's backend only
-            out.append(ClientBo(bo_id, fds[bo_id], backend=backend))
+            out.append(ClientBo(bo_id, bo_fd(b, fds), offset=_int(b, "offset"), backend=backend))
             continue
-        out.append(ClientBo(bo_id, fds[bo_id], size=_int(b, "size"), backend=_str(b, "backend"),
+        out.append(ClientBo(bo_id, bo_fd(b, fds), offset=_int(b, "offset"), size=_int(b, "size"),
+                            backend=_str(b, "backend"),
                             gpu_id=_int(b, "gpu_id") if "gpu_id" in b else None, name=_str(b, "name")))
     return out
 
@@ -130,7 +137,8 @@ class _Driver:
             info = self.conn().open_session(
                 KINDS[_str(a, "kind")], self.dir_fd(_str(a, "dir")), compression=_str(a, "compression"),
                 chunk_size=_int(a, "chunk_size"), label=_str(a, "label"), allow_partial=bool(a.get("allow_partial")),
-                parent_fds=[self.dir_fd(str(p)) for p in parents], parent_hint=_str(a, "parent_hint"))
+                parent_fds=[self.dir_fd(str(p)) for p in parents], parent_hint=_str(a, "parent_hint"),
+                dedup=not a.get("no_dedup"), replace_parent=bool(a.get("replace_parent")))
             self.token = info.token
         elif do == "add_bos":
             self.conn().add_bos(self.token, client_bos(self.setup, self.bos))

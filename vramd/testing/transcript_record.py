@@ -50,6 +50,11 @@ def _bos(*specs: tuple[int, int, int]) -> list[dict[str, JsonValue]]:
 
 
 BOS = _bos((1, 160 << 10, 1), (2, 40 << 10, 2))
+# more fds than one packet may carry (AddBos packing), BOs without a GPU, BOs sharing one memfd at offsets
+MANY_BOS: list[dict[str, JsonValue]] = [
+    {"id": 1, "memfd_size": 64 << 10, "size": 4096, "seed": 7},
+    *({"id": i, "memfd_size": 4096, "size": 4096, "name": f"small{i}"} for i in range(2, 271)),
+    *({"id": i, "fd_of": 1, "offset": 4096 * (i - 270), "size": 4096, "backend": "mmap"} for i in range(271, 281))]
 RESTORE_BOS = [{"id": b["id"], "memfd_size": b["memfd_size"], "backend": "mmap"} for b in BOS]
 DUMP_OPEN = {"do": "open", "kind": "dump", "dir": "image", "compression": "none", "chunk_size": CHUNK,
              "label": "tx-dump"}
@@ -75,6 +80,25 @@ def _dump_into(name: str, bos: list[dict[str, JsonValue]] = BOS) -> Callable[[Pa
     return prepare
 
 
+def _dump_chain() -> Callable[[Path, str], list[bytes]]:
+    """Prepare: BOS dumped into root/parent, then an incremental image of them (BO 2 changed) into root/image."""
+    def prepare(root: Path, socket_path: str) -> list[bytes]:
+        ids = _dump_into("parent")(root, socket_path)
+        (root / "image").mkdir()
+        setup: dict[str, JsonValue] = {"bos": _bos((1, 160 << 10, 1), (2, 40 << 10, 3))}
+        fds = make_bos(setup)
+        dfd = os.open(root / "image", os.O_RDONLY | os.O_DIRECTORY)
+        pfd = os.open(root / "parent", os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            with Client(socket_path) as c:
+                info = c.run_session(SESSION_DUMP, dfd, client_bos(setup, fds), chunk_size=CHUNK, parent_fds=[pfd])
+                return [*ids, info.image_id]
+        finally:
+            for fd in [dfd, pfd, *fds.values()]:
+                os.close(fd)
+    return prepare
+
+
 def _corrupt(name: str) -> Callable[[Path, str], list[bytes]]:
     """Prepare: an image of one BO with one stored chunk (so where it lands does not depend on timing), one
     byte of that chunk's record flipped."""
@@ -94,6 +118,15 @@ Scenario = tuple[str, dict[str, JsonValue], Callable[[Path, str], list[bytes]] |
 SCENARIOS: list[Scenario] = [
     ("dump", {"about": "a dump of two BOs on GPU 0: two data files per GPU, commit at Wait",
               "bos": BOS, "actions": [{"do": "connect"}, DUMP_OPEN, *SESSION]}, None),
+    ("dump-many-bos", {"about": "a dump of 280 BOs: more fds than one AddBos may carry, BOs without a GPU, "
+                                "ten BOs sharing one memfd at offsets",
+                       "bos": MANY_BOS, "actions": [{"do": "connect"}, DUMP_OPEN, *SESSION]}, None),
+    ("dump-options", {"about": "a dump with every OpenSession option the clients share: zstd, no dedup, "
+                               "replace_parent, a parent hint",
+                      "bos": BOS, "actions": [{"do": "connect"},
+                                              dict(DUMP_OPEN, compression="zstd:3", no_dedup=True, replace_parent=True,
+                                                   parent_hint="../elsewhere", label="tx-options"), *SESSION]},
+     None),
     ("dump-incremental", {"about": "an incremental dump against one parent: its manifest at OpenSession, its "
                                    "data files as the daemon names them",
                           "bos": _bos((1, 160 << 10, 1), (2, 40 << 10, 3)),
@@ -102,6 +135,14 @@ SCENARIOS: list[Scenario] = [
      _dump_into("parent")),
     ("restore", {"about": "a restore of a dumped image into two memfds",
                  "bos": RESTORE_BOS, "actions": [{"do": "connect"}, RESTORE_OPEN, *SESSION]}, _dump_into("image")),
+    ("restore-incremental", {"about": "a restore of an incremental image: its parent's manifest and data files too",
+                             "bos": RESTORE_BOS,
+                             "actions": [{"do": "connect"}, dict(RESTORE_OPEN, parents=["parent"]), *SESSION]},
+     _dump_chain()),
+    ("wait-timeout", {"about": "a Wait with a timeout on a restore not started yet: TIMEOUT, the session goes on",
+                      "bos": RESTORE_BOS,
+                      "actions": [{"do": "connect"}, RESTORE_OPEN, {"do": "add_bos"},
+                                  {"do": "wait", "timeout_ms": 0, "expect": "TIMEOUT"}]}, _dump_into("image")),
     ("verify", {"about": "a verify: it starts once its files are attached, Wait is its barrier",
                 "actions": [{"do": "connect"}, {"do": "open", "kind": "verify", "dir": "image", "label": "tx-verify"},
                             {"do": "wait"}, {"do": "close_session"}, {"do": "disconnect"}]}, _dump_into("image")),

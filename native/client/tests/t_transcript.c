@@ -6,9 +6,11 @@
  *
  *   libvramd-transcript SCRIPT      one action per line (test_transcripts.py writes it from the setup):
  *     socket PATH
- *     bo ID MEMFD_SIZE SIZE HAS_GPU GPU BACKEND NAME     ("-": none)
+ *     bo ID MEMFD_SIZE SIZE HAS_GPU GPU BACKEND NAME FD_OF OFFSET   ("-": none; FD_OF: an earlier BO
+ *                                                                 whose memfd this one shares)
  *     connect | disconnect | add_bos | start | progress | close_session | criu_restore_barrier
- *     open KIND DIR COMPRESSION CHUNK_SIZE LABEL ALLOW_PARTIAL PARENT_HINT PARENTS   (PARENTS: a,b or -)
+ *     open KIND DIR COMPRESSION CHUNK_SIZE LABEL ALLOW_PARTIAL PARENT_HINT PARENTS NO_DEDUP REPLACE_PARENT
+ *                                                                 (PARENTS: a,b or -)
  *     wait TIMEOUT_MS (-1: none) | cancel REASON
  *     criu_restore_submit DIR LABEL BACKEND ALLOW_PARTIAL PARENTS
  * prints "ACTION OUTCOME" per action run ("ok", the daemon's code, PROTOCOL_ERROR, HANGUP), up to the
@@ -26,7 +28,7 @@
 #include "vramd/client.h"
 #include "vramd/criu.h"
 
-#define MAX_BOS 64
+#define MAX_BOS 512
 #define MAX_DIRS 16
 #define MAX_WORDS 16
 
@@ -38,6 +40,7 @@ struct driver {
     struct vramd_criu_bo criu_bos[MAX_BOS];
     char names[MAX_BOS][64];
     char backends[MAX_BOS][16];
+    bool own_fd[MAX_BOS];
     size_t n_bos;
     int dir_fds[MAX_DIRS];
     size_t n_dirs;
@@ -71,21 +74,33 @@ static int add_bo(struct driver *d, char **w)
 {
     size_t i = d->n_bos++;
     unsigned long long id = strtoull(w[1], NULL, 10);
-    char memfd_name[64];
-    snprintf(memfd_name, sizeof memfd_name, "tx-bo-%llu", id);
-    int fd = memfd_create(memfd_name, MFD_CLOEXEC);
-    if (fd < 0 || ftruncate(fd, (off_t)strtoull(w[2], NULL, 10)) < 0)
-        return -1;
+    int fd = -1;
+    if (opt(w[8])) { /* an earlier BO's memfd */
+        unsigned long long of = strtoull(w[8], NULL, 10);
+        for (size_t j = 0; j < i; j++)
+            if (d->bos[j].id == of)
+                fd = d->bos[j].fd;
+        if (fd < 0)
+            return -1;
+    } else {
+        char memfd_name[64];
+        snprintf(memfd_name, sizeof memfd_name, "tx-bo-%llu", id);
+        fd = memfd_create(memfd_name, MFD_CLOEXEC);
+        if (fd < 0 || ftruncate(fd, (off_t)strtoull(w[2], NULL, 10)) < 0)
+            return -1;
+        d->own_fd[i] = true;
+    }
     snprintf(d->names[i], sizeof d->names[i], "%s", w[7]);
     snprintf(d->backends[i], sizeof d->backends[i], "%s", w[6]);
     d->bos[i] = (struct vramd_bo){.id = id,
                                   .fd = fd,
+                                  .offset = strtoull(w[9], NULL, 10),
                                   .size = strtoull(w[3], NULL, 10),
                                   .backend = opt(d->backends[i]),
                                   .has_gpu_id = atoi(w[4]) != 0,
                                   .gpu_id = (uint32_t)strtoul(w[5], NULL, 10),
                                   .name = opt(d->names[i])};
-    d->criu_bos[i] = (struct vramd_criu_bo){.id = id, .fd = fd};
+    d->criu_bos[i] = (struct vramd_criu_bo){.id = id, .fd = fd, .offset = d->bos[i].offset};
     return 0;
 }
 
@@ -117,7 +132,7 @@ static int act(struct driver *d, char **w, size_t n, struct vramd_error *err)
         d->conn = NULL;
         return 0;
     }
-    if (strcmp(a, "open") == 0 && n == 9) {
+    if (strcmp(a, "open") == 0 && n == 11) {
         int kind = strcmp(w[1], "dump") == 0      ? VRAMD_SESSION_DUMP
                    : strcmp(w[1], "restore") == 0 ? VRAMD_SESSION_RESTORE
                                                   : VRAMD_SESSION_VERIFY;
@@ -130,7 +145,9 @@ static int act(struct driver *d, char **w, size_t n, struct vramd_error *err)
                                        .allow_partial = atoi(w[6]) != 0,
                                        .parent_hint = opt(w[7]),
                                        .parent_dir_fds = pfds,
-                                       .n_parent_dir_fds = np};
+                                       .n_parent_dir_fds = np,
+                                       .no_dedup = atoi(w[9]) != 0,
+                                       .replace_parent = atoi(w[10]) != 0};
         return vramd_open_session(d->conn, &args, &d->token, NULL, err);
     }
     if (strcmp(a, "add_bos") == 0)
@@ -204,7 +221,7 @@ int main(int argc, char **argv)
             snprintf(d.socket, sizeof d.socket, "%s", w[1]);
             continue;
         }
-        if (strcmp(w[0], "bo") == 0 && n == 8) {
+        if (strcmp(w[0], "bo") == 0 && n == 10) {
             if (d.n_bos >= MAX_BOS || add_bo(&d, w) < 0) {
                 perror("t_transcript: bo");
                 return 2;
@@ -223,7 +240,8 @@ int main(int argc, char **argv)
     fclose(f);
     vramd_close(d.conn);
     for (size_t i = 0; i < d.n_bos; i++)
-        close(d.bos[i].fd);
+        if (d.own_fd[i])
+            close(d.bos[i].fd);
     for (size_t i = 0; i < d.n_dirs; i++)
         close(d.dir_fds[i]);
     return 0;
