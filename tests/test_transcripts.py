@@ -30,7 +30,8 @@ from vramd.testing.transcript import (
     without_direct,
 )
 from vramd.testing.transcript_drive import drive, make_dirs
-from vramd.testing.transcript_record import DERIVED_FROM, SCENARIOS, derive, record
+from vramd.testing.transcript_record import record_all
+from vramd.testing.transcript_scenarios import DERIVED_FROM, SCENARIOS
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "transcripts"
@@ -57,8 +58,8 @@ def c_script(setup: dict, socket_path: str, root: Path) -> str:
 
     lines = [f"socket {socket_path}"]
     for b in setup.get("bos", []):
-        lines.append(f"bo {b['id']} {b.get('memfd_size', 0)} {b.get('size', 0)} {int('gpu_id' in b)} {b.get('gpu_id', 0)} "
-                     f"{w(b.get('backend'))} {w(b.get('name'))} {b.get('fd_of', '-')} {b.get('offset', 0)}")
+        lines.append(f"bo {b['id']} {b.get('memfd_size', 0)} {b.get('size', 0)} {int('gpu_id' in b)} "
+                     f"{b.get('gpu_id', 0)} {w(b.get('backend'))} {w(b.get('name'))} {b.get('fd_of', '-')} {b.get('offset', 0)}")
     for a in setup["actions"]:
         do = a["do"]
         if do == "open":
@@ -159,22 +160,22 @@ def test_a_missing_fd_fails_naming_its_role(client, request):
     open_step = next(s for s in fixture["steps"] if "open_session" in s.get("send", {}))
     open_step["fds"] = ["manifest:1"]
     driver = request.getfixturevalue("c_driver") if client == "c" else None
-    with pytest.raises(TranscriptMismatch, match=r"step 2 \(send open_session\): fds: the fixture has \['manifest:1'"):
+    want = r"step 2 \(send open_session\): fds: the fixture has \['manifest:1'"
+    with pytest.raises(TranscriptMismatch, match=want):
         replay(client, fixture, driver)
 
 
-def test_no_drift(tmp_path):
+def test_no_drift():
     """The recordable fixtures, recorded again from a real daemon, are the committed ones; the hand-written
-    ones are still the edits of them that transcript_record.derive makes."""
-    recorded = {}
-    for name, setup, prepare in SCENARIOS:
-        recorded[name] = record(name, setup, prepare)
+    ones are still the edits of them that transcript_scenarios.derive makes."""
+    recorded = record_all()
+    assert sorted(recorded) == NAMES, f"the fixtures are not the scenarios' ({REGENERATE})"
+    assert len(recorded) == len(SCENARIOS) + len(DERIVED_FROM)
+    for name, t in recorded.items():
+        t = json.loads(json.dumps(t))
         committed = load(FIXTURES / f"{name}.json")
-        assert recorded[name] == committed, (
-            f"tests/transcripts/{name}.json drifted from what a real daemon and the Python client exchange now "
-            f"({'; '.join(differences(committed, recorded[name]))[:2000]}); "
-            f"if the change is meant, regenerate the fixtures: {REGENERATE}")
-    for name, t in derive(recorded).items():
-        assert json.loads(json.dumps(t)) == load(FIXTURES / f"{name}.json"), (
-            f"tests/transcripts/{name}.json is not derived from {t['derived_from']}.json as transcript_record "
-            f"says; regenerate the fixtures: {REGENERATE}")
+        how = f"derived from {t['derived_from']}.json as transcript_scenarios.derive says" if name in DERIVED_FROM \
+            else "what a real daemon and the Python client exchange now"
+        assert t == committed, (
+            f"tests/transcripts/{name}.json is not {how} ({'; '.join(differences(committed, t))[:2000]}); if the "
+            f"change is meant, regenerate the fixtures: {REGENERATE}")
