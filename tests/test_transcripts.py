@@ -59,7 +59,8 @@ def c_script(setup: dict, socket_path: str, root: Path) -> str:
     lines = [f"socket {socket_path}"]
     for b in setup.get("bos", []):
         lines.append(f"bo {b['id']} {b.get('memfd_size', 0)} {b.get('size', 0)} {int('gpu_id' in b)} "
-                     f"{b.get('gpu_id', 0)} {w(b.get('backend'))} {w(b.get('name'))} {b.get('fd_of', '-')} {b.get('offset', 0)}")
+                     f"{b.get('gpu_id', 0)} {w(b.get('backend'))} {w(b.get('name'))} {b.get('fd_of', '-')} "
+                     f"{b.get('offset', 0)}")
     for a in setup["actions"]:
         do = a["do"]
         if do == "open":

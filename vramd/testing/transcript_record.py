@@ -5,9 +5,9 @@
 Each recordable scenario (transcript_scenarios.SCENARIOS) runs with the Python client
 (vramd.testing.transcript_drive) against a real vramd (vramd.testing.launcher) through a recording relay: a
 socket the client connects to, which passes every packet and fd on to the daemon and back, and writes each
-down (fds by their role: transcript.fd_role), then normalised by the rules vramd.testing.transcript names.  One daemon serves every
-scenario, each in a directory of its own.  The hand-written fixtures are then derived from the recorded ones
-(transcript_scenarios.derive).
+down (fds by their role: transcript.fd_role), then normalised by the rules vramd.testing.transcript names.
+One daemon serves every scenario, each in a directory of its own.  The hand-written fixtures are then derived
+from the recorded ones (transcript_scenarios.derive).
 """
 from __future__ import annotations
 
