@@ -29,7 +29,7 @@ from vramd.testing.transcript import (
     load,
     without_direct,
 )
-from vramd.testing.transcript_drive import drive, make_dirs
+from vramd.testing.transcript_drive import drive, expected, make_dirs
 from vramd.testing.transcript_record import record_all
 from vramd.testing.transcript_scenarios import DERIVED_FROM, SCENARIOS
 
@@ -46,7 +46,7 @@ def c_driver() -> Path:
     return meson_build(BUILD) / "tests" / "libvramd-transcript"
 
 
-def c_script(setup: dict, socket_path: str, root: Path) -> str:
+def c_script(setup: dict, socket_path: str, root: Path) -> str:  # noqa: C901 (one branch per action)
     """The setup as t_transcript.c's script (its comment says the format)."""
     def w(v) -> str:
         v = str(v) if v not in (None, "") else "-"
@@ -76,6 +76,7 @@ def c_script(setup: dict, socket_path: str, root: Path) -> str:
                          f"{int(bool(a.get('allow_partial')))} {dirs(a)}")
         else:
             lines.append(do)
+        lines.append(f"expect {expected(a, 'c')}")
     return "\n".join(lines) + "\n"
 
 
@@ -105,23 +106,47 @@ def replay(client: str, fixture: dict, c_driver: Path | None = None, setup: dict
         shutil.rmtree(root, ignore_errors=True)
 
 
-def expected_outcomes(fixture: dict) -> list[list[str]]:
-    return [[a["do"], a.get("expect", "ok")] for a in fixture["setup"]["actions"]]
+def expected_outcomes(fixture: dict, client: str) -> list[list[str]]:
+    return [[a["do"], expected(a, client)] for a in fixture["setup"]["actions"]]
 
 
-@pytest.mark.parametrize(("client", "name"), [pytest.param(c, n, id=f"{c}-{n}") for c in CLIENTS for n in NAMES])
+# Where the two clients send different packets today: (client, fixture) -> what that client does instead.  Each
+# replay is a strict xfail, so fixing the client (or changing the fixture) turns it into a failure to look at.
+DIFFERENCES = {
+    ("python", "broken-connection"):
+        "vramd.client.Client keeps using a connection whose reply had another request's id: its next call "
+        "sends CloseSession, where libvramd marks the connection broken and sends nothing (-ENOTCONN)",
+    ("c", "bad-file-name"):
+        "libvramd marks the connection broken when the daemon names a file the format does not make (-EPROTO) "
+        "and leaves the session to the daemon, where the Python client closes it (CloseSession) and raises "
+        "INVALID_REQUEST (and client.h says such a session is closed again)",
+}
+
+
+def replay_params() -> list:
+    out = []
+    for c in CLIENTS:
+        for n in NAMES:
+            why = DIFFERENCES.get((c, n))
+            marks = [pytest.mark.xfail(strict=True, raises=TranscriptMismatch, reason=why)] if why else []
+            out.append(pytest.param(c, n, id=f"{c}-{n}", marks=marks))
+    return out
+
+
+@pytest.mark.parametrize(("client", "name"), replay_params())
 def test_transcript(client, name, request):
     """The client sends exactly the fixture's packets (fds by role) and ends each action as the fixture says."""
     fixture = load(FIXTURES / f"{name}.json")
     driver = request.getfixturevalue("c_driver") if client == "c" else None
-    assert replay(client, fixture, driver) == expected_outcomes(fixture)
+    assert replay(client, fixture, driver) == expected_outcomes(fixture, client)
 
 
 def test_fixture_set():
     """Every scenario the issue names has its fixture, the hand-written ones say so, and each fixture's setup
     ends with the outcome its steps imply."""
     want = {"dump", "dump-incremental", "restore", "verify", "offload", "open-refused", "wait-job-error",
-            "wait-cancelled", "too-many-files", "wrong-request-id", "hangup"}
+            "wait-cancelled", "too-many-files", "wrong-request-id", "hangup", "broken-connection", "bad-file-name"}
+    assert {n for _, n in DIFFERENCES} <= set(NAMES)
     assert want <= set(NAMES)
     for name in NAMES:
         t = load(FIXTURES / f"{name}.json")

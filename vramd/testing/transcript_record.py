@@ -29,7 +29,7 @@ from ..protocol.fds import close_fds, pack_fds, unpack_fds
 from ..protocol.frames import HEADER_SIZE, SCM_MAX_FD
 from .launcher import DaemonProcess
 from .transcript import ANY, REQUEST, JsonValue, Step, direct_io_dir, fd_role, fixed_image_id, fixed_token, image_dirs
-from .transcript_drive import drive
+from .transcript_drive import drive, expected
 from .transcript_scenarios import SCENARIOS, Scenario, derive
 
 DAEMON_CONFIG = """\
@@ -233,9 +233,9 @@ def record(scenario: Scenario, daemon: DaemonProcess, top: Path) -> dict[str, Js
     finally:
         relay.close()
     steps = racing_state([norm.step(s) for s in relay.steps])
-    expected = [[a["do"], a.get("expect", "ok")] for a in actions]
-    if outcomes != expected:
-        raise AssertionError(f"{name}: the Python client's outcomes {outcomes}, the scenario's {expected}; "
+    want = [[a["do"], expected(a, "python")] for a in actions]
+    if outcomes != want:
+        raise AssertionError(f"{name}: the Python client's outcomes {outcomes}, the scenario's {want}; "
                              f"steps: {json.dumps(steps[-3:])}")
     body = {k: v for k, v in setup.items() if k != "about"}
     body["dirs"] = {k: [norm.text(f) for f in v] for k, v in sorted(dirs.items())}

@@ -148,14 +148,17 @@ def _find(steps: list[Step], kind: str, body: str, nth: int = 0) -> int:
     return hits[nth]
 
 
-DERIVED_FROM = {"too-many-files": "dump", "wrong-request-id": "dump", "hangup": "dump"}
+DERIVED_FROM = {"too-many-files": "dump", "wrong-request-id": "dump", "broken-connection": "dump", "hangup": "dump",
+                "bad-file-name": "restore"}
+# where the clients' outcomes differ today (the same packets, another error reported)
+BAD_NAME_OUTCOME = {"python": "INVALID_REQUEST", "c": "PROTOCOL_ERROR"}
 
 
 def derive(fixtures: Mapping[str, dict[str, JsonValue]]) -> dict[str, dict[str, JsonValue]]:
     """The hand-written error paths, each an explicit edit of a recorded fixture."""
     out: dict[str, dict[str, JsonValue]] = {}
 
-    def base(src: str, name: str, about: str, expect: Mapping[str, str]) -> list[Step]:
+    def base(src: str, name: str, about: str, expect: Mapping[str, JsonValue]) -> list[Step]:
         """A copy of fixture `src` as `name`, its actions up to the one that now fails (`expect`: its outcome);
         its steps, for the caller to edit."""
         t = copy.deepcopy(dict(fixtures[src]))
@@ -190,6 +193,27 @@ def derive(fixtures: Mapping[str, dict[str, JsonValue]]) -> dict[str, dict[str, 
     i = _find(steps, "send", "start")
     steps[i + 1]["recv"]["id"] = "99"  # type: ignore[index]
     del steps[i + 2:]
+
+    # after that, the connection is unusable: a later call sends nothing
+    steps = base("dump", "broken-connection", "the reply to Start carries another request's id; a CloseSession "
+                 "after it sends nothing (the connection's pairing is lost)", {"start": "PROTOCOL_ERROR"})
+    i = _find(steps, "send", "start")
+    steps[i + 1]["recv"]["id"] = "99"  # type: ignore[index]
+    del steps[i + 2:]
+    actions = out["broken-connection"]["setup"]["actions"]  # type: ignore[index]
+    actions.append({"do": "close_session", "expect": "BROKEN"})
+
+    # a daemon that asks for a file name the image format does not make: the client opens nothing, closes the
+    # session again and fails
+    steps = base("restore", "bad-file-name", "OpenSession's reply asks for ../manifest.vrdm, not a data file "
+                 "name; the client refuses and closes the session", {"open": BAD_NAME_OUTCOME})
+    i = _find(steps, "send", "open_session")
+    steps[i + 1]["recv"]["session"]["files_needed"][0]["name"] = "../manifest.vrdm"  # type: ignore[index]
+    close = _find(steps, "send", "close_session")
+    steps[i + 2:] = [steps[close], {"recv": {"id": REQUEST, "session": {
+        "session_id": steps[i + 1]["recv"]["session"]["session_id"],  # type: ignore[index]
+        "kind": "SESSION_RESTORE", "state": "SESSION_CANCELLED",
+        "error": {"code": "CANCELLED", "message": "session closed"}}}}]
 
     # the daemon hangs up instead of answering AddBos
     steps = base("dump", "hangup", "the daemon hangs up instead of answering AddBos", {"add_bos": "HANGUP"})

@@ -13,8 +13,10 @@
  *                                                                 (PARENTS: a,b or -)
  *     wait TIMEOUT_MS (-1: none) | cancel REASON
  *     criu_restore_submit DIR LABEL BACKEND ALLOW_PARTIAL PARENTS
- * prints "ACTION OUTCOME" per action run ("ok", the daemon's code, PROTOCOL_ERROR, HANGUP), up to the
- * first that fails; then closes the connection.  Exit 0 unless the script itself is bad (2).
+ *     expect OUTCOME          (after an action: the outcome it expects; "ok" without one)
+ * prints "ACTION OUTCOME" per action run ("ok", the daemon's code, PROTOCOL_ERROR, HANGUP, BROKEN: a call on
+ * a connection an earlier failure broke), up to the first whose outcome is not the one it expects; then
+ * closes the connection.  Exit 0 unless the script itself is bad (2).
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -189,6 +191,8 @@ static const char *outcome(int r, const struct vramd_error *err)
     static char buf[64];
     if (r == -ECONNRESET || r == -EPIPE)
         return "HANGUP";
+    if (r == -ENOTCONN)
+        return "BROKEN";
     if (err->code != VRAMD_CODE_LOCAL)
         return vramd_code_name(err->code);
     if (r == -EPROTO)
@@ -210,6 +214,8 @@ int main(int argc, char **argv)
     }
     static struct driver d;
     char line[4096];
+    char last[64] = "";      /* the action run last and its outcome, until its "expect" line (or the next) */
+    char result[64] = "ok";
     while (fgets(line, sizeof line, f)) {
         char *w[MAX_WORDS];
         size_t n = 0;
@@ -217,6 +223,14 @@ int main(int argc, char **argv)
             w[n++] = p;
         if (n == 0)
             continue;
+        if (strcmp(w[0], "expect") == 0 && n == 2) {
+            if (last[0] && strcmp(result, w[1]) != 0)
+                break;
+            last[0] = '\0';
+            continue;
+        }
+        if (last[0] && strcmp(result, "ok") != 0) /* an action with no "expect" expects ok */
+            break;
         if (strcmp(w[0], "socket") == 0 && n == 2) {
             snprintf(d.socket, sizeof d.socket, "%s", w[1]);
             continue;
@@ -231,11 +245,11 @@ int main(int argc, char **argv)
         struct vramd_error err;
         memset(&err, 0, sizeof err);
         int r = act(&d, w, n, &err);
-        printf("%s %s\n", w[0], r == 0 ? "ok" : outcome(r, &err));
-        if (r < 0) {
+        snprintf(last, sizeof last, "%s", w[0]);
+        snprintf(result, sizeof result, "%s", r == 0 ? "ok" : outcome(r, &err));
+        printf("%s %s\n", last, result);
+        if (r < 0)
             fprintf(stderr, "t_transcript: %s: %d %s\n", w[0], r, err.message);
-            break;
-        }
     }
     fclose(f);
     vramd_close(d.conn);
