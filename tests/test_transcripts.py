@@ -46,7 +46,7 @@ def c_driver() -> Path:
     return meson_build(BUILD) / "tests" / "libvramd-transcript"
 
 
-def c_script(setup: dict, socket_path: str, root: Path) -> str:  # noqa: C901 (one branch per action)
+def c_script(setup: dict, socket_path: str, root: Path) -> str:
     """The setup as t_transcript.c's script (its comment says the format)."""
     def w(v) -> str:
         v = str(v) if v not in (None, "") else "-"

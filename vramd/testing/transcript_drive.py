@@ -4,9 +4,10 @@
     outcomes = drive(setup, socket_path, root)   # [(action, "ok" | an error code | "HANGUP"), ...]
 
 The actions run in order up to the first whose outcome is not the one it expects ("ok", or the typed
-error's code, "HANGUP" for a daemon that hung up); the connection is closed after the last.  The image directories of the setup are made
-under `root` (`make_dirs`); a BO is a memfd named after its id (transcript.bo_memfd_name) of its
-"memfd_size" bytes, filled with its "seed"'s bytes (`bo_bytes`) where one is given.
+error's code, "HANGUP" for a daemon that hung up); the connection is closed after the last.  The image
+directories of the setup are made under `root` (`make_dirs`); a BO is a memfd named after its id
+(transcript.bo_memfd_name) of its "memfd_size" bytes, filled with its "seed"'s bytes (`bo_bytes`) where one
+is given ("fd_of": it shares that BO's memfd).
 """
 from __future__ import annotations
 
