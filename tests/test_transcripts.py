@@ -42,8 +42,13 @@ REGENERATE = "python -m vramd.testing.transcript_record tests/transcripts"
 
 @pytest.fixture(scope="module")
 def c_driver() -> Path:
-    from test_libvramd import BUILD, meson_build
-    return meson_build(BUILD) / "tests" / "libvramd-transcript"
+    """libvramd's transcript driver, built with the library (build/libvramd, as ./dev.sh builds it)."""
+    build = ROOT / "build" / "libvramd"
+    setup = [["meson", "setup", str(build), str(ROOT / "native" / "client")]]
+    for cmd in ([] if (build / "build.ninja").exists() else setup) + [["meson", "compile", "-C", str(build)]]:
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        assert r.returncode == 0, f"{' '.join(cmd)} failed:\n{r.stdout[-4000:]}{r.stderr[-4000:]}"
+    return build / "tests" / "libvramd-transcript"
 
 
 def c_script(setup: dict, socket_path: str, root: Path) -> str:
