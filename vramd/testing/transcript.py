@@ -42,6 +42,7 @@ the recorder applies them, the fake daemon understands them):
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -87,11 +88,15 @@ def bo_memfd_name(bo_id: int) -> str:
 
 def fd_role(fd: int, images: Mapping[str, int], image_ids: Sequence[str]) -> str:
     """The role of `fd` (tests/transcripts/README.md), from what the fd is: its /proc/self/fd link, the file's
-    name and type, its memfd name, O_DIRECT.  `images`: each image directory's real path -> its index (0 the
-    session's image, k its k-th parent); `image_ids`: the image ids (hex) a dump's own files may be named after."""
+    name and type, its memfd name, its access mode (an image's files read-only, a dump's own writable: else
+    the role says ":writable" or ":read-only"), O_DIRECT.  `images`: each image directory's real path -> its
+    index (0 the session's image, k its k-th parent); `image_ids`: the image ids (hex) a dump's own files may be
+    named after."""
     target = os.readlink(f"/proc/self/fd/{fd}")
     st = os.fstat(fd)
-    direct = "+direct" if os.O_DIRECT & _flags(fd) else ""
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    direct = "+direct" if os.O_DIRECT & flags else ""
+    writable = flags & os.O_ACCMODE != os.O_RDONLY
     m = _BO_MEMFD.fullmatch(target)
     if m:
         return f"bo:{m.group(1)}"
@@ -101,22 +106,20 @@ def fd_role(fd: int, images: Mapping[str, int], image_ids: Sequence[str]) -> str
     k = images.get(where)
     if k is None:
         return f"other:{target}"
+    # what a committed image's files are opened for (read), and a dump's own (write): else the role says so
+    mode = ":writable" if writable else ""
     if name == "manifest.vrdm":
-        return f"manifest:{k}{direct}"
+        return f"manifest:{k}{mode}{direct}"
     if (t := _MANIFEST_TMP.fullmatch(name)) and k == 0:
-        ok = t.group(1) in image_ids
-        return "dump-manifest" + direct if ok else f"dump-manifest:image={t.group(1)}{direct}"
+        image = "" if t.group(1) in image_ids else f":image={t.group(1)}"
+        return f"dump-manifest{image}{'' if writable else ':read-only'}{direct}"
     if (d := _DATA_TMP.fullmatch(name)) and k == 0:
         image = "" if any(i.startswith(d.group(1)) for i in image_ids) else f"image={d.group(1)}:"
-        return f"dump-data:{image}gpu={int(d.group(2), 16)}:stripe={int(d.group(3) or '0', 16)}{direct}"
+        return (f"dump-data:{image}gpu={int(d.group(2), 16)}:stripe={int(d.group(3) or '0', 16)}"
+                f"{'' if writable else ':read-only'}{direct}")
     if _DATA.fullmatch(name):
-        return f"data:{k}:{name}{direct}"
+        return f"data:{k}:{name}{mode}{direct}"
     return f"other:{k}:{name}{direct}"
-
-
-def _flags(fd: int) -> int:
-    import fcntl
-    return fcntl.fcntl(fd, fcntl.F_GETFL)
 
 
 def request_to_dict(req: rpc.Request) -> dict[str, JsonValue]:
