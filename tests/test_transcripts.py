@@ -11,6 +11,7 @@ records them again and compares.
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import os
 import shutil
@@ -115,16 +116,18 @@ def expected_outcomes(fixture: dict, client: str) -> list[list[str]]:
     return [[a["do"], expected(a, client)] for a in fixture["setup"]["actions"]]
 
 
-# Where the two clients send different packets today: (client, fixture) -> what that client does instead.  Each
-# replay is a strict xfail, so fixing the client (or changing the fixture) turns it into a failure to look at.
+# Where the two clients send different packets today: (client, fixture) -> what that client does instead.  The
+# fixtures say what libvramd does and what the Python client does once it drives the client-session state
+# machine of issue 33 (vramd.protocol.connection: a protocol error moves the connection to ERROR, where every
+# call raises and nothing is sent); until that is there, these replays are strict xfails.
+STATE_MACHINE = importlib.util.find_spec("vramd.protocol.connection") is not None
 DIFFERENCES = {
     ("python", "broken-connection"):
         "vramd.client.Client keeps using a connection whose reply had another request's id: its next call "
         "sends CloseSession, where libvramd marks the connection broken and sends nothing (-ENOTCONN)",
-    ("c", "bad-file-name"):
-        "libvramd marks the connection broken when the daemon names a file the format does not make (-EPROTO) "
-        "and leaves the session to the daemon, where the Python client closes it (CloseSession) and raises "
-        "INVALID_REQUEST (and client.h says such a session is closed again)",
+    ("python", "bad-file-name"):
+        "vramd.client.Client closes the session (CloseSession) when the daemon names a file the format does not "
+        "make, and raises INVALID_REQUEST, where libvramd marks the connection broken and sends nothing (-EPROTO)",
 }
 
 
@@ -133,7 +136,8 @@ def replay_params() -> list:
     for c in CLIENTS:
         for n in NAMES:
             why = DIFFERENCES.get((c, n))
-            marks = [pytest.mark.xfail(strict=True, raises=TranscriptMismatch, reason=why)] if why else []
+            marks = [pytest.mark.xfail(not STATE_MACHINE, strict=True, raises=(TranscriptMismatch, AssertionError),
+                                       reason=why)] if why else []
             out.append(pytest.param(c, n, id=f"{c}-{n}", marks=marks))
     return out
 
