@@ -17,6 +17,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -86,9 +87,11 @@ def c_script(setup: dict, socket_path: str, root: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
-def replay(client: str, fixture: dict, c_driver: Path | None = None, setup: dict | None = None) -> list[list[str]]:
+def replay(client: str, fixture: dict, c_driver: Path | None = None, setup: dict | None = None,
+           wrapper: Sequence[str] = ()) -> list[list[str]]:
     """Run `client` against a fake daemon scripted by `fixture` (acting out `setup`, default the fixture's):
-    its outcomes; raises TranscriptMismatch naming the first step and field it got wrong."""
+    its outcomes; raises TranscriptMismatch naming the first step and field it got wrong.  `wrapper`: what runs
+    the C driver (e.g. valgrind)."""
     setup = setup if setup is not None else fixture["setup"]
     base = direct_io_dir()
     root = Path(tempfile.mkdtemp(prefix="vramd-tx-", dir=base or "/tmp"))
@@ -103,7 +106,8 @@ def replay(client: str, fixture: dict, c_driver: Path | None = None, setup: dict
             else:
                 assert c_driver is not None
                 (root / "script").write_text(c_script(setup, sock, root))
-                r = subprocess.run([str(c_driver), str(root / "script")], capture_output=True, text=True, timeout=60)
+                r = subprocess.run([*wrapper, str(c_driver), str(root / "script")], capture_output=True, text=True,
+                                   timeout=120)
                 assert r.returncode == 0, r.stdout + r.stderr
                 outcomes = [line.split(" ", 1) for line in r.stdout.splitlines()]
             fake.result()
@@ -198,6 +202,27 @@ def test_a_missing_fd_fails_naming_its_role(client, request):
     want = r"step 2 \(send open_session\): fds: the fixture has \['manifest:1'"
     with pytest.raises(TranscriptMismatch, match=want):
         replay(client, fixture, driver)
+
+
+ERROR_PATHS = ("open-refused", "wait-job-error", "wait-cancelled", "wait-timeout", "too-many-files",
+               "wrong-request-id", "broken-connection", "bad-file-name", "hangup")
+
+
+@pytest.mark.parametrize("name", ERROR_PATHS)
+def test_c_error_paths_leak_nothing(name, c_driver, tmp_path):
+    """libvramd on each error path, under valgrind: the same packets, and no byte of memory nor any fd left
+    behind by the library when the driver has closed what it opened."""
+    if shutil.which("valgrind") is None:
+        pytest.fail("valgrind is missing: ./dev.sh installs it")
+    fixture = load(FIXTURES / f"{name}.json")
+    log = tmp_path / "valgrind.log"
+    vg = ["valgrind", "-q", "--error-exitcode=99", "--leak-check=full", "--errors-for-leak-kinds=all",
+          "--track-fds=yes", f"--log-file={log}"]
+    assert replay("c", fixture, c_driver, wrapper=vg) == expected_outcomes(fixture, "c")
+    report = log.read_text()
+    assert "FILE DESCRIPTORS:" in report, report
+    leaked = [b for b in report.split("Open file descriptor ")[1:] if "<inherited from parent>" not in b]
+    assert not leaked, f"fds left open at exit: {leaked}"
 
 
 def test_no_drift():
