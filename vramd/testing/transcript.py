@@ -257,7 +257,9 @@ class FakeDaemon:
                         return
                     last_id = got
                 else:
-                    body = dict(step["recv"])  # type: ignore[call-overload]
+                    recv = step["recv"]
+                    assert isinstance(recv, dict), f"step {i}: recv is not a message"
+                    body = dict(recv)
                     if body.get("id", REQUEST) == REQUEST:
                         body["id"] = str(last_id or 0)
                     resp = ParseDict(body, rpc.Response())

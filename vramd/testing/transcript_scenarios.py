@@ -142,10 +142,22 @@ SCENARIOS: list[Scenario] = [
 
 
 
-def _find(steps: list[Step], kind: str, body: str, nth: int = 0) -> int:
-    """The index of the `nth` step whose `kind` ("send"/"recv") body is `body`, or whose request was."""
-    hits = [i for i, s in enumerate(steps) if kind in s and body in s[kind]]  # type: ignore[operator]
-    return hits[nth]
+def _find(steps: list[Step], kind: str, body: str) -> int:
+    """The index of the first step whose `kind` ("send"/"recv") message has a `body` ("start", "session")."""
+    return next(i for i, s in enumerate(steps) if isinstance(m := s.get(kind), dict) and body in m)
+
+
+def _at(node: JsonValue, *path: str | int) -> dict[str, JsonValue]:
+    """The JSON object at `path` inside `node` (keys of objects, indexes of lists)."""
+    for key in path:
+        if isinstance(key, int):
+            assert isinstance(node, list), f"not a list at {key}"
+            node = node[key]
+        else:
+            assert isinstance(node, dict), f"not an object at {key!r}"
+            node = node[key]
+    assert isinstance(node, dict), f"not an object at {path}"
+    return node
 
 
 DERIVED_FROM = {"too-many-files": "dump", "wrong-request-id": "dump", "broken-connection": "dump", "hangup": "dump",
@@ -178,29 +190,30 @@ def derive(fixtures: Mapping[str, dict[str, JsonValue]]) -> dict[str, dict[str, 
     steps = base("dump", "too-many-files", "OpenSession's reply asks for 17 data files per GPU; the client "
                     "refuses and closes the session", {"open": "PROTOCOL_ERROR"})
     i = _find(steps, "send", "open_session")
-    steps[i + 1]["recv"]["session"]["data_files_per_gpu"] = 17  # type: ignore[index]
-    token = steps[i + 1]["recv"]["session"]["token"]  # type: ignore[index]
+    session = _at(steps[i + 1], "recv", "session")
+    session["data_files_per_gpu"] = 17
     close = _find(steps, "send", "close_session")
     steps[i + 2:] = [steps[close], {"recv": {"id": REQUEST, "session": {
-        "session_id": steps[i + 1]["recv"]["session"]["session_id"],  # type: ignore[index]
+        "session_id": session["session_id"],
         "kind": "SESSION_DUMP", "state": "SESSION_CANCELLED",
         "error": {"code": "CANCELLED", "message": "session closed"}}}}]
-    assert steps[i + 2]["send"]["close_session"]["token"] == token  # type: ignore[index]
+    assert _at(steps[i + 2], "send", "close_session")["token"] == session["token"]
 
     # a reply whose id is not the request's: the connection's pairing is lost, the client stops
     steps = base("dump", "wrong-request-id", "the reply to Start carries another request's id",
                     {"start": "PROTOCOL_ERROR"})
     i = _find(steps, "send", "start")
-    steps[i + 1]["recv"]["id"] = "99"  # type: ignore[index]
+    _at(steps[i + 1], "recv")["id"] = "99"
     del steps[i + 2:]
 
     # after that, the connection is unusable: a later call sends nothing
     steps = base("dump", "broken-connection", "the reply to Start carries another request's id; a CloseSession "
                  "after it sends nothing (the connection's pairing is lost)", {"start": "PROTOCOL_ERROR"})
     i = _find(steps, "send", "start")
-    steps[i + 1]["recv"]["id"] = "99"  # type: ignore[index]
+    _at(steps[i + 1], "recv")["id"] = "99"
     del steps[i + 2:]
-    actions = out["broken-connection"]["setup"]["actions"]  # type: ignore[index]
+    actions = _at(out["broken-connection"], "setup")["actions"]
+    assert isinstance(actions, list)
     actions.append({"do": "close_session", "expect": BROKEN_OUTCOME})
 
     # a daemon that asks for a file name the image format does not make: the client opens nothing and stops;
@@ -208,7 +221,7 @@ def derive(fixtures: Mapping[str, dict[str, JsonValue]]) -> dict[str, dict[str, 
     steps = base("restore", "bad-file-name", "OpenSession's reply asks for ../manifest.vrdm, not a data file "
                  "name; the client refuses it and sends nothing more", {"open": "PROTOCOL_ERROR"})
     i = _find(steps, "send", "open_session")
-    steps[i + 1]["recv"]["session"]["files_needed"][0]["name"] = "../manifest.vrdm"  # type: ignore[index]
+    _at(steps[i + 1], "recv", "session", "files_needed", 0)["name"] = "../manifest.vrdm"
     del steps[i + 2:]
 
     # the daemon hangs up instead of answering AddBos
