@@ -204,6 +204,21 @@ def test_a_missing_fd_fails_naming_its_role(client, request):
         replay(client, fixture, driver)
 
 
+def test_without_direct_twins():
+    """The o-direct rule: where no O_DIRECT open works, each file's attach carries its one fd, numbered in order."""
+    fixture = load(FIXTURES / "dump-incremental.json")
+    twins = sum(str(r).endswith("+direct") for s in fixture["steps"] for r in s.get("fds", []))
+    assert twins >= 4
+    steps = without_direct(fixture["steps"])
+    assert len(steps) == len(fixture["steps"])
+    for s in steps:
+        files = s.get("send", {}).get("attach_files", {}).get("files", [])
+        if files:
+            assert [f.get("fd_index", 0) for f in files] == list(range(len(files)))
+            assert not any("direct_fd_index" in f for f in files)
+            assert len(s["fds"]) == len(files) and not any(r.endswith("+direct") for r in s["fds"])
+
+
 ERROR_PATHS = ("open-refused", "wait-job-error", "wait-cancelled", "wait-timeout", "too-many-files",
                "wrong-request-id", "broken-connection", "bad-file-name", "hangup")
 

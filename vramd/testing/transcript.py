@@ -22,11 +22,14 @@ the recorder applies them, the fake daemon understands them):
   logs: "python 0.1.0", "libvramd").
 - ``token``: the n-th distinct session token is ``f"{n:032x}"``; the fake
   issues the fixture's, and the client must send it back exactly.
+- ``session-id``: the n-th distinct session id is ``"n"`` (one recording
+  daemon serves every scenario; the ids are for logs, the clients pass them on).
 - ``image-id``: the n-th distinct image id is the byte ``0x7n`` 16 times, in
   ``image_id`` fields and in every name or message that spells it in hex;
   the client names its dump's files after the id the fake issues.
 - ``run-values``: a SessionInfo's uid, pid, target_pids, age_s,
-  rate_bytes_per_s and progress (timings and counters of a running copy)
+  rate_bytes_per_s, progress (timings and counters of a running copy) and
+  holders (whether the daemon has seen an earlier connection's hang-up yet)
   are dropped: the clients only pass them on.
 - ``hello-machine``: HelloReply's backends and server string are dropped:
   they describe the machine and the release, and no client acts on them

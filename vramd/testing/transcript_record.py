@@ -90,7 +90,7 @@ class Normaliser:
                 if isinstance(h, dict):
                     h.pop(k, None)
             if isinstance(s := recv.get("session"), dict):  # run-values
-                for k in ("uid", "pid", "target_pids", "age_s", "rate_bytes_per_s", "progress"):
+                for k in ("uid", "pid", "target_pids", "age_s", "rate_bytes_per_s", "progress", "holders"):
                     s.pop(k, None)
         # image ids first, as responses name them (a token's rule keys on the field)
         for s in (out.get("recv"),):
