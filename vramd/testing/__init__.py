@@ -6,7 +6,9 @@ building on vramd.
 - `FakeDmaBackend`: an asynchronous backend with an engine thread, injectable faults and delays;
 - `check_backend`: the contract every backend passes, with subjects for procmem, mmap, sdma (on the
   software model) and the fake;
-- `RunAs`, `PythonAccess`: run those children as another user, with an interpreter that user can reach.
+- `RunAs`, `PythonAccess`: run those children as another user, with an interpreter that user can reach;
+- `transcript`, `transcript_drive`, `transcript_record`, `transcript_scenarios` (imported by name): the
+  client-session transcripts that keep the Python client and libvramd in step (tests/transcripts/README.md).
 """
 from .contract import SUBJECTS, Subject, check_backend, seal_size
 from .fake import FakeDmaBackend
