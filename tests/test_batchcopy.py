@@ -187,7 +187,9 @@ def test_inline_dump_binds_every_record_and_writes_off_the_loop(flavour, image_d
     import threading
 
     from vramd.image import writer
-    from vramd.image.format import RECORD_PREFIX, chunk_record, data_file_name, record_checksum
+    from vramd.image.format import RECORD_PREFIX, record_checksum
+    from vramd.image.manifest import chunk_record
+    from vramd.image.names import data_file_name
     from vramd.image.reader import ImageReader
     path, dfd = image_dir
     seen: dict[str, set[str]] = {"pwrite": set(), "direct": set()}
@@ -350,7 +352,7 @@ def test_a_cached_or_tmpfs_record_stays_in_the_copy_thread(flavour, tmp_path, mo
 def test_a_record_of_another_image_is_refused_on_the_inline_read(flavour, image_dir, tmp_path):
     """Same BO, offset and length in two images: swapping the data file is caught by record_checksums."""
     from vramd import errors
-    from vramd.image.format import chunk_record
+    from vramd.image.manifest import chunk_record
     path, dfd = image_dir
     other = tmp_path / "other"
     other.mkdir()

@@ -19,7 +19,8 @@ from helpers import Workload, engine, memfd, open_dir, run
 from vramd import errors
 from vramd.backends import BoRef
 from vramd.engine import BoSpec
-from vramd.image.format import MANIFEST_NAME, chunk_record
+from vramd.image.manifest import chunk_record
+from vramd.image.names import MANIFEST_NAME
 
 MiB = 1 << 20
 

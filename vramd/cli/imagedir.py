@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from ..errors import NotWritableError, PermissionDeniedError, VramdError
-from ..image.format import MANIFEST_NAME
+from ..image.names import MANIFEST_NAME
 from ..pb import image_pb2 as pb
 from .common import Failure
 

@@ -7,7 +7,8 @@ import time
 from typing import Any
 
 from ..image.codec import compression_name
-from ..image.format import chunk_count, chunk_record
+from ..image.format import chunk_count
+from ..image.manifest import chunk_record
 from ..pb import image_pb2 as pb
 from ..units import format_size
 from .common import EXIT_OK, SOURCE_NAMES, Failure, emit, rate
@@ -91,8 +92,8 @@ def cmd_rm(ns: argparse.Namespace) -> int:
     a dump holds it: refused while a dump writes into the directory or a child dump reads this image as its
     parent (it holds the lock shared from its start to its end), and a child dump started while rm runs is
     refused."""
-    from ..image.format import LOCK_NAME, MANIFEST_NAME, child_mark_name, is_data_file_name, is_own_temporary
     from ..image.local import lock_directory, mark_names, read_mark, remove_stale_marks, unlink_regular
+    from ..image.names import LOCK_NAME, MANIFEST_NAME, child_mark_name, is_data_file_name, is_own_temporary
     dfd = open_image_dir(ns.dir, create=False)
     fds = [dfd]
     lock = None
