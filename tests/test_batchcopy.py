@@ -12,22 +12,24 @@ from helpers import Workload, blank_spec_like, engine, memfd, o_direct_here, run
 
 from vramd.backends import BoRef
 from vramd.engine import BoSpec, RestoreTarget
-from vramd.hostmem import batchcopy
+from vramd.hostmem import batchcopy, native
 from vramd.hostmem.batchcopy import END_OF_FILE, HASH, RECORD, WHOLE, ZERO, Copy, copy_batch
 from vramd.hostmem.staging import StagingBuffer
 from vramd.image.codec import record_head
 from vramd.pb import image_pb2 as pb
+from vramd.testing.seams import has_cachestat, intercept_copies, mincore_only, python_copier
 from vramd.units import MiB
 
 
 @pytest.fixture(params=["native", "python"])
-def flavour(request, monkeypatch):
+def flavour(request):
     if request.param == "native":
         if not batchcopy.NATIVE:
             pytest.skip("vramd.hostmem._copy is not built (needs <xxhash.h>: libxxhash-dev)")
+        yield request.param
     else:
-        monkeypatch.setattr(batchcopy, "_copy", None)
-    return request.param
+        with python_copier():
+            yield request.param
 
 
 def _buffer(n: int) -> StagingBuffer:
@@ -59,7 +61,7 @@ def xxh3_build(request):
     and always the baseline one (what a CPU without AVX2 runs, whatever this machine is)."""
     if not batchcopy.NATIVE:
         pytest.skip("vramd.hostmem._copy is not built (needs <xxhash.h>: libxxhash-dev)")
-    lib = batchcopy._copy.lib
+    lib = native.built().lib
     chosen = lib.vd_xxh3_use_avx2(1)  # what the module chose at load: the best build this CPU runs
     if request.param == "avx2" and not chosen:
         pytest.skip("no AVX2 build of xxh3 here, or no AVX2 on this CPU")
@@ -240,7 +242,7 @@ def test_inline_dump_binds_every_record_and_writes_off_the_loop(flavour, image_d
 
 
 @pytest.mark.parametrize("inflight,device_inflight", [(4, 1), (1, 2)], ids=["in-flight", "added-on-device"])
-def test_a_cold_image_is_read_by_the_io_threads_several_records_at_once(flavour, image_dir, monkeypatch, inflight,
+def test_a_cold_image_is_read_by_the_io_threads_several_records_at_once(flavour, image_dir, inflight,
                                                                         device_inflight):
     """Records not in the page cache are read with O_DIRECT, which waits on the device: they are read (and
     checked) in the io threads, as many at once as batches are in flight, not one per copy thread.  With one
@@ -251,7 +253,6 @@ def test_a_cold_image_is_read_by_the_io_threads_several_records_at_once(flavour,
     import itertools
     import threading
 
-    from vramd.engine.jobs import read
     path, dfd = image_dir
     if not o_direct_here(path):
         pytest.skip("the file system of tmp_path refuses O_DIRECT")
@@ -275,14 +276,13 @@ def test_a_cold_image_is_read_by_the_io_threads_several_records_at_once(flavour,
     together = threading.Barrier(3, timeout=10)
     calls = itertools.count()
     threads: set[str] = set()
-    real = read.ImageReadEnds._read_checked
 
-    def spy(self, tasks, buf, clock, *probed):
-        threads.add(threading.current_thread().name)
-        if next(calls) < 3:
-            together.wait()  # BrokenBarrierError, and the restore fails, unless three reads wait at once
-        return real(self, tasks, buf, clock, *probed)
-    monkeypatch.setattr(read.ImageReadEnds, "_read_checked", spy)
+    def spy(copies, flags, run):  # a batch of record reads (RECORD: only a restore's or a verify's)
+        if flags & RECORD:
+            threads.add(threading.current_thread().name)
+            if next(calls) < 3:
+                together.wait()  # BrokenBarrierError, and the restore fails, unless three reads wait at once
+        return run(copies, flags)
 
     async def back():
         async with engine(chunk_size=MiB, staging_budget=16 * MiB, copy_threads=1, inflight_per_gpu=inflight,
@@ -297,25 +297,24 @@ def test_a_cold_image_is_read_by_the_io_threads_several_records_at_once(flavour,
             evict()
             await e.verify(dfd)
             return got
-    assert run(back()) == content
+    with intercept_copies(spy):
+        assert run(back()) == content
     assert len(threads) >= 3 and all(n.startswith("vramd-io") for n in threads), threads
 
 
-def test_a_cached_or_tmpfs_record_stays_in_the_copy_thread(flavour, tmp_path, monkeypatch):
+def test_a_cached_or_tmpfs_record_stays_in_the_copy_thread(flavour, tmp_path):
     """Only a read that waits on a device leaves the copy thread: records in the page cache (an image just
     written through it) and on tmpfs (which cannot say whether it caches: its files are memory) are read,
     checked and copied out by one copy thread, which costs less (bench/README.md)."""
     import tempfile
     import threading
 
-    from vramd.engine.jobs import read
     threads: set[str] = set()
-    real = read.ImageReadEnds._read_checked
 
-    def spy(self, tasks, buf, clock, *probed):
-        threads.add(threading.current_thread().name)
-        return real(self, tasks, buf, clock, *probed)
-    monkeypatch.setattr(read.ImageReadEnds, "_read_checked", spy)
+    def spy(copies, flags, run):  # a batch of record reads
+        if flags & RECORD:
+            threads.add(threading.current_thread().name)
+        return run(copies, flags)
     content = os.urandom(4 * MiB)
     places = [tmp_path] + ([tempfile.mkdtemp(dir="/dev/shm")] if os.path.isdir("/dev/shm") else [])
     try:
@@ -338,7 +337,8 @@ def test_a_cached_or_tmpfs_record_stays_in_the_copy_thread(flavour, tmp_path, mo
                     with open(os.path.join(d, df.name), "rb") as f:
                         while f.read(1 << 20):
                             pass
-                run(back())
+                with intercept_copies(spy):
+                    run(back())
                 assert os.pread(dst, len(content) + 1, 0) == content
             finally:
                 for fd in (dfd, src, dst):
@@ -410,9 +410,21 @@ def test_reopen_direct_follows_the_image_opening_rules(tmp_path):
         os.close(d)
 
 
-@pytest.mark.parametrize("ask", ["cachestat", "mincore"])
-def test_a_cached_record_is_read_through_the_page_cache_and_an_evicted_one_with_o_direct(image_dir, ask,
-                                                                                      monkeypatch):
+@pytest.fixture(params=["cachestat", "mincore"])
+def ask(request):
+    """How the read plan asks the page cache what it holds: cachestat(2), or mincore(2) as where the kernel
+    has no cachestat."""
+    from vramd.hostmem import libc
+    if request.param == "mincore":
+        with mincore_only():
+            yield request.param
+    elif libc.cached_pages(0, 0, 0) is None or not has_cachestat():
+        pytest.skip("this kernel has no cachestat (Linux 6.5+)")
+    else:
+        yield request.param
+
+
+def test_a_cached_record_is_read_through_the_page_cache_and_an_evicted_one_with_o_direct(image_dir, ask):
     """O_DIRECT reads a record from the disk even where the page cache holds it (a restore right after its
     dump ran 3x slower): the read plan asks the page cache (cachestat, or mincore where the kernel has no
     cachestat) and goes direct only for what it does not hold.  Asking reads nothing: asked again and again,
@@ -420,16 +432,10 @@ def test_a_cached_record_is_read_through_the_page_cache_and_an_evicted_one_with_
     missed, so the third question found the record "cached" and it was read through the cache)."""
     import mmap
 
-    from vramd.hostmem import libc
-    if ask == "mincore":
-        monkeypatch.setattr(libc, "_cachestat", [False])
-    elif libc.cached_pages(0, 0, 0) is None or not libc._cachestat[0]:
-        pytest.skip("this kernel has no cachestat (Linux 6.5+)")
-
-    from vramd.engine.jobs import read
     from vramd.engine.jobs.read import ImageBo
     from vramd.engine.jobs.verify import VerifyEnds
     from vramd.engine.pipeline import HEAD_PAGE, ChunkTask, Clock
+    from vramd.hostmem import libc
     from vramd.hostmem.staging import StagingBuffer, StagingPool
     from vramd.image.reader import ImageReader
     path, dfd = image_dir
@@ -473,11 +479,10 @@ def test_a_cached_record_is_read_through_the_page_cache_and_an_evicted_one_with_
             evicted = ends._read_plan(task, buf, ends._direct_read(task))
             # the read itself: from the disk in one request (WHOLE); through the cache a block at a time
             flags = []
-            real = read.copy_batch
-            monkeypatch.setattr(read, "copy_batch", lambda copies, f: flags.append(f) or real(copies, f))
-            ends._read_checked([task], buf, Clock(None))
-            os.pread(fd, loc.length, loc.offset)
-            ends._read_checked([task], buf, Clock(None))
+            with intercept_copies(lambda copies, f, run: flags.append(f) or run(copies, f)):
+                ends._read_checked([task], buf, Clock(None))
+                os.pread(fd, loc.length, loc.offset)
+                ends._read_checked([task], buf, Clock(None))
             assert [bool(f & WHOLE) for f in flags] == [True, False]
             return fd, asked, left, cached.src_fd, evicted.src_fd
         finally:
@@ -536,15 +541,13 @@ def test_a_dump_keeps_fewer_batches_in_flight_than_a_restore(image_dir, monkeypa
     assert most["dump"] == 4 and most["restore"] >= 5, most
 
 
-def test_copies_into_one_file_take_turns(tmp_path, monkeypatch):
+def test_copies_into_one_file_take_turns(tmp_path):
     """pwrites into one regular file or memfd run one at a time in the kernel, whose waiters spin on its
     inode lock: the copy threads take turns before they get there (Backend.write_lock).  Two BOs in one
     memfd, restored by two copy threads: no two copies into that memfd are ever under way at once, and
     the bytes land.  (Without the turns, the other thread gets in: this fails.)"""
     import threading
 
-    from vramd.backends import threaded
-    from vramd.engine.jobs import restore as restore_job
     content = {1: os.urandom(16 * MiB), 2: os.urandom(16 * MiB)}
     image = tmp_path / "image"
     image.mkdir()
@@ -553,9 +556,8 @@ def test_copies_into_one_file_take_turns(tmp_path, monkeypatch):
     dst = memfd(size=32 * MiB)
     inode = os.fstat(dst).st_ino
     lock, inside, most, calls = threading.Lock(), [0], [0], [0]
-    real = batchcopy.copy_batch
 
-    def spy(copies, *args):
+    def spy(copies, flags, run):
         into = any(c.dst_fd >= 0 and os.fstat(c.dst_fd).st_ino == inode for c in copies)
         if into:
             with lock:
@@ -564,20 +566,19 @@ def test_copies_into_one_file_take_turns(tmp_path, monkeypatch):
                 most[0] = max(most[0], inside[0])
         try:
             os.sched_yield()  # a chance for the other copy thread to come in, were it let
-            return real(copies, *args)
+            return run(copies, flags)
         finally:
             if into:
                 with lock:
                     inside[0] -= 1
-    for module in (restore_job, threaded):  # the copy thread's copy-out, and the backend's (a cold read)
-        monkeypatch.setattr(module, "copy_batch", spy)
-    try:
+    try:  # the copies into dst: the copy thread's copy-out, and the backend's (a cold read)
         async def go():
             async with engine(chunk_size=MiB, staging_budget=32 * MiB, copy_threads=2, inflight_per_gpu=4) as e:
                 await e.dump(dfd, [BoSpec(i, len(d), BoRef("mmap", srcs[i])) for i, d in content.items()])
                 await e.restore(dfd, [RestoreTarget(1, BoRef("mmap", dst, 0)),
                                       RestoreTarget(2, BoRef("mmap", dst, 16 * MiB))])
-        run(go())
+        with intercept_copies(spy):
+            run(go())
         assert os.pread(dst, 32 * MiB + 1, 0) == content[1] + content[2]
     finally:
         for fd in (dfd, dst, *srcs.values()):
