@@ -19,17 +19,18 @@ from strategies import HostileFds, blobs, fd_kinds, mutated, request_frames, res
 from vramd.errors import CorruptManifestError, ImageError, ProtocolError, VramdError
 from vramd.hostmem.staging import StagingBuffer
 from vramd.image.codec import decode_chunk
-from vramd.image.format import (
-    EMPTY_CHECKSUM,
+from vramd.image.format import EMPTY_CHECKSUM, checksum, decode_record_head, encode_record_head
+from vramd.image.manifest import (
+    MANIFEST_MAGIC,
+    MANIFEST_PREFIX,
+    TableView,
     _bo_errors,
     _bos_plausible,
     _table_errors,
     _table_plausible,
-    checksum,
-    decode_record_head,
-    encode_record_head,
+    decode_manifest,
+    encode_manifest,
 )
-from vramd.image.manifest import MANIFEST_MAGIC, MANIFEST_PREFIX, TableView, decode_manifest, encode_manifest
 from vramd.pb import image_pb2 as pb
 from vramd.pb import rpc_pb2 as rpc
 from vramd.protocol import PROTOCOL_VERSIONS, ClientProtocol, Received, Reply, ServerProtocol, decode_frame
