@@ -429,69 +429,74 @@ def test_a_cached_record_is_read_through_the_page_cache_and_an_evicted_one_with_
     dump ran 3x slower): the read plan asks the page cache (cachestat, or mincore where the kernel has no
     cachestat) and goes direct only for what it does not hold.  Asking reads nothing: asked again and again,
     an evicted record stays evicted, and direct (a one-byte RWF_NOWAIT probe started readahead where it
-    missed, so the third question found the record "cached" and it was read through the cache)."""
-    import mmap
+    missed, so the third question found the record "cached" and it was read through the cache).  Each
+    record read is seen on its way (intercept_copies): from an O_DIRECT descriptor or not, in one request
+    (WHOLE: from the disk) or a block at a time (through the cache)."""
+    import fcntl
 
-    from vramd.engine.jobs.read import ImageBo
-    from vramd.engine.jobs.verify import VerifyEnds
-    from vramd.engine.pipeline import HEAD_PAGE, ChunkTask, Clock
     from vramd.hostmem import libc
-    from vramd.hostmem.staging import StagingBuffer, StagingPool
-    from vramd.image.reader import ImageReader
+    from vramd.image.manifest import chunk_record
     path, dfd = image_dir
     if not o_direct_here(path):
         pytest.skip("this file system refuses O_DIRECT (tmpfs): nothing to choose")
-    src = memfd(os.urandom(2 * MiB))
+    src = memfd(os.urandom(8 * MiB))
     try:
         async def dump():
             async with engine(chunk_size=MiB, staging_budget=16 * MiB) as e:
-                return await e.dump(dfd, [BoSpec(1, 2 * MiB, BoRef("mmap", src))])
-        run(dump())
+                return await e.dump(dfd, [BoSpec(1, 8 * MiB, BoRef("mmap", src))])
+        m = run(dump())
     finally:
         os.close(src)
+    fds = [os.open(path / f.name, os.O_RDONLY) for f in m.files]
+    records = [r for r in (chunk_record(m, m.bos[0], i) for i in range(8)) if r is not None]
+    # the records a verify's read of the data files' headers (through the cache, with readahead) leaves alone
+    far = [r for r in records if r[1] >= MiB]
+    assert len(records) == 8 and far
 
-    async def plans():
-        reader = await ImageReader.open(dfd)
-        buf = StagingBuffer(HEAD_PAGE + MiB, mmap.mmap(-1, HEAD_PAGE + MiB))
-        try:
-            ends = VerifyEnds(reader, StagingPool(16 * MiB), None)
-            entry = reader.bos[1]
-            bo = ImageBo(1, 0, entry.size, None, None, entry=entry)
-            loc = reader.locate(entry, 1)
-            task = ChunkTask(bo, 1, MiB, MiB, loc.offset, loc.length, loc=loc)
-            fd = reader.fds[loc.slot]
+    def cached(which=records) -> list[int | None]:
+        """The pages of each record the page cache holds."""
+        return [libc.cached_pages(fds[fi], off, n) for fi, off, n, _ in which]
 
-            def evict():
-                """Whichever way the dump wrote it: clean pages, dropped.  DONTNEED is advice (pages still on
-                a per-CPU LRU list stay), so it is repeated until the page cache holds none of the record."""
-                for _ in range(20):
-                    os.fsync(fd)
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                    if libc.cached_pages(fd, loc.offset, loc.length) == 0:
-                        return
-                pytest.skip("the kernel kept the record's pages cached")
-            evict()
-            asked = [ends._read_plan(task, buf, ends._direct_read(task)).src_fd for _ in range(3)]
-            left = libc.cached_pages(fd, loc.offset, loc.length)  # what the questions read: nothing
-            os.pread(fd, loc.length, loc.offset)  # read once through the cache (e.g. a verify before)
-            cached = ends._read_plan(task, buf, ends._direct_read(task))
-            evict()
-            evicted = ends._read_plan(task, buf, ends._direct_read(task))
-            # the read itself: from the disk in one request (WHOLE); through the cache a block at a time
-            flags = []
-            with intercept_copies(lambda copies, f, run: flags.append(f) or run(copies, f)):
-                ends._read_checked([task], buf, Clock(None))
-                os.pread(fd, loc.length, loc.offset)
-                ends._read_checked([task], buf, Clock(None))
-            assert [bool(f & WHOLE) for f in flags] == [True, False]
-            return fd, asked, left, cached.src_fd, evicted.src_fd
-        finally:
-            buf.unmap()
-            reader.close()
-    fd, asked, left, cached_fd, evicted_fd = run(plans())
-    assert fd not in asked and left == 0  # the O_DIRECT descriptor, each time; no page read by asking
-    assert cached_fd == fd  # through the page cache
-    assert evicted_fd != fd
+    def evict():
+        """Whichever way the dump wrote them: clean pages, dropped.  DONTNEED is advice (pages still on a
+        per-CPU LRU list stay), so it is repeated until the page cache holds none of the records."""
+        for _ in range(20):
+            for fd in fds:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            if not any(cached()):
+                return
+        pytest.skip("the kernel kept the records' pages cached")
+
+    def reads() -> list[tuple[bool, bool]]:
+        """A verify's record reads: (from an O_DIRECT descriptor, in one request), a batch each."""
+        seen = []
+
+        def spy(copies, flags, go):
+            if flags & RECORD:
+                seen.extend((bool(fcntl.fcntl(c.src_fd, fcntl.F_GETFL) & os.O_DIRECT), bool(flags & WHOLE))
+                            for c in copies)
+            return go(copies, flags)
+
+        async def verify():
+            async with engine(chunk_size=MiB, staging_budget=16 * MiB) as e:
+                await e.verify(dfd)
+        with intercept_copies(spy):
+            run(verify())
+        return seen
+    try:
+        evict()
+        for _ in range(3):  # asked again and again: still evicted, still direct
+            assert reads() == [(True, True)] * 8
+            assert not any(cached(far))  # what the questions (and the O_DIRECT reads) read: nothing
+        for fi, off, n, _ in records:
+            os.pread(fds[fi], n, off)  # read once through the cache (e.g. a verify before)
+        assert reads() == [(False, False)] * 8
+        evict()
+        assert reads() == [(True, True)] * 8
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def test_a_dump_keeps_fewer_batches_in_flight_than_a_restore(image_dir, monkeypatch):
