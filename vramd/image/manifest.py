@@ -144,13 +144,29 @@ def _check_v2(m: pb.Manifest, name: str) -> None:
         if p.image_id in ids:
             raise CorruptManifestError(f"{name}: parents[{i}] repeats an image of the chain (a parent chain loop)")
         ids.add(p.image_id)
-    nparents, nfiles = len(m.parents), len(m.files)
     bos = list(m.bos)
-    if not (_table_plausible(t, m.chunk_size, nparents, nfiles) and _bos_plausible(bos, t, m.chunk_size)):
-        # the same checks one entry at a time, in order: the first wrong one names itself
-        _table_errors(t, m.chunk_size, nparents, nfiles, name)
-        _bo_errors(bos, t, m.chunk_size, name)
+    if not v2_refs_plausible(m, t, bos):
+        check_v2_refs(m, name, t, bos)  # the first wrong entry names itself
         raise InternalError(f"{name}: the quick manifest check failed and the full one found nothing")
+
+
+def v2_refs_plausible(m: pb.Manifest, t: TableView | None = None, bos: list[pb.BoEntry] | None = None) -> bool:
+    """Whether `check_v2_refs` finds nothing wrong with a v2 manifest's chunk table and its BOs' references
+    into it, answered over whole columns at once (a restore checks the table of 10,000 small BOs before it
+    reads a byte).  `t`, `bos`: the table and BO list, where the caller has them already."""
+    t = TableView(m.chunks) if t is None else t
+    bos = list(m.bos) if bos is None else bos
+    return _table_plausible(t, m.chunk_size, len(m.parents), len(m.files)) and _bos_plausible(bos, t, m.chunk_size)
+
+
+def check_v2_refs(m: pb.Manifest, name: str, t: TableView | None = None,
+                  bos: list[pb.BoEntry] | None = None) -> None:
+    """The checks of `v2_refs_plausible`, one entry at a time, in order: raise CorruptManifestError naming
+    the first wrong chunk table entry or BO."""
+    t = TableView(m.chunks) if t is None else t
+    bos = list(m.bos) if bos is None else bos
+    _table_errors(t, m.chunk_size, len(m.parents), len(m.files), name)
+    _bo_errors(bos, t, m.chunk_size, name)
 
 
 def _table_plausible(t: TableView, chunk_size: int, nparents: int, nfiles: int) -> bool:
