@@ -12,7 +12,8 @@ import uvloop
 
 from vramd.backends import BoRef
 from vramd.engine import BoSpec, Engine, EngineConfig, RestoreTarget
-from vramd.image.format import chunk_record, decode_manifest, decode_record_head
+from vramd.image.format import decode_record_head
+from vramd.image.manifest import chunk_record, decode_manifest
 from vramd.pb import image_pb2 as pb
 from vramd.testing import Workload, blank_spec_like, seal_size  # noqa: F401  (re-exported for tests)
 

@@ -12,22 +12,24 @@ from helpers import Workload, blank_spec_like, engine, memfd, o_direct_here, run
 
 from vramd.backends import BoRef
 from vramd.engine import BoSpec, RestoreTarget
-from vramd.hostmem import batchcopy
+from vramd.hostmem import batchcopy, native
 from vramd.hostmem.batchcopy import END_OF_FILE, HASH, RECORD, WHOLE, ZERO, Copy, copy_batch
 from vramd.hostmem.staging import StagingBuffer
 from vramd.image.codec import record_head
 from vramd.pb import image_pb2 as pb
+from vramd.testing.seams import has_cachestat, intercept_copies, mincore_only, python_copier
 from vramd.units import MiB
 
 
 @pytest.fixture(params=["native", "python"])
-def flavour(request, monkeypatch):
+def flavour(request):
     if request.param == "native":
         if not batchcopy.NATIVE:
             pytest.skip("vramd.hostmem._copy is not built (needs <xxhash.h>: libxxhash-dev)")
+        yield request.param
     else:
-        monkeypatch.setattr(batchcopy, "_copy", None)
-    return request.param
+        with python_copier():
+            yield request.param
 
 
 def _buffer(n: int) -> StagingBuffer:
@@ -59,7 +61,7 @@ def xxh3_build(request):
     and always the baseline one (what a CPU without AVX2 runs, whatever this machine is)."""
     if not batchcopy.NATIVE:
         pytest.skip("vramd.hostmem._copy is not built (needs <xxhash.h>: libxxhash-dev)")
-    lib = batchcopy._copy.lib
+    lib = native.built().lib
     chosen = lib.vd_xxh3_use_avx2(1)  # what the module chose at load: the best build this CPU runs
     if request.param == "avx2" and not chosen:
         pytest.skip("no AVX2 build of xxh3 here, or no AVX2 on this CPU")
@@ -187,7 +189,9 @@ def test_inline_dump_binds_every_record_and_writes_off_the_loop(flavour, image_d
     import threading
 
     from vramd.image import writer
-    from vramd.image.format import RECORD_PREFIX, chunk_record, data_file_name, record_checksum
+    from vramd.image.format import RECORD_PREFIX, record_checksum
+    from vramd.image.manifest import chunk_record
+    from vramd.image.names import data_file_name
     from vramd.image.reader import ImageReader
     path, dfd = image_dir
     seen: dict[str, set[str]] = {"pwrite": set(), "direct": set()}
@@ -238,7 +242,7 @@ def test_inline_dump_binds_every_record_and_writes_off_the_loop(flavour, image_d
 
 
 @pytest.mark.parametrize("inflight,device_inflight", [(4, 1), (1, 2)], ids=["in-flight", "added-on-device"])
-def test_a_cold_image_is_read_by_the_io_threads_several_records_at_once(flavour, image_dir, monkeypatch, inflight,
+def test_a_cold_image_is_read_by_the_io_threads_several_records_at_once(flavour, image_dir, inflight,
                                                                         device_inflight):
     """Records not in the page cache are read with O_DIRECT, which waits on the device: they are read (and
     checked) in the io threads, as many at once as batches are in flight, not one per copy thread.  With one
@@ -249,7 +253,6 @@ def test_a_cold_image_is_read_by_the_io_threads_several_records_at_once(flavour,
     import itertools
     import threading
 
-    from vramd.engine.jobs import read
     path, dfd = image_dir
     if not o_direct_here(path):
         pytest.skip("the file system of tmp_path refuses O_DIRECT")
@@ -273,14 +276,13 @@ def test_a_cold_image_is_read_by_the_io_threads_several_records_at_once(flavour,
     together = threading.Barrier(3, timeout=10)
     calls = itertools.count()
     threads: set[str] = set()
-    real = read.ImageReadEnds._read_checked
 
-    def spy(self, tasks, buf, clock, *probed):
-        threads.add(threading.current_thread().name)
-        if next(calls) < 3:
-            together.wait()  # BrokenBarrierError, and the restore fails, unless three reads wait at once
-        return real(self, tasks, buf, clock, *probed)
-    monkeypatch.setattr(read.ImageReadEnds, "_read_checked", spy)
+    def spy(copies, flags, run):  # a batch of record reads (RECORD: only a restore's or a verify's)
+        if flags & RECORD:
+            threads.add(threading.current_thread().name)
+            if next(calls) < 3:
+                together.wait()  # BrokenBarrierError, and the restore fails, unless three reads wait at once
+        return run(copies, flags)
 
     async def back():
         async with engine(chunk_size=MiB, staging_budget=16 * MiB, copy_threads=1, inflight_per_gpu=inflight,
@@ -295,25 +297,24 @@ def test_a_cold_image_is_read_by_the_io_threads_several_records_at_once(flavour,
             evict()
             await e.verify(dfd)
             return got
-    assert run(back()) == content
+    with intercept_copies(spy):
+        assert run(back()) == content
     assert len(threads) >= 3 and all(n.startswith("vramd-io") for n in threads), threads
 
 
-def test_a_cached_or_tmpfs_record_stays_in_the_copy_thread(flavour, tmp_path, monkeypatch):
+def test_a_cached_or_tmpfs_record_stays_in_the_copy_thread(flavour, tmp_path):
     """Only a read that waits on a device leaves the copy thread: records in the page cache (an image just
     written through it) and on tmpfs (which cannot say whether it caches: its files are memory) are read,
     checked and copied out by one copy thread, which costs less (bench/README.md)."""
     import tempfile
     import threading
 
-    from vramd.engine.jobs import read
     threads: set[str] = set()
-    real = read.ImageReadEnds._read_checked
 
-    def spy(self, tasks, buf, clock, *probed):
-        threads.add(threading.current_thread().name)
-        return real(self, tasks, buf, clock, *probed)
-    monkeypatch.setattr(read.ImageReadEnds, "_read_checked", spy)
+    def spy(copies, flags, run):  # a batch of record reads
+        if flags & RECORD:
+            threads.add(threading.current_thread().name)
+        return run(copies, flags)
     content = os.urandom(4 * MiB)
     places = [tmp_path] + ([tempfile.mkdtemp(dir="/dev/shm")] if os.path.isdir("/dev/shm") else [])
     try:
@@ -336,7 +337,8 @@ def test_a_cached_or_tmpfs_record_stays_in_the_copy_thread(flavour, tmp_path, mo
                     with open(os.path.join(d, df.name), "rb") as f:
                         while f.read(1 << 20):
                             pass
-                run(back())
+                with intercept_copies(spy):
+                    run(back())
                 assert os.pread(dst, len(content) + 1, 0) == content
             finally:
                 for fd in (dfd, src, dst):
@@ -350,7 +352,7 @@ def test_a_cached_or_tmpfs_record_stays_in_the_copy_thread(flavour, tmp_path, mo
 def test_a_record_of_another_image_is_refused_on_the_inline_read(flavour, image_dir, tmp_path):
     """Same BO, offset and length in two images: swapping the data file is caught by record_checksums."""
     from vramd import errors
-    from vramd.image.format import chunk_record
+    from vramd.image.manifest import chunk_record
     path, dfd = image_dir
     other = tmp_path / "other"
     other.mkdir()
@@ -408,83 +410,93 @@ def test_reopen_direct_follows_the_image_opening_rules(tmp_path):
         os.close(d)
 
 
-@pytest.mark.parametrize("ask", ["cachestat", "mincore"])
-def test_a_cached_record_is_read_through_the_page_cache_and_an_evicted_one_with_o_direct(image_dir, ask,
-                                                                                      monkeypatch):
+@pytest.fixture(params=["cachestat", "mincore"])
+def ask(request):
+    """How the read plan asks the page cache what it holds: cachestat(2), or mincore(2) as where the kernel
+    has no cachestat."""
+    from vramd.hostmem import libc
+    if request.param == "mincore":
+        with mincore_only():
+            yield request.param
+    elif libc.cached_pages(0, 0, 0) is None or not has_cachestat():
+        pytest.skip("this kernel has no cachestat (Linux 6.5+)")
+    else:
+        yield request.param
+
+
+def test_a_cached_record_is_read_through_the_page_cache_and_an_evicted_one_with_o_direct(image_dir, ask):
     """O_DIRECT reads a record from the disk even where the page cache holds it (a restore right after its
     dump ran 3x slower): the read plan asks the page cache (cachestat, or mincore where the kernel has no
     cachestat) and goes direct only for what it does not hold.  Asking reads nothing: asked again and again,
     an evicted record stays evicted, and direct (a one-byte RWF_NOWAIT probe started readahead where it
-    missed, so the third question found the record "cached" and it was read through the cache)."""
-    import mmap
+    missed, so the third question found the record "cached" and it was read through the cache).  Each
+    record read is seen on its way (intercept_copies): from an O_DIRECT descriptor or not, in one request
+    (WHOLE: from the disk) or a block at a time (through the cache)."""
+    import fcntl
 
     from vramd.hostmem import libc
-    if ask == "mincore":
-        monkeypatch.setattr(libc, "_cachestat", [False])
-    elif libc.cached_pages(0, 0, 0) is None or not libc._cachestat[0]:
-        pytest.skip("this kernel has no cachestat (Linux 6.5+)")
-
-    from vramd.engine.jobs import read
-    from vramd.engine.jobs.read import ImageBo
-    from vramd.engine.jobs.verify import VerifyEnds
-    from vramd.engine.pipeline import HEAD_PAGE, ChunkTask, Clock
-    from vramd.hostmem.staging import StagingBuffer, StagingPool
-    from vramd.image.reader import ImageReader
+    from vramd.image.manifest import chunk_record
     path, dfd = image_dir
     if not o_direct_here(path):
         pytest.skip("this file system refuses O_DIRECT (tmpfs): nothing to choose")
-    src = memfd(os.urandom(2 * MiB))
+    src = memfd(os.urandom(8 * MiB))
     try:
         async def dump():
             async with engine(chunk_size=MiB, staging_budget=16 * MiB) as e:
-                return await e.dump(dfd, [BoSpec(1, 2 * MiB, BoRef("mmap", src))])
-        run(dump())
+                return await e.dump(dfd, [BoSpec(1, 8 * MiB, BoRef("mmap", src))])
+        m = run(dump())
     finally:
         os.close(src)
+    fds = [os.open(path / f.name, os.O_RDONLY) for f in m.files]
+    records = [r for r in (chunk_record(m, m.bos[0], i) for i in range(8)) if r is not None]
+    # the records a verify's read of the data files' headers (through the cache, with readahead) leaves alone
+    far = [r for r in records if r[1] >= MiB]
+    assert len(records) == 8 and far
 
-    async def plans():
-        reader = await ImageReader.open(dfd)
-        buf = StagingBuffer(HEAD_PAGE + MiB, mmap.mmap(-1, HEAD_PAGE + MiB))
-        try:
-            ends = VerifyEnds(reader, StagingPool(16 * MiB), None)
-            entry = reader.bos[1]
-            bo = ImageBo(1, 0, entry.size, None, None, entry=entry)
-            loc = reader.locate(entry, 1)
-            task = ChunkTask(bo, 1, MiB, MiB, loc.offset, loc.length, loc=loc)
-            fd = reader.fds[loc.slot]
+    def cached(which=records) -> list[int | None]:
+        """The pages of each record the page cache holds."""
+        return [libc.cached_pages(fds[fi], off, n) for fi, off, n, _ in which]
 
-            def evict():
-                """Whichever way the dump wrote it: clean pages, dropped.  DONTNEED is advice (pages still on
-                a per-CPU LRU list stay), so it is repeated until the page cache holds none of the record."""
-                for _ in range(20):
-                    os.fsync(fd)
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                    if libc.cached_pages(fd, loc.offset, loc.length) == 0:
-                        return
-                pytest.skip("the kernel kept the record's pages cached")
-            evict()
-            asked = [ends._read_plan(task, buf, ends._direct_read(task)).src_fd for _ in range(3)]
-            left = libc.cached_pages(fd, loc.offset, loc.length)  # what the questions read: nothing
-            os.pread(fd, loc.length, loc.offset)  # read once through the cache (e.g. a verify before)
-            cached = ends._read_plan(task, buf, ends._direct_read(task))
-            evict()
-            evicted = ends._read_plan(task, buf, ends._direct_read(task))
-            # the read itself: from the disk in one request (WHOLE); through the cache a block at a time
-            flags = []
-            real = read.copy_batch
-            monkeypatch.setattr(read, "copy_batch", lambda copies, f: flags.append(f) or real(copies, f))
-            ends._read_checked([task], buf, Clock(None))
-            os.pread(fd, loc.length, loc.offset)
-            ends._read_checked([task], buf, Clock(None))
-            assert [bool(f & WHOLE) for f in flags] == [True, False]
-            return fd, asked, left, cached.src_fd, evicted.src_fd
-        finally:
-            buf.unmap()
-            reader.close()
-    fd, asked, left, cached_fd, evicted_fd = run(plans())
-    assert fd not in asked and left == 0  # the O_DIRECT descriptor, each time; no page read by asking
-    assert cached_fd == fd  # through the page cache
-    assert evicted_fd != fd
+    def evict():
+        """Whichever way the dump wrote them: clean pages, dropped.  DONTNEED is advice (pages still on a
+        per-CPU LRU list stay), so it is repeated until the page cache holds none of the records."""
+        for _ in range(20):
+            for fd in fds:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            if not any(cached()):
+                return
+        pytest.skip("the kernel kept the records' pages cached")
+
+    def reads() -> list[tuple[bool, bool]]:
+        """A verify's record reads: (from an O_DIRECT descriptor, in one request), a batch each."""
+        seen = []
+
+        def spy(copies, flags, go):
+            if flags & RECORD:
+                seen.extend((bool(fcntl.fcntl(c.src_fd, fcntl.F_GETFL) & os.O_DIRECT), bool(flags & WHOLE))
+                            for c in copies)
+            return go(copies, flags)
+
+        async def verify():
+            async with engine(chunk_size=MiB, staging_budget=16 * MiB) as e:
+                await e.verify(dfd)
+        with intercept_copies(spy):
+            run(verify())
+        return seen
+    try:
+        evict()
+        for _ in range(3):  # asked again and again: still evicted, still direct
+            assert reads() == [(True, True)] * 8
+            assert not any(cached(far))  # what the questions (and the O_DIRECT reads) read: nothing
+        for fi, off, n, _ in records:
+            os.pread(fds[fi], n, off)  # read once through the cache (e.g. a verify before)
+        assert reads() == [(False, False)] * 8
+        evict()
+        assert reads() == [(True, True)] * 8
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def test_a_dump_keeps_fewer_batches_in_flight_than_a_restore(image_dir, monkeypatch):
@@ -534,15 +546,13 @@ def test_a_dump_keeps_fewer_batches_in_flight_than_a_restore(image_dir, monkeypa
     assert most["dump"] == 4 and most["restore"] >= 5, most
 
 
-def test_copies_into_one_file_take_turns(tmp_path, monkeypatch):
+def test_copies_into_one_file_take_turns(tmp_path):
     """pwrites into one regular file or memfd run one at a time in the kernel, whose waiters spin on its
     inode lock: the copy threads take turns before they get there (Backend.write_lock).  Two BOs in one
     memfd, restored by two copy threads: no two copies into that memfd are ever under way at once, and
     the bytes land.  (Without the turns, the other thread gets in: this fails.)"""
     import threading
 
-    from vramd.backends import threaded
-    from vramd.engine.jobs import restore as restore_job
     content = {1: os.urandom(16 * MiB), 2: os.urandom(16 * MiB)}
     image = tmp_path / "image"
     image.mkdir()
@@ -551,9 +561,8 @@ def test_copies_into_one_file_take_turns(tmp_path, monkeypatch):
     dst = memfd(size=32 * MiB)
     inode = os.fstat(dst).st_ino
     lock, inside, most, calls = threading.Lock(), [0], [0], [0]
-    real = batchcopy.copy_batch
 
-    def spy(copies, *args):
+    def spy(copies, flags, run):
         into = any(c.dst_fd >= 0 and os.fstat(c.dst_fd).st_ino == inode for c in copies)
         if into:
             with lock:
@@ -562,20 +571,19 @@ def test_copies_into_one_file_take_turns(tmp_path, monkeypatch):
                 most[0] = max(most[0], inside[0])
         try:
             os.sched_yield()  # a chance for the other copy thread to come in, were it let
-            return real(copies, *args)
+            return run(copies, flags)
         finally:
             if into:
                 with lock:
                     inside[0] -= 1
-    for module in (restore_job, threaded):  # the copy thread's copy-out, and the backend's (a cold read)
-        monkeypatch.setattr(module, "copy_batch", spy)
-    try:
+    try:  # the copies into dst: the copy thread's copy-out, and the backend's (a cold read)
         async def go():
             async with engine(chunk_size=MiB, staging_budget=32 * MiB, copy_threads=2, inflight_per_gpu=4) as e:
                 await e.dump(dfd, [BoSpec(i, len(d), BoRef("mmap", srcs[i])) for i, d in content.items()])
                 await e.restore(dfd, [RestoreTarget(1, BoRef("mmap", dst, 0)),
                                       RestoreTarget(2, BoRef("mmap", dst, 16 * MiB))])
-        run(go())
+        with intercept_copies(spy):
+            run(go())
         assert os.pread(dst, 32 * MiB + 1, 0) == content[1] + content[2]
     finally:
         for fd in (dfd, dst, *srcs.values()):

@@ -19,7 +19,9 @@ from vramd.engine import BoSpec, Engine, EngineConfig, RestoreTarget
 from vramd.engine.pipeline import HEAD_PAGE, MAX_BATCH, SLOT_ALIGN, ChunkTask, Pipeline, slot_size
 from vramd.hostmem.staging import StagingPool, buffer_unit
 from vramd.image.codec import Compression
-from vramd.image.format import RECORD_PREFIX, chunk_record, data_file_name
+from vramd.image.format import RECORD_PREFIX
+from vramd.image.manifest import chunk_record
+from vramd.image.names import data_file_name
 from vramd.image.reader import ImageReader
 
 KiB, MiB = 1 << 10, 1 << 20

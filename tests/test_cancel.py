@@ -15,7 +15,7 @@ from helpers import ROOT, memfd, vramctl
 
 from vramd.client import SESSION_DUMP, SESSION_RESTORE, Client, ClientBo
 from vramd.errors import JobCancelledError
-from vramd.image.format import MANIFEST_NAME
+from vramd.image.names import MANIFEST_NAME
 from vramd.pb import rpc_pb2 as rpc
 from vramd.testing import DaemonProcess, Workload, blank_spec_like
 

@@ -11,7 +11,7 @@ from helpers import Workload, engine, run
 from vramd import errors
 from vramd.backends import BoRef
 from vramd.engine import BoSpec, RestoreTarget
-from vramd.image.format import LOCK_NAME, MANIFEST_NAME
+from vramd.image.names import LOCK_NAME, MANIFEST_NAME
 
 MiB = 1 << 20
 

@@ -19,7 +19,7 @@ from helpers import ROOT, memfd, o_direct_here
 
 from vramd.client import SESSION_DUMP, SESSION_RESTORE, Client, ClientBo
 from vramd.errors import InvalidRequestError, LimitExceededError
-from vramd.image.format import MANIFEST_NAME
+from vramd.image.names import MANIFEST_NAME
 from vramd.pb import rpc_pb2 as rpc
 from vramd.protocol import PROTOCOL_VERSIONS, decode_response, encode_request
 from vramd.testing import DaemonProcess

@@ -23,8 +23,8 @@ from vramd.errors import (
     UnmappedRangeError,
     VramdError,
 )
-from vramd.image.format import is_own_temporary
 from vramd.image.local import DumpDirectory
+from vramd.image.names import is_own_temporary
 from vramd.pb import rpc_pb2 as rpc
 from vramd.protocol import PROTOCOL_VERSIONS, decode_response, encode_request
 from vramd.testing import DaemonProcess
@@ -463,7 +463,7 @@ def test_image_files_the_client_attaches_are_checked(daemon, image_dir, tmp_path
     """The daemon takes only regular files open for the access it needs, and an O_DIRECT twin only where it
     is the very file opened with O_DIRECT for that access: each refusal is BAD_DESCRIPTOR naming the file."""
     from vramd.errors import BadDescriptorError, InvalidRequestError
-    from vramd.image.format import data_file_name
+    from vramd.image.names import data_file_name
     from vramd.protocol.client import ClientFile
     d = tmp_path / "files"
     d.mkdir()

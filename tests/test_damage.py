@@ -9,14 +9,9 @@ from vramd import errors
 from vramd.backends import BoRef
 from vramd.engine import BoSpec, RestoreTarget
 from vramd.image.codec import Compression
-from vramd.image.format import (
-    FORMAT_VERSION,
-    MANIFEST_NAME,
-    MANIFEST_PREFIX,
-    RECORD_PREFIX,
-    chunk_record,
-    decode_manifest,
-)
+from vramd.image.format import FORMAT_VERSION, RECORD_PREFIX
+from vramd.image.manifest import MANIFEST_PREFIX, chunk_record, decode_manifest
+from vramd.image.names import MANIFEST_NAME
 
 MiB = 1 << 20
 CHUNK = 1 * MiB
@@ -180,7 +175,7 @@ def test_data_file_of_another_image(dumped, tmp_path):
 
 
 def test_manifest_consistency_checks():
-    from vramd.image.format import encode_manifest
+    from vramd.image.manifest import encode_manifest
     from vramd.pb import image_pb2 as pb
 
     m = pb.Manifest(format_version=1, image_id=b"x" * 16, chunk_size=4096,

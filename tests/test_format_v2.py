@@ -15,7 +15,8 @@ from vramd.backends import BoRef
 from vramd.engine import BoSpec, EngineConfig, RestoreTarget
 from vramd.engine.jobs import dump as dump_job
 from vramd.image.codec import Compression
-from vramd.image.format import MANIFEST_NAME, chunk_record, decode_manifest, encode_manifest
+from vramd.image.manifest import chunk_record, decode_manifest, encode_manifest
+from vramd.image.names import MANIFEST_NAME
 from vramd.pb import image_pb2 as pb
 
 MiB = 1 << 20

@@ -22,7 +22,8 @@ from vramd.backends import BoRef
 from vramd.engine import BoSpec, RestoreTarget
 from vramd.engine.pipeline import ChunkTask, Pipeline
 from vramd.hostmem.staging import StagingPool, buffer_unit
-from vramd.image.format import MANIFEST_NAME, chunk_record, decode_manifest, encode_manifest
+from vramd.image.manifest import chunk_record, decode_manifest, encode_manifest
+from vramd.image.names import MANIFEST_NAME
 
 MiB = 1 << 20
 GiB = 1 << 30

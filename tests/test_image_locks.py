@@ -21,7 +21,7 @@ import tempfile
 import pytest
 from helpers import ROOT, vramctl
 
-from vramd.image.format import child_mark_name
+from vramd.image.names import child_mark_name
 
 NOBODY = 65534
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="acting as another uid needs root (CI runs as root)")

@@ -19,7 +19,9 @@ from helpers import Workload, engine, memfd, open_dir, run
 from vramd import errors
 from vramd.backends import BoRef
 from vramd.engine import BoSpec
-from vramd.image.format import MANIFEST_NAME, chunk_record
+from vramd.image.manifest import chunk_record
+from vramd.image.names import MANIFEST_NAME
+from vramd.testing.seams import intercept_copies, python_copier
 
 MiB = 1 << 20
 
@@ -149,30 +151,32 @@ def test_a_dump_starts_writing_its_data_back_as_it_goes(image_dir, monkeypatch, 
 @pytest.mark.parametrize("flavour", ["python", "native"])
 def test_an_io_error_reading_is_io_error_naming_file_bo_and_offset(image_dir, monkeypatch, flavour):
     """Both read paths: the three stages and the Python batch copier read with os.preadv (failed here);
-    the C batch copier's pread cannot be patched, so its errno is injected into its outcome."""
-    from vramd.engine.jobs import read
+    the C batch copier's pread cannot be patched, so its errno is injected into the outcome of its first
+    batch of record reads."""
     from vramd.hostmem import batchcopy
+    from vramd.hostmem.batchcopy import RECORD
     _path, dfd = image_dir
     m = _dump(dfd, 3 * MiB)
     if flavour == "python":
-        monkeypatch.setattr(batchcopy, "_copy", None)
+        seam = python_copier()
         # the records, not the header (the cache probe passes preadv flags)
         _failing(monkeypatch, "preadv", errno.EIO, lambda fd, views, off, *flags: off >= 32)
     else:
         if not batchcopy.NATIVE:
             pytest.skip("vramd.hostmem._copy is not built (needs <xxhash.h>: libxxhash-dev)")
-        real = read.copy_batch
 
-        def eio(copies, flags=0):
-            outcomes, _failed = real(copies, flags)
+        def eio(copies, flags, run):
+            outcomes, failed = run(copies, flags)
+            if not flags & RECORD:
+                return outcomes, failed
             outcomes[0] = outcomes[0]._replace(err=errno.EIO, done=0)
             return outcomes, 0
-        monkeypatch.setattr(read, "copy_batch", eio)
+        seam = intercept_copies(eio)
 
     async def go():
         async with engine(staging_budget=16 * MiB) as e:
             await e.verify(dfd)
-    with pytest.raises(errors.ImageIoError) as ei:
+    with pytest.raises(errors.ImageIoError) as ei, seam:
         run(go())
     assert ei.value.bo_id == 1 and ei.value.offset is not None
     fi, *_ = chunk_record(m, m.bos[0], ei.value.offset // m.chunk_size)

@@ -22,7 +22,8 @@ from vramd.backends import BoRef
 from vramd.client import SESSION_DUMP, SESSION_RESTORE, Client, ClientBo
 from vramd.engine import BoSpec
 from vramd.image.codec import Compression
-from vramd.image.format import MANIFEST_NAME, chunk_record
+from vramd.image.manifest import chunk_record
+from vramd.image.names import MANIFEST_NAME
 
 CHUNK = 256 << 10
 HERE = Path(__file__).parent

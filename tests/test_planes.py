@@ -8,18 +8,20 @@ import zstandard
 
 from vramd.errors import CorruptChunkError
 from vramd.image import planes
+from vramd.testing.seams import python_copier
 
 LENGTHS = [0, 1, 3, 4095, 4096, (8 << 20) + 3]
 
 
 @pytest.fixture(params=["native", "python"])
-def path(request, monkeypatch):
+def path(request):
     if request.param == "native":
         if not planes.NATIVE:
             pytest.skip("vramd.hostmem._copy is not built (needs <xxhash.h>: libxxhash-dev)")
+        yield request.param
     else:
-        monkeypatch.setattr(planes, "_copy", None)
-    return request.param
+        with python_copier():
+            yield request.param
 
 
 def reference_split(src: bytes, word: int) -> bytes:
@@ -46,7 +48,7 @@ def test_split_merge_round_trip(path, n, word):
 
 
 @pytest.mark.parametrize("word", planes.WORDS)
-def test_native_equals_python(monkeypatch, word):
+def test_native_equals_python(word):
     if not planes.NATIVE:
         pytest.skip("vramd.hostmem._copy is not built")
     for n in (5, 63, 64, 65, 4097, (1 << 20) + 7):
@@ -54,8 +56,7 @@ def test_native_equals_python(monkeypatch, word):
         native = planes.split_planes(src, word)
         nout = bytearray(n)
         planes.merge_planes(native, word, memoryview(nout))
-        with monkeypatch.context() as m:
-            m.setattr(planes, "_copy", None)
+        with python_copier():
             assert planes.split_planes(src, word) == native
             pout = bytearray(n)
             planes.merge_planes(native, word, memoryview(pout))

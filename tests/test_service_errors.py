@@ -216,7 +216,7 @@ def test_a_session_that_ends_during_an_attach_answers_its_own_error(tmp_path):
 
     from vramd.engine import DumpJob
     from vramd.errors import JobCancelledError
-    from vramd.image.format import data_file_name
+    from vramd.image.names import data_file_name
     from vramd.image.writer import ImageWriter
     from vramd.pb import image_pb2 as pb
 

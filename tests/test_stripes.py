@@ -21,17 +21,9 @@ from vramd.backends import BoRef
 from vramd.client import SESSION_DUMP, SESSION_RESTORE, Client, ClientBo
 from vramd.engine import BoSpec, EngineConfig, RestoreTarget
 from vramd.errors import CorruptManifestError, InvalidRequestError
-from vramd.image.format import (
-    DATA_HEADER,
-    FORMAT_VERSION,
-    MANIFEST_NAME,
-    MAX_STRIPES,
-    data_file_name,
-    decode_manifest,
-    encode_manifest,
-    is_data_file_name,
-    is_own_temporary,
-)
+from vramd.image.format import DATA_HEADER, FORMAT_VERSION, MAX_STRIPES
+from vramd.image.manifest import decode_manifest, encode_manifest
+from vramd.image.names import MANIFEST_NAME, data_file_name, is_data_file_name, is_own_temporary
 from vramd.image.writer import ImageWriter
 from vramd.pb import image_pb2 as pb
 from vramd.pb import rpc_pb2 as rpc

@@ -35,7 +35,7 @@ def test_dump_saves_topology_and_restore_maps_gpus(run_dir, image_dir, tmp_path)
                             for i, (fd, x) in enumerate(zip(srcs, datas))])
         c.start(s.token)
         c.wait(s.token)
-    from vramd.cli.vramctl import read_manifest_offline
+    from vramd.cli.imagedir import read_manifest_offline
     m = read_manifest_offline(dfd)
     saved = json.loads(m.topology_json)
     assert sorted(n["gpu_id"] for n in saved["nodes"] if n["gpu_id"]) == sorted(ids)

@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 from helpers import ROOT
 
-from vramd.image.format import decode_manifest
+from vramd.image.manifest import decode_manifest
 from vramd.testing import DaemonProcess, PythonAccess, RunAs, Workload, blank_spec_like
 
 DAEMON_USER = GROUP = "vramd"

@@ -282,7 +282,7 @@ def test_a_closed_pipe_ends_quietly(daemon, tmp_path):
 
 
 def test_rates_are_decimal_gb_per_s(daemon, tmp_path):
-    from vramd.cli.vramctl import rate
+    from vramd.cli.common import rate
     assert rate(3_000_000_000, 2.0) == "1.50 GB/s"  # 10^9 bytes a GB, not 2^30
     bo = tmp_path / "bo.bin"
     bo.write_bytes(os.urandom(1 << 20))
@@ -449,7 +449,7 @@ def test_rm_removes_only_vramds_regular_files_and_unmarks_parents_last(daemon, t
 def test_a_session_state_kind_or_code_this_vramctl_does_not_know_is_shown_by_its_number():
     """A newer daemon may send a state, kind or error code this vramctl does not know (CANCELLING, 6, was new
     once; an older vramctl raised ValueError on it): `sessions` and `cancel` show it by its number."""
-    from vramd.cli.vramctl import session_dict
+    from vramd.cli.common import session_dict
 
     info = rpc.SessionInfo(session_id=7, kind=9, state=42, error=rpc.Error(code=77, message="newer"))
     d = session_dict(info)

@@ -19,20 +19,14 @@ from strategies import HostileFds, blobs, fd_kinds, mutated, request_frames, res
 from vramd.errors import CorruptManifestError, ImageError, ProtocolError, VramdError
 from vramd.hostmem.staging import StagingBuffer
 from vramd.image.codec import decode_chunk
-from vramd.image.format import (
-    EMPTY_CHECKSUM,
+from vramd.image.format import EMPTY_CHECKSUM, checksum, decode_record_head, encode_record_head
+from vramd.image.manifest import (
     MANIFEST_MAGIC,
     MANIFEST_PREFIX,
-    TableView,
-    _bo_errors,
-    _bos_plausible,
-    _table_errors,
-    _table_plausible,
-    checksum,
+    check_v2_refs,
     decode_manifest,
-    decode_record_head,
     encode_manifest,
-    encode_record_head,
+    v2_refs_plausible,
 )
 from vramd.pb import image_pb2 as pb
 from vramd.pb import rpc_pb2 as rpc
@@ -208,8 +202,8 @@ _NEAR_BOUNDS = [0, 1, 2, 3, 7, 4095, 4096, 4097, 1 << 20, (1 << 20) + 1, (1 << 3
                                 st.sampled_from(_NEAR_BOUNDS)),
                       min_size=1, max_size=3))
 def test_the_quick_v2_checks_agree_with_the_entry_by_entry_ones(parents, delta, chunk, sizes, edits):
-    """The v2 table and BO checks answer over whole columns first (`_table_plausible`, `_bos_plausible`) and
-    look entry by entry only to name what is wrong: both must find the same manifests wrong."""
+    """The v2 table and BO checks answer over whole columns first (`v2_refs_plausible`) and look entry by
+    entry only to name what is wrong (`check_v2_refs`): both must find the same manifests wrong."""
     m = _manifest_v2(4, chunk, sizes, parents, delta)
     for field, at, value in edits:  # values near the bounds the checks draw
         if field in _COLUMNS:
@@ -227,13 +221,9 @@ def test_the_quick_v2_checks_agree_with_the_entry_by_entry_ones(parents, delta, 
                 bo.record_offsets.append(value)
             else:
                 setattr(bo, field, value)
-    t = TableView(m.chunks)
-    bos = list(m.bos)
-    quick = (_table_plausible(t, chunk, len(m.parents), len(m.files))
-             and _bos_plausible(bos, t, chunk))
+    quick = v2_refs_plausible(m)
     try:
-        _table_errors(t, chunk, len(m.parents), len(m.files), "x")
-        _bo_errors(bos, t, chunk, "x")
+        check_v2_refs(m, "x")
         full = True
     except CorruptManifestError:
         full = False

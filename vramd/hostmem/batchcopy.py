@@ -13,9 +13,10 @@ second trip through memory.
 
 Where vramd.hostmem._copy (native/copy/, a cffi API-mode module built at
 install time) is present, the whole batch is one C call that holds no GIL.
-Otherwise the same loop runs here in Python (`NATIVE` is False): os.preadv /
-os.pwritev and libc memcpy release the GIL, the zero scan and xxh3 hold it.
-Both give identical results; the tests run both.
+Otherwise the same loop runs here in Python (`NATIVE` is False, or
+native.python_only() holds): os.preadv / os.pwritev and libc memcpy release the
+GIL, the zero scan and xxh3 hold it.  Both give identical results; the tests run
+both.
 """
 from __future__ import annotations
 
@@ -23,20 +24,17 @@ import errno
 import functools
 import os
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 import xxhash
 
+from . import native
 from .libc import ffi as libc_ffi
 from .libc import is_zero_ptr, libc
 
-try:
-    from . import _copy  # type: ignore[attr-defined]  # built by native/copy_build.py
-except ImportError:  # no compiler or no <xxhash.h> at install time
-    _copy = None
-
-NATIVE: bool = _copy is not None
+NATIVE: bool = native.BUILT
 
 HASH, ZERO, RECORD = 1, 2, 4
 WHOLE = 8  # move each copy in one call, not BLOCK at a time: reads that wait on a device (the C loop; Python always)
@@ -90,15 +88,43 @@ def copy_batch(copies: Sequence[Copy], flags: int = 0) -> tuple[list[Outcome], i
 
     Copies after a failed one are not run (their outcome says done=0).
     """
-    if _copy is not None and copies:
-        return _native(copies, flags)
+    if _interceptors:
+        return _interceptors[-1](copies, flags, _run)
+    return _run(copies, flags)
+
+
+def _run(copies: Sequence[Copy], flags: int = 0) -> tuple[list[Outcome], int]:
+    mod = native.module()
+    if mod is not None and copies:
+        return _native(mod, copies, flags)
     return _python(copies, flags)
+
+
+# --- the tests' seam: every batch seen, and changed, on its way ---------------
+
+Run = Callable[[Sequence[Copy], int], tuple[list[Outcome], int]]
+Interceptor = Callable[[Sequence[Copy], int, Run], tuple[list[Outcome], int]]
+_interceptors: list[Interceptor] = []
+
+
+@contextmanager
+def intercepted(fn: Interceptor) -> Iterator[None]:
+    """While held, each `copy_batch(copies, flags)` in this process, in whatever thread, returns
+    `fn(copies, flags, run)`, where `run(copies, flags)` does the batch as it would have been done: `fn` may
+    watch it (the calling thread, the flags), hold it, or change what it reports (an injected fault).  Only
+    the innermost one runs.  vramd.testing.intercept_copies; nothing else holds it."""
+    _interceptors.append(fn)
+    try:
+        yield
+    finally:
+        _interceptors.remove(fn)
 
 
 def xxh3(address: int, n: int) -> int:
     """xxh3-64 of n bytes at an address (without the GIL where the C module is present)."""
-    if _copy is not None:
-        return int(_copy.lib.vd_xxh3(address, n))
+    mod = native.module()
+    if mod is not None:
+        return int(mod.lib.vd_xxh3(address, n))
     return xxhash.xxh3_64_intdigest(_memory(address, n))
 
 
@@ -122,18 +148,18 @@ def _check_layout(ffi: Any) -> None:
                           f"fields at {got}; this module packs {_VD_COPY.size} bytes at {offsets}")
 
 
-if _copy is not None:
-    _check_layout(_copy.ffi)
+if native.built() is not None:
+    _check_layout(native.built().ffi)
 
 
-def _native(copies: Sequence[Copy], flags: int) -> tuple[list[Outcome], int]:
+def _native(mod: Any, copies: Sequence[Copy], flags: int) -> tuple[list[Outcome], int]:
     n = len(copies)
     pack = _VD_COPY.pack
     # writable (the outcomes land in it), joined in one copy
     raw = bytearray().join([pack(src_fd, dst_fd, src, dst, length, rec_at, rec_len, 0, 0, 0, 0, 0)
                             for src_fd, src, dst_fd, dst, length, rec_at, rec_len in copies])
-    arr = _copy.ffi.from_buffer("struct vd_copy[]", raw)
-    failed = int(_copy.lib.vd_copy_batch(arr, n, flags))  # cffi releases the GIL around the call
+    arr = mod.ffi.from_buffer("struct vd_copy[]", raw)
+    failed = int(mod.lib.vd_copy_batch(arr, n, flags))  # cffi releases the GIL around the call
     with memoryview(raw) as view:
         out = list(map(_as_outcome, _VD_COPY.iter_unpack(view)))  # the copies not run: done 0, err 0
     return out, failed
@@ -201,8 +227,9 @@ def xor_into(dest: memoryview, src: memoryview | bytes) -> None:
     n = len(dest)
     if len(src) != n:
         raise ValueError(f"xor of {n} bytes with {len(src)}")
-    if _copy is not None:
-        _copy.lib.vd_xor(_copy.ffi.from_buffer(dest), _copy.ffi.from_buffer(src), n)
+    mod = native.module()
+    if mod is not None:
+        mod.lib.vd_xor(mod.ffi.from_buffer(dest), mod.ffi.from_buffer(src), n)
         return
     x = int.from_bytes(dest, "little") ^ int.from_bytes(src, "little")
     dest[:] = x.to_bytes(n, "little")

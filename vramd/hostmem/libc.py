@@ -9,6 +9,8 @@ per core, where `memoryview == memoryview` manages 1.3 GB/s holding the GIL.
 from __future__ import annotations
 
 import errno
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import cffi
@@ -84,6 +86,29 @@ def populate(p: Pointer, length: int, *, writing: bool) -> int:
 
 
 _cachestat = [True]  # cleared where the kernel has no cachestat (ENOSYS): mincore then
+_mincore_only = [0]  # mincore_only() blocks now open
+
+
+def has_cachestat() -> bool:
+    """Whether this kernel answers cachestat(2) (Linux 6.5+; asked once, with no file: EBADF, not ENOSYS)."""
+    if _cachestat[0]:
+        rng = ffi.new("struct vd_cachestat_range *", (0, PAGE))
+        out: Any = ffi.new("struct vd_cachestat *")
+        if libc.syscall(ffi.cast("long", SYS_CACHESTAT), ffi.cast("int", -1), rng, out, ffi.cast("unsigned int", 0)) \
+                != 0 and ffi.errno == errno.ENOSYS:
+            _cachestat[0] = False
+    return _cachestat[0]
+
+
+@contextmanager
+def mincore_only() -> Iterator[None]:
+    """While held, `cached_pages` asks mincore(2) as on a kernel without cachestat (the tests run both ways:
+    vramd.testing.mincore_only; nothing else holds it)."""
+    _mincore_only[0] += 1
+    try:
+        yield
+    finally:
+        _mincore_only[0] -= 1
 
 
 def cached_pages(fd: int, offset: int, length: int) -> int | None:
@@ -99,7 +124,7 @@ def cached_pages(fd: int, offset: int, length: int) -> int | None:
         return 0
     first = offset - offset % PAGE
     span = offset + length - first
-    if _cachestat[0]:
+    if _cachestat[0] and not _mincore_only[0]:
         rng = ffi.new("struct vd_cachestat_range *", (first, span))
         out: Any = ffi.new("struct vd_cachestat *")
         flags = ffi.cast("unsigned int", 0)

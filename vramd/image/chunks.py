@@ -18,7 +18,8 @@ from typing import NamedTuple
 
 from ..errors import JobError
 from ..pb import image_pb2 as pb
-from .format import HASH_LEN, TableView, fill
+from .format import HASH_LEN
+from .manifest import TableView, fill
 
 # What `claim` answers: store a record; refer to one of this image; refer to a parent's.
 STORE, DUP, PARENT = "store", "dup", "parent"

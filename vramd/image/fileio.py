@@ -25,7 +25,9 @@ from ..errors import (
     from_os_error,
 )
 from ..pb import image_pb2 as pb
-from .format import MANIFEST_NAME, MAX_MANIFEST_BYTES, Bytes, content_hash, decode_manifest
+from .format import Bytes, content_hash
+from .manifest import MAX_MANIFEST_BYTES, decode_manifest
+from .names import MANIFEST_NAME
 
 FILE_MODE = 0o600  # images hold process memory
 

@@ -22,8 +22,9 @@ from ..hostmem.staging import StagingBuffer
 from ..pb import image_pb2 as pb
 from ..units import PAGE
 from .codec import Compression, encode_chunk
-from .format import Bytes, TableView
+from .format import Bytes
 from .local import DumpDirectory
+from .manifest import TableView
 from .reader import ImageReader
 from .writer import DataFileWriter, ImageWriter
 

@@ -46,13 +46,13 @@ from ..errors import (
     from_os_error,
 )
 from .fileio import FILE_MODE, OPEN_FLAGS, image_os_error, read_manifest_now
-from .format import (
+from .format import MAX_STRIPES
+from .names import (
     CHILD_MARK,
     DATA_FILE_NAME,
     LOCK_NAME,
     MANIFEST_NAME,
     MAX_CHILD_MARK_BYTES,
-    MAX_STRIPES,
     child_mark_content,
     child_mark_name,
     data_file_name,

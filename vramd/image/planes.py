@@ -16,7 +16,8 @@ written) whose content is the planes, not the raw bytes: decoding it is zstd, th
 The transform runs in C (vd_planes_split / vd_planes_merge in native/copy/, part of
 the cffi module vramd.hostmem._copy, called without the GIL) where that module is
 built; otherwise in Python with extended slicing (C speed in CPython, but an extra
-copy).  `NATIVE` says which; both give identical bytes, and the tests run both.
+copy).  `NATIVE` says whether it is built (hostmem.native.python_only() sets it
+aside); both give identical bytes, and the tests run both.
 Pure functions, no I/O.
 """
 from __future__ import annotations
@@ -28,15 +29,15 @@ from typing import Any
 import zstandard
 
 from ..errors import CorruptChunkError
+from ..hostmem import native
 
-try:
-    from ..hostmem import _copy as _native_module  # type: ignore[attr-defined]  # native/copy_build.py
-except ImportError:  # no compiler or no <xxhash.h> at install time
-    _native_module = None
+# an older build of the module has no planes functions
+NATIVE: bool = native.built() is not None and hasattr(native.built().lib, "vd_planes_split")
 
-_copy: Any = _native_module if _native_module is not None and hasattr(_native_module.lib, "vd_planes_split") \
-    else None  # an older build of the module has no planes functions
-NATIVE: bool = _copy is not None
+
+def _native() -> Any:
+    """The C module where it has the planes functions and is not set aside (native.python_only), else None."""
+    return native.module() if NATIVE else None
 
 WORDS = (2, 4)  # the word sizes the codec knows: 16-bit (bf16, fp16) and 32-bit (fp32) numbers
 
@@ -76,9 +77,9 @@ def split_into(src: Buffer, word: int, dest: memoryview) -> None:
     n = len(s)
     if not n:
         return
-    if _copy is not None:
-        _copy.lib.vd_planes_split(_copy.ffi.from_buffer("uint8_t[]", s), _copy.ffi.from_buffer("uint8_t[]", d),
-                                  n, word)
+    mod = _native()
+    if mod is not None:
+        mod.lib.vd_planes_split(mod.ffi.from_buffer("uint8_t[]", s), mod.ffi.from_buffer("uint8_t[]", d), n, word)
         return
     w = n // word
     body = bytes(s[:w * word])
@@ -93,9 +94,9 @@ def merge_into(planes: Buffer, word: int, dest: memoryview) -> None:
     n = len(s)
     if not n:
         return
-    if _copy is not None:
-        _copy.lib.vd_planes_merge(_copy.ffi.from_buffer("uint8_t[]", s), _copy.ffi.from_buffer("uint8_t[]", d),
-                                  n, word)
+    mod = _native()
+    if mod is not None:
+        mod.lib.vd_planes_merge(mod.ffi.from_buffer("uint8_t[]", s), mod.ffi.from_buffer("uint8_t[]", d), n, word)
         return
     w = n // word
     out = bytearray(w * word)

@@ -33,15 +33,10 @@ from ..pb import image_pb2 as pb
 from .chunks import ParentEntries
 from .codec import DecodedChunk, decode_record
 from .fileio import check_attached, check_direct, image_os_error, pread_into, preadv_all, read_manifest_hashed
-from .format import (
-    DATA_HEADER,
-    MANIFEST_NAME,
-    TableView,
-    check_data_header,
-    chunk_count,
-    chunk_record,
-)
+from .format import DATA_HEADER, check_data_header, chunk_count
 from .local import ImageFiles
+from .manifest import TableView, chunk_record
+from .names import MANIFEST_NAME
 
 
 class Loc(NamedTuple):

@@ -36,15 +36,9 @@ from ..hostmem.libc import SYNC_FILE_RANGE_WRITE, libc, memory_file
 from ..hostmem.libc import ffi as libc_ffi
 from ..pb import image_pb2 as pb
 from .fileio import image_os_error, pwrite_all
-from .format import (
-    FORMAT_VERSION,
-    MAX_STRIPES,
-    Bytes,
-    data_file_name,
-    encode_data_header,
-    encode_manifest,
-    manifest_tmp_name,
-)
+from .format import FORMAT_VERSION, MAX_STRIPES, Bytes, encode_data_header
+from .manifest import encode_manifest
+from .names import data_file_name, manifest_tmp_name
 
 WRITEBACK_EVERY = 2 << 20  # see DataFileWriter._written
 

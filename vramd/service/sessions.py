@@ -33,7 +33,7 @@ from ..errors import (
 )
 from ..image.codec import compression_name
 from ..image.fileio import check_attached, check_direct
-from ..image.format import data_file_name, manifest_tmp_name
+from ..image.names import data_file_name, manifest_tmp_name
 from ..image.reader import ImageReader
 from ..image.writer import DataFileWriter
 from ..pb import image_pb2 as pb

@@ -1,0 +1,109 @@
+"""What every vramctl command uses: exit codes, the one-line failure, argument types, output, connect."""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from typing import Any
+
+from ..client import Client
+from ..pb import image_pb2 as pb
+from ..pb import rpc_pb2 as rpc
+from ..protocol.wire import code_name, enum_name
+from ..units import parse_size
+
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_PIPE = 0, 1, 2, 128 + 13  # 141: as if killed by SIGPIPE
+SOURCE_NAMES = {pb.SOURCE_PROCMEM: "procmem", pb.SOURCE_MMAP: "mmap", pb.SOURCE_SDMA: "sdma"}
+
+
+class Failure(Exception):
+    """A one-line reason to exit 1 with."""
+
+
+# --- argument types ----------------------------------------------------------
+
+def parse_range(text: str) -> tuple[int, int]:
+    addr, sep, length = text.partition(":")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected ADDR:LEN")
+    try:
+        return parse_size(addr), parse_size(length)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
+
+
+def parse_bo_target(text: str) -> tuple[int, str]:
+    """ID=PATH: where `vramctl restore` writes the file BO with that id."""
+    bo_id, sep, path = text.partition("=")
+    if not sep or not path or not bo_id.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r}: expected ID=PATH (the BO's id in the image, then a file)")
+    return int(bo_id), path
+
+
+def parse_bo_file(text: str) -> tuple[str, int, int | None]:
+    """PATH or PATH:OFF:LEN (a path may itself contain colons)."""
+    parts = text.rsplit(":", 2)
+    if len(parts) == 3:
+        try:
+            return parts[0], parse_size(parts[1]), parse_size(parts[2])
+        except ValueError:
+            pass
+    return text, 0, None
+
+
+_TOKEN = re.compile(r"[0-9a-f]{32}")
+
+
+def parse_session_ref(text: str) -> tuple[str, int | None]:
+    """TOKEN (32 hex characters) or a session ID (a number): (token, None) or ("", id)."""
+    text = text.strip()
+    if _TOKEN.fullmatch(text.lower()):
+        return text.lower(), None
+    if text.isdigit():
+        return "", int(text)
+    raise argparse.ArgumentTypeError(f"{text!r}: expected a session token (32 hex characters) or a session id")
+
+
+# --- output ------------------------------------------------------------------
+
+def session_dict(info: rpc.SessionInfo) -> dict[str, Any]:
+    p = info.progress
+    d: dict[str, Any] = {
+        # a kind or state this vramctl does not know (a newer daemon's) is shown by its number, never a crash
+        "session_id": info.session_id,
+        "kind": enum_name(rpc.SessionKind, info.kind, "SESSION_KIND_").removeprefix("SESSION_").lower(),
+        "state": enum_name(rpc.SessionState, info.state, "SESSION_STATE_").removeprefix("SESSION_").lower(),
+        "uid": info.uid,
+        "pid": info.pid, "label": info.label, "holders": info.holders, "target_pids": list(info.target_pids),
+        "rate_bytes_per_s": round(info.rate_bytes_per_s, 3), "age_s": round(info.age_s, 6),
+        "progress": {"bos_total": p.bos_total, "bos_done": p.bos_done, "bytes_total": p.bytes_total,
+                     "bytes_done": p.bytes_done, "chunks_done": p.chunks_done, "elapsed_s": round(p.elapsed_s, 6)},
+    }
+    if info.HasField("image"):
+        i = info.image
+        d["image"] = {"bo_count": i.bo_count, "bo_bytes": i.bo_bytes, "stored_bytes": i.stored_bytes,
+                      "zero_bytes": i.zero_bytes, "chunk_size": i.chunk_size, "compression": i.compression,
+                      "data_files": i.data_files}
+    if info.error.code != rpc.OK:
+        d["error"] = {"code": code_name(info.error.code), "message": info.error.message,
+                      "bo_id": info.error.bo_id if info.error.HasField("bo_id") else None,
+                      "offset": info.error.offset if info.error.HasField("offset") else None}
+    return d
+
+
+def emit(ns: argparse.Namespace, data: dict[str, Any], text: str) -> None:
+    print(json.dumps(data, indent=2, sort_keys=True) if ns.json else text)
+
+
+def gbps(bytes_per_s: float) -> str:
+    """A rate as vramctl prints every rate: GB/s, decimal (1 GB = 10^9 bytes), like the daemon's log."""
+    return f"{bytes_per_s / 1e9:.2f} GB/s"
+
+
+def rate(nbytes: int, seconds: float) -> str:
+    return gbps(nbytes / seconds) if seconds > 0 else "-"
+
+
+def connect(ns: argparse.Namespace, name: str = "vramctl") -> Client:
+    """The daemon at --socket (else the search order), authenticated with --daemon-user (vramd.paths)."""
+    return Client(ns.socket, name=name, daemon_user=ns.daemon_user)
