@@ -36,7 +36,7 @@ _FIELD: dict[type[RequestBody], str] = {
 _ANSWER = {"hello": "hello", "get_status": "status", "list_sessions": "sessions"}  # any other: "session"
 
 
-@dataclass(frozen=True)
+@dataclass
 class ClientBo:
     """One BO for AddBos: `fd` is the caller's (procmem: /proc/<pid>/mem; mmap: memfd/dmabuf/file)."""
 
@@ -51,7 +51,7 @@ class ClientBo:
     name: str = ""
 
 
-@dataclass(frozen=True)
+@dataclass
 class ClientFile:
     """One image file for AttachFiles, opened by the client (the fds stay the caller's)."""
 
