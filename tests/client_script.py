@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from vramd.errors import VramdError
-from vramd.image import format as image_format
+from vramd.image import names as image_names
 from vramd.pb import rpc_pb2 as rpc
 from vramd.protocol import (
     ClientFile,
@@ -93,7 +93,7 @@ class Files:
         elif isinstance(e, OpenDataFile):
             m.provide_file(ClientFile(e.image, e.name, self.fd(), self.fd()))
         elif isinstance(e, CreateDataFile):
-            name = image_format.data_file_name(IMAGE_ID, e.gpu_id, e.stripe)
+            name = image_names.data_file_name(IMAGE_ID, e.gpu_id, e.stripe)
             m.provide_file(ClientFile(0, name, self.fd(), self.fd(), e.gpu_id, e.stripe))
         else:
             m.acknowledge()

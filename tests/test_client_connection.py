@@ -16,6 +16,7 @@ from vramd.errors import (
     UnsupportedProtocolError,
 )
 from vramd.image import format as image_format
+from vramd.image import names as image_names
 from vramd.pb import rpc_pb2 as rpc
 from vramd.protocol import (
     Call,
@@ -212,7 +213,7 @@ def test_requests_are_typed_and_name_their_fds():
 
 def test_the_format_rules_the_machine_checks_are_the_image_formats():
     assert requests.MAX_DATA_FILES_PER_GPU == image_format.MAX_STRIPES
-    assert requests.DATA_FILE_NAME.pattern == image_format.DATA_FILE_NAME.pattern
+    assert requests.DATA_FILE_NAME.pattern == image_names.DATA_FILE_NAME.pattern
 
 
 def test_bos_are_packed_under_the_negotiated_limits_with_their_fd_roles():

@@ -14,7 +14,7 @@ from vramd.errors import (
     ProtocolError,
     WaitTimeoutError,
 )
-from vramd.image import format as image_format
+from vramd.image import names as image_names
 from vramd.pb import rpc_pb2 as rpc
 from vramd.protocol import (
     BeginDump,
@@ -185,7 +185,7 @@ def _needed(*refs: tuple[int, str]) -> Answer:
     return session(token=TOKEN, image_id=IMAGE_ID, files_needed=[rpc.FileRef(image=k, name=n) for k, n in refs])
 
 
-NAMES = [image_format.data_file_name(IMAGE_ID, 0, k) for k in range(3)]
+NAMES = [image_names.data_file_name(IMAGE_ID, 0, k) for k in range(3)]
 
 
 def test_a_restore_opens_its_manifests_and_the_files_the_daemon_asks_for():
