@@ -24,7 +24,7 @@ from vramd.errors import (
     VramdError,
 )
 from vramd.image.format import is_own_temporary
-from vramd.image.local import DumpDirectory
+from vramd.imagedir import DumpDirectory
 from vramd.pb import rpc_pb2 as rpc
 from vramd.protocol import PROTOCOL_VERSIONS, decode_response, encode_request
 from vramd.testing import DaemonProcess

@@ -2,9 +2,9 @@
 
     from vramd.engine import Engine, EngineConfig, BoSpec, RestoreTarget
 """
-from .engine import Engine, EngineConfig, VerifyReport
+from .engine import Engine, EngineConfig
 from .jobs import Ahead, BoSpec, DumpJob, Job, RestoreJob, RestoreTarget, VerifyJob
 from .pipeline import Progress
 
 __all__ = ["Ahead", "BoSpec", "DumpJob", "Engine", "EngineConfig", "Job", "Progress", "RestoreJob", "RestoreTarget",
-           "VerifyJob", "VerifyReport"]
+           "VerifyJob"]
