@@ -464,6 +464,7 @@ def test_image_files_the_client_attaches_are_checked(daemon, image_dir, tmp_path
     is the very file opened with O_DIRECT for that access: each refusal is BAD_DESCRIPTOR naming the file."""
     from vramd.errors import BadDescriptorError, InvalidRequestError
     from vramd.image.format import data_file_name
+    from vramd.protocol import requests
     from vramd.protocol.client import ClientFile
     d = tmp_path / "files"
     d.mkdir()
@@ -473,9 +474,8 @@ def test_image_files_the_client_attaches_are_checked(daemon, image_dir, tmp_path
 
         def attach(*fds: int, gpu: int = 0, as_name: str = name) -> None:
             f = ClientFile(0, as_name, fds[0], fds[1] if len(fds) > 1 else None, gpu)
-            for out in c.protocol.attach_requests(s.token, [f]):
-                from vramd.protocol import raise_for_error
-                raise_for_error(c._exchange(out))
+            from vramd.protocol import raise_for_error
+            raise_for_error(c.exchange(requests.attach_files(s.token, [f])))
         ro = os.open(d / "ro", os.O_RDONLY | os.O_CREAT, 0o600)
         rw = os.open(d / "rw", os.O_RDWR | os.O_CREAT, 0o600)
         other = os.open(d / "other", os.O_RDWR | os.O_CREAT, 0o600)

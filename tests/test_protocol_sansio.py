@@ -13,14 +13,16 @@ from vramd.protocol import (
     PROTOCOL_VERSIONS,
     SCM_MAX_FD,
     ClientBo,
-    ClientProtocol,
+    ClientConnection,
     FdBundle,
     Received,
     Reply,
     ServerProtocol,
     decode_frame,
     encode_request,
+    pack_bos,
     reply,
+    requests,
 )
 from vramd.protocol.frames import KIND_REQUEST, KIND_RESPONSE
 
@@ -46,9 +48,9 @@ def _server(**limits) -> ServerProtocol:
     return ServerProtocol(rpc.HelloReply(server="test", limits=rpc.Limits(**limits)))
 
 
-def _pair() -> tuple[ClientProtocol, ServerProtocol]:
+def _pair() -> tuple[ClientConnection, ServerProtocol]:
     """A client and a server that have exchanged Hello, packet by packet."""
-    client, server = ClientProtocol("test 0"), _server(max_message_bytes=1 << 20, max_fds_per_message=SCM_MAX_FD)
+    client, server = ClientConnection("test 0"), _server(max_message_bytes=1 << 20, max_fds_per_message=SCM_MAX_FD)
     out = client.hello_request()
     (ev,) = server.receive(out.data, [])
     assert isinstance(ev, Reply) and not ev.close
@@ -59,31 +61,31 @@ def _pair() -> tuple[ClientProtocol, ServerProtocol]:
 def test_hello_negotiates_and_requests_are_numbered():
     client, server = _pair()
     assert client.version == server.version == PROTOCOL_VERSIONS[-1]
-    a = client.request(get_status=rpc.GetStatus())
+    a = client.send(requests.get_status())
     (ev,) = server.receive(a.data, [])
     assert isinstance(ev, Received) and ev.request.id == a.request.id
-    resp = client.receive(reply(ev.request.id).data)
+    resp = client.receive(reply(ev.request.id, status=rpc.StatusReply()).data)
     assert resp.id == a.request.id
-    b = client.request(get_status=rpc.GetStatus())
+    b = client.send(requests.get_status())
     assert b.request.id == a.request.id + 1
 
 
 def test_client_refuses_a_response_to_another_request():
     client, _ = _pair()
-    out = client.request(get_status=rpc.GetStatus())
+    out = client.send(requests.get_status())
     with pytest.raises(ProtocolError, match="expected"):
-        client.receive(reply(out.request.id + 7).data)
+        client.receive(reply(out.request.id + 7, status=rpc.StatusReply()).data)
 
 
 def test_client_sends_one_request_at_a_time():
     client, _ = _pair()
-    client.request(get_status=rpc.GetStatus())
+    client.send(requests.get_status())
     with pytest.raises(ProtocolError, match="unanswered"):
-        client.request(get_status=rpc.GetStatus())
+        client.send(requests.get_status())
 
 
 def test_client_raises_the_refusal_of_its_hello():
-    client, server = ClientProtocol("test 0"), _server()
+    client, server = ClientConnection("test 0"), _server()
     client.hello_request()
     (ev,) = server.refuse(PermissionDeniedError("uid 1 is not allowed"))
     assert ev.close
@@ -93,9 +95,9 @@ def test_client_raises_the_refusal_of_its_hello():
 
 def test_client_closes_fds_a_response_carries():
     client, _ = _pair()
-    client.request(get_status=rpc.GetStatus())
+    client.send(requests.get_status())
     fds = _fds(2)
-    client.receive(reply(1 + 1).data, fds)  # request ids: hello 1, this 2
+    client.receive(reply(1 + 1, status=rpc.StatusReply()).data, fds)  # request ids: hello 1, this 2
     assert not any(_open(fd) for fd in fds)
 
 
@@ -116,7 +118,7 @@ def test_server_closes_the_fds_of_a_refused_packet():
 def test_server_refuses_truncated_fds():
     client, server = _pair()
     fds = _fds(1)
-    out = client.request(get_status=rpc.GetStatus())
+    out = client.send(requests.get_status())
     (ev,) = server.receive(out.data, fds, socket.MSG_CTRUNC)
     assert isinstance(ev, Reply) and ev.close and not _open(fds[0])
     resp = rpc.Response.FromString(decode_frame(ev.data, KIND_RESPONSE))
@@ -144,8 +146,9 @@ def test_fd_bundle_owns_what_nobody_took():
     os.close(taken)
 
 
-def _unpack(client: ClientProtocol, token: str, bos: list[ClientBo]) -> list[tuple[list[rpc.Bo], list[int]]]:
-    return list(client.pack_bos(token, bos))
+def _unpack(client: ClientConnection, token: str, bos: list[ClientBo]) -> list[tuple[list[rpc.Bo], list[int]]]:
+    return [(m, fds) for m, fds, _ in pack_bos(token, bos, max_message_bytes=client.max_message_bytes,
+                                                max_fds=client.max_fds_per_message)]
 
 
 def test_bos_are_packed_under_the_fd_limit_with_each_fd_once():
@@ -160,10 +163,8 @@ def test_bos_are_packed_under_the_fd_limit_with_each_fd_once():
 
 
 def test_bos_are_packed_under_the_message_limit():
-    client = ClientProtocol("test 0")
-    client.hello = rpc.HelloReply(version=1, limits=rpc.Limits(max_message_bytes=8192, max_fds_per_message=4))
     bos = [ClientBo(i, 7, size=4096, name="n" * 100) for i in range(500)]
-    msgs = _unpack(client, "t" * 32, bos)
+    msgs = [(m, fds) for m, fds, _ in pack_bos("t" * 32, bos, max_message_bytes=8192, max_fds=4)]
     for m, fds in msgs:
         assert rpc.AddBos(token="t" * 32, bos=m).ByteSize() < 8192 and fds == [7]
     assert sum(len(m) for m, _ in msgs) == 500 and len(msgs) > 1

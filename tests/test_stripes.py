@@ -21,7 +21,7 @@ from vramd import inproc
 from vramd.backends import BoRef
 from vramd.client import SESSION_DUMP, SESSION_RESTORE, Client, ClientBo
 from vramd.engine import BoSpec, EngineConfig, RestoreTarget
-from vramd.errors import CorruptManifestError, InvalidRequestError
+from vramd.errors import CorruptManifestError, InvalidRequestError, VramdError
 from vramd.image.format import (
     DATA_HEADER,
     FORMAT_VERSION,
@@ -36,7 +36,7 @@ from vramd.image.format import (
 from vramd.image.writer import ImageWriter
 from vramd.pb import image_pb2 as pb
 from vramd.pb import rpc_pb2 as rpc
-from vramd.protocol import raise_for_error
+from vramd.protocol import raise_for_error, requests
 from vramd.protocol.client import ClientFile
 
 MiB = 1 << 20
@@ -153,17 +153,24 @@ class _Watched:
 def _dump(c: Client, dfd: int, bos: list[ClientBo], *, stripes: int | None = None) -> tuple[rpc.SessionInfo, int]:
     """A dump session through the Python client; `stripes`: attach only that many data files a GPU (1: as a
     client written before stripes does).  Returns the final info and the stripes the daemon asked for."""
+    c.machine.max_data_files_per_gpu = stripes
     s = c.open_session(SESSION_DUMP, dfd, chunk_size=MiB)
     asked = s.data_files_per_gpu
     try:
-        if stripes is not None:
-            c._local[s.token].dump.stripes = stripes
         c.add_bos(s.token, bos)
         c.start(s.token)
         return c.wait(s.token), asked
     finally:
-        c._close_quietly(s.token)
-        c._forget(s.token)
+        c.machine.max_data_files_per_gpu = None
+        _close_quietly(c, s.token)
+
+
+def _close_quietly(c: Client, token: str) -> None:
+    """CloseSession, its answer ignored (the session may have ended); the client forgets its files."""
+    try:
+        c.close_session(token)
+    except VramdError:
+        pass
 
 
 def _restored(c: Client, dfd: int, sizes: dict[int, int]) -> dict[int, bytes]:
@@ -216,8 +223,7 @@ def test_the_daemon_takes_only_the_stripes_it_asked_for(daemon, image_dir, tmp_p
         fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
 
         def attach(stripe: int, name: str) -> None:
-            for out in c.protocol.attach_requests(s.token, [ClientFile(0, name, fd, None, 0, stripe)]):
-                raise_for_error(c._exchange(out))
+            raise_for_error(c.exchange(requests.attach_files(s.token, [ClientFile(0, name, fd, None, 0, stripe)])))
         try:
             with pytest.raises(InvalidRequestError, match=f"takes {n} per GPU"):
                 attach(n, data_file_name(s.image_id, 0, n))
@@ -226,8 +232,7 @@ def test_the_daemon_takes_only_the_stripes_it_asked_for(daemon, image_dir, tmp_p
                     attach(1, data_file_name(s.image_id, 0))
         finally:
             os.close(fd)
-            c._close_quietly(s.token)
-            c._forget(s.token)
+            _close_quietly(c, s.token)
 
 
 @pytest.mark.parametrize("stripes", [1, 2, 3])
@@ -294,8 +299,7 @@ def test_a_refused_message_attaches_none_of_its_data_files(daemon, image_dir, tm
 
         def attach(*refs: tuple[int, int, str]) -> None:  # (gpu, stripe, name), one message
             out = [ClientFile(0, name, fds[i], None, gpu, stripe) for i, (gpu, stripe, name) in enumerate(refs)]
-            for msg in c.protocol.attach_requests(s.token, out):
-                raise_for_error(c._exchange(msg))
+            raise_for_error(c.exchange(requests.attach_files(s.token, out)))
         try:
             first = data_file_name(s.image_id, 0)
             # a good file, then a bad one: stripe 1 under stripe 0's name (or, with one file a GPU, a GPU the
@@ -311,8 +315,7 @@ def test_a_refused_message_attaches_none_of_its_data_files(daemon, image_dir, tm
         finally:
             for fd in fds:
                 os.close(fd)
-            c._close_quietly(s.token)
-            c._forget(s.token)
+            _close_quietly(c, s.token)
         info, _ = _dump(c, image_dir[1], [ClientBo(1, src, size=len(content))])  # the daemon goes on
         assert info.state == rpc.SESSION_DONE
     os.close(src)
@@ -351,7 +354,7 @@ def test_a_client_makes_a_gpus_data_files_again_after_their_attach_was_refused(r
             assert sorted(os.listdir(dirs[1])) == sorted([MANIFEST_NAME, *(f.name for f in m.files)])
             assert [f.name for f in m.files] == [data_file_name(m.image_id, 0, k) for k in range(2)]
             assert _restored(c, dfds[1], {1: len(content)}) == {1: content}
-            c._forget(b.token)
+            assert c.machine.phase(b.token) is None  # committed by its wait: the client holds none of its files
             assert daemon.proc.poll() is None
     finally:
         for fd in (*dfds, src):
@@ -390,7 +393,7 @@ def test_a_gpus_data_files_are_made_again_after_one_could_not_be_created(run_dir
             assert [f.name for f in m.files] == [data_file_name(m.image_id, 0, k) for k in range(2)]
             assert sorted(os.listdir(image)) == sorted([MANIFEST_NAME, *(f.name for f in m.files)])
             assert _restored(c, dfd, {1: len(content)}) == {1: content}
-            c._forget(s.token)
+            assert c.machine.phase(s.token) is None  # committed by its wait: the client holds none of its files
             assert daemon.proc.poll() is None
     finally:
         os.close(dfd)

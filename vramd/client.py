@@ -6,10 +6,11 @@
         c.start(s.token)
         info = c.wait(s.token)                # the barrier (a dump: then committed); raises the typed error
 
-A thin socket adapter over the sans-io `vramd.protocol.ClientProtocol`,
-which owns request ids, Hello and the packing of BOs and files into
-messages.  Every fd passed in stays the caller's: the daemon gets duplicates
-through SCM_RIGHTS.
+A blocking socket adapter over the sans-io client machine
+(`vramd.protocol.ClientMachine`), which owns the session's steps, request
+ids, Hello and the packing of BOs and files into messages: the Client sends
+and receives its packets and does the file steps it asks for.  Every fd
+passed in stays the caller's: the daemon gets duplicates through SCM_RIGHTS.
 
 The image directory never reaches the daemon (docs/protocol.md, "Image
 files: the client's rights"): this client opens and creates every file of
@@ -19,27 +20,33 @@ committed by the Client that opened it.
 """
 from __future__ import annotations
 
+import errno
 import os
 import socket
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
 
 from . import __version__
 from .errors import VramdError, WaitTimeoutError
 from .imagedir import DumpDirectory, ImageFiles, OpenedFile
 from .paths import TrustedUids, check_peer, check_socket_path, client_socket_path
 from .pb import rpc_pb2 as rpc
-from .protocol.client import ClientBo, ClientFile, ClientProtocol, Outgoing
+from .protocol import events as ev
+from .protocol import requests
+from .protocol.client import Call, ClientBo, ClientFile, Outgoing, RequestBody
+from .protocol.connection import Transcript
 from .protocol.fds import pack_fds, unpack_fds
-from .protocol.wire import raise_for_error
+from .protocol.requests import OpenSpec
+from .protocol.session import ClientMachine
 from .topology import CHECK_ENV
 
 SESSION_DUMP, SESSION_RESTORE, SESSION_VERIFY = rpc.SESSION_DUMP, rpc.SESSION_RESTORE, rpc.SESSION_VERIFY
 # CRIU's topology switches (its amdgpu plugin's KFD_*_CHECK variables), as OpenSession.topology_checks names them
 CHECK_NAMES = tuple(CHECK_ENV.values())
 
-__all__ = ["CHECK_NAMES", "SESSION_DUMP", "SESSION_RESTORE", "SESSION_VERIFY", "Client", "ClientBo",
+__all__ = ["CHECK_NAMES", "SESSION_DUMP", "SESSION_RESTORE", "SESSION_VERIFY", "Client", "ClientBo", "ClientFile",
            "topology_checks_from_env"]
+# sendmsg's errors that mean nothing was sent: the connection is still in step
+_NOT_SENT = (errno.EBADF, errno.EMSGSIZE, errno.ENOBUFS, errno.ENOMEM, errno.ETOOMANYREFS)
 
 
 def topology_checks_from_env(environ: Mapping[str, str] | None = None) -> dict[str, bool]:
@@ -64,6 +71,34 @@ class _Local:
         self.files = files
         self.dump = dump
 
+    def step(self, m: ClientMachine, e: ev.Event) -> None:
+        """Do the file step `e` asks for, and answer the machine."""
+        d = self.dump
+        if isinstance(e, ev.OpenManifest):
+            fd = self.files.manifest_fd if e.image == 0 else self.files.parent_manifest_fds[e.image - 1]
+            assert fd is not None, "a dump has no manifest of its own"
+            m.provide_fd(fd)
+        elif isinstance(e, ev.OpenDataFile):
+            (f,) = self.files.open_needed([(e.image, e.name)])
+            m.provide_file(_wire(f))
+        elif isinstance(e, ev.ReleaseFiles):
+            m.acknowledge()  # the Client forgets the session
+        else:
+            assert d is not None, f"{type(e).__name__} for a session that is not a dump"
+            if isinstance(e, ev.CreateDataFile):
+                m.provide_file(_wire(d.data_file(e.gpu_id, e.stripe)))
+                return
+            if isinstance(e, ev.CreateManifest):
+                m.provide_fd(d.manifest_file())
+                return
+            if isinstance(e, ev.BeginDump):
+                d.begin(e.image_id, e.data_files_per_gpu)
+            elif isinstance(e, ev.DropDataFiles):
+                d.drop([d.data[k] for k in e.files if k in d.data])
+            elif isinstance(e, ev.Commit):
+                d.commit()
+            m.acknowledge()
+
     def close(self) -> None:
         """Close every file; an uncommitted dump's files and marks are removed."""
         try:
@@ -80,12 +115,13 @@ def _wire(f: OpenedFile) -> ClientFile:
 class Client:
     """A connection to the daemon at `path` (default: `client_socket_path()`), authenticated before anything is
     sent (vramd.paths: the path's directories, then the listener's uid); UntrustedDaemonError if either belongs
-    to a uid other than root, ours or `daemon_user` (default: $VRAMD_DAEMON_USER, else "vramd")."""
+    to a uid other than root, ours or `daemon_user` (default: $VRAMD_DAEMON_USER, else "vramd").
+    `record`: keep a transcript of every packet (`transcript`, docs/protocol.md "Transcripts")."""
 
     def __init__(self, path: str | os.PathLike[str] | None = None, *, timeout: float | None = None,
-                 name: str = "python", daemon_user: str | int | None = None) -> None:
+                 name: str = "python", daemon_user: str | int | None = None, record: bool = False) -> None:
         self.path = os.fspath(path) if path else client_socket_path()
-        self.protocol = ClientProtocol(f"{name} {__version__}")
+        self.machine = ClientMachine(f"{name} {__version__}", record=record)
         trusted = TrustedUids(daemon_user)
         check_socket_path(self.path, trusted)
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
@@ -97,19 +133,25 @@ class Client:
             except OSError as e:
                 raise ConnectionError(f"cannot connect to vramd at {self.path}: {e.strerror or e}") from None
             check_peer(self.sock, self.path, trusted)
-            self._exchange(self.protocol.hello_request())
+            self.machine.say_hello()
+            self._drive()
         except BaseException:
             self.sock.close()
             raise
 
     @property
     def hello(self) -> rpc.HelloReply:
-        assert self.protocol.hello is not None  # the constructor completed Hello
-        return self.protocol.hello
+        assert self.machine.hello is not None  # the constructor completed Hello
+        return self.machine.hello
 
     @property
     def limits(self) -> rpc.Limits:
-        return self.protocol.limits
+        return self.machine.connection.limits
+
+    @property
+    def transcript(self) -> Transcript | None:
+        """What this connection sent and received (with `record`; else None)."""
+        return self.machine.transcript
 
     def __enter__(self) -> Client:
         return self
@@ -123,29 +165,68 @@ class Client:
         self._local.clear()
         self.sock.close()
 
-    # --- transport -----------------------------------------------------------
+    # --- the machine's driver ------------------------------------------------------
 
-    def _exchange(self, out: Outgoing) -> rpc.Response:
+    def _drive(self, opening: _Local | None = None) -> rpc.Response:
+        """Take the machine's events to the end of its operation: packets sent and received, file steps done
+        (`opening`: the files of a session being opened); returns its response or raises its error."""
+        m = self.machine
+        while True:
+            e = m.next_event()
+            if isinstance(e, ev.Done):
+                return e.response
+            if isinstance(e, ev.Failed):
+                if type(e.error) is ConnectionError:
+                    raise ConnectionError(f"the daemon at {self.path} closed the connection") from None
+                raise e.error
+            if isinstance(e, ev.Send):
+                self._transfer(e.packet)
+                continue
+            local = opening if opening is not None or isinstance(e, ev.OpenManifest) else self._local.get(e.token)
+            assert local is not None, f"{type(e).__name__} for a session this client did not open"
+            try:
+                local.step(m, e)
+            except Exception as exc:
+                m.fail(exc)
+            if isinstance(e, ev.ReleaseFiles):
+                self._forget(e.token)
+
+    def _transfer(self, out: Outgoing) -> None:
         try:
-            self.sock.sendmsg([out.data], pack_fds(out.fds))
-            data, anc, flags, _ = self.sock.recvmsg(self.protocol.max_response_bytes, socket.CMSG_SPACE(4 * 4))
+            try:
+                self.sock.sendmsg([out.data], pack_fds(out.fds))
+            except OSError as e:
+                if isinstance(e, TimeoutError) or e.errno not in _NOT_SENT:
+                    raise
+                self.machine.not_sent(e)
+                return
+            data, anc, flags, _ = self.sock.recvmsg(self.machine.connection.max_response_bytes,
+                                                    socket.CMSG_SPACE(4 * 4))
         except TimeoutError:
             # The reply may still come and would be taken for the next request's: this
             # connection is unusable now.  (Use wait(timeout=...) for bounded barriers.)
             timeout = self.sock.gettimeout()
             self.close()
             raise TimeoutError(f"no reply from vramd within {timeout} s; connection closed") from None
-        try:
-            return self.protocol.receive(data, unpack_fds(anc), flags)
-        except ConnectionError:
-            raise ConnectionError(f"the daemon at {self.path} closed the connection") from None
+        self.machine.receive(data, unpack_fds(anc), flags)
 
-    def request(self, fds: Sequence[int] = (), **body: Any) -> rpc.Response:
-        """Send one request, return its response (error included, not raised)."""
-        return self._exchange(self.protocol.request(fds, **body))
+    def exchange(self, call: Call) -> rpc.Response:
+        """Send one typed request (vramd.protocol.requests builds them) and return its response, its error
+        included (not raised): the low-level seam for tools and tests."""
+        self.machine.exchange(call)
+        return self._drive()
 
-    def _session_call(self, fds: Sequence[int] = (), **body: Any) -> rpc.SessionInfo:
-        return raise_for_error(self.request(fds, **body)).session
+    def request(self, fds: Sequence[int] = (), **body: RequestBody) -> rpc.Response:
+        """Send one request given by its field, e.g. `request(get_status=rpc.GetStatus())`; return its response
+        (error included, not raised)."""
+        ((name, value),) = body.items()
+        call = requests.raw(value, fds)
+        if call.field != name:
+            raise TypeError(f"{name}= takes a {name} message, not {type(value).__name__}")
+        return self.exchange(call)
+
+    def _session(self) -> rpc.SessionInfo:
+        return self._drive().session
 
     # --- sessions ------------------------------------------------------------
 
@@ -172,115 +253,61 @@ class Client:
                 out.close()
             raise
         local = _Local(files, out)
+        spec = OpenSpec(kind, compression=compression, chunk_size=chunk_size, label=label,
+                        allow_partial=allow_partial, topology_checks=tuple((topology_checks or {}).items()),
+                        parents=len(parent_fds), parent_hint=parent_hint, dedup=dedup, replace_parent=replace_parent)
         try:
-            info = self._session_call_out(self.protocol.open_session_request(
-                kind, manifest_fd=files.manifest_fd, parent_manifest_fds=files.parent_manifest_fds,
-                compression=compression, chunk_size=chunk_size, label=label, allow_partial=allow_partial,
-                topology_checks=dict(topology_checks or {}), parent_hint=parent_hint, no_dedup=not dedup,
-                replace_parent=replace_parent))
-            try:
-                if out is not None:
-                    out.begin(info.image_id, info.data_files_per_gpu)
-                opened = files.open_needed((f.image, f.name) for f in info.files_needed)
-                self._attach(info.token, opened)
-            except BaseException:
-                self._close_quietly(info.token)
-                raise
+            self.machine.open_session(spec)
+            info = self._drive(local).session
         except BaseException:
             local.close()
             raise
         self._local[info.token] = local
         return info
 
-    def _session_call_out(self, out: Outgoing) -> rpc.SessionInfo:
-        return raise_for_error(self._exchange(out)).session
-
-    def _attach(self, token: str, files: Sequence[OpenedFile], taken: list[int] | None = None) -> None:
-        """AttachFiles `files`, in as many messages as the limits need; `taken[0]` counts the files of the
-        messages the daemon took."""
-        for out in self.protocol.attach_requests(token, [_wire(f) for f in files]):
-            raise_for_error(self._exchange(out))
-            if taken is not None:
-                taken[0] += len(out.request.attach_files.files)
-
-    def _close_quietly(self, token: str) -> None:
-        try:
-            self.request(close_session=rpc.CloseSession(token=token))
-        except (VramdError, OSError):
-            pass  # the first error is the one to report
-
     def add_bos(self, token: str, bos: Sequence[ClientBo]) -> rpc.SessionInfo:
         """Add BOs in as many messages as the daemon's limits need; returns the session's info after the last.
         A dump's data files for each GPU (as many as the daemon asked for) are created and attached
         before its first BO."""
-        local = self._local.get(token)
-        if local is not None and local.dump is not None:
-            # a GPU the daemon does not know gets no file: its BO's refusal names the BO
-            known = set(self.hello.allowed_gpu_ids)
-            new = sorted(({b.gpu_id or 0 for b in bos} & known) - local.dump.gpus())
-            if new:
-                made: list[OpenedFile] = []
-                taken = [0]
-                try:
-                    for g in new:  # one at a time: a create that fails leaves the ones before it in `made`
-                        for k in range(local.dump.stripes):
-                            made.append(local.dump.data_file(g, k))
-                    self._attach(token, made, taken)
-                except BaseException:
-                    # the daemon attached none of a refused message's own data files: those, the ones after, and
-                    # any made but never sent (a create failed) go; the next add_bos makes and attaches them again
-                    local.dump.drop(made[taken[0]:])
-                    raise
-        info = None
-        for out in self.protocol.add_bos_requests(token, bos):
-            info = self._session_call_out(out)
-        return info if info is not None else self.progress(token)
+        self.machine.add_bos(token, bos)
+        return self._session()
 
-    def run_session(self, kind: rpc.SessionKind, dir_fd: int, bos: Sequence[ClientBo],
-                    **open_kw: Any) -> rpc.SessionInfo:
-        """One whole session on this connection: open, add the BOs, start, wait, close.
-
-        Returns the final info; raises the session's typed error (after closing it)."""
-        s = self.open_session(kind, dir_fd, **open_kw)
+    def run_session(self, kind: rpc.SessionKind, dir_fd: int, bos: Sequence[ClientBo], *,
+                    compression: str = "", chunk_size: int = 0, label: str = "", allow_partial: bool = False,
+                    topology_checks: Mapping[str, bool] | None = None, parent_fds: Sequence[int] = (),
+                    parent_hint: str = "", dedup: bool = True, replace_parent: bool = False,
+                    where: str = "the image directory") -> rpc.SessionInfo:
+        """One whole session on this connection: open (`open_session`'s options), add the BOs, start, wait,
+        close.  Returns the final info; raises the session's typed error (after closing it)."""
+        s = self.open_session(kind, dir_fd, compression=compression, chunk_size=chunk_size, label=label,
+                              allow_partial=allow_partial, topology_checks=topology_checks, parent_fds=parent_fds,
+                              parent_hint=parent_hint, dedup=dedup, replace_parent=replace_parent, where=where)
         try:
             if bos:
                 self.add_bos(s.token, bos)
             self.start(s.token)
             return self.wait(s.token)
         finally:
-            self._close_quietly(s.token)
-            self._forget(s.token)
+            try:
+                self.close_session(s.token)
+            except (VramdError, OSError):
+                pass  # the first error is the one to report
 
     def start(self, token: str) -> rpc.SessionInfo:
         """No more BOs; a dump's manifest file is created and handed over here."""
-        local = self._local.get(token)
-        manifest = local.dump.manifest_file() if local is not None and local.dump is not None else None
-        return self._session_call_out(self.protocol.start_request(token, manifest))
+        self.machine.start(token)
+        return self._session()
 
     def progress(self, token: str) -> rpc.SessionInfo:
-        return self._session_call(get_progress=rpc.GetProgress(token=token))
+        self.machine.progress(token)
+        return self._session()
 
     def wait(self, token: str, timeout: float | None = None) -> rpc.SessionInfo:
         """The barrier: the session's final info, or its typed error; WaitTimeoutError if it runs longer.
         A dump this client opened is committed here (its files renamed into place) once it is DONE; a
         session that failed has its files closed (a dump's removed)."""
-        w = rpc.Wait(token=token)
-        if timeout is not None:
-            w.timeout_ms = max(0, int(timeout * 1000))
-        try:
-            info = self._session_call(wait=w)
-        except WaitTimeoutError:
-            raise
-        except VramdError:
-            self._forget(token)
-            raise
-        local = self._local.get(token)
-        if local is not None and local.dump is not None and info.state == rpc.SESSION_DONE:
-            try:
-                local.dump.commit()
-            finally:
-                self._forget(token)
-        return info
+        self.machine.wait(token, None if timeout is None else max(0, int(timeout * 1000)))
+        return self._session()
 
     def _forget(self, token: str) -> None:
         local = self._local.pop(token, None)
@@ -297,23 +324,28 @@ class Client:
                 yield self.progress(token)
 
     def cancel(self, token: str, reason: str = "") -> rpc.SessionInfo:
-        return self._session_call_out(self.protocol.cancel_request(token=token, reason=reason))
+        self.machine.cancel(token, reason)
+        return self._session()
 
     def cancel_by_id(self, session_id: int, reason: str = "") -> rpc.SessionInfo:
         """Cancel any uid's session by its id (an operator's call: only uid 0 and the daemon's own uid may;
         PermissionDeniedError for others).  This connection does not become a holder."""
-        return self._session_call_out(self.protocol.cancel_request(session_id=session_id, reason=reason))
+        self.machine.cancel_by_id(session_id, reason)
+        return self._session()
 
     def close_session(self, token: str) -> rpc.SessionInfo:
         """End the session (cancelled if it still runs); an uncommitted dump's files are removed."""
         try:
-            return self._session_call(close_session=rpc.CloseSession(token=token))
+            self.machine.close_session(token)
+            return self._session()
         finally:
             self._forget(token)
 
     def status(self) -> rpc.StatusReply:
-        return raise_for_error(self.request(get_status=rpc.GetStatus())).status
+        self.machine.status()
+        return self._drive().status
 
     def sessions(self) -> list[rpc.SessionInfo]:
         """The caller's uid's sessions; every uid's for uid 0 and the daemon's own uid (the admin listing)."""
-        return list(raise_for_error(self._exchange(self.protocol.list_sessions_request())).sessions.sessions)
+        self.machine.list_sessions()
+        return list(self._drive().sessions.sessions)

@@ -36,8 +36,8 @@ from vramd.image.format import (
 )
 from vramd.pb import image_pb2 as pb
 from vramd.pb import rpc_pb2 as rpc
-from vramd.protocol import PROTOCOL_VERSIONS, ClientProtocol, Received, Reply, ServerProtocol, decode_frame
-from vramd.protocol.frames import KIND_REQUEST, KIND_RESPONSE
+from vramd.protocol import PROTOCOL_VERSIONS, ClientConnection, Received, Reply, ServerProtocol, decode_frame, requests
+from vramd.protocol.frames import KIND_REQUEST, KIND_RESPONSE, encode_frame
 
 FLAGS = st.sampled_from([0, 0, 0, socket.MSG_TRUNC, socket.MSG_CTRUNC, socket.MSG_TRUNC | socket.MSG_CTRUNC])
 
@@ -103,12 +103,12 @@ def _hello() -> bytes:
 
 @given(data=blobs(response_frames), kinds=fd_kinds, flags=FLAGS, after_hello=st.booleans())
 def test_client_protocol_raises_only_typed_errors_and_closes_fds(data, kinds, flags, after_hello):
-    proto = ClientProtocol("fuzz")
+    proto = ClientConnection("fuzz")
+    proto.hello_request()
     if after_hello:
-        proto.hello = rpc.HelloReply(version=1)
-        proto.request(get_status=rpc.GetStatus())
-    else:
-        proto.hello_request()
+        hello = rpc.HelloReply(version=PROTOCOL_VERSIONS[-1])
+        proto.receive(encode_frame(KIND_RESPONSE, rpc.Response(id=1, hello=hello)))
+        proto.send(requests.get_status())
     fds = HostileFds()
     try:
         sent = [fds.make(k)[0] for k in kinds]

@@ -1,0 +1,85 @@
+"""vramd.client.Client driving the client machine against a real daemon: its transcript, its low-level seam."""
+from __future__ import annotations
+
+import os
+
+import pytest
+from helpers import memfd
+
+from vramd.client import SESSION_DUMP, SESSION_RESTORE, Client, ClientBo
+from vramd.image.format import MANIFEST_NAME, data_file_name
+from vramd.pb import rpc_pb2 as rpc
+from vramd.protocol import ConnState, SessionPhase, requests
+
+MiB = 1 << 20
+
+
+def _sent(c: Client) -> list[tuple[str, list[str]]]:
+    """(request kind, fd roles) of each packet the client sent."""
+    assert c.transcript is not None
+    out = []
+    for step in c.transcript.steps:
+        if "send" in step:
+            body = step["send"]
+            assert isinstance(body, dict)
+            kind = next(k for k in body if k != "id")
+            roles = step["fds"]
+            assert isinstance(roles, list)
+            out.append((kind, roles))
+    return out
+
+
+def test_a_dump_and_a_restore_recorded_step_by_step_with_their_fd_roles(daemon, image_dir):
+    path, dfd = image_dir
+    content = os.urandom(2 * MiB)
+    src, dst = memfd(content), memfd(size=len(content))
+    try:
+        with Client(daemon.socket, record=True) as c:
+            s = c.open_session(SESSION_DUMP, dfd, chunk_size=MiB)
+            assert c.machine.phase(s.token) is SessionPhase.OPEN
+            c.add_bos(s.token, [ClientBo(7, src, size=len(content))])
+            c.start(s.token)
+            assert c.machine.phase(s.token) is SessionPhase.STARTED
+            assert c.wait(s.token).state == rpc.SESSION_DONE
+            assert c.machine.phase(s.token) is None  # committed and released
+            c.close_session(s.token)
+            n = s.data_files_per_gpu
+            sent = _sent(c)
+            assert [k for k, _ in sent] == ["hello", "open_session", "attach_files", "add_bos", "start", "wait",
+                                            "close_session"]
+            data = [r for r in sent[2][1] if not r.endswith("+direct")]
+            assert data == [f"dump-data:gpu=0:stripe={k}" for k in range(n)]
+            assert sent[3][1] == ["bo:7"] and sent[4][1] == ["dump-manifest"] and sent[1][1] == []
+            assert (path / MANIFEST_NAME).exists()
+            assert c.transcript is not None
+            recv = [st["recv"] for st in c.transcript.steps if "recv" in st]
+            assert all(isinstance(r, dict) and r["id"] == str(i) for i, r in enumerate(recv, 1))
+
+        with Client(daemon.socket, record=True) as c:
+            info = c.run_session(SESSION_RESTORE, dfd, [ClientBo(7, dst)])
+            assert info.state == rpc.SESSION_DONE and os.pread(dst, len(content) + 1, 0) == content
+            sent = _sent(c)
+            assert [k for k, _ in sent] == ["hello", "open_session", "attach_files", "add_bos", "start", "wait",
+                                            "close_session"]
+            assert sent[1][1] == ["manifest:0"]
+            names = {r.removesuffix("+direct") for r in sent[2][1]}
+            assert f"data:0:{data_file_name(s.image_id, 0)}" in names
+            assert names <= {f"data:0:{data_file_name(s.image_id, 0, k)}" for k in range(n)}
+    finally:
+        os.close(src)
+        os.close(dst)
+
+
+def test_no_transcript_unless_asked(daemon):
+    with Client(daemon.socket) as c:
+        assert c.transcript is None and c.status().server
+
+
+def test_exchange_returns_the_daemons_refusal_without_raising(daemon):
+    with Client(daemon.socket) as c:
+        resp = c.exchange(requests.get_progress("0" * 32))
+        assert resp.error.code == rpc.NOT_FOUND and c.machine.state is ConnState.IDLE
+        resp = c.request(get_status=rpc.GetStatus())
+        assert resp.error.code == rpc.OK and resp.status.server
+        with pytest.raises(TypeError, match="takes a get_status message"):
+            c.request(get_status=rpc.ListSessions())
