@@ -8,6 +8,7 @@ pyproject.toml keeps it so.  vramd.client, vramctl and vramd.inproc use it.
 - lock: `take_lock`, `lock_directory`: the directory's `.lock`.
 - marks: crashed dumps' temporaries, the children marks of incremental images.
 - dump: `DumpDirectory`, a dump's directory from its lock to its commit.
+- session: `SessionFiles`, one session's files answering the client machine's file events.
 - flatten: `vramctl flatten`, an incremental image copied into a self-contained one.
 """
 from .dump import DumpDirectory
@@ -22,7 +23,25 @@ from .marks import (
     sweep_temporaries,
     unlink_regular,
 )
+from .session import SessionFiles, client_file
 
-__all__ = ["DirectoryLock", "DumpDirectory", "ImageFiles", "OpenedFile", "children_marks", "lock_directory",
-           "mark_names", "mark_state", "open_manifest", "read_image", "read_mark", "remove_stale_marks",
-           "reopen_direct", "sweep_temporaries", "take_lock", "unlink_regular"]
+__all__ = [
+    "DirectoryLock",
+    "DumpDirectory",
+    "ImageFiles",
+    "OpenedFile",
+    "SessionFiles",
+    "children_marks",
+    "client_file",
+    "lock_directory",
+    "mark_names",
+    "mark_state",
+    "open_manifest",
+    "read_image",
+    "read_mark",
+    "remove_stale_marks",
+    "reopen_direct",
+    "sweep_temporaries",
+    "take_lock",
+    "unlink_regular",
+]

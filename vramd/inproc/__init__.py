@@ -7,13 +7,14 @@
 
 The engine never opens a name.  Here the service's connection handling
 serves one end of a socketpair on this event loop (host.py), and a client
-on the other end (adapter.py, session.py) opens and creates the image's
+on the other end (adapter.py: the client machine of vramd.protocol, driven
+with asyncio) opens and creates the image's
 files with this process's rights (vramd.imagedir): tests, benchmarks and
 `vramctl verify` run what the daemon runs, request by request.
 """
+from .adapter import Connection
 from .api import DumpSession, VerifyReport, compression_spec, dump, restore, start_dump, verify
 from .host import InProcess
-from .session import Session
 
-__all__ = ["DumpSession", "InProcess", "Session", "VerifyReport", "compression_spec", "dump", "restore",
+__all__ = ["Connection", "DumpSession", "InProcess", "VerifyReport", "compression_spec", "dump", "restore",
            "start_dump", "verify"]

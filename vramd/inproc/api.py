@@ -6,14 +6,16 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from ..engine import BoSpec, Engine, Progress, RestoreTarget
+from ..errors import VramdError
 from ..image.codec import Compression
 from ..image.fileio import read_manifest_now
-from ..imagedir import DumpDirectory, ImageFiles
+from ..imagedir import DumpDirectory, ImageFiles, SessionFiles
 from ..pb import image_pb2 as pb
 from ..pb import rpc_pb2 as rpc
 from ..protocol.client import ClientBo
+from ..protocol.requests import OpenSpec
+from .adapter import Connection
 from .host import InProcess
-from .session import Session
 
 
 @dataclass
@@ -45,29 +47,49 @@ def restore_bo(t: RestoreTarget) -> ClientBo:
     return ClientBo(t.bo_id, t.ref.fd, t.ref.offset, backend=t.ref.kind, gpu_id=t.gpu_id)
 
 
+class _DumpFiles(SessionFiles):
+    """A dump's files, whose manifest is read back (from the file this side created) when it commits."""
+
+    manifest: pb.Manifest | None = None
+
+    def commit(self) -> None:
+        super().commit()
+        assert self.dump is not None and self.dump.manifest_fd is not None
+        self.manifest = read_manifest_now(self.dump.manifest_fd)
+
+
 class DumpSession:
     """A dump session in this process (`start_dump`): `add` BOs, then `finish` (Start, Wait, the commit), or
     `cancel`; `close` (or leaving `async with`) ends it, removing an uncommitted dump's files."""
 
-    def __init__(self, host: InProcess, session: Session) -> None:
+    def __init__(self, host: InProcess, conn: Connection, token: str, files: _DumpFiles) -> None:
         self.host = host
-        self.session = session
+        self.conn = conn
+        self.token = token
+        self._files = files
 
     async def add(self, bos: Sequence[BoSpec]) -> rpc.SessionInfo:
-        return await self.session.add([dump_bo(b) for b in bos])
+        return await self.conn.add_bos(self.token, [dump_bo(b) for b in bos])
+
+    async def progress(self) -> rpc.SessionInfo:
+        return await self.conn.progress(self.token)
 
     async def cancel(self, reason: str = "") -> rpc.SessionInfo:
-        return await self.session.cancel(reason)
+        return await self.conn.cancel(self.token, reason)
 
     async def finish(self) -> pb.Manifest:
         """Start, then the barrier; the image committed, its manifest returned (or the dump's typed error)."""
-        await self.session.start()
-        await self.session.wait()
-        return self.session.manifest()
+        await self.conn.start(self.token)
+        await self.conn.wait(self.token)
+        assert self._files.manifest is not None  # a Wait that answers DONE commits
+        return self._files.manifest
 
     async def close(self) -> None:
         try:
-            await self.session.close()
+            try:
+                await self.conn.close_session(self.token)
+            except (VramdError, OSError):
+                pass  # ended already (a Wait that answered); the first error is the one to report
         finally:
             await self.host.close()
 
@@ -90,17 +112,17 @@ async def start_dump(engine: Engine, dir_fd: int, *, gpu_ids: Iterable[int] = (0
         conn = await host.connect()
         out = DumpDirectory(dir_fd, parent_fds, replace_parent=replace_parent, where=where)
         try:
-            files = ImageFiles(None, parent_fds, where=where)
+            files = _DumpFiles(ImageFiles(None, parent_fds, where=where), out)
         except BaseException:
             out.close()
             raise
-        session = await Session.open(conn, rpc.SESSION_DUMP, files, out, compression=compression_spec(compression),
-                                     chunk_size=chunk_size, parent_hint=parent_hint, no_dedup=not dedup,
-                                     replace_parent=replace_parent)
+        spec = OpenSpec(rpc.SESSION_DUMP, compression=compression_spec(compression), chunk_size=chunk_size,
+                        parents=len(parent_fds), parent_hint=parent_hint, dedup=dedup, replace_parent=replace_parent)
+        info = await conn.open_session(spec, files)
     except BaseException:
         await host.close()
         raise
-    return DumpSession(host, session)
+    return DumpSession(host, conn, info.token, files)
 
 
 async def dump(engine: Engine, dir_fd: int, bos: Sequence[BoSpec], *, compression: Compression | str | None = None,
@@ -134,14 +156,18 @@ async def _read(engine: Engine, kind: rpc.SessionKind, dir_fd: int, bos: Sequenc
         except BaseException:
             files.close()
             raise
-        s = await Session.open(conn, kind, files, None, allow_partial=allow_partial)
+        info = await conn.open_session(OpenSpec(kind, allow_partial=allow_partial, parents=len(parent_fds)),
+                                       SessionFiles(files))
         try:
             if bos:
-                await s.add(bos)
-            await s.start()
-            return m, await s.wait()
+                await conn.add_bos(info.token, bos)
+            await conn.start(info.token)
+            return m, await conn.wait(info.token)
         finally:
-            await s.close()
+            try:
+                await conn.close_session(info.token)
+            except (VramdError, OSError):
+                pass  # the first error is the one to report
 
 
 async def restore(engine: Engine, dir_fd: int, targets: Sequence[RestoreTarget], *, allow_partial: bool = False,
