@@ -396,10 +396,10 @@ def _jobs(e: Engine, case: Case, direction: Direction, dfd: int, lanes: int):
     if direction is Direction.READ:
         src = case.src
         return inproc.dump(e, dfd, [BoSpec(i + 1, part, BoRef(src.kind, src.fd, src.offset + i * part), gpu_id=i)
-                            for i in range(lanes)])
+                                    for i in range(lanes)])
     dst = case.dst
     return inproc.restore(e, dfd, [RestoreTarget(i + 1, BoRef(dst.kind, dst.fd, dst.offset + i * part))
-                           for i in range(lanes)])
+                                   for i in range(lanes)])
 
 
 def _stage_delta(before: dict, after: dict) -> dict:

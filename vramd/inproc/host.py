@@ -16,6 +16,7 @@ BOs, chunks, fds or sessions keeps one process from itself.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import socket
 from collections.abc import Iterable
@@ -27,6 +28,10 @@ from ..service.daemon import Daemon
 from .adapter import Connection
 
 UNLIMITED = 2**31 - 1  # the largest count a daemon setting takes
+
+# The daemon's log lines in this process go where the caller's logging sends them; with none configured they
+# are not printed (by Python's last-resort handler): a session's failure reaches the caller as its typed error.
+logging.getLogger("vramd.service").addHandler(logging.NullHandler())
 
 
 def daemon_config(engine: Engine, gpu_ids: Iterable[int]) -> DaemonConfig:
