@@ -83,3 +83,35 @@ def test_exchange_returns_the_daemons_refusal_without_raising(daemon):
         assert resp.error.code == rpc.OK and resp.status.server
         with pytest.raises(TypeError, match="takes a get_status message"):
             c.request(get_status=rpc.ListSessions())
+
+
+def test_the_machine_driven_over_a_socket_of_ones_own(daemon):
+    """An adapter of its own (no Client): the machine's packets over a plain SOCK_SEQPACKET socket."""
+    import socket
+
+    from vramd.errors import NotFoundError
+    from vramd.protocol import ClientMachine, Done, Failed, Send, pack_fds, unpack_fds
+    m = ClientMachine("adapter 0", record=True)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+        s.connect(daemon.socket)
+
+        def run() -> Done | Failed:
+            while True:
+                e = m.next_event()
+                if isinstance(e, (Done, Failed)):
+                    return e
+                assert isinstance(e, Send)  # GetStatus and ListSessions need no file
+                s.sendmsg([e.packet.data], pack_fds(e.packet.fds))
+                data, anc, flags, _ = s.recvmsg(m.connection.max_response_bytes, socket.CMSG_SPACE(16))
+                m.receive(data, unpack_fds(anc), flags)
+
+        m.say_hello()
+        hello = run()
+        assert isinstance(hello, Done) and hello.response.hello.version == 2 and m.state is ConnState.IDLE
+        m.status()
+        status = run()
+        assert isinstance(status, Done) and status.response.status.server
+        m.progress("0" * 32)
+        end = run()
+        assert isinstance(end, Failed) and isinstance(end.error, NotFoundError) and m.state is ConnState.IDLE
+    assert m.transcript is not None and len(m.transcript.steps) == 6

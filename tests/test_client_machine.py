@@ -595,3 +595,14 @@ def test_sessions_of_others_are_sent_to_as_they_are():
         assert isinstance(drive(m, daemon, files), Done) and files.events == []
     assert daemon.names()[1:] == ["start", "cancel", "cancel", "list_sessions", "wait"]
     assert not daemon.seen[1].start.HasField("manifest_fd_index") and daemon.seen[3].cancel.session_id == 4
+
+
+def test_a_session_is_opening_while_its_files_are_attached():
+    m, daemon = ready(Daemon(answers={"open_session": [_needed((0, NAMES[0]))]}))
+    phases: list[SessionPhase | None] = []
+    files = Files(fail=lambda e: phases.append(m.phase(TOKEN)) if isinstance(e, OpenDataFile) else None)
+    m.open_session(OpenSpec(rpc.SESSION_VERIFY))
+    assert m.phase(TOKEN) is None  # before OpenSession's reply: no session yet
+    assert isinstance(drive(m, daemon, files), Done)
+    assert phases == [SessionPhase.OPENING] and m.phase(TOKEN) is SessionPhase.OPEN
+    assert m.awaiting is None and not m.busy

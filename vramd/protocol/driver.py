@@ -62,6 +62,11 @@ class EventDriver:
         return self.connection.transcript
 
     @property
+    def awaiting(self) -> Event | None:
+        """The event whose answer is due (None: next_event may be called, or no operation runs)."""
+        return self._awaiting
+
+    @property
     def busy(self) -> bool:
         """Whether an operation is under way (its events not all taken)."""
         return self._op is not None
@@ -151,7 +156,6 @@ class EventDriver:
             raise self.connection.error("an operation is under way: take its events to its end first")
         self.connection.check_usable()
         self._op, self._answer, self._throw = op, None, None
-
 
     # --- steps every operation uses ------------------------------------------------
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import socket
 from dataclasses import dataclass
-from typing import Any
 
 from ..errors import LimitExceededError, ProtocolError, UnsupportedProtocolError, VramdError
 from ..pb import rpc_pb2 as rpc
@@ -43,14 +42,20 @@ class Reply:
     close: bool = False
 
 
-def response(request_id: int, error: VramdError | None = None, **body: Any) -> rpc.Response:
-    resp = rpc.Response(id=request_id, **body)
+ResponseBody = rpc.HelloReply | rpc.SessionInfo | rpc.StatusReply | rpc.SessionList  # by its field's name
+
+
+def response(request_id: int, error: VramdError | None = None, **body: ResponseBody) -> rpc.Response:
+    """The Response to `request_id`: `error` (None: OK) and at most one body, by its field (`session=info`)."""
+    resp = rpc.Response(id=request_id)
+    for name, value in body.items():
+        getattr(resp, name).CopyFrom(value)
     if error is not None:
         resp.error.CopyFrom(error_to_pb(error))
     return resp
 
 
-def reply(request_id: int, error: VramdError | None = None, *, close: bool = False, **body: Any) -> Reply:
+def reply(request_id: int, error: VramdError | None = None, *, close: bool = False, **body: ResponseBody) -> Reply:
     return Reply(encode_frame(KIND_RESPONSE, response(request_id, error, **body)), close)
 
 

@@ -17,10 +17,13 @@ adapter runs the same loop with its I/O awaited; an in-process one hands
 Errors: a response the daemon refused ends the operation with `Failed` and
 its typed error, after the cleanup the step needs (a session that cannot be
 handed over is closed; data files the daemon did not take are dropped).  A
-ProtocolError (the daemon broke the protocol, or the adapter misused the
-machine) moves the connection to ERROR: `receive` raises it, and every later
-call raises.  The C client (native/client) takes the same steps with the
-same packing, so one transcript fits both.
+ProtocolError the daemon caused (a response paired with no request or the
+wrong one, of the wrong kind, undecodable; a request the format forbids)
+moves the connection to ERROR and ends the operation with `Failed`; one the
+adapter caused (an answer to what was not asked, an operation started while
+another runs) moves it to ERROR and is raised by that call.  In ERROR (and
+CLOSED) every later operation raises at once.  The C client (native/client)
+takes the same steps with the same packing, so one transcript fits both.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Typed errors on the wire: VramdError <-> rpc.Error, both directions."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Protocol
 
 from ..errors import VramdError, error_from_wire
 from ..pb import rpc_pb2 as rpc
@@ -22,7 +22,13 @@ def code_name(code: int) -> str:
     return enum_name(rpc.Code, code, "CODE_")
 
 
-def enum_name(enum: Any, value: int, unknown: str) -> str:
+class _Enum(Protocol):
+    """A protobuf enum wrapper (rpc.Code, rpc.SessionKind, ...): what enum_name needs of it."""
+
+    def Name(self, number: int) -> str: ...
+
+
+def enum_name(enum: _Enum, value: int, unknown: str) -> str:
     """The name of `value` in a protobuf enum; a value this side does not know (a newer peer's: a new session
     state or kind) is `unknown` followed by its number."""
     try:
