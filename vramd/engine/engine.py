@@ -217,7 +217,8 @@ class Engine:
 
     # --- jobs --------------------------------------------------------------
 
-    def start_dump(self, image_id: bytes, *, compression: Compression | None = None, chunk_size: int | None = None,
+    def start_dump(self, image_id: bytes, *,
+                   compression: Compression | None = None, chunk_size: int | None = None,
                    on_progress: ProgressCallback | None = None, parent: ImageReader | None = None,
                    parent_hint: str = "", dedup: bool = True) -> DumpJob:
         """A dump into a new image `image_id`, whose data files are attached to `job.writer` and whose
