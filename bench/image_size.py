@@ -60,6 +60,7 @@ import xxhash
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ is not a package
 import corpus as corpus_mod
 
+from vramd import inproc
 from vramd.backends import BoRef
 from vramd.engine import BoSpec, Engine, EngineConfig, RestoreTarget
 from vramd.image.codec import Compression
@@ -82,12 +83,12 @@ def parse_codec(name: str) -> Compression | None:
 
 
 def _dump_options() -> set[str]:
-    return set().union(*(inspect.signature(f).parameters for f in (Engine.start_dump, Engine.start_local_dump,
-                                                                     Engine.dump)))
+    return set().union(*(inspect.signature(f).parameters for f in (Engine.start_dump, inproc.start_dump,
+                                                                     inproc.dump)))
 
 
 def engine_supports_parent() -> bool:
-    """Incremental dumps: Engine.dump takes `parent_fds` (the parent's directory, then its parents')."""
+    """Incremental dumps: inproc.dump takes `parent_fds` (the parent's directory, then its parents')."""
     return "parent_fds" in _dump_options()
 
 
@@ -106,7 +107,7 @@ async def dump_image(engine: Engine, dir_fd: int, bos: list[BoSpec], compression
         kw["parent_fds"] = parents
     if dedup is not None:
         kw["dedup"] = dedup
-    return await engine.dump(dir_fd, bos, **kw)
+    return await inproc.dump(engine, dir_fd, bos, **kw)
 
 
 # --- BOs in memfds --------------------------------------------------------------------
@@ -210,7 +211,7 @@ def run_dump(loaded: Loaded, image: str, compression: Compression, parents: list
 
 def flatten_image(image: str, parents: list[str], out: str) -> dict:
     """`vramctl flatten`'s work: the incremental `image` copied into a self-contained `out`."""
-    from vramd.image.flatten import flatten
+    from vramd.imagedir.flatten import flatten
     _clear(out)
     fds = [_open_dir(p) for p in [image, *parents, out]]
     try:
@@ -256,7 +257,7 @@ def run_restore(loaded: Loaded, image: str, check: bool, parents: list[str] | No
 
         async def timed(e: Engine) -> float:
             t = time.perf_counter()
-            await e.restore(dfd, targets, parent_fds=pfds)
+            await inproc.restore(e, dfd, targets, parent_fds=pfds)
             return time.perf_counter() - t
 
         async def fresh() -> float:

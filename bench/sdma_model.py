@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import uvloop
 
+from vramd import inproc
 from vramd.backends import BoRef, Direction
 from vramd.engine import BoSpec, Engine, EngineConfig, RestoreTarget
 from vramd.units import parse_size
@@ -81,10 +82,10 @@ async def rows(engine: Engine, size: int, reps: int, base: str) -> dict:
                 dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
                 try:
                     t0 = time.perf_counter()
-                    await engine.dump(dfd, [BoSpec(1, size, BoRef(name, src), gpu_id=0)])
+                    await inproc.dump(engine, dfd, [BoSpec(1, size, BoRef(name, src), gpu_id=0)])
                     out[name]["dump_s"].append(time.perf_counter() - t0)
                     t0 = time.perf_counter()
-                    await engine.restore(dfd, [RestoreTarget(1, BoRef(name, dst))])
+                    await inproc.restore(engine, dfd, [RestoreTarget(1, BoRef(name, dst))])
                     out[name]["restore_s"].append(time.perf_counter() - t0)
                 finally:
                     os.close(dfd)

@@ -94,6 +94,7 @@ import uvloop
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ is not a package
 from machine import Machine
 
+from vramd import inproc
 from vramd.backends import REGISTRY, BackendOptions, BoRef, Direction
 from vramd.engine import BoSpec, Engine, EngineConfig, RestoreTarget
 from vramd.hostmem.staging import StagingBuffer, buffer_unit
@@ -394,11 +395,11 @@ def _jobs(e: Engine, case: Case, direction: Direction, dfd: int, lanes: int):
     part = case.size // lanes
     if direction is Direction.READ:
         src = case.src
-        return e.dump(dfd, [BoSpec(i + 1, part, BoRef(src.kind, src.fd, src.offset + i * part), gpu_id=i)
-                            for i in range(lanes)])
+        return inproc.dump(e, dfd, [BoSpec(i + 1, part, BoRef(src.kind, src.fd, src.offset + i * part), gpu_id=i)
+                                    for i in range(lanes)])
     dst = case.dst
-    return e.restore(dfd, [RestoreTarget(i + 1, BoRef(dst.kind, dst.fd, dst.offset + i * part))
-                           for i in range(lanes)])
+    return inproc.restore(e, dfd, [RestoreTarget(i + 1, BoRef(dst.kind, dst.fd, dst.offset + i * part))
+                                   for i in range(lanes)])
 
 
 def _stage_delta(before: dict, after: dict) -> dict:

@@ -1,6 +1,7 @@
 """Shared test plumbing: child workloads, image directories, running the engine."""
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
@@ -14,6 +15,7 @@ from vramd.backends import BoRef
 from vramd.engine import BoSpec, Engine, EngineConfig, RestoreTarget
 from vramd.image.format import decode_record_head
 from vramd.image.manifest import chunk_record, decode_manifest
+from vramd.imagedir import DumpDirectory
 from vramd.pb import image_pb2 as pb
 from vramd.testing import Workload, blank_spec_like, seal_size  # noqa: F401  (re-exported for tests)
 
@@ -43,6 +45,23 @@ def procmem_targets(w: Workload, mem_fd: int) -> list[RestoreTarget]:
 
 def engine(**kw) -> Engine:
     return Engine(EngineConfig(**kw))
+
+
+@contextlib.asynccontextmanager
+async def dump_job(e: Engine, dir_fd: int, *, gpus=(0,), **kw):
+    """A DumpJob as a session of the daemon makes one (Engine.start_dump), for tests of the job itself: the data
+    files of `gpus` and the manifest's file created in `dir_fd` by the client's side (vramd.imagedir) and
+    attached, as a client's AttachFiles and Start attach them.  The job's `finish` writes the image; the image
+    is never committed, and every file is removed when the block ends."""
+    with DumpDirectory(dir_fd) as out:
+        out.begin(os.urandom(16), e.config.data_files_per_gpu)
+        job = e.start_dump(out.image_id, **kw)
+        for g in gpus:
+            for k in range(out.stripes):
+                f = out.data_file(g, k)
+                job.writer.attach(g, f.fd, f.direct_fd, k)
+        job.writer.manifest_fd = out.manifest_file()
+        yield job
 
 
 def memfd(data: bytes = b"", size: int | None = None, *, sealed: bool = False) -> int:

@@ -10,6 +10,7 @@ import pytest
 import xxhash
 from helpers import Workload, blank_spec_like, engine, memfd, o_direct_here, run
 
+from vramd import inproc
 from vramd.backends import BoRef
 from vramd.engine import BoSpec, RestoreTarget
 from vramd.hostmem import batchcopy, native
@@ -155,7 +156,7 @@ def test_engine_round_trip(flavour, image_dir):
 
                 async def dump():
                     async with engine(chunk_size=1 * MiB, staging_budget=16 * MiB) as e:
-                        await e.dump(dfd, bos)
+                        await inproc.dump(e, dfd, bos)
                 run(dump())
             finally:
                 os.close(mem)
@@ -167,8 +168,8 @@ def test_engine_round_trip(flavour, image_dir):
                     async with engine(chunk_size=1 * MiB, staging_budget=16 * MiB) as e:
                         targets = [RestoreTarget(i + 1, BoRef("procmem", mem, r["addr"]))
                                    for i, r in enumerate(regions)]
-                        await e.restore(dfd, [*targets, RestoreTarget(9, BoRef("mmap", dst))])
-                        await e.verify(dfd)
+                        await inproc.restore(e, dfd, [*targets, RestoreTarget(9, BoRef("mmap", dst))])
+                        await inproc.verify(e, dfd)
                 run(restore())
             finally:
                 os.close(mem)
@@ -192,7 +193,7 @@ def test_inline_dump_binds_every_record_and_writes_off_the_loop(flavour, image_d
     from vramd.image.format import RECORD_PREFIX, record_checksum
     from vramd.image.manifest import chunk_record
     from vramd.image.names import data_file_name
-    from vramd.image.reader import ImageReader
+    from vramd.imagedir import ImageFiles, read_image
     path, dfd = image_dir
     seen: dict[str, set[str]] = {"pwrite": set(), "direct": set()}
     real_pwrite = writer.DataFileWriter.pwrite
@@ -207,7 +208,7 @@ def test_inline_dump_binds_every_record_and_writes_off_the_loop(flavour, image_d
     try:
         async def dump():
             async with engine(chunk_size=MiB, staging_budget=16 * MiB, copy_threads=2) as e:
-                return await e.dump(dfd, [BoSpec(1, len(content), BoRef("mmap", src)),
+                return await inproc.dump(e, dfd, [BoSpec(1, len(content), BoRef("mmap", src)),
                                           BoSpec(2, 3000, BoRef("mmap", small))])
         m = run(dump())
     finally:
@@ -228,13 +229,13 @@ def test_inline_dump_binds_every_record_and_writes_off_the_loop(flavour, image_d
             assert any((off + ln - 5000) % 4096 == 0 or (off + ln) % 4096 == 0 for _fi, off, ln, _ in recs)
 
     async def check():
-        reader = await ImageReader.open(dfd)  # the manifest checks accept the layout
-        reader.close()
+        with ImageFiles(dfd) as files:
+            (await read_image(files)).close()  # the manifest checks accept the layout
         async with engine(chunk_size=MiB, staging_budget=16 * MiB) as e:
-            await e.verify(dfd)
+            await inproc.verify(e, dfd)
             dst = memfd(size=len(content))
             try:
-                await e.restore(dfd, [RestoreTarget(1, BoRef("mmap", dst))], allow_partial=True)
+                await inproc.restore(e, dfd, [RestoreTarget(1, BoRef("mmap", dst))], allow_partial=True)
                 return os.pread(dst, len(content) + 1, 0)
             finally:
                 os.close(dst)
@@ -261,7 +262,7 @@ def test_a_cold_image_is_read_by_the_io_threads_several_records_at_once(flavour,
     try:
         async def dump():
             async with engine(chunk_size=MiB, staging_budget=16 * MiB) as e:
-                return await e.dump(dfd, [BoSpec(1, len(content), BoRef("mmap", src))])
+                return await inproc.dump(e, dfd, [BoSpec(1, len(content), BoRef("mmap", src))])
         m = run(dump())
     finally:
         os.close(src)
@@ -290,12 +291,12 @@ def test_a_cold_image_is_read_by_the_io_threads_several_records_at_once(flavour,
             dst = memfd(size=len(content))
             try:
                 evict()
-                await e.restore(dfd, [RestoreTarget(1, BoRef("mmap", dst))])
+                await inproc.restore(e, dfd, [RestoreTarget(1, BoRef("mmap", dst))])
                 got = os.pread(dst, len(content) + 1, 0)
             finally:
                 os.close(dst)
             evict()
-            await e.verify(dfd)
+            await inproc.verify(e, dfd)
             return got
     with intercept_copies(spy):
         assert run(back()) == content
@@ -326,12 +327,12 @@ def test_a_cached_or_tmpfs_record_stays_in_the_copy_thread(flavour, tmp_path):
             try:
                 async def dump(dfd=dfd, src=src):
                     async with engine(chunk_size=MiB, staging_budget=16 * MiB) as e:
-                        return await e.dump(dfd, [BoSpec(1, len(content), BoRef("mmap", src))])
+                        return await inproc.dump(e, dfd, [BoSpec(1, len(content), BoRef("mmap", src))])
 
                 async def back(dfd=dfd, dst=dst):
                     async with engine(chunk_size=MiB, staging_budget=16 * MiB) as e:
-                        await e.restore(dfd, [RestoreTarget(1, BoRef("mmap", dst))])
-                        await e.verify(dfd)
+                        await inproc.restore(e, dfd, [RestoreTarget(1, BoRef("mmap", dst))])
+                        await inproc.verify(e, dfd)
                 m = run(dump())
                 for df in m.files:  # into the page cache (written O_DIRECT)
                     with open(os.path.join(d, df.name), "rb") as f:
@@ -365,7 +366,7 @@ def test_a_record_of_another_image_is_refused_on_the_inline_read(flavour, image_
                 async def dump(d=d, src=src):  # one batch at a time: the same record layout in both
                     async with engine(chunk_size=MiB, staging_budget=16 * MiB, copy_threads=1,
                                       inflight_per_gpu=1) as e:
-                        return await e.dump(d, [BoSpec(1, 2 * MiB, BoRef("mmap", src))])
+                        return await inproc.dump(e, d, [BoSpec(1, 2 * MiB, BoRef("mmap", src))])
                 ms.append(run(dump()))
             finally:
                 os.close(src)
@@ -379,7 +380,7 @@ def test_a_record_of_another_image_is_refused_on_the_inline_read(flavour, image_
 
         async def verify():
             async with engine(chunk_size=MiB, staging_budget=16 * MiB) as e:
-                await e.verify(dfd)
+                await inproc.verify(e, dfd)
         with pytest.raises(errors.CorruptChunkError, match="record checksum mismatch"):
             run(verify())
     finally:
@@ -388,7 +389,7 @@ def test_a_record_of_another_image_is_refused_on_the_inline_read(flavour, image_
 
 def test_reopen_direct_follows_the_image_opening_rules(tmp_path):
     """The O_DIRECT descriptor is the very file already open, never through a symlink, never another file."""
-    from vramd.image.local import reopen_direct
+    from vramd.imagedir import reopen_direct
     d = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         (tmp_path / "a").write_bytes(b"x" * 4096)
@@ -443,7 +444,7 @@ def test_a_cached_record_is_read_through_the_page_cache_and_an_evicted_one_with_
     try:
         async def dump():
             async with engine(chunk_size=MiB, staging_budget=16 * MiB) as e:
-                return await e.dump(dfd, [BoSpec(1, 8 * MiB, BoRef("mmap", src))])
+                return await inproc.dump(e, dfd, [BoSpec(1, 8 * MiB, BoRef("mmap", src))])
         m = run(dump())
     finally:
         os.close(src)
@@ -480,7 +481,7 @@ def test_a_cached_record_is_read_through_the_page_cache_and_an_evicted_one_with_
 
         async def verify():
             async with engine(chunk_size=MiB, staging_budget=16 * MiB) as e:
-                await e.verify(dfd)
+                await inproc.verify(e, dfd)
         with intercept_copies(spy):
             run(verify())
         return seen
@@ -536,8 +537,8 @@ def test_a_dump_keeps_fewer_batches_in_flight_than_a_restore(image_dir, monkeypa
         async def go():
             async with engine(chunk_size=MiB, staging_budget=64 * MiB, copy_threads=8, inflight_per_gpu=8) as e:
                 assert e.config.dump_inflight_per_gpu == 4
-                await e.dump(dfd, [BoSpec(1, len(content), BoRef("mmap", src))])
-                await e.restore(dfd, [RestoreTarget(1, BoRef("mmap", dst))])
+                await inproc.dump(e, dfd, [BoSpec(1, len(content), BoRef("mmap", src))])
+                await inproc.restore(e, dfd, [RestoreTarget(1, BoRef("mmap", dst))])
         run(go())
         assert os.pread(dst, len(content) + 1, 0) == content
     finally:
@@ -579,8 +580,8 @@ def test_copies_into_one_file_take_turns(tmp_path):
     try:  # the copies into dst: the copy thread's copy-out, and the backend's (a cold read)
         async def go():
             async with engine(chunk_size=MiB, staging_budget=32 * MiB, copy_threads=2, inflight_per_gpu=4) as e:
-                await e.dump(dfd, [BoSpec(i, len(d), BoRef("mmap", srcs[i])) for i, d in content.items()])
-                await e.restore(dfd, [RestoreTarget(1, BoRef("mmap", dst, 0)),
+                await inproc.dump(e, dfd, [BoSpec(i, len(d), BoRef("mmap", srcs[i])) for i, d in content.items()])
+                await inproc.restore(e, dfd, [RestoreTarget(1, BoRef("mmap", dst, 0)),
                                       RestoreTarget(2, BoRef("mmap", dst, 16 * MiB))])
         with intercept_copies(spy):
             run(go())

@@ -8,7 +8,7 @@ import textwrap
 import pytest
 from helpers import Workload, engine, run
 
-from vramd import errors
+from vramd import errors, inproc
 from vramd.backends import BoRef
 from vramd.engine import BoSpec, RestoreTarget
 from vramd.image.names import LOCK_NAME, MANIFEST_NAME
@@ -26,13 +26,14 @@ def test_failed_dump_keeps_the_previous_image(image_dir):
 
     async def go():
         async with engine(staging_budget=8 * MiB, chunk_size=MiB) as e:
-            first = await e.dump(dfd, [BoSpec(1, len(good), BoRef("mmap", fd))])
+            first = await inproc.dump(e, dfd, [BoSpec(1, len(good), BoRef("mmap", fd))])
             before = sorted(os.listdir(path))
             with pytest.raises(errors.TargetTooSmallError):
-                await e.dump(dfd, [BoSpec(1, len(good), BoRef("mmap", fd)), BoSpec(2, 4096, BoRef("mmap", small))])
+                await inproc.dump(e, dfd, [BoSpec(1, len(good), BoRef("mmap", fd)),
+                                          BoSpec(2, 4096, BoRef("mmap", small))])
             assert sorted(os.listdir(path)) == before
             os.pwrite(fd, b"\0" * len(good), 0)
-            await e.restore(dfd, [RestoreTarget(1, BoRef("mmap", fd))])
+            await inproc.restore(e, dfd, [RestoreTarget(1, BoRef("mmap", fd))])
             return first
     try:
         run(go())
@@ -49,8 +50,8 @@ def test_redump_replaces_image_and_removes_old_data(image_dir):
 
     async def go():
         async with engine(staging_budget=8 * MiB, chunk_size=MiB) as e:
-            a = await e.dump(dfd, [BoSpec(1, MiB, BoRef("mmap", fd))])
-            b = await e.dump(dfd, [BoSpec(1, MiB, BoRef("mmap", fd))])
+            a = await inproc.dump(e, dfd, [BoSpec(1, MiB, BoRef("mmap", fd))])
+            b = await inproc.dump(e, dfd, [BoSpec(1, MiB, BoRef("mmap", fd))])
             return a, b
     try:
         a, b = run(go())
@@ -65,36 +66,37 @@ def test_one_dump_per_directory(image_dir):
 
     async def go():
         async with engine(staging_budget=8 * MiB, chunk_size=MiB) as e:
-            job = await e.start_local_dump(dfd)
-            try:
-                with pytest.raises(errors.InvalidRequestError, match="another dump"):
-                    await e.start_local_dump(dfd)
-            finally:
-                job.cancel()
+            async with await inproc.start_dump(e, dfd) as s:
+                try:
+                    with pytest.raises(errors.InvalidRequestError, match="another dump"):
+                        await inproc.start_dump(e, dfd)
+                finally:
+                    await s.cancel()
+                    with pytest.raises(errors.JobCancelledError):
+                        await s.finish()
+            async with await inproc.start_dump(e, dfd) as again:  # the lock was released
+                await again.cancel()
                 with pytest.raises(errors.JobCancelledError):
-                    await job.finish()
-            again = await e.start_local_dump(dfd)  # the lock was released
-            again.cancel()
-            with pytest.raises(errors.JobCancelledError):
-                await again.finish()
+                    await again.finish()
     run(go())
 
 
 KILLED_DUMP = textwrap.dedent("""
     import asyncio, os, sys, uvloop
+    from vramd import inproc
     from vramd.engine import Engine, EngineConfig
     from vramd.engine import BoSpec
     from vramd.backends import BoRef
     pid, addr, size, dirpath = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-    def progress(p):
-        if p.chunks_done == 3:
-            print("mid-dump", flush=True)
-            sys.stdin.readline()   # blocks the loop here until the test kills us
     async def main():
         dfd = os.open(dirpath, os.O_RDONLY | os.O_DIRECTORY)
         mem = os.open(f"/proc/{pid}/mem", os.O_RDONLY)
         async with Engine(EngineConfig(staging_budget=16 << 20, chunk_size=1 << 20)) as e:
-            await e.dump(dfd, [BoSpec(1, size, BoRef("procmem", mem, addr))], on_progress=progress)
+            s = await inproc.start_dump(e, dfd)
+            await s.add([BoSpec(1, size, BoRef("procmem", mem, addr))])  # its data files made, its copies begun
+            print("mid-dump", flush=True)
+            sys.stdin.readline()   # blocks the loop here until the test kills us
+            await s.finish()
         print("committed", flush=True)
     uvloop.run(main())
 """)
@@ -122,7 +124,7 @@ def test_sigkill_mid_dump_leaves_no_image(image_dir):
 
     async def go():
         async with engine(staging_budget=8 * MiB) as e:
-            await e.verify(dfd)
+            await inproc.verify(e, dfd)
     with pytest.raises(errors.ManifestMissingError):
         run(go())
 
@@ -132,7 +134,7 @@ def test_vramctl_gc_removes_a_killed_dumps_temporaries_and_waits_for_a_live_dump
     and refuses while a dump holds the directory."""
     from helpers import ROOT
 
-    from vramd.image.local import lock_directory
+    from vramd.imagedir import lock_directory
     path, dfd = image_dir
     _kill_a_dump_mid_way(path)
     left = sorted(n for n in os.listdir(path) if n != LOCK_NAME)  # a dead holder's lock file: harmless

@@ -23,8 +23,8 @@ from vramd.errors import (
     UnmappedRangeError,
     VramdError,
 )
-from vramd.image.local import DumpDirectory
 from vramd.image.names import is_own_temporary
+from vramd.imagedir import DumpDirectory
 from vramd.pb import rpc_pb2 as rpc
 from vramd.protocol import PROTOCOL_VERSIONS, decode_response, encode_request
 from vramd.testing import DaemonProcess

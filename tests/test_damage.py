@@ -5,7 +5,7 @@ import struct
 import pytest
 from helpers import engine, memfd, run
 
-from vramd import errors
+from vramd import errors, inproc
 from vramd.backends import BoRef
 from vramd.engine import BoSpec, RestoreTarget
 from vramd.image.codec import Compression
@@ -26,7 +26,7 @@ def dumped(request, image_dir):
 
     async def go():
         async with engine(staging_budget=8 * MiB, chunk_size=CHUNK) as e:
-            return await e.dump(dfd, [BoSpec(i, len(d), BoRef("mmap", fds[i])) for i, d in data.items()],
+            return await inproc.dump(e, dfd, [BoSpec(i, len(d), BoRef("mmap", fds[i])) for i, d in data.items()],
                                 compression=Compression.parse(request.param))
     manifest = run(go())
     for fd in fds.values():
@@ -39,7 +39,7 @@ def _restore(dfd, data):
 
     async def go():
         async with engine(staging_budget=8 * MiB, chunk_size=CHUNK) as e:
-            return await e.restore(dfd, [RestoreTarget(i, BoRef("mmap", fd)) for i, fd in targets.items()])
+            return await inproc.restore(e, dfd, [RestoreTarget(i, BoRef("mmap", fd)) for i, fd in targets.items()])
     try:
         return run(go())
     finally:
@@ -50,7 +50,7 @@ def _restore(dfd, data):
 def _verify(dfd):
     async def go():
         async with engine(staging_budget=8 * MiB) as e:
-            return await e.verify(dfd)
+            return await inproc.verify(e, dfd)
     return run(go())
 
 
@@ -163,7 +163,7 @@ def test_data_file_of_another_image(dumped, tmp_path):
 
         async def go():
             async with engine(staging_budget=8 * MiB, chunk_size=CHUNK) as e:
-                return await e.dump(ofd, [BoSpec(1, MiB, BoRef("mmap", fd))])
+                return await inproc.dump(e, ofd, [BoSpec(1, MiB, BoRef("mmap", fd))])
         om = run(go())
         os.close(fd)
     finally:

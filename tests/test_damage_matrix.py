@@ -16,7 +16,7 @@ import shutil
 import pytest
 from helpers import bf16_like, engine, image_records, memfd, open_dir, run
 
-from vramd import errors
+from vramd import errors, inproc
 from vramd.backends import BoRef
 from vramd.engine import BoSpec, RestoreTarget
 from vramd.engine.jobs import dump as dump_job
@@ -40,7 +40,7 @@ def _dump(dfd: int, data: dict[int, bytes], compression: str, parent_fds=()) -> 
 
     async def go():  # one data file: "another record" pastes a record of the same file over the damaged one
         async with engine(staging_budget=4 << 20, chunk_size=CHUNK, data_files_per_gpu=1) as e:
-            return await e.dump(dfd, [BoSpec(i, len(d), BoRef("mmap", fds[i])) for i, d in data.items()],
+            return await inproc.dump(e, dfd, [BoSpec(i, len(d), BoRef("mmap", fds[i])) for i, d in data.items()],
                                 parent_fds=parent_fds, compression=Compression.parse(compression))
     try:
         return run(go())
@@ -160,7 +160,7 @@ def _restore(dfd: int, sizes: dict[int, int], parent_fds) -> None:
 
     async def go():
         async with engine(staging_budget=4 << 20) as e:
-            await e.restore(dfd, [RestoreTarget(i, BoRef("mmap", fd)) for i, fd in targets.items()],
+            await inproc.restore(e, dfd, [RestoreTarget(i, BoRef("mmap", fd)) for i, fd in targets.items()],
                             parent_fds=parent_fds, allow_partial=True)
     try:
         run(go())
@@ -172,7 +172,7 @@ def _restore(dfd: int, sizes: dict[int, int], parent_fds) -> None:
 def _verify(dfd: int, parent_fds) -> None:
     async def go():
         async with engine(staging_budget=4 << 20) as e:
-            await e.verify(dfd, parent_fds=parent_fds)
+            await inproc.verify(e, dfd, parent_fds=parent_fds)
     run(go())
 
 

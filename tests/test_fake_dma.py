@@ -7,6 +7,7 @@ import os
 import pytest
 from helpers import memfd, run
 
+from vramd import inproc
 from vramd.backends import BoRef
 from vramd.engine import BoSpec, Engine, EngineConfig, RestoreTarget
 from vramd.errors import BackendError
@@ -29,9 +30,10 @@ def test_round_trip_through_an_asynchronous_engine(image_dir):
 
     async def go():
         async with _engine(fake) as e:
-            await e.dump(dfd, [BoSpec(i + 1, n, BoRef("fake", fd)) for i, (fd, n) in enumerate(zip(srcs, sizes))])
+            await inproc.dump(e, dfd, [BoSpec(i + 1, n, BoRef("fake", fd))
+                                      for i, (fd, n) in enumerate(zip(srcs, sizes))])
             dumped = fake.submissions
-            await e.restore(dfd, [RestoreTarget(i + 1, BoRef("fake", fd)) for i, fd in enumerate(dsts)])
+            await inproc.restore(e, dfd, [RestoreTarget(i + 1, BoRef("fake", fd)) for i, fd in enumerate(dsts)])
             return dumped
     dumped = run(go())
     assert [os.pread(fd, n, 0) for fd, n in zip(dsts, sizes)] == datas
@@ -48,7 +50,7 @@ def test_a_fault_names_its_bo_and_offset_and_commits_nothing(image_dir):
 
     async def go():
         async with _engine(fake) as e:
-            await e.dump(dfd, [BoSpec(9, 4 * MiB, BoRef("fake", src))])
+            await inproc.dump(e, dfd, [BoSpec(9, 4 * MiB, BoRef("fake", src))])
     with pytest.raises(BackendError) as ei:
         run(go())
     assert (ei.value.bo_id, ei.value.offset) == (9, 2 * MiB)

@@ -10,7 +10,7 @@ import struct
 import pytest
 from helpers import bf16_like, engine, image_records, memfd, open_dir, run, v1_contents, v1_image
 
-from vramd import errors
+from vramd import errors, inproc
 from vramd.backends import BoRef
 from vramd.engine import BoSpec, EngineConfig, RestoreTarget
 from vramd.engine.jobs import dump as dump_job
@@ -32,7 +32,7 @@ def _dump(dfd, data, *, gpus=None, parent_fds=(), hint="", dedup=True, compressi
 
     async def go():
         async with engine(staging_budget=16 * MiB, chunk_size=CHUNK) as e:
-            return await e.dump(dfd, specs, parent_fds=parent_fds, parent_hint=hint, dedup=dedup,
+            return await inproc.dump(e, dfd, specs, parent_fds=parent_fds, parent_hint=hint, dedup=dedup,
                                 compression=Compression.parse(compression))
     try:
         return run(go())
@@ -48,7 +48,7 @@ def _restore(dfd, sizes, parent_fds=(), allow_partial=False):
 
     async def go():
         async with engine(staging_budget=16 * MiB) as e:
-            await e.restore(dfd, [RestoreTarget(i, BoRef("mmap", fd)) for i, fd in targets.items()],
+            await inproc.restore(e, dfd, [RestoreTarget(i, BoRef("mmap", fd)) for i, fd in targets.items()],
                             parent_fds=parent_fds, allow_partial=allow_partial)
     try:
         try:
@@ -65,7 +65,7 @@ def _restore(dfd, sizes, parent_fds=(), allow_partial=False):
 def _verify(dfd, parent_fds=()):
     async def go():
         async with engine(staging_budget=16 * MiB) as e:
-            return await e.verify(dfd, parent_fds=parent_fds)
+            return await inproc.verify(e, dfd, parent_fds=parent_fds)
     return run(go())
 
 
@@ -327,7 +327,7 @@ def test_chains_stop_at_the_configured_depth(tmp_path):
         async with engine(staging_budget=16 * MiB, chunk_size=CHUNK, max_chain_depth=1) as e:
             fd = memfd(data[1])
             try:
-                return await e.dump(dirs[k][1], [BoSpec(1, CHUNK, BoRef("mmap", fd))],
+                return await inproc.dump(e, dirs[k][1], [BoSpec(1, CHUNK, BoRef("mmap", fd))],
                                     parent_fds=[d[1] for d in reversed(dirs[:k])])
             finally:
                 os.close(fd)
@@ -397,9 +397,9 @@ def test_a_parent_is_not_replaced_while_a_child_needs_it(tmp_path):
         async with engine(staging_budget=16 * MiB, chunk_size=CHUNK) as e:
             fd = memfd(os.urandom(CHUNK))
             try:
-                job = await e.start_local_dump(pfd, replace_parent=True)
-                job.add([BoSpec(1, CHUNK, BoRef("mmap", fd))])
-                return await job.finish()
+                async with await inproc.start_dump(e, pfd, replace_parent=True) as s:
+                    await s.add([BoSpec(1, CHUNK, BoRef("mmap", fd))])
+                    return await s.finish()
             finally:
                 os.close(fd)
     assert run(replace()).image_id != pm.image_id
@@ -411,7 +411,7 @@ def test_children_of_one_parent_commit_at_once_but_not_while_a_dump_writes_there
     """A child marks its parent's directory under a shared lock: another child marking it at that moment
     (a shared lock held on the directory) does not fail its commit; a dump writing into the directory (an
     exclusive lock) does, and the child leaves no mark."""
-    from vramd.image.local import lock_directory
+    from vramd.imagedir import lock_directory
     (pp, pfd), (_ap, afd), (_bp, bfd) = _dirs(tmp_path, "parent", "a", "b")
     _dump(pfd, {1: os.urandom(CHUNK)})
     held = lock_directory(pfd, shared=True)  # a sibling marking the parent right now
@@ -440,11 +440,12 @@ def test_a_parent_cannot_be_replaced_while_a_child_of_it_is_being_dumped(tmp_pat
 
     async def go():
         async with engine(staging_budget=16 * MiB, chunk_size=CHUNK) as e:
-            job = await e.start_local_dump(cfd, parent_fds=[pfd])
-            job.add([BoSpec(1, CHUNK, BoRef("mmap", fd))])
-            with pytest.raises(errors.InvalidRequestError, match="reads its image as its parent"):
-                await e.start_local_dump(pfd)  # replacing the parent: no mark there yet
-            return await job.finish()
+            s = await inproc.start_dump(e, cfd, parent_fds=[pfd])
+            async with s:
+                await s.add([BoSpec(1, CHUNK, BoRef("mmap", fd))])
+                with pytest.raises(errors.InvalidRequestError, match="reads its image as its parent"):
+                    await inproc.start_dump(e, pfd)  # replacing the parent: no mark there yet
+                return await s.finish()
     try:
         cm = run(go())
     finally:
@@ -461,10 +462,11 @@ def test_a_failed_child_dump_leaves_no_mark(tmp_path):
 
     async def go():
         async with engine(staging_budget=16 * MiB, chunk_size=CHUNK) as e:
-            job = await e.start_local_dump(cfd, parent_fds=[pfd])
-            job.add([BoSpec(1, CHUNK, BoRef("mmap", fd))])
-            job.cancel("test")
-            await job.finish()
+            s = await inproc.start_dump(e, cfd, parent_fds=[pfd])
+            async with s:
+                await s.add([BoSpec(1, CHUNK, BoRef("mmap", fd))])
+                await s.cancel("test")
+                await s.finish()
     try:
         with pytest.raises(errors.JobCancelledError):
             run(go())
@@ -477,19 +479,20 @@ def test_a_failed_child_dump_leaves_no_mark(tmp_path):
 def test_parent_records_anyone_else_may_write_are_checked_by_content_hash(tmp_path):
     """A parent whose data files only the child's owner can write is trusted as the child's own records;
     one that others may write is verified against BLAKE3 content hashes (xxh3 does not stop a forger)."""
-    from vramd.image.reader import ImageReader
+    from vramd.imagedir import ImageFiles, read_image
     (pp, pfd), (_cp, cfd) = _dirs(tmp_path, "parent", "child")
     parent = {1: os.urandom(2 * CHUNK)}
     pm = _dump(pfd, parent)
     _dump(cfd, {1: parent[1], 2: os.urandom(CHUNK)}, parent_fds=[pfd])
 
     async def trust():
-        r = await ImageReader.open(cfd, [pfd])
-        try:
-            locs = [r.locate(r.bos[1], i) for i in range(2)]
-            return r._trusted, [loc.foreign for loc in locs]
-        finally:
-            r.close()
+        with ImageFiles(cfd, [pfd]) as files:
+            r = await read_image(files)
+            try:
+                locs = [r.locate(r.bos[1], i) for i in range(2)]
+                return r._trusted, [loc.foreign for loc in locs]
+            finally:
+                r.close()
     assert run(trust()) == ([True, True], [False, False])
     (pp / pm.files[0].name).chmod(0o664)  # group-writable: someone else could have forged its records
     assert run(trust()) == ([True, False], [True, True])
@@ -497,7 +500,7 @@ def test_parent_records_anyone_else_may_write_are_checked_by_content_hash(tmp_pa
 
 
 def test_flatten_of_a_chain_with_deltas_restores_without_parents(tmp_path):
-    from vramd.image.flatten import flatten
+    from vramd.imagedir.flatten import flatten
     dirs = _dirs(tmp_path, "g0", "g1", "g2", "flat")
     states = [{1: bf16_like(3 * CHUNK, 5)}]
     _dump(dirs[0][1], states[0])  # codec none: the flattened deltas still decode
@@ -566,7 +569,7 @@ def test_a_delta_against_a_parent_dumped_without_dedup_keeps_a_plain_base(tmp_pa
 
 def test_flatten_of_deltas_stored_raw_and_its_bo_files(tmp_path):
     """flatten stores a decoded delta raw where zstd would not shrink it, and gives BOs its own data files."""
-    from vramd.image.flatten import flatten
+    from vramd.imagedir.flatten import flatten
     dirs = _dirs(tmp_path, "p", "c", "flat")
     rnd = os.urandom(CHUNK)
     _dump(dirs[0][1], {1: rnd}, gpus={1: 5})

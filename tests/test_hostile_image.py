@@ -15,9 +15,9 @@ import weakref
 from dataclasses import dataclass
 
 import pytest
-from helpers import engine, memfd, open_dir, run, v1_contents, v1_image
+from helpers import dump_job, engine, memfd, open_dir, run, v1_contents, v1_image
 
-from vramd import errors
+from vramd import errors, inproc
 from vramd.backends import BoRef
 from vramd.engine import BoSpec, RestoreTarget
 from vramd.engine.pipeline import ChunkTask, Pipeline
@@ -36,7 +36,7 @@ def _dump(dfd, data: dict[int, bytes], chunk_size=MiB, budget=16 * MiB, compress
     async def go():
         async with engine(staging_budget=budget, chunk_size=chunk_size) as e:
             kw = {"compression": compression} if compression else {}
-            return await e.dump(dfd, [BoSpec(i, len(d), BoRef("mmap", fds[i])) for i, d in data.items()], **kw)
+            return await inproc.dump(e, dfd, [BoSpec(i, len(d), BoRef("mmap", fds[i])) for i, d in data.items()], **kw)
     try:
         return run(go())
     finally:
@@ -49,7 +49,7 @@ def _restore(dfd, sizes: dict[int, int], budget=16 * MiB):
 
     async def go():
         async with engine(staging_budget=budget) as e:
-            await e.restore(dfd, [RestoreTarget(i, BoRef("mmap", fd)) for i, fd in targets.items()])
+            await inproc.restore(e, dfd, [RestoreTarget(i, BoRef("mmap", fd)) for i, fd in targets.items()])
     try:
         run(go())
         return {i: os.pread(fd, sizes[i], 0) for i, fd in targets.items()}
@@ -61,7 +61,7 @@ def _restore(dfd, sizes: dict[int, int], budget=16 * MiB):
 def _verify(dfd, budget=16 * MiB):
     async def go():
         async with engine(staging_budget=budget) as e:
-            return await e.verify(dfd)
+            return await inproc.verify(e, dfd)
     return run(go())
 
 
@@ -166,7 +166,7 @@ def test_a_fifo_data_file_is_refused_without_blocking(image):
     async def go():
         async with engine(staging_budget=16 * MiB) as e:
             with pytest.raises(errors.ForeignDataFileError, match="not a regular file") as ei:
-                await e.verify(dfd)
+                await inproc.verify(e, dfd)
         return ei.value
     with _Unblock(path / name):
         err = run(go())
@@ -279,7 +279,7 @@ def test_a_verify_opens_a_bounded_number_of_lanes_whatever_gpu_ids_the_image_nam
     """A crafted image may name thousands of gpu_ids; a verify (which moves no GPU memory) spreads them over
     at most VERIFY_LANES lanes and still reads every chunk."""
     from vramd.engine.jobs.verify import VERIFY_LANES
-    from vramd.image.reader import ImageReader
+    from vramd.imagedir import ImageFiles, read_image
     _path, dfd = image_dir
     n = 3 * VERIFY_LANES + 1
     data = {i: os.urandom(4096 + i) for i in range(1, n + 1)}
@@ -287,11 +287,12 @@ def test_a_verify_opens_a_bounded_number_of_lanes_whatever_gpu_ids_the_image_nam
 
     async def go():
         async with engine(staging_budget=16 * MiB, chunk_size=MiB) as e:
-            m = await e.dump(dfd, [BoSpec(i, len(d), BoRef("mmap", fds[i]), gpu_id=1000 + i)
+            m = await inproc.dump(e, dfd, [BoSpec(i, len(d), BoRef("mmap", fds[i]), gpu_id=1000 + i)
                                    for i, d in data.items()])
             assert len({b.gpu_id for b in m.bos}) == n and len({f.gpu_id for f in m.files}) == n
-            job = e.start_verify(await ImageReader.open(dfd, ()))
-            await job.finish()
+            with ImageFiles(dfd) as files:
+                job = e.start_verify(await read_image(files))
+                await job.finish()
             return job
     try:
         job = run(go())
@@ -350,8 +351,7 @@ def test_a_huge_declared_bo_costs_no_memory_until_bytes_move(image_dir):
     fd = memfd(size=256 * GiB)  # sparse: the mmap backend accepts it without touching it
 
     async def go():
-        async with engine(staging_budget=16 * MiB) as e:
-            job = await e.start_local_dump(dfd, chunk_size=4096)
+        async with engine(staging_budget=16 * MiB) as e, dump_job(e, dfd, chunk_size=4096) as job:
             tracemalloc.start()
             try:
                 job.add([BoSpec(1, 256 * GiB, BoRef("mmap", fd))])
@@ -377,7 +377,7 @@ def test_offsets_past_off_t_are_invalid_requests(image_dir, kind, offset):
 
     async def go():
         async with engine(staging_budget=16 * MiB, chunk_size=MiB) as e:
-            await e.dump(dfd, [BoSpec(3, 2 * 4096, BoRef(kind, mem, offset))])
+            await inproc.dump(e, dfd, [BoSpec(3, 2 * 4096, BoRef(kind, mem, offset))])
     try:
         with pytest.raises(errors.InvalidRequestError, match="64-bit file offset") as ei:
             run(go())
@@ -392,7 +392,7 @@ def test_restore_target_offsets_past_off_t_are_invalid_requests(image):
 
     async def go():
         async with engine(staging_budget=16 * MiB) as e:
-            await e.restore(dfd, [RestoreTarget(1, BoRef("procmem", mem, 1 << 63))], allow_partial=True)
+            await inproc.restore(e, dfd, [RestoreTarget(1, BoRef("procmem", mem, 1 << 63))], allow_partial=True)
     try:
         with pytest.raises(errors.InvalidRequestError, match="64-bit file offset") as ei:
             run(go())
@@ -406,9 +406,12 @@ def test_declared_sizes_are_bounded(image_dir, size):
     _, dfd = image_dir
     r, w = os.pipe()
 
-    async def go():
-        async with engine(staging_budget=16 * MiB, chunk_size=MiB) as e:
-            await e.dump(dfd, [BoSpec(4, size, BoRef("procmem", r, 0))])
+    async def go():  # the job's own bound (a daemon's session refuses that many chunks first)
+        async with engine(staging_budget=16 * MiB, chunk_size=MiB) as e, dump_job(e, dfd) as job:
+            try:
+                job.add([BoSpec(4, size, BoRef("procmem", r, 0))])
+            finally:
+                await job.finish()
     try:
         with pytest.raises(errors.LimitExceededError, match="max_bo_bytes") as ei:
             run(go())
@@ -424,7 +427,7 @@ def test_the_bo_limit_is_configurable(image_dir):
 
     async def go():
         async with engine(staging_budget=16 * MiB, chunk_size=MiB, max_bo_bytes=MiB) as e:
-            await e.dump(dfd, [BoSpec(5, 2 * MiB, BoRef("mmap", fd))])
+            await inproc.dump(e, dfd, [BoSpec(5, 2 * MiB, BoRef("mmap", fd))])
     try:
         with pytest.raises(errors.LimitExceededError) as ei:
             run(go())
@@ -456,21 +459,21 @@ def test_a_finished_job_leaves_no_reference_cycle(image_dir, outcome):
     async def go():
         async with engine(staging_budget=16 * MiB, chunk_size=MiB) as e:
             owner = _Owner()
-            owner.job = await e.start_local_dump(dfd, on_progress=owner.progressed)
-            owner.job.on_fail(owner.failed)
-            bos = [BoSpec(1, MiB, BoRef("mmap", fd))]
-            if outcome == "failed":
-                bos.append(BoSpec(2, MiB, BoRef("mmap", small)))  # too small: the job fails
-            try:
-                owner.job.add(bos)
-            except errors.VramdError:
-                pass
-            try:
-                await owner.job.finish()
-            except errors.VramdError:
-                assert outcome == "failed" and owner.failures
-            refs = weakref.ref(owner), weakref.ref(owner.job.index)
-            del owner
+            async with dump_job(e, dfd, on_progress=owner.progressed) as owner.job:  # held by its owner only
+                owner.job.on_fail(owner.failed)
+                bos = [BoSpec(1, MiB, BoRef("mmap", fd))]
+                if outcome == "failed":
+                    bos.append(BoSpec(2, MiB, BoRef("mmap", small)))  # too small: the job fails
+                try:
+                    owner.job.add(bos)
+                except errors.VramdError:
+                    pass
+                try:
+                    await owner.job.finish()
+                except errors.VramdError:
+                    assert outcome == "failed" and owner.failures
+                refs = weakref.ref(owner), weakref.ref(owner.job.index)
+                del owner
             return refs
     gc.collect()
     gc.disable()

@@ -1,6 +1,6 @@
 """Who can block whom in an image directory, and the `.child.<id>` marks that protect parents.
 
-The lock is the directory's `.lock` file (vramd/image/local.py, take_lock), which only who may write the
+The lock is the directory's `.lock` file (vramd/imagedir/lock.py, take_lock), which only who may write the
 image can create and only its owner (and root) can open: a user who may merely read the directory (a flock
 on the directory itself, a child dump reading the image as its parent) blocks no dump, rm or gc of its
 owner.  A `.lock` that is a symlink, a FIFO, another user's file, a hard link or open to others is refused.
@@ -57,7 +57,7 @@ def marks(d) -> list[str]:
 # each until a line comes on stdin.
 READER = """
 import fcntl, os, sys
-from vramd.image.local import DumpDirectory
+from vramd.imagedir import DumpDirectory
 from vramd.errors import VramdError
 """ + DROP + """
 img, child = sys.argv[1], sys.argv[2]
@@ -249,7 +249,7 @@ def test_rm_of_a_crafted_image_never_unmarks_another_images_parent(daemon, tmp_p
 # line comes on stdin (all siblings at once); prints how many times it was refused, and the messages.
 SIBLING = """
 import os, sys
-from vramd.image.local import take_lock
+from vramd.imagedir import take_lock
 from vramd.errors import VramdError
 d = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY)
 print("READY", flush=True)

@@ -16,7 +16,7 @@ import textwrap
 import pytest
 from helpers import Workload, engine, memfd, open_dir, run
 
-from vramd import errors
+from vramd import errors, inproc
 from vramd.backends import BoRef
 from vramd.engine import BoSpec
 from vramd.image.manifest import chunk_record
@@ -49,7 +49,7 @@ def _dump(dfd, size, chunk=MiB):
 
     async def go():
         async with engine(staging_budget=16 * MiB, chunk_size=chunk) as e:
-            return await e.dump(dfd, [BoSpec(1, size, BoRef("mmap", fd))])
+            return await inproc.dump(e, dfd, [BoSpec(1, size, BoRef("mmap", fd))])
     try:
         return run(go())
     finally:
@@ -175,7 +175,7 @@ def test_an_io_error_reading_is_io_error_naming_file_bo_and_offset(image_dir, mo
 
     async def go():
         async with engine(staging_budget=16 * MiB) as e:
-            await e.verify(dfd)
+            await inproc.verify(e, dfd)
     with pytest.raises(errors.ImageIoError) as ei, seam:
         run(go())
     assert ei.value.bo_id == 1 and ei.value.offset is not None
@@ -202,19 +202,18 @@ def test_a_directory_that_may_not_be_written_is_not_writable(image_dir, monkeypa
 
 KILLED_DUMP = textwrap.dedent("""
     import os, sys, uvloop
+    from vramd import inproc
     from vramd.engine import Engine, EngineConfig, BoSpec
     from vramd.backends import BoRef
     pid, addr, size, dirpath = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-    def progress(p):
-        if p.chunks_done == 3:
-            print("mid-dump", flush=True)
-            sys.stdin.readline()   # blocks the loop here until the test kills us
     async def main():
         dfd = os.open(dirpath, os.O_RDONLY | os.O_DIRECTORY)
         mem = os.open(f"/proc/{pid}/mem", os.O_RDONLY)
         async with Engine(EngineConfig(staging_budget=16 << 20, chunk_size=1 << 20)) as e:
-            await e.dump(dfd, [BoSpec(1 + g, size, BoRef("procmem", mem, addr), gpu_id=g) for g in (0, 1)],
-                         on_progress=progress)
+            s = await inproc.start_dump(e, dfd, gpu_ids=(0, 1))
+            await s.add([BoSpec(1 + g, size, BoRef("procmem", mem, addr), gpu_id=g) for g in (0, 1)])
+            print("mid-dump", flush=True)  # its data files made, its copies begun
+            sys.stdin.readline()   # blocks the loop here until the test kills us
     uvloop.run(main())
 """)
 

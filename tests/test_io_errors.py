@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from helpers import engine, memfd, open_dir, run
 
-from vramd import errors
+from vramd import errors, inproc
 from vramd.backends import BoRef
 from vramd.client import SESSION_DUMP, SESSION_RESTORE, Client, ClientBo
 from vramd.engine import BoSpec
@@ -58,7 +58,7 @@ def _dump(dfd, data):
 
     async def go():
         async with engine(staging_budget=16 << 20, chunk_size=CHUNK) as e:
-            return await e.dump(dfd, [BoSpec(i, len(d), BoRef("mmap", fds[i])) for i, d in data.items()],
+            return await inproc.dump(e, dfd, [BoSpec(i, len(d), BoRef("mmap", fds[i])) for i, d in data.items()],
                                 compression=Compression.parse("none"))
     try:
         return run(go())

@@ -118,11 +118,11 @@ def test_c_dump_short_of_fds_leaves_no_file(build, daemon):
     assert "PASS no_fd_left_no_file " in out, out
 
 
-# vramd.image.local's side of a parent's lock, taken and released shared (as a sibling child dump does) until
+# vramd.imagedir's side of a parent's lock, taken and released shared (as a sibling child dump does) until
 # stdin closes; prints how many times it was refused, and the first message.
 SIBLING_HAMMER = """
 import os, select, sys
-from vramd.image.local import take_lock
+from vramd.imagedir import take_lock
 from vramd.errors import VramdError
 d = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY)
 print("READY", flush=True)
@@ -141,7 +141,7 @@ print(refused, rounds, first, flush=True)
 
 def test_c_and_python_siblings_never_refuse_each_other(build, daemon, tmp_path):
     """libvramd child dumps (4 processes beginning 20,000 each: t_files.c, sibling_lock_churn) and
-    vramd.image.local siblings (3 processes taking and releasing the lock in a loop) share one parent's lock at
+    vramd.imagedir siblings (3 processes taking and releasing the lock in a loop) share one parent's lock at
     once: neither side is ever refused, and no .lock is left (found by review: "has 0 links" and -EBUSY
     while a releasing sibling held the lock exclusively for its unlink)."""
     parent, bo = tmp_path / "parent", tmp_path / "bo.bin"

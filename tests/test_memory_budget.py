@@ -19,6 +19,7 @@ MARGIN = 24 * MiB  # interpreter, thread stacks, protobuf objects: not BO bytes
 
 WORKER = textwrap.dedent("""
     import json, os, sys, uvloop
+    from vramd import inproc
     from vramd.engine import Engine, EngineConfig
     from vramd.image.codec import Compression
     from vramd.engine import BoSpec
@@ -36,8 +37,8 @@ WORKER = textwrap.dedent("""
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")                       # reset VmHWM to the current RSS
             base = status("VmRSS")
-            m = await e.dump(dfd, [BoSpec(1, int(size), BoRef("procmem", mem, int(addr)))],
-                             compression=Compression.parse(comp))
+            m = await inproc.dump(e, dfd, [BoSpec(1, int(size), BoRef("procmem", mem, int(addr)))],
+                                  compression=Compression.parse(comp))
             print(json.dumps({"base": base, "hwm": status("VmHWM"), "pool_peak": e.pool.peak_in_use_bytes,
                               "allocated": e.pool.allocated_bytes, "stored": m.totals.stored_bytes}))
     uvloop.run(main())

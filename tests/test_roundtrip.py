@@ -4,6 +4,7 @@ import os
 import pytest
 from helpers import Workload, blank_spec_like, engine, memfd, procmem_bos, procmem_targets, run
 
+from vramd import inproc
 from vramd.backends import BoRef
 from vramd.engine import BoSpec, RestoreTarget
 from vramd.image.codec import Compression
@@ -33,7 +34,7 @@ def test_procmem_round_trip_into_fresh_process(image_dir, compression):
             async def dump():
                 async with engine(staging_budget=16 * MiB, chunk_size=1 * MiB) as e:
                     # two "GPUs" so two worker pools run at once
-                    return await e.dump(dfd, procmem_bos(src, mem, gpu_of=lambda i: i % 2),
+                    return await inproc.dump(e, dfd, procmem_bos(src, mem, gpu_of=lambda i: i % 2),
                                         compression=Compression.parse(compression))
             manifest = run(dump())
         finally:
@@ -52,7 +53,7 @@ def test_procmem_round_trip_into_fresh_process(image_dir, compression):
         try:
             async def restore():
                 async with engine(staging_budget=16 * MiB, chunk_size=2 * MiB) as e:  # other chunk size
-                    return await e.restore(dfd, procmem_targets(dst, mem))
+                    return await inproc.restore(e, dfd, procmem_targets(dst, mem))
             progress = run(restore())
         finally:
             os.close(mem)
@@ -78,8 +79,8 @@ def test_mmap_round_trip_with_memfds(image_dir, compression, sealed):
     try:
         async def go():
             async with engine(staging_budget=8 * MiB, chunk_size=1 * MiB, workers_per_gpu=3) as e:
-                m = await e.dump(dfd, specs, compression=Compression.parse(compression))
-                await e.restore(dfd, [RestoreTarget(10 + i, BoRef("mmap", fd, off))
+                m = await inproc.dump(e, dfd, specs, compression=Compression.parse(compression))
+                await inproc.restore(e, dfd, [RestoreTarget(10 + i, BoRef("mmap", fd, off))
                                       for i, (fd, off) in enumerate(zip(targets_fds, offsets))])
                 return m
         manifest = run(go())
@@ -107,7 +108,7 @@ def test_large_bo_over_4gib_round_trips(image_dir):
         try:
             async def dump():
                 async with engine(staging_budget=64 * MiB, chunk_size=8 * MiB) as e:
-                    return await e.dump(dfd, procmem_bos(src, mem))
+                    return await inproc.dump(e, dfd, procmem_bos(src, mem))
             manifest = run(dump())
         finally:
             os.close(mem)
@@ -122,7 +123,7 @@ def test_large_bo_over_4gib_round_trips(image_dir):
         try:
             async def restore():
                 async with engine(staging_budget=64 * MiB) as e:
-                    return await e.restore(dfd, procmem_targets(dst, mem))
+                    return await inproc.restore(e, dfd, procmem_targets(dst, mem))
             run(restore())
         finally:
             os.close(mem)
@@ -136,8 +137,9 @@ def test_verify_reads_every_chunk(image_dir):
     try:
         async def go():
             async with engine(staging_budget=8 * MiB, chunk_size=1 * MiB) as e:
-                await e.dump(dfd, [BoSpec(1, len(data), BoRef("mmap", fd))], compression=Compression.parse("zstd"))
-                return await e.verify(dfd)
+                await inproc.dump(e, dfd, [BoSpec(1, len(data), BoRef("mmap", fd))],
+                                  compression=Compression.parse("zstd"))
+                return await inproc.verify(e, dfd)
         report = run(go())
     finally:
         os.close(fd)

@@ -11,6 +11,7 @@ import os
 import pytest
 from helpers import memfd, run
 
+from vramd import inproc
 from vramd.backends import BoRef
 from vramd.backends.sdma import backend as sdma_mod
 from vramd.backends.sdma.binding import MODEL_PATH
@@ -76,8 +77,8 @@ def test_round_trip_on_two_gpus_unaligned_sizes(image_dir):
     async def go():
         async with _engine() as e:
             assert "sdma" in e.backends, e.unavailable
-            m = await e.dump(dfd, [_bo(fd, n, i + 1, 1 + i % 2) for i, (fd, n) in enumerate(zip(srcs, sizes))])
-            await e.restore(dfd, [RestoreTarget(i + 1, BoRef("sdma", fd)) for i, fd in enumerate(dsts)])
+            m = await inproc.dump(e, dfd, [_bo(fd, n, i + 1, 1 + i % 2) for i, (fd, n) in enumerate(zip(srcs, sizes))])
+            await inproc.restore(e, dfd, [RestoreTarget(i + 1, BoRef("sdma", fd)) for i, fd in enumerate(dsts)])
             return m
     m = run(go())
     assert {b.gpu_id for b in m.bos} == {1, 2}
@@ -95,7 +96,7 @@ def test_target_smaller_than_the_bo(image_dir):
 
     async def go():
         async with _engine() as e:
-            await e.dump(image_dir[1], [_bo(small, 8192, 3, 0)])
+            await inproc.dump(e, image_dir[1], [_bo(small, 8192, 3, 0)])
     with pytest.raises(TargetTooSmallError) as ei:
         run(go())
     assert ei.value.bo_id == 3
@@ -123,7 +124,7 @@ def test_model_catches_wrong_packets(image_dir, monkeypatch, fault):
 
     async def go():
         async with _engine() as e:
-            await e.dump(image_dir[1], [_bo(bo, 2 * MiB, 5, 0)])
+            await inproc.dump(e, image_dir[1], [_bo(bo, 2 * MiB, 5, 0)])
     with pytest.raises(BackendError) as ei:
         run(go())
     assert ei.value.bo_id == 5 and "guilty" in ei.value.message and "software model" in ei.value.message
@@ -145,8 +146,8 @@ def test_bo_larger_than_4_gib(image_dir):
 
     async def go():
         async with _engine() as e:
-            m = await e.dump(image_dir[1], [_bo(src, size, 1, 0)])
-            await e.restore(image_dir[1], [RestoreTarget(1, BoRef("sdma", dst))])
+            m = await inproc.dump(e, image_dir[1], [_bo(src, size, 1, 0)])
+            await inproc.restore(e, image_dir[1], [RestoreTarget(1, BoRef("sdma", dst))])
             return m
     m = run(go())
     assert m.totals.bo_bytes == size

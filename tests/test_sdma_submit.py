@@ -11,9 +11,9 @@ import os
 import threading
 
 import pytest
-from helpers import memfd, run
+from helpers import dump_job, memfd, run
 
-from vramd import errors
+from vramd import errors, inproc
 from vramd.backends import BoRef
 from vramd.backends.sdma.binding import MODEL_PATH
 from vramd.backends.sdma.packets import IB_SLOTS_PER_RING
@@ -69,8 +69,8 @@ def test_more_batches_in_flight_than_ib_slots_wait_for_a_slot(image_dir, monkeyp
                            sdma_library="model")
         async with Engine(cfg) as e:
             assert "sdma" in e.backends, e.unavailable
-            await e.dump(dfd, [BoSpec(1, size, BoRef("sdma", src), gpu_id=7)])
-            await e.restore(dfd, [RestoreTarget(1, BoRef("sdma", dst))])
+            await inproc.dump(e, dfd, [BoSpec(1, size, BoRef("sdma", src), gpu_id=7)])
+            await inproc.restore(e, dfd, [RestoreTarget(1, BoRef("sdma", dst))])
     try:
         run(go())
         assert os.pread(dst, size, 0) == data
@@ -92,9 +92,9 @@ def test_no_libdrm_ioctl_runs_on_the_event_loop(image_dir):
             b = e.backends["sdma"]
             spy = b.lib = _Spy(b.lib)
             loop_thread = threading.get_ident()
-            await e.dump(dfd, [BoSpec(i + 1, n, BoRef("sdma", fd), gpu_id=1 + i % 2)
+            await inproc.dump(e, dfd, [BoSpec(i + 1, n, BoRef("sdma", fd), gpu_id=1 + i % 2)
                                for i, (fd, n) in enumerate(zip(srcs, sizes))])
-            await e.restore(dfd, [RestoreTarget(i + 1, BoRef("sdma", fd)) for i, fd in enumerate(dsts)])
+            await inproc.restore(e, dfd, [RestoreTarget(i + 1, BoRef("sdma", fd)) for i, fd in enumerate(dsts)])
             seen.update({k: set(v) for k, v in spy.threads.items()})  # before the teardown at close
             return loop_thread
     try:
@@ -124,8 +124,8 @@ def test_a_staging_buffer_is_registered_for_its_size_not_its_huge_page_mapping(i
         async with Engine(cfg) as e:
             b = e.backends["sdma"]
             spy = b.lib = _Spy(b.lib)
-            await e.dump(dfd, [BoSpec(1, len(data), BoRef("sdma", src), gpu_id=1)])
-            await e.restore(dfd, [RestoreTarget(1, BoRef("sdma", dst))])
+            await inproc.dump(e, dfd, [BoSpec(1, len(data), BoRef("sdma", src), gpu_id=1)])
+            await inproc.restore(e, dfd, [RestoreTarget(1, BoRef("sdma", dst))])
             return [a[2] for a in spy.args.get("amdgpu_create_bo_from_user_mem", [])]  # (dev, ptr, size, bo)
     try:
         sizes = run(go())
@@ -150,10 +150,10 @@ def test_a_cancelled_job_waits_for_its_copies_and_returns_every_ib_slot(image_di
             def progress(p):
                 if p.chunks_done == 10:  # well inside the job: every slot in flight, others waiting
                     job.cancel()
-            job = await e.start_local_dump(dfd, on_progress=progress)
-            job.add([BoSpec(1, size, BoRef("sdma", src))])
-            with pytest.raises(errors.JobCancelledError):
-                await job.finish()
+            async with dump_job(e, dfd, on_progress=progress) as job:
+                job.add([BoSpec(1, size, BoRef("sdma", src))])
+                with pytest.raises(errors.JobCancelledError):
+                    await job.finish()
             rings = [r for g in e.backends["sdma"]._gpus.values() for r in g.rings]
             assert rings and all(sorted(r.free_slots) == list(range(IB_SLOTS_PER_RING)) for r in rings)
             assert not any(r.slot_waiters for r in rings)

@@ -17,6 +17,7 @@ import threading
 import pytest
 from helpers import ROOT, engine, memfd, o_direct_here, open_dir, run
 
+from vramd import inproc
 from vramd.backends import BoRef
 from vramd.client import SESSION_DUMP, SESSION_RESTORE, Client, ClientBo
 from vramd.engine import BoSpec, EngineConfig, RestoreTarget
@@ -244,9 +245,9 @@ def test_records_in_any_stripe_restore_and_the_version_says_how_many(image_dir, 
     try:
         async def go():
             async with engine(chunk_size=MiB, staging_budget=16 * MiB, data_files_per_gpu=stripes) as e:
-                m = await e.dump(dfd, [BoSpec(1, len(content), BoRef("mmap", src))])
-                await e.restore(dfd, [RestoreTarget(1, BoRef("mmap", dst))])
-                await e.verify(dfd)
+                m = await inproc.dump(e, dfd, [BoSpec(1, len(content), BoRef("mmap", src))])
+                await inproc.restore(e, dfd, [RestoreTarget(1, BoRef("mmap", dst))])
+                await inproc.verify(e, dfd)
                 return m
         m = run(go())
         assert os.pread(dst, len(content) + 1, 0) == content

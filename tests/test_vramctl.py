@@ -186,7 +186,7 @@ def test_incremental_dump_restore_verify_flatten(daemon, tmp_path):
 def test_rm_is_refused_while_a_dump_holds_the_directory(daemon, tmp_path):
     """vramctl rm takes the image directory's lock, as a dump does: while a dump writes into the directory
     (here the client side of one, DumpDirectory, holding the lock) rm removes nothing; then it does."""
-    from vramd.image.local import DumpDirectory
+    from vramd.imagedir import DumpDirectory
     bo, img = tmp_path / "bo.bin", tmp_path / "img"
     bo.write_bytes(os.urandom(100_000))
     r = vramctl("dump", "--bo-file", str(bo), "--image", str(img), socket=daemon.socket)

@@ -14,7 +14,7 @@ passed in stays the caller's: the daemon gets duplicates through SCM_RIGHTS.
 
 The image directory never reaches the daemon (docs/protocol.md, "Image
 files: the client's rights"): this client opens and creates every file of
-the image with its own process's rights (vramd.image.local) and attaches
+the image with its own process's rights (vramd.imagedir) and attaches
 them, and commits a dump itself when its Wait answers DONE.  A dump is
 committed by the Client that opened it.
 """
@@ -27,7 +27,7 @@ from collections.abc import Iterator, Mapping, Sequence
 
 from . import __version__
 from .errors import VramdError, WaitTimeoutError
-from .image.local import DumpDirectory, ImageFiles, OpenedFile
+from .imagedir import DumpDirectory, ImageFiles, OpenedFile
 from .paths import TrustedUids, check_peer, check_socket_path, client_socket_path
 from .pb import rpc_pb2 as rpc
 from .protocol import events as ev

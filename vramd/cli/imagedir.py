@@ -119,7 +119,7 @@ def holds_image(dfd: int) -> bool:
 def read_manifest_offline(dfd: int, where: str = "the image directory") -> pb.Manifest:
     """The committed manifest of the image in `dfd`, read by this process (its own rights)."""
     from ..image.fileio import read_manifest_now
-    from ..image.local import open_manifest
+    from ..imagedir import open_manifest
     fd = open_manifest(dfd, where)
     try:
         return read_manifest_now(fd)

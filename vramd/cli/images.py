@@ -18,11 +18,12 @@ from .imagedir import ImageAndParents, holds_image, open_image_dir, open_parents
 def cmd_verify(ns: argparse.Namespace) -> int:
     import uvloop
 
-    from ..engine import Engine, VerifyReport
+    from ..engine import Engine
+    from ..inproc import VerifyReport, verify
     with ImageAndParents(ns.dir, ns.parent) as (dfd, parent_fds):
         async def go() -> VerifyReport:
             async with Engine() as eng:
-                return await eng.verify(dfd, parent_fds=parent_fds, where=ns.dir)
+                return await verify(eng, dfd, parent_fds=parent_fds, where=ns.dir)
         t0 = time.monotonic()
         report = uvloop.run(go())
         secs = time.monotonic() - t0
@@ -92,7 +93,7 @@ def cmd_rm(ns: argparse.Namespace) -> int:
     a dump holds it: refused while a dump writes into the directory or a child dump reads this image as its
     parent (it holds the lock shared from its start to its end), and a child dump started while rm runs is
     refused."""
-    from ..image.local import lock_directory, mark_names, read_mark, remove_stale_marks, unlink_regular
+    from ..imagedir import lock_directory, mark_names, read_mark, remove_stale_marks, unlink_regular
     from ..image.names import LOCK_NAME, MANIFEST_NAME, child_mark_name, is_data_file_name, is_own_temporary
     dfd = open_image_dir(ns.dir, create=False)
     fds = [dfd]
@@ -145,7 +146,7 @@ def cmd_rm(ns: argparse.Namespace) -> int:
 def cmd_gc(ns: argparse.Namespace) -> int:
     """Remove what interrupted dumps left in an image directory (as the next dump into it would), and its
     stale marks (their child is gone or holds another image)."""
-    from ..image.local import lock_directory, remove_stale_marks, sweep_temporaries
+    from ..imagedir import lock_directory, remove_stale_marks, sweep_temporaries
     dfd = open_image_dir(ns.dir, create=False)
     try:
         lock = lock_directory(dfd, ns.dir)  # a dump under way holds it: its temporaries are not garbage
@@ -166,7 +167,7 @@ def cmd_gc(ns: argparse.Namespace) -> int:
 def cmd_flatten(ns: argparse.Namespace) -> int:
     import uvloop
 
-    from ..image.flatten import flatten
+    from ..imagedir.flatten import flatten
     with ImageAndParents(ns.dir, ns.parent) as (dfd, parent_fds):
         out = open_image_dir(ns.out, create=True)
         try:

@@ -1,15 +1,11 @@
 """The transfer engine: one staging budget, the backends, and the thread pools.
 
-    async with Engine(EngineConfig(staging_budget=512 << 20)) as engine:
-        manifest = await engine.dump(dir_fd, [BoSpec(1, size, BoRef(BackendKind.PROCMEM, mem_fd, addr))])
-        await engine.restore(dir_fd, [RestoreTarget(1, BoRef(BackendKind.PROCMEM, mem_fd2, addr))])
-        report = await engine.verify(dir_fd)
-
 Every fd (BO sources and targets, image files) is the caller's; the engine
-never opens a path it is given and never closes a caller's fd.  The jobs
-take image files the client opened (`start_dump`, `start_restore`,
-`start_verify`: the daemon's way); `dump`, `restore` and `verify` open and
-create them in this process first, with its rights (image/local.py).
+never opens a path and never closes a caller's fd.  The jobs take image files
+a client opened (`start_dump`, `start_restore`, `start_verify`), in the daemon
+and in-process alike: vramd.inproc runs a whole session in this process
+(`await inproc.dump(engine, dir_fd, bos)`) through the daemon's own session
+path, its client side opening and creating the files (vramd.imagedir).
 """
 from __future__ import annotations
 
@@ -18,7 +14,6 @@ import os
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
 
 from ..backends import REGISTRY, Backend, BackendKind, BackendOptions
 from ..errors import BackendUnavailableError, InvalidRequestError, LimitExceededError
@@ -26,16 +21,15 @@ from ..hostmem.staging import StagingPool, staging_shortfall
 from ..image.chunks import parent_entries
 from ..image.compression import Compression
 from ..image.format import MAX_STRIPES
-from ..image.local import DumpDirectory
 from ..image.reader import ImageReader
-from ..image.writer import ImageWriter, LocalFiles
+from ..image.writer import ImageWriter
 from ..pb import image_pb2 as pb
 from ..units import PAGE, MiB
-from .jobs import BoSpec, DumpJob, JobContext, RestoreJob, RestoreTarget, VerifyJob
+from .jobs import DumpJob, JobContext, RestoreJob, VerifyJob
 from .jobs.common import DEFAULT_MAX_BO_BYTES, OFF_T_MAX
 from .jobs.dump import DEFAULT_MAX_CHAIN, dump_buffers
 from .jobs.read import buffers_to_read
-from .pipeline import Progress, ProgressCallback, StageTimes
+from .pipeline import ProgressCallback, StageTimes
 
 # A dump's batches in flight per GPU lane, at most, by default (EngineConfig.dump_inflight_per_gpu): so at
 # most this many copy threads work for one lane.  Procmem, 1 GiB into tmpfs on 16 cores (bench/throughput.py
@@ -180,12 +174,6 @@ class EngineConfig:
                 return
 
 
-@dataclass
-class VerifyReport:
-    manifest: pb.Manifest
-    progress: Progress
-
-
 class Engine:
     def __init__(self, config: EngineConfig | None = None, backends: dict[str, Backend] | None = None) -> None:
         self.config = config or EngineConfig()
@@ -241,15 +229,14 @@ class Engine:
 
     # --- jobs --------------------------------------------------------------
 
-    def start_dump(self, image_id: bytes, *, local: LocalFiles | None = None,
+    def start_dump(self, image_id: bytes, *,
                    compression: Compression | None = None, chunk_size: int | None = None,
                    on_progress: ProgressCallback | None = None, parent: ImageReader | None = None,
                    parent_hint: str = "", dedup: bool = True) -> DumpJob:
         """A dump into a new image `image_id` in chunks of `chunk_size` bytes (None: the engine's), compressed as
         `compression` says (None: the engine's); the image's writer holds the chunk size from here on (the job
         and its pipeline read it there).  Its data files are attached to `job.writer` and its manifest file
-        set (`job.writer.manifest_fd`) before `finish`; or, with `local`, a directory this process writes itself
-        (`start_local_dump`).
+        set (`job.writer.manifest_fd`) before `finish`.
         `parent` (from `open_parent`): an incremental dump; the job owns and closes it, even on error."""
         try:
             cs = chunk_size or self.config.chunk_size  # the one default: the engine's (a daemon's: its config's)
@@ -265,7 +252,7 @@ class Engine:
             if parent is not None:
                 parent.close()
             raise
-        writer = ImageWriter(image_id, chunk_size=cs, compression=comp.to_pb(), local=local,
+        writer = ImageWriter(image_id, chunk_size=cs, compression=comp.to_pb(),
                              stripes=self.config.data_files_per_gpu)
         return DumpJob(self.ctx, writer, compression=comp, on_progress=on_progress, parent=parent,
                        parent_hint=parent_hint, dedup=dedup, max_chain=self.config.max_chain_depth)
@@ -319,46 +306,3 @@ class Engine:
 
     def _check_image_staging(self, reader: ImageReader) -> None:
         self._check_staging(reader.manifest.chunk_size, buffers_to_read(reader), "the image's chunk size")
-
-    # --- in-process conveniences: this process opens and creates the image's files (image/local.py) ------
-
-    async def start_local_dump(self, dir_fd: int, *, parent_fds: Sequence[int] = (), replace_parent: bool = False,
-                               **kw: Any) -> DumpJob:
-        """A dump into the directory `dir_fd` whose files this process creates and commits (image/local.py:
-        locked until the job finishes; committed by `finish`).  `parent_fds`: an incremental image's parent
-        directories, nearest first."""
-        out = DumpDirectory(dir_fd, parent_fds, replace_parent=replace_parent)
-        try:
-            out.begin(os.urandom(16))
-            if parent_fds:
-                kw["parent"] = await self._parent_entries(await ImageReader.open(parent_fds[0], parent_fds[1:]))
-            return self.start_dump(out.image_id, local=out, **kw)
-        except BaseException:
-            out.close()
-            raise
-
-    async def dump(self, dir_fd: int, bos: list[BoSpec], **kw: Any) -> pb.Manifest:
-        """Dump `bos` into a new image in the directory `dir_fd`, committed by this process (start_local_dump)."""
-        job = await self.start_local_dump(dir_fd, **kw)
-        try:
-            job.add(bos)
-        finally:
-            manifest = await job.finish()  # on a failed add this raises the add's error, after cleanup
-        return manifest
-
-    async def restore(self, dir_fd: int, targets: list[RestoreTarget], *, allow_partial: bool = False,
-                      on_progress: ProgressCallback | None = None, parent_fds: Sequence[int] = ()) -> Progress:
-        job = self.start_restore(await ImageReader.open(dir_fd, parent_fds), on_progress=on_progress,
-                                 allow_partial=allow_partial)
-        try:
-            job.add(targets)
-        finally:
-            await job.finish()
-        return job.progress
-
-    async def verify(self, dir_fd: int, *, on_progress: ProgressCallback | None = None,
-                     parent_fds: Sequence[int] = (), where: str = "the image directory") -> VerifyReport:
-        """Read every chunk and check it (checksums, lengths, zstd frames) without writing anywhere.
-        `where`: how errors name the directory (its path)."""
-        job = self.start_verify(await ImageReader.open(dir_fd, parent_fds, where=where), on_progress=on_progress)
-        return VerifyReport(await job.finish(), job.progress)

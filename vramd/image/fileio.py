@@ -2,7 +2,7 @@
 manifest read from one.
 
 Nothing here opens a name: the daemon acts only on fds its client opened
-(image/local.py is the client's side).
+(vramd.imagedir is the client's side).
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from .names import MANIFEST_NAME
 
 FILE_MODE = 0o600  # images hold process memory
 
-# Every open of a file inside an image directory (the client's: image/local.py, and
+# Every open of a file inside an image directory (the client's: vramd.imagedir, and
 # libvramd's files.c alike): never through a symlink, never blocking (a FIFO or a
 # device opens at once, and is then refused as not regular).
 OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC

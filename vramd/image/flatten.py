@@ -8,13 +8,13 @@ checksum stay valid), a delta decoded against its base and stored whole
 (zstd where that is smaller).  Entries no BO refers to (the bases of deltas)
 are dropped; the others keep their order.  Memory: four chunk
 buffers, whatever the image's size.  Offline: runs in the calling process
-(file I/O in a worker thread), never in the daemon.
+(file I/O in a worker thread), never in the daemon; through fds only, like
+the rest of vramd.image (the files: vramd.imagedir.flatten).
 """
 from __future__ import annotations
 
 import asyncio
 import mmap
-import os
 from collections.abc import Sequence
 
 from ..errors import InvalidRequestError
@@ -23,7 +23,6 @@ from ..pb import image_pb2 as pb
 from ..units import PAGE
 from .codec import Compression, encode_chunk
 from .format import Bytes
-from .local import DumpDirectory
 from .manifest import TableView
 from .reader import ImageReader
 from .writer import DataFileWriter, ImageWriter
@@ -31,33 +30,46 @@ from .writer import DataFileWriter, ImageWriter
 FLATTENED_DELTAS = Compression("zstd", 3)  # how a delta, decoded against its base, is stored again
 
 
-async def flatten(dir_fd: int, parent_fds: Sequence[int], out_fd: int) -> pb.Manifest:
-    """Copy the image in `dir_fd` (its parents' directories: `parent_fds`, nearest first) into `out_fd`."""
-    reader = await ImageReader.open(dir_fd, parent_fds)
-    try:
-        m = reader.manifest
-        if m.format_version < 2:
-            raise InvalidRequestError("a format v1 image has no parents: it is self-contained already")
-        # deltas are stored again as zstd: a reader of an image that says "none" has no buffer to decompress into
-        comp = m.compression
-        if reader.has_deltas and comp.codec == pb.CODEC_RAW and not comp.automatic:
-            comp = FLATTENED_DELTAS.to_pb()
-        out = DumpDirectory(out_fd)  # this process creates and commits the new image's files (its own rights)
-        out.begin(os.urandom(16))
-        writer = ImageWriter(out.image_id, chunk_size=m.chunk_size, compression=comp, local=out)
-        try:
-            holders = _first_holders(m)  # the entries BOs refer to, and the first chunk needing each
-            table, payloads, compressed = await asyncio.get_running_loop().run_in_executor(None, _copy, reader,
-                                                                                            writer, holders)
-            file_of = {f.gpu_id: f.index for f in writer.files.values()}
-            bos = _bos(m, table, payloads, holders, file_of)
-            totals = _totals(bos.bos, payloads)
-            totals.compressed_records = compressed
-            return await writer.commit(bos, totals, m.topology_json, chunks=table)
-        finally:
-            await writer.aclose()
-    finally:
-        reader.close()
+def check_flattenable(reader: ImageReader) -> None:
+    """INVALID_REQUEST for an image with no parents to fold in (format v1)."""
+    if reader.manifest.format_version < 2:
+        raise InvalidRequestError("a format v1 image has no parents: it is self-contained already")
+
+
+def flat_compression(reader: ImageReader) -> pb.Compression:
+    """What the flat image's manifest says of its records: the image's compression, except that deltas are
+    stored again as zstd where it says "none" (a reader of such an image has no buffer to decompress into)."""
+    comp = reader.manifest.compression
+    if reader.has_deltas and comp.codec == pb.CODEC_RAW and not comp.automatic:
+        return FLATTENED_DELTAS.to_pb()
+    return comp
+
+
+def flat_gpus(reader: ImageReader) -> list[int]:
+    """The GPUs the flat image has a data file for (one each), in the order its records first need them."""
+    m = reader.manifest
+    t = TableView(m.chunks)
+    images = [m, *reader.parents]
+    out: dict[int, None] = {}
+    for i in sorted(_first_holders(m)):
+        out.setdefault(images[t.image[i]].files[t.file_index[i]].gpu_id)
+    return list(out)
+
+
+async def flatten_into(reader: ImageReader, writer: ImageWriter) -> pb.Manifest:
+    """Copy the image `reader` reads into `writer`: a new image whose data files (one for each of `flat_gpus`)
+    are attached and whose manifest file is set, written through those fds only; the caller commits it
+    (vramd.imagedir.flatten does both ends: the files opened and created with its rights)."""
+    check_flattenable(reader)
+    m = reader.manifest
+    holders = _first_holders(m)  # the entries BOs refer to, and the first chunk needing each
+    table, payloads, compressed = await asyncio.get_running_loop().run_in_executor(None, _copy, reader, writer,
+                                                                                    holders)
+    file_of = {f.gpu_id: f.index for f in writer.files.values()}
+    bos = _bos(m, table, payloads, holders, file_of)
+    totals = _totals(bos.bos, payloads)
+    totals.compressed_records = compressed
+    return await writer.commit(bos, totals, m.topology_json, chunks=table)
 
 
 def _copy(reader: ImageReader, writer: ImageWriter,

@@ -72,7 +72,7 @@ def parse_child_mark(data: bytes) -> tuple[bytes, list[bytes]] | None:
     return bytes.fromhex(hexid.decode()), [p for p in (rel[5:], ab[4:]) if p]
 
 
-# The directory's lock (image/local.py, lock_directory): a regular file of the directory's owner, mode 0600,
+# The directory's lock (vramd/imagedir/lock.py, lock_directory): a regular file of the directory's owner, mode 0600,
 # that exists while a dump, an rm or a gc holds it (and after a crash: then it is harmless).
 LOCK_NAME = ".lock"
 
@@ -82,7 +82,7 @@ def is_data_file_name(name: str) -> bool:
 
 
 def is_own_temporary(name: str) -> bool:
-    """A name only a vramd dump creates, and only until its commit (see image/local.py, sweep_temporaries)."""
+    """A name only a vramd dump creates, and only until its commit (see vramd/imagedir, sweep_temporaries)."""
     return DATA_FILE_TMP.fullmatch(name) is not None or MANIFEST_TMP.fullmatch(name) is not None
 
 

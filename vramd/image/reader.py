@@ -9,8 +9,9 @@ of its parents (an incremental image): each parent's manifest is checked to
 be the very image the child recorded (image id and the BLAKE3 of its
 manifest) before anything is read, and its data files join the reader's file
 list after the image's own (`fds`, `names`: the image's own files keep their
-manifest index, so a v1 image reads as before).  `open(dir_fd, ...)` does the
-client's part in-process (tools and tests that read an image themselves).
+manifest index, so a v1 image reads as before).  The reader takes fds only, in
+the daemon and in a client that reads an image itself alike (vramd.imagedir,
+`read_image`: the client's part).
 """
 from __future__ import annotations
 
@@ -34,7 +35,6 @@ from .chunks import ParentEntries
 from .codec import DecodedChunk, decode_record
 from .fileio import check_attached, check_direct, image_os_error, pread_into, preadv_all, read_manifest_hashed
 from .format import DATA_HEADER, check_data_header, chunk_count
-from .local import ImageFiles
 from .manifest import TableView, chunk_record
 from .names import MANIFEST_NAME
 
@@ -82,7 +82,6 @@ class ImageReader:
         self._files = [(k, df) for k, m in enumerate([manifest, *self.parents]) for df in m.files]
         self.fds: list[int] = [-1] * len(self.names)  # the attached data files (the caller's), by slot
         self._direct: list[tuple[int, int] | None] = [None] * len(self.names)  # slot -> (O_DIRECT fd, size)
-        self._local: ImageFiles | None = None  # the files `open` opened itself (closed by close)
         self.bos = {bo.id: bo for bo in manifest.bos}
         self._locs: dict[int, Loc] = {}  # v2 chunk table index -> its Loc
         # set by Engine.open_parent for a dump's parent: its records by hash (image.chunks.parent_entries)
@@ -114,24 +113,6 @@ class ImageReader:
         # its indexes grow with the image (49,152 BOs: ~50 ms): built off the event loop too
         return await asyncio.get_running_loop().run_in_executor(
             None, lambda: cls(manifest, parents=parents, manifest_hash=digest, owner=owner))
-
-    @classmethod
-    async def open(cls, dir_fd: int, parent_fds: Sequence[int] = (), *, where: str = "the image directory",
-                   parent_where: Sequence[str] = ()) -> ImageReader:
-        """The image in the directory `dir_fd` (its parents' directories: `parent_fds`, nearest first), opened
-        in this process with its rights (image/local.py): the client's part and the daemon's at once.
-        `where`, `parent_where`: how errors name the directories (their paths)."""
-        files = ImageFiles(dir_fd, parent_fds, where=where, parent_where=parent_where)
-        try:
-            reader = await cls.from_manifests(files.manifest_fd or -1, files.parent_manifest_fds)
-            reader._local = files
-            opened = await asyncio.get_running_loop().run_in_executor(None, files.open_needed, reader.needed())
-            for f in opened:
-                await reader.attach(f.image, f.name, f.fd, f.direct_fd)
-        except BaseException:
-            files.close()
-            raise
-        return reader
 
     def needed(self) -> list[tuple[int, str]]:
         """The data files still to attach: (image, name), image 0 being this one and k its k-th parent."""
@@ -308,9 +289,6 @@ class ImageReader:
         return self._direct[file_index]
 
     def close(self) -> None:
-        """Forget the files (closing those `open` opened itself; attached ones are the caller's)."""
+        """Forget the files (the attached fds are the caller's: it closes them)."""
         self.fds = [-1] * len(self.fds)
         self._direct = [None] * len(self._direct)
-        if self._local is not None:
-            self._local.close()
-            self._local = None

@@ -7,7 +7,7 @@ file, and attaches them; the
 writer writes the data files (a header, then records at offsets reserved on
 the event loop), fsyncs them, writes the manifest into its file and fsyncs
 it.  The client then commits: renames them into place and fsyncs the
-directory (image/local.py, DumpDirectory).  The fds are the caller's: the
+directory (vramd.imagedir, DumpDirectory).  The fds are the caller's: the
 writer never closes them.
 
 No file I/O runs on the event loop: each data file has its own writer
@@ -28,7 +28,6 @@ import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from .. import __version__
 from ..errors import InvalidRequestError
@@ -43,16 +42,6 @@ from .names import data_file_name, manifest_tmp_name
 WRITEBACK_EVERY = 2 << 20  # see DataFileWriter._written
 
 log = logging.getLogger(__name__)
-
-class LocalFiles(Protocol):
-    """An image directory this process writes itself (image/local.py, DumpDirectory): where an in-process
-    writer gets its files, and who commits them.  The daemon's writer has none: its client does this."""
-
-    def file_source(self, gpu_id: int, stripe: int) -> tuple[int, int | None]: ...  # a data file (fd, O_DIRECT fd)
-    def manifest_file(self) -> int: ...                               # the manifest's temporary file
-    def commit(self) -> None: ...                                     # rename into place, fsync the directory
-    def close(self) -> None: ...                                      # close; uncommitted: remove what it made
-
 
 @dataclass(eq=False)
 class _Writeback:
@@ -234,13 +223,13 @@ class ImageWriter:
     """A new image's data files and manifest, written through fds the client created.
 
     `image_id`: the new image's id (the session chose it and told the client, whose file names carry it).
-    Each GPU's data file is attached (`attach`) and the manifest's file set (`manifest_fd`) before `commit`;
-    or, with `local` (an in-process dump that creates its files itself, image/local.py), each comes from it
-    on first use, and `commit` commits it too (`close` closes it).
+    Each GPU's data files are attached (`attach`) and the manifest's file set (`manifest_fd`) before `commit`,
+    by the daemon's session from what its client created (vramd.imagedir), or by an in-process client
+    (vramd.imagedir.flatten) alike.
     """
 
     def __init__(self, image_id: bytes, *, chunk_size: int, compression: pb.Compression,
-                 local: LocalFiles | None = None, stripes: int = 1) -> None:
+                 stripes: int = 1) -> None:
         if not 1 <= stripes <= MAX_STRIPES:
             raise InvalidRequestError(f"{stripes} data files per GPU: 1 to {MAX_STRIPES}")
         self.image_id = image_id
@@ -257,7 +246,6 @@ class ImageWriter:
         self._turn_lock = threading.Lock()
         self._device_turns: dict[int, threading.Lock] = {}  # st_dev -> its O_DIRECT writes take turns (claim)
         self._writeback = _Writeback()  # what its file systems said to sync_file_range (DataFileWriter._written)
-        self.local = local
         self.manifest_fd: int | None = None  # where the manifest goes (set before commit)
         # The manifest is built, encoded and written off the event loop, in the image's own thread.
         self._dirops = ThreadPoolExecutor(1, thread_name_prefix="vramd-image")
@@ -300,15 +288,10 @@ class ImageWriter:
             del self.files[(f.gpu_id, f.stripe)]
 
     def data_file(self, gpu_id: int) -> DataFileWriter:
-        """The GPU's data file (stripe 0): attached, or from the writer's file source with all its stripes;
-        none is INVALID_REQUEST."""
+        """The GPU's data file (stripe 0), attached; none is INVALID_REQUEST."""
         f = self.files.get((gpu_id, 0))
         if f is None:
-            if self.local is None:
-                raise InvalidRequestError(f"no data file is attached for gpu_id {gpu_id:#x} (AttachFiles)")
-            for k in range(self.stripes):
-                self.attach(gpu_id, *self.local.file_source(gpu_id, k), stripe=k)
-            f = self.files[(gpu_id, 0)]
+            raise InvalidRequestError(f"no data file is attached for gpu_id {gpu_id:#x} (AttachFiles)")
         return f
 
     @contextlib.contextmanager
@@ -350,13 +333,11 @@ class ImageWriter:
     async def commit(self, bos: pb.Manifest, totals: pb.Totals, topology_json: bytes = b"", *,
                      chunks: pb.ChunkTable | None = None, parents: Sequence[pb.ParentRef] = ()) -> pb.Manifest:
         """Every data file fsynced, then the manifest written into `manifest_fd` and fsynced.  The image is
-        committed when the client renames the files into place (`local`: here, by it).
+        committed when the client renames the files into place.
 
         `bos`: a manifest holding only the image's BO entries, each made in place with `bos.add` (extending
         a repeated field with ready messages copies them one by one: 10,000 entries and the encoding took
         ~44 ms that way, ~17 ms made in place)."""
-        if self.manifest_fd is None and self.local is not None:
-            self.manifest_fd = self.local.manifest_file()
         if self.manifest_fd is None:
             raise InvalidRequestError("no file for the manifest was given (Start's manifest_fd_index)")
         files = sorted(self.files.values(), key=lambda f: f.index)
@@ -392,17 +373,11 @@ class ImageWriter:
             os.fsync(fd)
         except OSError as e:
             raise image_os_error(e, f"cannot write {what}") from None
-        if self.local is not None:
-            self.local.commit()
         return manifest
 
     def _close(self) -> None:
-        try:
-            for f in self.files.values():
-                f.close()
-        finally:
-            if self.local is not None:
-                self.local.close()
+        for f in self.files.values():
+            f.close()
 
     async def aclose(self) -> None:
         """Wait for the writers to drain (in the image thread: no waiting on the event loop)."""

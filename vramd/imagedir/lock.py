@@ -1,0 +1,198 @@
+"""An image directory's lock: a file `.lock` only those who may write the image can open (one dump, rm or gc
+at a time; children hold their parents' shared)."""
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import stat
+import time
+
+from ..errors import (
+    InvalidRequestError,
+    NotWritableError,
+    from_os_error,
+)
+from ..image.fileio import FILE_MODE, OPEN_FLAGS, image_os_error
+from ..image.format import (
+    LOCK_NAME,
+)
+from .files import who
+
+log = logging.getLogger(__name__)
+
+
+class DirectoryLock:
+    """An image directory's lock, held: its `.lock` file open and flocked.  `release` unlocks, and removes the
+    name where no other holder is left, so the file exists only while someone holds it (or after a crash)."""
+
+    def __init__(self, dir_fd: int, fd: int, shared: bool) -> None:
+        self.dir_fd = dir_fd  # our own duplicate of the directory's fd
+        self.fd = fd
+        self.shared = shared
+
+    def release(self) -> None:
+        if self.fd < 0:
+            return
+        try:
+            # the name is ours to remove where nobody else holds the lock: an exclusive holder knows it; a
+            # shared one takes it exclusively at once, which succeeds only then (the conversion may drop its
+            # own lock first: it is releasing anyway).  A process that opened this file meanwhile sees, once it
+            # holds it or fails to, that the name has gone, and takes the new one.  The name is checked first,
+            # while we hold the lock (nobody removes it meanwhile), so that a shared holder's exclusive lock,
+            # which refuses a sibling's shared one, is held for one unlink only (take_lock waits that out).
+            if same_file(os.fstat(self.fd), self.dir_fd, LOCK_NAME):
+                if self.shared:
+                    fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                os.unlink(LOCK_NAME, dir_fd=self.dir_fd)
+        except OSError:
+            pass
+        os.close(self.fd)
+        os.close(self.dir_fd)
+        self.fd = self.dir_fd = -1
+
+
+def same_file(st: os.stat_result, dir_fd: int, name: str | bytes, *, follow: bool = False) -> bool:
+    """Whether `name` in `dir_fd` is the file `st` describes (False where it is missing)."""
+    try:
+        now = os.stat(name, dir_fd=dir_fd, follow_symlinks=follow)
+    except OSError:
+        return False
+    return (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino)
+
+
+def _lock_refused(where: str, why: str) -> InvalidRequestError:
+    return InvalidRequestError(f"cannot lock {where}: its {LOCK_NAME} {why}; refused (remove it if no dump, rm or "
+                               "gc runs there)")
+
+
+GONE = -1  # _open_lock_file: `.lock` was removed under it
+
+
+def _open_lock_file(dir_fd: int, where: str, owner: os.stat_result, optional: bool) -> int | None:
+    """`.lock` in the directory, opened read-write (created 0600 if missing; created by root: given to the
+    directory's owner, who may then take it too) and checked: a regular file, one link, of the directory's
+    owner or of this uid, nobody else's to open.  None where `optional` and this uid may not create it; GONE
+    where it went between the create and the open."""
+    me = os.geteuid()
+    flags = os.O_RDWR | OPEN_FLAGS
+    try:
+        fd = os.open(LOCK_NAME, flags | os.O_CREAT | os.O_EXCL, FILE_MODE, dir_fd=dir_fd)
+        created = True
+    except FileExistsError:
+        created = False
+        try:
+            fd = os.open(LOCK_NAME, flags, dir_fd=dir_fd)
+        except FileNotFoundError:
+            return GONE  # its holder removed it just now: take_lock looks again
+        except OSError as e:
+            if optional and e.errno == errno.EROFS:
+                return None
+            if e.errno == errno.ELOOP:
+                raise _lock_refused(where, "is a symbolic link") from None
+            if e.errno in (errno.EACCES, errno.EPERM):
+                try:
+                    uid = os.stat(LOCK_NAME, dir_fd=dir_fd, follow_symlinks=False).st_uid
+                except OSError:
+                    uid = -1
+                raise _lock_refused(where, f"is uid {uid}'s, and {who()} may not open it") from None
+            raise from_os_error(e, f"cannot lock {where}: cannot open its {LOCK_NAME}", InvalidRequestError) \
+                from None
+    except OSError as e:
+        if optional and e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            return None
+        if e.errno in (errno.EACCES, errno.EPERM):
+            raise NotWritableError(f"cannot lock {where}: {who()} may not create {LOCK_NAME} there "
+                                   f"({e.strerror})") from None
+        raise image_os_error(e, f"cannot lock {where}: cannot create its {LOCK_NAME}") from None
+    try:
+        if created:
+            os.fchmod(fd, FILE_MODE)  # whatever the umask: its owner may open it read-write again
+            if me == 0 and owner.st_uid != 0:
+                os.fchown(fd, owner.st_uid, owner.st_gid)
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _lock_refused(where, "is not a regular file")
+        if st.st_nlink > 1:  # 0: its last holder removed it just now (take_lock starts again)
+            raise _lock_refused(where, f"has {st.st_nlink} links")
+        if st.st_uid not in (owner.st_uid, me):
+            raise _lock_refused(where, f"is uid {st.st_uid}'s, neither the directory's owner's (uid "
+                                       f"{owner.st_uid}) nor {who()}'s")
+        if st.st_mode & 0o077:
+            raise _lock_refused(where, f"has mode {stat.S_IMODE(st.st_mode):04o}: others may open it")
+    except BaseException:
+        os.close(fd)
+        if created:
+            try:
+                os.unlink(LOCK_NAME, dir_fd=dir_fd)
+            except OSError:
+                pass
+        raise
+    return fd
+
+
+# How often a shared taker looks again at a lock held exclusively under an unchanged name: a sibling child
+# releasing its shared lock holds it exclusively for one unlink (DirectoryLock.release), which a preempted
+# releaser may stretch to a scheduler's time slice.  The first RELEASE_YIELDS looks yield the CPU, the others
+# follow a pause of RELEASE_PAUSE seconds: a dump's exclusive lock refuses a shared taker after about 0.2 s.
+RELEASE_SPINS = 300
+RELEASE_YIELDS = 100
+RELEASE_PAUSE = 0.001
+
+
+def _flock_waiting_out_releases(fd: int, dir_fd: int, shared: bool) -> bool:
+    """flock `fd` (shared or exclusive, never waiting): True once held, False where `.lock` is no longer this
+    file (its last holder removed it: take the new one); EWOULDBLOCK raised where another holds it."""
+    for spin in range(RELEASE_SPINS if shared else 1):
+        try:
+            fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if not same_file(os.fstat(fd), dir_fd, LOCK_NAME):
+                return False
+            if shared and spin < RELEASE_YIELDS:
+                os.sched_yield()
+            elif shared:
+                time.sleep(RELEASE_PAUSE)
+    raise OSError(errno.EWOULDBLOCK, os.strerror(errno.EWOULDBLOCK))
+
+
+def take_lock(dir_fd: int, where: str = "the image directory", *, shared: bool = False,
+              optional: bool = False) -> DirectoryLock | None:
+    """The directory's lock (`.lock` in it, flocked): one dump, or gc, or rm, at a time.  Another holder is
+    INVALID_REQUEST.  `shared`: the lock children take of their parents' directories: they never exclude each
+    other (sibling dumps commit at once), only a dump writing into the directory, or gc, or rm, excludes
+    them, and they it.  Only who may open `.lock` (its owner, the directory's, and root) can take it, and
+    only who may write the directory can create it: a reader of an image blocks nobody.  `optional`: None
+    where this uid may not create it (a read-only directory or file system)."""
+    try:
+        owner = os.fstat(dir_fd)
+    except OSError as e:
+        raise from_os_error(e, f"{where} cannot be opened", InvalidRequestError) from None
+    for _ in range(8):
+        fd = _open_lock_file(dir_fd, where, owner, optional)
+        if fd is None:
+            return None
+        if fd == GONE:
+            continue
+        try:
+            # its last holder may have removed the name between our open and our flock (or held it exclusively
+            # to remove it): then this file excludes nobody, and the one at the name now is the lock
+            if _flock_waiting_out_releases(fd, dir_fd, shared) and same_file(os.fstat(fd), dir_fd, LOCK_NAME):
+                return DirectoryLock(os.dup(dir_fd), fd, shared)
+        except OSError as e:
+            os.close(fd)
+            if e.errno == errno.EWOULDBLOCK:
+                also = "" if shared else " (or an incremental dump reads its image as its parent)"
+                raise InvalidRequestError(f"another dump is writing into {where}{also}") from None
+            raise from_os_error(e, f"cannot lock {where}", InvalidRequestError) from None
+        os.close(fd)
+    raise InvalidRequestError(f"cannot lock {where}: its {LOCK_NAME} was replaced 8 times in a row")
+
+
+def lock_directory(dir_fd: int, where: str = "the image directory", *, shared: bool = False) -> DirectoryLock:
+    """`take_lock`, required."""
+    lock = take_lock(dir_fd, where, shared=shared)
+    assert lock is not None
+    return lock

@@ -1,0 +1,71 @@
+"""One session's files on the client's side, answering the file events of the client machine (vramd.protocol).
+
+The machine never touches a file: each event that needs one (open a
+manifest or a data file the daemon named, create a dump's data file or its
+manifest temporary, drop files the daemon did not take, commit, release) is
+answered here, with this process's rights, by `SessionFiles.step`.  Any
+driver of the machine (a blocking socket, an asyncio one: vramd.inproc)
+hands it the events that name a session.
+"""
+from __future__ import annotations
+
+from ..protocol import events as ev
+from ..protocol.client import ClientFile
+from ..protocol.session import ClientMachine
+from .dump import DumpDirectory
+from .files import ImageFiles, OpenedFile
+
+
+def client_file(f: OpenedFile) -> ClientFile:
+    """An opened file as AttachFiles carries it."""
+    return ClientFile(f.image, f.name, f.fd, f.direct_fd, f.gpu_id, f.stripe)
+
+
+class SessionFiles:
+    """The files of one session: `files` (a restore's or verify's image, or a dump's parents) and a dump's
+    directory `dump`.  `close` closes them all; an uncommitted dump's are removed, its directory unlocked."""
+
+    def __init__(self, files: ImageFiles, dump: DumpDirectory | None = None) -> None:
+        self.files = files
+        self.dump = dump
+
+    def step(self, m: ClientMachine, e: ev.Event) -> None:
+        """Do the file step `e` asks for, and answer the machine (an error is raised: the driver answers it
+        with `m.fail`)."""
+        if isinstance(e, ev.OpenManifest):
+            fd = self.files.manifest_fd if e.image == 0 else self.files.parent_manifest_fds[e.image - 1]
+            assert fd is not None, "a dump has no manifest of its own"
+            m.provide_fd(fd)
+        elif isinstance(e, ev.OpenDataFile):
+            (f,) = self.files.open_needed([(e.image, e.name)])
+            m.provide_file(client_file(f))
+        elif isinstance(e, ev.ReleaseFiles):
+            m.acknowledge()  # the driver closes this (its session is over)
+        else:
+            d = self.dump
+            assert d is not None, f"{type(e).__name__} for a session that is not a dump"
+            if isinstance(e, ev.CreateDataFile):
+                m.provide_file(client_file(d.data_file(e.gpu_id, e.stripe)))
+                return
+            if isinstance(e, ev.CreateManifest):
+                m.provide_fd(d.manifest_file())
+                return
+            if isinstance(e, ev.BeginDump):
+                d.begin(e.image_id, e.data_files_per_gpu)
+            elif isinstance(e, ev.DropDataFiles):
+                d.drop([d.data[k] for k in e.files if k in d.data])
+            elif isinstance(e, ev.Commit):
+                self.commit()
+            m.acknowledge()
+
+    def commit(self) -> None:
+        """The dump is DONE: its files put in place (DumpDirectory.commit)."""
+        assert self.dump is not None
+        self.dump.commit()
+
+    def close(self) -> None:
+        try:
+            if self.dump is not None:
+                self.dump.close()
+        finally:
+            self.files.close()
