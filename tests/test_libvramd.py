@@ -406,6 +406,6 @@ def test_the_c_code_table_is_rpc_protos():
     c_codes = {m[1]: int(m[2]) for m in re.finditer(r"VRAMD_CODE_([A-Z_]+) = (-?\d+),", header)}
     c_codes.pop("LOCAL")
     assert c_codes == dict(rpc.Code.items())
-    names = (SRC / "src" / "client.c").read_text()
+    names = (SRC / "src" / "base.c").read_text()
     for name, _ in rpc.Code.items():
-        assert f'{{VRAMD_CODE_{name}, "{name}",' in names, f"client.c names no {name}"
+        assert f'{{VRAMD_CODE_{name}, "{name}",' in names, f"base.c names no {name}"

@@ -21,7 +21,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "internal.h"
+#include "files.h"
 
 /* Every open of a file in an image directory: never through a symlink, never blocking. */
 #define OPEN_FLAGS (O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC)
