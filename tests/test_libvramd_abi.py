@@ -113,10 +113,14 @@ def insert_before(what: str, new: str):
     (drop_line("    uint64_t reserved[8];", "    bool draining;"), "vramd_status"),  # removed
     (insert_before("    const char *label;                 /* free-form",
                    "    uint32_t inserted;\n"), "vramd_open_args"),                    # inserted, not appended
-], ids=["reordered", "removed", "inserted"])
+    (lambda text: text.replace("    uint32_t gpu_id;                   /* dump: recorded",
+                               "    int32_t gpu_id;                    /* dump: recorded"), "vramd_bo"),  # retyped
+], ids=["reordered", "removed", "inserted", "retyped"])
 def test_an_incompatible_change_fails_the_check(tmp_path, edit, struct):
-    """A member reordered (vramd_options), removed (an output struct's) or inserted in the middle (an input
-    struct, where only appending is allowed) fails the check, which names the struct."""
+    """A member reordered (vramd_options), removed (an output struct's), inserted in the middle (an input
+    struct, where only appending is allowed) or retyped at the same size (vramd_bo.gpu_id) fails the check,
+    which names the struct.  The reordered and retyped ones pass abidiff under the growth suppression alone:
+    members.py is what catches them."""
     lib = build_variant(tmp_path, edit=edit)
     r = check(lib)
     assert r.returncode == 1, r.stdout + r.stderr
