@@ -14,7 +14,6 @@
 static int add_bos(struct vramd_conn *c, const struct vramd_token *t, const struct vramd_bo *bos, size_t n,
                    struct vramd_session_info *info, struct vramd_error *err);
 
-
 /* Index of fd in this message's fd map, or -1 (then *slot is where to insert it). */
 static int fdmap_find(struct vramd_conn *c, int fd, unsigned *slot)
 {

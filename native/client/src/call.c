@@ -200,6 +200,21 @@ int vramd__call(struct vramd_conn *c, Request *req, const int *fds, size_t nfds,
     return r;
 }
 
+int vramd__call_for(struct vramd_conn *c, Request *req, int body, int reply_ms, Response **out, const char *missing,
+                    struct vramd_error *err)
+{
+    int r = vramd__call(c, req, NULL, 0, reply_ms, out, err);
+    if (r == 0 && (*out)->body_case != (Vramd__Rpc__V1__Response__BodyCase)body) {
+        vramd__mark_broken(c);
+        r = vramd__fail(err, -EPROTO, VRAMD_CODE_PROTOCOL_ERROR, "%s", missing);
+    }
+    if (r < 0) {
+        vramd__free_response(*out);
+        *out = NULL;
+    }
+    return r;
+}
+
 int vramd__session_call(struct vramd_conn *c, Request *req, const int *fds, size_t nfds, int reply_ms,
                         struct vramd_session_info *info, PbSessionInfo **keep, Response **keep_resp,
                         struct vramd_error *err)

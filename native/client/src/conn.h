@@ -67,6 +67,11 @@ int vramd__reply_ms(const struct vramd_conn *c);
  */
 int vramd__call(struct vramd_conn *c, Request *req, const int *fds, size_t nfds, int reply_ms, Response **out,
                 struct vramd_error *err);
+/* A call (no fds) whose reply must carry body `body` (Response's body case; protobuf-c sets the member with
+ * it): 0 and *out (the caller frees it), or the error with *out NULL; a reply without that body is a protocol
+ * error (`missing` says which) and breaks the connection. */
+int vramd__call_for(struct vramd_conn *c, Request *req, int body, int reply_ms, Response **out, const char *missing,
+                    struct vramd_error *err);
 /* A call whose reply body is a SessionInfo (also on error, when the daemon sends one), as *info (may be
  * NULL); with keep, the SessionInfo and its response are handed to the caller (who frees *keep_resp). */
 int vramd__session_call(struct vramd_conn *c, Request *req, const int *fds, size_t nfds, int reply_ms,

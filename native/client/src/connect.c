@@ -30,23 +30,16 @@ static int hello(struct vramd_conn *c, const char *name, struct vramd_error *err
     req.body_case = VRAMD__RPC__V1__REQUEST__BODY_HELLO;
     req.hello = &h;
     Response *resp;
-    int r = vramd__call(c, &req, NULL, 0, c->timeout_ms > 0 ? c->timeout_ms : -1, &resp, err);
-    if (r < 0) {
-        vramd__free_response(resp);
+    int r = vramd__call_for(c, &req, VRAMD__RPC__V1__RESPONSE__BODY_HELLO, vramd__reply_ms(c), &resp,
+                            "Hello answered without a HelloReply", err);
+    if (r < 0)
         return r;
-    }
-    if (resp->body_case != VRAMD__RPC__V1__RESPONSE__BODY_HELLO || !resp->hello) {
-        vramd__free_response(resp);
-        vramd__mark_broken(c);
-        return vramd__fail(err, -EPROTO, VRAMD_CODE_PROTOCOL_ERROR, "Hello answered without a HelloReply");
-    }
     const Vramd__Rpc__V1__HelloReply *hr = resp->hello;
     if (hr->version != VRAMD_PROTOCOL_VERSION) {
-        uint32_t v = hr->version;
-        vramd__free_response(resp);
         vramd__mark_broken(c);
-        return vramd__fail(err, -EPROTONOSUPPORT, VRAMD_CODE_UNSUPPORTED_PROTOCOL,
-                           "vramd chose protocol version %u, which this library does not speak", v);
+        r = vramd__fail(err, -EPROTONOSUPPORT, VRAMD_CODE_UNSUPPORTED_PROTOCOL,
+                        "vramd chose protocol version %u, which this library does not speak", hr->version);
+        goto out;
     }
     c->version = hr->version;
     vramd__copy_str(c->server, sizeof c->server, hr->server);
@@ -61,11 +54,10 @@ static int hello(struct vramd_conn *c, const char *name, struct vramd_error *err
     if (!c->limits.max_message_bytes)
         c->limits.max_message_bytes = DEFAULT_MAX_MESSAGE;
     if (c->limits.max_message_bytes < MIN_MAX_MESSAGE) {
-        uint32_t m = c->limits.max_message_bytes;
-        vramd__free_response(resp);
         vramd__mark_broken(c);
-        return vramd__fail(err, -EPROTO, VRAMD_CODE_PROTOCOL_ERROR, "vramd's max_message_bytes %u is below %u", m,
-                           MIN_MAX_MESSAGE);
+        r = vramd__fail(err, -EPROTO, VRAMD_CODE_PROTOCOL_ERROR, "vramd's max_message_bytes %u is below %u",
+                        c->limits.max_message_bytes, MIN_MAX_MESSAGE);
+        goto out;
     }
     if (!c->limits.max_fds_per_message || c->limits.max_fds_per_message > VRAMD_SCM_MAX_FD)
         c->limits.max_fds_per_message = VRAMD_SCM_MAX_FD;
@@ -80,14 +72,15 @@ static int hello(struct vramd_conn *c, const char *name, struct vramd_error *err
     if (hr->n_allowed_gpu_ids) {
         c->gpus = malloc(hr->n_allowed_gpu_ids * sizeof *c->gpus);
         if (!c->gpus) {
-            vramd__free_response(resp);
-            return vramd__fail_errno(err, ENOMEM, "the daemon's GPU list");
+            r = vramd__fail_errno(err, ENOMEM, "the daemon's GPU list");
+            goto out;
         }
         memcpy(c->gpus, hr->allowed_gpu_ids, hr->n_allowed_gpu_ids * sizeof *c->gpus);
         c->n_gpus = hr->n_allowed_gpu_ids;
     }
+out:
     vramd__free_response(resp);
-    return 0;
+    return r;
 }
 
 /* Whether a BO may name this GPU (the daemon's list from Hello; with no list, every GPU may). */

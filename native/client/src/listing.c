@@ -7,7 +7,6 @@
 
 #include "conn.h"
 
-
 int vramd_cancel_by_id(struct vramd_conn *c, uint64_t session_id, const char *reason,
                        struct vramd_session_info *info, struct vramd_error *err)
 {
@@ -34,21 +33,15 @@ int vramd_list_sessions(struct vramd_conn *c, struct vramd_session_entry *out, s
     req.body_case = VRAMD__RPC__V1__REQUEST__BODY_LIST_SESSIONS;
     req.list_sessions = &ls;
     Response *resp;
-    int r = vramd__call(c, &req, NULL, 0, vramd__reply_ms(c), &resp, err);
-    if (r < 0) {
-        vramd__free_response(resp);
+    int r = vramd__call_for(c, &req, VRAMD__RPC__V1__RESPONSE__BODY_SESSIONS, vramd__reply_ms(c), &resp,
+                            "ListSessions answered without a SessionList", err);
+    if (r < 0)
         return r;
-    }
-    if (resp->body_case != VRAMD__RPC__V1__RESPONSE__BODY_SESSIONS || !resp->sessions) {
-        vramd__free_response(resp);
-        vramd__mark_broken(c);
-        return vramd__fail(err, -EPROTO, VRAMD_CODE_PROTOCOL_ERROR, "ListSessions answered without a SessionList");
-    }
     size_t n = resp->sessions->n_sessions;
     if (n > INT_MAX) {
-        vramd__free_response(resp);
         vramd__mark_broken(c);
-        return vramd__fail(err, -EPROTO, VRAMD_CODE_PROTOCOL_ERROR, "%zu sessions listed", n);
+        r = vramd__fail(err, -EPROTO, VRAMD_CODE_PROTOCOL_ERROR, "%zu sessions listed", n);
+        goto out;
     }
     for (size_t i = 0; i < n && i < cap; i++) {
         const PbSessionInfo *s = resp->sessions->sessions[i];
@@ -63,8 +56,10 @@ int vramd_list_sessions(struct vramd_conn *c, struct vramd_session_entry *out, s
         e->rate_bytes_per_s = s->rate_bytes_per_s;
         e->age_s = s->age_s;
     }
+    r = (int)n;
+out:
     vramd__free_response(resp);
-    return (int)n;
+    return r;
 }
 
 int vramd_status(struct vramd_conn *c, struct vramd_status *st, struct vramd_error *err)
@@ -77,16 +72,10 @@ int vramd_status(struct vramd_conn *c, struct vramd_status *st, struct vramd_err
     req.body_case = VRAMD__RPC__V1__REQUEST__BODY_GET_STATUS;
     req.get_status = &gs;
     Response *resp;
-    int r = vramd__call(c, &req, NULL, 0, vramd__reply_ms(c), &resp, err);
-    if (r < 0) {
-        vramd__free_response(resp);
+    int r = vramd__call_for(c, &req, VRAMD__RPC__V1__RESPONSE__BODY_STATUS, vramd__reply_ms(c), &resp,
+                            "GetStatus answered without a StatusReply", err);
+    if (r < 0)
         return r;
-    }
-    if (resp->body_case != VRAMD__RPC__V1__RESPONSE__BODY_STATUS || !resp->status) {
-        vramd__free_response(resp);
-        vramd__mark_broken(c);
-        return vramd__fail(err, -EPROTO, VRAMD_CODE_PROTOCOL_ERROR, "GetStatus answered without a StatusReply");
-    }
     const Vramd__Rpc__V1__StatusReply *s = resp->status;
     memset(st, 0, sizeof *st);
     vramd__copy_str(st->server, sizeof st->server, s->server);

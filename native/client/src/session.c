@@ -11,7 +11,6 @@
 #include "conn.h"
 #include "session.h"
 
-
 void vramd_token_format(const struct vramd_token *t, char out[VRAMD_TOKEN_STRLEN + 1])
 {
     static const char hex[] = "0123456789abcdef";
