@@ -31,6 +31,10 @@ static int check_size(const void *in, size_t size, size_t known, size_t size_1_0
     if (size < size_1_0)
         return vramd__fail(err, -EINVAL, VRAMD_CODE_LOCAL, "struct %s: struct_size %zu is below its ABI 1.0 size %zu",
                            name, size, size_1_0);
+    if (size > VRAMD__STRUCT_SIZE_MAX) /* not read at all: more likely never set than a struct of a later 1.x */
+        return vramd__fail(err, -E2BIG, VRAMD_CODE_LOCAL, "struct %s: struct_size %zu is beyond any libvramd's (at "
+                           "most %d): set it with the struct's _INIT initialiser or _init() function, or to 0",
+                           name, size, VRAMD__STRUCT_SIZE_MAX);
     const unsigned char *p = in;
     for (size_t i = known; i < size; i++)
         if (p[i])

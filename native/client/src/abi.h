@@ -16,6 +16,10 @@
 /* sizeof a struct as ABI 1.0 laid it out: the end of its last 1.0 member, rounded up to its alignment. */
 #define VRAMD__SIZE_1_0(type, last)                                                                            \
     ((offsetof(type, last) + sizeof(((type *)0)->last) + _Alignof(type) - 1) / _Alignof(type) * _Alignof(type))
+/* The largest struct_size looked at: a later 1.x never grows a struct this far, so a larger one (a struct_size
+ * never set, in a caller that fills the struct member by member) is refused before any byte past the
+ * library's layout is read. */
+#define VRAMD__STRUCT_SIZE_MAX 1024
 #define VRAMD__OPTIONS_1_0 VRAMD__SIZE_1_0(struct vramd_options, client_name)
 #define VRAMD__OPEN_ARGS_1_0 VRAMD__SIZE_1_0(struct vramd_open_args, compression_level)
 #define VRAMD__BO_1_0 VRAMD__SIZE_1_0(struct vramd_bo, backend_kind)

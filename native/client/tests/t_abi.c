@@ -120,6 +120,10 @@ static int t_abi_refusals(void)
     fo.o.struct_size = 4;
     r = vramd_connect_path(&c, daemon_socket(), &fo.o, &err);
     CHECK(r == -EINVAL && strstr(err.message, "vramd_options"), "options of 4 bytes: %d %s", r, err.message);
+    fo.o.struct_size = 0xdeadbeef; /* never set: refused before anything past the struct is read */
+    r = vramd_connect_path(&c, daemon_socket(), &fo.o, &err);
+    CHECK(r == -E2BIG && strstr(err.message, "vramd_options") && strstr(err.message, "beyond any libvramd"),
+          "options of 0xdeadbeef bytes: %d %s", r, err.message);
 
     OK(test_connect(&c, &err), &err);
     char path[PATH_MAX];

@@ -68,7 +68,10 @@
  *     accepted when every byte past what the library knows is zero (options
  *     it does not know are not asked for), else the call fails with -E2BIG,
  *     code VRAMD_CODE_LOCAL, the message naming the struct (as openat2 does);
- *     one smaller than the 1.0 layout is -EINVAL.  A member added after 1.0
+ *     one smaller than the 1.0 layout is -EINVAL, and one above 1024 (more
+ *     likely never set than a later struct: a program that fills a struct
+ *     member by member must start from _init(), _INIT or memset) is -E2BIG
+ *     without a byte past the library's layout being read.  A member added after 1.0
  *     is read only when struct_size says so: a program that uses one must set
  *     struct_size (0 still means 1.0).
  *   - Arrays of input structs (vramd_bo[], vramd_criu_bo[]) are walked with the
