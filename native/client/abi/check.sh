@@ -36,7 +36,9 @@ if $update; then
 fi
 rc=0
 report=$(abidiff --suppressions "$here/libvramd.suppr" --no-show-locs "$baseline" "$lib") || rc=$?
-echo "$report"
+if [ -n "$report" ]; then
+    echo "$report"
+fi
 # the suppression of appended members also lets reordered or retyped ones through: members.py holds the
 # size-versioned structs to "the baseline's members are a prefix of the new ones"
 new_abi=$(mktemp)
