@@ -71,9 +71,9 @@
  *     one smaller than the 1.0 layout is -EINVAL, and one above 1024 (more
  *     likely never set than a later struct: a program that fills a struct
  *     member by member must start from _init(), _INIT or memset) is -E2BIG
- *     without a byte past the library's layout being read.  A member added after 1.0
- *     is read only when struct_size says so: a program that uses one must set
- *     struct_size (0 still means 1.0).
+ *     without a byte past the library's layout being read.  A member added
+ *     after 1.0 is read only when struct_size says so: a program that uses
+ *     one must set struct_size (0 still means 1.0).
  *   - Arrays of input structs (vramd_bo[], vramd_criu_bo[]) are walked with the
  *     stride of their first element's struct_size (0: the 1.0 size); every
  *     element must carry the same size (0 and the 1.0 size count as the same),
