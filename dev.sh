@@ -3,7 +3,8 @@
 #   ./dev.sh demo [demo args]   install what is missing, then run the end-to-end demo
 #   ./dev.sh test [pytest args] install what is missing, then run the test suite
 #   ./dev.sh check              the gates CI runs before the tests: ruff, mypy, the layer
-#                               contract, the SDMA and KFD models' C tests (plain, ASan+UBSan, TSan)
+#                               contract, the SDMA and KFD models' C tests (plain, ASan+UBSan, TSan),
+#                               libvramd's ABI against its baseline (native/client/abi/check.sh)
 #   ./dev.sh fuzz [args]        the fuzz harness's long mode (not in CI): over a million inputs,
 #                               counted (tests/fuzz/README.md)
 # Installs apt packages only when something is missing (as root, or via sudo),
@@ -14,7 +15,7 @@ set -euo pipefail
 cd "$(dirname "$0")"
 
 APT_PACKAGES=(python3 python3-venv python3-dev gcc pkg-config libdrm-dev libxxhash-dev
-              meson ninja-build libprotobuf-c-dev protobuf-c-compiler valgrind libfuse2)
+              meson ninja-build libprotobuf-c-dev protobuf-c-compiler valgrind libfuse2 abigail-tools)
 
 have_python() {
     command -v python3 >/dev/null &&
@@ -34,12 +35,16 @@ have_c_client_tools() {  # libvramd: Meson, protoc-c, libprotobuf-c; valgrind fo
         command -v valgrind >/dev/null && command -v pkg-config >/dev/null && pkg-config --exists libprotobuf-c
 }
 
+have_abigail() {  # abidw/abidiff (libabigail) for libvramd's ABI check
+    command -v abidiff >/dev/null && command -v abidw >/dev/null
+}
+
 have_fuse() {  # libfuse 2 for tests/eiofs.py (the fault matrix's EIO: a FUSE file system that fails I/O)
     ldconfig -p 2>/dev/null | grep -q 'libfuse\.so\.2 '
 }
 
 ensure_system() {
-    have_python && have_libdrm && have_xxhash && have_c_client_tools && have_fuse && return 0
+    have_python && have_libdrm && have_xxhash && have_c_client_tools && have_fuse && have_abigail && return 0
     local sudo=""
     [ "$(id -u)" = 0 ] || sudo="sudo"
     echo "dev.sh: installing ${APT_PACKAGES[*]} with apt-get" >&2
@@ -50,6 +55,7 @@ ensure_system() {
     have_xxhash || echo "dev.sh: xxhash.h still missing: the batch copier runs in Python" >&2
     have_fuse || echo "dev.sh: libfuse2 still missing: the EIO tests (tests/test_io_errors.py) will skip" >&2
     have_c_client_tools || { echo "dev.sh: need meson, ninja, protoc-c, libprotobuf-c and valgrind for libvramd" >&2; exit 1; }
+    have_abigail || { echo "dev.sh: need abigail-tools (abidw, abidiff) for libvramd's ABI check" >&2; exit 1; }
 }
 
 ensure_libvramd() {
@@ -91,6 +97,7 @@ check() {
     echo "== mypy";          .venv/bin/mypy                      # the whole package; --strict where pyproject says
     echo "== mypy --strict"; .venv/bin/mypy --strict vramd/protocol vramd/image vramd/hostmem vramd/engine
     echo "== layers";        .venv/bin/lint-imports
+    echo "== libvramd ABI";  ensure_libvramd; native/client/abi/check.sh
     if have_libdrm; then
         for flavour in "" --asan --tsan; do
             echo "== SDMA + KFD model C tests ${flavour:-(plain)}"

@@ -55,7 +55,7 @@ static double session(struct vramd_conn *c, int kind, int dfd, const struct vram
 {
     struct vramd_error err;
     struct vramd_token t;
-    struct vramd_open_args a = {.kind = kind, .dir_fd = dfd, .label = "client_c bench"};
+    struct vramd_open_args a = {.struct_size = sizeof a, .kind = kind, .dir_fd = dfd, .label = "client_c bench"};
     double t0 = now();
     if (vramd_open_session(c, &a, &t, NULL, &err) < 0)
         die("open", &err);
@@ -133,8 +133,8 @@ int main(int argc, char **argv)
             die("open /proc/pid/mem", NULL);
         for (size_t i = 0; i < n; i++) {
             uint64_t addr = (uint64_t)(uintptr_t)region + i * size;
-            src[i] = (struct vramd_bo){.id = i + 1, .fd = mem_src, .offset = addr, .size = size};
-            dst[i] = (struct vramd_bo){.id = i + 1, .fd = mem_dst, .offset = addr};
+            src[i] = (struct vramd_bo){.struct_size = sizeof src[i], .id = i + 1, .fd = mem_src, .offset = addr, .size = size};
+            dst[i] = (struct vramd_bo){.struct_size = sizeof dst[i], .id = i + 1, .fd = mem_dst, .offset = addr};
         }
     } else {
         fds = calloc(n, sizeof *fds);
@@ -148,8 +148,8 @@ int main(int argc, char **argv)
             if (fds[i] < 0 || pwrite(fds[i], buf, size, 0) != (ssize_t)size)
                 die("memfd (raise the fd limit: ulimit -n)", NULL);
             /* the restore writes back into the same memfds, garbage by then (as bench/service.py) */
-            src[i] = (struct vramd_bo){.id = i + 1, .fd = fds[i], .size = size};
-            dst[i] = (struct vramd_bo){.id = i + 1, .fd = fds[i]};
+            src[i] = (struct vramd_bo){.struct_size = sizeof src[i], .id = i + 1, .fd = fds[i], .size = size};
+            dst[i] = (struct vramd_bo){.struct_size = sizeof dst[i], .id = i + 1, .fd = fds[i]};
         }
         free(buf);
     }

@@ -100,14 +100,17 @@ def build_asan():
 # sit unread on the launcher's notify socket (see the report of this change).
 
 def test_c_suite(build, daemon):
-    """Round trips (memfd BOs, procmem ranges, many fds), the hook adapter, failure paths."""
+    """Round trips (memfd BOs, procmem ranges, many fds), the hook adapter, failure paths; ABI 1.0 (t_abi.c):
+    struct_size 0 (0.x-style structs), the 1.0 size and a later header's with a zero tail work, a non-zero
+    tail is -E2BIG naming the struct, arrays of mixed sizes -EINVAL, the enums and their string twins."""
     out = run_suite(daemon, [str(build / TESTS_BIN)], ["unit", "quick"], 300)
     for name in ("memfd_roundtrip", "procmem_roundtrip", "many_fds", "criu_adapter", "criu_incremental",
                  "uid_refused", "corrupt_image", "bad_fds", "no_daemon", "fake_daemon", "fd_placement",
                  "wait_timeout", "incremental", "cancel_by_id", "dump_commit", "dump_no_commit", "dump_busy",
                  "unreadable_image", "marks_and_sweep", "sibling_children", "fake_asks_for_a_file",
                  "reader_child_locks_nothing", "marks_read_by_vramctl", "lock_on_fd_one",
-                 "child_of_another_owner_marks_nothing", "moved_childs_mark_kept"):
+                 "child_of_another_owner_marks_nothing", "moved_childs_mark_kept", "abi_sizes", "abi_refusals",
+                 "abi_enums"):
         assert f"PASS {name} " in out, out
 
 
@@ -406,6 +409,6 @@ def test_the_c_code_table_is_rpc_protos():
     c_codes = {m[1]: int(m[2]) for m in re.finditer(r"VRAMD_CODE_([A-Z_]+) = (-?\d+),", header)}
     c_codes.pop("LOCAL")
     assert c_codes == dict(rpc.Code.items())
-    names = (SRC / "src" / "client.c").read_text()
+    names = (SRC / "src" / "base.c").read_text()
     for name, _ in rpc.Code.items():
-        assert f'{{VRAMD_CODE_{name}, "{name}",' in names, f"client.c names no {name}"
+        assert f'{{VRAMD_CODE_{name}, "{name}",' in names, f"base.c names no {name}"

@@ -1,5 +1,5 @@
 """Where the daemon's socket is, and whether a client may trust it: one rule for the daemon, vramctl and every
-client (libvramd's client.c implements the same rule).
+client (libvramd's auth.c implements the same rule).
 
 Clients import this alone (not the daemon's configuration) to find the socket.
 

@@ -309,7 +309,7 @@ static int restore_start(void)
 		cfg.client_name = "criu-test-plugin";
 		cfg.label = "criu-test";
 		for (size_t i = 0; i < vr.nbos; i++)
-			bos[i] = (struct vramd_criu_bo){ .id = vr.bos[i].id, .fd = vr.bos[i].fd, .size = vr.bos[i].size };
+			bos[i] = (struct vramd_criu_bo){ .struct_size = sizeof(struct vramd_criu_bo), .id = vr.bos[i].id, .fd = vr.bos[i].fd, .size = vr.bos[i].size };
 		ret = vramd_criu_restore_submit(&cfg, dir_fd, bos, vr.nbos, 0, &vr.ticket, &err);
 		free(bos);
 		t1 = now();
@@ -325,7 +325,7 @@ static int restore_start(void)
 	}
 	{
 		struct vramd_options opts;
-		struct vramd_open_args args = { .kind = VRAMD_SESSION_RESTORE, .dir_fd = dir_fd, .label = "criu-test" };
+		struct vramd_open_args args = { .struct_size = sizeof(args), .kind = VRAMD_SESSION_RESTORE, .dir_fd = dir_fd, .label = "criu-test" };
 		struct vramd_session_info info;
 		struct vramd_error err = { 0 };
 		struct vramd_bo *bos = calloc(vr.nbos, sizeof(*bos));
@@ -340,7 +340,7 @@ static int restore_start(void)
 			goto out;
 		}
 		for (size_t i = 0; i < vr.nbos; i++)
-			bos[i] = (struct vramd_bo){ .id = vr.bos[i].id, .fd = vr.bos[i].fd, .size = vr.bos[i].size };
+			bos[i] = (struct vramd_bo){ .struct_size = sizeof(struct vramd_bo), .id = vr.bos[i].id, .fd = vr.bos[i].fd, .size = vr.bos[i].size };
 		ret = sock ? vramd_connect_path(&vr.conn, sock, &opts, &err) : vramd_connect(&vr.conn, &opts, &err);
 		if (ret) {
 			logf_("FAIL vramd: connect %s: %d %s: %s", sock ? sock : "(default)", ret, vramd_code_name(err.code),
@@ -494,7 +494,7 @@ static int task_submit(void)
 			logf_("FAIL vramd: memfd: %s", strerror(errno));
 			goto out;
 		}
-		bos[i] = (struct vramd_criu_bo){ .id = vr.bos[i].id, .fd = vr.bos[i].fd, .size = vr.bos[i].size };
+		bos[i] = (struct vramd_criu_bo){ .struct_size = sizeof(struct vramd_criu_bo), .id = vr.bos[i].id, .fd = vr.bos[i].fd, .size = vr.bos[i].size };
 	}
 	vramd_criu_config_init(&cfg);
 	cfg.socket_path = getenv("VRAMD_CRIU_SOCKET");

@@ -10,15 +10,33 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "internal.h"
-#include "vramd/criu.h"
+#include "abi.h"
+#include "session.h"
 
 void vramd_criu_config_init(struct vramd_criu_config *cfg)
 {
-    if (!cfg)
-        return;
-    memset(cfg, 0, sizeof *cfg);
-    cfg->sock_fd = -1;
+    if (cfg)
+        *cfg = (struct vramd_criu_config)VRAMD_CRIU_CONFIG_INIT;
+}
+
+void vramd_criu_bo_init(struct vramd_criu_bo *bo)
+{
+    if (bo)
+        *bo = (struct vramd_criu_bo)VRAMD_CRIU_BO_INIT;
+}
+
+/* The caller's config (NULL: the defaults) in this library's layout.  A config it cannot take has its sock_fd
+ * closed all the same where that field can be read (the call takes the socket over in every case). */
+static int config_of(const struct vramd_criu_config *in, struct vramd_criu_config *cfg, struct vramd_error *err)
+{
+    if (!in) {
+        vramd_criu_config_init(cfg);
+        return 0;
+    }
+    int r = vramd__abi_in(in, sizeof *cfg, VRAMD__CRIU_CONFIG_1_0, "vramd_criu_config", cfg, err);
+    if (r == -E2BIG && in->sock_fd >= 0)
+        vramd__close_fd(in->sock_fd);
+    return r;
 }
 
 static int open_conn(const struct vramd_criu_config *cfg, struct vramd_conn **conn, struct vramd_error *err)
@@ -35,27 +53,95 @@ static int open_conn(const struct vramd_criu_config *cfg, struct vramd_conn **co
     return vramd_connect(conn, &o, err);
 }
 
-/* The BOs as libvramd's generic records (malloc'd; NULL on ENOMEM). */
-static struct vramd_bo *to_bos(const struct vramd_criu_config *cfg, const struct vramd_criu_bo *in, size_t n,
-                               bool restore)
+/* The BOs (stride bytes apart) as libvramd's generic records (malloc'd; NULL on ENOMEM). */
+static struct vramd_bo *to_bos(const struct vramd_criu_config *cfg, const struct vramd_criu_bo *bos, size_t stride,
+                               size_t n, bool restore)
 {
     struct vramd_bo *out = calloc(n ? n : 1, sizeof *out);
     if (!out)
         return NULL;
     for (size_t i = 0; i < n; i++) {
-        out[i].id = in[i].id;
-        out[i].fd = in[i].fd;
-        out[i].offset = in[i].offset;
+        struct vramd_criu_bo in;
+        vramd__abi_elem(bos, stride, i, sizeof in, &in);
+        vramd_bo_init(&out[i]);
+        out[i].id = in.id;
+        out[i].fd = in.fd;
+        out[i].offset = in.offset;
         out[i].backend = cfg->backend;
+        out[i].backend_kind = cfg->backend_kind;
         if (!restore) { /* a restore runs each BO in the lane its image records */
-            out[i].size = in[i].size;
+            out[i].size = in.size;
             out[i].has_gpu_id = true;
-            out[i].gpu_id = in[i].gpu_id;
-            out[i].alloc_flags = in[i].alloc_flags;
-            out[i].va_addr = in[i].va_addr;
+            out[i].gpu_id = in.gpu_id;
+            out[i].alloc_flags = in.alloc_flags;
+            out[i].va_addr = in.va_addr;
         }
     }
     return out;
+}
+
+/*
+ * The opening vramd_criu_dump and vramd_criu_restore_submit share: the config in this library's layout
+ * (*cfg), its choices checked, the BOs as vramd_bo records (*list, the caller frees it), a connection
+ * (*conn) and a session on dir_fd (*t).  On failure nothing is held (cfg->sock_fd is closed: the call takes it
+ * over in every case) and, where the session was opened, it is closed again.
+ */
+static int criu_begin(const struct vramd_criu_config *in, int dir_fd, const struct vramd_criu_bo *bos, size_t n,
+                      bool restore, struct vramd_criu_config *cfg, struct vramd_bo **list, struct vramd_conn **conn,
+                      struct vramd_token *t, struct vramd_error *err)
+{
+    const char *what = restore ? "vramd_criu_restore_submit" : "vramd_criu_dump";
+    const char *backend, *compression;
+    char comp_buf[32];
+    size_t stride = sizeof(struct vramd_criu_bo);
+    *list = NULL;
+    *conn = NULL;
+    int r = config_of(in, cfg, err);
+    if (r < 0)
+        return r;
+    if (n && !bos) {
+        r = vramd__fail(err, -EINVAL, VRAMD_CODE_LOCAL, restore ? "%s: NULL argument" : "%s: NULL BO list", what);
+        goto fail;
+    }
+    if ((r = vramd__backend_of(cfg->backend, cfg->backend_kind, &backend, "vramd_criu_config", err)) < 0 ||
+        (!restore && (r = vramd__compression_of(cfg->compression, cfg->compression_kind, cfg->compression_level,
+                                                comp_buf, &compression, err)) < 0) ||
+        (n && (r = vramd__abi_stride(bos, n, sizeof(struct vramd_criu_bo), VRAMD__CRIU_BO_1_0, "vramd_criu_bo",
+                                     &stride, err)) < 0))
+        goto fail;
+    if (!(*list = to_bos(cfg, bos, stride, n, restore))) {
+        r = vramd__fail(err, -ENOMEM, VRAMD_CODE_LOCAL, "%s: out of memory", what);
+        goto fail;
+    }
+    if ((r = open_conn(cfg, conn, err)) < 0) /* it took the socket over */
+        goto out;
+    struct vramd_open_args a = VRAMD_OPEN_ARGS_INIT;
+    a.kind = restore ? VRAMD_SESSION_RESTORE : VRAMD_SESSION_DUMP;
+    a.dir_fd = dir_fd;
+    a.label = cfg->label;
+    a.parent_dir_fds = cfg->parent_dir_fds;
+    a.n_parent_dir_fds = cfg->n_parent_dir_fds;
+    if (restore) {
+        a.allow_partial = cfg->allow_partial;
+    } else {
+        a.compression = cfg->compression;
+        a.compression_kind = cfg->compression_kind;
+        a.compression_level = cfg->compression_level;
+        a.chunk_size = cfg->chunk_size;
+        a.parent_hint = cfg->parent_hint;
+    }
+    if ((r = vramd_open_session(*conn, &a, t, NULL, err)) < 0)
+        goto out;
+    return 0;
+fail:
+    if (cfg->sock_fd >= 0)
+        vramd__close_fd(cfg->sock_fd);
+out:
+    vramd_close(*conn);
+    *conn = NULL;
+    free(*list);
+    *list = NULL;
+    return r;
 }
 
 /*
@@ -107,97 +193,51 @@ static int wait_and_close(const struct vramd_criu_config *cfg, struct vramd_conn
     return rc;
 }
 
-int vramd_criu_dump(const struct vramd_criu_config *cfg, int dir_fd, const struct vramd_criu_bo *bos, size_t n,
+int vramd_criu_dump(const struct vramd_criu_config *config, int dir_fd, const struct vramd_criu_bo *bos, size_t n,
                     struct vramd_session_info *info, struct vramd_error *err)
 {
-    struct vramd_criu_config dflt;
-    if (!cfg) {
-        vramd_criu_config_init(&dflt);
-        cfg = &dflt;
-    }
-    vramd__clear_error(err);
-    if (n && !bos) {
-        if (cfg->sock_fd >= 0)
-            vramd__close_fd(cfg->sock_fd);
-        return vramd__fail(err, -EINVAL, VRAMD_CODE_LOCAL, "vramd_criu_dump: NULL BO list");
-    }
-    struct vramd_bo *list = to_bos(cfg, bos, n, false);
-    if (!list) {
-        if (cfg->sock_fd >= 0)
-            vramd__close_fd(cfg->sock_fd);
-        return vramd__fail(err, -ENOMEM, VRAMD_CODE_LOCAL, "vramd_criu_dump: out of memory");
-    }
-    struct vramd_conn *c = NULL;
-    int r = open_conn(cfg, &c, err);
-    if (r < 0) {
-        free(list);
-        return r;
-    }
-    struct vramd_open_args a = {.kind = VRAMD_SESSION_DUMP,
-                                .dir_fd = dir_fd,
-                                .compression = cfg->compression,
-                                .chunk_size = cfg->chunk_size,
-                                .label = cfg->label,
-                                .parent_dir_fds = cfg->parent_dir_fds,
-                                .n_parent_dir_fds = cfg->n_parent_dir_fds,
-                                .parent_hint = cfg->parent_hint};
+    struct vramd_criu_config cfg;
+    struct vramd_bo *list;
+    struct vramd_conn *c;
     struct vramd_token t;
-    r = vramd_open_session(c, &a, &t, NULL, err);
-    if (r == 0) {
-        r = vramd_add_bos(c, &t, list, n, NULL, err);
-        if (r == 0)
-            r = vramd_start(c, &t, NULL, err);
-        if (r == 0)
-            r = wait_and_close(cfg, c, &t, info, err);
-        else
-            abandon(cfg, c, &t);
-    }
+    vramd__clear_error(err);
+    int r = criu_begin(config, dir_fd, bos, n, false, &cfg, &list, &c, &t, err);
+    if (r < 0)
+        return r;
+    r = vramd_add_bos(c, &t, list, n, NULL, err);
+    if (r == 0)
+        r = vramd_start(c, &t, NULL, err);
+    if (r == 0)
+        r = wait_and_close(&cfg, c, &t, info, err);
+    else
+        abandon(&cfg, c, &t);
     free(list);
     vramd_close(c);
     return r;
 }
 
-int vramd_criu_restore_submit(const struct vramd_criu_config *cfg, int dir_fd, const struct vramd_criu_bo *bos,
+int vramd_criu_restore_submit(const struct vramd_criu_config *config, int dir_fd, const struct vramd_criu_bo *bos,
                               size_t n, pid_t pid, struct vramd_criu_ticket *ticket, struct vramd_error *err)
 {
-    struct vramd_criu_config dflt;
-    if (!cfg) {
-        vramd_criu_config_init(&dflt);
-        cfg = &dflt;
-    }
+    struct vramd_criu_config cfg;
+    struct vramd_bo *list;
+    struct vramd_conn *c;
+    struct vramd_token t;
     vramd__clear_error(err);
-    if ((n && !bos) || !ticket) {
-        if (cfg->sock_fd >= 0)
-            vramd__close_fd(cfg->sock_fd);
+    if (!ticket) {
+        struct vramd_criu_config dflt;
+        if (config_of(config, &dflt, NULL) == 0 && dflt.sock_fd >= 0)
+            vramd__close_fd(dflt.sock_fd);
         return vramd__fail(err, -EINVAL, VRAMD_CODE_LOCAL, "vramd_criu_restore_submit: NULL argument");
     }
-    struct vramd_bo *list = to_bos(cfg, bos, n, true);
-    if (!list) {
-        if (cfg->sock_fd >= 0)
-            vramd__close_fd(cfg->sock_fd);
-        return vramd__fail(err, -ENOMEM, VRAMD_CODE_LOCAL, "vramd_criu_restore_submit: out of memory");
-    }
-    struct vramd_conn *c = NULL;
-    int r = open_conn(cfg, &c, err);
-    if (r < 0) {
-        free(list);
+    int r = criu_begin(config, dir_fd, bos, n, true, &cfg, &list, &c, &t, err);
+    if (r < 0)
         return r;
-    }
-    struct vramd_open_args a = {.kind = VRAMD_SESSION_RESTORE,
-                                .dir_fd = dir_fd,
-                                .label = cfg->label,
-                                .allow_partial = cfg->allow_partial,
-                                .parent_dir_fds = cfg->parent_dir_fds,
-                                .n_parent_dir_fds = cfg->n_parent_dir_fds};
-    struct vramd_token t;
-    r = vramd_open_session(c, &a, &t, NULL, err);
-    if (r == 0) {
-        r = vramd_add_bos(c, &t, list, n, NULL, err);
-        if (r == 0)
-            r = vramd_start(c, &t, NULL, err);
-        if (r < 0)
-            abandon(cfg, c, &t);
-    }
+    r = vramd_add_bos(c, &t, list, n, NULL, err);
+    if (r == 0)
+        r = vramd_start(c, &t, NULL, err);
+    if (r < 0)
+        abandon(&cfg, c, &t);
     free(list);
     vramd_close(c);
     if (r == 0) {
@@ -207,24 +247,22 @@ int vramd_criu_restore_submit(const struct vramd_criu_config *cfg, int dir_fd, c
     return r;
 }
 
-int vramd_criu_restore_attach(const struct vramd_criu_config *cfg, const struct vramd_criu_ticket *ticket,
+int vramd_criu_restore_attach(const struct vramd_criu_config *config, const struct vramd_criu_ticket *ticket,
                               struct vramd_conn **conn, struct vramd_error *err)
 {
-    struct vramd_criu_config dflt;
-    if (!cfg) {
-        vramd_criu_config_init(&dflt);
-        cfg = &dflt;
-    }
+    struct vramd_criu_config cfg;
     vramd__clear_error(err);
+    int r = config_of(config, &cfg, err);
+    if (r < 0)
+        return r;
     if (!ticket || !conn) {
-        if (cfg->sock_fd >= 0)
-            vramd__close_fd(cfg->sock_fd);
+        if (cfg.sock_fd >= 0)
+            vramd__close_fd(cfg.sock_fd);
         return vramd__fail(err, -EINVAL, VRAMD_CODE_LOCAL, "vramd_criu_restore_attach: NULL argument");
     }
     *conn = NULL;
     struct vramd_conn *c = NULL;
-    int r = open_conn(cfg, &c, err);
-    if (r < 0)
+    if ((r = open_conn(&cfg, &c, err)) < 0)
         return r;
     r = vramd_progress(c, &ticket->token, NULL, err); /* any request with the token makes us a holder */
     if (r < 0) {
@@ -235,19 +273,18 @@ int vramd_criu_restore_attach(const struct vramd_criu_config *cfg, const struct 
     return 0;
 }
 
-int vramd_criu_restore_finish(const struct vramd_criu_config *cfg, struct vramd_conn *conn,
+int vramd_criu_restore_finish(const struct vramd_criu_config *config, struct vramd_conn *conn,
                               const struct vramd_criu_ticket *ticket, struct vramd_session_info *info,
                               struct vramd_error *err)
 {
-    struct vramd_criu_config dflt;
-    if (!cfg) {
-        vramd_criu_config_init(&dflt);
-        cfg = &dflt;
-    }
+    struct vramd_criu_config cfg;
     vramd__clear_error(err);
+    int r = config_of(config, &cfg, err);
+    if (r < 0)
+        return r;
     if (!conn || !ticket)
         return vramd__fail(err, -EINVAL, VRAMD_CODE_LOCAL, "vramd_criu_restore_finish: NULL argument");
-    return wait_and_close(cfg, conn, &ticket->token, info, err);
+    return wait_and_close(&cfg, conn, &ticket->token, info, err);
 }
 
 int vramd_criu_restore_barrier(const struct vramd_criu_config *cfg, const struct vramd_criu_ticket *ticket,
@@ -328,13 +365,6 @@ int vramd_criu_ticket_send(int sock, const struct vramd_criu_ticket *ticket, str
     return 0;
 }
 
-static int64_t mono_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
-
 int vramd_criu_ticket_recv(int sock, struct vramd_criu_ticket *ticket, int timeout_ms, struct vramd_error *err)
 {
     vramd__clear_error(err);
@@ -343,13 +373,13 @@ int vramd_criu_ticket_recv(int sock, struct vramd_criu_ticket *ticket, int timeo
     int type = socket_type(sock, err);
     if (type < 0)
         return type;
-    int64_t deadline = timeout_ms >= 0 ? mono_ms() + timeout_ms : -1;
+    int64_t deadline = timeout_ms >= 0 ? vramd__now_ms() + timeout_ms : -1;
     uint8_t rec[TICKET_BYTES + 1];
     size_t off = 0;
     while (off < TICKET_BYTES) {
         int t = -1;
         if (deadline >= 0) {
-            int64_t left = deadline - mono_ms();
+            int64_t left = deadline - vramd__now_ms();
             if (left < 0)
                 left = 0;
             t = (int)left;

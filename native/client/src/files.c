@@ -21,7 +21,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "internal.h"
+#include "files.h"
 
 /* Every open of a file in an image directory: never through a symlink, never blocking. */
 #define OPEN_FLAGS (O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC)
@@ -448,6 +448,7 @@ int vramd__dump_begin(struct vramd__dump *d, int dir_fd, const int *parents, siz
     d->min_fd = min_fd;
     d->stripes = 1;
     struct stat ds;
+    int r;
     if (fstat(dir_fd, &ds) < 0)
         return vramd__fail(err, -errno, VRAMD_CODE_LOCAL, "image directory fd %d: %s", dir_fd, errtext(errno));
     if (!S_ISDIR(ds.st_mode))
@@ -457,44 +458,44 @@ int vramd__dump_begin(struct vramd__dump *d, int dir_fd, const int *parents, siz
         d->parent_locks = calloc(np, sizeof *d->parent_locks);
         d->marked = calloc(np, sizeof *d->marked);
         if (!d->parent_fds || !d->parent_locks || !d->marked) {
-            vramd__dump_release(d);
-            return vramd__fail(err, -ENOMEM, VRAMD_CODE_LOCAL, "dump state: out of memory");
+            r = vramd__fail(err, -ENOMEM, VRAMD_CODE_LOCAL, "dump state: out of memory");
+            goto fail;
         }
     }
     for (size_t i = 0; i < np; i++)
         d->parent_fds[i] = d->parent_locks[i] = -1;
-    int r = dup_fd(dir_fd, min_fd);
+    r = dup_fd(dir_fd, min_fd);
     if (r < 0) {
-        vramd__dump_release(d);
-        return vramd__fail(err, r, VRAMD_CODE_LOCAL, "cannot duplicate the image directory fd: %s", errtext(-r));
+        r = vramd__fail(err, r, VRAMD_CODE_LOCAL, "cannot duplicate the image directory fd: %s", errtext(-r));
+        goto fail;
     }
     d->dir_fd = r;
     for (size_t i = 0; i < np; i++) {
         struct stat ps;
         if (fstat(parents[i], &ps) < 0) {
             int e = errno;
-            vramd__dump_release(d);
-            return vramd__fail(err, -e, VRAMD_CODE_LOCAL, "parent directory fd %d (parent #%zu): %s", parents[i],
-                               i + 1, errtext(e));
+            r = vramd__fail(err, -e, VRAMD_CODE_LOCAL, "parent directory fd %d (parent #%zu): %s", parents[i],
+                            i + 1, errtext(e));
+            goto fail;
         }
         if (!S_ISDIR(ps.st_mode)) {
-            vramd__dump_release(d);
-            return vramd__fail(err, -ENOTDIR, VRAMD_CODE_LOCAL,
-                               "parent directory fd %d (parent #%zu) is not a directory", parents[i], i + 1);
+            r = vramd__fail(err, -ENOTDIR, VRAMD_CODE_LOCAL,
+                            "parent directory fd %d (parent #%zu) is not a directory", parents[i], i + 1);
+            goto fail;
         }
         if (ps.st_dev == ds.st_dev && ps.st_ino == ds.st_ino) {
             char path[PATH_MAX];
             vramd__dir_label(dir_fd, path, sizeof path);
-            vramd__dump_release(d);
-            return vramd__fail(err, -EINVAL, VRAMD_CODE_LOCAL,
-                               "the image directory %s is also parent #%zu of the image: a dump cannot replace its "
-                               "own parent", path, i + 1);
+            r = vramd__fail(err, -EINVAL, VRAMD_CODE_LOCAL,
+                            "the image directory %s is also parent #%zu of the image: a dump cannot replace its "
+                            "own parent", path, i + 1);
+            goto fail;
         }
         r = dup_fd(parents[i], min_fd);
         if (r < 0) {
-            vramd__dump_release(d);
-            return vramd__fail(err, r, VRAMD_CODE_LOCAL, "cannot duplicate parent directory fd %d: %s", parents[i],
-                               errtext(-r));
+            r = vramd__fail(err, r, VRAMD_CODE_LOCAL, "cannot duplicate parent directory fd %d: %s", parents[i],
+                            errtext(-r));
+            goto fail;
         }
         d->parent_fds[i] = r;
         d->n_parents = i + 1;
@@ -509,25 +510,25 @@ int vramd__dump_begin(struct vramd__dump *d, int dir_fd, const int *parents, siz
             snprintf(label, sizeof label, "the directory of parent #%zu, ", i + 1);
             r = take_lock(d->parent_fds[i], true, true, label, min_fd, &d->parent_locks[i], err);
             if (r < 0) {
-                vramd__dump_release(d);
-                return r;
+                goto fail;
             }
         }
     }
     /* 1. the lock, its .lock file, held to the end */
     r = take_lock(d->dir_fd, false, false, "", min_fd, &d->lock_fd, err);
     if (r < 0) {
-        vramd__dump_release(d);
-        return r;
+        goto fail;
     }
     /* 2. and 3.: children's marks, stale temporaries */
     r = scan_dir(d, replace_parent, min_fd, err);
     if (r < 0) {
-        vramd__dump_release(d);
-        return r;
+        goto fail;
     }
     d->phase = VRAMD__DUMP_OPEN;
     return 0;
+fail:
+    vramd__dump_release(d);
+    return r;
 }
 
 int vramd__dump_create_data(struct vramd__dump *d, uint32_t gpu_id, uint32_t stripe, bool direct, int *fd,

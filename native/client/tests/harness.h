@@ -42,6 +42,7 @@ extern const struct test roundtrip_tests[];
 extern const struct test criu_tests[];
 extern const struct test failure_tests[];
 extern const struct test files_tests[];
+extern const struct test abi_tests[];
 
 /* A fake daemon's reply as a frame (header + packed message) in `out`: its length, 0 if it does not fit. */
 struct Vramd__Rpc__V1__Response;

@@ -46,6 +46,54 @@
  *   - A connection whose request/reply pairing can no longer be trusted (a
  *     client-side timeout, a protocol error, a hang-up) is marked broken;
  *     every later call on it fails with -ENOTCONN.  vramd_close() it.
+ *
+ * ABI 1.0 (the rules in one place; docs/protocol.md "libvramd's ABI" points here)
+ *   - The library is libvramd.so.1 (soname), version 1.0.0; every exported
+ *     symbol carries the version node VRAMD_1.0.  A later 1.x adds symbols in
+ *     new nodes (VRAMD_1.1, ...) and never changes a 1.0 one; an incompatible
+ *     change is libvramd.so.2.  native/client/abi/ holds the committed ABI
+ *     baseline that CI compares every build with (libabigail's abidiff;
+ *     native/client/abi/check.sh, --update regenerates it for a reviewed
+ *     addition).
+ *   - Input structs are size-versioned: struct vramd_options, vramd_open_args,
+ *     vramd_bo, vramd_criu_config and vramd_criu_bo begin with
+ *     `uint32_t struct_size`.  Set it to sizeof the struct you were compiled
+ *     with: the VRAMD_*_INIT initialisers and the *_init() functions do.
+ *     0 means "the ABI 1.0 layout", so a struct zeroed or written with a
+ *     designated initialiser as in 0.x (`{.kind = ..., .dir_fd = ...}`) keeps
+ *     working.  Later versions only append members; the library reads a
+ *     member only when struct_size covers it, so a program built against an
+ *     older header runs unchanged on a newer library.  A struct_size larger
+ *     than the library knows (a program built against a newer header) is
+ *     accepted when every byte past what the library knows is zero (options
+ *     it does not know are not asked for), else the call fails with -E2BIG,
+ *     code VRAMD_CODE_LOCAL, the message naming the struct (as openat2 does);
+ *     one smaller than the 1.0 layout is -EINVAL, and one above 1024 (more
+ *     likely never set than a later struct: a program that fills a struct
+ *     member by member must start from _init(), _INIT or memset) is -E2BIG
+ *     without a byte past the library's layout being read.  A member added
+ *     after 1.0 is read only when struct_size says so: a program that uses
+ *     one must set struct_size (0 still means 1.0).
+ *   - Arrays of input structs (vramd_bo[], vramd_criu_bo[]) are walked with the
+ *     stride of their first element's struct_size (0: the 1.0 size); every
+ *     element must carry the same size (0 and the 1.0 size count as the same),
+ *     else -EINVAL.  So a program built against a later header that grows
+ *     vramd_bo must set struct_size in every element (VRAMD_BO_INIT).
+ *   - Choices are enums, not strings: enum vramd_backend and enum
+ *     vramd_compression (+ compression_level), members appended to the 1.0
+ *     structs.  The 0.x string members (vramd_bo.backend,
+ *     vramd_open_args.compression, vramd_criu_config.backend / .compression)
+ *     are still accepted, with the values they always took: the 0.x spelling.
+ *     Set one or the other; both set and disagreeing is -EINVAL.
+ *   - Output structs (struct vramd_error, vramd_session_info, vramd_progress,
+ *     vramd_image_summary, vramd_session_entry, vramd_status, vramd_token,
+ *     vramd_criu_ticket) are frozen at 1.0: their layout never changes.
+ *     vramd_session_info, vramd_session_entry and vramd_status end in a
+ *     reserved tail (zeroed by the library) that later versions may give a
+ *     meaning; anything else new comes through new calls.  struct
+ *     vramd_limits is the library's own (read through the pointer
+ *     vramd_conn_limits returns): it may grow at its end.
+ *   - Enum values and error codes are never renumbered; new ones may appear.
  */
 #ifndef VRAMD_CLIENT_H
 #define VRAMD_CLIENT_H
@@ -149,11 +197,36 @@ VRAMD_API int vramd_code_errno(int code);
 /* A static description of a return value of this library (like strerror(-ret)). */
 VRAMD_API const char *vramd_strerror(int ret);
 
+/* --- choices ----------------------------------------------------------------- */
+
+/* How the daemon reaches a BO's memory (rpc.proto's Bo.backend; docs/protocol.md "Backends"). */
+enum vramd_backend {
+    VRAMD_BACKEND_AUTO = 0,            /* the daemon picks from the fd (or the 0.x string member says) */
+    VRAMD_BACKEND_PROCMEM = 1,         /* "procmem": /proc/<pid>/mem of the process, offset = address */
+    VRAMD_BACKEND_MMAP = 2,            /* "mmap": a dmabuf, memfd or file, mapped */
+    VRAMD_BACKEND_SDMA = 3,            /* "sdma": a dmabuf of an amdgpu BO, copied by the GPU's SDMA engine */
+};
+
+/* How a dump compresses its chunks (docs/protocol.md, OpenSession's `compression`; docs/codecs.md). */
+enum vramd_compression {
+    VRAMD_COMPRESSION_DEFAULT = 0,     /* the daemon's default (or the 0.x string member says) */
+    VRAMD_COMPRESSION_NONE = 1,        /* "none": chunks stored as they are */
+    VRAMD_COMPRESSION_ZSTD = 2,        /* "zstd[:LEVEL]": one zstd frame per chunk */
+    VRAMD_COMPRESSION_BPLANES = 3,     /* "bplanes[:LEVEL]": byte planes or zstd per chunk, by a trial */
+    VRAMD_COMPRESSION_AUTO = 4,        /* "auto[:LEVEL]": bplanes' choice where it pays at the sink's speed */
+};
+
+/* The wire name of a backend ("procmem", "mmap", "sdma"); NULL for AUTO or a value not listed. */
+VRAMD_API const char *vramd_backend_name(int backend);
+/* The wire name of a compression mode ("none", "zstd", "bplanes", "auto"); NULL for DEFAULT or not listed. */
+VRAMD_API const char *vramd_compression_name(int compression);
+
 /* --- connections ---------------------------------------------------------- */
 
 struct vramd_conn;
 
 struct vramd_options {
+    uint32_t struct_size;              /* sizeof(struct vramd_options); 0: the 1.0 layout (see "ABI 1.0") */
     /* fds the library creates go at or above this number (F_DUPFD_CLOEXEC),
      * image files, directory duplicates and locks included; 0: wherever the
      * kernel puts them. */
@@ -168,7 +241,8 @@ struct vramd_options {
     const char *client_name;
 };
 
-/* Defaults: min_fd 0, timeout_ms 0, client_name NULL. */
+#define VRAMD_OPTIONS_INIT {.struct_size = sizeof(struct vramd_options)}
+/* Defaults: struct_size set, min_fd 0, timeout_ms 0, client_name NULL. */
 VRAMD_API void vramd_options_init(struct vramd_options *opts);
 
 /*
@@ -241,6 +315,8 @@ VRAMD_API const char *vramd_conn_server(const struct vramd_conn *conn);
 VRAMD_API const struct vramd_limits *vramd_conn_limits(const struct vramd_conn *conn);
 /* Whether the daemon lists backend `name` ("procmem", "mmap", "sdma") as available. */
 VRAMD_API bool vramd_conn_has_backend(const struct vramd_conn *conn, const char *name);
+/* The same by enum vramd_backend (false for VRAMD_BACKEND_AUTO and values not listed). */
+VRAMD_API bool vramd_conn_has_backend_kind(const struct vramd_conn *conn, int backend);
 
 /* --- sessions ------------------------------------------------------------- */
 
@@ -303,13 +379,16 @@ struct vramd_session_info {
     bool has_image;
     struct vramd_image_summary image;
     struct vramd_error error;          /* why it failed or was cancelled; code OK otherwise */
+    uint64_t reserved[8];              /* zero; frozen output struct: room for later versions */
 };
 
 struct vramd_open_args {
+    uint32_t struct_size;              /* sizeof(struct vramd_open_args); 0: the 1.0 layout (see "ABI 1.0") */
     int kind;                          /* enum vramd_session_kind */
     int dir_fd;                        /* the image directory, O_RDONLY|O_DIRECTORY; stays the caller's (a dump
                                           keeps its own duplicate until it is committed or closed) */
-    const char *compression;           /* dump: "none", "zstd", "zstd:LEVEL"; NULL or "": daemon default */
+    const char *compression;           /* dump, the 0.x spelling of compression_kind/_level: "none", "zstd[:LEVEL]",
+                                          "bplanes[:LEVEL]", "auto[:LEVEL]"; NULL or "": daemon default */
     uint64_t chunk_size;               /* dump: bytes per chunk (multiple of 4 KiB); 0: daemon default */
     const char *label;                 /* free-form, for logs; may be NULL */
     bool allow_partial;                /* restore: image BOs may be left without a target */
@@ -323,7 +402,18 @@ struct vramd_open_args {
     const char *parent_hint;           /* dump: the parent's path relative to dir_fd's (recorded, never opened) */
     bool no_dedup;                     /* dump: store every chunk, even one the image holds already */
     bool replace_parent;               /* dump: replace an image incremental images need (they break) */
+    /* ABI 1.0: the compression as an enum (the string above stays accepted; both set must agree) */
+    int compression_kind;              /* dump: enum vramd_compression; DEFAULT: the string, or the daemon's */
+    int compression_level;             /* dump: zstd level -7..22 for ZSTD, BPLANES, AUTO; 0: the default (1) */
+#ifdef VRAMD_ABI_TEST_EXTRA
+    /* only in the ABI test's build (tests/test_libvramd_abi.py): an option appended as a later 1.x would */
+    uint64_t abi_test_extra;
+#endif
 };
+
+#define VRAMD_OPEN_ARGS_INIT {.struct_size = sizeof(struct vramd_open_args), .dir_fd = -1}
+/* Defaults: struct_size set, dir_fd -1, everything else 0 / NULL / false. */
+VRAMD_API void vramd_open_args_init(struct vramd_open_args *args);
 
 #define VRAMD_MAX_PARENTS 64
 
@@ -357,17 +447,24 @@ VRAMD_API int vramd_open_session(struct vramd_conn *conn, const struct vramd_ope
 
 /* One BO.  Dump: where to read it and what to record; restore: where to write image BO `id`. */
 struct vramd_bo {
+    uint32_t struct_size;              /* sizeof(struct vramd_bo), the same in every element; 0: the 1.0 layout */
     uint64_t id;
     int fd;                            /* procmem: /proc/<pid>/mem; mmap/sdma: dmabuf, memfd, file; stays the caller's */
     uint64_t offset;                   /* procmem: address in that process; else offset in the fd */
     uint64_t size;                     /* dump: bytes; restore: ignored (the image has it) */
-    const char *backend;               /* "procmem", "mmap", "sdma"; NULL or "": chosen by the daemon from the fd */
+    const char *backend;               /* the 0.x spelling of backend_kind: "procmem", "mmap", "sdma"; NULL or "":
+                                          chosen by the daemon from the fd */
     bool has_gpu_id;
     uint32_t gpu_id;                   /* dump: recorded (default 0); restore: lane (default: as saved) */
     uint64_t alloc_flags;              /* dump: recorded */
     uint64_t va_addr;                  /* dump: recorded */
     const char *name;                  /* dump: recorded; may be NULL */
+    int backend_kind;                  /* ABI 1.0: enum vramd_backend; AUTO: the string above, or the daemon picks */
 };
+
+#define VRAMD_BO_INIT {.struct_size = sizeof(struct vramd_bo), .fd = -1}
+/* Defaults: struct_size set, fd -1, everything else 0 / NULL / false. */
+VRAMD_API void vramd_bo_init(struct vramd_bo *bo);
 
 /*
  * Give the session `n` BOs.  The list is split into as many AddBos messages
@@ -448,6 +545,7 @@ struct vramd_session_entry {
     size_t n_target_pids;
     double rate_bytes_per_s;           /* running: over the last few seconds; ended: its average */
     double age_s;                      /* seconds since it opened */
+    uint64_t reserved[4];              /* zero; frozen output struct: room for later versions */
 };
 
 /*
@@ -475,6 +573,7 @@ struct vramd_status {
     uint64_t staging_budget;
     uint64_t staging_in_use;
     bool draining;
+    uint64_t reserved[8];              /* zero; frozen output struct: room for later versions */
 };
 VRAMD_API int vramd_status(struct vramd_conn *conn, struct vramd_status *status, struct vramd_error *err);
 

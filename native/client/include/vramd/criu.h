@@ -38,7 +38,9 @@
 extern "C" {
 #endif
 
+/* Size-versioned (client.h, "ABI 1.0"): struct_size first, 0 meaning the 1.0 layout. */
 struct vramd_criu_config {
+    uint32_t struct_size;     /* sizeof(struct vramd_criu_config) (vramd_criu_config_init, VRAMD_CRIU_CONFIG_INIT) */
     const char *socket_path;  /* NULL: vramd_socket_path(); authenticated as vramd_connect_path() does
                                  (-EPERM, VRAMD_CODE_LOCAL: not the daemon's, nothing sent; a dump's refused
                                  .lock in dir_fd is -EPERM, VRAMD_CODE_LOCAL too: see vramd_open_session) */
@@ -48,8 +50,10 @@ struct vramd_criu_config {
     int timeout_ms;           /* per-call reply bound (vramd_options.timeout_ms); 0: none */
     int wait_timeout_ms;      /* bound on the barrier's wait; 0: as long as the copy takes */
     const char *client_name;  /* for the daemon's logs; NULL: "libvramd" */
-    const char *backend;      /* for every BO: "sdma" for GPU BOs; NULL: the daemon picks from the fd */
-    const char *compression;  /* dump: NULL or "": the daemon's default */
+    const char *backend;      /* the 0.x spelling of backend_kind, for every BO: "sdma" for GPU BOs; NULL: the
+                                 daemon picks from the fd */
+    const char *compression;  /* dump, the 0.x spelling of compression_kind/_level (vramd_open_args.compression);
+                                 NULL or "": the daemon's default */
     uint64_t chunk_size;      /* dump: 0: the daemon's default */
     const char *label;        /* for session lists and logs */
     bool allow_partial;       /* restore: image BOs without a target are not an error */
@@ -63,13 +67,19 @@ struct vramd_criu_config {
     const char *parent_hint;  /* dump: the parent's path relative to dir_fd's directory, e.g. "parent" (the
                                  link CRIU makes to --prev-images-dir); recorded for tools, never opened by
                                  the daemon; NULL: none recorded */
+    /* ABI 1.0: the choices as enums (the strings above stay accepted; both set must agree: else -EINVAL) */
+    int backend_kind;         /* enum vramd_backend, for every BO: VRAMD_BACKEND_SDMA for GPU BOs */
+    int compression_kind;     /* dump: enum vramd_compression */
+    int compression_level;    /* dump: zstd level for ZSTD, BPLANES, AUTO; 0: the default */
 };
 
-/* Defaults: sock_fd -1, everything else 0 / NULL / false. */
+#define VRAMD_CRIU_CONFIG_INIT {.struct_size = sizeof(struct vramd_criu_config), .sock_fd = -1}
+/* Defaults: struct_size set, sock_fd -1, everything else 0 / NULL / false. */
 VRAMD_API void vramd_criu_config_init(struct vramd_criu_config *cfg);
 
-/* One BO as a KFD CRIU ioctl describes it. */
+/* One BO as a KFD CRIU ioctl describes it.  Size-versioned; an array's stride is its first element's size. */
 struct vramd_criu_bo {
+    uint32_t struct_size;     /* sizeof(struct vramd_criu_bo), the same in every element; 0: the 1.0 layout */
     uint64_t id;              /* stable across dump and restore, e.g. the BO bucket's index */
     int fd;                   /* the dmabuf fd from KFD_CRIU_OP_CHECKPOINT / _RESTORE; stays the caller's */
     uint64_t offset;          /* offset in fd (0 for a dmabuf) */
@@ -78,6 +88,10 @@ struct vramd_criu_bo {
     uint64_t alloc_flags;     /* KFD_IOC_ALLOC_MEM_FLAGS_*, recorded */
     uint64_t va_addr;         /* GPU virtual address, recorded */
 };
+
+#define VRAMD_CRIU_BO_INIT {.struct_size = sizeof(struct vramd_criu_bo), .fd = -1}
+/* Defaults: struct_size set, fd -1, everything else 0. */
+VRAMD_API void vramd_criu_bo_init(struct vramd_criu_bo *bo);
 
 /*
  * Dump: copy every BO into a new image in dir_fd and return once the image

@@ -1,33 +1,10 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* libvramd internals shared by client.c and criu.c; not installed. */
-#ifndef VRAMD_INTERNAL_H
-#define VRAMD_INTERNAL_H
+/* libvramd internals: an image's files on the client's side (files.c): names, opening, a dump's lock,
+ * temporaries, commit and abandon.  Needs only base.h: it knows nothing of connections or messages. */
+#ifndef VRAMD_FILES_H
+#define VRAMD_FILES_H
 
-#include <stdarg.h>
-#include <stdbool.h>
-#include <stddef.h>
-#include <stdint.h>
-
-#include "vramd/client.h"
-
-#if defined(__GNUC__)
-#define VRAMD_PRINTF(a, b) __attribute__((format(printf, a, b)))
-#else
-#define VRAMD_PRINTF(a, b)
-#endif
-
-/* Fill *err (may be NULL) and return errnum (negative). */
-int vramd__fail(struct vramd_error *err, int errnum, int code, const char *fmt, ...) VRAMD_PRINTF(4, 5);
-/* vramd_close_session with its own bound on the reply (-1: none), whatever the connection's timeout_ms. */
-int vramd__close_session_within(struct vramd_conn *c, const struct vramd_token *t, int within_ms,
-                                struct vramd_session_info *info, struct vramd_error *err);
-void vramd__clear_error(struct vramd_error *err);
-/* close() that keeps errno and ignores EINTR (the fd is gone either way on Linux). */
-void vramd__close_fd(int fd);
-/* Move fd to >= min_fd with FD_CLOEXEC (closing the original); returns the new fd or -errno (fd closed). */
-int vramd__place_fd(int fd, int min_fd);
-
-/* --- an image's files, on the client's side (files.c) ----------------------- */
+#include "base.h"
 
 #define VRAMD__ID_BYTES 16               /* an image id */
 #define VRAMD__NAME_MAX 64               /* room for any name below */
