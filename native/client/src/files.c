@@ -5,7 +5,7 @@
  * or removes a name: this file opens every file of an image with the caller's
  * own rights, creates a dump's files, and does the directory's operations (the
  * lock, the commit's renames and fsyncs, the removals).  The names are those of
- * vramd/image/format.py.
+ * vramd/image/names.py.
  */
 #define _GNU_SOURCE
 #include <dirent.h>
