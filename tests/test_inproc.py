@@ -8,7 +8,7 @@ from helpers import engine, memfd, run
 from vramd import errors, inproc
 from vramd.backends import BoRef
 from vramd.engine import BoSpec
-from vramd.image.format import MANIFEST_NAME
+from vramd.image.names import MANIFEST_NAME
 from vramd.imagedir import DumpDirectory, ImageFiles, SessionFiles
 from vramd.pb import rpc_pb2 as rpc
 from vramd.protocol import ClientBo, OpenSpec

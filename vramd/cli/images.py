@@ -93,8 +93,8 @@ def cmd_rm(ns: argparse.Namespace) -> int:
     a dump holds it: refused while a dump writes into the directory or a child dump reads this image as its
     parent (it holds the lock shared from its start to its end), and a child dump started while rm runs is
     refused."""
-    from ..imagedir import lock_directory, mark_names, read_mark, remove_stale_marks, unlink_regular
     from ..image.names import LOCK_NAME, MANIFEST_NAME, child_mark_name, is_data_file_name, is_own_temporary
+    from ..imagedir import lock_directory, mark_names, read_mark, remove_stale_marks, unlink_regular
     dfd = open_image_dir(ns.dir, create=False)
     fds = [dfd]
     lock = None

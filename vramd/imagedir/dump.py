@@ -13,10 +13,10 @@ from ..errors import (
     ProtocolError,
 )
 from ..image.fileio import FILE_MODE, image_os_error
-from ..image.format import (
+from ..image.format import MAX_STRIPES
+from ..image.names import (
     DATA_FILE_NAME,
     MANIFEST_NAME,
-    MAX_STRIPES,
     child_mark_content,
     child_mark_name,
     data_file_name,

@@ -37,10 +37,7 @@ from ..errors import (
     VramdError,
 )
 from ..image.fileio import OPEN_FLAGS, image_os_error
-from ..image.format import (
-    DATA_FILE_NAME,
-    MANIFEST_NAME,
-)
+from ..image.names import DATA_FILE_NAME, MANIFEST_NAME
 from ..image.reader import ImageReader
 
 log = logging.getLogger(__name__)

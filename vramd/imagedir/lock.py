@@ -15,9 +15,7 @@ from ..errors import (
     from_os_error,
 )
 from ..image.fileio import FILE_MODE, OPEN_FLAGS, image_os_error
-from ..image.format import (
-    LOCK_NAME,
-)
+from ..image.names import LOCK_NAME
 from .files import who
 
 log = logging.getLogger(__name__)

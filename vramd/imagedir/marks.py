@@ -12,13 +12,7 @@ from ..errors import (
     VramdError,
 )
 from ..image.fileio import read_manifest_now
-from ..image.format import (
-    CHILD_MARK,
-    MAX_CHILD_MARK_BYTES,
-    child_mark_name,
-    is_own_temporary,
-    parse_child_mark,
-)
+from ..image.names import CHILD_MARK, MAX_CHILD_MARK_BYTES, child_mark_name, is_own_temporary, parse_child_mark
 from .files import open_manifest, open_regular
 
 log = logging.getLogger(__name__)
