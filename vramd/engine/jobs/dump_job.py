@@ -10,22 +10,25 @@ import posixpath
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
 
-from ...backends import Backend, Direction, OpenItem
+from ...backends import Backend, BoRef, Direction, OpenItem
 from ...errors import InvalidRequestError, LimitExceededError, VramdError
 from ...image.chunks import ChunkIndex
 from ...image.codec import Compression
-from ...image.format import chunk_count
+from ...image.fileio import check_attached, check_direct
+from ...image.format import chunk_count, data_file_name, manifest_tmp_name
 from ...image.reader import ImageReader
-from ...image.writer import ImageWriter
+from ...image.writer import DataFileWriter, ImageWriter
 from ...pb import image_pb2 as pb
+from ...pb import rpc_pb2 as rpc
 from ..pipeline import ChunkTask, ProgressCallback, settle
 from .common import OFF_T_MAX, Ahead, BoSpec, JobBase, JobContext, check_bo_range
 from .dump import DEFAULT_MAX_CHAIN, DumpBo, DumpEnds
+from .interface import Intake
 
 SOURCE_KINDS = {"procmem": pb.SOURCE_PROCMEM, "mmap": pb.SOURCE_MMAP, "sdma": pb.SOURCE_SDMA}
 
 
-class DumpJob(JobBase[DumpBo]):
+class DumpJob(JobBase[DumpBo, BoSpec]):
     direction = Direction.READ
 
     def __init__(self, ctx: JobContext, writer: ImageWriter, *, compression: Compression,
@@ -81,6 +84,87 @@ class DumpJob(JobBase[DumpBo]):
             self.index.adopt(parent.chunk_entries)
         else:
             self.index.add_parent(m, 1)
+
+    # --- what a session sees (interface.Job) ----------------------------------
+
+    @property
+    def data_files_per_gpu(self) -> int:  # type: ignore[override]  # (a class attribute in JobBase)
+        return self.writer.stripes
+
+    @property
+    def manifest_name(self) -> str:  # type: ignore[override]
+        return manifest_tmp_name(self.writer.image_id)
+
+    def files_needed(self) -> list[tuple[int, str]]:
+        """The parents' data files the client must still attach (a dump's parent is image #1)."""
+        return [(k + 1, name) for k, name in self.parent.needed()] if self.parent is not None else []
+
+    @property
+    def ready(self) -> bool:
+        return self.parent is None or self.parent.ready
+
+    async def attach_file(self, image: int, name: str, fd: int, direct: int | None) -> None:
+        """A parent's data file (`image` k >= 1: the k-th parent; 0 is this dump's own, named by its gpu_id)."""
+        if self.parent is None:
+            raise InvalidRequestError(f"{name!r} is not a file this session needs (a dump without a parent needs "
+                                      "only its own data files, each with its gpu_id)")
+        if image < 1:
+            raise InvalidRequestError(f"{name!r}: a dump's own data file names its gpu_id")
+        await self.parent.attach(image - 1, name, fd, direct)
+
+    def attach_data_file(self, image: int, name: str, gpu: int, stripe: int, fd: int,
+                         direct: int | None) -> DataFileWriter:
+        """The dump's data file for one GPU (one of its data_files_per_gpu: `stripe`): created by the client
+        under the name the image id gives it.  Attached, not yet written into (`publish_data_files`)."""
+        writer = self.writer
+        writer.check_stripe(gpu, stripe)
+        want = data_file_name(writer.image_id, gpu, stripe)
+        if image != 0 or name != want:
+            what = f"data file {stripe} of gpu_id {gpu:#x}" if stripe else f"data file of gpu_id {gpu:#x}"
+            raise InvalidRequestError(f"the {what} must be {want} (the client creates it as {want}.tmp); got "
+                                      f"{name!r} of image #{image}")
+        check_attached(fd, want + ".tmp", write=True)
+        if direct is not None:
+            check_direct(direct, fd, want + ".tmp", write=True)
+        return writer.attach(gpu, fd, direct, stripe, publish=False)
+
+    def publish_data_files(self, files: Sequence[DataFileWriter]) -> None:
+        self.writer.publish(files)
+
+    def detach_data_files(self, files: Sequence[DataFileWriter]) -> None:
+        self.writer.detach(files)
+
+    def intake(self, gpu_ids: frozenset[int]) -> Intake[BoSpec]:
+        return Intake(self, self.bo_spec, gpu_ids, self.chunk_size)
+
+    @staticmethod
+    def bo_spec(bo: rpc.Bo, ref: BoRef) -> BoSpec:
+        # an unset gpu_id reads as 0, the default GPU of a dump (positional: this runs once per BO)
+        return BoSpec(bo.id, bo.size, ref, bo.gpu_id, bo.alloc_flags, bo.va_addr, bo.name)
+
+    @staticmethod
+    def bo_gpu(bo: rpc.Bo) -> int:
+        return bo.gpu_id  # an unset gpu_id: 0, the dump's default GPU
+
+    def bo_chunks(self, bo: rpc.Bo) -> int:
+        """The chunks a BO makes; its GPU's first data file (stripe 0) must be attached before it."""
+        size = bo.size
+        if not size:
+            return 0
+        if (bo.gpu_id, 0) not in self.writer.files:
+            raise InvalidRequestError(f"no data file is attached for gpu_id {bo.gpu_id:#x} (AttachFiles it before "
+                                      "its first BO)", bo_id=bo.id)
+        return -(-size // self.chunk_size)
+
+    def seal(self, manifest_fd: int | None) -> None:
+        """Start: the manifest's file (`manifest_name`, created by the client), checked, written at the end."""
+        if manifest_fd is None:
+            raise InvalidRequestError("a dump's Start names the manifest's file (manifest_fd_index: "
+                                      f"{self.manifest_name}, created by the client)")
+        check_attached(manifest_fd, self.manifest_name, write=True)
+        self.writer.manifest_fd = manifest_fd
+
+    # --- the BOs --------------------------------------------------------------
 
     def _validate(self, specs: Sequence[BoSpec]) -> tuple[list[tuple[Backend, OpenItem]], VramdError | None]:
         """The checks that need no syscall, in BO order: what to open for the BOs before the first
