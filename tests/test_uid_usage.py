@@ -85,3 +85,14 @@ def test_a_sessions_fds_are_bounded_for_it_and_for_its_uid():
                 os.fstat(fd)  # closed by the sessions that held them
     finally:
         bundle.close()  # fds[3], never taken
+
+
+def test_connections_of_a_uid_are_bounded_by_the_limit_of_the_moment():
+    u = UidUsage(UidLimits(max_bos=1, max_fds=1), uid=9)
+    u.reserve_connection(2)
+    u.reserve_connection(2)
+    with pytest.raises(LimitExceededError, match=r"uid 9 has 2 connections open \(limit max_connections_per_uid = 2\)"):
+        u.reserve_connection(2)
+    u.reserve_connection(3)  # max_connections_per_uid raised by a reload
+    u.release_connection()
+    assert u.connections == 2

@@ -40,18 +40,24 @@ async def serve_connection(daemon: Daemon, sock: socket.socket) -> None:
             refusal = PermissionDeniedError(f"uid {uid} (gid {gid}) is not allowed to use vramd")
         elif len(daemon.connections) >= cfg.max_connections:
             refusal = LimitExceededError(f"too many connections (limit max_connections = {cfg.max_connections})")
-        elif (n := daemon.connections_of(uid)) >= cfg.max_connections_per_uid:
-            refusal = LimitExceededError(f"uid {uid} has {n} connections open "
-                                         f"(limit max_connections_per_uid = {cfg.max_connections_per_uid})")
+        else:
+            usage = daemon.sessions.usage_of(uid)
+            try:
+                usage.reserve_connection(cfg.max_connections_per_uid)
+            except LimitExceededError as e:
+                refusal = e
         if refusal is not None:
             await _refuse(daemon, channel, protocol, refusal, pid, uid)
             return
-        conn = daemon.register(channel, protocol, pid, uid, gid)
-        what = f"connection {conn.id}"
         try:
-            await _serve(daemon, conn)
+            conn = daemon.register(channel, protocol, pid, uid, gid)
+            what = f"connection {conn.id}"
+            try:
+                await _serve(daemon, conn)
+            finally:
+                daemon.unregister(conn)
         finally:
-            daemon.unregister(conn)
+            usage.release_connection()
     finally:
         await channel.close()  # bounded, and yields: a peer that floods the socket holds nobody else
         log.debug("%s closed", what)  # its socket, and every fd it sent, are closed by now

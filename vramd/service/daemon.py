@@ -306,7 +306,7 @@ class Daemon:
         return uid in self.allowed_uids or bool(({gid} | groups) & self.allowed_gids)
 
     def connections_of(self, uid: int) -> int:
-        return sum(1 for c in self.connections.values() if c.uid == uid)
+        return self.sessions.usage_of(uid).connections
 
     def register(self, channel: PacketChannel, protocol: ServerProtocol, pid: int, uid: int, gid: int) -> Connection:
         conn = Connection(self._next_conn, channel, protocol, pid, uid, gid)

@@ -47,13 +47,25 @@ class UidUsage:
 
     limits: UidLimits
     uid: int = 0
+    connections: int = 0
     sessions: int = 0
     bos: int = 0
     fds: int = 0
     queued: int = 0
     handling: int = 0
 
-    # --- sessions ------------------------------------------------------------
+    # --- connections and sessions ----------------------------------------------
+
+    def reserve_connection(self, limit: int) -> None:
+        """One more connection of the uid, up to `limit` (max_connections_per_uid: reloadable, so given here),
+        until `release_connection`."""
+        if self.connections >= limit:
+            raise LimitExceededError(f"uid {self.uid} has {self.connections} connections open "
+                                     f"(limit max_connections_per_uid = {limit})")
+        self.connections += 1
+
+    def release_connection(self) -> None:
+        self.connections -= 1
 
     def reserve_session(self) -> None:
         """One more session (being opened, then in the table until it is reaped: `release_session`)."""
