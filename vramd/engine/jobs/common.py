@@ -190,8 +190,15 @@ class JobBase(Generic[BoT, ItemT]):
 
     # --- what a session sees (interface.Job) ----------------------------------
 
-    data_files_per_gpu = 0  # the data files per GPU the client attaches for the job to write (a dump's)
-    manifest_name: str | None = None  # the file the client gives at Start (a dump's manifest), if any
+    @property
+    def data_files_per_gpu(self) -> int:
+        """The data files per GPU the client attaches for the job to write (a dump's); 0: none."""
+        return 0
+
+    @property
+    def manifest_name(self) -> str | None:
+        """The file the client gives at Start (a dump's manifest), if any."""
+        return None
 
     def files_needed(self) -> list[tuple[int, str]]:
         """The files of images the job reads that the client must still attach: (image, name)."""
@@ -218,7 +225,7 @@ class JobBase(Generic[BoT, ItemT]):
         """The data files of a refused message: never written into, nor listed."""
 
     def seal(self, manifest_fd: int | None) -> None:
-        """No more BOs; `manifest_fd`: the file named `manifest_name`, checked by the session's caller."""
+        """Start: no more BOs.  `manifest_fd`: the file named `manifest_name`, held by the session, or None."""
 
     def _release_all(self) -> None:
         for bo in self.bos.values():

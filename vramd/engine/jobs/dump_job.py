@@ -88,11 +88,11 @@ class DumpJob(JobBase[DumpBo, BoSpec]):
     # --- what a session sees (interface.Job) ----------------------------------
 
     @property
-    def data_files_per_gpu(self) -> int:  # type: ignore[override]  # (a class attribute in JobBase)
+    def data_files_per_gpu(self) -> int:
         return self.writer.stripes
 
     @property
-    def manifest_name(self) -> str:  # type: ignore[override]
+    def manifest_name(self) -> str:
         return manifest_tmp_name(self.writer.image_id)
 
     def files_needed(self) -> list[tuple[int, str]]:
