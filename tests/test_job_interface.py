@@ -10,8 +10,10 @@ import os
 
 import pytest
 import uvloop
+from helpers import memfd
 
 from vramd.backends import BoRef
+from vramd.client import SESSION_DUMP, SESSION_RESTORE, SESSION_VERIFY, Client, ClientBo
 from vramd.engine import Engine, EngineConfig
 from vramd.engine.jobs import Job
 from vramd.errors import InvalidRequestError, JobCancelledError
@@ -74,3 +76,32 @@ def test_a_dumps_bos_are_checked_and_counted_before_any_is_taken(tmp_path):
         assert (len(intake), intake.chunks, intake.chunk_size) == (2, 3, MiB)  # the refused BOs made no item
         intake.drop()  # nothing was opened ahead: nothing to release
     with_dump(body)
+
+
+def test_through_a_daemon_a_verify_takes_no_bos_and_a_restore_maps_no_unknown_gpu(daemon, image_dir):
+    """The same interface behind a real socket: a verify session refuses an AddBos (its job's intake), and a
+    restore target naming a GPU the daemon does not know is refused before any fd is taken; both sessions
+    go on as they were."""
+    _, dfd = image_dir
+    content = os.urandom(3 * 4096)
+    src, dst = memfd(content), memfd(size=len(content))
+    try:
+        with Client(daemon.socket) as c:
+            d = c.run_session(SESSION_DUMP, dfd, [ClientBo(1, src, size=len(content))])
+            assert d.state == rpc.SESSION_DONE
+            v = c.open_session(SESSION_VERIFY, dfd)
+            with pytest.raises(InvalidRequestError, match="a verify session takes no BOs"):
+                c.add_bos(v.token, [ClientBo(1, dst)])
+            assert c.wait(v.token).state == rpc.SESSION_DONE  # verified all the same
+            r = c.open_session(SESSION_RESTORE, dfd)
+            with pytest.raises(InvalidRequestError, match="gpu_id 0x4d2 is not a GPU of this daemon") as e:
+                c.add_bos(r.token, [ClientBo(1, dst, gpu_id=1234)])
+            assert e.value.bo_id == 1
+            assert c.progress(r.token).state == rpc.SESSION_OPEN and c.progress(r.token).progress.bos_total == 0
+            c.add_bos(r.token, [ClientBo(1, dst)])
+            c.start(r.token)
+            assert c.wait(r.token).state == rpc.SESSION_DONE
+        assert os.pread(dst, len(content) + 1, 0) == content
+    finally:
+        os.close(src)
+        os.close(dst)
