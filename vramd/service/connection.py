@@ -35,18 +35,9 @@ async def serve_connection(daemon: Daemon, sock: socket.socket) -> None:
     what = "refused connection"
     try:
         pid, uid, gid = channel.peercred()
-        refusal: VramdError | None = None
-        if not daemon.authorised(uid, gid, channel.peergroups()):
-            refusal = PermissionDeniedError(f"uid {uid} (gid {gid}) is not allowed to use vramd")
-        elif len(daemon.connections) >= cfg.max_connections:
-            refusal = LimitExceededError(f"too many connections (limit max_connections = {cfg.max_connections})")
-        else:
-            usage = daemon.sessions.usage_of(uid)
-            try:
-                usage.reserve_connection(cfg.max_connections_per_uid)
-            except LimitExceededError as e:
-                refusal = e
-        if refusal is not None:
+        try:
+            usage = _admit(daemon, channel, uid, gid)
+        except VramdError as refusal:
             await _refuse(daemon, channel, protocol, refusal, pid, uid)
             return
         try:
@@ -61,6 +52,19 @@ async def serve_connection(daemon: Daemon, sock: socket.socket) -> None:
     finally:
         await channel.close()  # bounded, and yields: a peer that floods the socket holds nobody else
         log.debug("%s closed", what)  # its socket, and every fd it sent, are closed by now
+
+
+def _admit(daemon: Daemon, channel: PacketChannel, uid: int, gid: int) -> UidUsage:
+    """The peer's uid's usage, this connection counted in it (until `release_connection`); raises why the peer
+    is refused."""
+    cfg = daemon.cfg
+    if not daemon.authorised(uid, gid, channel.peergroups()):
+        raise PermissionDeniedError(f"uid {uid} (gid {gid}) is not allowed to use vramd")
+    if len(daemon.connections) >= cfg.max_connections:
+        raise LimitExceededError(f"too many connections (limit max_connections = {cfg.max_connections})")
+    usage = daemon.sessions.usage_of(uid)
+    usage.reserve_connection(cfg.max_connections_per_uid)
+    return usage
 
 
 async def _refuse(daemon: Daemon, channel: PacketChannel, protocol: ServerProtocol, refusal: VramdError,
