@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sized
 from typing import Protocol
 
 from ..engine.pipeline import Progress
@@ -78,11 +78,13 @@ class Reported(Protocol):
     pid: int
     label: str
     image_id: bytes
-    holders: set[object]
     target_pids: set[int]
     started: float
     ended: float | None
     image: rpc.ImageSummary | None
+
+    @property
+    def holders(self) -> Sized: ...
 
     @property
     def state(self) -> rpc.SessionState: ...

@@ -191,21 +191,18 @@ class SessionTable:
 
     def hold(self, s: Session, conn: object) -> None:
         s.holders.add(conn)
-        if s.reap_timer is not None:
-            s.reap_timer.cancel()
-            s.reap_timer = None
 
     def let_go(self, s: Session, conn: object) -> None:
         """`conn` is gone; a session nobody holds is reaped after the grace period."""
         s.holders.discard(conn)
-        if not s.holders and s.token in self.by_token and s.reap_timer is None:
+        if not s.holders and s.token in self.by_token and s.holders.reap_timer is None:
             loop = asyncio.get_running_loop()
 
             def expire() -> None:
-                s.reap_timer = None
+                s.holders.reap_timer = None
                 if self.detach(s, "grace period over"):
-                    s.reap_task = loop.create_task(s.close("session reaped: grace period over"))  # referenced
-            s.reap_timer = loop.call_later(self.grace_period, expire)
+                    s.holders.reap_task = loop.create_task(s.close("session reaped: grace period over"))  # kept
+            s.holders.reap_timer = loop.call_later(self.grace_period, expire)
 
     def detach(self, s: Session, why: str) -> bool:
         """Take `s` out of the table (no token reaches it any more); False if it was not there.
@@ -223,9 +220,6 @@ class SessionTable:
             if held is not None:
                 held.discard(s)
         s.holders.clear()
-        if s.reap_timer is not None:
-            s.reap_timer.cancel()
-            s.reap_timer = None
         if not s.done:
             log.warning("session %d: no client holds it any more (%s); cancelling", s.id, why)
         return True

@@ -17,7 +17,6 @@ import asyncio
 import logging
 import secrets
 import time
-import weakref
 from collections.abc import Sequence
 
 from ..engine.jobs import BoIntake, Job
@@ -35,6 +34,7 @@ from ..pb import rpc_pb2 as rpc
 from ..protocol.fds import FdBundle
 from . import intake
 from .attach import attach_files
+from .holders import Holders
 from .metrics import Metrics
 from .session_report import RateMeter, account, image_summary, session_info, summary_line
 from .session_state import KIND_NAMES, Lifecycle
@@ -62,17 +62,12 @@ class Session:
         self.life = Lifecycle(id)
         self.image: rpc.ImageSummary | None = None
         self.held = HeldFds(usage, limits.max_fds, fds)
-        self.holders: set[object] = set()  # the connections that used its token
-        # the connection that opened it (a dump is committed there, and only there); weak: no cycle through its
-        # `sessions`, which the daemon's garbage collection policy would leave to full collections
-        self.opener: weakref.ref[object] | None = None
+        self.holders = Holders()  # the connections that used its token, the one that opened it, its reaping
         self.started = time.monotonic()
         self.ended: float | None = None
         self.bo_count = 0  # BOs taken (reserved by an AddBos under way, then added)
         self.chunks = 0    # a dump's chunks
         self.finisher: asyncio.Task[None] | None = None
-        self.reap_timer: asyncio.TimerHandle | None = None
-        self.reap_task: asyncio.Task[None] | None = None
         self.target_pids: set[int] = set()  # the pids of the /proc/<pid>/mem fds it was given
         self.rate_meter = RateMeter(self.started)
         self._done = asyncio.Event()
@@ -200,7 +195,7 @@ class Session:
             self._end_soon()
 
     def opened_by(self, conn: object) -> None:
-        self.opener = weakref.ref(conn)
+        self.holders.opened_by(conn)
 
     def opener_gone(self, conn: object) -> bool:
         """`conn` has closed.  If it opened this dump, nobody can commit the image any more (a dump is committed
@@ -208,7 +203,7 @@ class Session:
         period, and True is returned (the caller reaps it now unless another connection holds it).  A restore
         or verify goes on for its other holders (the offload: one process submits, another waits), as the
         grace period allows: False."""
-        if self.opener is None or self.opener() is not conn or self.kind != rpc.SESSION_DUMP:
+        if not self.holders.opened(conn) or self.kind != rpc.SESSION_DUMP:
             return False
         if not self.done:
             log.warning("session %d: the connection that opened the dump has closed; cancelling", self.id)
