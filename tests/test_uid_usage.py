@@ -96,3 +96,46 @@ def test_connections_of_a_uid_are_bounded_by_the_limit_of_the_moment():
     u.reserve_connection(3)  # max_connections_per_uid raised by a reload
     u.release_connection()
     assert u.connections == 2
+
+
+def test_a_session_nobody_holds_is_reaped_and_gives_back_its_uids_session():
+    """Through a real session table: a session held again keeps no reap timer; let go by its last holder, it is
+    reaped once the grace period is over, and its uid's session count is given back (a new one fits)."""
+
+    import uvloop
+
+    from vramd.engine import Engine, EngineConfig
+    from vramd.image.codec import Compression
+    from vramd.pb import rpc_pb2 as rpc
+    from vramd.service.metrics import Metrics
+    from vramd.service.session_table import SessionTable
+    from vramd.service.usage import SessionLimits
+
+    async def main():
+        engine = Engine(EngineConfig(staging_budget=16 << 20))
+        try:
+            table = SessionTable(engine, Metrics(), grace_period=0.0, max_per_uid=1, limits=SessionLimits(10, 10),
+                                 default_compression=Compression(), default_chunk_size=1 << 20)
+            dump = rpc.OpenSession(kind=rpc.SESSION_DUMP)
+            s = await table.open(dump, FdBundle([]), uid=5, pid=1)
+            with pytest.raises(LimitExceededError, match="max_sessions_per_uid"):
+                await table.open(dump, FdBundle([]), uid=5, pid=1)
+            assert (await table.open(dump, FdBundle([]), uid=6, pid=1)).uid == 6  # another uid's own count
+            a, b = object(), object()
+            table.hold(s, a)
+            table.let_go(s, a)
+            assert s.holders.reap_timer is not None  # nobody holds it: the grace period runs
+            table.hold(s, b)
+            assert s.holders.reap_timer is None and len(s.holders) == 1  # held again: no reaping
+            table.let_go(s, b)
+            await s.wait(None)  # reaped (closed: its job cancelled) once the grace period is over
+            await s.holders.reap_task
+            assert s.state == rpc.SESSION_CANCELLED and len(table) == 1 and table.usage_of(5).sessions == 0
+            again = await table.open(dump, FdBundle([]), uid=5, pid=1)
+            await table.close(again)
+            assert table.usage_of(5).sessions == 0
+            for other in list(table):
+                await table.close(other)
+        finally:
+            engine.close()
+    uvloop.run(main())
