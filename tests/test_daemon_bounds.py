@@ -681,8 +681,11 @@ def test_every_way_a_request_ends_gives_back_exactly_what_it_reserved(run_dir, t
                                                                         for i in range(200)])), [bo] * 200)
             s.close()
             conns += 7
-        for _ in range(conns + 20):  # every connection closed, and the sessions of those that hung up reaped
-            d.expect_log(r"connection \d+ closed|no client holds it any more \(grace period over\)")
+        # every connection closed, the sessions of those that hung up reaped, and the two sessions of each round
+        # (one closed by its client, one whose opener hung up) ended, their fds closed (their summary lines)
+        for _ in range(conns + 20 + 40):
+            d.expect_log(r"connection \d+ closed|no client holds it any more \(grace period over\)|"
+                         r"\(dump, uid \d+, pid \d+\): SESSION_CANCELLED: ")
         assert d.fds() == baseline
         s = waiting()  # exactly max_fds_per_uid taken behind the Wait, not one fd more
         send(s, rpc.Request(id=3, get_status=rpc.GetStatus()), [bo] * 253)

@@ -4,7 +4,7 @@ A child process adds 49,152 procmem BOs to one dump session in messages as
 big as the daemon takes (about 1 MiB, some 60,000 BOs each where the
 socket allows), while another times GetStatus round trips on its own
 connection.  The per-BO work of an AddBos runs on the event loop in steps
-of a few ms (sessions.ADD_STEP_SECONDS), and the full garbage collection
+of a few ms (service.intake.ADD_STEP_SECONDS), and the full garbage collection
 waits for a quiet moment, so the round trips stay short throughout.  (On
 main, before this, one such message held the loop for seconds.)
 

@@ -104,9 +104,15 @@ def test_an_oserror_in_a_handler_is_typed_not_internal(monkeypatch, caplog):
 
 
 class FailingJob:
-    """A job whose finish fails the way the daemon's own I/O does (e.g. a full disk at commit)."""
+    """A job whose finish fails the way the daemon's own I/O does (e.g. a full disk at commit): what a session
+    uses of the Job interface (engine/jobs/interface.py) to seal and end it."""
 
     error = None  # not failed before it finishes
+    ready = True  # needs no file
+    manifest_name = None  # Start gives no file
+
+    def seal(self, manifest_fd):
+        assert manifest_fd is None
 
     def __init__(self, exc: BaseException) -> None:
         self.exc = exc

@@ -1,9 +1,11 @@
 """A session's state moves only along the transition table; anything else is a bug (INTERNAL)."""
 from __future__ import annotations
 
-from vramd.errors import InternalError, JobCancelledError, VramdError
+import pytest
+
+from vramd.errors import InternalError, InvalidRequestError, JobCancelledError, JobError, VramdError
 from vramd.pb import rpc_pb2 as rpc
-from vramd.service.sessions import ENDED, TRANSITIONS, outcome_state
+from vramd.service.session_state import ENDED, TRANSITIONS, Lifecycle, outcome_state
 
 ENDS = {rpc.SESSION_DONE, rpc.SESSION_FAILED, rpc.SESSION_CANCELLED}
 
@@ -32,13 +34,58 @@ def test_outcome_state_follows_the_error():
 
 
 def test_an_illegal_move_is_internal():
-    from vramd.service.sessions import Session
+    life = Lifecycle(1)
+    life.enter(rpc.SESSION_DONE)
+    with pytest.raises(InternalError) as e:
+        life.enter(rpc.SESSION_SEALED)
+    assert "session 1: no transition SESSION_DONE -> SESSION_SEALED" in e.value.message
+    assert life.state == rpc.SESSION_DONE  # the bad move changed nothing
 
-    s = Session.__new__(Session)  # only the fields _enter looks at
-    s.id, s.state = 1, rpc.SESSION_DONE
-    try:
-        s._enter(rpc.SESSION_SEALED)
-    except InternalError as e:
-        assert "SESSION_DONE -> SESSION_SEALED" in e.message
-    else:
-        raise AssertionError("a finished session was sealed")
+
+def test_every_move_the_table_allows_and_no_other():
+    states = list(TRANSITIONS)
+    for a in states:
+        for b in states:
+            life = Lifecycle(7)
+            life.state = a  # (a Lifecycle is a plain record: its moves are what is tested)
+            if b == a or b in TRANSITIONS[a]:
+                life.enter(b)
+                assert life.state == b
+            else:
+                with pytest.raises(InternalError):
+                    life.enter(b)
+                assert life.state == a
+
+
+def test_a_failure_ends_a_running_session_at_once_and_its_first_error_stays():
+    life = Lifecycle(2)
+    first = JobError("copy failed")
+    assert life.running and life.stop(first)
+    assert life.state == rpc.SESSION_FAILED and life.error is first
+    assert not life.stop(JobError("a later one"))  # stopped already: nothing changes
+    life.end(JobError("what finish raised"))
+    assert life.state == rpc.SESSION_FAILED and life.error is first
+    with pytest.raises(JobError, match="copy failed"):
+        life.check_open()  # a failed session answers its own error
+
+
+def test_a_cancel_is_cancelling_until_the_job_ends():
+    life = Lifecycle(3)
+    life.enter(rpc.SESSION_SEALED)
+    assert life.stop(JobCancelledError("cancelled by the test"))
+    assert life.state == rpc.SESSION_CANCELLING and not life.running
+    life.end(JobCancelledError("cancelled by the test"))
+    assert life.state == rpc.SESSION_CANCELLED
+    life = Lifecycle(4)
+    life.stop(JobCancelledError("too late"))
+    life.end(None)  # the job had finished anyway: DONE, as CANCELLING allows
+    assert life.state == rpc.SESSION_DONE and life.error is None
+
+
+def test_a_bug_stops_a_session_as_internal_and_sealed_takes_no_more():
+    life = Lifecycle(5)
+    life.enter(rpc.SESSION_SEALED)
+    with pytest.raises(InvalidRequestError, match="SESSION_SEALED and takes no more BOs"):
+        life.check_open()
+    life.stop(KeyError("oops"))
+    assert life.state == rpc.SESSION_FAILED and life.error.code == "INTERNAL" and "KeyError" in life.error.message

@@ -42,7 +42,7 @@ from ..image.format import MAX_STRIPES
 from ..protocol.frames import DEFAULT_MAX_MESSAGE, SCM_MAX_FD
 from ..topology import CHECK_ENV, DEFAULT_ROOT
 from ..units import PAGE, MiB, parse_size
-from .sessions import dump_fds
+from .usage import dump_fds
 
 DEFAULT_GROUP = "vramd"
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -271,7 +271,7 @@ class DaemonConfig:
     def check(self, origin: str = "configuration") -> None:
         """What no single key can say: the relations between them.  Every rule the engine and the sessions apply
         to these settings when a dump or restore runs is checked here, by the very code they run
-        (`EngineConfig.problems`, `EngineConfig.default_job_problems`, `sessions.dump_fds`), so a configuration
+        (`EngineConfig.problems`, `EngineConfig.default_job_problems`, `usage.dump_fds`), so a configuration
         this accepts never makes every dump fail."""
         if self.staging_budget < self.chunk_size:
             raise ConfigError(origin, "staging_budget",

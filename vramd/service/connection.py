@@ -5,33 +5,19 @@ import asyncio
 import errno
 import logging
 import socket
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from ..errors import LimitExceededError, PermissionDeniedError, VramdError
 from ..protocol.fds import close_fds
 from ..protocol.server import Received, Reply, ServerProtocol, reply
 from .handlers import TAKES_FDS, dispatch
-from .sessions import Session, UidUsage
+from .host import Connection
+from .host import Host as Daemon  # what a connection sees of the daemon
 from .transport import PacketChannel
+from .usage import UidUsage
 
-if TYPE_CHECKING:
-    from .daemon import Daemon
+__all__ = ["MAX_PENDING_REFUSALS", "Connection", "serve_connection"]
 
 log = logging.getLogger("vramd.service.connection")
-
-
-
-@dataclass(eq=False)
-class Connection:
-    id: int
-    channel: PacketChannel
-    protocol: ServerProtocol
-    pid: int
-    uid: int
-    gid: int
-    sessions: set[Session] = field(default_factory=set)  # sessions whose token this connection used
-    waiting: asyncio.Future[None] | None = None          # a pending Wait, abandoned if the peer hangs up
 
 
 MAX_PENDING_REFUSALS = 64  # refused peers answered at once; past that, a refused peer is closed unanswered
@@ -49,26 +35,36 @@ async def serve_connection(daemon: Daemon, sock: socket.socket) -> None:
     what = "refused connection"
     try:
         pid, uid, gid = channel.peercred()
-        refusal: VramdError | None = None
-        if not daemon.authorised(uid, gid, channel.peergroups()):
-            refusal = PermissionDeniedError(f"uid {uid} (gid {gid}) is not allowed to use vramd")
-        elif len(daemon.connections) >= cfg.max_connections:
-            refusal = LimitExceededError(f"too many connections (limit max_connections = {cfg.max_connections})")
-        elif (n := daemon.connections_of(uid)) >= cfg.max_connections_per_uid:
-            refusal = LimitExceededError(f"uid {uid} has {n} connections open "
-                                         f"(limit max_connections_per_uid = {cfg.max_connections_per_uid})")
-        if refusal is not None:
+        try:
+            usage = _admit(daemon, channel, uid, gid)
+        except VramdError as refusal:
             await _refuse(daemon, channel, protocol, refusal, pid, uid)
             return
-        conn = daemon.register(channel, protocol, pid, uid, gid)
-        what = f"connection {conn.id}"
         try:
-            await _serve(daemon, conn)
+            conn = daemon.register(channel, protocol, pid, uid, gid)
+            what = f"connection {conn.id}"
+            try:
+                await _serve(daemon, conn)
+            finally:
+                daemon.unregister(conn)
         finally:
-            daemon.unregister(conn)
+            usage.release_connection()
     finally:
         await channel.close()  # bounded, and yields: a peer that floods the socket holds nobody else
         log.debug("%s closed", what)  # its socket, and every fd it sent, are closed by now
+
+
+def _admit(daemon: Daemon, channel: PacketChannel, uid: int, gid: int) -> UidUsage:
+    """The peer's uid's usage, this connection counted in it (until `release_connection`); raises why the peer
+    is refused."""
+    cfg = daemon.cfg
+    if not daemon.authorised(uid, gid, channel.peergroups()):
+        raise PermissionDeniedError(f"uid {uid} (gid {gid}) is not allowed to use vramd")
+    if len(daemon.connections) >= cfg.max_connections:
+        raise LimitExceededError(f"too many connections (limit max_connections = {cfg.max_connections})")
+    usage = daemon.sessions.usage_of(uid)
+    usage.reserve_connection(cfg.max_connections_per_uid)
+    return usage
 
 
 async def _refuse(daemon: Daemon, channel: PacketChannel, protocol: ServerProtocol, refusal: VramdError,
@@ -163,29 +159,19 @@ async def _serve(daemon: Daemon, conn: Connection) -> None:
 
 
 def _reserve(conn: Connection, usage: UidUsage, event: Received | Reply) -> Received | Reply:
-    """A request's fds count for its uid from now until it is handled (`_release`, then `handling` while it
-    is) or dropped; one that would
-    take the uid past max_fds_per_uid is answered LIMIT_EXCEEDED in its place, its fds closed at once.  No
-    await between the check and the count: every connection of the uid reserves from the same `usage`."""
+    """A request's fds count for its uid from now until it is handled (`UidUsage.start_handling`) or dropped;
+    one that would take the uid past max_fds_per_uid is answered LIMIT_EXCEEDED in its place, its fds closed at
+    once.  Every connection of the uid reserves from the same `usage`, atomically (`UidUsage.queue`)."""
     if not isinstance(event, Received) or not (n := len(event.fds)):
         return event
-    limit = usage.limits.max_fds
-    if usage.fds + usage.queued + usage.handling + n > limit:
+    try:
+        usage.queue(n)
+    except LimitExceededError as err:
         event.fds.close()
-        err = LimitExceededError(f"uid {conn.uid} would hold more than {limit} fds (max_fds_per_uid): {usage.fds} "
-                                 f"held by its sessions, {usage.queued + usage.handling} by its requests not yet "
-                                 f"handled or being handled, and this request carries {n}")
         log.warning("connection %d (pid %d uid %d): request %d refused: %s", conn.id, conn.pid, conn.uid,
                     event.request.id, err.message)
         return reply(event.request.id, err)
-    usage.queued += n
     return event
-
-
-def _release(usage: UidUsage, event: Received) -> None:
-    """`event` is handled now, or dropped: its fds no longer count as queued (the handler's session counts
-    those it keeps)."""
-    usage.queued -= len(event.fds)
 
 
 def _queue_refusal(conn: Connection, queue: asyncio.Queue[Received | Reply | None], usage: UidUsage,
@@ -204,7 +190,7 @@ def _drop_queued(queue: asyncio.Queue[Received | Reply | None], usage: UidUsage,
     while not queue.empty():
         ev = queue.get_nowait()
         if isinstance(ev, Received):
-            _release(usage, ev)
+            usage.unqueue(len(ev.fds))
             ev.fds.close()
         elif keep_replies:
             kept.append(ev)
@@ -222,14 +208,13 @@ async def _handle_queue(daemon: Daemon, conn: Connection, queue: asyncio.Queue[R
         # From queued to being handled: the fds still count for the uid while the handler may wait (an AddBos
         # or Start on its session's lock), until it has taken what it keeps and closed the rest.
         # (A request that takes no fds has them closed before it runs: a Wait holds none.)
-        _release(usage, event)
         held = len(event.fds) if event.request.WhichOneof("body") in TAKES_FDS else 0
-        usage.handling += held
+        usage.start_handling(len(event.fds), held)
         try:
             out = await dispatch(daemon, conn, event.request, event.fds)
         finally:
             event.fds.close()
-            usage.handling -= held
+            usage.done_handling(held)
         if out is None or not await _send_reply(conn, event.request.id, out):
             return
 

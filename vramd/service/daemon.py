@@ -23,9 +23,11 @@ from . import systemd
 from .config import RELOADABLE, DaemonConfig
 from .connection import Connection, serve_connection
 from .metrics import Metrics
+from .session_state import KIND_NAMES
 from .session_table import SessionTable
-from .sessions import KIND_NAMES, Session, SessionLimits, UidLimits
+from .sessions import Session
 from .transport import PacketChannel
+from .usage import SessionLimits, UidLimits
 
 log = logging.getLogger("vramd.service.daemon")
 SERVER = f"vramd {__version__}"
@@ -95,7 +97,7 @@ class Daemon:
             self.engine, self.metrics, grace_period=cfg.grace_period, max_per_uid=cfg.max_sessions_per_uid,
             limits=SessionLimits(cfg.max_bos_per_session, cfg.max_fds_per_session, cfg.max_chunks_per_session,
                                  self.gpu_ids),
-            uid_limits=UidLimits(cfg.max_bos_per_uid, cfg.max_fds_per_uid),
+            uid_limits=UidLimits(cfg.max_bos_per_uid, cfg.max_fds_per_uid, cfg.max_sessions_per_uid),
             topology=self.topology, topology_checks=cfg.topology_checks)
         self.connections: dict[int, Connection] = {}
         self.allowed_uids = set(cfg.allowed_uids) | {os.getuid()}  # the daemon's own uid, always
@@ -303,7 +305,7 @@ class Daemon:
         return uid in self.allowed_uids or bool(({gid} | groups) & self.allowed_gids)
 
     def connections_of(self, uid: int) -> int:
-        return sum(1 for c in self.connections.values() if c.uid == uid)
+        return self.sessions.usage_of(uid).connections
 
     def register(self, channel: PacketChannel, protocol: ServerProtocol, pid: int, uid: int, gid: int) -> Connection:
         conn = Connection(self._next_conn, channel, protocol, pid, uid, gid)

@@ -12,7 +12,7 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..errors import (
     InternalError,
@@ -27,15 +27,13 @@ from ..errors import (
 from ..pb import rpc_pb2 as rpc
 from ..protocol.fds import FdBundle
 from ..protocol.server import Reply, reply
+from .host import Connection
+from .host import Host as Daemon  # what a handler sees of the daemon
 from .sessions import Session
-
-if TYPE_CHECKING:
-    from .connection import Connection
-    from .daemon import Daemon
 
 log = logging.getLogger("vramd.service.handlers")
 
-Handler = Callable[["Daemon", "Connection", int, Any, FdBundle], Awaitable[Reply]]
+Handler = Callable[[Daemon, Connection, int, Any, FdBundle], Awaitable[Reply]]
 
 
 async def dispatch(daemon: Daemon, conn: Connection, req: rpc.Request, fds: FdBundle) -> Reply | None:

@@ -9,17 +9,12 @@ import asyncio
 import json
 import logging
 import os
-from collections import Counter
 from collections.abc import Iterator, Mapping
+from dataclasses import replace
 
-from ..engine import Engine, Job
-from ..errors import (
-    InvalidRequestError,
-    LimitExceededError,
-    NotFoundError,
-    PermissionDeniedError,
-    TopologyError,
-)
+from ..engine import Engine
+from ..engine.jobs import Job
+from ..errors import InvalidRequestError, LimitExceededError, NotFoundError, PermissionDeniedError, TopologyError
 from ..image.codec import Compression
 from ..image.reader import ImageReader
 from ..pb import image_pb2 as pb
@@ -27,7 +22,10 @@ from ..pb import rpc_pb2 as rpc
 from ..protocol.fds import FdBundle, close_fds
 from ..topology import CHECK_ENV, Checks, Topology, map_gpus
 from .metrics import Metrics
-from .sessions import KIND_NAMES, Session, SessionLimits, UidLimits, UidUsage, image_summary
+from .session_report import image_summary
+from .session_state import KIND_NAMES
+from .sessions import Session
+from .usage import SessionLimits, UidLimits, UidUsage
 
 log = logging.getLogger("vramd.service.sessions")
 
@@ -48,14 +46,14 @@ class SessionTable:
         self.max_per_uid = max_per_uid
         self.limits = limits
         self.by_token: dict[str, Session] = {}
-        self.uid_limits = uid_limits or UidLimits(limits.max_bos * max_per_uid, limits.max_fds * max_per_uid)
-        self.usage: dict[int, UidUsage] = {}  # what each uid's sessions hold
+        uid_limits = uid_limits or UidLimits(limits.max_bos * max_per_uid, limits.max_fds * max_per_uid)
+        self.uid_limits = replace(uid_limits, max_sessions=max_per_uid)
+        self.usage: dict[int, UidUsage] = {}  # what each uid's sessions and requests hold (usage.py)
         # CRIU's KFD_*_CHECK switches as configured; a restore request may override each
         self.topology_checks = dict(topology_checks or {})
         self.topology = topology  # this machine's KFD topology: saved by dumps, mapped onto by restores
         self._topology_json = json.dumps(topology.to_dict()).encode() if topology is not None else b""
         self._next_id = 1
-        self._opening: Counter[int] = Counter()  # sessions being opened, by uid (counted as open)
 
     def __len__(self) -> int:
         return len(self.by_token)
@@ -65,63 +63,59 @@ class SessionTable:
 
     def usage_of(self, uid: int) -> UidUsage:
         """What `uid`'s sessions and queued requests hold (one object per uid, for as long as the daemon runs)."""
-        return self.usage.setdefault(uid, UidUsage(self.uid_limits))
-
-    def sessions_of(self, uid: int) -> int:
-        """`uid`'s sessions in the table (ended but unclosed ones included) and those being opened."""
-        return sum(1 for s in self.by_token.values() if s.uid == uid) + self._opening[uid]
+        usage = self.usage.get(uid)
+        if usage is None:
+            usage = self.usage[uid] = UidUsage(self.uid_limits, uid)
+        return usage
 
     async def open(self, req: rpc.OpenSession, bundle: FdBundle, *, uid: int, pid: int) -> Session:
-        # Everything this open counts against its uid (a session, fds) is reserved before the first await,
-        # and given back if the open fails: concurrent opens cannot all pass one check.
-        if self.sessions_of(uid) >= self.max_per_uid:
-            raise LimitExceededError(f"uid {uid} already has {self.max_per_uid} sessions open "
-                                     "(max_sessions_per_uid)")
+        # Everything this open counts against its uid (a session, fds) is reserved before the first await
+        # (usage.py), and given back if the open fails: concurrent opens cannot all pass one check.
+        usage = self.usage_of(uid)
+        usage.reserve_session()  # counted from here until the session leaves the table (`detach`)
+        try:
+            s = await self._open(req, bundle, usage, uid, pid)
+        except BaseException:
+            usage.release_session()
+            raise
+        log.info("session %d (%s) opened by uid %d pid %d%s", s.id, s.kind_name, uid, pid,
+                 f" [{req.label}]" if req.label else "")
+        return s
+
+    async def _open(self, req: rpc.OpenSession, bundle: FdBundle, usage: UidUsage, uid: int, pid: int) -> Session:
         if req.kind not in KIND_NAMES:
             raise InvalidRequestError(f"unknown session kind {req.kind}")
         checks = self._checks(req)
-        usage = self.usage_of(uid)
         nparents = len(req.parent_manifest_fd_indexes)
         if nparents > MAX_PARENT_FDS:
             raise LimitExceededError(f"{nparents} parent manifests; at most {MAX_PARENT_FDS} are taken")
         reads = req.kind != rpc.SESSION_DUMP  # restore and verify read an image: its manifest comes along
-        if usage.fds + usage.queued + reads + nparents > self.uid_limits.max_fds:
-            raise LimitExceededError(f"uid {uid} would hold more than {self.uid_limits.max_fds} fds (max_fds_per_uid): "
-                                     f"{usage.fds} held by its sessions, {usage.queued} by its queued requests")
+        usage.reserve(fds=reads + nparents)  # until the Session, which counts them, is made
         fds: list[int] = []
-        reserved = 0
-        self._opening[uid] += 1
         try:
-            try:
-                if reads:
-                    fds.append(bundle.take(req.manifest_fd_index))
-                for i in req.parent_manifest_fd_indexes:  # held, like the image's, until the session ends
-                    fds.append(bundle.take(i))
-                usage.fds += len(fds)  # reserved until the Session, which counts them, is made
-                reserved = len(fds)
-                bundle.close()  # what the packet carried besides: not held, uncounted, while the image is read
-                manifest_fd = fds[0] if reads else None
-                job, manifest, image_id = await self._job(req, manifest_fd, checks, fds[reads:])
-            except BaseException:
-                usage.fds -= reserved
-                close_fds(fds)
-                raise
-            usage.fds -= reserved
-            s = Session(self._next_id, req.kind, uid, pid, req.label, job, self.limits, self.metrics, usage,
-                        fds=fds, image_id=image_id)
-            self._next_id += 1
-            if manifest is not None:  # the image a restore or verify reads
-                s.image = image_summary(manifest)
-            if req.replace_parent:
-                log.warning("session %d: uid %d replaces an image that incremental images are marked as needing "
-                            "(replace_parent)", s.id, uid)
-            if s.ready and req.kind == rpc.SESSION_VERIFY:
-                await s.seal()
-            self.by_token[s.token] = s  # counted in the table from here on, no longer as being opened
+            if reads:
+                fds.append(bundle.take(req.manifest_fd_index))
+            for i in req.parent_manifest_fd_indexes:  # held, like the image's, until the session ends
+                fds.append(bundle.take(i))
+            bundle.close()  # what the packet carried besides: not held, uncounted, while the image is read
+            manifest_fd = fds[0] if reads else None
+            job, manifest, image_id = await self._job(req, manifest_fd, checks, fds[reads:])
+        except BaseException:
+            close_fds(fds)
+            raise
         finally:
-            self._opening[uid] -= 1
-        log.info("session %d (%s) opened by uid %d pid %d%s", s.id, s.kind_name, uid, pid,
-                 f" [{req.label}]" if req.label else "")
+            usage.release(fds=reads + nparents)
+        s = Session(self._next_id, req.kind, uid, pid, req.label, job, self.limits, self.metrics, usage,
+                    fds=fds, image_id=image_id)
+        self._next_id += 1
+        if manifest is not None:  # the image a restore or verify reads
+            s.image = image_summary(manifest)
+        if req.replace_parent:
+            log.warning("session %d: uid %d replaces an image that incremental images are marked as needing "
+                        "(replace_parent)", s.id, uid)
+        if s.ready and req.kind == rpc.SESSION_VERIFY:
+            await s.seal()
+        self.by_token[s.token] = s
         return s
 
     def _checks(self, req: rpc.OpenSession) -> Checks:
@@ -195,21 +189,18 @@ class SessionTable:
 
     def hold(self, s: Session, conn: object) -> None:
         s.holders.add(conn)
-        if s.reap_timer is not None:
-            s.reap_timer.cancel()
-            s.reap_timer = None
 
     def let_go(self, s: Session, conn: object) -> None:
         """`conn` is gone; a session nobody holds is reaped after the grace period."""
         s.holders.discard(conn)
-        if not s.holders and s.token in self.by_token and s.reap_timer is None:
+        if not s.holders and s.token in self.by_token and s.holders.reap_timer is None:
             loop = asyncio.get_running_loop()
 
             def expire() -> None:
-                s.reap_timer = None
+                s.holders.reap_timer = None
                 if self.detach(s, "grace period over"):
-                    s.reap_task = loop.create_task(s.close("session reaped: grace period over"))  # referenced
-            s.reap_timer = loop.call_later(self.grace_period, expire)
+                    s.holders.reap_task = loop.create_task(s.close("session reaped: grace period over"))  # kept
+            s.holders.reap_timer = loop.call_later(self.grace_period, expire)
 
     def detach(self, s: Session, why: str) -> bool:
         """Take `s` out of the table (no token reaches it any more); False if it was not there.
@@ -218,7 +209,8 @@ class SessionTable:
         if self.by_token.get(s.token) is not s:
             return False
         del self.by_token[s.token]
-        s.usage.bos -= s.bo_count  # its BOs go with it (its fds are closed by its end)
+        s.usage.release(bos=s.bo_count)  # its BOs go with it (its fds are closed by its end)
+        s.usage.release_session()
         # No token reaches it any more: the connections that held it forget it (a long-lived connection that
         # looked at sessions others closed kept each, with its job and image, for as long as it lived)
         for conn in s.holders:
@@ -226,9 +218,6 @@ class SessionTable:
             if held is not None:
                 held.discard(s)
         s.holders.clear()
-        if s.reap_timer is not None:
-            s.reap_timer.cancel()
-            s.reap_timer = None
         if not s.done:
             log.warning("session %d: no client holds it any more (%s); cancelling", s.id, why)
         return True

@@ -13,13 +13,13 @@ import asyncio
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Any, Generic, NamedTuple, Protocol, TypeVar
+from typing import Generic, NamedTuple, TypeVar
 
 from ...backends import Backend, BoHandle, BoRef, CopyItem, CpuCopier, Direction, FdMemo, OpenItem, land_all
 from ...errors import BackendUnavailableError, InvalidRequestError, LimitExceededError, VramdError
 from ...hostmem.batchcopy import Outcome
 from ...hostmem.staging import StagingPool
-from ...pb import image_pb2 as pb
+from ...image.writer import DataFileWriter
 from ..pipeline import ChunkTask, Ends, Pipeline, Progress, ProgressCallback, StageTimes
 from ..stages import FilledT, ProductT
 
@@ -42,6 +42,10 @@ class RestoreTarget(NamedTuple):
     bo_id: int
     ref: BoRef
     gpu_id: int | None = None  # pool to run in; default: the BO's gpu_id in the image
+
+
+BoItem = BoSpec | RestoreTarget  # what a job takes per BO: a dump's specs, a restore's targets
+ItemT = TypeVar("ItemT", BoSpec, RestoreTarget)
 
 
 @dataclass(eq=False)
@@ -87,7 +91,7 @@ def submit_batch(copies: Sequence[tuple[Backend, CopyItem]]) -> asyncio.Future[N
     return land_all(futs)
 
 
-class Ahead(dict[int, tuple[Backend, OpenItem, BoHandle, Any]]):
+class Ahead(dict[int, tuple[Backend, OpenItem, BoHandle, BoItem]]):
     """BOs opened ahead in a worker thread (JobBase.open_ahead): bo_id -> (backend, what was opened, handle,
     the spec or target it was opened for).  `failed`: the BO whose open failed there, and its error: `add`
     raises it when it reaches that BO, without opening it again on the event loop (a failing procmem probe
@@ -148,28 +152,18 @@ def check_bo_range(bo_id: int, size: int, ref: BoRef, max_bo_bytes: int) -> None
                                   "64-bit file offset", bo_id=bo_id)
 
 
-class Job(Protocol):
-    """What a session sees of any job (dump, restore or verify)."""
-
-    ctx: JobContext
-
-    @property
-    def progress(self) -> Progress: ...
-
-    @property
-    def error(self) -> BaseException | None: ...
-
-    def on_fail(self, callback: Callable[[BaseException], None]) -> None: ...
-
-    def cancel(self, reason: str = "job cancelled") -> None: ...
-
-    def precheck(self, refs: Iterable[tuple[int, BoRef]]) -> None: ...
-
-    async def finish(self) -> pb.Manifest: ...
+def check_gpu(gpu: int, gpu_ids: frozenset[int], bo_id: int | None = None) -> None:
+    """A BO or a data file may only name a GPU the daemon knows (`gpu_ids`): each gpu_id gets its own pools and
+    lanes."""
+    if gpu not in gpu_ids:
+        known = ", ".join(f"{g:#x}" for g in sorted(gpu_ids))
+        raise InvalidRequestError(f"gpu_id {gpu:#x} is not a GPU of this daemon (known: {known})", bo_id=bo_id)
 
 
-class JobBase(Generic[BoT]):
-    """The machinery every job has: its pipeline, the backends it may use, the fds it checked."""
+class JobBase(Generic[BoT, ItemT]):
+    """The machinery every job has: its pipeline, the backends it may use, the fds it checked; and what a
+    session sees of a job that needs no file and takes no data file of its own (interface.Job: the jobs
+    override what they do differently)."""
 
     direction: Direction
 
@@ -200,6 +194,45 @@ class JobBase(Generic[BoT]):
         """Call `callback` once, with the first error, when the job fails (e.g. to end a session at once)."""
         self.pipeline.on_fail = callback
 
+    # --- what a session sees (interface.Job) ----------------------------------
+
+    @property
+    def data_files_per_gpu(self) -> int:
+        """The data files per GPU the client attaches for the job to write (a dump's); 0: none."""
+        return 0
+
+    @property
+    def manifest_name(self) -> str | None:
+        """The file the client gives at Start (a dump's manifest), if any."""
+        return None
+
+    def files_needed(self) -> list[tuple[int, str]]:
+        """The files of images the job reads that the client must still attach: (image, name)."""
+        return []
+
+    @property
+    def ready(self) -> bool:
+        """Every file of files_needed attached."""
+        return True
+
+    async def attach_file(self, image: int, name: str, fd: int, direct: int | None) -> None:
+        """A file of files_needed (`image` 0: the image the job reads; k: its k-th parent)."""
+        raise InvalidRequestError(f"{name!r} is not a file this session needs")
+
+    def attach_data_file(self, image: int, name: str, gpu: int, stripe: int, fd: int,
+                         direct: int | None) -> DataFileWriter:
+        """A data file the job writes (a dump's), attached but not yet written into (`publish_data_files`)."""
+        raise InvalidRequestError(f"{name!r}: this session writes no data file")
+
+    def publish_data_files(self, files: Sequence[DataFileWriter]) -> None:
+        """The data files of one message, all attached: written into from now on."""
+
+    def detach_data_files(self, files: Sequence[DataFileWriter]) -> None:
+        """The data files of a refused message: never written into, nor listed."""
+
+    def seal(self, manifest_fd: int | None) -> None:
+        """Start: no more BOs.  `manifest_fd`: the file named `manifest_name`, held by the session, or None."""
+
     def _release_all(self) -> None:
         for bo in self.bos.values():
             bo.release()
@@ -218,11 +251,11 @@ class JobBase(Generic[BoT]):
         self._usable[kind] = backend
         return backend
 
-    def _validate(self, todo: Sequence[Any]) -> tuple[list[tuple[Backend, OpenItem]], VramdError | None]:
+    def _validate(self, todo: Sequence[ItemT]) -> tuple[list[tuple[Backend, OpenItem]], VramdError | None]:
         """The job's checks that need no syscall (dump.py, restore.py); nothing to open by default."""
         return [], None
 
-    def open_ahead(self, todo: Sequence[Any]) -> Ahead:
+    def open_ahead(self, todo: Sequence[ItemT]) -> Ahead:
         """In a worker thread, before `add(todo, ahead)`: open what `add` will open, so that the
         event loop makes no syscall for these BOs (procmem's probes) and never waits for the GIL
         after one.  Only CPU-copy backends (procmem, mmap: fd checks, probes, sizes); nothing is
@@ -240,7 +273,7 @@ class JobBase(Generic[BoT]):
         ahead.update({item[0]: (backend, item, h, spec) for ((backend, item), spec), h in zip(opened, handles)})
         return ahead
 
-    def _validated(self, todo: Sequence[Any], ahead: Ahead | None) -> tuple[list[tuple[Backend, OpenItem]],
+    def _validated(self, todo: Sequence[ItemT], ahead: Ahead | None) -> tuple[list[tuple[Backend, OpenItem]],
                                                                            VramdError | None]:
         """`_validate(todo)`, unless `open_ahead` validated these very specs (the same objects, each opened and
         waiting in `ahead`): then its answer stands, and no BO is checked twice.  (Nothing can be added

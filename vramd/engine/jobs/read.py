@@ -26,12 +26,10 @@ from __future__ import annotations
 import asyncio
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import cast
 
-from ...backends import Direction
 from ...errors import CorruptChunkError, InternalError, TruncatedDataError, VramdError
 from ...hostmem.batchcopy import END_OF_FILE, HASH, RECORD, WHOLE, Copy, Outcome, copy_batch
 from ...hostmem.libc import cached_pages, memory_file
@@ -42,8 +40,8 @@ from ...image.format import HEAD_PEEK, record_head_length
 from ...image.reader import ImageReader, Loc
 from ...pb import image_pb2 as pb
 from ...units import PAGE, round_up
-from ..pipeline import DECLINED, HEAD_PAGE, ChunkTask, Clock, ProgressCallback, StageTimes, blame, settle
-from .common import CopiedBo, JobBase, JobContext
+from ..pipeline import DECLINED, HEAD_PAGE, ChunkTask, Clock, StageTimes, blame, settle
+from .common import CopiedBo
 from .dump import DIRECT_MIN
 
 
@@ -112,7 +110,7 @@ class ImageReadEnds(ABC):
     def inline(self, tasks: list[ChunkTask[ImageBo]]) -> bool:
         return self.buffers_per_chunk == 1 and all(t.bo.backend is None or t.bo.copier is not None for t in tasks)
 
-    def run(self, tasks: list[ChunkTask[ImageBo]], bufs: list[StagingBuffer], times: StageTimes | None) -> Any:
+    def run(self, tasks: list[ChunkTask[ImageBo]], bufs: list[StagingBuffer], times: StageTimes | None) -> object:
         """Read, check and copy out the batch here, unless it is one record that `_read_plan` would read with
         O_DIRECT from a device, not from the page cache (`_direct_read`).  The copy thread declines that one,
         and the three stages take it: an io thread reads and checks it (fill), the backend's threads copy it
@@ -343,49 +341,3 @@ class ImageReadEnds(ABC):
                 blame(e, t)
                 raise
         return decoded
-
-
-
-class ImageJob(JobBase[ImageBo]):
-    """A job over a committed image; finish() waits for every queued BO."""
-
-    direction = Direction.WRITE
-
-    def __init__(self, ctx: JobContext, reader: ImageReader, ends: ImageReadEnds,
-                 on_progress: ProgressCallback | None = None) -> None:
-        self.reader = reader
-        self.ends = ends
-        super().__init__(ctx, ends, on_progress)
-
-    @property
-    def manifest(self) -> pb.Manifest:
-        return self.reader.manifest
-
-    def _queue(self, bo: ImageBo) -> None:
-        self.pipeline.add(self._lane(bo), self._chunks(bo), bo.size)
-
-    def _lane(self, bo: ImageBo) -> int:
-        """The pipeline lane `bo`'s chunks go through: its GPU's."""
-        return bo.gpu_id
-
-    def _chunks(self, bo: ImageBo) -> Iterator[ChunkTask[ImageBo]]:
-        e, cs, size, locate = bo.manifest_entry, self.ends.chunk_size, bo.size, self.reader.locate  # bo.size: e's
-        for i, offset in enumerate(range(0, size, cs)):
-            loc = locate(e, i)
-            if loc is None:  # a hole
-                yield ChunkTask(bo, i, offset, min(cs, size - offset))
-            else:
-                yield ChunkTask(bo, i, offset, min(cs, size - offset), loc.offset, loc.length, loc)
-
-    def _check_complete(self) -> None:
-        """Called after every chunk landed, before the job reports success."""
-
-    async def finish(self) -> pb.Manifest:
-        """The barrier: wait until every queued BO is done (or the first error); returns the image's manifest."""
-        try:
-            await self.pipeline.wait()
-            self._check_complete()
-            return self.manifest
-        finally:
-            self._release_all()
-            self.reader.close()

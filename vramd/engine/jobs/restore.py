@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from ...backends import Backend, CopyItem, OpenItem
+from ...backends import Backend, BoRef, CopyItem, OpenItem
 from ...backends.base import holding
 from ...errors import IncompleteRestoreError, InvalidRequestError, VramdError
 from ...hostmem.batchcopy import copy_batch
@@ -11,9 +11,12 @@ from ...hostmem.staging import StagingBuffer
 from ...image.codec import DecodedChunk
 from ...image.format import chunk_count
 from ...image.reader import ImageReader
+from ...pb import rpc_pb2 as rpc
 from ..pipeline import ChunkTask, Clock, ProgressCallback, settle
 from .common import OFF_T_MAX, Ahead, JobContext, RestoreTarget, check_bo_range, landed, submit_batch
-from .read import ImageBo, ImageJob, ImageReadEnds
+from .image_job import ImageJob
+from .interface import Intake
+from .read import ImageBo, ImageReadEnds
 
 
 class RestoreEnds(ImageReadEnds):
@@ -52,6 +55,29 @@ class RestoreJob(ImageJob):
         self.gpu_map = gpu_map or {}  # image gpu_id -> present gpu_id (from the topologies)
         self.allow_partial = allow_partial  # BOs of the image may be left without a target
         super().__init__(ctx, reader, RestoreEnds(reader, ctx.pool, ctx.io), on_progress)
+
+    # --- what a session sees (interface.Job) ----------------------------------
+
+    def intake(self, gpu_ids: frozenset[int]) -> Intake[RestoreTarget]:
+        return Intake(self, self.bo_target, gpu_ids)
+
+    @staticmethod
+    def bo_target(bo: rpc.Bo, ref: BoRef) -> RestoreTarget:
+        return RestoreTarget(bo.id, ref, gpu_id=bo.gpu_id if bo.HasField("gpu_id") else None)
+
+    def bo_gpu(self, bo: rpc.Bo) -> int | None:
+        """Where a target runs: its gpu_id, else the image's BO's, mapped onto this machine's GPUs; None: the image
+        has no such BO (`add` reports it)."""
+        if bo.HasField("gpu_id"):
+            return bo.gpu_id
+        entry = self.reader.bos.get(bo.id)
+        return None if entry is None else self.gpu_map.get(entry.gpu_id, entry.gpu_id)
+
+    @staticmethod
+    def bo_chunks(bo: rpc.Bo) -> int:
+        return 0  # a restore stores no chunk
+
+    # --- the BOs --------------------------------------------------------------
 
     def _validate(self, targets: Sequence[RestoreTarget]) -> tuple[list[tuple[Backend, OpenItem]], VramdError | None]:
         """The checks that need no syscall, in BO order: what to open for the BOs before the first

@@ -1,6 +1,7 @@
 """The verify job: reads and checks every chunk of an image, writing nowhere."""
 from __future__ import annotations
 
+from ...errors import InvalidRequestError
 from ...hostmem.staging import StagingBuffer
 from ...image.codec import DecodedChunk
 from ...image.format import chunk_count
@@ -8,7 +9,9 @@ from ...image.reader import ImageReader
 from ...pb import image_pb2 as pb
 from ..pipeline import ChunkTask, ProgressCallback
 from .common import JobContext
-from .read import ImageBo, ImageJob, ImageReadEnds
+from .image_job import ImageJob
+from .interface import BoIntake
+from .read import ImageBo, ImageReadEnds
 
 # A verify moves no GPU memory: its lanes only set how many batches are in flight.  It spreads the
 # image's gpu_ids over at most this many (a node's GPU count), whatever an image names: each lane is
@@ -32,6 +35,9 @@ class VerifyJob(ImageJob):
         super().__init__(ctx, reader, VerifyEnds(reader, ctx.pool, ctx.io), on_progress)
         self._begun = False
         self._lanes: dict[int, int] = {}  # the image's gpu_id -> lane
+
+    def intake(self, gpu_ids: frozenset[int]) -> BoIntake:
+        raise InvalidRequestError("a verify session takes no BOs")
 
     def _lane(self, bo: ImageBo) -> int:
         return self._lanes.setdefault(bo.gpu_id, len(self._lanes) % VERIFY_LANES)
