@@ -17,7 +17,7 @@ from vramd.client import SESSION_DUMP, SESSION_RESTORE, SESSION_VERIFY, Client, 
 from vramd.engine import Engine, EngineConfig
 from vramd.engine.jobs import Job
 from vramd.errors import InvalidRequestError, JobCancelledError
-from vramd.image.format import data_file_name, manifest_tmp_name
+from vramd.image.names import data_file_name, manifest_tmp_name
 from vramd.pb import rpc_pb2 as rpc
 
 MiB = 1 << 20
