@@ -97,6 +97,7 @@ def replay(client: str, fixture: dict, c_driver: Path | None = None, setup: dict
     try:
         os.chmod(root, 0o755)
         make_dirs(fixture["setup"], root)
+        before = set(root.rglob("*"))
         steps = fixture["steps"] if base else without_direct(fixture["steps"])
         sock = str(root / "fake.sock")
         with FakeDaemon(sock, steps, image_dirs(root, fixture["setup"]), name=fixture["scenario"]) as fake:
@@ -110,9 +111,20 @@ def replay(client: str, fixture: dict, c_driver: Path | None = None, setup: dict
                 assert r.returncode == 0, r.stdout + r.stderr
                 outcomes = [line.split(" ", 1) for line in r.stdout.splitlines()]
             fake.result()
+        left = left_behind(root, before)
+        assert not left, f"{client} left {left} in the image directories after {fixture['scenario']}"
         return outcomes
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def left_behind(root: Path, before: set[Path]) -> list[str]:
+    """What a replay's client left in its directories that is not a committed image: a temporary, a lock, or
+    anything at all where no dump committed (a failed dump's files and marks are removed, its lock released)."""
+    new = {p for p in set(root.rglob("*")) - before if p.name not in ("fake.sock", "script")}
+    committed = any(p.name == "manifest.vrdm" for p in new)
+    return sorted(str(p.relative_to(root)) for p in new
+                  if p.name.endswith(".tmp") or p.name == ".lock" or not committed)
 
 
 def expected_outcomes(fixture: dict, client: str) -> list[list[str]]:
