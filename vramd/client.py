@@ -128,6 +128,8 @@ class Client:
             if isinstance(e, ev.Done):
                 return e.response
             if isinstance(e, ev.Failed):
+                if self.sock.fileno() < 0:
+                    self.close()  # a timeout closed the socket: every session's files go too
                 if type(e.error) is ConnectionError:
                     raise ConnectionError(f"the daemon at {self.path} closed the connection") from None
                 raise e.error
@@ -156,10 +158,15 @@ class Client:
                                                     socket.CMSG_SPACE(4 * 4))
         except TimeoutError:
             # The reply may still come and would be taken for the next request's: this
-            # connection is unusable now.  (Use wait(timeout=...) for bounded barriers.)
+            # connection is unusable now (_drive closes the rest of the Client once the
+            # machine has cleaned up).  (Use wait(timeout=...) for bounded barriers.)
             timeout = self.sock.gettimeout()
-            self.close()
-            raise TimeoutError(f"no reply from vramd within {timeout} s; connection closed") from None
+            self.sock.close()
+            self.machine.lost(TimeoutError(f"no reply from vramd within {timeout} s; connection closed"))
+            return
+        except OSError as e:  # EPIPE, ECONNRESET: the daemon is gone; the operation cleans up, then raises it
+            self.machine.lost(e)
+            return
         self.machine.receive(data, unpack_fds(anc), flags)
 
     def exchange(self, call: Call) -> rpc.Response:
