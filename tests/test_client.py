@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+import select
+from pathlib import Path
 
 import pytest
 from helpers import memfd
@@ -10,6 +12,9 @@ from vramd.client import SESSION_DUMP, SESSION_RESTORE, Client, ClientBo
 from vramd.image.names import MANIFEST_NAME, data_file_name
 from vramd.pb import rpc_pb2 as rpc
 from vramd.protocol import ConnState, SessionPhase, requests
+from vramd.testing.transcript import FakeDaemon, load
+
+FIXTURES = Path(__file__).resolve().parent / "transcripts"
 
 MiB = 1 << 20
 
@@ -115,3 +120,42 @@ def test_the_machine_driven_over_a_socket_of_ones_own(daemon):
         end = run()
         assert isinstance(end, Failed) and isinstance(end.error, NotFoundError) and m.state is ConnState.IDLE
     assert m.transcript is not None and len(m.transcript.steps) == 6
+
+
+def _fake_after_hello(run_dir, image: Path, then: list) -> FakeDaemon:
+    """A scripted daemon (vramd.testing.transcript) that answers Hello as the dump fixture's does, then `then`."""
+    steps = load(FIXTURES / "dump.json")["steps"]
+    return FakeDaemon(os.path.join(run_dir, "fake.sock"), [*steps[:2], *then], {os.path.realpath(image): 0}, timeout=10)
+
+
+def test_a_daemon_gone_under_a_request_fails_that_call_with_its_error_and_every_later_one(run_dir, image_dir):
+    """The daemon hangs up before OpenSession goes (sendmsg: EPIPE): that call raises the socket's error after
+    the dump's directory is let go (no lock left); the connection is CLOSED, so the next call raises
+    ConnectionError, not a PROTOCOL_ERROR about an operation still under way."""
+    path, dfd = image_dir
+    with _fake_after_hello(run_dir, path, [{"hangup": True}]) as fake:
+        c = Client(fake.path)
+        assert select.select([c.sock], [], [], 10)[0]  # the hang-up (EOF) has reached this end: sendmsg fails
+        with pytest.raises(BrokenPipeError):
+            c.open_session(SESSION_DUMP, dfd)
+        assert c.machine.state is ConnState.CLOSED and not c.machine.busy and os.listdir(path) == []
+        with pytest.raises(ConnectionError, match="closed the connection"):
+            c.status()
+        c.close()
+        fake.result()
+
+
+def test_a_reply_that_never_comes_closes_the_client_and_every_later_call_fails_as_a_closed_one(run_dir, image_dir):
+    """No reply to OpenSession within the Client's timeout: TimeoutError, the connection closed, the dump's
+    directory let go; a later call raises an OSError (ConnectionError), not a PROTOCOL_ERROR."""
+    path, dfd = image_dir
+    steps = load(FIXTURES / "dump.json")["steps"]
+    with _fake_after_hello(run_dir, path, [steps[2]]) as fake:  # takes OpenSession, answers nothing
+        c = Client(fake.path, timeout=0.5)
+        with pytest.raises(TimeoutError, match=r"no reply from vramd within 0\.5 s"):
+            c.open_session(SESSION_DUMP, dfd, compression="none", chunk_size=64 << 10, label="tx-dump")
+        assert c.machine.state is ConnState.CLOSED and not c.machine.busy and os.listdir(path) == []
+        with pytest.raises(ConnectionError):
+            c.status()
+        c.close()
+        fake.result()

@@ -29,6 +29,7 @@ from vramd.protocol import (
     OpenManifest,
     OpenSpec,
     ReleaseFiles,
+    Send,
     SessionPhase,
 )
 
@@ -136,6 +137,24 @@ def test_a_refused_attach_drops_its_data_files_and_the_next_add_bos_makes_them_a
     m.add_bos(TOKEN, [ClientBo(1, 7)])
     assert isinstance(drive(m, daemon, files), Done)
     assert files.events == [CreateDataFile(TOKEN, 0, 0, True)] and daemon.names()[-2:] == ["attach_files", "add_bos"]
+
+
+def test_a_transport_lost_under_an_attach_drops_its_data_files_and_closes_the_connection():
+    """The adapter's socket failed under AttachFiles (EPIPE): that batch's data files are dropped, the operation
+    fails with the socket's error, the connection is CLOSED (later calls: ConnectionError), nothing is sent."""
+    m, daemon, files = opened()
+    files.events.clear()
+    n = len(daemon.seen)
+    m.add_bos(TOKEN, [ClientBo(1, 7)])
+    while not isinstance(e := m.next_event(), Send):
+        files.answer(m, e)
+    pipe = BrokenPipeError(errno.EPIPE, "Broken pipe")
+    m.lost(pipe)
+    assert failed(drive(m, daemon, files), BrokenPipeError) is pipe
+    assert files.events == [CreateDataFile(TOKEN, 0, 0, True), DropDataFiles(TOKEN, ((0, 0),))]
+    assert m.state is ConnState.CLOSED and not m.busy and len(daemon.seen) == n
+    with pytest.raises(ConnectionError):
+        m.close_session(TOKEN)
 
 
 def test_a_data_file_that_cannot_be_created():

@@ -27,7 +27,7 @@ from collections.abc import Iterator, Mapping, Sequence
 
 from . import __version__
 from .errors import VramdError, WaitTimeoutError
-from .imagedir import DumpDirectory, ImageFiles, OpenedFile
+from .imagedir import DumpDirectory, ImageFiles, SessionFiles
 from .paths import TrustedUids, check_peer, check_socket_path, client_socket_path
 from .pb import rpc_pb2 as rpc
 from .protocol import events as ev
@@ -64,54 +64,6 @@ def topology_checks_from_env(environ: Mapping[str, str] | None = None) -> dict[s
     return out
 
 
-class _Local:
-    """This client's side of one session's image: the files it opened or created, and a dump's directory."""
-
-    def __init__(self, files: ImageFiles, dump: DumpDirectory | None) -> None:
-        self.files = files
-        self.dump = dump
-
-    def step(self, m: ClientMachine, e: ev.Event) -> None:
-        """Do the file step `e` asks for, and answer the machine."""
-        d = self.dump
-        if isinstance(e, ev.OpenManifest):
-            fd = self.files.manifest_fd if e.image == 0 else self.files.parent_manifest_fds[e.image - 1]
-            assert fd is not None, "a dump has no manifest of its own"
-            m.provide_fd(fd)
-        elif isinstance(e, ev.OpenDataFile):
-            (f,) = self.files.open_needed([(e.image, e.name)])
-            m.provide_file(_wire(f))
-        elif isinstance(e, ev.ReleaseFiles):
-            m.acknowledge()  # the Client forgets the session
-        else:
-            assert d is not None, f"{type(e).__name__} for a session that is not a dump"
-            if isinstance(e, ev.CreateDataFile):
-                m.provide_file(_wire(d.data_file(e.gpu_id, e.stripe)))
-                return
-            if isinstance(e, ev.CreateManifest):
-                m.provide_fd(d.manifest_file())
-                return
-            if isinstance(e, ev.BeginDump):
-                d.begin(e.image_id, e.data_files_per_gpu)
-            elif isinstance(e, ev.DropDataFiles):
-                d.drop([d.data[k] for k in e.files if k in d.data])
-            elif isinstance(e, ev.Commit):
-                d.commit()
-            m.acknowledge()
-
-    def close(self) -> None:
-        """Close every file; an uncommitted dump's files and marks are removed."""
-        try:
-            if self.dump is not None:
-                self.dump.close()
-        finally:
-            self.files.close()
-
-
-def _wire(f: OpenedFile) -> ClientFile:
-    return ClientFile(f.image, f.name, f.fd, f.direct_fd, f.gpu_id, f.stripe)
-
-
 class Client:
     """A connection to the daemon at `path` (default: `client_socket_path()`), authenticated before anything is
     sent (vramd.paths: the path's directories, then the listener's uid); UntrustedDaemonError if either belongs
@@ -126,7 +78,7 @@ class Client:
         check_socket_path(self.path, trusted)
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         self.sock.settimeout(timeout)
-        self._local: dict[str, _Local] = {}  # token -> the files of the sessions this client opened
+        self._local: dict[str, SessionFiles] = {}  # token -> the files of the sessions this client opened
         try:
             try:
                 self.sock.connect(self.path)
@@ -167,7 +119,7 @@ class Client:
 
     # --- the machine's driver ------------------------------------------------------
 
-    def _drive(self, opening: _Local | None = None) -> rpc.Response:
+    def _drive(self, opening: SessionFiles | None = None) -> rpc.Response:
         """Take the machine's events to the end of its operation: packets sent and received, file steps done
         (`opening`: the files of a session being opened); returns its response or raises its error."""
         m = self.machine
@@ -176,6 +128,8 @@ class Client:
             if isinstance(e, ev.Done):
                 return e.response
             if isinstance(e, ev.Failed):
+                if self.sock.fileno() < 0:
+                    self.close()  # a timeout closed the socket: every session's files go too
                 if type(e.error) is ConnectionError:
                     raise ConnectionError(f"the daemon at {self.path} closed the connection") from None
                 raise e.error
@@ -204,10 +158,15 @@ class Client:
                                                     socket.CMSG_SPACE(4 * 4))
         except TimeoutError:
             # The reply may still come and would be taken for the next request's: this
-            # connection is unusable now.  (Use wait(timeout=...) for bounded barriers.)
+            # connection is unusable now (_drive closes the rest of the Client once the
+            # machine has cleaned up).  (Use wait(timeout=...) for bounded barriers.)
             timeout = self.sock.gettimeout()
-            self.close()
-            raise TimeoutError(f"no reply from vramd within {timeout} s; connection closed") from None
+            self.sock.close()
+            self.machine.lost(TimeoutError(f"no reply from vramd within {timeout} s; connection closed"))
+            return
+        except OSError as e:  # EPIPE, ECONNRESET: the daemon is gone; the operation cleans up, then raises it
+            self.machine.lost(e)
+            return
         self.machine.receive(data, unpack_fds(anc), flags)
 
     def exchange(self, call: Call) -> rpc.Response:
@@ -252,7 +211,7 @@ class Client:
             if out is not None:
                 out.close()
             raise
-        local = _Local(files, out)
+        local = SessionFiles(files, out)
         spec = OpenSpec(kind, compression=compression, chunk_size=chunk_size, label=label,
                         allow_partial=allow_partial, topology_checks=tuple((topology_checks or {}).items()),
                         parents=len(parent_fds), parent_hint=parent_hint, dedup=dedup, replace_parent=replace_parent)

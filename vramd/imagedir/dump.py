@@ -142,11 +142,6 @@ class DumpDirectory:
             except OSError as e:
                 log.warning("%s not removed from %s: %s", tmp, self.where, e.strerror)
 
-    def file_source(self, gpu_id: int, stripe: int = 0) -> tuple[int, int | None]:
-        """`data_file`'s fds: an in-process ImageWriter's source of files (writer.LocalFiles)."""
-        f = self.data_file(gpu_id, stripe)
-        return f.fd, f.direct_fd
-
     def manifest_file(self) -> int:
         """The manifest's temporary file (created once)."""
         if self.manifest_fd is None:

@@ -7,7 +7,7 @@ request at a time, and refuses whatever breaks the protocol.  Its states:
 
     NEW --hello_request--> HELLO_SENT --receive(HelloReply)--> IDLE
     IDLE --send--> WAITING --receive(its response)--> IDLE
-    HELLO_SENT/WAITING --receive(empty packet, or a refusal with id 0)--> CLOSED
+    HELLO_SENT/WAITING --receive(empty packet, or a refusal with id 0), or lost()--> CLOSED
     any --ProtocolError--> ERROR
 
 A ProtocolError, whichever side caused it, moves the connection to ERROR
@@ -45,7 +45,7 @@ class ConnState(enum.Enum):
     HELLO_SENT = "hello-sent"  # Hello sent, its reply due
     IDLE = "idle"              # Hello answered: one request may be sent
     WAITING = "waiting"        # a request sent, its response due
-    CLOSED = "closed"          # the daemon closed the connection or refused it (a response with id 0)
+    CLOSED = "closed"          # the daemon closed the connection or refused it (a response with id 0), or it was lost
     ERROR = "error"            # a protocol error: nothing more is sent or taken
 
 
@@ -131,6 +131,11 @@ class ClientConnection:
             self.state = ConnState.NEW if out.request.WhichOneof("body") == "hello" else ConnState.IDLE
             if self.transcript is not None and self.transcript.steps:
                 self.transcript.steps.pop()
+
+    def lost(self) -> None:
+        """The transport failed under the waiting request (its packet perhaps partly sent, its answer unread:
+        EPIPE, ECONNRESET, a timeout): nothing more goes over this connection; CLOSED."""
+        self.state, self.waiting_for = ConnState.CLOSED, None
 
     def check_usable(self) -> None:
         """Raise unless requests may still go: ProtocolError in ERROR, ConnectionError once CLOSED."""

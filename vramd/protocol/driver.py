@@ -123,6 +123,13 @@ class EventDriver:
         self.connection.not_sent()
         self._throw = error
 
+    def lost(self, error: BaseException) -> None:
+        """The answer to `Send` when the transport failed (a broken pipe, a reset, no reply in time): the
+        connection is CLOSED; the operation cleans up what it can without it and fails with `error`."""
+        self._take(Send)
+        self.connection.lost()
+        self._throw = error
+
     def provide_fd(self, fd: int) -> None:
         """The answer to OpenManifest and CreateManifest (the fd stays the adapter's)."""
         self._take(*_FD_EVENTS)

@@ -18,8 +18,10 @@ and `Failed` is answered by exactly one call before the next `next_event()`:
 
 An adapter whose step fails answers `fail(exc)` instead: the machine cleans
 up (removes what it must, ends a session it cannot hand over) and then ends
-the operation with `Failed(exc)`.  Every fd handed to the machine stays the
-adapter's: the machine never opens, closes or names a file.
+the operation with `Failed(exc)`; a `Send` that did not go answers `not_sent(exc)` (the kernel refused the
+packet whole: the connection is still in step) or `lost(exc)` (the transport failed: the connection is
+CLOSED).  Every fd handed to the machine stays the adapter's: the machine never opens, closes or names a
+file.
 """
 from __future__ import annotations
 

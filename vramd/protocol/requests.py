@@ -14,8 +14,8 @@ from ..pb import rpc_pb2 as rpc
 from .client import Call, ClientBo, ClientFile, RequestBody, bo_message, file_ref
 from .frames import PROTOCOL_VERSIONS
 
-# What the image format allows a daemon to ask for (vramd.image.format keeps the same rules; a test checks
-# they agree): data files per GPU, and the names of data files.
+# What the image format allows a daemon to ask for (vramd.image.format's MAX_STRIPES and vramd.image.names'
+# DATA_FILE_NAME keep the same rules; a test checks they agree): data files per GPU, and the names of data files.
 MAX_DATA_FILES_PER_GPU = 16
 DATA_FILE_NAME = re.compile(r"data-[0-9a-f]{16}-[0-9a-f]{8}(-[1-9a-f])?\.vrd")
 TOKEN = re.compile(r"[0-9a-f]{32}")

@@ -22,8 +22,9 @@ the recorder applies them, the fake daemon understands them):
   logs: "python 0.1.0", "libvramd").
 - ``token``: the n-th distinct session token is ``f"{n:032x}"``; the fake
   issues the fixture's, and the client must send it back exactly.
-- ``session-id``: the n-th distinct session id is ``"n"`` (one recording
-  daemon serves every scenario; the ids are for logs, the clients pass them on).
+- ``session-id``: the n-th distinct session id is ``"n"``, in ``session_id``
+  fields and in messages ("session <id>") (one recording daemon serves every
+  scenario; the ids are for logs, the clients pass them on).
 - ``image-id``: the n-th distinct image id is the byte ``0x7n`` 16 times, in
   ``image_id`` fields and in every name or message that spells it in hex;
   the client names its dump's files after the id the fake issues.

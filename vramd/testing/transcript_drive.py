@@ -94,7 +94,8 @@ def client_bos(setup: Spec, fds: Mapping[int, int], *, restore_criu: bool = Fals
             continue
         out.append(ClientBo(bo_id, bo_fd(b, fds), offset=_int(b, "offset"), size=_int(b, "size"),
                             backend=_str(b, "backend"),
-                            gpu_id=_int(b, "gpu_id") if "gpu_id" in b else None, name=_str(b, "name")))
+                            gpu_id=_int(b, "gpu_id") if "gpu_id" in b else None, name=_str(b, "name"),
+                            alloc_flags=_int(b, "alloc_flags"), va_addr=_int(b, "va_addr")))
     return out
 
 

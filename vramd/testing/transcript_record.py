@@ -15,6 +15,7 @@ import base64
 import copy
 import json
 import os
+import re
 import shutil
 import socket
 import sys
@@ -60,6 +61,7 @@ class Normaliser:
             s = s.replace(raw.hex(), fixed.hex()).replace(raw.hex()[:16], fixed.hex()[:16])
         for raw_t, fixed_t in self.tokens.items():
             s = s.replace(raw_t, fixed_t)
+        s = re.sub(r"\bsession (\d+)\b", lambda m: f"session {self.sessions.get(m.group(1), m.group(1))}", s)
         return s.replace(self.real_root, "<root>").replace(self.root, "<root>")
 
     def value(self, v: JsonValue, key: str = "") -> JsonValue:
@@ -96,6 +98,8 @@ class Normaliser:
         for s in (out.get("recv"),):
             if isinstance(s, dict) and isinstance(info := s.get("session"), dict) and "image_id" in info:
                 self.image_id(base64.b64decode(str(info["image_id"])))
+            if isinstance(s, dict) and isinstance(info := s.get("session"), dict) and "session_id" in info:
+                self.value(info["session_id"], "session_id")  # session-id: messages name it before the field
         out = {k: self.value(v) for k, v in out.items()}
         return out
 

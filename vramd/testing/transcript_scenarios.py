@@ -99,8 +99,9 @@ SCENARIOS: list[Scenario] = [
                                 "ten BOs sharing one memfd at offsets",
                        "bos": MANY_BOS, "actions": [{"do": "connect"}, DUMP_OPEN, *SESSION]}, None),
     ("dump-options", {"about": "a dump with every OpenSession option the clients share: zstd, no dedup, "
-                               "replace_parent, a parent hint",
-                      "bos": BOS, "actions": [{"do": "connect"},
+                               "replace_parent, a parent hint; BOs with allocation flags and GPU addresses",
+                      "bos": [dict(b, alloc_flags=0x10 + k, va_addr=(k + 1) << 32) for k, b in enumerate(BOS)],
+                      "actions": [{"do": "connect"},
                                               dict(DUMP_OPEN, compression="zstd:3", no_dedup=True, replace_parent=True,
                                                    parent_hint="../elsewhere", label="tx-options"), *SESSION]},
      None),
@@ -116,6 +117,11 @@ SCENARIOS: list[Scenario] = [
                              "bos": RESTORE_BOS,
                              "actions": [{"do": "connect"}, dict(RESTORE_OPEN, parents=["parent"]), *SESSION]},
      _dump_chain()),
+    ("restore-partial", {"about": "a restore that may leave BOs of the image without a target (allow_partial): "
+                                  "one of its two BOs given",
+                         "bos": RESTORE_BOS[:1],
+                         "actions": [{"do": "connect"}, dict(RESTORE_OPEN, allow_partial=True), *SESSION]},
+     _dump_into("image")),
     ("wait-timeout", {"about": "a Wait with a timeout on a restore not started yet: TIMEOUT, the session goes on",
                       "bos": RESTORE_BOS,
                       "actions": [{"do": "connect"}, RESTORE_OPEN, {"do": "add_bos"},
@@ -126,7 +132,8 @@ SCENARIOS: list[Scenario] = [
     ("offload", {"about": "an offloaded restore: submitted on one connection (vramd_criu_restore_submit), attached "
                           "and waited on another (vramd_criu_restore_barrier)",
                  "bos": RESTORE_BOS,
-                 "actions": [{"do": "criu_restore_submit", "dir": "image", "label": "tx-offload", "backend": "mmap"},
+                 "actions": [{"do": "criu_restore_submit", "dir": "image", "label": "tx-offload", "backend": "mmap",
+                              "allow_partial": True},
                              {"do": "criu_restore_barrier"}]}, _dump_into("image")),
     ("open-refused", {"about": "an OpenSession the daemon refuses (an unknown compression)",
                       "bos": BOS, "actions": [{"do": "connect"}, dict(DUMP_OPEN, compression="bogus",

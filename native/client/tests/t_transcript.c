@@ -6,8 +6,8 @@
  *
  *   libvramd-transcript SCRIPT      one action per line (test_transcripts.py writes it from the setup):
  *     socket PATH
- *     bo ID MEMFD_SIZE SIZE HAS_GPU GPU BACKEND NAME FD_OF OFFSET   ("-": none; FD_OF: an earlier BO
- *                                                                 whose memfd this one shares)
+ *     bo ID MEMFD_SIZE SIZE HAS_GPU GPU BACKEND NAME FD_OF OFFSET ALLOC_FLAGS VA_ADDR
+ *                                                     ("-": none; FD_OF: an earlier BO whose memfd this one shares)
  *     connect | disconnect | add_bos | start | progress | close_session | criu_restore_barrier
  *     open KIND DIR COMPRESSION CHUNK_SIZE LABEL ALLOW_PARTIAL PARENT_HINT PARENTS NO_DEDUP REPLACE_PARENT
  *                                                                 (PARENTS: a,b or -)
@@ -101,6 +101,8 @@ static int add_bo(struct driver *d, char **w)
                                   .backend = opt(d->backends[i]),
                                   .has_gpu_id = atoi(w[4]) != 0,
                                   .gpu_id = (uint32_t)strtoul(w[5], NULL, 10),
+                                  .alloc_flags = strtoull(w[10], NULL, 10),
+                                  .va_addr = strtoull(w[11], NULL, 10),
                                   .name = opt(d->names[i])};
     d->criu_bos[i] = (struct vramd_criu_bo){.id = id, .fd = fd, .offset = d->bos[i].offset};
     return 0;
@@ -235,7 +237,7 @@ int main(int argc, char **argv)
             snprintf(d.socket, sizeof d.socket, "%s", w[1]);
             continue;
         }
-        if (strcmp(w[0], "bo") == 0 && n == 10) {
+        if (strcmp(w[0], "bo") == 0 && n == 12) {
             if (d.n_bos >= MAX_BOS || add_bo(&d, w) < 0) {
                 perror("t_transcript: bo");
                 return 2;
