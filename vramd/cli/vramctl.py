@@ -41,9 +41,23 @@ from .. import __version__
 from ..errors import VramdError
 from ..units import parse_size
 from .admin import cmd_cancel, cmd_selftest, cmd_sessions, cmd_status
-from .common import EXIT_FAILURE, EXIT_PIPE, Failure, parse_bo_file, parse_bo_target, parse_range, parse_session_ref
+from .common import (
+    EXIT_FAILURE,
+    EXIT_PIPE,
+    Failure,
+    parse_bo_file,
+    parse_bo_target,
+    parse_range,
+    parse_session_ref,
+    rate,
+    session_dict,
+)
+from .imagedir import read_manifest_offline
 from .images import cmd_flatten, cmd_gc, cmd_inspect, cmd_rm, cmd_verify
 from .transfer import cmd_dump, cmd_restore
+
+# What scripts imported from this module before vramctl was split by command group: still here.
+__all__ = ["build_parser", "main", "rate", "read_manifest_offline", "session_dict"]
 
 PARENT_HELP = ("an incremental image's parent directory, where it is not where the image recorded it (its own "
                "parents are then found where it recorded them)")
