@@ -3,7 +3,7 @@
 A job is created, given BOs (all at once or in batches, as an RPC session
 receives them), then finished: `finish()` is the barrier that waits for
 every chunk and, for a dump, writes the manifest and fsyncs the image's files
-(the client then commits them; in-process, the job's DumpDirectory does).  A
+(the client then commits them, vramd.inproc's client side included).  A
 job that fails or is cancelled is never committed, and whoever created its
 files removes them.
 """
