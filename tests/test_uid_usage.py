@@ -105,7 +105,6 @@ def test_a_session_nobody_holds_is_reaped_and_gives_back_its_uids_session():
     import uvloop
 
     from vramd.engine import Engine, EngineConfig
-    from vramd.image.codec import Compression
     from vramd.pb import rpc_pb2 as rpc
     from vramd.service.metrics import Metrics
     from vramd.service.session_table import SessionTable
@@ -114,8 +113,7 @@ def test_a_session_nobody_holds_is_reaped_and_gives_back_its_uids_session():
     async def main():
         engine = Engine(EngineConfig(staging_budget=16 << 20))
         try:
-            table = SessionTable(engine, Metrics(), grace_period=0.0, max_per_uid=1, limits=SessionLimits(10, 10),
-                                 default_compression=Compression(), default_chunk_size=1 << 20)
+            table = SessionTable(engine, Metrics(), grace_period=0.0, max_per_uid=1, limits=SessionLimits(10, 10))
             dump = rpc.OpenSession(kind=rpc.SESSION_DUMP)
             s = await table.open(dump, FdBundle([]), uid=5, pid=1)
             with pytest.raises(LimitExceededError, match="max_sessions_per_uid"):
