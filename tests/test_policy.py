@@ -62,6 +62,14 @@ def test_a_manifest_names_its_compression_as_the_cli_takes_it():
     assert compression_name(pb.Compression(codec=pb.CODEC_PLANES, automatic=True)) == "auto"  # no level recorded
 
 
+@pytest.mark.parametrize("text, level", [("zstd:0", 1), ("bplanes:0", 1), ("auto:0", 1)])
+def test_parse_level_0_is_the_default_level(text, level):
+    """A level of 0 (zstd's "its default") asks for vramd's default, 1, as it always has: the image records 1."""
+    c = Compression.parse(text)
+    assert c.level == level
+    assert compression_name(c.to_pb()) == f"{text.split(':')[0]}:{level}"
+
+
 @pytest.mark.parametrize("text", ["", "None", "zstd:", "zstd:23", "zstd:-8", "zstd:x", "zstd:+3", "zstd: 3",
                                   "zstd:3:4", "none:1", "bplanes:", "planes", "auto:abc", "lz4", " zstd", "zstd:1_0"])
 def test_parse_rejects(text):

@@ -36,8 +36,8 @@ class Compression:
 
     @classmethod
     def parse(cls, text: str) -> Compression:
-        """'none', 'zstd[:L]', 'bplanes[:L]' or 'auto[:L]' (L a zstd level, -7..22; default 1); ValueError naming
-        the accepted forms."""
+        """'none', 'zstd[:L]', 'bplanes[:L]' or 'auto[:L]' (L a zstd level, -7..22; default, and for 0: 1);
+        ValueError naming the accepted forms."""
         m = _SPEC.fullmatch(text)
         if m is None or (m.group(1) == "none" and m.group(2) is not None):
             raise ValueError(f"unknown compression {text!r} (accepted: {FORMS})")
@@ -47,7 +47,7 @@ class Compression:
         level = int(m.group(2)) if m.group(2) is not None else 1
         if not LEVELS[0] <= level <= LEVELS[1]:
             raise ValueError(f"zstd level {level} out of range ({LEVELS[0]}..{LEVELS[1]}) in {text!r}")
-        return cls(mode, level)
+        return cls(mode, level or 1)  # level 0 (zstd's "its default"): vramd's default, 1
 
     def __str__(self) -> str:
         """The form `parse` takes back."""

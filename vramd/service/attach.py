@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from ..engine.jobs import Job, check_gpu
+from ..engine.jobs.common import check_gpu
+from ..engine.jobs.interface import Job
 from ..image.writer import DataFileWriter
 from ..pb import rpc_pb2 as rpc
 from ..protocol.fds import FdBundle, close_fds

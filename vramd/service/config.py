@@ -36,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..engine import DEFAULT_CHUNK_SIZE, EngineConfig
+from ..engine.engine import DEFAULT_CHUNK_SIZE, EngineConfig
 from ..image.codec import Compression
 from ..image.format import MAX_STRIPES
 from ..protocol.frames import DEFAULT_MAX_MESSAGE, SCM_MAX_FD

@@ -15,7 +15,7 @@ import time
 
 from .. import __version__, topology
 from ..backends import REGISTRY
-from ..engine import Engine
+from ..engine.engine import Engine
 from ..errors import WIRE_ERRORS
 from ..pb import rpc_pb2 as rpc
 from ..protocol.server import ServerProtocol

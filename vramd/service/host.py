@@ -11,7 +11,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from ..engine import Engine
+from ..engine.engine import Engine
 from ..pb import rpc_pb2 as rpc
 from ..protocol.server import ServerProtocol
 from .config import DaemonConfig

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ..backends import BackendKind, BoRef
-from ..engine.jobs import BoIntake
+from ..engine.jobs.interface import BoIntake
 from ..pb import rpc_pb2 as rpc
 from ..protocol.fds import FdBundle
 

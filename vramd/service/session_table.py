@@ -12,8 +12,8 @@ import os
 from collections.abc import Iterator, Mapping
 from dataclasses import replace
 
-from ..engine import Engine
-from ..engine.jobs import Job
+from ..engine.engine import Engine
+from ..engine.jobs.interface import Job
 from ..errors import InvalidRequestError, LimitExceededError, NotFoundError, PermissionDeniedError, TopologyError
 from ..image.codec import Compression
 from ..image.reader import ImageReader

@@ -19,7 +19,7 @@ import secrets
 import time
 from collections.abc import Sequence
 
-from ..engine.jobs import BoIntake, Job
+from ..engine.jobs.interface import BoIntake, Job
 from ..errors import (
     InternalError,
     InvalidRequestError,

@@ -3,7 +3,7 @@
 A job is created, given BOs (all at once or in batches, as an RPC session
 receives them), then finished: `finish()` is the barrier that waits for
 every chunk and, for a dump, writes the manifest and fsyncs the image's files
-(the client then commits them; in-process, the job's DumpDirectory does).  A
+(the client then commits them, vramd.inproc's client side included).  A
 job that fails or is cancelled is never committed, and whoever created its
 files removes them.
 """
@@ -244,10 +244,10 @@ class JobBase(Generic[BoT, ItemT]):
         backend = self.ctx.backends.get(kind)
         if backend is None:
             raise BackendUnavailableError(
-                f"backend {kind!r} is not available (have: {', '.join(sorted(self.ctx.backends))})", bo_id=bo_id)
+                f"backend {str(kind)!r} is not available (have: {', '.join(sorted(self.ctx.backends))})", bo_id=bo_id)
         caps = backend.capabilities()
         if not (caps.can_read if self.direction is Direction.READ else caps.can_write):
-            raise BackendUnavailableError(f"backend {kind!r} cannot {self.direction.value}", bo_id=bo_id)
+            raise BackendUnavailableError(f"backend {str(kind)!r} cannot {self.direction.value}", bo_id=bo_id)
         self._usable[kind] = backend
         return backend
 

@@ -6,8 +6,8 @@ hole; bytes a record of this image or of a parent holds already, by their
 BLAKE3 content hash: `image.chunks.ChunkIndex`; or a record of its own,
 encoded by the image's codec, or as an XOR delta against the parent's chunk
 where that is smaller); drain writes the new records; finish builds the
-chunk table and writes the manifest (the client commits the image; in-process,
-the writer's DumpDirectory does).  Where every piece of a batch is a CPU
+chunk table and writes the manifest (the client commits the image, in-process
+too: vramd.inproc drives a session).  Where every piece of a batch is a CPU
 copy, one copy thread does all three for the batch (`DumpEnds.run`): one
 batchcopy call copies, scans for zeros and hashes (xxh3), then the content
 hashes, the encoding and the writes, into the first of the GPU's data files

@@ -36,7 +36,7 @@ class DumpJob(JobBase[DumpBo, BoSpec]):
     def __init__(self, ctx: JobContext, writer: ImageWriter, *, compression: Compression,
                  on_progress: ProgressCallback | None = None, parent: ImageReader | None = None,
                  parent_hint: str = "", dedup: bool = True, max_chain: int = DEFAULT_MAX_CHAIN) -> None:
-        """`writer`: the new image's files (attached by the client, or created in-process).
+        """`writer`: the new image's files (the client creates and attaches them, in-process too).
         `parent`: an incremental dump's parent image, opened with its own parents (the job closes it)."""
         self.parents: list[pb.ParentRef] = []
         self.index = ChunkIndex(dedup=dedup)
@@ -238,8 +238,8 @@ class DumpJob(JobBase[DumpBo, BoSpec]):
             yield ChunkTask(bo, i, off, min(self.chunk_size, bo.size - off))
 
     async def finish(self) -> pb.Manifest:
-        """Wait for every chunk, then write the manifest (`writer.commit`: the image is committed by the client,
-        or here by an in-process writer's DumpDirectory); returns the manifest."""
+        """Wait for every chunk, then write the manifest (`writer.commit`; the client then commits the image,
+        in-process too: vramd.inproc); returns the manifest."""
         try:
             await self.pipeline.wait()
             # CPU work that grows with the BOs: off the event loop (other clients are answered meanwhile)
