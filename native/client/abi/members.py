@@ -138,7 +138,8 @@ def signature_rule(old: Abi, new: Abi) -> list[str]:
     return bad
 
 
-CONST_RE = re.compile(r"^\s*(VRAMD_[A-Z0-9_]+)\s*=\s*(-?\d+)\s*,?|^#define\s+(VRAMD_[A-Z0-9_]+)\s+\(?(-?\d+)\)?\s*(?:/\*.*)?$")
+CONST_RE = re.compile(r"^\s*(VRAMD_[A-Z0-9_]+)\s*=\s*(-?\d+)\s*,?"
+                      r"|^#define\s+(VRAMD_[A-Z0-9_]+)\s+\(?(-?\d+)\)?\s*(?:/\*.*)?$")
 
 
 NOT_ABI = ("VRAMD_PROTOCOL_VERSION",)  # the wire protocol's version: a later library may speak a newer one
