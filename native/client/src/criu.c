@@ -25,16 +25,18 @@ void vramd_criu_bo_init(struct vramd_criu_bo *bo)
         *bo = (struct vramd_criu_bo)VRAMD_CRIU_BO_INIT;
 }
 
-/* The caller's config (NULL: the defaults) in this library's layout.  A config it cannot take has its sock_fd
- * closed all the same where that field can be read (the call takes the socket over in every case). */
-static int config_of(const struct vramd_criu_config *in, struct vramd_criu_config *cfg, struct vramd_error *err)
+/* The caller's config (NULL: the defaults) in this library's layout.  Where the call takes the socket over
+ * (`takes_socket`), a config it cannot take has its sock_fd closed all the same: sock_fd is a 1.0 member, at
+ * the same place in every layout, whatever struct_size says. */
+static int config_of(const struct vramd_criu_config *in, bool takes_socket, struct vramd_criu_config *cfg,
+                     struct vramd_error *err)
 {
     if (!in) {
         vramd_criu_config_init(cfg);
         return 0;
     }
     int r = vramd__abi_in(in, sizeof *cfg, VRAMD__CRIU_CONFIG_1_0, "vramd_criu_config", cfg, err);
-    if (r == -E2BIG && in->sock_fd >= 0)
+    if (r < 0 && takes_socket && in->sock_fd >= 0)
         vramd__close_fd(in->sock_fd);
     return r;
 }
@@ -96,7 +98,7 @@ static int criu_begin(const struct vramd_criu_config *in, int dir_fd, const stru
     size_t stride = sizeof(struct vramd_criu_bo);
     *list = NULL;
     *conn = NULL;
-    int r = config_of(in, cfg, err);
+    int r = config_of(in, true, cfg, err);
     if (r < 0)
         return r;
     if (n && !bos) {
@@ -226,7 +228,7 @@ int vramd_criu_restore_submit(const struct vramd_criu_config *config, int dir_fd
     vramd__clear_error(err);
     if (!ticket) {
         struct vramd_criu_config dflt;
-        if (config_of(config, &dflt, NULL) == 0 && dflt.sock_fd >= 0)
+        if (config_of(config, true, &dflt, NULL) == 0 && dflt.sock_fd >= 0)
             vramd__close_fd(dflt.sock_fd);
         return vramd__fail(err, -EINVAL, VRAMD_CODE_LOCAL, "vramd_criu_restore_submit: NULL argument");
     }
@@ -252,7 +254,7 @@ int vramd_criu_restore_attach(const struct vramd_criu_config *config, const stru
 {
     struct vramd_criu_config cfg;
     vramd__clear_error(err);
-    int r = config_of(config, &cfg, err);
+    int r = config_of(config, true, &cfg, err);
     if (r < 0)
         return r;
     if (!ticket || !conn) {
@@ -279,7 +281,7 @@ int vramd_criu_restore_finish(const struct vramd_criu_config *config, struct vra
 {
     struct vramd_criu_config cfg;
     vramd__clear_error(err);
-    int r = config_of(config, &cfg, err);
+    int r = config_of(config, false, &cfg, err);
     if (r < 0)
         return r;
     if (!conn || !ticket)
