@@ -30,18 +30,19 @@ def run(cmd: list[str], **kw) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600, **kw)
 
 
-def build_variant(tmp_path: Path, edit=None, c_args: str = "") -> Path:
-    """libvramd built from a copy of native/client (and rpc.proto), its client.h changed by `edit`."""
+def build_variant(tmp_path: Path, edit=None, c_args: str = "", edits: dict | None = None) -> Path:
+    """libvramd built from a copy of native/client (and rpc.proto), its client.h changed by `edit` and the
+    files named in `edits` (paths under native/client) by theirs."""
     tree = tmp_path / "tree"
     shutil.copytree(SRC, tree / "native" / "client", ignore=shutil.ignore_patterns("__pycache__"))
     (tree / "proto" / "vramd" / "pb").mkdir(parents=True)
     shutil.copy(ROOT / "proto" / "vramd" / "pb" / "rpc.proto", tree / "proto" / "vramd" / "pb" / "rpc.proto")
-    header = tree / "native" / "client" / HEADER
-    if edit:
-        text = header.read_text()
-        changed = edit(text)
-        assert changed != text, "the edit changed nothing"
-        header.write_text(changed)
+    for rel, change in (({HEADER: edit} if edit else {}) | (edits or {})).items():
+        path = tree / "native" / "client" / rel
+        text = path.read_text()
+        changed = change(text)
+        assert changed != text, f"the edit of {rel} changed nothing"
+        path.write_text(changed)
     build = tmp_path / "build"
     setup = ["meson", "setup", str(build), str(tree / "native" / "client"), "-Dtests=false", "-Dbench=false"]
     if c_args:
@@ -53,7 +54,9 @@ def build_variant(tmp_path: Path, edit=None, c_args: str = "") -> Path:
 
 
 def check(lib: Path) -> subprocess.CompletedProcess[str]:
-    return run([str(CHECK), str(lib)])
+    """check.sh on a variant's library and the headers it was built from."""
+    include = lib.parent.parent / "tree" / "native" / "client" / "include"
+    return run([str(CHECK), str(lib), *([str(include)] if include.is_dir() else [])])
 
 
 def test_the_build_matches_the_baseline():
@@ -125,4 +128,35 @@ def test_an_incompatible_change_fails_the_check(tmp_path, edit, struct):
     r = check(lib)
     assert r.returncode == 1, r.stdout + r.stderr
     assert f"struct {struct}" in r.stdout, r.stdout
+    assert "FAILED" in r.stderr
+
+
+def replace(old: str, new: str):
+    def edit(text: str) -> str:
+        assert text.count(old) == 1, old
+        return text.replace(old, new)
+    return edit
+
+
+@pytest.mark.parametrize("edits, what", [
+    # int -> long: abidiff reading the baseline reports nothing (abidw wrote vramd_wait without its symbol)
+    ({HEADER: replace("const struct vramd_token *token, int timeout_ms,",
+                      "const struct vramd_token *token, long timeout_ms,"),
+      Path("src/session.c"): replace("const struct vramd_token *t, int timeout_ms, struct vramd_session_info *info,",
+                                     "const struct vramd_token *t, long timeout_ms, struct vramd_session_info *info,")},
+     "function vramd_wait changed"),
+    # a member of an output struct reached only through a parameter, retyped
+    ({HEADER: replace("    uint64_t staging_in_use;\n", "    int64_t staging_in_use;\n")},
+     "function vramd_status changed"),
+    ({Path("src/libvramd.map"): replace("        vramd_cancel_by_id;\n", "")}, "vramd_cancel_by_id"),
+    # an enum callers pass as int: in no debug information, so only the header's constants show it
+    ({HEADER: replace("VRAMD_BACKEND_SDMA = 3,", "VRAMD_BACKEND_SDMA = 4,")}, "constant VRAMD_BACKEND_SDMA"),
+], ids=["parameter-retyped", "output-member-retyped", "function-removed", "enum-renumbered"])
+def test_a_changed_function_or_constant_fails_the_check(tmp_path, edits, what):
+    """A function's parameter retyped, a member of a struct it returns retyped, a function no longer exported,
+    an enum value renumbered: each fails the check, which names it."""
+    lib = build_variant(tmp_path, edits=edits)
+    r = check(lib)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert what in r.stdout, r.stdout
     assert "FAILED" in r.stderr

@@ -5,12 +5,15 @@
 # fails the check: a removed, reordered, inserted or retyped member, a removed or changed function, a new
 # function (a 1.x adds functions in a version node of its own, and the baseline is regenerated with it).
 # members.py holds the size-versioned structs to the growth rule member by member (the suppression alone
-# would let a reordered member through).
+# would let a reordered member through), compares every exported function's signature with its types
+# spelled out (abidiff reading the baseline misses the functions abidw wrote without their symbol), and
+# keeps the headers' enum values and constants (libvramd-1.0.consts) as they were.
 #
-#   native/client/abi/check.sh [LIB]            compare LIB (default: build/libvramd/libvramd.so.1, what
-#                                               ./dev.sh builds) with the baseline; exit 0 when compatible
-#   native/client/abi/check.sh --update [LIB]   regenerate the baseline from LIB: only for a reviewed change
-#                                               (a new 1.x symbol, or soname 2), committed with it
+#   native/client/abi/check.sh [LIB [INCLUDE]]  compare LIB (default: build/libvramd/libvramd.so.1, what
+#                                               ./dev.sh builds) and the headers in INCLUDE (default:
+#                                               native/client/include) with the baseline; exit 0 when compatible
+#   native/client/abi/check.sh --update [LIB [INCLUDE]]   regenerate the baseline from LIB and INCLUDE: only
+#                                               for a reviewed change (a new 1.x symbol, or soname 2)
 # Run by `./dev.sh check` (so by CI's .ci/run); tests/test_libvramd_abi.py checks that it can fail.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -21,7 +24,9 @@ if [ "${1:-}" = "--update" ]; then
     update=true
     shift
 fi
+consts="$here/libvramd-1.0.consts"
 lib="${1:-$root/build/libvramd/libvramd.so.1}"
+include="${2:-$root/native/client/include}"
 for tool in abidw abidiff; do
     command -v "$tool" >/dev/null || { echo "abi check: $tool is missing (Debian: abigail-tools; ./dev.sh installs it)" >&2; exit 2; }
 done
@@ -31,6 +36,7 @@ if $update; then
     # no paths, no source locations: the baseline depends on the ABI only, not on where or from what lines it was built
     abidw --no-corpus-path --no-comp-dir-path --no-show-locs "$lib" > "$baseline.tmp"
     mv "$baseline.tmp" "$baseline"
+    python3 "$here/members.py" --consts "$include" > "$consts"
     echo "abi check: baseline $baseline regenerated from $lib"
     exit 0
 fi
@@ -44,7 +50,7 @@ fi
 new_abi=$(mktemp)
 trap 'rm -f "$new_abi"' EXIT
 abidw --no-corpus-path --no-comp-dir-path --no-show-locs "$lib" > "$new_abi"
-python3 "$here/members.py" "$baseline" "$new_abi" || rc=$((rc | 8))
+python3 "$here/members.py" "$baseline" "$new_abi" "$consts" "$include" || rc=$((rc | 8))
 if [ "$rc" -ne 0 ]; then
     echo "abi check: FAILED: $lib is not ABI-compatible with $baseline (abidiff exit $rc; see include/vramd/client.h," \
          "\"ABI 1.0\"; a reviewed addition: native/client/abi/check.sh --update)" >&2

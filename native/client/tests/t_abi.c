@@ -178,6 +178,27 @@ static int t_abi_refusals(void)
     CHECK(r == -E2BIG && strstr(err.message, "vramd_criu_config"), "criu config with a tail: %d %s", r, err.message);
     CHECK(fcntl(sp[0], F_GETFD) < 0 && errno == EBADF, "the handed-over socket is still open");
     close(sp[1]);
+    /* a struct_size below the 1.0 layout (-EINVAL) closes it as well: the call takes it over in every case */
+    CHECK(socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sp) == 0, "socketpair");
+    struct vramd_criu_config small;
+    vramd_criu_config_init(&small);
+    small.struct_size = 8;
+    small.sock_fd = sp[0];
+    struct vramd_criu_ticket ticket;
+    r = vramd_criu_restore_submit(&small, dfd, &cb, 1, 0, &ticket, &err);
+    CHECK(r == -EINVAL && strstr(err.message, "vramd_criu_config"), "criu config of 8 bytes: %d %s", r, err.message);
+    CHECK(fcntl(sp[0], F_GETFD) < 0 && errno == EBADF, "the socket handed over with a short config is still open");
+    close(sp[1]);
+    /* vramd_criu_restore_finish takes no socket over (attach did, and its connection may own it): a config it
+     * refuses leaves sock_fd alone */
+    CHECK(socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sp) == 0, "socketpair");
+    fc.cfg.sock_fd = sp[0];
+    r = vramd_criu_restore_finish(&fc.cfg, NULL, &ticket, NULL, &err);
+    CHECK(r == -E2BIG && strstr(err.message, "vramd_criu_config"), "finish, config with a tail: %d %s", r,
+          err.message);
+    CHECK(fcntl(sp[0], F_GETFD) >= 0, "vramd_criu_restore_finish closed the config's sock_fd");
+    close(sp[0]);
+    close(sp[1]);
     close(src);
     close(dfd);
     remove_dir(path);

@@ -52,9 +52,10 @@
  *     symbol carries the version node VRAMD_1.0.  A later 1.x adds symbols in
  *     new nodes (VRAMD_1.1, ...) and never changes a 1.0 one; an incompatible
  *     change is libvramd.so.2.  native/client/abi/ holds the committed ABI
- *     baseline that CI compares every build with (libabigail's abidiff;
- *     native/client/abi/check.sh, --update regenerates it for a reviewed
- *     addition).
+ *     baseline that CI compares every build with (libabigail's abidiff,
+ *     plus members.py: every exported signature in depth and the enum values
+ *     and constants of these headers; native/client/abi/check.sh, --update
+ *     regenerates it for a reviewed addition).
  *   - Input structs are size-versioned: struct vramd_options, vramd_open_args,
  *     vramd_bo, vramd_criu_config and vramd_criu_bo begin with
  *     `uint32_t struct_size`.  Set it to sizeof the struct you were compiled
