@@ -246,7 +246,7 @@ static int lock_refused(struct vramd_error *err, int e, int dir_fd, const char *
 }
 
 /* `.lock` in dir_fd opened read-write, created 0600 where missing (by root: given to the directory's owner)
- * and checked as vramd.image.local does: a regular file, one link, of the directory's owner or of this uid,
+ * and checked as vramd.imagedir does: a regular file, one link, of the directory's owner or of this uid,
  * nobody else's to open.  0 with *out the fd, or -1 where `optional` and this uid may not create it (an out
  * parameter: any fd number, 0 and 1 too, may be the lock's where min_fd is 0); 1 where it went between the
  * create and the open; or -errno, err filled. */
@@ -307,7 +307,7 @@ static int open_lock_file(int dir_fd, const struct stat *owner, bool optional, i
     return lock_refused(err, EPERM, dir_fd, why);
 }
 
-/* vramd.image.local.RELEASE_SPINS, _YIELDS, _PAUSE: how often a shared taker looks again at a lock held
+/* vramd.imagedir.lock.RELEASE_SPINS, _YIELDS, _PAUSE: how often a shared taker looks again at a lock held
  * exclusively under an unchanged name (a sibling releasing its shared lock holds it so for one unlink, which a
  * preempted releaser may stretch to a time slice): yielding the CPU first, then after 1 ms pauses; a dump's
  * exclusive lock refuses a shared taker after about 0.2 s. */
@@ -334,7 +334,7 @@ static int flock_waiting_out_releases(int fd, int dir_fd, bool shared)
     return -EWOULDBLOCK;
 }
 
-/* The directory's lock, as vramd.image.local.take_lock takes it: its .lock, flocked (shared: a child's lock
+/* The directory's lock, as vramd.imagedir.take_lock takes it: its .lock, flocked (shared: a child's lock
  * of its parent), held while the name still is that file.  *lock_fd gets it (-1 where `optional` and this uid
  * may not create it); 0, or -EBUSY when another holds it, or -errno, err filled.  `label`: how messages name
  * the directory before its path. */
@@ -385,7 +385,7 @@ static int take_lock(int dir_fd, bool shared, bool optional, const char *label, 
 }
 
 /* Unlock: where no other holder is left, the name goes first (it exists only while held, or after a crash).
- * As vramd.image.local.DirectoryLock.release: an exclusive holder knows it is the only one; a shared one
+ * As vramd.imagedir.DirectoryLock.release: an exclusive holder knows it is the only one; a shared one
  * takes the lock exclusively at once, which succeeds only then, after checking the name (nobody removes it
  * while we hold the lock), so that its exclusive hold, which refuses a sibling, covers one unlink. */
 static void release_lock(int dir_fd, int lock_fd, bool shared)
@@ -693,7 +693,7 @@ static int mark_parent(struct vramd__dump *d, size_t i, struct vramd_error *err)
 }
 
 /* Whether the mark `name` in pfd names the directory `here`, and no other (format.parse_child_mark;
- * vramd.image.local.mark_names). */
+ * vramd.imagedir.mark_names). */
 static bool mark_names(int pfd, const char *name, const struct stat *here)
 {
     char text[16384 + 2];

@@ -76,7 +76,7 @@ static int owned_by_me(const char *dir, const char *name)
     return 0;
 }
 
-/* The directory's lock as vramctl and vramd.client take it (vramd.image.local.take_lock): its .lock file
+/* The directory's lock as vramctl and vramd.client take it (vramd.imagedir.take_lock): its .lock file
  * (created 0600 where missing), flocked with `how` (LOCK_SH or LOCK_EX, LOCK_NB added); the fd, or -1. */
 static int hold_lock(const char *dir, int how)
 {
@@ -650,7 +650,7 @@ static int t_lock_on_fd_one(void)
  * mark, so each vramd_open_session takes the parent's lock (shared), then its own, then refuses the directory
  * (-EINVAL, "the parent of 1 incremental image") and releases both, all locally: the lock is taken and
  * released at full speed.  The parent is $VRAMD_TEST_CHURN_PARENT where set (one whose lock other processes,
- * vramd.image.local's, take and release meanwhile: tests/test_libvramd.py), else one made here, whose .lock is
+ * vramd.imagedir's, take and release meanwhile: tests/test_libvramd.py), else one made here, whose .lock is
  * gone at the end.  (found by review: a sibling opening .lock as its last holder removed it was refused, "has
  * 0 links", and one flocking it while a releasing sibling held it exclusively for its unlink was -EBUSY) */
 static int t_sibling_lock_churn(void)
