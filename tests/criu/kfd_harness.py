@@ -105,19 +105,31 @@ def ns_command(state: str, topology: str, scratch: str, cmd: list[str]) -> list[
 
 
 _reaper_started = False
+_spared: set[int] = set()     # run_in_ns's own children: subprocess reaps them
+_ns_groups: set[int] = set()  # the process groups run_in_ns made (the tasks CRIU restores with --shell-job join them)
 
 
-def _reap_orphans(spared: set[int]) -> None:
-    """As child subreaper, reap the tasks CRIU kills whose parent died first (this machine's
-    init leaves them as zombies, and a zombie keeps the pid a restore needs)."""
+def _reap_orphans() -> None:
+    """As child subreaper, reap the tasks CRIU kills whose parent died first (this machine's init
+    leaves them as zombies, and a zombie keeps the pid a restore needs): only zombies of the process
+    groups run_in_ns made.  Every other child of this process (a daemon, vramctl, a plain
+    subprocess.run) is its owner's to reap: taken here, its exit status would be lost (its owner's
+    wait finds no child and reports 0)."""
     while True:
         try:
             info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOWAIT)
         except ChildProcessError:
             threading.Event().wait(0.05)   # no child at all right now
             continue
-        if info is None or info.si_pid in spared:
-            threading.Event().wait(0.05)   # subprocess reaps its own child
+        if info is None:
+            threading.Event().wait(0.05)
+            continue
+        try:
+            group = os.getpgid(info.si_pid)  # a zombie still has its process group
+        except ProcessLookupError:
+            continue                         # its owner reaped it meanwhile
+        if info.si_pid in _spared or group not in _ns_groups:
+            threading.Event().wait(0.05)     # someone else's child: its owner reaps it
             continue
         try:
             os.waitpid(info.si_pid, 0)
@@ -125,29 +137,28 @@ def _reap_orphans(spared: set[int]) -> None:
             pass
 
 
-_spared: set[int] = set()
-
-
-def _start_reaper() -> None:
+def start_reaper() -> None:
+    """Make this process the child subreaper of the tasks CRIU restores, and reap them (`_reap_orphans`)."""
     global _reaper_started
     if _reaper_started:
         return
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(36, 1, 0, 0, 0):          # PR_SET_CHILD_SUBREAPER
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
-    threading.Thread(target=_reap_orphans, args=(_spared,), daemon=True).start()
+    threading.Thread(target=_reap_orphans, daemon=True).start()
     _reaper_started = True
 
 
 def run_in_ns(state: str, topology: str, scratch: str, script: str, env: dict[str, str],
               timeout: float = 600) -> subprocess.CompletedProcess:
     """Runs a bash script inside the namespace (criu and the workload must share it)."""
-    _start_reaper()
+    start_reaper()
     # its own process group: a run cut short (timeout, ^C, SIGTERM) takes the workload with it,
     # which would otherwise run on holding the state's arenas
     p = subprocess.Popen(ns_command(state, topology, scratch, ["bash", "-c", script]), env={**os.environ, **env},
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, process_group=0)
     _spared.add(p.pid)
+    _ns_groups.add(p.pid)  # process_group=0: its own group, whose id is its pid
     try:
         out, err = p.communicate(timeout=timeout)
     except BaseException:

@@ -86,3 +86,35 @@ echo "host kfd mtime: $(stat -c %Y /dev/kfd)"
     assert out["ns host render"] == "host-render"
     assert out["host dri"] == "renderD128 "
     assert out["host kfd mtime"] == "0"
+
+
+REAPER_PROBE = r'''
+import os, subprocess, sys, threading
+sys.path.insert(0, sys.argv[1])
+import kfd_harness
+kfd_harness.start_reaper()           # as every KFD test's first run_in_ns does
+codes = []
+for _ in range(10):
+    p = subprocess.Popen(["sh", "-c", "exit 3"])
+    while True:                      # until it has exited: a zombie, or already taken by someone else
+        try:
+            with open(f"/proc/{p.pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    break
+        except FileNotFoundError:
+            break
+    threading.Event().wait(0.2)      # the reaper's turn (it polls every 50 ms): it must leave this child alone
+    codes.append(p.wait())
+print(codes)
+'''
+
+
+def test_the_kfd_harness_reaper_leaves_other_childrens_exit_statuses_to_their_owners():
+    """The KFD tests make the test process a child subreaper and reap the tasks CRIU leaves behind; it
+    used to reap every child it was not told about, so a later subprocess.run (vramctl verify, a
+    daemon) reported exit status 0 whatever the child returned.  In a process of its own (the reaper
+    stays for the process's life)."""
+    out = subprocess.run([sys.executable, "-c", REAPER_PROBE, os.path.dirname(os.path.abspath(__file__))],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str([3] * 10)
