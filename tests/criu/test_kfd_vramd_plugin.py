@@ -10,6 +10,7 @@ by pkg-config (the uninstalled vramd.pc meson writes into build/libvramd/meson-u
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -17,6 +18,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -84,8 +86,8 @@ def model(tmp_path_factory):
     return Model(str(tmp_path_factory.mktemp("kfd-build")))
 
 
-@pytest.fixture
-def daemon():
+@contextlib.contextmanager
+def running_daemon(**env: str):
     """A running vramd, its SDMA backend on the SDMA model (any GPU id: the model's device)."""
     from vramd.testing import DaemonProcess
 
@@ -95,10 +97,16 @@ def daemon():
         f.write(f'topology_root = "{run_dir}/no-topology"\ngpu_ids = [0x5d21, 0xa3f0]\n')
     try:
         with DaemonProcess(run_dir, "--grace-period", "60", "--config", cfg,
-                           env={"VRAMD_AMDGPU_LIBRARY": "model"}) as d:
+                           env={"VRAMD_AMDGPU_LIBRARY": "model", **env}) as d:
             yield d
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+@pytest.fixture
+def daemon():
+    with running_daemon() as d:
+        yield d
 
 
 class VCase(Case):
@@ -303,3 +311,28 @@ def _dead_or_dying(pid: int) -> bool:
     sigkill = 1 << 8
     return (status["State"][0] in "ZX" or status.get("Name", "").strip() != "kfd_workload"
             or bool(int(status["ShdPnd"], 16) & sigkill) or bool(int(status["SigPnd"], 16) & sigkill))
+
+
+def test_daemon_sigkilled_mid_dump_fails_the_dump_and_the_process_runs_on_unpaused(case, plugins):
+    """vramd is SIGKILLed while it copies the BOs out (its SDMA model slowed down, the kill sent
+    once the dumper waits for the session): criu dump fails, no amdgpu-vramd directory or file of
+    it is left, the plugin resumes the queues itself (CRIU runs no DUMP_DEVICES_LATE after a
+    failed dump) and the process runs on with every byte intact."""
+    case.use(plugins["vramd"])
+    a = case.state("state-a", TOPO_A)
+    with running_daemon(VRAMD_SDMA_MODEL_PACKET_DELAY_US="200000") as slow, ThreadPoolExecutor(1) as ex:
+        dump = ex.submit(case.run, DUMP, a, TOPO_A, extra=case.env(slow.socket, KEEP="1"))
+        slow.expect_log(r"connection \d+ waits for session \d+", timeout=120)
+        slow.proc.kill()
+        d = dump.result(timeout=300)
+    pid = int(d["pid"])
+    try:
+        log = case.log("dump.log")
+        assert d["dump"] != "0" and d["alive"] == "yes", log[-3000:]
+        _ok(d["checks"], 2)                              # before, and after the failed dump
+        assert re.search(r"vramd: dump into amdgpu-vramd-\d+/ failed: ", log), log[-3000:]
+        assert "vramd: process unpaused after the failed dump" in log
+        assert case.vramd_dirs() == [] and not [n for n in case.img() if "vrdm" in n or n.startswith("amdgpu-p")]
+        assert case.model.paused(a, pid) == 0
+    finally:
+        os.kill(pid, 15)
