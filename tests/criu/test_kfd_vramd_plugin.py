@@ -25,7 +25,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from criu_harness import Env
-from kfd_harness import REPO, Model
+from kfd_harness import FIXTURES, REPO, Model
 from test_kfd_stock_plugin import DUMP, MIB, RESTORE, TOPO_A, Case
 
 ENV = Env()
@@ -336,3 +336,51 @@ def test_daemon_sigkilled_mid_dump_fails_the_dump_and_the_process_runs_on_unpaus
         assert case.model.paused(a, pid) == 0
     finally:
         os.kill(pid, 15)
+
+
+TOPO_B = str(FIXTURES / "2gpu-mi100-xgmi-host2")
+
+
+def test_restore_onto_another_host_remaps_gpus_and_vramd_fills_the_bos(case, plugins, daemon):
+    """Dumped on host A (gpu_ids 0x5D21/0xA3F0), restored on host B (0x77C4/0x1B09): the plugin's
+    own topology match picks B's GPUs, vramd fills the BOs the RESTORE ioctl made there."""
+    case.use(plugins["vramd"])
+    a, b = case.state("state-a", TOPO_A), case.state("state-b", TOPO_B)
+    env = case.env(daemon.socket)
+    d = case.run(DUMP, a, TOPO_A, extra=env)
+    assert d["dump"] == "0", case.log("dump.log")[-3000:]
+    r = case.run(RESTORE, b, TOPO_B, extra=env)
+    log = case.log("restore.log")
+    assert r["restore"] == "0", log[-3000:]
+    _ok(r["checks"], 1)
+    assert "GPU: 0x5D21 -> 0x" in log and "GPU: 0x5D21 -> 0x5D21" not in log
+    assert re.search(r"amdgpu_plugin: vramd: restore of task \d+ done", log)
+    assert case.model.counters(b)["calls"]["restore"] == 1 and case.model.counters(a)["calls"]["restore"] == 0
+
+
+def test_a_flipped_image_byte_fails_the_restore_naming_the_bo_and_offset(case, plugins, daemon):
+    """One byte of the vramd image's data file flipped: the copy fails, the log names the BO and
+    the offset, and criu restore fails with no task left (the flip is not reported as success)."""
+    case.use(plugins["vramd"])
+    a = case.state("state-a", TOPO_A)
+    env = case.env(daemon.socket)
+    d = case.run(DUMP, a, TOPO_A, extra=env)
+    assert d["dump"] == "0", case.log("dump.log")[-3000:]
+    (vdir,) = case.vramd_dirs()
+    path = os.path.join(case.work, "img", vdir)
+    data = max((n for n in os.listdir(path) if n.startswith("data-")),
+               key=lambda n: os.path.getsize(os.path.join(path, n)))
+    with open(os.path.join(path, data), "r+b") as f:
+        size = f.seek(0, os.SEEK_END)
+        f.seek(size // 2)
+        byte = f.read(1)
+        f.seek(size // 2)
+        f.write(bytes([byte[0] ^ 0x40]))
+    r = case.run(RESTORE, a, TOPO_A, extra=env)
+    log = case.log("restore.log")
+    assert r["restore"] != "0" and r["alive"] == "no", log[-3000:]
+    m = re.search(r"vramd: (restore of task \d+|restore from amdgpu-vramd-\d+/) failed: .*\[(\w+)\] \(BO (\d+) offset "
+                  r"(\d+)\)", log)
+    assert m, log[-3000:]
+    assert m.group(2) == "CORRUPT_CHUNK", m.group(0)
+    assert case.model.counters(a)["calls"]["resume"] == 0
