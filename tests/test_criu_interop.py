@@ -304,3 +304,86 @@ def test_export_refuses_an_image_not_imported(daemon, tmp_path):
     err = json.loads(r.stdout)["error"]
     assert err["code"] == "CORRUPT_CHUNK" and err["bo_id"] is not None and err["offset"] is not None, err
     assert sorted(os.listdir(out_dir)) == before
+
+
+def plugin_image(img_dir, ck, file_id):
+    """A vramd image of amdgpu-kfd-<file_id>.img's BOs as the vramd plugin dumps one (through vramd.inproc, from
+    memfds holding the stock pages files' bytes): BO id = bucket index, no name, the user gpu_id, VA and flags."""
+    import uvloop
+
+    from vramd import inproc
+    from vramd.backends import BoRef
+    from vramd.engine import BoSpec, Engine
+    kfd = cpb.CriuKfd()
+    kfd.ParseFromString((ck / f"amdgpu-kfd-{file_id}.img").read_bytes()[8:])
+    offsets = {}
+    specs, fds = [], []
+    for i, e in enumerate(kfd.bo_entries):
+        if not e.alloc_flags & (VRAM | GTT):
+            continue
+        off = offsets.setdefault(e.gpu_id, 8)
+        offsets[e.gpu_id] = off + e.size
+        with open(ck / f"amdgpu-pages-{file_id}-{e.gpu_id:04x}.img", "rb") as f:
+            f.seek(off)
+            data = f.read(e.size)
+        fd = os.memfd_create(f"bo{i}")
+        os.write(fd, data)
+        fds.append(fd)
+        specs.append(BoSpec(i, e.size, BoRef("mmap", fd, 0), gpu_id=e.gpu_id, alloc_flags=e.alloc_flags,
+                            va_addr=e.addr))
+    img_dir.mkdir()
+    dfd = os.open(img_dir, os.O_RDONLY | os.O_DIRECTORY)
+
+    async def go():
+        async with Engine() as eng:
+            return await inproc.dump(eng, dfd, specs)
+    try:
+        uvloop.run(go())
+    finally:
+        for fd in [dfd, *fds]:
+            os.close(fd)
+
+
+def test_the_vramd_plugins_layout(daemon, tmp_path):
+    """The vramd plugin keeps amdgpu-kfd-<id>.img and writes an image per KFD file, amdgpu-vramd-<id>/, whose BO
+    i is bucket i (docs/criu-integration.md).  export-criu writes such an image's pages files (the KFD file
+    from the directory's name), and import-criu --kfd makes one from a stock checkpoint."""
+    ck, out_dir = tmp_path / "ck", tmp_path / "ck2"
+    stock_dir(ck)
+    metadata_copy(ck, out_dir)
+    plugin_image(out_dir / "amdgpu-vramd-7", ck, 7)
+    r = vramctl("export-criu", str(out_dir / "amdgpu-vramd-7"), str(out_dir), "--json", socket=daemon.socket)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["pages_files"] == ["amdgpu-pages-7-1a2b.img", "amdgpu-pages-7-3c4d.img"]
+    for name in ("amdgpu-pages-7-1a2b.img", "amdgpu-pages-7-3c4d.img"):
+        assert (out_dir / name).read_bytes() == (ck / name).read_bytes(), name
+    assert not any(n.startswith("amdgpu-drm-pages-") for n in os.listdir(out_dir))  # the render node's are not its
+
+    # import-criu --kfd: the same layout (ids = bucket indices, the stock gpu_ids offline), and back
+    img = tmp_path / "ck3" / "amdgpu-vramd-7"
+    r = vramctl("import-criu", str(ck), str(img), "--kfd", "7", "--offline")
+    assert r.returncode == 0, r.stderr
+    info = json.loads(vramctl("inspect", str(img), "--json").stdout)
+    assert sorted((b["id"], b["gpu_id"], b["size"]) for b in info["bos"]) == [
+        (0, G1, 2 * MIB), (1, G2, 3 * MIB + 8192), (4, G1, 64 << 10), (5, G2, 2 * MIB)]
+    out3 = tmp_path / "ck3"
+    metadata_copy(ck, out3 / "meta")
+    r = vramctl("export-criu", str(img), str(out3 / "meta"), socket=daemon.socket)  # the daemon has none of those
+    assert r.returncode == 0, r.stderr                                              # GPUs: its default GPU copies
+    assert pages_files(out3 / "meta") == ["amdgpu-pages-7-1a2b.img", "amdgpu-pages-7-3c4d.img"]
+    for name in pages_files(out3 / "meta"):
+        assert (out3 / "meta" / name).read_bytes() == (ck / name).read_bytes(), name
+
+    # a plugin image of another process's BOs: VA and flags disagree with the metadata's
+    kfd = cpb.CriuKfd()
+    kfd.ParseFromString((out_dir / "amdgpu-kfd-7.img").read_bytes()[8:])
+    kfd.bo_entries[4].addr += 1 << 21
+    write_img(out_dir / "amdgpu-kfd-7.img", kfd.SerializeToString())
+    r = vramctl("export-criu", str(out_dir / "amdgpu-vramd-7"), str(out_dir), "--offline", "--json")
+    assert r.returncode == 1
+    err = json.loads(r.stdout)["error"]
+    assert err["code"] == "IMAGE_ERROR" and err["bo_id"] == 4 and "was dumped from VA" in err["message"], err
+    # without a KFD id (a directory not named amdgpu-vramd-<id>, no --kfd) unnamed BOs are refused
+    os.rename(out_dir / "amdgpu-vramd-7", tmp_path / "elsewhere")
+    r = vramctl("export-criu", str(tmp_path / "elsewhere"), str(out_dir), "--offline")
+    assert r.returncode == 1 and "--kfd ID" in r.stderr, r.stderr

@@ -20,8 +20,8 @@ _vramctl() {
         flatten) COMPREPLY=($(compgen -W "-h --help --json --parent" -- "$cur")) ;;
         selftest) COMPREPLY=($(compgen -W "-h --help --json --socket --daemon-user --size --workdir" -- "$cur")) ;;
         inspect) COMPREPLY=($(compgen -W "-h --help --json" -- "$cur")) ;;
-        import-criu) COMPREPLY=($(compgen -W "-h --help --json --socket --daemon-user --compress --force --offline" -- "$cur")) ;;
-        export-criu) COMPREPLY=($(compgen -W "-h --help --json --socket --daemon-user --parent --offline" -- "$cur")) ;;
+        import-criu) COMPREPLY=($(compgen -W "-h --help --json --socket --daemon-user --compress --force --offline --kfd" -- "$cur")) ;;
+        export-criu) COMPREPLY=($(compgen -W "-h --help --json --socket --daemon-user --parent --offline --kfd" -- "$cur")) ;;
         "") COMPREPLY=($(compgen -W "-h --help --version --socket --daemon-user status sessions cancel dump restore verify rm gc flatten selftest inspect import-criu export-criu" -- "$cur")) ;;
     esac
     case "${COMP_WORDS[COMP_CWORD-1]}" in

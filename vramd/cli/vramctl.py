@@ -13,8 +13,8 @@
     vramctl rm DIR [--parent DIR] [--json]              (offline: an image no child needs)
     vramctl gc DIR [--json]                             (offline: interrupted dumps' temporaries, stale marks)
     vramctl [--socket S] selftest [--size 64M] [--json]
-    vramctl [--socket S] import-criu CRIU_DIR IMAGE_DIR [--compress ...] [--force] [--offline] [--json]
-    vramctl [--socket S] export-criu IMAGE_DIR CRIU_DIR [--parent DIR] [--offline] [--json]
+    vramctl [--socket S] import-criu CRIU_DIR IMAGE_DIR [--compress ...] [--kfd ID] [--force] [--offline] [--json]
+    vramctl [--socket S] export-criu IMAGE_DIR CRIU_DIR [--kfd ID] [--parent DIR] [--offline] [--json]
 
 vramctl opens /proc/PID/mem and the BO files, and opens and creates the
 image's files in the image directory itself, with the caller's rights (it
@@ -153,6 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default: the daemon's (auto: compressed only where that makes the dump faster)")
     p.add_argument("--force", action="store_true", help="replace an image the directory already holds")
     p.add_argument("--offline", action="store_true", help=offline_help)
+    p.add_argument("--kfd", type=int, metavar="ID", help="only amdgpu-kfd-ID.img's BOs, as the vramd plugin lays "
+                   "them out (BO id = KFD bucket index, one image per KFD file: IMAGE_DIR amdgpu-vramd-ID)")
     p.set_defaults(pid=None)
     p = cmd("export-criu", cmd_export_criu, "write the stock plugin's pages files from a vramd image that "
             "import-criu made, into a stock checkpoint directory holding the metadata files of the same checkpoint "
@@ -162,6 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "amdgpu-kfd-*.img and amdgpu-renderD-*.img say which pages files to write (replaced atomically)")
     p.add_argument("--parent", metavar="DIR", help=PARENT_HELP)
     p.add_argument("--offline", action="store_true", help=offline_help)
+    p.add_argument("--kfd", type=int, metavar="ID", help="the image holds amdgpu-kfd-ID.img's BOs: only its pages "
+                   "files are written; unnamed BOs (the vramd plugin's image) go by id = bucket index (default: ID "
+                   "of an IMAGE_DIR named amdgpu-vramd-ID)")
     p.set_defaults(pid=None)
     return ap
 

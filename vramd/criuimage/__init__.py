@@ -5,6 +5,7 @@ from .stock import (
     BO_NAME,
     BO_NAME_PREFIX,
     HEADER,
+    VRAMD_DIR,
     PagesFile,
     StockBo,
     StockLayout,
@@ -13,5 +14,5 @@ from .stock import (
     open_plain,
 )
 
-__all__ = ["BO_NAME", "BO_NAME_PREFIX", "HEADER", "PagesFile", "StockBo", "StockLayout", "check_pages_file",
-           "layout", "open_plain"]
+__all__ = ["BO_NAME", "BO_NAME_PREFIX", "HEADER", "VRAMD_DIR", "PagesFile", "StockBo", "StockLayout",
+           "check_pages_file", "layout", "open_plain"]

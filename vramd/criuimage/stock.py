@@ -41,6 +41,7 @@ MAX_BO_SIZE = 1 << 48     # a BO entry claiming more is refused (no GPU has 256 
 MAX_BOS = 1 << 20         # BO entries per metadata file
 KFD_NAME = re.compile(r"amdgpu-kfd-(\d{1,10})\.img")
 RENDER_NAME = re.compile(r"amdgpu-renderD-(\d{1,10})\.img")
+VRAMD_DIR = re.compile(r"amdgpu-vramd-(\d{1,10})")  # the vramd plugin's image of amdgpu-kfd-<id>.img's BOs
 BO_NAME = re.compile(r"criu-amdgpu:((?:kfd|renderD)-\d{1,10}:\d{1,7})")  # a vramd BO imported from a stock file
 BO_NAME_PREFIX = "criu-amdgpu:"
 
@@ -65,6 +66,11 @@ class StockBo:
         """The name a vramd image records for it (`vramctl export-criu` finds it back by this)."""
         return BO_NAME_PREFIX + self.key
 
+    @property
+    def index(self) -> int:
+        """Its index in its metadata file's BO list (the KFD bucket index)."""
+        return int(self.key.rpartition(":")[2])
+
 
 @dataclass
 class PagesFile:
@@ -74,6 +80,7 @@ class PagesFile:
 
     name: str
     checked_header: bool
+    owner: str  # the metadata file's key: "kfd-<id>" or "renderD-<id>"
     bos: list[StockBo] = field(default_factory=list)
 
     @property
@@ -95,6 +102,13 @@ class StockLayout:
     @property
     def bos(self) -> list[StockBo]:
         return [b for f in self.files for b in f.bos]
+
+    def only_kfd(self, file_id: int, where: str) -> StockLayout:
+        """The pages files of amdgpu-kfd-<file_id>.img alone (refused if the directory has no such file)."""
+        name = f"amdgpu-kfd-{file_id}.img"
+        if name not in self.metadata:
+            raise ImageError(f"{where} has no {name}")
+        return StockLayout([name], [f for f in self.files if f.owner == f"kfd-{file_id}"])
 
 
 def open_plain(dir_fd: int, name: str, where: str, flags: int = os.O_RDONLY) -> int:
@@ -160,7 +174,7 @@ def kfd_pages(where: str, name: str, file_id: int, kfd: cpb.CriuKfd) -> list[Pag
     files: dict[int, PagesFile] = {}
     for d in kfd.device_entries:
         if d.gpu_id and d.gpu_id not in files:
-            files[d.gpu_id] = PagesFile(f"amdgpu-pages-{file_id}-{d.gpu_id:04x}.img", True)
+            files[d.gpu_id] = PagesFile(f"amdgpu-pages-{file_id}-{d.gpu_id:04x}.img", True, f"kfd-{file_id}")
     for i, e in enumerate(kfd.bo_entries):
         if not e.alloc_flags & (KFD_VRAM | KFD_GTT):
             continue  # userptr memory is the process's own (CRIU dumps it); doorbells and MMIO hold no contents
@@ -186,7 +200,7 @@ def render_pages(where: str, name: str, file_id: int, rd: cpb.CriuRenderNode) ->
         if not e.preferred_domains & (DOMAIN_VRAM | DOMAIN_GTT) or e.num_of_vms == 0:
             continue
         _check_size(where, name, i, e.size)
-        pf = PagesFile(f"amdgpu-drm-pages-{file_id}-{rd.drm_render_minor}-{i:04x}.img", False)
+        pf = PagesFile(f"amdgpu-drm-pages-{file_id}-{rd.drm_render_minor}-{i:04x}.img", False, f"renderD-{file_id}")
         pf.bos.append(StockBo(f"renderD-{file_id}:{i}", pf.name, HEADER.size, e.size, rd.gpu_id, e.addr,
                               e.alloc_flags & 0xFFFFFFFF))
         files.append(pf)
