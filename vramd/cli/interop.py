@@ -191,8 +191,8 @@ def cmd_export_criu(ns: argparse.Namespace) -> int:
         with checkpoint_dir(ns.criu_dir, kfd) as (cdfd, lay):
             entries = match_bos(manifest, lay, ns.image, ns.criu_dir, kfd)
             cfd = os.dup(cdfd)
-        lane = gpu_lanes(ns)
         fds.append(cfd)
+        lane = gpu_lanes(ns)
         targets: list[ClientBo] = []
         files: list[tuple[int, str]] = []
         for pf in lay.files:
