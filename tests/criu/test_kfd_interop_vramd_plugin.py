@@ -22,13 +22,10 @@ tkv = pytest.importorskip("test_kfd_vramd_plugin", reason="needs the vramd plugi
 pytestmark, case, daemon, model, plugins = tkv.pytestmark, tkv.case, tkv.daemon, tkv.model, tkv.plugins
 DUMP, RESTORE, TOPO_A, PAGES, ok = tkv.DUMP, tkv.RESTORE, tkv.TOPO_A, tkv.PAGES, tkv._ok
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 
 def vramctl(*args: str, socket: str | None) -> subprocess.CompletedProcess[str]:
-    where = ["--socket", socket] if socket else ["--offline"]
-    return subprocess.run([sys.executable, "-m", "vramd.cli", *args, *where, "--json"], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+    from test_kfd_stock_interop import run_cli
+    return run_cli(*args, *(["--socket", socket] if socket else ["--offline"]), "--json")
 
 
 @pytest.mark.parametrize("through", ["offline", "daemon"])

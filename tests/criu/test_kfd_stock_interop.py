@@ -32,9 +32,22 @@ def model(tmp_path_factory):
     return Model(str(tmp_path_factory.mktemp("kfd-build")))
 
 
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """`python -m vramd.cli ARGS`, its exit status kept from kfd_harness's reaper (which, once a criu run has
+    started it, reaps every child of this process that is not in its spared set)."""
+    from kfd_harness import _spared
+    p = subprocess.Popen([sys.executable, "-m", "vramd.cli", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    _spared.add(p.pid)  # Popen returns once the child has exec'd: it has not exited yet
+    try:
+        out, err = p.communicate(timeout=300)
+    finally:
+        _spared.discard(p.pid)
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+
+
 def vramctl(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "vramd.cli", *args, "--offline", "--json"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+    return run_cli(*args, "--offline", "--json")
 
 
 def pages(img: str) -> dict[str, bytes]:
@@ -89,8 +102,7 @@ def _round_trip(case, name, *, per_kfd):
         out = json.loads(r.stdout)
         imported["pages_files"] += out["pages_files"]
         imported["bytes"] += out["bytes"]
-        v = subprocess.run([sys.executable, "-m", "vramd.cli", "verify", vimg], cwd=ROOT, capture_output=True,
-                           text=True)
+        v = run_cli("verify", vimg)
         assert v.returncode == 0, v.stderr
     assert sorted(imported["pages_files"]) == sorted(stock)
     assert imported["bytes"] == sum(len(b) - 8 for b in stock.values())
