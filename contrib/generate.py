@@ -111,6 +111,17 @@ VRAMCTL_TAIL = [
     "must belong to root, to you or to the daemon user and be writable by nobody else (a root-owned sticky "
     "directory such as /tmp only above the socket's own directory), and the process listening on it must run as "
     "one of those uids.  Otherwise it fails with PERMISSION_DENIED, naming the path and the uid that owns it.",
+    ".SH STOCK CRIU IMAGES",
+    "\\fBimport\\-criu\\fR reads a checkpoint directory made by CRIU's stock amdgpu plugin: the BO lists in "
+    "\\fIamdgpu\\-kfd\\-ID.img\\fR and \\fIamdgpu\\-renderD\\-ID.img\\fR say which bytes of "
+    "\\fIamdgpu\\-pages\\-ID\\-GPU.img\\fR and \\fIamdgpu\\-drm\\-pages\\-ID\\-MINOR\\-INDEX.img\\fR "
+    "are which BO; each becomes a BO of the vramd image named \\fIcriu\\-amdgpu:kfd\\-ID:INDEX\\fR (or "
+    "\\fIrenderD\\-ID:INDEX\\fR), copied a chunk at a time, checksummed, deduplicated and compressed as a dump is.  "
+    "\\fBexport\\-criu\\fR writes those pages files back, byte for byte, into a directory that holds the same "
+    "checkpoint's metadata files (a copy of the dump directory: the metadata cannot be made from a vramd image); "
+    "each file is written under a temporary name and renamed over the old one.  Both refuse, naming the file and "
+    "the BO, a pages file whose length or header disagrees with its BO entries, sizes no GPU has, a symbolic link "
+    "or anything but a regular file, and an image whose BOs or sizes differ from the metadata's.",
     ".SH ENVIRONMENT", ".TP", "\\fBVRAMD_SOCKET\\fR", "the daemon's socket, when \\-\\-socket is not given.",
     ".TP", "\\fBVRAMD_DAEMON_USER\\fR", "the daemon user (a name or a uid) trusted besides root and you, when "
     "\\-\\-daemon\\-user is not given; default vramd (if no such user exists: only root and you).",

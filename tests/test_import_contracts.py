@@ -39,6 +39,8 @@ def lint(root: Path) -> str:
     ("service/intake.py", "from ..engine.jobs.verify import VerifyJob",
      "a session sees a job only through its interface"),
     ("service/session_table.py", "from ..imagedir import read_image", "the daemon never opens a name"),
+    ("service/intake.py", "from ..criuimage import layout", "the daemon never opens a name"),
+    ("cli/transfer.py", "from .interop import cmd_import_criu", "vramctl: the parser over the stock-image interop"),
     ("service/handlers.py", "from .daemon import Daemon", "vramd.service is layered"),
     ("backends/sdma/device.py", "from .backend import SdmaBackend", "vramd.backends.sdma: the backend over its GPUs"),
 ])

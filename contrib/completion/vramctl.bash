@@ -5,7 +5,7 @@ _vramctl() {
     cmd=""
     for ((i = 1; i < COMP_CWORD; i++)); do
         case "${COMP_WORDS[i]}" in
-            status|sessions|cancel|dump|restore|verify|rm|gc|flatten|selftest|inspect) cmd="${COMP_WORDS[i]}"; break ;;
+            status|sessions|cancel|dump|restore|verify|rm|gc|flatten|selftest|inspect|import-criu|export-criu) cmd="${COMP_WORDS[i]}"; break ;;
         esac
     done
     case "$cmd" in
@@ -20,7 +20,9 @@ _vramctl() {
         flatten) COMPREPLY=($(compgen -W "-h --help --json --parent" -- "$cur")) ;;
         selftest) COMPREPLY=($(compgen -W "-h --help --json --socket --daemon-user --size --workdir" -- "$cur")) ;;
         inspect) COMPREPLY=($(compgen -W "-h --help --json" -- "$cur")) ;;
-        "") COMPREPLY=($(compgen -W "-h --help --version --socket --daemon-user status sessions cancel dump restore verify rm gc flatten selftest inspect" -- "$cur")) ;;
+        import-criu) COMPREPLY=($(compgen -W "-h --help --json --socket --daemon-user --compress --force --offline --kfd" -- "$cur")) ;;
+        export-criu) COMPREPLY=($(compgen -W "-h --help --json --socket --daemon-user --parent --offline --kfd" -- "$cur")) ;;
+        "") COMPREPLY=($(compgen -W "-h --help --version --socket --daemon-user status sessions cancel dump restore verify rm gc flatten selftest inspect import-criu export-criu" -- "$cur")) ;;
     esac
     case "${COMP_WORDS[COMP_CWORD-1]}" in
         --image|--workdir|--socket) COMPREPLY=($(compgen -f -- "$cur")) ;;

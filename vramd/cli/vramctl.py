@@ -13,6 +13,8 @@
     vramctl rm DIR [--parent DIR] [--json]              (offline: an image no child needs)
     vramctl gc DIR [--json]                             (offline: interrupted dumps' temporaries, stale marks)
     vramctl [--socket S] selftest [--size 64M] [--json]
+    vramctl [--socket S] import-criu CRIU_DIR IMAGE_DIR [--compress ...] [--kfd ID] [--force] [--offline] [--json]
+    vramctl [--socket S] export-criu IMAGE_DIR CRIU_DIR [--kfd ID] [--parent DIR] [--offline] [--json]
 
 vramctl opens /proc/PID/mem and the BO files, and opens and creates the
 image's files in the image directory itself, with the caller's rights (it
@@ -25,7 +27,8 @@ pipe (`vramctl ... | head`) ends quietly with 141, as SIGPIPE would.
 
 This module is the parser and main; the commands live by group: transfer.py
 (dump, restore), images.py (the offline verify, inspect, rm, gc, flatten),
-admin.py (status, sessions, cancel, selftest), over imagedir.py (the image
+admin.py (status, sessions, cancel, selftest); interop.py (import-criu, export-criu: CRIU's stock
+amdgpu plugin's files) drives sessions as transfer.py does; all over imagedir.py (the image
 directories vramctl opens) and common.py (exit codes, argument types, output).
 """
 from __future__ import annotations
@@ -54,6 +57,7 @@ from .common import (
 )
 from .imagedir import read_manifest_offline
 from .images import cmd_flatten, cmd_gc, cmd_inspect, cmd_rm, cmd_verify
+from .interop import cmd_export_criu, cmd_import_criu
 from .transfer import cmd_dump, cmd_restore
 
 # What scripts imported from this module before vramctl was split by command group: still here.
@@ -139,6 +143,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", default="/var/tmp", help="where the temporary images go")
     p = cmd("inspect", cmd_inspect, "describe an image (offline)", daemon=False)
     p.add_argument("dir", metavar="DIR")
+    offline_help = "run the session in this process (the daemon's session path), without a daemon"
+    p = cmd("import-criu", cmd_import_criu, "turn the BO contents of a checkpoint made by CRIU's stock amdgpu plugin "
+            "(amdgpu-pages-*, amdgpu-drm-pages-*, as its amdgpu-kfd-*.img and amdgpu-renderD-*.img lay them out) "
+            "into a vramd image")
+    p.add_argument("criu_dir", metavar="CRIU_DIR", help="the stock checkpoint directory (criu dump -D)")
+    p.add_argument("image", metavar="IMAGE_DIR")
+    p.add_argument("--compress", metavar="none|zstd|bplanes|auto[:LEVEL]",
+                   help="default: the daemon's (auto: compressed only where that makes the dump faster)")
+    p.add_argument("--force", action="store_true", help="replace an image the directory already holds")
+    p.add_argument("--offline", action="store_true", help=offline_help)
+    p.add_argument("--kfd", type=int, metavar="ID", help="only amdgpu-kfd-ID.img's BOs, as the vramd plugin lays "
+                   "them out (BO id = KFD bucket index, one image per KFD file: IMAGE_DIR amdgpu-vramd-ID)")
+    p.set_defaults(pid=None)
+    p = cmd("export-criu", cmd_export_criu, "write the stock plugin's pages files from a vramd image that "
+            "import-criu made, into a stock checkpoint directory holding the metadata files of the same checkpoint "
+            "(a copy of the dump directory); refused where the BOs' entries and sizes disagree")
+    p.add_argument("image", metavar="IMAGE_DIR")
+    p.add_argument("criu_dir", metavar="CRIU_DIR", help="a copy of the stock checkpoint directory: its "
+                   "amdgpu-kfd-*.img and amdgpu-renderD-*.img say which pages files to write (replaced atomically)")
+    p.add_argument("--parent", metavar="DIR", help=PARENT_HELP)
+    p.add_argument("--offline", action="store_true", help=offline_help)
+    p.add_argument("--kfd", type=int, metavar="ID", help="the image holds amdgpu-kfd-ID.img's BOs: only its pages "
+                   "files are written; unnamed BOs (the vramd plugin's image) go by id = bucket index (default: ID "
+                   "of an IMAGE_DIR named amdgpu-vramd-ID)")
+    p.set_defaults(pid=None)
     return ap
 
 
