@@ -75,7 +75,7 @@ def test_every_libvramd_name_the_series_uses_is_public():
     headers = "".join(p.read_text() for p in HEADERS.glob("*.h"))
     exported = set(re.findall(r"\b(vramd_[a-z0-9_]+);", MAP.read_text()))
     own = {"vramd_image_present", "vramd_config", "vramd_socket", "vramd_not_running", "vramd_log_error",
-           "vramd_bos", "vramd_remove_dir"}                      # the patch's own static helpers
+           "vramd_bos", "vramd_remove_dir", "vramd_refuse_stale"}    # the patch's own static helpers
     own_macros = {"VRAMD_UNIT"}
     funcs = {n for n in used if n.islower()} - own
     macros = {n for n in used if n.isupper()} - own_macros

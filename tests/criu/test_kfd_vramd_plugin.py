@@ -384,3 +384,43 @@ def test_a_flipped_image_byte_fails_the_restore_naming_the_bo_and_offset(case, p
     assert m, log[-3000:]
     assert m.group(2) == "CORRUPT_CHUNK", m.group(0)
     assert case.model.counters(a)["calls"]["resume"] == 0
+
+
+# CRIU writes its image files over those of an earlier dump in the same directory; this dump keeps them
+AGAIN = DUMP.replace("rm -rf $W/img $W/ready; mkdir -p $W/img", "rm -f $W/ready")
+
+
+def test_a_stock_path_dump_over_an_earlier_vramd_image_fails_instead_of_leaving_it_to_the_restore(
+        case, plugins, daemon, tmp_path):
+    """The images directory holds an earlier dump's amdgpu-vramd-<id>/ and this dump takes the stock
+    path (KFD_VRAMD=0, no daemon, a plugin built without libvramd): left beside the new
+    amdgpu-pages files, that stale image is what the restore would copy the BOs from (the restore
+    follows the image directory).  So the dump fails naming the directory, the process runs on
+    unpaused with every byte intact, and the earlier image is left as it was."""
+    assert AGAIN != DUMP
+    case.use(plugins["vramd"])
+    a = case.state("state-a", TOPO_A)
+    d = case.run(DUMP, a, TOPO_A, extra=case.env(daemon.socket))
+    assert d["dump"] == "0", case.log("dump.log")[-3000:]
+    (vdir,) = case.vramd_dirs()
+    none = str(tmp_path / "none" / "vramd.sock")
+    for so, sock, extra, why in (("vramd", daemon.socket, {"KFD_VRAMD": "0"}, "(KFD_VRAMD=0)"),
+                                 ("vramd", none, {}, "(no vramd daemon: "),
+                                 ("novramd", daemon.socket, {}, "(a plugin built without libvramd)")):
+        case.use(plugins[so])
+        d = case.run(AGAIN, a, TOPO_A, extra=case.env(sock, KEEP="1", **extra))
+        pid = int(d["pid"])
+        try:
+            log = case.log("dump.log")
+            assert d["dump"] != "0" and d["alive"] == "yes", (so, extra, log[-3000:])
+            _ok(d["checks"], 2)
+            assert f"vramd: {vdir}/ holds an earlier dump's vramd image and this dump writes amdgpu-pages " \
+                   f"files {why}" in log, log[-3000:]
+            assert "vramd: process unpaused after the failed dump" in log
+            assert case.model.paused(a, pid) == 0
+        finally:
+            with contextlib.suppress(ProcessLookupError):   # a dump that succeeded ended it
+                os.kill(pid, 15)
+        assert case.vramd_dirs() == [vdir]
+        v = _vramctl_verify(os.path.join(case.work, "img", vdir))
+        assert v.returncode == 0, v.stdout + v.stderr
