@@ -467,3 +467,31 @@ def test_a_streamed_dump_puts_the_bo_contents_into_the_stream_and_restores_from_
     _ok(r["checks"], 1)
     assert "BOs submitted" not in log, log[-3000:]
 
+
+
+def test_one_task_of_a_tree_failing_its_submit_fails_the_restore_with_no_task_left(case, plugins, daemon):
+    """The two-process tree, one task's vramd image damaged (a manifest byte flipped): that task's
+    RESTORE_EXT_FILE fails naming its directory, CRIU kills the whole tree, whichever task had
+    submitted its copy already, and criu restore exits non-zero."""
+    case.use(plugins["vramd"])
+    a = case.state("state-a", TOPO_A)
+    env = case.env(daemon.socket)
+    d = case.run(DUMP.replace("-g $GPUS", "-g $GPUS -c"), a, TOPO_A, gpus=2, extra=env)
+    assert d["dump"] == "0", case.log("dump.log")[-3000:]
+    bad = case.vramd_dirs()[-1]
+    manifest = os.path.join(case.work, "img", bad, "manifest.vrdm")
+    with open(manifest, "r+b") as f:
+        size = f.seek(0, os.SEEK_END)
+        f.seek(size // 2)
+        byte = f.read(1)
+        f.seek(size // 2)
+        f.write(bytes([byte[0] ^ 0x01]))
+    r = case.run(RESTORE, a, TOPO_A, extra=env)
+    log = case.log("restore.log")
+    assert r["restore"] != "0" and r["alive"] == "no", log[-3000:]
+    assert re.search(rf"vramd: restore from {bad}/ failed: ", log), log[-3000:]
+    assert "Restoring FAILED" in log and "vramd: BO contents not restored" not in log
+    assert f"BOs submitted from {bad}/" not in log
+    for pid in map(int, re.findall(r" (\d+): amdgpu_plugin: vramd: \d+ BOs submitted from", log)):
+        assert _dead_or_dying(pid), pid
+    assert case.model.counters(a)["calls"]["resume"] == 0
