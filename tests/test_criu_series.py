@@ -57,7 +57,7 @@ def test_the_series_stays_in_plugins_amdgpu_and_touches_criu_lines_only_at_the_h
             removed[path] = removed.get(path, 0) + sum(1 for ln in lines if ln.startswith("-"))
     assert set(added) >= OWN_FILES, added
     theirs = {p: n for p, n in added.items() if p not in OWN_FILES}
-    # CRIU's own files: the include, the init call, the five hook call sites, the Makefile's probe
+    # CRIU's own files: the include, the init and fini calls, the five hook call sites, the Makefile's probe
     assert set(theirs) == {"plugins/amdgpu/Makefile", "plugins/amdgpu/amdgpu_plugin.c"}, theirs
     assert theirs["plugins/amdgpu/amdgpu_plugin.c"] <= 25 and theirs["plugins/amdgpu/Makefile"] <= 12, theirs
     assert removed.get("plugins/amdgpu/amdgpu_plugin.c", 0) == 0

@@ -495,3 +495,34 @@ def test_one_task_of_a_tree_failing_its_submit_fails_the_restore_with_no_task_le
     for pid in map(int, re.findall(r" (\d+): amdgpu_plugin: vramd: \d+ BOs submitted from", log)):
         assert _dead_or_dying(pid), pid
     assert case.model.counters(a)["calls"]["resume"] == 0
+
+
+def test_a_tree_whose_second_dump_fails_runs_on_with_every_process_unpaused(case, plugins, daemon):
+    """The two-process tree, the second KFD process's vramd dump failing (its amdgpu-vramd-<id>
+    taken by a plain file) after the first one's succeeded: criu dump fails, and CRIU runs no
+    DUMP_DEVICES_LATE, which is where the plugin resumes the dumped processes' queues.  Both
+    processes run on unpaused, every byte intact: the failing one resumed at its failure, the one
+    dumped before it when the plugin finishes (fini)."""
+    case.use(plugins["vramd"])
+    a = case.state("state-a", TOPO_A)
+    env = case.env(daemon.socket)
+    tree = DUMP.replace("-g $GPUS", "-g $GPUS -c")
+    d = case.run(tree, a, TOPO_A, gpus=2, extra=env)
+    log = case.log("dump.log")
+    assert d["dump"] == "0", log[-3000:]
+    first, second = re.findall(r"vramd: \d+ BOs dumped into (amdgpu-vramd-\d+)/", log)
+    block = tree.replace("mkdir -p $W/img\n", "mkdir -p $W/img; : > $W/img/$BLOCK\n")
+    assert block != tree
+    d = case.run(block, a, TOPO_A, gpus=2, extra={**env, "KEEP": "1", "BLOCK": second})
+    pid = int(d["pid"])
+    try:
+        log = case.log("dump.log")
+        assert d["dump"] != "0" and d["alive"] == "yes", log[-3000:]
+        assert log.index(f"BOs dumped into {first}/") < log.index(f"vramd: cannot open {second}"), log[-3000:]
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            (child,) = map(int, f.read().split())
+        assert (case.model.paused(a, pid), case.model.paused(a, child)) == (0, 0)
+        assert d["checks"] == f"ok 14 {2 * MIB << 20}; child ok 10 {2 * 4 << 20}\n" * 2
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, 15)
