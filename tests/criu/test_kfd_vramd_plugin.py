@@ -87,7 +87,7 @@ def model(tmp_path_factory):
 
 
 @contextlib.contextmanager
-def running_daemon(**env: str):
+def running_daemon(grace: str = "60", **env: str):
     """A running vramd, its SDMA backend on the SDMA model (any GPU id: the model's device)."""
     from vramd.testing import DaemonProcess
 
@@ -96,7 +96,7 @@ def running_daemon(**env: str):
     with open(cfg, "w") as f:
         f.write(f'topology_root = "{run_dir}/no-topology"\ngpu_ids = [0x5d21, 0xa3f0]\n')
     try:
-        with DaemonProcess(run_dir, "--grace-period", "60", "--config", cfg,
+        with DaemonProcess(run_dir, "--grace-period", grace, "--config", cfg,
                            env={"VRAMD_AMDGPU_LIBRARY": "model", **env}) as d:
             yield d
     finally:
@@ -526,3 +526,60 @@ def test_a_tree_whose_second_dump_fails_runs_on_with_every_process_unpaused(case
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, 15)
+
+
+def _restore_sessions(sock: str) -> int:
+    out = subprocess.run([sys.executable, "-m", "vramd.cli", "sessions", "--json", "--all", "--socket", sock],
+                         capture_output=True, text=True, cwd=str(REPO), check=True).stdout
+    return out.count('"restore"')
+
+
+def _until(cond, timeout: float = 60.0) -> None:
+    """Poll a condition on real state (bounded), not a fixed wait."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.1)
+
+
+WAIT_FOR_GO = r'''
+[ "$CRTOOLS_SCRIPT_ACTION" = post-restore ] || exit 0
+for _ in $(seq 1200); do [ -e $WORK/go ] && exit 0; sleep 0.05; done
+exit 0
+'''
+
+
+def test_a_restore_slower_than_the_grace_period_fails_with_no_task_left(case, plugins):
+    """CRIU takes longer from the tasks' submits to its barrier than the daemon's grace_period (1 s
+    here; CRIU held in its post-restore action script until the daemon has reaped both sessions):
+    the barrier finds no session, and criu restore fails with no task left, never resuming tasks
+    whose BOs nobody filled (docs/criu-integration.md, "The grace period")."""
+    case.use(plugins["vramd"])
+    a = case.state("state-a", TOPO_A)
+    tree = DUMP.replace("-g $GPUS", "-g $GPUS -c")
+    script = os.path.join(case.work, "wait-for-go.sh")
+    with open(script, "w") as f:
+        f.write(WAIT_FOR_GO)
+    os.chmod(script, 0o755)
+    restore = RESTORE.replace("--shell-job -d", f"--shell-job -d --action-script {script}")
+    with running_daemon(grace="1") as d, ThreadPoolExecutor(1) as ex:
+        env = case.env(d.socket)
+        assert case.run(tree, a, TOPO_A, gpus=2, extra=env)["dump"] == "0", case.log("dump.log")[-3000:]
+        run = ex.submit(case.run, restore, a, TOPO_A, extra=env)
+        _until(lambda: _restore_sessions(d.socket) == 2)     # both tasks submitted
+        _until(lambda: _restore_sessions(d.socket) == 0)     # and the daemon reaped both
+        with open(os.path.join(case.work, "go"), "w"):
+            pass
+        r = run.result(timeout=300)
+    log = case.log("restore.log")
+    assert r["restore"] != "0" and r["alive"] == "no", log[-3000:]
+    failed = re.findall(r"vramd: restore of task (\d+) failed: .*\[(\w+)\]", log)
+    tasks = re.findall(r" (\d+): amdgpu_plugin: vramd: \d+ BOs submitted from", log)
+    assert len(tasks) == 2 and sorted(p for p, _ in failed) == sorted(tasks), log[-3000:]
+    assert {code for _, code in failed} == {"NOT_FOUND"}, failed
+    assert "vramd: BO contents not restored: killing task" in log and "Restoring FAILED" in log
+    assert case.model.counters(a)["calls"]["resume"] == 0
+    for pid in map(int, tasks):
+        assert _dead_or_dying(pid), pid
