@@ -87,7 +87,7 @@ def model(tmp_path_factory):
 
 
 @contextlib.contextmanager
-def running_daemon(**env: str):
+def running_daemon(grace: str = "60", **env: str):
     """A running vramd, its SDMA backend on the SDMA model (any GPU id: the model's device)."""
     from vramd.testing import DaemonProcess
 
@@ -96,7 +96,7 @@ def running_daemon(**env: str):
     with open(cfg, "w") as f:
         f.write(f'topology_root = "{run_dir}/no-topology"\ngpu_ids = [0x5d21, 0xa3f0]\n')
     try:
-        with DaemonProcess(run_dir, "--grace-period", "60", "--config", cfg,
+        with DaemonProcess(run_dir, "--grace-period", grace, "--config", cfg,
                            env={"VRAMD_AMDGPU_LIBRARY": "model", **env}) as d:
             yield d
     finally:
@@ -384,3 +384,202 @@ def test_a_flipped_image_byte_fails_the_restore_naming_the_bo_and_offset(case, p
     assert m, log[-3000:]
     assert m.group(2) == "CORRUPT_CHUNK", m.group(0)
     assert case.model.counters(a)["calls"]["resume"] == 0
+
+
+# CRIU writes its image files over those of an earlier dump in the same directory; this dump keeps them
+AGAIN = DUMP.replace("rm -rf $W/img $W/ready; mkdir -p $W/img", "rm -f $W/ready")
+
+
+def test_a_stock_path_dump_over_an_earlier_vramd_image_fails_instead_of_leaving_it_to_the_restore(
+        case, plugins, daemon, tmp_path):
+    """The images directory holds an earlier dump's amdgpu-vramd-<id>/ and this dump takes the stock
+    path (KFD_VRAMD=0, no daemon, a plugin built without libvramd): left beside the new
+    amdgpu-pages files, that stale image is what the restore would copy the BOs from (the restore
+    follows the image directory).  So the dump fails naming the directory, the process runs on
+    unpaused with every byte intact, and the earlier image is left as it was."""
+    assert AGAIN != DUMP
+    case.use(plugins["vramd"])
+    a = case.state("state-a", TOPO_A)
+    d = case.run(DUMP, a, TOPO_A, extra=case.env(daemon.socket))
+    assert d["dump"] == "0", case.log("dump.log")[-3000:]
+    (vdir,) = case.vramd_dirs()
+    none = str(tmp_path / "none" / "vramd.sock")
+    for so, sock, extra, why in (("vramd", daemon.socket, {"KFD_VRAMD": "0"}, "(KFD_VRAMD=0)"),
+                                 ("vramd", none, {}, "(no vramd daemon: "),
+                                 ("novramd", daemon.socket, {}, "(a plugin built without libvramd)")):
+        case.use(plugins[so])
+        d = case.run(AGAIN, a, TOPO_A, extra=case.env(sock, KEEP="1", **extra))
+        pid = int(d["pid"])
+        try:
+            log = case.log("dump.log")
+            assert d["dump"] != "0" and d["alive"] == "yes", (so, extra, log[-3000:])
+            _ok(d["checks"], 2)
+            assert f"vramd: {vdir}/ holds an earlier dump's vramd image and this dump writes amdgpu-pages " \
+                   f"files {why}" in log, log[-3000:]
+            assert "vramd: process unpaused after the failed dump" in log
+            assert case.model.paused(a, pid) == 0
+        finally:
+            with contextlib.suppress(ProcessLookupError):   # a dump that succeeded ended it
+                os.kill(pid, 15)
+        assert case.vramd_dirs() == [vdir]
+        v = _vramctl_verify(os.path.join(case.work, "img", vdir))
+        assert v.returncode == 0, v.stdout + v.stderr
+
+
+STREAMER = str(REPO / "tests" / "criu" / "img_streamer.py")
+
+
+def _streamed(script: str, verb: str, mode: str) -> str:
+    """The script with `criu VERB --stream`, its image streamer (img_streamer.py) started first."""
+    start = (f"$PY {STREAMER} {mode} $W/img $W/stream > $W/streamer-{mode}.log 2>&1 &\n"
+             "wait_for $W/img/streamer.ready || exit 1\nrm -f $W/img/streamer.ready\n")
+    out = script.replace(f"$CRIU {verb} ", f"{start}$CRIU {verb} --stream ")
+    assert out != script
+    return out
+
+
+def test_a_streamed_dump_puts_the_bo_contents_into_the_stream_and_restores_from_it(case, plugins, daemon):
+    """criu dump --stream sends every image file through the image streamer, the stock plugin's
+    amdgpu-pages files too.  A vramd image is a directory beside the stream, not in it: a streamed
+    checkpoint taken through vramd would reach the other side without its BO contents.  Under
+    --stream the patched plugin takes the stock path (one log line per KFD file), even with a
+    daemon running, and what reached the stream restores byte-exact."""
+    case.use(plugins["vramd"])
+    a = case.state("state-a", TOPO_A)
+    env = {**case.env(daemon.socket), "PY": sys.executable}
+    d = case.run(_streamed(DUMP, "dump", "capture"), a, TOPO_A, extra=env)
+    log = case.log("dump.log")
+    assert d["dump"] == "0", log[-3000:]
+    _ok(d["checks"], 1)
+    assert case.vramd_dirs() == [], case.img()
+    stream = os.listdir(os.path.join(case.work, "stream"))
+    assert len([n for n in stream if PAGES.match(n)]) == 2 and not [n for n in case.img() if PAGES.match(n)], stream
+    lines = [ln for ln in log.splitlines() if "vramd: --stream" in ln]
+    assert len(lines) == 1 and "amdgpu-pages files" in lines[0], lines
+    # what reached the stream is the whole checkpoint: restored from it alone (not through a
+    # streamer: the stock plugin's own restore from a stream dies here, vramd or not) it is byte-exact
+    img = os.path.join(case.work, "img")
+    os.rename(img, img + "-dump")
+    shutil.copytree(os.path.join(case.work, "stream"), img)
+    r = case.run(RESTORE, a, TOPO_A, extra=env)
+    log = case.log("restore.log")
+    assert r["restore"] == "0", log[-3000:]
+    _ok(r["checks"], 1)
+    assert "BOs submitted" not in log, log[-3000:]
+
+
+
+def test_one_task_of_a_tree_failing_its_submit_fails_the_restore_with_no_task_left(case, plugins, daemon):
+    """The two-process tree, one task's vramd image damaged (a manifest byte flipped): that task's
+    RESTORE_EXT_FILE fails naming its directory, CRIU kills the whole tree, whichever task had
+    submitted its copy already, and criu restore exits non-zero."""
+    case.use(plugins["vramd"])
+    a = case.state("state-a", TOPO_A)
+    env = case.env(daemon.socket)
+    d = case.run(DUMP.replace("-g $GPUS", "-g $GPUS -c"), a, TOPO_A, gpus=2, extra=env)
+    assert d["dump"] == "0", case.log("dump.log")[-3000:]
+    bad = case.vramd_dirs()[-1]
+    manifest = os.path.join(case.work, "img", bad, "manifest.vrdm")
+    with open(manifest, "r+b") as f:
+        size = f.seek(0, os.SEEK_END)
+        f.seek(size // 2)
+        byte = f.read(1)
+        f.seek(size // 2)
+        f.write(bytes([byte[0] ^ 0x01]))
+    r = case.run(RESTORE, a, TOPO_A, extra=env)
+    log = case.log("restore.log")
+    assert r["restore"] != "0" and r["alive"] == "no", log[-3000:]
+    assert re.search(rf"vramd: restore from {bad}/ failed: ", log), log[-3000:]
+    assert "Restoring FAILED" in log and "vramd: BO contents not restored" not in log
+    assert f"BOs submitted from {bad}/" not in log
+    for pid in map(int, re.findall(r" (\d+): amdgpu_plugin: vramd: \d+ BOs submitted from", log)):
+        assert _dead_or_dying(pid), pid
+    assert case.model.counters(a)["calls"]["resume"] == 0
+
+
+def test_a_tree_whose_second_dump_fails_runs_on_with_every_process_unpaused(case, plugins, daemon):
+    """The two-process tree, the second KFD process's vramd dump failing (its amdgpu-vramd-<id>
+    taken by a plain file) after the first one's succeeded: criu dump fails, and CRIU runs no
+    DUMP_DEVICES_LATE, which is where the plugin resumes the dumped processes' queues.  Both
+    processes run on unpaused, every byte intact: the failing one resumed at its failure, the one
+    dumped before it when the plugin finishes (fini)."""
+    case.use(plugins["vramd"])
+    a = case.state("state-a", TOPO_A)
+    env = case.env(daemon.socket)
+    tree = DUMP.replace("-g $GPUS", "-g $GPUS -c")
+    d = case.run(tree, a, TOPO_A, gpus=2, extra=env)
+    log = case.log("dump.log")
+    assert d["dump"] == "0", log[-3000:]
+    first, second = re.findall(r"vramd: \d+ BOs dumped into (amdgpu-vramd-\d+)/", log)
+    block = tree.replace("mkdir -p $W/img\n", "mkdir -p $W/img; : > $W/img/$BLOCK\n")
+    assert block != tree
+    d = case.run(block, a, TOPO_A, gpus=2, extra={**env, "KEEP": "1", "BLOCK": second})
+    pid = int(d["pid"])
+    try:
+        log = case.log("dump.log")
+        assert d["dump"] != "0" and d["alive"] == "yes", log[-3000:]
+        assert log.index(f"BOs dumped into {first}/") < log.index(f"vramd: cannot open {second}"), log[-3000:]
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            (child,) = map(int, f.read().split())
+        assert (case.model.paused(a, pid), case.model.paused(a, child)) == (0, 0)
+        assert d["checks"] == f"ok 14 {2 * MIB << 20}; child ok 10 {2 * 4 << 20}\n" * 2
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, 15)
+
+
+def _restore_sessions(sock: str) -> int:
+    out = subprocess.run([sys.executable, "-m", "vramd.cli", "sessions", "--json", "--all", "--socket", sock],
+                         capture_output=True, text=True, cwd=str(REPO), check=True).stdout
+    return out.count('"restore"')
+
+
+def _until(cond, timeout: float = 60.0) -> None:
+    """Poll a condition on real state (bounded), not a fixed wait."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.1)
+
+
+WAIT_FOR_GO = r'''
+[ "$CRTOOLS_SCRIPT_ACTION" = post-restore ] || exit 0
+for _ in $(seq 1200); do [ -e $WORK/go ] && exit 0; sleep 0.05; done
+exit 0
+'''
+
+
+def test_a_restore_slower_than_the_grace_period_fails_with_no_task_left(case, plugins):
+    """CRIU takes longer from the tasks' submits to its barrier than the daemon's grace_period (1 s
+    here; CRIU held in its post-restore action script until the daemon has reaped both sessions):
+    the barrier finds no session, and criu restore fails with no task left, never resuming tasks
+    whose BOs nobody filled (docs/criu-integration.md, "The grace period")."""
+    case.use(plugins["vramd"])
+    a = case.state("state-a", TOPO_A)
+    tree = DUMP.replace("-g $GPUS", "-g $GPUS -c")
+    script = os.path.join(case.work, "wait-for-go.sh")
+    with open(script, "w") as f:
+        f.write(WAIT_FOR_GO)
+    os.chmod(script, 0o755)
+    restore = RESTORE.replace("--shell-job -d", f"--shell-job -d --action-script {script}")
+    with running_daemon(grace="1") as d, ThreadPoolExecutor(1) as ex:
+        env = case.env(d.socket)
+        assert case.run(tree, a, TOPO_A, gpus=2, extra=env)["dump"] == "0", case.log("dump.log")[-3000:]
+        run = ex.submit(case.run, restore, a, TOPO_A, extra=env)
+        _until(lambda: _restore_sessions(d.socket) == 2)     # both tasks submitted
+        _until(lambda: _restore_sessions(d.socket) == 0)     # and the daemon reaped both
+        with open(os.path.join(case.work, "go"), "w"):
+            pass
+        r = run.result(timeout=300)
+    log = case.log("restore.log")
+    assert r["restore"] != "0" and r["alive"] == "no", log[-3000:]
+    failed = re.findall(r"vramd: restore of task (\d+) failed: .*\[(\w+)\]", log)
+    tasks = re.findall(r" (\d+): amdgpu_plugin: vramd: \d+ BOs submitted from", log)
+    assert len(tasks) == 2 and sorted(p for p, _ in failed) == sorted(tasks), log[-3000:]
+    assert {code for _, code in failed} == {"NOT_FOUND"}, failed
+    assert "vramd: BO contents not restored: killing task" in log and "Restoring FAILED" in log
+    assert case.model.counters(a)["calls"]["resume"] == 0
+    for pid in map(int, tasks):
+        assert _dead_or_dying(pid), pid
