@@ -26,7 +26,8 @@ plugins, model, daemon, case = base.plugins, base.model, base.daemon, base.case
 # paused its queues does not touch the one the chain dumps).  Then three dumps of one running
 # process, each into its own directory, the 2nd and 3rd with KFD_VRAMD_PARENT naming the one
 # before (relative to the images directory, as --prev-images-dir takes it); the first two leave
-# the process running, and the workload checks every byte after each.
+# the process running, and the workload checks every byte after each.  Between the 1st and the 2nd
+# the workload rewrites one VRAM BO (SIGHUP); between the 2nd and the 3rd nothing changes.
 CHAIN = START + r"""
 rm -rf $W/img $W/ready $W/probe; mkdir -p $W/img $W/probe/track $W/probe/pre $W/probe/1 $W/probe/2
 $WL -m 8 -g 1 $W/probe/report > $W/probe/ready 2>$W/probe/wl.err < /dev/null &
@@ -50,6 +51,7 @@ for n in 1 2 3; do
     $CRIU dump -t $pid -D $W/img/$n -o dump.log -v4 --libdir $W/plugins --shell-job $keep
     echo "dump$n: $?"
     [ $n = 3 ] || check $pid
+    if [ $n = 1 ]; then rm -f $W/report; kill -HUP $pid && wait_for $W/report && echo "change: $(cat $W/report)"; fi
 done
 if alive $pid; then echo "alive: yes"; kill -TERM $pid; else echo "alive: no"; fi
 """
@@ -75,9 +77,10 @@ def _log(case, n: str, name: str) -> str:
 def test_incremental_chain_of_three_dumps_each_restored_byte_exact(case, plugins, daemon):
     """dump 1 full, dump 2 with KFD_VRAMD_PARENT=../1, dump 3 with ../2 (CRIU here refuses its own incremental
     dumps, see CHAIN): the plugin finds the previous dump's amdgpu-vramd-<id>/ and hands it (and its own
-    parents, nearest first) to vramd, so the 2nd and 3rd images refer to the 1st's chunks and store less
-    (vramctl inspect); each of the three restores byte-exact by the workload's own check, the 3rd through two
-    parents; without its parents' directories the 3rd is refused naming the missing parent."""
+    parents, nearest first) to vramd, so the 2nd and 3rd images refer to the 1st's chunks and store less (the
+    2nd only the BO the workload rewrote, the 3rd nothing) (vramctl inspect); each of the three restores byte-
+    exact by the workload's own check, the 3rd through two parents; without its parents' directories the 3rd is
+    refused naming the missing parent."""
     case.use(plugins["vramd"])
     a = case.state("state-a", TOPO_A)
     env = case.env(daemon.socket)
@@ -115,6 +118,15 @@ def test_incremental_chain_of_three_dumps_each_restored_byte_exact(case, plugins
         t = info[n]["totals"]
         assert t["bo_bytes"] == info["1"]["totals"]["bo_bytes"]
         assert t["stored_bytes"] < first and t["referenced_bytes"] > 0, (n, t, first)
+    # the 2nd stores the BO the workload rewrote, and only it; the 3rd (nothing changed) stores nothing
+    m = re.fullmatch(r"changed bo \d+ (\d+)", d["change"])
+    assert m, d["stdout"]
+    size = int(m.group(1))
+    (changed,) = [b for b in info["2"]["bos"] if b["stored_bytes"]]
+    assert changed["size"] == size and changed["referenced_bytes"] == 0, changed
+    assert size // 2 <= changed["stored_bytes"] <= size + 4096, changed
+    assert info["2"]["totals"]["stored_bytes"] == changed["stored_bytes"]
+    assert info["3"]["totals"]["stored_bytes"] == 0, info["3"]["totals"]
     for n in ("1", "2", "3"):
         log = _log(case, n, "dump.log")
         chain = int(n) - 1
