@@ -27,7 +27,8 @@ plugins, model, daemon, case = base.plugins, base.model, base.daemon, base.case
 # process, each into its own directory, the 2nd and 3rd with KFD_VRAMD_PARENT naming the one
 # before (relative to the images directory, as --prev-images-dir takes it); the first two leave
 # the process running, and the workload checks every byte after each.  Between the 1st and the 2nd
-# the workload rewrites one VRAM BO (SIGHUP); between the 2nd and the 3rd nothing changes.
+# the workload rewrites one VRAM BO (SIGHUP); between the 2nd and the 3rd nothing changes.  A 4th
+# dump with KFD_VRAMD_MAX_CHAIN=2 would make a chain of 3: it is a full image again.
 CHAIN = START + r"""
 rm -rf $W/img $W/ready $W/probe; mkdir -p $W/img $W/probe/track $W/probe/pre $W/probe/1 $W/probe/2
 $WL -m 8 -g 1 $W/probe/report > $W/probe/ready 2>$W/probe/wl.err < /dev/null &
@@ -44,13 +45,14 @@ $WL -m $MIB -g $GPUS $W/report > $W/ready 2>$W/wl.err < /dev/null &
 wait_for $W/ready || { cat $W/wl.err; exit 1; }
 pid=$(awk '{print $2}' $W/ready); echo "pid: $pid"
 check $pid
-for n in 1 2 3; do
+for n in 1 2 3 4; do
     mkdir -p $W/img/$n
-    keep=--leave-running; [ $n = 3 ] && keep=
+    keep=--leave-running; [ $n = 4 ] && keep=
     if [ $n = 1 ]; then unset KFD_VRAMD_PARENT; else export KFD_VRAMD_PARENT=../$((n - 1)); fi
+    [ $n = 4 ] && export KFD_VRAMD_MAX_CHAIN=2
     $CRIU dump -t $pid -D $W/img/$n -o dump.log -v4 --libdir $W/plugins --shell-job $keep
     echo "dump$n: $?"
-    [ $n = 3 ] || check $pid
+    [ $n = 4 ] || check $pid
     if [ $n = 1 ]; then rm -f $W/report; kill -HUP $pid && wait_for $W/report && echo "change: $(cat $W/report)"; fi
 done
 if alive $pid; then echo "alive: yes"; kill -TERM $pid; else echo "alive: no"; fi
@@ -86,7 +88,8 @@ def test_incremental_chain_of_three_dumps_each_restored_byte_exact(case, plugins
     env = case.env(daemon.socket)
     d = case.run(CHAIN, a, TOPO_A, gpus=2, extra=env)
     assert (d["dump1"], d["dump2"], d["dump3"]) == ("0", "0", "0"), d["stdout"] + d["stderr"]
-    _ok(d["checks"], 3, 14, 2 * MIB << 20)                   # before, after dump 1, after dump 2
+    assert d["dump4"] == "0", d["stdout"]
+    _ok(d["checks"], 4, 14, 2 * MIB << 20)                   # before, after dumps 1, 2 and 3
     # what CRIU itself does without memory dirty tracking (where the kernel has it, CRIU's own chain
     # works and the plugin follows CRIU's `parent` link instead of KFD_VRAMD_PARENT)
     assert d["probe1"] == "0", d["stdout"]
@@ -141,6 +144,11 @@ def test_incremental_chain_of_three_dumps_each_restored_byte_exact(case, plugins
         assert ("is incremental, restored through" in log) == (n != "1"), n
         if n == "3":
             assert f"vramd: {vdir}/ is incremental, restored through 2 parents" in log
+    # KFD_VRAMD_MAX_CHAIN=2: the 4th is full again
+    log = _log(case, "4", "dump.log")
+    assert f"vramd: ../3/{vdir}/ has 2 parents; KFD_VRAMD_MAX_CHAIN is 2: a full image" in log, log[-3000:]
+    assert re.search(rf"vramd: 12 BOs dumped into {vdir}/ \(0 parents, {first} bytes stored\)", log), log[-3000:]
+    assert not os.path.lexists(os.path.join(case.work, "img", "4", vdir, "parent"))
     # the chain is needed: the 1st image's directory gone, the 3rd no longer restores
     os.rename(os.path.join(case.work, "img", "1"), os.path.join(case.work, "img", "1-moved"))
     r = case.run(RESTORE.replace("-D $W/img ", "-D $W/img/3 "), a, TOPO_A, extra=env)
