@@ -57,7 +57,7 @@ def test_the_series_stays_in_plugins_amdgpu_and_touches_criu_lines_only_at_the_h
             removed[path] = removed.get(path, 0) + sum(1 for ln in lines if ln.startswith("-"))
     assert set(added) >= OWN_FILES, added
     theirs = {p: n for p, n in added.items() if p not in OWN_FILES}
-    # CRIU's own files: the include, the init call, the five hook call sites, the Makefile's probe
+    # CRIU's own files: the include, the init and fini calls, the five hook call sites, the Makefile's probe
     assert set(theirs) == {"plugins/amdgpu/Makefile", "plugins/amdgpu/amdgpu_plugin.c"}, theirs
     assert theirs["plugins/amdgpu/amdgpu_plugin.c"] <= 25 and theirs["plugins/amdgpu/Makefile"] <= 12, theirs
     assert removed.get("plugins/amdgpu/amdgpu_plugin.c", 0) == 0
@@ -75,7 +75,7 @@ def test_every_libvramd_name_the_series_uses_is_public():
     headers = "".join(p.read_text() for p in HEADERS.glob("*.h"))
     exported = set(re.findall(r"\b(vramd_[a-z0-9_]+);", MAP.read_text()))
     own = {"vramd_image_present", "vramd_config", "vramd_socket", "vramd_not_running", "vramd_log_error",
-           "vramd_bos", "vramd_remove_dir"}                      # the patch's own static helpers
+           "vramd_bos", "vramd_remove_dir", "vramd_refuse_stale"}    # the patch's own static helpers
     own_macros = {"VRAMD_UNIT"}
     funcs = {n for n in used if n.islower()} - own
     macros = {n for n in used if n.isupper()} - own_macros
