@@ -22,6 +22,9 @@
  * REPORT_FILE; with -c it first has the child check every byte of its BOs (SIGUSR1 to the
  * child, which answers in REPORT_FILE.child and with SIGUSR2) and appends one line
  * "<its own result>; child <the child's result>".  On SIGTERM it exits 0 (the child dies with it).
+ * On SIGHUP it rewrites its first VRAM BO with new bytes (each SIGHUP another generation, which the
+ * check then expects) and appends "changed bo <i> <bytes>" to REPORT_FILE: an incremental dump
+ * after it has exactly that BO to store again.
  */
 #define _GNU_SOURCE
 #include <dirent.h>
@@ -53,8 +56,8 @@ struct bo {
 };
 
 static struct bo bos[MAX_BOS];
-static unsigned nbos, salt;
-static volatile sig_atomic_t check_req, stop_req;
+static unsigned nbos, salt, gen[MAX_BOS];
+static volatile sig_atomic_t check_req, stop_req, change_req;
 
 static void die(const char *what)
 {
@@ -64,7 +67,7 @@ static void die(const char *what)
 
 static uint64_t word(unsigned i, uint64_t off)
 {
-	uint64_t x = (uint64_t)(i + salt + 1) * 0x9E3779B97F4A7C15ULL ^ off;
+	uint64_t x = ((uint64_t)(i + salt + 1) + ((uint64_t)gen[i] << 32)) * 0x9E3779B97F4A7C15ULL ^ off;
 	x ^= x >> 31;
 	x *= 0xBF58476D1CE4E5B9ULL;
 	return x ^ (x >> 29);
@@ -90,6 +93,8 @@ static void on_signal(int sig)
 {
 	if (sig == SIGUSR1)
 		check_req = 1;
+	else if (sig == SIGHUP)
+		change_req = 1;
 	else
 		stop_req = 1;
 }
@@ -239,8 +244,10 @@ int main(int argc, char **argv)
 	sa.sa_handler = on_signal;
 	sigaction(SIGUSR1, &sa, NULL);
 	sigaction(SIGTERM, &sa, NULL);
+	sigaction(SIGHUP, &sa, NULL);
 	sigset_t block, old, wait_mask;
 	sigemptyset(&block);
+	sigaddset(&block, SIGHUP);
 	sigaddset(&block, SIGUSR1);
 	sigaddset(&block, SIGUSR2);
 	sigaddset(&block, SIGTERM);
@@ -249,6 +256,7 @@ int main(int argc, char **argv)
 	sigaddset(&wait_mask, SIGUSR2);
 	sigdelset(&wait_mask, SIGUSR1);
 	sigdelset(&wait_mask, SIGTERM);
+	sigdelset(&wait_mask, SIGHUP);
 	char child_report[4096];
 	snprintf(child_report, sizeof(child_report), "%s.child", report);
 	pid_t parent = getpid(), child = 0;
@@ -290,10 +298,28 @@ int main(int argc, char **argv)
 	printf("ready %d %u %" PRIu64 "\n", getpid(), nbos, total);
 	fflush(stdout);
 	for (;;) {
-		while (!check_req && !stop_req)
+		while (!check_req && !stop_req && !change_req)
 			sigsuspend(&wait_mask);
 		if (stop_req)
 			return 0;
+		if (change_req) {
+			change_req = 0;
+			unsigned i = 0;
+			while (i < nbos && !(bos[i].flags & KFD_IOC_ALLOC_MEM_FLAGS_VRAM))
+				i++;
+			FILE *f = fopen(report, "ae");
+			if (!f)
+				die(report);
+			if (i < nbos) {
+				gen[i]++;
+				fill(i);
+				fprintf(f, "changed bo %u %" PRIu64 "\n", i, bos[i].size);
+			} else {
+				fprintf(f, "no VRAM bo\n");
+			}
+			fclose(f);
+			continue;
+		}
 		check_req = 0;
 		char line[128], theirs[128] = "no answer";
 		result(line, sizeof(line), total);

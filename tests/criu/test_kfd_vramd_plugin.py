@@ -518,7 +518,7 @@ def test_a_tree_whose_second_dump_fails_runs_on_with_every_process_unpaused(case
     try:
         log = case.log("dump.log")
         assert d["dump"] != "0" and d["alive"] == "yes", log[-3000:]
-        assert log.index(f"BOs dumped into {first}/") < log.index(f"vramd: cannot open {second}"), log[-3000:]
+        assert log.index(f"BOs started into {first}/") < log.index(f"vramd: cannot open {second}"), log[-3000:]
         with open(f"/proc/{pid}/task/{pid}/children") as f:
             (child,) = map(int, f.read().split())
         assert (case.model.paused(a, pid), case.model.paused(a, child)) == (0, 0)
