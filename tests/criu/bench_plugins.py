@@ -1,0 +1,431 @@
+"""MODEL NUMBERS, NOT HARDWARE NUMBERS: CRIU's stock amdgpu plugin against the same plugin with
+vramd's patch series (contrib/criu), head to head on the same emulated GPU process (KFD + SDMA
+models, docs/kfd-model.md), inside a real CRIU.
+
+    CRIU_SRC=... CRIU_BIN=... .venv/bin/python tests/criu/bench_plugins.py [--mib-per-gpu 1024]
+        [--small-bos 10000] [--runs 2] [--shapes disk,tmpfs,tree,small] [--json OUT]
+
+Shapes: `disk` one process, 2 GPUs x --mib-per-gpu, the image on disk; `tmpfs` the same with the
+image (and the model's arenas) on a tmpfs the bench mounts; `tree` a parent and a child, each
+its own KFD process with BOs on both GPUs (the stock plugin restores in the tasks); `small` one
+process, one GPU, --small-bos one-page BOs (plus 1 MiB of sized ones).  Each run of a shape
+runs both plugins, the order alternating run by run, so every ratio comes from one invocation.
+Per side and per criu command: wall and CPU of criu (user+sys of criu and the children it
+waited for, /usr/bin/time), CPU of the restored tasks (/proc/<pid>/stat of the tree, read
+before the workload checks its bytes), CPU of the daemon (its /proc/<pid>/stat before and
+after), the image's bytes, and the model's copying: the bytes the SDMA model copies (every BO
+byte once per dump and once per restore, on either side) times this machine's memcpy CPU s/GiB,
+measured by the bench first (an estimate: the model copies with CPU threads, an engine would
+not; "hw" columns subtract it).  Every restore is checked byte by byte by the workload.
+Exit status 2 when CRIU_SRC / CRIU_BIN / libvramd / root are missing (nothing run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import mmap
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import test_kfd_stock_plugin as t
+import test_kfd_vramd_plugin as v
+from kfd_harness import Model
+from test_kfd_stock_plugin import DUMP, RESTORE, TOPO_A
+
+GIB = 1 << 30
+TICK = os.sysconf("SC_CLK_TCK")
+STAMP = re.compile(r"^\((\d+\.\d+)\)")
+CPU = r"""
+taskcpu() {  # utime+stime (ticks) of the task and its children, exited threads included
+    t=0; for p in $1 $(cat /proc/$1/task/*/children 2>/dev/null); do
+        t=$((t + $(awk '{sub(/.*\) /, ""); print $12 + $13}' /proc/$p/stat))); done; echo "taskcpu: $t"; }
+"""
+TIMED = "/usr/bin/time -f 'time: %e %U %S' -o $W/time-{0} $CRIU {0}"
+BENCH_DUMP = (
+    DUMP.replace("-g $GPUS", "-g $GPUS $WL_OPTS")
+    .replace("$CRIU dump", TIMED.format("dump"))
+    .replace("rm -rf $W/img $W/ready; mkdir -p $W/img", "rm -rf $W/img/* $W/ready; mkdir -p $W/img")
+)
+BENCH_RESTORE = CPU + RESTORE.replace("$CRIU restore", TIMED.format("restore")).replace(
+    'if $live; then echo "alive: yes"; check $pid;', 'if $live; then echo "alive: yes"; taskcpu $pid; check $pid;'
+)
+assert BENCH_DUMP != DUMP and "taskcpu $pid" in BENCH_RESTORE and "$W/time-restore" in BENCH_RESTORE
+
+
+class BenchError(RuntimeError):
+    pass
+
+
+def proc_cpu(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def memcpy_s_per_gib(mib: int = 256) -> float:
+    """CPU seconds one thread spends copying a GiB into memory it touches first (the model's
+    copies land in staging or arena pages), the best of 3."""
+    src = mmap.mmap(-1, mib << 20)
+    src.write(os.urandom(1 << 20) * mib)
+    best = float("inf")
+    for _ in range(3):
+        dst = mmap.mmap(-1, mib << 20)
+        a = ctypes.addressof(ctypes.c_char.from_buffer(dst))
+        b = ctypes.addressof(ctypes.c_char.from_buffer(src))
+        t0 = time.thread_time()
+        ctypes.memmove(a, b, mib << 20)
+        best = min(best, time.thread_time() - t0)
+        del a
+        dst.close()
+    src.close()
+    return best * 1024 / mib
+
+
+def hash_s_per_gib(mib: int = 256) -> float:
+    """The image format's own hashing at dump (BLAKE3 + xxh3-64 of each chunk), CPU s/GiB."""
+    import blake3
+    import xxhash
+
+    buf = os.urandom(mib << 20)
+    t0 = time.process_time()
+    for off in range(0, len(buf), 8 << 20):
+        chunk = memoryview(buf)[off : off + (8 << 20)]
+        blake3.blake3(chunk).digest()
+        xxhash.xxh3_64_digest(chunk)
+    return (time.process_time() - t0) * 1024 / mib
+
+
+def build_vramd_plugin(out: str) -> str:
+    """The series applied to a copy of CRIU_SRC (`git apply --check` first) and the plugin built
+    there against this checkout's libvramd, as test_kfd_vramd_plugin.py builds it."""
+    os.makedirs(out)
+    src = os.path.join(out, "criu")
+    subprocess.run(["cp", "-a", v.ENV.criu_src or "", src], check=True)
+    for patch in v.series():
+        subprocess.run(["git", "apply", "--check", patch], cwd=src, check=True, capture_output=True)
+        subprocess.run(["git", "apply", patch], cwd=src, check=True, capture_output=True)
+    env = {**os.environ, "PKG_CONFIG_PATH": os.path.join(v.ENV.vramd_libdir or "", "meson-uninstalled")}
+    so = os.path.join(src, "plugins", "amdgpu", "amdgpu_plugin.so")
+    if os.path.exists(so):
+        os.unlink(so)
+    r = subprocess.run(["make", "-C", src, "amdgpu_plugin"], env=env, capture_output=True, text=True)
+    if r.returncode:
+        raise BenchError(f"make amdgpu_plugin failed ({r.returncode}):\n{r.stdout[-2000:]}{r.stderr[-2000:]}")
+    return so
+
+
+SHAPES = {
+    "disk": {"gpus": 2, "tree": False, "small": False, "tmpfs": False},
+    "tmpfs": {"gpus": 2, "tree": False, "small": False, "tmpfs": True},
+    "tree": {"gpus": 2, "tree": True, "small": False, "tmpfs": False},
+    "small": {"gpus": 1, "tree": False, "small": True, "tmpfs": False},
+}
+
+
+def _ts(log: str, needle: str, last: bool = False) -> float | None:
+    hits = [float(m.group(1)) for line in log.splitlines() if needle in line and (m := STAMP.match(line))]
+    return (max(hits) if last else min(hits)) if hits else None
+
+
+def _stages(side: str, what: str, log: str) -> dict[str, float]:
+    """Where the wall time went, from CRIU's own log stamps (seconds since criu started)."""
+    if side == "stock":
+        a, b = ("amdgpu_plugin: Dumping ", "Dumped bos ok") if what == "dump" else ("] started", "] finished ret:0")
+    else:
+        a, b = (
+            (" amdgpu_plugin: vramd: ", "BOs dumped into")
+            if what == "dump"
+            else ("BOs submitted from", "vramd: restore of task ")
+        )
+    t0, t1 = _ts(log, a), _ts(log, b, last=True)
+    if t0 is None and side == "stock" and what == "restore":  # one process: the offloaded restore
+        t0 = _ts(log, "Begin to send parallel restore cmd")
+    if t0 is None or t1 is None:
+        return {}
+    out = {"before_copy_s": t0, "copy_s": t1 - t0}
+    if side == "vramd" and what == "restore":  # CRIU main idle at the barrier: its last line before "done"
+        stamps = [
+            float(m.group(1))
+            for line in log.splitlines()
+            if (m := STAMP.match(line)) and "vramd: restore of task" not in line and float(m.group(1)) <= t1
+        ]
+        out["barrier_wait_s"] = t1 - max(stamps) if stamps else 0.0
+    return out
+
+
+def _img_bytes(img: str) -> tuple[int, int]:
+    total = gpu = 0
+    for root, _, files in os.walk(img):
+        for n in files:
+            if n.endswith(".log"):
+                continue
+            size = os.path.getsize(os.path.join(root, n))
+            total += size
+            if n.startswith("amdgpu-pages") or "amdgpu-vramd-" in root:
+                gpu += size
+    return total, gpu
+
+
+def one(side: str, shape: dict, case: v.VCase, daemon, wl_opts: str) -> dict:
+    state = case.state(f"state-{side}", TOPO_A)
+    env = {"WL_OPTS": wl_opts, **(case.env(daemon.socket) if side == "vramd" else {})}
+    row: dict = {}
+    for what, script in (("dump", BENCH_DUMP), ("restore", BENCH_RESTORE)):
+        d0 = proc_cpu(daemon.pid)
+        r = case.run(script, state, TOPO_A, gpus=shape["gpus"], extra=env)
+        d1 = proc_cpu(daemon.pid)
+        log = case.log(f"{what}.log")
+        if r.get(what) != "0":
+            raise BenchError(f"{side} {what} failed ({r.get(what)}): {log[-2000:]}")
+        with open(os.path.join(case.work, f"time-{what}")) as f:
+            wall, user, sys_ = map(float, f.read().split("time:")[1].split())
+        m = {
+            "wall_s": wall,
+            "criu_cpu_s": user + sys_,
+            "daemon_cpu_s": d1 - d0,
+            "task_cpu_s": int(r.get("taskcpu", "0")) / TICK if what == "restore" else 0.0,
+            "checks": r["checks"].strip(),
+            **_stages(side, what, log),
+        }
+        if what == "dump":
+            m["image_bytes"], m["gpu_image_bytes"] = _img_bytes(os.path.join(case.work, "img"))
+            row["expect"] = m["checks"]
+        row[what] = m
+    row["restore"]["byte_exact"] = row["restore"]["checks"] == row["expect"] and row["expect"].startswith("ok ")
+    shutil.rmtree(state)
+    return row
+
+
+def run_shape(name: str, args, model: Model, plugins: dict[str, str], daemon, work: str) -> dict:
+    shape = SHAPES[name]
+    mib = 1 if shape["small"] else args.mib_per_gpu
+    wl_opts = f"-s {args.small_bos}" if shape["small"] else ""
+    wl_opts += " -c" if shape["tree"] else ""
+    base = os.path.join(work, name)
+    os.makedirs(base)
+    if shape["tmpfs"]:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=90%", "vramd-bench", base], check=True)
+    try:
+        runs = []
+        for i in range(args.runs):
+            order = ("stock", "vramd") if i % 2 == 0 else ("vramd", "stock")
+            rows = {}
+            for side in order:
+                case = v.VCase(model, os.path.join(base, f"run{i}-{side}"))
+                case.use(plugins[side])
+                t.MIB = mib  # the scripts read $MIB from the module's constant
+                rows[side] = one(side, shape, case, daemon, wl_opts)
+                if args.keep_logs:
+                    keep = os.path.join(args.keep_logs, f"{name}-run{i}-{side}")
+                    os.makedirs(keep)
+                    for n in ("dump.log", "restore.log"):
+                        shutil.copy(os.path.join(case.work, "img", n), keep)
+                shutil.rmtree(case.work)
+            runs.append(rows)
+            print(
+                f"{name} run {i}: "
+                + "  ".join(
+                    f"{s} dump {r['dump']['wall_s']:.2f}s restore {r['restore']['wall_s']:.2f}s"
+                    f"{'' if r['restore']['byte_exact'] else ' (NOT byte-exact: ' + r['restore']['checks'] + ')'}"
+                    for s, r in rows.items()
+                ),
+                flush=True,
+            )
+    finally:
+        if shape["tmpfs"]:
+            subprocess.run(["umount", base], check=False)
+    med: dict = {}
+    for side in ("stock", "vramd"):
+        med[side] = {}
+        for what in ("dump", "restore"):
+            keys = [
+                k for k, x in runs[0][side][what].items() if isinstance(x, (int, float)) and not isinstance(x, bool)
+            ]
+            med[side][what] = {k: statistics.median(r[side][what][k] for r in runs if k in r[side][what]) for k in keys}
+            med[side][what]["byte_exact"] = all(r[side]["restore"]["byte_exact"] for r in runs)
+        expect = runs[0][side]["expect"].split(";")[0].split()
+        med[side]["bos"], med[side]["bytes"] = int(expect[1]), int(expect[2])
+        if shape["tree"]:
+            child = runs[0][side]["expect"].split("child ok ")[1].split()
+            med[side]["bos"] += int(child[0])
+            med[side]["bytes"] += int(child[1])
+    return {"shape": name, "mib_per_gpu": mib, "wl_opts": wl_opts, "runs": runs, "median": med}
+
+
+def _cpu(m: dict) -> float:
+    return m["criu_cpu_s"] + m["task_cpu_s"] + m["daemon_cpu_s"]
+
+
+def _rest(m: dict) -> float:
+    return m["wall_s"] - m.get("before_copy_s", 0.0) - m.get("copy_s", 0.0)
+
+
+def _held_back(res: dict, what: str) -> str:
+    """The stage of vramd's side that grew most against stock's (CRIU's log stamps)."""
+    s, w = res["median"]["stock"][what], res["median"]["vramd"][what]
+    if "copy_s" not in s or "copy_s" not in w:
+        return "stages not found in the logs"
+    d = {
+        "CRIU before the BO copy": w["before_copy_s"] - s["before_copy_s"],
+        "the BO copy (plugin span)": w["copy_s"] - s["copy_s"],
+        "CRIU after the copy": _rest(w) - _rest(s),
+    }
+    stage = max(d, key=lambda k: d[k])
+    return f"held back by {stage}: +{d[stage]:.2f} s vs stock ({', '.join(f'{k} {x:+.2f}' for k, x in d.items())})"
+
+
+def table(results: list[dict], copy_rate: float) -> list[str]:
+    out = [
+        "| shape | plugin | step | wall s | criu CPU s | task CPU s | daemon CPU s | model copy CPU s (est.) | "
+        "CPU s/GiB | hw CPU s/GiB | image MiB | BOs/s | byte-exact |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for res in results:
+        for side in ("stock", "vramd"):
+            med = res["median"][side]
+            gib = med["bytes"] / GIB
+            for what in ("dump", "restore"):
+                m = med[what]
+                model = gib * copy_rate
+                img = f"{m['image_bytes'] / (1 << 20):.0f}" if what == "dump" else ""
+                exact = "" if what == "dump" else ("yes" if m["byte_exact"] else "**no**")
+                out.append(
+                    f"| {res['shape']} | {side} | {what} | {m['wall_s']:.2f} | {m['criu_cpu_s']:.2f} | "
+                    f"{m['task_cpu_s']:.2f} | {m['daemon_cpu_s']:.2f} | {model:.2f} | "
+                    f"{_cpu(m) / gib:.2f} | {(_cpu(m) - model) / gib:.2f} | {img} | "
+                    f"{med['bos'] / m['wall_s']:.0f} | {exact} |"
+                )
+    return out
+
+
+def verdicts(results: list[dict], hash_rate: float) -> list[str]:
+    by = {r["shape"]: r["median"] for r in results}
+    res = {r["shape"]: r for r in results}
+    out = []
+
+    def wall(shape: str, what: str, factor: float, target: str) -> None:
+        s, w = by[shape]["stock"][what]["wall_s"], by[shape]["vramd"][what]["wall_s"]
+        ok = w <= factor * s
+        if not by[shape]["vramd"]["restore"]["byte_exact"]:
+            out.append(f"- {target}: {shape} {what}: **not judged**: vramd's restore was not byte-exact")
+            return
+        note = (
+            ""
+            if by[shape]["stock"]["restore"]["byte_exact"] or what == "dump"
+            else " (the stock restore was not byte-exact: it skipped work)"
+        )
+        out.append(
+            f"- {target}: {shape} {what} vramd {w:.2f} s vs stock {s:.2f} s = {w / s:.2f} x "
+            f"(target <= {factor:.2f}): **{'met' if ok else 'missed'}**{note}"
+            + ("" if ok else f"; {_held_back(res[shape], what)}")
+        )
+
+    if "tree" in by:
+        wall("tree", "restore", 0.70, "two-process tree restore")
+    if "disk" in by:
+        wall("disk", "dump", 0.85, "one process, 2 GPUs, image on disk")
+        wall("disk", "restore", 0.85, "one process, 2 GPUs, image on disk")
+        m = by["disk"]["vramd"]["restore"]
+        if "copy_s" in m:
+            criu_alone = m["wall_s"] - m.get("barrier_wait_s", 0.0)
+            bound = 1.10 * max(criu_alone, m["copy_s"])
+            out.append(
+                f"- restore wall <= 1.10 x max(CRIU alone {criu_alone:.2f} s (wall less the barrier wait), "
+                f"vramd's copy {m['copy_s']:.2f} s (submit to done)): {m['wall_s']:.2f} s vs {bound:.2f} s: "
+                f"**{'met' if m['wall_s'] <= bound else 'missed'}**"
+            )
+    if "tmpfs" in by:
+        wall("tmpfs", "dump", 1.0, "image on tmpfs")
+        wall("tmpfs", "restore", 1.0, "image on tmpfs")
+        for what in ("dump", "restore"):
+            s, w = (by["tmpfs"][x] for x in ("stock", "vramd"))
+            sg, wg = _cpu(s[what]) / (s["bytes"] / GIB), _cpu(w[what]) / (w["bytes"] / GIB)
+            extra = hash_rate if what == "dump" else hash_rate / 2  # xxh3 only at restore: an upper bound
+            ok = wg <= sg + extra
+            out.append(
+                f"- tmpfs {what} CPU/GiB: vramd {wg:.2f} vs stock {sg:.2f} + hashing {extra:.2f} s/GiB: "
+                f"**{'met' if ok else 'missed'}**"
+            )
+    if "small" in by and not by["small"]["vramd"]["restore"]["byte_exact"]:
+        out.append(f"- {by['small']['vramd']['bos']} small BOs: **not judged**: vramd's restore was not byte-exact")
+    elif "small" in by:
+        n = by["small"]["vramd"]["bos"]
+        for what in ("dump", "restore"):
+            rate = n / by["small"]["vramd"][what]["wall_s"]
+            out.append(
+                f"- {n} small BOs, vramd {what}: {rate:.0f} BOs/s over criu's whole wall (target >= 10000): "
+                f"**{'met' if rate >= 10000 else 'missed'}**"
+                + ("" if rate >= 10000 else f"; {_held_back(res['small'], what)}")
+            )
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mib-per-gpu", type=int, default=1024)
+    ap.add_argument("--small-bos", type=int, default=10000)
+    ap.add_argument("--runs", type=int, default=2)
+    ap.add_argument("--shapes", default="disk,tmpfs,tree,small")
+    ap.add_argument("--json")
+    ap.add_argument("--keep-logs", help="a directory to copy each run's dump.log and restore.log into")
+    args = ap.parse_args()
+    why = v.ENV.missing() or (
+        None if v.ENV.has_libvramd() else "needs libvramd (VRAMD_CLIENT_INC, VRAMD_CLIENT_LIBDIR)"
+    )
+    if why:
+        print(f"bench_plugins: not run: {why}", file=sys.stderr)
+        return 2
+    shapes = args.shapes.split(",")
+    if set(shapes) - set(SHAPES):
+        ap.error(f"--shapes: one of {','.join(SHAPES)}")
+    work = tempfile.mkdtemp(prefix="plugins-bench-")  # on disk (/tmp); not under /dev (the namespace's)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda signum, frame: sys.exit(128 + signum))
+    try:
+        copy_rate, hash_rate = memcpy_s_per_gib(), hash_s_per_gib()
+        plugins = {
+            "stock": os.path.join(v.ENV.criu_src or "", "plugins", "amdgpu", "amdgpu_plugin.so"),
+            "vramd": build_vramd_plugin(os.path.join(work, "src")),
+        }
+        model = Model(os.path.join(work, "build"))
+        results = []
+        with v.running_daemon() as daemon:
+            for name in shapes:
+                results.append(run_shape(name, args, model, plugins, daemon, work))
+    finally:
+        for name in shapes:
+            subprocess.run(["umount", os.path.join(work, name)], capture_output=True)
+        shutil.rmtree(work, ignore_errors=True)
+    commit = subprocess.run(
+        ["git", "-C", v.ENV.criu_src or "", "rev-parse", "--short=9", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    print(
+        f"MODEL NUMBERS (KFD + SDMA models, not a GPU); CRIU {commit or '?'}; {os.cpu_count()} cores; "
+        f"median of {args.runs} runs per side, alternating; model copy CPU estimated at {copy_rate:.3f} s/GiB "
+        f"(memcpy on this machine); the format's hashing {hash_rate:.3f} s/GiB at dump"
+    )
+    print("\n".join(table(results, copy_rate)))
+    print("\n".join(verdicts(results, hash_rate)))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {"criu": commit, "copy_s_per_gib": copy_rate, "hash_s_per_gib": hash_rate, "results": results},
+                f,
+                indent=1,
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
