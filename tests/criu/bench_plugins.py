@@ -7,8 +7,10 @@ models, docs/kfd-model.md), inside a real CRIU.
 
 Shapes: `disk` one process, 2 GPUs x --mib-per-gpu, the image on disk; `tmpfs` the same with the
 image (and the model's arenas) on a tmpfs the bench mounts; `tree` a parent and a child, each
-its own KFD process with BOs on both GPUs (the stock plugin restores in the tasks); `small` one
-process, one GPU, --small-bos one-page BOs (plus 1 MiB of sized ones).  Each run of a shape
+its own KFD process with BOs on both GPUs (the stock plugin restores in the tasks); `small` the
+tree on one GPU, the parent with --small-bos one-page BOs (plus 1 MiB of sized ones; one process
+of 10,005 BOs fails the stock plugin's offloaded restore, so a tree).  A criu command that fails
+is reported (its first error line) and the other plugin's numbers still come.  Each run of a shape
 runs both plugins, the order alternating run by run, so every ratio comes from one invocation.
 Per side and per criu command: wall and CPU of criu (user+sys of criu and the children it
 waited for, /usr/bin/time), CPU of the restored tasks (/proc/<pid>/stat of the tree, read
@@ -40,6 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import test_kfd_stock_plugin as t
 import test_kfd_vramd_plugin as v
+from bench_plugins_report import table, verdicts
 from kfd_harness import Model
 from test_kfd_stock_plugin import DUMP, RESTORE, TOPO_A
 
@@ -129,7 +132,9 @@ SHAPES = {
     "disk": {"gpus": 2, "tree": False, "small": False, "tmpfs": False},
     "tmpfs": {"gpus": 2, "tree": False, "small": False, "tmpfs": True},
     "tree": {"gpus": 2, "tree": True, "small": False, "tmpfs": False},
-    "small": {"gpus": 1, "tree": False, "small": True, "tmpfs": False},
+    # a tree: with one process of 10,005 BOs the stock plugin's offloaded restore fails ("Recv dmabuf fds fail":
+    # it passes every BO's dmabuf fd to CRIU main over a unix socket); in a tree it restores in the tasks
+    "small": {"gpus": 1, "tree": True, "small": True, "tmpfs": False},
 }
 
 
@@ -186,8 +191,11 @@ def one(side: str, shape: dict, case: v.VCase, daemon, wl_opts: str) -> dict:
         r = case.run(script, state, TOPO_A, gpus=shape["gpus"], extra=env)
         d1 = proc_cpu(daemon.pid)
         log = case.log(f"{what}.log")
-        if r.get(what) != "0":
-            raise BenchError(f"{side} {what} failed ({r.get(what)}): {log[-2000:]}")
+        if r.get(what) != "0":  # reported, not fatal: the other plugin's numbers still come
+            errors = [ln.split(": ", 1)[-1] for ln in log.splitlines() if "Error (" in ln] or [log[-300:]]
+            row[what] = {"failed": f"criu {what} exit {r.get(what)}: {errors[0]}"}
+            row.setdefault("expect", r["checks"].strip())
+            break
         with open(os.path.join(case.work, f"time-{what}")) as f:
             wall, user, sys_ = map(float, f.read().split("time:")[1].split())
         m = {
@@ -202,7 +210,11 @@ def one(side: str, shape: dict, case: v.VCase, daemon, wl_opts: str) -> dict:
             m["image_bytes"], m["gpu_image_bytes"] = _img_bytes(os.path.join(case.work, "img"))
             row["expect"] = m["checks"]
         row[what] = m
-    row["restore"]["byte_exact"] = row["restore"]["checks"] == row["expect"] and row["expect"].startswith("ok ")
+    if "failed" in row.get("restore", {"failed": ""}):
+        row.setdefault("restore", {"failed": "not run: the dump failed"})
+        row["restore"]["byte_exact"] = False
+    else:
+        row["restore"]["byte_exact"] = row["restore"]["checks"] == row["expect"] and row["expect"].startswith("ok ")
     shutil.rmtree(state)
     return row
 
@@ -230,16 +242,12 @@ def run_shape(name: str, args, model: Model, plugins: dict[str, str], daemon, wo
                     keep = os.path.join(args.keep_logs, f"{name}-run{i}-{side}")
                     os.makedirs(keep)
                     for n in ("dump.log", "restore.log"):
-                        shutil.copy(os.path.join(case.work, "img", n), keep)
+                        if os.path.exists(os.path.join(case.work, "img", n)):
+                            shutil.copy(os.path.join(case.work, "img", n), keep)
                 shutil.rmtree(case.work)
             runs.append(rows)
             print(
-                f"{name} run {i}: "
-                + "  ".join(
-                    f"{s} dump {r['dump']['wall_s']:.2f}s restore {r['restore']['wall_s']:.2f}s"
-                    f"{'' if r['restore']['byte_exact'] else ' (NOT byte-exact: ' + r['restore']['checks'] + ')'}"
-                    for s, r in rows.items()
-                ),
+                f"{name} run {i}: " + "  ".join(f"{s} {_brief(r)}" for s, r in rows.items()),
                 flush=True,
             )
     finally:
@@ -249,11 +257,14 @@ def run_shape(name: str, args, model: Model, plugins: dict[str, str], daemon, wo
     for side in ("stock", "vramd"):
         med[side] = {}
         for what in ("dump", "restore"):
-            keys = [
-                k for k, x in runs[0][side][what].items() if isinstance(x, (int, float)) and not isinstance(x, bool)
-            ]
-            med[side][what] = {k: statistics.median(r[side][what][k] for r in runs if k in r[side][what]) for k in keys}
+            done = [r[side][what] for r in runs if "failed" not in r[side][what]]
+            if not done:  # every run of it failed: the first reason
+                med[side][what] = {"failed": runs[0][side][what]["failed"], "byte_exact": False}
+                continue
+            keys = [k for k, x in done[0].items() if isinstance(x, (int, float)) and not isinstance(x, bool)]
+            med[side][what] = {k: statistics.median(m[k] for m in done if k in m) for k in keys}
             med[side][what]["byte_exact"] = all(r[side]["restore"]["byte_exact"] for r in runs)
+            med[side][what]["failed_runs"] = len(runs) - len(done)
         expect = runs[0][side]["expect"].split(";")[0].split()
         med[side]["bos"], med[side]["bytes"] = int(expect[1]), int(expect[2])
         if shape["tree"]:
@@ -263,112 +274,15 @@ def run_shape(name: str, args, model: Model, plugins: dict[str, str], daemon, wo
     return {"shape": name, "mib_per_gpu": mib, "wl_opts": wl_opts, "runs": runs, "median": med}
 
 
-def _cpu(m: dict) -> float:
-    return m["criu_cpu_s"] + m["task_cpu_s"] + m["daemon_cpu_s"]
+def _brief(r: dict) -> str:
+    def step(what: str) -> str:
+        m = r[what]
+        return f"{what} FAILED ({m['failed']})" if "failed" in m else f"{what} {m['wall_s']:.2f}s"
 
-
-def _rest(m: dict) -> float:
-    return m["wall_s"] - m.get("before_copy_s", 0.0) - m.get("copy_s", 0.0)
-
-
-def _held_back(res: dict, what: str) -> str:
-    """The stage of vramd's side that grew most against stock's (CRIU's log stamps)."""
-    s, w = res["median"]["stock"][what], res["median"]["vramd"][what]
-    if "copy_s" not in s or "copy_s" not in w:
-        return "stages not found in the logs"
-    d = {
-        "CRIU before the BO copy": w["before_copy_s"] - s["before_copy_s"],
-        "the BO copy (plugin span)": w["copy_s"] - s["copy_s"],
-        "CRIU after the copy": _rest(w) - _rest(s),
-    }
-    stage = max(d, key=lambda k: d[k])
-    return f"held back by {stage}: +{d[stage]:.2f} s vs stock ({', '.join(f'{k} {x:+.2f}' for k, x in d.items())})"
-
-
-def table(results: list[dict], copy_rate: float) -> list[str]:
-    out = [
-        "| shape | plugin | step | wall s | criu CPU s | task CPU s | daemon CPU s | model copy CPU s (est.) | "
-        "CPU s/GiB | hw CPU s/GiB | image MiB | BOs/s | byte-exact |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for res in results:
-        for side in ("stock", "vramd"):
-            med = res["median"][side]
-            gib = med["bytes"] / GIB
-            for what in ("dump", "restore"):
-                m = med[what]
-                model = gib * copy_rate
-                img = f"{m['image_bytes'] / (1 << 20):.0f}" if what == "dump" else ""
-                exact = "" if what == "dump" else ("yes" if m["byte_exact"] else "**no**")
-                out.append(
-                    f"| {res['shape']} | {side} | {what} | {m['wall_s']:.2f} | {m['criu_cpu_s']:.2f} | "
-                    f"{m['task_cpu_s']:.2f} | {m['daemon_cpu_s']:.2f} | {model:.2f} | "
-                    f"{_cpu(m) / gib:.2f} | {(_cpu(m) - model) / gib:.2f} | {img} | "
-                    f"{med['bos'] / m['wall_s']:.0f} | {exact} |"
-                )
-    return out
-
-
-def verdicts(results: list[dict], hash_rate: float) -> list[str]:
-    by = {r["shape"]: r["median"] for r in results}
-    res = {r["shape"]: r for r in results}
-    out = []
-
-    def wall(shape: str, what: str, factor: float, target: str) -> None:
-        s, w = by[shape]["stock"][what]["wall_s"], by[shape]["vramd"][what]["wall_s"]
-        ok = w <= factor * s
-        if not by[shape]["vramd"]["restore"]["byte_exact"]:
-            out.append(f"- {target}: {shape} {what}: **not judged**: vramd's restore was not byte-exact")
-            return
-        note = (
-            ""
-            if by[shape]["stock"]["restore"]["byte_exact"] or what == "dump"
-            else " (the stock restore was not byte-exact: it skipped work)"
-        )
-        out.append(
-            f"- {target}: {shape} {what} vramd {w:.2f} s vs stock {s:.2f} s = {w / s:.2f} x "
-            f"(target <= {factor:.2f}): **{'met' if ok else 'missed'}**{note}"
-            + ("" if ok else f"; {_held_back(res[shape], what)}")
-        )
-
-    if "tree" in by:
-        wall("tree", "restore", 0.70, "two-process tree restore")
-    if "disk" in by:
-        wall("disk", "dump", 0.85, "one process, 2 GPUs, image on disk")
-        wall("disk", "restore", 0.85, "one process, 2 GPUs, image on disk")
-        m = by["disk"]["vramd"]["restore"]
-        if "copy_s" in m:
-            criu_alone = m["wall_s"] - m.get("barrier_wait_s", 0.0)
-            bound = 1.10 * max(criu_alone, m["copy_s"])
-            out.append(
-                f"- restore wall <= 1.10 x max(CRIU alone {criu_alone:.2f} s (wall less the barrier wait), "
-                f"vramd's copy {m['copy_s']:.2f} s (submit to done)): {m['wall_s']:.2f} s vs {bound:.2f} s: "
-                f"**{'met' if m['wall_s'] <= bound else 'missed'}**"
-            )
-    if "tmpfs" in by:
-        wall("tmpfs", "dump", 1.0, "image on tmpfs")
-        wall("tmpfs", "restore", 1.0, "image on tmpfs")
-        for what in ("dump", "restore"):
-            s, w = (by["tmpfs"][x] for x in ("stock", "vramd"))
-            sg, wg = _cpu(s[what]) / (s["bytes"] / GIB), _cpu(w[what]) / (w["bytes"] / GIB)
-            extra = hash_rate if what == "dump" else hash_rate / 2  # xxh3 only at restore: an upper bound
-            ok = wg <= sg + extra
-            out.append(
-                f"- tmpfs {what} CPU/GiB: vramd {wg:.2f} vs stock {sg:.2f} + hashing {extra:.2f} s/GiB: "
-                f"**{'met' if ok else 'missed'}**"
-            )
-    if "small" in by and not by["small"]["vramd"]["restore"]["byte_exact"]:
-        out.append(f"- {by['small']['vramd']['bos']} small BOs: **not judged**: vramd's restore was not byte-exact")
-    elif "small" in by:
-        n = by["small"]["vramd"]["bos"]
-        for what in ("dump", "restore"):
-            rate = n / by["small"]["vramd"][what]["wall_s"]
-            out.append(
-                f"- {n} small BOs, vramd {what}: {rate:.0f} BOs/s over criu's whole wall (target >= 10000): "
-                f"**{'met' if rate >= 10000 else 'missed'}**"
-                + ("" if rate >= 10000 else f"; {_held_back(res['small'], what)}")
-            )
-    return out
+    exact = (
+        "" if r["restore"]["byte_exact"] or "failed" in r["restore"] else f" (NOT byte-exact: {r['restore']['checks']})"
+    )
+    return f"{step('dump')} {step('restore')}{exact}"
 
 
 def main() -> int:
