@@ -28,9 +28,9 @@ def _held_back(res: dict, what: str) -> str:
     return f"held back by {stage}: +{d[stage]:.2f} s vs stock ({', '.join(f'{k} {x:+.2f}' for k, x in d.items())})"
 
 
-def table(results: list[dict], copy_rate: float) -> list[str]:
+def table(results: list[dict]) -> list[str]:
     out = [
-        "| shape | plugin | step | wall s | criu CPU s | task CPU s | daemon CPU s | model copy CPU s (est.) | "
+        "| shape | plugin | step | wall s | criu CPU s | task CPU s | daemon CPU s | model copy CPU s | "
         "CPU s/GiB | hw CPU s/GiB | image MiB | BOs/s | byte-exact |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -43,7 +43,7 @@ def table(results: list[dict], copy_rate: float) -> list[str]:
                 if "failed" in m:
                     out.append(f"| {res['shape']} | {side} | {what} | **failed**: {m['failed']} |" + " |" * 9)
                     continue
-                model = gib * copy_rate
+                model = m["model_copy_cpu_s"]
                 img = f"{m['image_bytes'] / (1 << 20):.0f}" if what == "dump" else ""
                 exact = "" if what == "dump" else ("yes" if m["byte_exact"] else "**no**")
                 out.append(

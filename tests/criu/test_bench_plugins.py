@@ -44,7 +44,7 @@ def test_a_tiny_run_of_every_shape(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "MODEL NUMBERS (KFD + SDMA models, not a GPU); CRIU " in r.stdout
     data = json.loads(out.read_text())
-    assert 0 < data["copy_s_per_gib"] < 10 and 0 < data["hash_s_per_gib"] < 10
+    assert 0 < data["hash_s_per_gib"] < 10
     shapes = {res["shape"]: res for res in data["results"]}
     assert list(shapes) == ["disk", "tmpfs", "tree", "small"]
     for name, res in shapes.items():
@@ -61,9 +61,18 @@ def test_a_tiny_run_of_every_shape(tmp_path):
             # the BO contents are in the image: at least the BO bytes (vramd: unless compressed or deduplicated)
             if side == "stock":
                 assert med["dump"]["gpu_image_bytes"] >= med["bytes"]
-        # vramd's copies run in the daemon: it spent CPU, the stock side's runs none of it
+        # vramd's copies run in the daemon: it spent CPU, the stock side's runs none of it; the SDMA model's copy
+        # log saw every BO byte of a dump copied once, in the daemon on vramd's side, in criu on stock's
         assert res["median"]["vramd"]["dump"]["daemon_cpu_s"] > 0
         assert res["median"]["stock"]["dump"]["daemon_cpu_s"] == 0
+        for side in ("stock", "vramd"):
+            d = res["median"][side]["dump"]
+            # (vramd on the small shape: one-page BOs of one GPU alias on the model, docs/kfd-model.md: fewer)
+            want = res["median"][side]["bytes"]
+            copied = d["model_copied_bytes"]
+            assert copied < want if (name, side) == ("small", "vramd") else copied == want, (name, side, copied)
+            assert d["model_copy_cpu_s"] > 0, (name, side)
+            assert d["model_copy_daemon_cpu_s"] == (d["model_copy_cpu_s"] if side == "vramd" else 0), (name, side)
     # every restore the stock plugin can do right is byte-exact by the workload's own check, and vramd's too
     # (one process on 2 GPUs: the stock restore leaves one GPU's BOs unfilled, docs/kfd-model.md)
     assert shapes["tree"]["median"]["stock"]["restore"]["byte_exact"]
