@@ -141,18 +141,13 @@ def _ts(log: str, needle: str, last: bool = False) -> float | None:
 
 
 def _stages(side: str, what: str, log: str) -> dict[str, float]:
-    """Where the wall time went, from CRIU's own log stamps (seconds since criu started)."""
-    if side == "stock":
-        a, b = ("amdgpu_plugin: Dumping ", "Dumped bos ok") if what == "dump" else ("] started", "] finished ret:0")
-    else:
-        a, b = (
-            (" amdgpu_plugin: vramd: ", "BOs dumped into")
-            if what == "dump"
-            else ("BOs submitted from", "vramd: restore of task ")
-        )
+    """Where the wall time went, from CRIU's own log stamps (seconds since criu started): the BO copy runs
+    from the plugin's last line before it (the same on both sides: "Dumped devices Ok" at dump, the first
+    "Restore BOs Ok" at restore) to its last copy line (stock: "Dumped bos ok", its restore threads'
+    "finished"; vramd: "Dumped bos ok", CRIU main's "restore of task N done")."""
+    a = "amdgpu_plugin: Dumped devices Ok" if what == "dump" else "amdgpu_plugin: Restore BOs Ok"
+    b = "Dumped bos ok" if what == "dump" else ("] finished ret:0" if side == "stock" else "vramd: restore of task ")
     t0, t1 = _ts(log, a), _ts(log, b, last=True)
-    if t0 is None and side == "stock" and what == "restore":  # one process: the offloaded restore
-        t0 = _ts(log, "Begin to send parallel restore cmd")
     if t0 is None or t1 is None:
         return {}
     out = {"before_copy_s": t0, "copy_s": t1 - t0}

@@ -116,18 +116,25 @@ def verdicts(results: list[dict], hash_rate: float) -> list[str]:
                 f"- tmpfs {what} CPU/GiB: vramd {wg:.2f} vs stock {sg:.2f} + hashing {extra:.2f} s/GiB: "
                 f"**{'met' if ok else 'missed'}**"
             )
-    if "small" in by and not by["small"]["vramd"]["restore"]["byte_exact"]:
-        out.append(f"- {by['small']['vramd']['bos']} small BOs: **not judged**: vramd's restore was not byte-exact")
-    elif "small" in by:
-        n = by["small"]["vramd"]["bos"]
+    if "small" in by:
+        small = by["small"]
+        n = small["vramd"]["bos"]
+        # on the model equal-sized BOs of one GPU alias (docs/kfd-model.md): their copies are skipped, the
+        # per-BO work is not; the rate is shown, marked, and not judged
+        caveat = "" if small["vramd"]["restore"]["byte_exact"] else " (vramd's restore not byte-exact: aliased BOs)"
         for what in ("dump", "restore"):
-            if "failed" in by["small"]["vramd"][what]:
-                out.append(f"- {n} small BOs, vramd {what}: **not judged**: {by['small']['vramd'][what]['failed']}")
+            if failed("small", what, f"{n} small BOs"):
                 continue
-            rate = n / by["small"]["vramd"][what]["wall_s"]
+            m, st = small["vramd"][what], small["stock"][what]
+            if "copy_s" not in m or not m["copy_s"]:
+                out.append(f"- {n} small BOs, vramd {what}: **not judged**: the plugin's copy stage not in the log")
+                continue
+            rate, stock_rate = n / m["copy_s"], n / st.get("copy_s", float("inf"))
+            verdict = "not judged" if caveat else ("met" if rate >= 10000 else "missed")
             out.append(
-                f"- {n} small BOs, vramd {what}: {rate:.0f} BOs/s over criu's whole wall (target >= 10000): "
-                f"**{'met' if rate >= 10000 else 'missed'}**"
-                + ("" if rate >= 10000 else f"; {_held_back(res['small'], what)}")
+                f"- {n} small BOs, vramd {what}: {rate:.0f} BOs/s through the plugin's BO stage (stock "
+                f"{stock_rate:.0f}; over criu's whole wall {n / m['wall_s']:.0f}) (target >= 10000): **{verdict}**"
+                + caveat
+                + ("" if caveat or rate >= 10000 else f"; {_held_back(res['small'], what)}")
             )
     return out
