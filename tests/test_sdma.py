@@ -91,6 +91,32 @@ def test_round_trip_on_two_gpus_unaligned_sizes(image_dir):
 
 
 @needs_model
+def test_copy_log_counts_every_copied_byte_and_the_engines_cpu(image_dir, monkeypatch, tmp_path):
+    """VRAMD_SDMA_MODEL_COPY_LOG: each job appends "<pid> <bytes> <ns>"; over a dump and a restore the
+    bytes add up to twice the BOs' (each byte copied once each way) and the CPU time is the engine's."""
+    from vramd.engine import RestoreTarget
+    log = tmp_path / "copies.log"
+    monkeypatch.setenv("VRAMD_SDMA_MODEL_COPY_LOG", str(log))
+    _, dfd = image_dir
+    sizes = [4096, 3 * MiB + 4096, 9 * MiB]
+    datas = [os.urandom(n) for n in sizes]
+    srcs, dsts = [dmabuf(d) for d in datas], [dmabuf(size=n) for n in sizes]
+
+    async def go():
+        async with _engine() as e:
+            await inproc.dump(e, dfd, [_bo(fd, n, i + 1, 1) for i, (fd, n) in enumerate(zip(srcs, sizes))])
+            await inproc.restore(e, dfd, [RestoreTarget(i + 1, BoRef("sdma", fd)) for i, fd in enumerate(dsts)])
+    run(go())
+    lines = [tuple(map(int, ln.split())) for ln in log.read_text().splitlines()]
+    assert lines and all(pid == os.getpid() and n > 0 and ns > 0 for pid, n, ns in lines)
+    assert sum(n for _, n, _ in lines) == 2 * sum(sizes)
+    for fd, d in zip(dsts, datas):
+        assert os.pread(fd, len(d), 0) == d
+    for fd in srcs + dsts:
+        os.close(fd)
+
+
+@needs_model
 def test_target_smaller_than_the_bo(image_dir):
     small = dmabuf(size=4096)
 

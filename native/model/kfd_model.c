@@ -38,7 +38,7 @@
 _Static_assert(KFDM_WRITABLE == (uint32_t)KFD_IOC_ALLOC_MEM_FLAGS_WRITABLE, "WRITABLE bit");
 
 #define KFDM_MAGIC 0x4b46444d53544154ULL      /* "KFDMSTAT" */
-#define KFDM_VERSION 1
+#define KFDM_VERSION 2
 #define ARENA_SIZE (1ULL << 40)               /* sparse: 1 TiB of offsets per GPU */
 #define ARENA_START (1ULL << 32)              /* like the DRM mmap offset space's start */
 #define PRIV_MAGIC "KFDMPRV1"

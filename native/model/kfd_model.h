@@ -23,7 +23,7 @@ extern "C" {
 
 #define KFDM_MAX_GPUS 8
 #define KFDM_MAX_PROCS 64
-#define KFDM_MAX_BOS 4096
+#define KFDM_MAX_BOS 16384
 
 /* One emulated GPU: its KFD gpu_id, its render minor (the arena file is
  * <state dir>/renderD<minor>) and its VRAM capacity in bytes. */

@@ -10,7 +10,10 @@
  * one report line.  Under the KFD model it runs with libvramd_kfd_model.so
  * preloaded (docs/kfd-model.md).
  *
- * Usage: kfd_workload [-m MiB per GPU (default 768)] [-g GPUS (default all)] [-c] [-r ROOT] REPORT_FILE
+ * Usage: kfd_workload [-m MiB per GPU (default 768)] [-g GPUS (default all)] [-s SMALL] [-c] [-r ROOT]
+ *                     REPORT_FILE
+ *   -s: SMALL more BOs of one page each (VRAM and GTT by turns), spread over the GPUs in use, after
+ *       the ones -m makes (the many-small-BOs shape of a bench; at most MAX_SMALL).
  *   -c: fork a child first, before anything is opened, so the process is a tree: the child
  *       opens /dev/kfd itself (its own KFD process) and allocates its own BOs, the same kinds
  *       on the same GPUs with CHILD_MIB (4) MiB per GPU and other content than the parent's.
@@ -43,7 +46,9 @@
 #include <linux/kfd_ioctl.h>
 
 #define MAX_GPUS 8
-#define MAX_BOS 64
+#define MAX_SMALL 12288
+#define MAX_SIZED 64             /* the BOs -m makes, all GPUs together */
+#define MAX_BOS (MAX_SIZED + MAX_SMALL)
 #define WRITABLE (1u << 31)      /* KFD_IOC_ALLOC_MEM_FLAGS_WRITABLE, unsigned */
 #define CHILD_MIB 4
 #define CHILD_SALT 1000          /* the child's BO i holds what a parent's BO i + 1000 would */
@@ -99,10 +104,33 @@ static void on_signal(int sig)
 		stop_req = 1;
 }
 
+/* Allocates one BO of `kind` at va on GPU g (gpu_id, its render node fd), maps and fills it.
+ * Returns its bytes counted in the total (0 for the doorbell). */
+static uint64_t add_bo(int kfd, int render, uint32_t gpu_id, unsigned g, uint32_t kind, uint64_t sz, uint64_t va)
+{
+	struct kfd_ioctl_alloc_memory_of_gpu_args a = {
+		.va_addr = va, .size = sz, .gpu_id = gpu_id, .flags = kind | WRITABLE };
+	if (ioctl(kfd, AMDKFD_IOC_ALLOC_MEMORY_OF_GPU, &a))
+		die("AMDKFD_IOC_ALLOC_MEMORY_OF_GPU");
+	int fd = kind == KFD_IOC_ALLOC_MEM_FLAGS_DOORBELL ? kfd : render;
+	void *p = mmap((void *)(uintptr_t)va, sz, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED_NOREPLACE,
+		       fd, (off_t)a.mmap_offset);
+	if (p == MAP_FAILED)
+		die("mmap of a BO");
+	bos[nbos] = (struct bo){ .va = va, .size = sz, .flags = kind, .gpu = g, .cpu = p };
+	if (kind == KFD_IOC_ALLOC_MEM_FLAGS_DOORBELL) {
+		nbos++;
+		return 0;
+	}
+	fill(nbos++);
+	return sz;
+}
+
 /* Opens /dev/kfd (the calling process's KFD process) and the render nodes, acquires a VM
- * per GPU, allocates per_gpu bytes of BOs on each of the first use_gpus GPUs and fills them.
+ * per GPU, allocates per_gpu bytes of BOs on each of the first use_gpus GPUs, then nsmall
+ * one-page BOs over those GPUs, and fills them.
  * Returns their bytes. */
-static uint64_t setup(const char *root, uint64_t per_gpu, unsigned use_gpus)
+static uint64_t setup(const char *root, uint64_t per_gpu, unsigned use_gpus, unsigned nsmall)
 {
 	long pg = sysconf(_SC_PAGESIZE);
 	char path[4096];
@@ -155,7 +183,7 @@ static uint64_t setup(const char *root, uint64_t per_gpu, unsigned use_gpus)
 		uint64_t left = per_gpu, size = (uint64_t)pg;
 		uint32_t kinds[] = { KFD_IOC_ALLOC_MEM_FLAGS_DOORBELL, KFD_IOC_ALLOC_MEM_FLAGS_VRAM,
 				     KFD_IOC_ALLOC_MEM_FLAGS_GTT };
-		for (unsigned k = 0; nbos < MAX_BOS; k++) {
+		for (unsigned k = 0; nbos < MAX_SIZED; k++) {
 			uint32_t kind = k == 0 ? kinds[0] : kinds[1 + (k & 1)];
 			uint64_t sz = kind == KFD_IOC_ALLOC_MEM_FLAGS_DOORBELL ? (uint64_t)pg : size;
 			if (kind != KFD_IOC_ALLOC_MEM_FLAGS_DOORBELL) {
@@ -167,24 +195,17 @@ static uint64_t setup(const char *root, uint64_t per_gpu, unsigned use_gpus)
 				size = size * 8 + (uint64_t)pg * 3;
 				size -= size % (uint64_t)pg;
 			}
-			struct kfd_ioctl_alloc_memory_of_gpu_args a = {
-				.va_addr = va, .size = sz, .gpu_id = gpu_id[g], .flags = kind | WRITABLE };
-			if (ioctl(kfd, AMDKFD_IOC_ALLOC_MEMORY_OF_GPU, &a))
-				die("AMDKFD_IOC_ALLOC_MEMORY_OF_GPU");
-			int fd = kind == KFD_IOC_ALLOC_MEM_FLAGS_DOORBELL ? kfd : render[g];
-			void *p = mmap((void *)(uintptr_t)va, sz, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED_NOREPLACE,
-				       fd, (off_t)a.mmap_offset);
-			if (p == MAP_FAILED)
-				die("mmap of a BO");
-			bos[nbos] = (struct bo){ .va = va, .size = sz, .flags = kind, .gpu = g, .cpu = p };
-			if (kind != KFD_IOC_ALLOC_MEM_FLAGS_DOORBELL) {
-				fill(nbos);
-				total += sz;
-			}
-			nbos++;
+			total += add_bo(kfd, render[g], gpu_id[g], g, kind, sz, va);
 			va += sz + (2ull << 20);
 			va -= va % (2ull << 20);
 		}
+	}
+	unsigned used = ngpus < use_gpus ? ngpus : use_gpus;
+	for (unsigned k = 0; k < nsmall; k++) {
+		unsigned g = k % used;
+		uint32_t kind = (k / used) & 1 ? KFD_IOC_ALLOC_MEM_FLAGS_GTT : KFD_IOC_ALLOC_MEM_FLAGS_VRAM;
+		total += add_bo(kfd, render[g], gpu_id[g], g, kind, (uint64_t)pg, va);
+		va += 2ull << 20;
 	}
 	return total;
 }
@@ -222,11 +243,14 @@ int main(int argc, char **argv)
 	const char *root = "";
 	unsigned use_gpus = MAX_GPUS;
 	int opt, with_child = 0;
-	while ((opt = getopt(argc, argv, "m:g:cr:")) != -1) {
+	unsigned nsmall = 0;
+	while ((opt = getopt(argc, argv, "m:g:s:cr:")) != -1) {
 		if (opt == 'm')
 			per_gpu = strtoull(optarg, NULL, 0) << 20;
 		else if (opt == 'g')
 			use_gpus = (unsigned)strtoul(optarg, NULL, 0);
+		else if (opt == 's')
+			nsmall = (unsigned)strtoul(optarg, NULL, 0);
 		else if (opt == 'c')
 			with_child = 1;
 		else if (opt == 'r')
@@ -234,8 +258,9 @@ int main(int argc, char **argv)
 		else
 			return 2;
 	}
-	if (optind != argc - 1) {
-		fprintf(stderr, "usage: kfd_workload [-m MiB] [-g GPUS] [-c] [-r ROOT] REPORT_FILE\n");
+	if (optind != argc - 1 || nsmall > MAX_SMALL) {
+		fprintf(stderr, "usage: kfd_workload [-m MiB] [-g GPUS] [-s SMALL (<= %d)] [-c] [-r ROOT] REPORT_FILE\n",
+			MAX_SMALL);
 		return 2;
 	}
 	const char *report = argv[optind];
@@ -269,7 +294,7 @@ int main(int argc, char **argv)
 			if (getppid() != parent)
 				_exit(0);
 			salt = CHILD_SALT;
-			uint64_t total = setup(root, (uint64_t)CHILD_MIB << 20, use_gpus);
+			uint64_t total = setup(root, (uint64_t)CHILD_MIB << 20, use_gpus, 0);
 			kill(parent, SIGUSR2);        /* filled */
 			for (;;) {
 				while (!check_req && !stop_req)
@@ -289,7 +314,7 @@ int main(int argc, char **argv)
 			}
 		}
 	}
-	uint64_t total = setup(root, per_gpu, use_gpus);
+	uint64_t total = setup(root, per_gpu, use_gpus, nsmall);
 	if (with_child && child_answer()) {
 		fprintf(stderr, "kfd_workload: the child did not fill its BOs within %d s\n", ANSWER_S);
 		kill(child, SIGKILL);
