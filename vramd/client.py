@@ -27,7 +27,7 @@ from collections.abc import Iterator, Mapping, Sequence
 
 from . import __version__
 from .errors import VramdError, WaitTimeoutError
-from .imagedir import DumpDirectory, ImageFiles, SessionFiles
+from .imagedir import DumpDirectory, ImageFiles, OpenedSessions, SessionFiles
 from .paths import TrustedUids, check_peer, check_socket_path, client_socket_path
 from .pb import rpc_pb2 as rpc
 from .protocol import events as ev
@@ -78,7 +78,7 @@ class Client:
         check_socket_path(self.path, trusted)
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         self.sock.settimeout(timeout)
-        self._local: dict[str, SessionFiles] = {}  # token -> the files of the sessions this client opened
+        self._local = OpenedSessions()  # the files of the sessions this client opened
         try:
             try:
                 self.sock.connect(self.path)
@@ -112,9 +112,7 @@ class Client:
         self.close()
 
     def close(self) -> None:
-        for local in self._local.values():
-            local.close()
-        self._local.clear()
+        self._local.close()
         self.sock.close()
 
     # --- the machine's driver ------------------------------------------------------
@@ -136,14 +134,7 @@ class Client:
             if isinstance(e, ev.Send):
                 self._transfer(e.packet)
                 continue
-            local = opening if opening is not None or isinstance(e, ev.OpenManifest) else self._local.get(e.token)
-            assert local is not None, f"{type(e).__name__} for a session this client did not open"
-            try:
-                local.step(m, e)
-            except Exception as exc:
-                m.fail(exc)
-            if isinstance(e, ev.ReleaseFiles):
-                self._forget(e.token)
+            self._local.answer(m, e, opening)
 
     def _transfer(self, out: Outgoing) -> None:
         try:
@@ -221,7 +212,7 @@ class Client:
         except BaseException:
             local.close()
             raise
-        self._local[info.token] = local
+        self._local.add(info.token, local)
         return info
 
     def add_bos(self, token: str, bos: Sequence[ClientBo]) -> rpc.SessionInfo:
@@ -268,11 +259,6 @@ class Client:
         self.machine.wait(token, None if timeout is None else max(0, int(timeout * 1000)))
         return self._session()
 
-    def _forget(self, token: str) -> None:
-        local = self._local.pop(token, None)
-        if local is not None:
-            local.close()
-
     def poll(self, token: str, interval: float = 0.2) -> Iterator[rpc.SessionInfo]:
         """Yield the session's info every `interval` seconds until it ends; the last one is final."""
         while True:
@@ -298,7 +284,7 @@ class Client:
             self.machine.close_session(token)
             return self._session()
         finally:
-            self._forget(token)
+            self._local.forget(token)
 
     def status(self) -> rpc.StatusReply:
         self.machine.status()

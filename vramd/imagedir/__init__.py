@@ -23,13 +23,14 @@ from .marks import (
     sweep_temporaries,
     unlink_regular,
 )
-from .session import SessionFiles, client_file
+from .session import OpenedSessions, SessionFiles, client_file
 
 __all__ = [
     "DirectoryLock",
     "DumpDirectory",
     "ImageFiles",
     "OpenedFile",
+    "OpenedSessions",
     "SessionFiles",
     "children_marks",
     "client_file",

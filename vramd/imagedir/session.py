@@ -69,3 +69,43 @@ class SessionFiles:
                 self.dump.close()
         finally:
             self.files.close()
+
+
+# The events a session's files answer: every event but Send, Done and Failed.
+FileEvent = (ev.OpenManifest | ev.OpenDataFile | ev.BeginDump | ev.CreateDataFile | ev.DropDataFiles
+             | ev.CreateManifest | ev.Commit | ev.ReleaseFiles)
+
+
+class OpenedSessions:
+    """The files of every session one connection opened, by token, and the routing of the machine's file
+    events to them: what every driver of the machine (vramd.client, vramd.inproc) does between its I/O."""
+
+    def __init__(self) -> None:
+        self._by_token: dict[str, SessionFiles] = {}
+
+    def add(self, token: str, files: SessionFiles) -> None:
+        """`files` belong to the session `token` from here on (closed when it is released or forgotten)."""
+        self._by_token[token] = files
+
+    def answer(self, m: ClientMachine, e: FileEvent, opening: SessionFiles | None = None) -> None:
+        """Answer the file event `e` with its session's files (`opening`: those of the session being opened,
+        which has no token yet).  A step that raises is answered with `m.fail`; ReleaseFiles closes them."""
+        files = opening if opening is not None or isinstance(e, ev.OpenManifest) else self._by_token.get(e.token)
+        assert files is not None, f"{type(e).__name__} for a session this connection did not open"
+        try:
+            files.step(m, e)
+        except Exception as exc:
+            m.fail(exc)
+        if isinstance(e, ev.ReleaseFiles):
+            self.forget(e.token)
+
+    def forget(self, token: str) -> None:
+        files = self._by_token.pop(token, None)
+        if files is not None:
+            files.close()
+
+    def close(self) -> None:
+        """Close every session's files (an uncommitted dump's removed)."""
+        for files in self._by_token.values():
+            files.close()
+        self._by_token.clear()

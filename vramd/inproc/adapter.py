@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from .. import __version__
 from ..errors import BadDescriptorError
-from ..imagedir import SessionFiles
+from ..imagedir import OpenedSessions, SessionFiles
 from ..pb import rpc_pb2 as rpc
 from ..protocol import events as ev
 from ..protocol.client import ClientBo, Outgoing
@@ -30,7 +30,7 @@ class Connection:
     def __init__(self, sock: socket.socket, name: str = "inproc") -> None:
         self.machine = ClientMachine(f"{name} {__version__}")
         self.channel = PacketChannel(sock, max_bytes=DEFAULT_MAX_MESSAGE + HEADER_SIZE)
-        self._files: dict[str, SessionFiles] = {}  # token -> the files of a session this connection opened
+        self._files = OpenedSessions()  # the files of the sessions this connection opened
 
     async def hello(self) -> rpc.HelloReply:
         self.machine.say_hello()
@@ -49,14 +49,7 @@ class Connection:
             if isinstance(e, ev.Send):
                 await self._transfer(e.packet)
                 continue
-            files = opening if opening is not None or isinstance(e, ev.OpenManifest) else self._files.get(e.token)
-            assert files is not None, f"{type(e).__name__} for a session this connection did not open"
-            try:
-                files.step(m, e)
-            except Exception as exc:
-                m.fail(exc)
-            if isinstance(e, ev.ReleaseFiles):
-                self._forget(e.token)
+            self._files.answer(m, e, opening)
 
     async def _transfer(self, out: Outgoing) -> None:
         """Send one packet, receive the answer.  An fd that is not open cannot travel (sendmsg: EBADF):
@@ -73,11 +66,6 @@ class Connection:
             return
         self.machine.receive(*packet)
 
-    def _forget(self, token: str) -> None:
-        files = self._files.pop(token, None)
-        if files is not None:
-            files.close()
-
     async def _session(self) -> rpc.SessionInfo:
         return (await self.drive()).session
 
@@ -92,7 +80,7 @@ class Connection:
         except BaseException:
             files.close()
             raise
-        self._files[info.token] = files
+        self._files.add(info.token, files)
         return info
 
     async def add_bos(self, token: str, bos: Sequence[ClientBo]) -> rpc.SessionInfo:
@@ -122,11 +110,9 @@ class Connection:
             self.machine.close_session(token)
             return await self._session()
         finally:
-            self._forget(token)
+            self._files.forget(token)
 
     def close(self) -> None:
         """Close every session's files and hang up (the daemon's side sees the peer go)."""
-        for files in self._files.values():
-            files.close()
-        self._files.clear()
+        self._files.close()
         self.channel.sock.close()
