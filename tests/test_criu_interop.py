@@ -292,9 +292,11 @@ def test_export_refuses_an_image_not_imported(daemon, tmp_path):
 
     img = tmp_path / "img"
     assert vramctl("import-criu", str(ck), str(img), "--compress", "none", socket=daemon.socket).returncode == 0
-    data = sorted(p for p in img.iterdir() if p.suffix == ".vrd")
-    with open(data[0], "r+b") as fh:  # flip a byte in the middle of the first data file's payload
-        fh.seek(data[0].stat().st_size // 2)
+    # flip a byte in the middle of the largest data file: its records (a small one may hold no record at all,
+    # and its middle would be its header: FOREIGN_DATA_FILE, not the damaged chunk this is about)
+    target = max((p for p in img.iterdir() if p.suffix == ".vrd"), key=lambda p: p.stat().st_size)
+    with open(target, "r+b") as fh:
+        fh.seek(target.stat().st_size // 2)
         b = fh.read(1)
         fh.seek(-1, 1)
         fh.write(bytes([b[0] ^ 0xFF]))
