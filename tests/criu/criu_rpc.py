@@ -1,0 +1,110 @@
+"""A CRIU RPC client (`criu swrk <fd>`, as container runtimes drive CRIU through libcriu) for the
+incremental dumps through CRIU's own parent link (test_kfd_vramd_criu_parent.py).
+
+The message classes come from $CRIU_SRC/images/rpc.proto, compiled at test time into a scratch
+directory (`generate`): nothing of CRIU's is kept in this repository.
+
+Why RPC: on a kernel without memory dirty tracking a CLI `criu dump --prev-images-dir` fails its
+pid-reuse check (the parent's inventory has no dump_uptime, written only with --track-mem).  CRIU
+skips that check when its pidfd store is set up, which only RPC can do (CriuOpts.pidfd_store_sk:
+a unix datagram socket of the client's that CRIU takes with pidfd_getfd, binds and connects to
+itself).  The store holds (pid, pidfd) messages that CRIU's pre-dump queues, and a dump with a
+parent refuses an empty store; pre-dump needs dirty tracking too.  So this client queues the
+pidfd it opened on the dumped task before the first dump: if that task had exited (and its pid been
+reused) by a later dump, the pidfd reads as exited and CRIU sees the reuse, as after a pre-dump.
+
+    python criu_rpc.py chain PID IMAGES N   dumps PID into IMAGES/1 .. IMAGES/N, each n > 1 with
+        parent_img ../n-1; the last one does not leave the task running.  Before the 2nd, one dump
+        into IMAGES/2-empty-store with the store still empty (CRIU's refusal, printed).  After each
+        dump that left the task running, $RPC_STEP runs in bash with $1 = n, $2 = PID.
+Prints "key: value" lines (dumpN: 0 or 1, and its error message).  $RPC_PB2_DIR: where
+rpc_pb2.py is; $CRIU: the criu binary; plugins from $CRIU_LIBS_DIR, which criu reads itself.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import socket
+import struct
+import subprocess
+import sys
+from types import ModuleType
+
+
+def generate(criu_src: str, out: str) -> str:
+    """Compiles CRIU_SRC/images/rpc.proto into out/rpc_pb2.py (grpcio-tools, the test extra's); returns out."""
+    from grpc_tools import protoc
+
+    os.makedirs(out, exist_ok=True)
+    images = os.path.join(criu_src, "images")
+    if protoc.main(["protoc", f"-I{images}", f"--python_out={out}", os.path.join(images, "rpc.proto")]):
+        raise RuntimeError(f"protoc failed on {images}/rpc.proto")
+    return out
+
+
+def _rpc() -> ModuleType:
+    sys.path.insert(0, os.environ["RPC_PB2_DIR"])
+    return importlib.import_module("rpc_pb2")
+
+
+def call(rpc: ModuleType, req: object) -> object:
+    """One request to a fresh `criu swrk` over a SOCK_SEQPACKET pair; CRIU's response."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    with ours:
+        p = subprocess.Popen([os.environ["CRIU"], "swrk", str(theirs.fileno())], pass_fds=[theirs.fileno()])
+        theirs.close()
+        ours.sendall(req.SerializeToString())  # type: ignore[attr-defined]
+        data = ours.recv(1 << 20)
+    p.wait()
+    resp = rpc.criu_resp()
+    if not data:
+        raise RuntimeError(f"criu swrk exited {p.returncode} without a response")
+    resp.ParseFromString(data)
+    return resp
+
+
+def dump(rpc: ModuleType, pid: int, images: str, store: socket.socket, parent: str | None, leave_running: bool):
+    os.makedirs(images, exist_ok=True)
+    dfd = os.open(images, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        req = rpc.criu_req(type=rpc.DUMP)
+        o = req.opts
+        o.images_dir_fd, o.pid, o.shell_job, o.leave_running = dfd, pid, True, leave_running
+        o.log_level, o.log_file, o.pidfd_store_sk = 4, "dump.log", store.fileno()
+        if parent:
+            o.parent_img = parent
+        return call(rpc, req)
+    finally:
+        os.close(dfd)
+
+
+def _report(key: str, resp) -> None:
+    print(f"{key}: {0 if resp.success else 1}", flush=True)
+    if not resp.success:
+        print(f"{key} error: {resp.cr_errmsg.strip()}", flush=True)
+
+
+def chain(pid: int, root: str, n: int) -> int:
+    rpc = _rpc()
+    store = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    pidfd = os.pidfd_open(pid)  # before the first dump: the task the chain starts from
+    for k in range(1, n + 1):
+        parent = f"../{k - 1}" if k > 1 else None
+        if k == 2:
+            _report("empty-store", dump(rpc, pid, os.path.join(root, "2-empty-store"), store, parent, True))
+        if k > 1:  # what CRIU's pre-dump would have queued: this task's pidfd, its pid the payload
+            socket.send_fds(store, [struct.pack("i", pid)], [pidfd])
+        resp = dump(rpc, pid, os.path.join(root, str(k)), store, parent, k < n)
+        _report(f"dump{k}", resp)
+        if not resp.success:
+            return 1
+        step = ["bash", "-c", os.environ.get("RPC_STEP", ""), "step", str(k), str(pid)]
+        if k < n and subprocess.run(step).returncode:
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 5 or sys.argv[1] != "chain":
+        sys.exit(__doc__)
+    sys.exit(chain(int(sys.argv[2]), sys.argv[3], int(sys.argv[4])))
