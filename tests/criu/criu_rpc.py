@@ -42,16 +42,23 @@ def generate(criu_src: str, out: str) -> str:
     return out
 
 
-def _rpc() -> ModuleType:
-    sys.path.insert(0, os.environ["RPC_PB2_DIR"])
+def load(pb2_dir: str) -> ModuleType:
+    """The rpc_pb2 module `generate` made in pb2_dir."""
+    if pb2_dir not in sys.path:
+        sys.path.insert(0, pb2_dir)
     return importlib.import_module("rpc_pb2")
 
 
-def call(rpc: ModuleType, req: object) -> object:
+def queue(store: socket.socket, pid: int, pidfd: int) -> None:
+    """What CRIU's pre-dump queues in the store: one message, pid as its data and the pidfd as SCM_RIGHTS."""
+    socket.send_fds(store, [struct.pack("i", pid)], [pidfd])
+
+
+def call(rpc: ModuleType, req: object, criu: str | None = None) -> object:
     """One request to a fresh `criu swrk` over a SOCK_SEQPACKET pair; CRIU's response."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     with ours:
-        p = subprocess.Popen([os.environ["CRIU"], "swrk", str(theirs.fileno())], pass_fds=[theirs.fileno()])
+        p = subprocess.Popen([criu or os.environ["CRIU"], "swrk", str(theirs.fileno())], pass_fds=[theirs.fileno()])
         theirs.close()
         ours.sendall(req.SerializeToString())  # type: ignore[attr-defined]
         data = ours.recv(1 << 20)
@@ -63,17 +70,19 @@ def call(rpc: ModuleType, req: object) -> object:
     return resp
 
 
-def dump(rpc: ModuleType, pid: int, images: str, store: socket.socket, parent: str | None, leave_running: bool):
+def dump(rpc: ModuleType, pid: int, images: str, store: socket.socket, parent: str | None, leave_running: bool,
+         criu: str | None = None, shell_job: bool = True):
+    """criu_req DUMP of pid into images (made if absent; log dump.log, level 4) with the pidfd store."""
     os.makedirs(images, exist_ok=True)
     dfd = os.open(images, os.O_RDONLY | os.O_DIRECTORY)
     try:
         req = rpc.criu_req(type=rpc.DUMP)
         o = req.opts
-        o.images_dir_fd, o.pid, o.shell_job, o.leave_running = dfd, pid, True, leave_running
+        o.images_dir_fd, o.pid, o.shell_job, o.leave_running = dfd, pid, shell_job, leave_running
         o.log_level, o.log_file, o.pidfd_store_sk = 4, "dump.log", store.fileno()
         if parent:
             o.parent_img = parent
-        return call(rpc, req)
+        return call(rpc, req, criu)
     finally:
         os.close(dfd)
 
@@ -85,15 +94,15 @@ def _report(key: str, resp) -> None:
 
 
 def chain(pid: int, root: str, n: int) -> int:
-    rpc = _rpc()
+    rpc = load(os.environ["RPC_PB2_DIR"])
     store = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     pidfd = os.pidfd_open(pid)  # before the first dump: the task the chain starts from
     for k in range(1, n + 1):
         parent = f"../{k - 1}" if k > 1 else None
         if k == 2:
             _report("empty-store", dump(rpc, pid, os.path.join(root, "2-empty-store"), store, parent, True))
-        if k > 1:  # what CRIU's pre-dump would have queued: this task's pidfd, its pid the payload
-            socket.send_fds(store, [struct.pack("i", pid)], [pidfd])
+        if k > 1:  # what CRIU's pre-dump would have queued
+            queue(store, pid, pidfd)
         resp = dump(rpc, pid, os.path.join(root, str(k)), store, parent, k < n)
         _report(f"dump{k}", resp)
         if not resp.success:
