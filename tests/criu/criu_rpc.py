@@ -16,7 +16,8 @@ reused) by a later dump, the pidfd reads as exited and CRIU sees the reuse, as a
     python criu_rpc.py chain PID IMAGES N   dumps PID into IMAGES/1 .. IMAGES/N, each n > 1 with
         parent_img ../n-1; the last one does not leave the task running.  Before the 2nd, one dump
         into IMAGES/2-empty-store with the store still empty (CRIU's refusal, printed).  After each
-        dump that left the task running, $RPC_STEP runs in bash with $1 = n, $2 = PID.
+        dump that left the task running, $RPC_STEP runs in bash with $1 = n, $2 = PID; $RPC_ENV_<n>
+        (NAME=VALUE ...) is added to the environment of the n-th dump's criu.
 Prints "key: value" lines (dumpN: 0 or 1, and its error message).  $RPC_PB2_DIR: where
 rpc_pb2.py is; $CRIU: the criu binary; plugins from $CRIU_LIBS_DIR, which criu reads itself.
 """
@@ -54,11 +55,12 @@ def queue(store: socket.socket, pid: int, pidfd: int) -> None:
     socket.send_fds(store, [struct.pack("i", pid)], [pidfd])
 
 
-def call(rpc: ModuleType, req: object, criu: str | None = None) -> object:
+def call(rpc: ModuleType, req: object, criu: str | None = None, env: dict[str, str] | None = None) -> object:
     """One request to a fresh `criu swrk` over a SOCK_SEQPACKET pair; CRIU's response."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     with ours:
-        p = subprocess.Popen([criu or os.environ["CRIU"], "swrk", str(theirs.fileno())], pass_fds=[theirs.fileno()])
+        p = subprocess.Popen([criu or os.environ["CRIU"], "swrk", str(theirs.fileno())], pass_fds=[theirs.fileno()],
+                             env=env)
         theirs.close()
         ours.sendall(req.SerializeToString())  # type: ignore[attr-defined]
         data = ours.recv(1 << 20)
@@ -71,7 +73,7 @@ def call(rpc: ModuleType, req: object, criu: str | None = None) -> object:
 
 
 def dump(rpc: ModuleType, pid: int, images: str, store: socket.socket, parent: str | None, leave_running: bool,
-         criu: str | None = None, shell_job: bool = True):
+         criu: str | None = None, shell_job: bool = True, env: dict[str, str] | None = None):
     """criu_req DUMP of pid into images (made if absent; log dump.log, level 4) with the pidfd store."""
     os.makedirs(images, exist_ok=True)
     dfd = os.open(images, os.O_RDONLY | os.O_DIRECTORY)
@@ -82,7 +84,7 @@ def dump(rpc: ModuleType, pid: int, images: str, store: socket.socket, parent: s
         o.log_level, o.log_file, o.pidfd_store_sk = 4, "dump.log", store.fileno()
         if parent:
             o.parent_img = parent
-        return call(rpc, req, criu)
+        return call(rpc, req, criu, env)
     finally:
         os.close(dfd)
 
@@ -103,7 +105,11 @@ def chain(pid: int, root: str, n: int) -> int:
             _report("empty-store", dump(rpc, pid, os.path.join(root, "2-empty-store"), store, parent, True))
         if k > 1:  # what CRIU's pre-dump would have queued
             queue(store, pid, pidfd)
-        resp = dump(rpc, pid, os.path.join(root, str(k)), store, parent, k < n)
+        env = dict(os.environ)
+        for kv in os.environ.get(f"RPC_ENV_{k}", "").split():
+            key, _, value = kv.partition("=")
+            env[key] = value
+        resp = dump(rpc, pid, os.path.join(root, str(k)), store, parent, k < n, env=env)
         _report(f"dump{k}", resp)
         if not resp.success:
             return 1

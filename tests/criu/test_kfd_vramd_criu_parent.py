@@ -128,3 +128,35 @@ def test_criu_parent_link_chain_of_three_stores_only_changed_chunks_and_restores
     assert r["restore"] != "0" and r["alive"] == "no", log[-3000:]
     assert "Can't open parent path: No such file or directory" in log, log[-3000:]
     assert "vramd: cannot open parent" not in log, log[-3000:]
+
+
+def test_a_checkpoint_without_a_vramd_image_in_criu_s_chain_is_looked_through(case, plugins, daemon, tmp_path):
+    """As after a pre-dump (whose hooks copy no BO; this kernel cannot pre-dump): the 2nd of three RPC
+    dumps goes the stock path (KFD_VRAMD=0: amdgpu-pages files, no vramd image), so the 3rd's CRIU
+    parent holds no image of the KFD file; the plugin follows the 2nd's own `parent` link to the 1st's
+    image (its link ../parent/parent/amdgpu-vramd-<id>), the 3rd stores nothing (nothing changed) and
+    restores byte-exact through that parent."""
+    case.use(plugins["vramd"])
+    a = case.state("state-a", TOPO_A)
+    env = case.env(daemon.socket)
+    rpc = {"PY": sys.executable, "RPC_CLIENT": criu_rpc.__file__, "RPC_ENV_2": "KFD_VRAMD=0",
+           "RPC_PB2_DIR": criu_rpc.generate(ENV.criu_src or "", str(tmp_path / "rpc"))}
+    d = case.run(CHAIN.replace("[ $1 = 1 ] || exit 0", "exit 0"), a, TOPO_A, gpus=2, extra={**env, **rpc})
+    assert (d.get("dump1"), d.get("dump2"), d.get("dump3")) == ("0", "0", "0"), d["stdout"] + d["stderr"]
+    _ok(d["checks"], 3, 14, 2 * MIB << 20)
+    (vdir,) = [x for x in os.listdir(os.path.join(case.work, "img", "1")) if x.startswith("amdgpu-vramd-")]
+    two = os.listdir(os.path.join(case.work, "img", "2"))
+    assert vdir not in two and [x for x in two if x.startswith("amdgpu-pages-")], two
+    log = _read(case, "3", "dump.log")
+    assert f"vramd: no vramd image parent/{vdir}/, looking in its parent parent/parent/" in log, log[-3000:]
+    assert os.readlink(os.path.join(case.work, "img", "3", vdir, "parent")) == f"../parent/parent/{vdir}"
+    info = _inspect(os.path.join(case.work, "img", "3", vdir))
+    first = _inspect(os.path.join(case.work, "img", "1", vdir))
+    assert [p["image_id"] for p in info["parents"]] == [first["image_id"]], info["parents"]
+    assert info["totals"]["stored_bytes"] == 0 < first["totals"]["stored_bytes"], info["totals"]
+    assert re.search(rf"vramd: 12 BOs dumped into {vdir}/ \(1 parents, 0 bytes stored\)", log), log[-3000:]
+    r = case.run(RESTORE.replace("-D $W/img ", "-D $W/img/3 "), a, TOPO_A, extra=env)
+    rlog = _read(case, "3", "restore.log")
+    assert r["restore"] == "0", rlog[-3000:]
+    _ok(r["checks"], 1, 14, 2 * MIB << 20)
+    assert f"vramd: {vdir}/ is incremental, restored through 1 parents" in rlog
