@@ -12,8 +12,9 @@ itself).  The store holds (pid, pidfd) messages that CRIU's pre-dump queues, and
 parent refuses an empty store; pre-dump needs dirty tracking too.  So this client queues the
 pidfd it opened on the dumped task before the first dump: if that task had exited (and its pid been
 reused) by a later dump, the pidfd reads as exited and CRIU sees the reuse, as after a pre-dump.
+It queues one for each task of the tree (CRIU checks each), all opened before the first dump.
 
-    python criu_rpc.py chain PID IMAGES N   dumps PID into IMAGES/1 .. IMAGES/N, each n > 1 with
+    python criu_rpc.py chain PID IMAGES N   dumps PID's tree into IMAGES/1 .. IMAGES/N, each n > 1 with
         parent_img ../n-1; the last one does not leave the task running.  Before the 2nd, one dump
         into IMAGES/2-empty-store with the store still empty (CRIU's refusal, printed).  After each
         dump that left the task running, $RPC_STEP runs in bash with $1 = n, $2 = PID; $RPC_ENV_<n>
@@ -95,16 +96,30 @@ def _report(key: str, resp) -> None:
         print(f"{key} error: {resp.cr_errmsg.strip()}", flush=True)
 
 
+def tree(pid: int) -> list[int]:
+    """pid and its descendants (each task's children, as /proc lists them)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop(0)
+        out.append(p)
+        for tid in os.listdir(f"/proc/{p}/task"):
+            with open(f"/proc/{p}/task/{tid}/children") as f:
+                todo += [int(c) for c in f.read().split()]
+    return out
+
+
 def chain(pid: int, root: str, n: int) -> int:
     rpc = load(os.environ["RPC_PB2_DIR"])
     store = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    pidfd = os.pidfd_open(pid)  # before the first dump: the task the chain starts from
+    pidfds = {t: os.pidfd_open(t) for t in tree(pid)}  # before the first dump: the tasks the chain starts from
+    print(f"tasks: {len(pidfds)}", flush=True)
     for k in range(1, n + 1):
         parent = f"../{k - 1}" if k > 1 else None
         if k == 2:
             _report("empty-store", dump(rpc, pid, os.path.join(root, "2-empty-store"), store, parent, True))
-        if k > 1:  # what CRIU's pre-dump would have queued
-            queue(store, pid, pidfd)
+        for task, pidfd in pidfds.items():  # what CRIU's pre-dump would have queued
+            if k > 1:
+                queue(store, task, pidfd)
         env = dict(os.environ)
         for kv in os.environ.get(f"RPC_ENV_{k}", "").split():
             key, _, value = kv.partition("=")

@@ -160,3 +160,44 @@ def test_a_checkpoint_without_a_vramd_image_in_criu_s_chain_is_looked_through(ca
     assert r["restore"] == "0", rlog[-3000:]
     _ok(r["checks"], 1, 14, 2 * MIB << 20)
     assert f"vramd: {vdir}/ is incremental, restored through 1 parents" in rlog
+
+
+def test_a_process_tree_through_criu_s_parent_link_makes_each_kfd_file_s_image_incremental(case, plugins, daemon,
+                                                                                            tmp_path):
+    """A parent and a child, each its own KFD process (two KFD files, two vramd images per checkpoint,
+    their copies overlapped by patch 0003): the client queues a pidfd for each task, CRIU takes both
+    through the chain without a pid-reuse warning, each KFD file's image refers to its own previous one
+    (0, 1, 2 parents); the 2nd stores only the BO the parent rewrote (the child's image nothing), the
+    3rd nothing; the 3rd restores byte-exact in both processes, each image through its 2 parents."""
+    case.use(plugins["vramd"])
+    a = case.state("state-a", TOPO_A)
+    env = case.env(daemon.socket)
+    rpc = {"PY": sys.executable, "RPC_CLIENT": criu_rpc.__file__,
+           "RPC_PB2_DIR": criu_rpc.generate(ENV.criu_src or "", str(tmp_path / "rpc"))}
+    d = case.run(CHAIN.replace("-g $GPUS", "-g $GPUS -c"), a, TOPO_A, gpus=2, extra={**env, **rpc})
+    assert (d.get("dump1"), d.get("dump2"), d.get("dump3")) == ("0", "0", "0"), d["stdout"] + d["stderr"]
+    expect = f"ok 14 {2 * MIB << 20}; child ok 10 {2 * 4 << 20}"
+    assert d["tasks"] == "2" and d["checks"] == f"{expect}\n" * 3, d["stdout"]
+    vdirs = {n: sorted(x for x in os.listdir(os.path.join(case.work, "img", n)) if x.startswith("amdgpu-vramd-"))
+             for n in ("1", "2", "3")}
+    assert len(vdirs["1"]) == 2 and vdirs["1"] == vdirs["2"] == vdirs["3"], vdirs
+    for n in ("2", "3"):
+        assert "Pid reuse" not in _read(case, n, "dump.log"), n
+    info = {(n, v): _inspect(os.path.join(case.work, "img", n, v)) for n in ("1", "2", "3") for v in vdirs["1"]}
+    (big,) = [v for v in vdirs["1"] if info[("1", v)]["totals"]["bo_count"] == 12]   # the parent's KFD file
+    (small,) = [v for v in vdirs["1"] if v != big]
+    for v in vdirs["1"]:
+        assert [len(info[(n, v)]["parents"]) for n in ("1", "2", "3")] == [0, 1, 2], v
+        assert info[("3", v)]["parents"][1]["image_id"] == info[("1", v)]["image_id"], v
+        assert os.readlink(os.path.join(case.work, "img", "3", v, "parent")) == f"../parent/{v}"
+        assert info[("1", v)]["totals"]["stored_bytes"] > 0 and info[("3", v)]["totals"]["stored_bytes"] == 0, v
+    m = re.fullmatch(r"changed bo \d+ (\d+)", d["change"])
+    assert m, d["stdout"]
+    (changed,) = [b for b in info[("2", big)]["bos"] if b["stored_bytes"]]
+    assert changed["size"] == int(m.group(1)) and info[("2", small)]["totals"]["stored_bytes"] == 0, changed
+    r = case.run(RESTORE.replace("-D $W/img ", "-D $W/img/3 "), a, TOPO_A, extra=env)
+    log = _read(case, "3", "restore.log")
+    assert r["restore"] == "0", log[-3000:]
+    assert r["checks"] == f"{expect}\n", r["stdout"]
+    for v in vdirs["1"]:
+        assert f"vramd: {v}/ is incremental, restored through 2 parents" in log, v
