@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from urllib.parse import urlencode, urlsplit
 
@@ -48,6 +48,20 @@ _SCHEME = re.compile(r"\s*,?\s*([A-Za-z][A-Za-z0-9_.-]*)(?:\s+|$)")
 def repository_scope(repository: str, *actions: str) -> str:
     """`repository:REPO:ACTIONS`, the scope a registry's token names."""
     return f"repository:{repository}:{','.join(actions)}"
+
+
+def merge_scopes(scopes: Iterable[str]) -> tuple[str, ...]:
+    """One scope per resource, its actions merged (`repository:R:push,pull` and `...:pull` make
+    `repository:R:pull,push`), sorted: the same access asked in any order is one cache entry."""
+    merged: dict[str, set[str]] = {}
+    for scope in scopes:
+        resource, sep, actions = scope.rpartition(":")
+        if not sep or not resource:
+            resource, actions = scope, ""
+        merged.setdefault(resource, set()).update(a for a in actions.split(",") if a)
+    order = {"pull": 0, "push": 1}
+    return tuple(f"{r}:{','.join(sorted(acts, key=lambda a: (order.get(a, 2), a)))}"
+                 for r, acts in sorted(merged.items()))
 
 
 @dataclass(frozen=True)
@@ -115,7 +129,7 @@ class Authenticator:
 
     @staticmethod
     def _key(scopes: str | tuple[str, ...]) -> tuple[str, ...]:
-        return tuple(sorted(set(scopes.split() if isinstance(scopes, str) else scopes)))
+        return merge_scopes(scopes.split() if isinstance(scopes, str) else scopes)
 
     def headers(self, scope: str) -> dict[str, str]:
         """The `Authorization` header to send for a request needing `scope` (none if nothing is known yet)."""

@@ -56,7 +56,10 @@ class Trust:
 
     def error(self, host: str, e: ssl.SSLError | ssl.CertificateError) -> TlsError:
         """The typed error for a failed TLS handshake with `host`."""
-        reason = getattr(e, "verify_message", None) or getattr(e, "reason", None) or str(e)
+        if isinstance(e, ssl.SSLCertVerificationError):
+            reason = f"certificate verify failed: {e.verify_message}"
+        else:
+            reason = getattr(e, "reason", None) or str(e)
         return TlsError(f"TLS to {host} failed: {reason} (trusting {self.describe()})")
 
 
