@@ -231,3 +231,30 @@ def test_password_stdin_keeps_the_password_out_of_argv_logs_and_errors(make_regi
     reg.settle()
     assert ALICE not in out + err + out2 + err2 + reg.output()
     assert "bad-" + ALICE not in reg.output()
+
+
+# --- skopeo, an independent client, against the same fixture -------------------------------------
+
+def test_skopeo_logs_in_to_the_token_registry_and_its_auth_file_is_ours_too(token_registry, registry_pki, tmp_path):
+    """skopeo (Debian's, containers/image) authenticates with our token server, and the auth.json it writes
+    is read by vramd.oci.credentials and pushed with, through $REGISTRY_AUTH_FILE."""
+    certs = tmp_path / "certs"
+    certs.mkdir()
+    (certs / "ca.crt").write_bytes(registry_pki.ca_cert.read_bytes())
+    authfile = tmp_path / "auth.json"
+
+    def login(password: str, into: Path) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["skopeo", "login", "--authfile", str(into), "--cert-dir", str(certs),
+                               "--username", "alice", "--password-stdin", token_registry.host],
+                              input=password + "\n", capture_output=True, text=True, timeout=60)
+
+    bad = login("wrong-" + ALICE, tmp_path / "bad.json")
+    assert bad.returncode != 0 and "invalid username/password" in bad.stderr
+    ok = login(ALICE, authfile)
+    assert ok.returncode == 0, ok.stderr
+    creds = find_credentials(token_registry.host, REPO, env={"REGISTRY_AUTH_FILE": str(authfile), "HOME": "/"})
+    assert creds.username == "alice" and creds.source == f"the auth file {authfile} (auths['{token_registry.host}'])"
+    _roundtrip(Authenticator(token_registry.host, creds, Trust(ca_file=registry_pki.ca_cert)), token_registry.url)
+    assert token_registry.token_server is not None
+    assert [(r.user, r.status) for r in token_registry.token_server.requests] == \
+        [(None, 401), ("alice", 200), ("alice", 200)]  # skopeo's failed login, its login, our push's token
