@@ -286,3 +286,15 @@ def test_basic_challenge_then_refusal_and_anonymous():
     assert req is not None and req.headers == {} and req.anonymous
     with pytest.raises(RegistryError, match=r"without a challenge this client knows"):
         anon.challenge("Negotiate abc", SCOPE)
+
+
+def test_the_authenticator_and_the_credentials_are_sans_io():
+    """auth.py and credentials.py import no network code (the caller sends; credentials run only helpers)."""
+    import ast
+    network = {"socket", "ssl", "http", "urllib.request", "asyncio", "httpx", "aiohttp", "urllib3", "requests"}
+    for name in ("auth.py", "credentials.py"):
+        tree = ast.parse((Path(__file__).parent.parent / "vramd" / "oci" / name).read_text())
+        imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        imported |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        assert imported, name
+        assert not {m for m in imported if m in network or m.split(".")[0] in network}, (name, imported)
