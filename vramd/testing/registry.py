@@ -16,8 +16,8 @@ Options:
 Control: `stop()` and `start()` (same port, same storage: an interrupted upload can be resumed), `close()`.
 Inspection: `storage` (the registry's root directory), `blob_data(digest)` (the file holding a blob's bytes,
 to corrupt it), `stored_blobs()` ({digest: size}), `access_log()` (each request: method, path, status, bytes
-sent), `log` (every line the registry wrote), `wait_log(pattern, count)` and `settle()` (until the access log
-holds every request answered so far: the registry logs a request when its handler returns).
+sent; it `settle()`s first: the registry logs a request when its handler returns, which can be after the
+client has its answer), `log` (every line the registry wrote), `wait_log(pattern, count)`.
 Readiness is a bounded poll of `GET /v2/` (any HTTP answer).
 """
 from __future__ import annotations
@@ -247,9 +247,12 @@ class Registry:
     def stored_bytes(self) -> int:
         return sum(self.stored_blobs().values())
 
-    def access_log(self) -> list[AccessRecord]:
-        """Every request the registry has logged (across restarts), oldest first; `settle()` first to have
-        every request answered so far (the readiness polls and settle's own requests are `GET /v2/...`)."""
+    def access_log(self, settle: bool = True) -> list[AccessRecord]:
+        """Every request the registry has answered (across restarts), oldest first. A running registry is
+        `settle()`d first, so the requests answered before this call are all there (the readiness polls and
+        settle's own requests are `GET /v2/` and `GET /v2/?vramd-settle=N`); a stopped one has logged all."""
+        if settle and self.running:
+            self.settle()
         with self._lock:
             lines = list(self._stdout)
         out = []
@@ -280,8 +283,9 @@ class Registry:
         The registry writes a request's access line when its handler returns, which can be just after the client
         has read a large body's last byte; a request of our own, made after those were answered (a new
         connection, a round trip), is logged after their handlers returned: its line read means theirs were."""
-        self._settles += 1
-        marker = f"vramd-settle={self._settles}"
+        with self._lock:
+            self._settles += 1
+            marker = f"vramd-settle={self._settles}"
         try:
             with urllib.request.urlopen(f"{self.url}/v2/?{marker}", timeout=timeout, context=self._context()):
                 pass
