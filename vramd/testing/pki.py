@@ -54,7 +54,9 @@ class Pki:
     def issue(self, name: str, *, ips: tuple[str, ...] = (), dns: tuple[str, ...] = (),
               server: bool = True) -> Issued:
         """A key and a certificate for `name` signed by this CA (serverAuth, or a plain signing certificate)."""
-        key, csr, cert = (self.dir / f"{name}.key", self.dir / f"{name}.csr", self.dir / f"{name}.pem")
+        self._serial += 1
+        stem = f"{name}-{self._serial}"  # its own files: a registry restarted later reads the certificate it had
+        key, csr, cert = (self.dir / f"{stem}.key", self.dir / f"{stem}.csr", self.dir / f"{stem}.pem")
         _openssl("req", "-new", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(csr),
                  "-subj", f"/CN={name}")
         ext = ["basicConstraints=critical,CA:FALSE"]
@@ -65,9 +67,8 @@ class Pki:
             ext += ["keyUsage=critical,digitalSignature,keyEncipherment", "extendedKeyUsage=serverAuth"]
         else:
             ext.append("keyUsage=critical,digitalSignature")
-        extfile = self.dir / f"{name}.ext"
+        extfile = self.dir / f"{stem}.ext"
         extfile.write_text("\n".join(ext) + "\n")
-        self._serial += 1
         _openssl("x509", "-req", "-in", str(csr), "-CA", str(self.ca_cert), "-CAkey", str(self.ca_key),
                  "-set_serial", str(self._serial), "-days", "2", "-sha256", "-extfile", str(extfile),
                  "-out", str(cert))
