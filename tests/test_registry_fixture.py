@@ -103,3 +103,26 @@ def test_htpasswd_registry_wants_basic_auth_and_takes_a_bcrypt_user(htpasswd_reg
     req = urllib.request.Request(f"{htpasswd_registry.url}/v2/", headers={"Authorization": f"Basic {basic}"})
     with urllib.request.urlopen(req, context=ctx) as r:
         assert r.status == 200
+
+
+def test_a_token_registry_restarted_still_trusts_the_token_server(token_registry, registry_pki):
+    """stop()/start() keep the TLS certificate and the token configuration: a client's token still works."""
+    import base64
+    import json
+
+    from registry_fixtures import REGISTRY_USERS
+    ctx = ssl.create_default_context(cafile=str(registry_pki.ca_cert))
+    assert token_registry.token_server is not None
+    basic = base64.b64encode(f"bob:{REGISTRY_USERS['bob']}".encode()).decode()
+    req = urllib.request.Request(f"{token_registry.token_server.realm}?service=vramd-test-registry"
+                                 "&scope=repository:vramd/t:pull", headers={"Authorization": f"Basic {basic}"})
+    with urllib.request.urlopen(req, context=ctx) as r:
+        token = json.load(r)["token"]
+    token_registry.stop()
+    token_registry.start()
+    req = urllib.request.Request(f"{token_registry.url}/v2/vramd/t/tags/list",
+                                 headers={"Authorization": f"Bearer {token}"})
+    with pytest.raises(urllib.error.HTTPError) as e:  # authorized: the repository is just empty
+        urllib.request.urlopen(req, context=ctx)
+    assert e.value.code == 404 and b"NAME_UNKNOWN" in e.value.read()
+    token_registry.wait_log(r'msg="authorized request" .*uri=/v2/vramd/t/tags/list')
