@@ -268,6 +268,11 @@ def test_realm_over_http_is_refused_unless_plain_http_was_asked_for():
         auth.challenge(http_realm, SCOPE)
     with pytest.raises(TlsError, match=r"unsupported scheme 'file'"):
         auth.challenge('Bearer realm="file:///etc/passwd"', SCOPE)
+    with pytest.raises(TlsError, match=r"http://auth\.example:99/t is plain HTTP: refused \(pass --plain-http") as e:
+        auth.challenge(f'Bearer realm="http://alice:{SECRET}@auth.example:99/t?k={SECRET}"', SCOPE)
+    assert SECRET not in str(e.value)  # a user, password or query in the realm is not repeated
+    with pytest.raises(TlsError, match=r"http://auth\.example/t is plain HTTP"):
+        auth.challenge('Bearer realm="http://auth.example:port/t"', SCOPE)
     plain = Authenticator(HOST, Credentials("t", "alice", SECRET), Trust(plain_http=True), Clock())
     assert plain.challenge(http_realm, SCOPE) is not None
 

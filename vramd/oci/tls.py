@@ -69,4 +69,8 @@ def _origin(url: str) -> str:
     host = u.hostname or ""
     if ":" in host:
         host = f"[{host}]"
-    return f"{u.scheme}://{host}{f':{u.port}' if u.port else ''}{u.path}"
+    try:
+        port = u.port
+    except ValueError:  # not a number: named as is, it is no secret
+        port = None
+    return f"{u.scheme}://{host}{f':{port}' if port else ''}{u.path}"
