@@ -256,3 +256,28 @@ def test_skopeo_logs_in_to_the_token_registry_and_its_auth_file_is_ours_too(toke
     assert token_registry.token_server is not None
     assert [(r.user, r.status) for r in token_registry.token_server.requests] == \
         [(None, 401), ("alice", 200), ("alice", 200)]  # skopeo's failed login, its login, our push's token
+
+
+def test_a_cross_repository_mount_asks_for_pull_on_the_source_and_needs_the_grant(make_registry, registry_pki):
+    """Mounting a blob from another repository needs pull there: granted, the blob is mounted (201, no upload);
+    not granted, AUTH_FAILED naming the scope, and the blob stays out of the target repository."""
+    rules = {"alice": {"*": ("pull", "push")}, "bob": {"team/*": ("pull", "push")}}
+    reg = make_registry(auth="token", users=REGISTRY_USERS, grants=grant_by_pattern(rules))
+    trust = Trust(ca_file=registry_pki.ca_cert)
+    alice = Authenticator(reg.host, Credentials("the test", "alice", ALICE), trust)
+    digest = push_blob(alice, reg.url, "private/src", os.urandom(10_000), repository_scope("private/src", "push"))
+    for user, expect in (("alice", 201), ("bob", None)):
+        auth = Authenticator(reg.host, Credentials("the test", user, REGISTRY_USERS[user]), trust)
+        dst = f"team/{user}"
+        scope = repository_scope(dst, "pull", "push")
+        assert authed(auth, "GET", f"{reg.url}/v2/{dst}/tags/list", scope).status == 404  # a token for dst
+        url = f"{reg.url}/v2/{dst}/blobs/uploads/?mount={digest}&from=private/src"
+        if expect is None:
+            with pytest.raises(AuthFailedError, match=r"do not allow repository:private/src:pull repository:team/bob"):
+                authed(auth, "POST", url, scope, body=b"")
+            assert authed(auth, "HEAD", f"{reg.url}/v2/{dst}/blobs/{digest}", scope).status == 404
+        else:
+            assert authed(auth, "POST", url, scope, body=b"").status == expect
+            assert authed(auth, "HEAD", f"{reg.url}/v2/{dst}/blobs/{digest}", scope).status == 200
+    assert reg.token_server is not None
+    assert [r.granted for r in reg.token_server.requests if r.user == "bob"][-1] == ("repository:team/bob:pull,push",)

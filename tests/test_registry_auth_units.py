@@ -303,3 +303,19 @@ def test_the_authenticator_and_the_credentials_are_sans_io():
         imported |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
         assert imported, name
         assert not {m for m in imported if m in network or m.split(".")[0] in network}, (name, imported)
+
+
+def test_a_challenge_for_more_than_the_token_was_asked_for_gets_a_new_token_not_a_refusal():
+    """A cross-repository mount into a/b also needs pull on the source: the registry's challenge names both."""
+    auth = Authenticator(HOST, Credentials("t", "alice", SECRET), Trust(), Clock())
+    req = auth.challenge(BEARER, SCOPE)
+    assert req is not None
+    auth.token_response(req, 200, json.dumps({"token": "T1"}).encode())
+    mount = BEARER[:-1] + ' repository:src/x:pull",error="insufficient_scope"'
+    req = auth.challenge(mount, SCOPE)
+    assert req is not None and req.scopes == ("repository:a/b:pull,push", "repository:src/x:pull")
+    assert "scope=repository%3Asrc%2Fx%3Apull" in req.url
+    auth.token_response(req, 200, json.dumps({"token": "T2"}).encode())
+    assert auth.headers(SCOPE) == {"Authorization": "Bearer T2"}
+    with pytest.raises(AuthFailedError, match=r"do not allow repository:a/b:pull,push repository:src/x:pull$"):
+        auth.challenge(mount, SCOPE)  # asked for all of it, and still not enough
