@@ -15,7 +15,8 @@ set -euo pipefail
 cd "$(dirname "$0")"
 
 APT_PACKAGES=(python3 python3-venv python3-dev gcc pkg-config libdrm-dev libxxhash-dev
-              meson ninja-build libprotobuf-c-dev protobuf-c-compiler valgrind libfuse2 abigail-tools)
+              meson ninja-build libprotobuf-c-dev protobuf-c-compiler valgrind libfuse2 abigail-tools
+              docker-registry skopeo apache2-utils)  # the OCI tests' real registry, its peer, htpasswd -B
 
 have_python() {
     command -v python3 >/dev/null &&
@@ -43,8 +44,13 @@ have_fuse() {  # libfuse 2 for tests/eiofs.py (the fault matrix's EIO: a FUSE fi
     ldconfig -p 2>/dev/null | grep -q 'libfuse\.so\.2 '
 }
 
+have_registry() {  # the real registry the OCI tests run (vramd/testing/registry.py), skopeo, bcrypt htpasswd
+    command -v docker-registry >/dev/null && command -v skopeo >/dev/null && command -v htpasswd >/dev/null
+}
+
 ensure_system() {
-    have_python && have_libdrm && have_xxhash && have_c_client_tools && have_fuse && have_abigail && return 0
+    have_python && have_libdrm && have_xxhash && have_c_client_tools && have_fuse && have_abigail && have_registry &&
+        return 0
     local sudo=""
     [ "$(id -u)" = 0 ] || sudo="sudo"
     echo "dev.sh: installing ${APT_PACKAGES[*]} with apt-get" >&2
@@ -56,6 +62,7 @@ ensure_system() {
     have_fuse || echo "dev.sh: libfuse2 still missing: the EIO tests (tests/test_io_errors.py) will skip" >&2
     have_c_client_tools || { echo "dev.sh: need meson, ninja, protoc-c, libprotobuf-c and valgrind for libvramd" >&2; exit 1; }
     have_abigail || { echo "dev.sh: need abigail-tools (abidw, abidiff) for libvramd's ABI check" >&2; exit 1; }
+    have_registry || { echo "dev.sh: need docker-registry, skopeo and apache2-utils for the registry tests" >&2; exit 1; }
 }
 
 ensure_libvramd() {

@@ -7,6 +7,15 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from helpers import open_dir
+from registry_fixtures import (  # noqa: F401
+    htpasswd_registry,
+    make_registry,
+    other_pki,
+    registry,
+    registry_pki,
+    tls_registry,
+    token_registry,
+)
 
 
 @pytest.fixture

@@ -17,7 +17,11 @@ def test_the_wire_registry_matches_rpc_proto():
     from vramd import errors
     from vramd.pb import rpc_pb2 as rpc
     classes = {c for c in vars(errors).values() if isinstance(c, type) and issubclass(c, errors.VramdError)}
-    assert set(errors.WIRE_ERRORS.values()) == classes - {errors.ServiceError}  # ServiceError: VRAMD_ERROR's group
+    client_only = set(errors.CLIENT_ERRORS.values())  # the registry's errors: raised by the client only
+    # ServiceError: VRAMD_ERROR's group
+    assert set(errors.WIRE_ERRORS.values()) == classes - {errors.ServiceError} - client_only
+    assert not set(errors.CLIENT_ERRORS) & set(rpc.Code.keys()) and not client_only & set(errors.WIRE_ERRORS.values())
+    assert all(code == cls.code for code, cls in errors.CLIENT_ERRORS.items())
     assert all(code == cls.code for code, cls in errors.WIRE_ERRORS.items())
     assert sorted(errors.WIRE_ERRORS) == sorted(set(rpc.Code.keys()) - {"OK"})
     assert errors.error_class("NO_SUCH_CODE") is errors.VramdError

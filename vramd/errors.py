@@ -230,6 +230,34 @@ class TopologyMismatchError(TopologyError):
         super().__init__(message, bo_id=bo_id, offset=offset)
 
 
+# --- registries: the client's network side (vramd.oci), never on the daemon's wire --------
+
+class RegistryError(VramdError):
+    """A registry refused or failed a request; the message names the registry and what was asked."""
+
+    code = "REGISTRY_ERROR"
+
+
+class AuthFailedError(RegistryError):
+    """The registry or its token server refused the credentials: one line naming the registry and where the
+    credentials came from (a file, a credential helper, the command line), never a secret."""
+
+    code = "AUTH_FAILED"
+
+
+class CredentialsError(RegistryError):
+    """Credentials that could not be read: a malformed auth file, a credential helper that failed."""
+
+    code = "CREDENTIALS_ERROR"
+
+
+class TlsError(RegistryError):
+    """No trusted TLS to a registry: a certificate that does not verify (the message names the host and the
+    CAs trusted), or plain HTTP where it was not asked for (an http token realm)."""
+
+    code = "TLS_ERROR"
+
+
 # --- the wire registry ------------------------------------------------------
 
 # Every code a peer may report, with the class that stands for it on this side.
@@ -245,6 +273,13 @@ WIRE_ERRORS: dict[str, type[VramdError]] = {cls.code: cls for cls in (
     ParentMissingError, ParentMismatchError,
     TopologyError, TopologyMismatchError,
     VramdError,
+)}
+
+
+# Raised on the client's side only: the network belongs to the client (vramctl, libvramd's helpers), the
+# daemon never speaks to a registry, so these are not wire codes.
+CLIENT_ERRORS: dict[str, type[VramdError]] = {cls.code: cls for cls in (
+    RegistryError, AuthFailedError, CredentialsError, TlsError,
 )}
 
 
