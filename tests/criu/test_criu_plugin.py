@@ -200,18 +200,18 @@ def test_vramd_restore_submitted_by_the_restored_task(vramd_rig, work):
 
 @needs_libvramd
 def test_submit_then_barrier_needs_the_grace_period_to_cover_the_gap(vramd_rig, work):
-    """Between vramd_criu_restore_submit (which hangs up) and the barrier nobody holds the session: with a grace
-    period shorter than that gap the daemon reaps it, the barrier fails, and CRIU still exits 0
-    (RESUME_DEVICES_LATE errors are only debug-logged).  In the real split CRIU main has no hook between the task's
-    RESTORE_EXT_FILE and RESUME_DEVICES_LATE, so the daemon's grace period (30 s by default) must cover the rest of
-    the restore."""
+    """Between vramd_criu_restore_submit (which hangs up) and the barrier nobody holds the session: where the
+    daemon grants no hold (max_hold 0) and its grace period is shorter than that gap, it reaps the session, the
+    barrier fails, and CRIU still exits 0 (RESUME_DEVICES_LATE errors are only debug-logged).  In the real split
+    CRIU main has no hook between the task's RESTORE_EXT_FILE and RESUME_DEVICES_LATE: the submit's hold
+    (next test) is what covers the rest of the restore."""
     from vramd.testing import DaemonProcess as DaemonProc
 
     _daemon, image, rig = vramd_rig
     run_dir = os.path.join(work, "run-nograce")
     os.makedirs(run_dir)
     log = os.path.join(work, "restore-nograce.log")
-    with DaemonProc(run_dir, "--grace-period", "0") as d:
+    with DaemonProc(run_dir, "--grace-period", "0", "--max-hold", "0") as d:
         try:
             rig.restore(log, image.plugin_env(d.socket, "offload", api="criu"))
         finally:
@@ -221,3 +221,28 @@ def test_submit_then_barrier_needs_the_grace_period_to_cover_the_gap(vramd_rig, 
     # grace 0.3 s and a 1 GiB workload): either way the barrier cannot say the bytes landed
     assert len(fails) == 1 and "vramd_criu_restore_barrier" in fails[0], fails
     assert "CANCELLED" in fails[0] or "NOT_FOUND" in fails[0], fails
+
+
+@needs_libvramd
+def test_the_submits_hold_covers_a_gap_longer_than_the_grace_period(vramd_rig, work):
+    """The same gap with a grace period of 0, the daemon's max_hold at its default: vramd_criu_restore_submit asked
+    for a hold, the session outlives the task's hang-up (the daemon logs that it keeps it), and CRIU main's barrier
+    in RESUME_DEVICES_LATE gets the finished copy: the restored workload checks out byte-exact."""
+    from vramd.testing import DaemonProcess as DaemonProc
+
+    _daemon, image, rig = vramd_rig
+    run_dir = os.path.join(work, "run-held")
+    os.makedirs(run_dir)
+    log = os.path.join(work, "restore-held.log")
+    with DaemonProc(run_dir, "--grace-period", "0") as d:
+        try:
+            rig.restore(log, image.plugin_env(d.socket, "offload", api="criu"))
+            pid = rig.workload.pid
+            assert rig.workload.check() == f"ok {pid}"
+        finally:
+            rig.workload.kill_restored()
+        d.expect_log(r"session \d+: no connection holds it; kept 3600 s for its token \(hold\)")
+    events = read_log(log)
+    assert not [e.what for e in events if e.what.startswith("FAIL")], [e.what for e in events]
+    assert any(e.what.startswith(f"vramd: verify OK sha256={image.sha256}") for e in events)
+    assert "grace period over" not in "".join(d.log)

@@ -87,14 +87,15 @@ def model(tmp_path_factory):
 
 
 @contextlib.contextmanager
-def running_daemon(grace: str = "60", **env: str):
-    """A running vramd, its SDMA backend on the SDMA model (any GPU id: the model's device)."""
+def running_daemon(grace: str = "60", settings: str = "", **env: str):
+    """A running vramd, its SDMA backend on the SDMA model (any GPU id: the model's device); `settings`: more
+    lines of its configuration file."""
     from vramd.testing import DaemonProcess
 
     run_dir = tempfile.mkdtemp(prefix="vramd-kv", dir="/tmp")  # short: sun_path is 108 bytes
     cfg = os.path.join(run_dir, "gpus.toml")  # not the host's KFD topology: the fixture's GPU ids, on the model
     with open(cfg, "w") as f:
-        f.write(f'topology_root = "{run_dir}/no-topology"\ngpu_ids = [0x5d21, 0xa3f0]\n')
+        f.write(f'topology_root = "{run_dir}/no-topology"\ngpu_ids = [0x5d21, 0xa3f0]\n{settings}')
     try:
         with DaemonProcess(run_dir, "--grace-period", grace, "--config", cfg,
                            env={"VRAMD_AMDGPU_LIBRARY": "model", **env}) as d:
@@ -553,9 +554,10 @@ exit 0
 
 def test_a_restore_slower_than_the_grace_period_fails_with_no_task_left(case, plugins):
     """CRIU takes longer from the tasks' submits to its barrier than the daemon's grace_period (1 s
-    here; CRIU held in its post-restore action script until the daemon has reaped both sessions):
-    the barrier finds no session, and criu restore fails with no task left, never resuming tasks
-    whose BOs nobody filled (docs/criu-integration.md, "The grace period")."""
+    here; CRIU held in its post-restore action script until the daemon has reaped both sessions), and
+    the daemon grants no hold (max_hold = 0): the barrier finds no session, and criu restore fails
+    with no task left, never resuming tasks whose BOs nobody filled (docs/criu-integration.md,
+    "The grace period and the hold")."""
     case.use(plugins["vramd"])
     a = case.state("state-a", TOPO_A)
     tree = DUMP.replace("-g $GPUS", "-g $GPUS -c")
@@ -564,7 +566,7 @@ def test_a_restore_slower_than_the_grace_period_fails_with_no_task_left(case, pl
         f.write(WAIT_FOR_GO)
     os.chmod(script, 0o755)
     restore = RESTORE.replace("--shell-job -d", f"--shell-job -d --action-script {script}")
-    with running_daemon(grace="1") as d, ThreadPoolExecutor(1) as ex:
+    with running_daemon(grace="1", settings="max_hold = 0\n") as d, ThreadPoolExecutor(1) as ex:
         env = case.env(d.socket)
         assert case.run(tree, a, TOPO_A, gpus=2, extra=env)["dump"] == "0", case.log("dump.log")[-3000:]
         run = ex.submit(case.run, restore, a, TOPO_A, extra=env)
@@ -583,3 +585,35 @@ def test_a_restore_slower_than_the_grace_period_fails_with_no_task_left(case, pl
     assert case.model.counters(a)["calls"]["resume"] == 0
     for pid in map(int, tasks):
         assert _dead_or_dying(pid), pid
+
+
+def test_a_restore_slower_than_the_grace_period_is_held_and_succeeds(case, plugins):
+    """The same two-process restore with a grace period of 0 and the daemon's max_hold at its default: each
+    restored task's submit asked for a hold, so CRIU, held in its post-restore action script until the daemon
+    has logged that nobody holds either session (a reap, without the hold), still finds both at its barrier:
+    criu restore succeeds and both processes check out byte-exact."""
+    case.use(plugins["vramd"])
+    a = case.state("state-a", TOPO_A)
+    tree = DUMP.replace("-g $GPUS", "-g $GPUS -c")
+    script = os.path.join(case.work, "wait-for-go.sh")
+    with open(script, "w") as f:
+        f.write(WAIT_FOR_GO)
+    os.chmod(script, 0o755)
+    restore = RESTORE.replace("--shell-job -d", f"--shell-job -d --action-script {script}")
+    expect = f"ok 14 {2 * MIB << 20}; child ok 10 {2 * 4 << 20}\n"
+    with running_daemon(grace="0") as d, ThreadPoolExecutor(1) as ex:
+        env = case.env(d.socket)
+        assert case.run(tree, a, TOPO_A, gpus=2, extra=env)["dump"] == "0", case.log("dump.log")[-3000:]
+        run = ex.submit(case.run, restore, a, TOPO_A, extra=env)
+        for _ in range(2):  # both tasks submitted and hung up: the daemon keeps each for its hold
+            d.expect_log(r"session \d+: no connection holds it; kept 3600 s for its token \(hold\)", timeout=120)
+        with open(os.path.join(case.work, "go"), "w"):
+            pass
+        r = run.result(timeout=300)
+        daemon_log = "".join(d.log)
+    log = case.log("restore.log")
+    assert r["restore"] == "0" and r["checks"] == expect, log[-3000:]
+    done = set(re.findall(r"amdgpu_plugin: vramd: restore of task (\d+) done\n", log))
+    assert len(done) == 2 and "killing task" not in log, log[-3000:]
+    assert "grace period over" not in daemon_log and "hold over" not in daemon_log
+    assert case.model.counters(a)["calls"]["resume"] == 2
