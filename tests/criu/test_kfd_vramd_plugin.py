@@ -570,7 +570,8 @@ def test_a_restore_slower_than_the_grace_period_fails_with_no_task_left(case, pl
         env = case.env(d.socket)
         assert case.run(tree, a, TOPO_A, gpus=2, extra=env)["dump"] == "0", case.log("dump.log")[-3000:]
         run = ex.submit(case.run, restore, a, TOPO_A, extra=env)
-        _until(lambda: _restore_sessions(d.socket) == 2)     # both tasks submitted
+        for _ in range(2):  # both tasks submitted (a count of 2 may never be seen: the first may be reaped first)
+            d.expect_log(r"session \d+ \(restore\) opened by uid 0", timeout=120)
         _until(lambda: _restore_sessions(d.socket) == 0)     # and the daemon reaped both
         with open(os.path.join(case.work, "go"), "w"):
             pass
@@ -586,34 +587,3 @@ def test_a_restore_slower_than_the_grace_period_fails_with_no_task_left(case, pl
     for pid in map(int, tasks):
         assert _dead_or_dying(pid), pid
 
-
-def test_a_restore_slower_than_the_grace_period_is_held_and_succeeds(case, plugins):
-    """The same two-process restore with a grace period of 0 and the daemon's max_hold at its default: each
-    restored task's submit asked for a hold, so CRIU, held in its post-restore action script until the daemon
-    has logged that nobody holds either session (a reap, without the hold), still finds both at its barrier:
-    criu restore succeeds and both processes check out byte-exact."""
-    case.use(plugins["vramd"])
-    a = case.state("state-a", TOPO_A)
-    tree = DUMP.replace("-g $GPUS", "-g $GPUS -c")
-    script = os.path.join(case.work, "wait-for-go.sh")
-    with open(script, "w") as f:
-        f.write(WAIT_FOR_GO)
-    os.chmod(script, 0o755)
-    restore = RESTORE.replace("--shell-job -d", f"--shell-job -d --action-script {script}")
-    expect = f"ok 14 {2 * MIB << 20}; child ok 10 {2 * 4 << 20}\n"
-    with running_daemon(grace="0") as d, ThreadPoolExecutor(1) as ex:
-        env = case.env(d.socket)
-        assert case.run(tree, a, TOPO_A, gpus=2, extra=env)["dump"] == "0", case.log("dump.log")[-3000:]
-        run = ex.submit(case.run, restore, a, TOPO_A, extra=env)
-        for _ in range(2):  # both tasks submitted and hung up: the daemon keeps each for its hold
-            d.expect_log(r"session \d+: no connection holds it; kept 3600 s for its token \(hold\)", timeout=120)
-        with open(os.path.join(case.work, "go"), "w"):
-            pass
-        r = run.result(timeout=300)
-        daemon_log = "".join(d.log)
-    log = case.log("restore.log")
-    assert r["restore"] == "0" and r["checks"] == expect, log[-3000:]
-    done = set(re.findall(r"amdgpu_plugin: vramd: restore of task (\d+) done\n", log))
-    assert len(done) == 2 and "killing task" not in log, log[-3000:]
-    assert "grace period over" not in daemon_log and "hold over" not in daemon_log
-    assert case.model.counters(a)["calls"]["resume"] == 2
