@@ -3,9 +3,11 @@ submits and hangs up, CRIU main waits long after, through a real daemon on a rea
 the configuration (a grace period of 0) and by the daemon's own events (a session it reaped, its log)."""
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
+from helpers import vramctl
 
 from vramd.client import SESSION_DUMP, SESSION_RESTORE, Client, ClientBo
 from vramd.errors import InvalidRequestError, LimitExceededError, NotFoundError
@@ -72,23 +74,27 @@ def test_a_held_restore_is_waited_for_after_the_grace_period(run_dir, tmp_path, 
 
 def test_a_hold_counts_against_the_uid_and_ends(run_dir, tmp_path, image_dir):
     """The bound: a held session counts against its uid's max_sessions_per_uid (1 here) while nobody holds it,
-    it is reaped when its hold (max_hold = 3 s, though 3600 were asked) is over, and the uid's session count is
-    given back (a new session fits again)."""
+    it is reaped when its hold (max_hold = 10 s, though 3600 were asked) is over, and the uid's session count is
+    given back (a new session fits again).  `vramctl sessions --json` shows the hold."""
     _, dfd = image_dir
-    with _daemon(run_dir, tmp_path, "max_hold = 3\nmax_sessions_per_uid = 1\n") as d:
+    with _daemon(run_dir, tmp_path, "max_hold = 10\nmax_sessions_per_uid = 1\n") as d:
         w, _ = _dumped(d.socket, dfd)
         with w, Workload(blank_spec_like(w.regions)) as w2:
             mem2 = w2.open_mem(os.O_RDWR)
             s = _submit(d.socket, dfd, w, mem2, hold_s=3600)
             os.close(mem2)
-            assert s.hold_s == 3
-            d.expect_log(rf"session {s.session_id}: no connection holds it; kept 3 s for its token \(hold\)")
+            assert s.hold_s == 10
+            d.expect_log(rf"session {s.session_id}: no connection holds it; kept 10 s for its token \(hold\)")
+            r = vramctl("sessions", "--json", socket=d.socket)
+            assert r.returncode == 0, r.stderr
+            (row,) = [x for x in json.loads(r.stdout)["sessions"] if x["session_id"] == s.session_id]
+            assert row["hold_s"] == 10 and row["holders"] == 0 and row["state"] == "done", row
             with Client(d.socket) as c:
                 listed = {i.session_id: i for i in c.sessions()}
-                assert listed[s.session_id].holders == 0 and listed[s.session_id].hold_s == 3
+                assert listed[s.session_id].holders == 0 and listed[s.session_id].hold_s == 10
                 with pytest.raises(LimitExceededError, match="max_sessions_per_uid"):
                     c.open_session(SESSION_RESTORE, dfd)
-            d.expect_log(rf"session {s.session_id}: hold over \(3 s\): reaped, its token forgotten")
+            d.expect_log(rf"session {s.session_id}: hold over \(10 s\): reaped, its token forgotten")
             with Client(d.socket) as c:
                 with pytest.raises(NotFoundError):
                     c.wait(s.token)
