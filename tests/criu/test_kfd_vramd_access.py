@@ -68,7 +68,7 @@ def test_a_daemon_refusing_criu_dumps_the_stock_files_unless_kfd_vramd_1_require
         lines = [m for m in map(REFUSED.search, log.splitlines()) if m]
         assert len(lines) == 1, log[-3000:]
         assert lines[0].group(1) == daemon.socket and lines[0].group(3) == "PERMISSION_DENIED", lines[0].group(0)
-        assert "uid 0 (gid 0) is not allowed to use vramd" in lines[0].group(2)
+        assert lines[0].group(2) == "uid 0 (gid 0) is not allowed to use vramd", lines[0].group(0)
         daemon.expect_log(r"uid 0 \(gid 0\) is not allowed to use vramd")
         r = case.run(RESTORE, a, TOPO_A, extra=case.env(daemon.socket))
         assert r["restore"] == "0", case.log("restore.log")[-3000:]
