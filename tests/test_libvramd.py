@@ -412,3 +412,4 @@ def test_the_c_code_table_is_rpc_protos():
     names = (SRC / "src" / "base.c").read_text()
     for name, _ in rpc.Code.items():
         assert f'{{VRAMD_CODE_{name}, "{name}",' in names, f"base.c names no {name}"
+

@@ -184,7 +184,7 @@ class Client:
                      label: str = "", allow_partial: bool = False,
                      topology_checks: Mapping[str, bool] | None = None, parent_fds: Sequence[int] = (),
                      parent_hint: str = "", dedup: bool = True, replace_parent: bool = False,
-                     where: str = "the image directory") -> rpc.SessionInfo:
+                     where: str = "the image directory", hold_s: int = 0) -> rpc.SessionInfo:
         """Open a session on the image directory `dir_fd`: this process opens (a dump: locks, and later
         creates) the image's files with its own rights and attaches them.
         `topology_checks`: a restore's CRIU switches by name, e.g. {"KFD_FW_VER_CHECK": False}
@@ -193,7 +193,9 @@ class Client:
         own parents; a restore or verify: the image's); `parent_hint`: a dump's parent path relative to the
         image directory (recorded for tools, never opened); `dedup` False stores every chunk;
         `replace_parent`: a dump may replace an image that incremental images need.  `where`: how errors
-        name the directory (its path)."""
+        name the directory (its path).  `hold_s`: a restore the daemon keeps this many seconds once no
+        connection holds it, for another to come back by its token (granted up to the daemon's max_hold:
+        the reply's `hold_s`); 0: the grace period."""
         dump = kind == rpc.SESSION_DUMP
         out = DumpDirectory(dir_fd, parent_fds, replace_parent=replace_parent, where=where) if dump else None
         try:
@@ -205,7 +207,8 @@ class Client:
         local = SessionFiles(files, out)
         spec = OpenSpec(kind, compression=compression, chunk_size=chunk_size, label=label,
                         allow_partial=allow_partial, topology_checks=tuple((topology_checks or {}).items()),
-                        parents=len(parent_fds), parent_hint=parent_hint, dedup=dedup, replace_parent=replace_parent)
+                        parents=len(parent_fds), parent_hint=parent_hint, dedup=dedup, replace_parent=replace_parent,
+                        hold_s=hold_s)
         try:
             self.machine.open_session(spec)
             info = self._drive(local).session

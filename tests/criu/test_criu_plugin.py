@@ -7,8 +7,11 @@ set and we are root; the vramd restore tests also need libvramd
 """
 from __future__ import annotations
 
+import dataclasses
 import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -200,18 +203,18 @@ def test_vramd_restore_submitted_by_the_restored_task(vramd_rig, work):
 
 @needs_libvramd
 def test_submit_then_barrier_needs_the_grace_period_to_cover_the_gap(vramd_rig, work):
-    """Between vramd_criu_restore_submit (which hangs up) and the barrier nobody holds the session: with a grace
-    period shorter than that gap the daemon reaps it, the barrier fails, and CRIU still exits 0
-    (RESUME_DEVICES_LATE errors are only debug-logged).  In the real split CRIU main has no hook between the task's
-    RESTORE_EXT_FILE and RESUME_DEVICES_LATE, so the daemon's grace period (30 s by default) must cover the rest of
-    the restore."""
+    """Between vramd_criu_restore_submit (which hangs up) and the barrier nobody holds the session: where the
+    daemon grants no hold (max_hold 0) and its grace period is shorter than that gap, it reaps the session, the
+    barrier fails, and CRIU still exits 0 (RESUME_DEVICES_LATE errors are only debug-logged).  In the real split
+    CRIU main has no hook between the task's RESTORE_EXT_FILE and RESUME_DEVICES_LATE: the submit's hold
+    (next test) is what covers the rest of the restore."""
     from vramd.testing import DaemonProcess as DaemonProc
 
     _daemon, image, rig = vramd_rig
     run_dir = os.path.join(work, "run-nograce")
     os.makedirs(run_dir)
     log = os.path.join(work, "restore-nograce.log")
-    with DaemonProc(run_dir, "--grace-period", "0") as d:
+    with DaemonProc(run_dir, "--grace-period", "0", "--max-hold", "0") as d:
         try:
             rig.restore(log, image.plugin_env(d.socket, "offload", api="criu"))
         finally:
@@ -221,3 +224,86 @@ def test_submit_then_barrier_needs_the_grace_period_to_cover_the_gap(vramd_rig, 
     # grace 0.3 s and a 1 GiB workload): either way the barrier cannot say the bytes landed
     assert len(fails) == 1 and "vramd_criu_restore_barrier" in fails[0], fails
     assert "CANCELLED" in fails[0] or "NOT_FOUND" in fails[0], fails
+
+
+@needs_libvramd
+def test_the_submits_hold_covers_a_gap_longer_than_the_grace_period(vramd_rig, work):
+    """The same gap with a grace period of 0, the daemon's max_hold at its default: vramd_criu_restore_submit asked
+    for a hold, the session outlives the task's hang-up (the daemon logs that it keeps it), and CRIU main's barrier
+    in RESUME_DEVICES_LATE gets the finished copy: the restored workload checks out byte-exact."""
+    from vramd.testing import DaemonProcess as DaemonProc
+
+    _daemon, image, rig = vramd_rig
+    run_dir = os.path.join(work, "run-held")
+    os.makedirs(run_dir)
+    log = os.path.join(work, "restore-held.log")
+    with DaemonProc(run_dir, "--grace-period", "0") as d:
+        try:
+            rig.restore(log, image.plugin_env(d.socket, "offload", api="criu"))
+            pid = rig.workload.pid
+            assert rig.workload.check() == f"ok {pid}"
+        finally:
+            rig.workload.kill_restored()
+        d.expect_log(r"session \d+: no connection holds it; kept 3600 s for its token \(hold\)")
+    events = read_log(log)
+    assert not [e.what for e in events if e.what.startswith("FAIL")], [e.what for e in events]
+    assert any(e.what.startswith(f"vramd: verify OK sha256={image.sha256}") for e in events)
+    assert "grace period over" not in "".join(d.log)
+
+
+RESUME_LATE_PATCH = (Path(__file__).resolve().parents[2] / "contrib" / "criu" / "optional" /
+                     "0001-restore-fail-the-restore-when-a-RESUME_DEVICES_LATE-hook-fails.patch")
+
+
+@pytest.fixture(scope="module")
+def resume_late_criu(work) -> str:
+    """CRIU_SRC copied, contrib/criu/optional's cr-restore.c patch applied (`git apply --check` first) and criu
+    built there (CRIU's own -Werror build): that criu's binary."""
+    src = os.path.join(work, "criu-resume-late")
+    subprocess.run(["cp", "-a", ENV.criu_src or "", src], check=True)
+    for args in (["git", "apply", "--check", str(RESUME_LATE_PATCH)], ["git", "apply", str(RESUME_LATE_PATCH)],
+                 ["make", "-j2", "criu"]):
+        r = subprocess.run(args, cwd=src, capture_output=True, text=True)
+        assert r.returncode == 0, f"{' '.join(args)}:\n{r.stdout[-3000:]}{r.stderr[-3000:]}"
+    return os.path.join(src, "criu", "criu")
+
+
+def _exits(pid: int, timeout: float = 30.0) -> bool:
+    """Whether the process `pid` is gone or a zombie within `timeout` (polled on its real state)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in "ZX":
+                return True
+        except (FileNotFoundError, ProcessLookupError):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@needs_libvramd
+def test_with_the_resume_late_patch_a_failed_barrier_fails_the_restore(vramd_rig, work, resume_late_criu):
+    """The same failed barrier (no hold, a grace period of 0) in a criu built with contrib/criu/optional's patch:
+    RESUME_DEVICES_LATE's error now fails criu restore (exit non-zero, its error logged) and no restored task is
+    left running, where the unpatched criu above exits 0 and resumes a task whose contents were never restored."""
+    from vramd.testing import DaemonProcess as DaemonProc
+
+    _daemon, image, rig = vramd_rig
+    patched = dataclasses.replace(rig, env=dataclasses.replace(rig.env, criu_bin=resume_late_criu))
+    run_dir = os.path.join(work, "run-resume-late")
+    os.makedirs(run_dir)
+    log = os.path.join(work, "restore-resume-late.log")
+    with DaemonProc(run_dir, "--grace-period", "0", "--max-hold", "0") as d:
+        try:
+            with pytest.raises(RuntimeError, match="failed") as failed:
+                patched.restore(log, image.plugin_env(d.socket, "offload", api="criu"))
+            assert _exits(rig.workload.pid)  # criu SIGKILLed the tree before it returned
+        finally:
+            rig.workload.kill_restored()
+    fails = [e.what for e in read_log(log) if e.what.startswith("FAIL")]
+    assert len(fails) == 1 and "vramd_criu_restore_barrier" in fails[0], fails
+    restore_log = Path(rig.img, "restore.log").read_text()
+    assert "restore late stage hook for external plugin failed for task" in restore_log, str(failed.value)
+    assert "Restoring FAILED" in restore_log

@@ -75,6 +75,7 @@ def session_dict(info: rpc.SessionInfo) -> dict[str, Any]:
         "state": enum_name(rpc.SessionState, info.state, "SESSION_STATE_").removeprefix("SESSION_").lower(),
         "uid": info.uid,
         "pid": info.pid, "label": info.label, "holders": info.holders, "target_pids": list(info.target_pids),
+        "hold_s": info.hold_s,  # a restore kept this long once nobody holds it (0: the grace period)
         "rate_bytes_per_s": round(info.rate_bytes_per_s, 3), "age_s": round(info.age_s, 6),
         "progress": {"bos_total": p.bos_total, "bos_done": p.bos_done, "bytes_total": p.bytes_total,
                      "bytes_done": p.bytes_done, "chunks_done": p.chunks_done, "elapsed_s": round(p.elapsed_s, 6)},

@@ -155,7 +155,7 @@ class Hello(_message.Message):
     def __init__(self, versions: _Optional[_Iterable[int]] = ..., client: _Optional[str] = ...) -> None: ...
 
 class OpenSession(_message.Message):
-    __slots__ = ("kind", "compression", "chunk_size", "label", "allow_partial", "topology_checks", "parent_manifest_fd_indexes", "parent_hint", "no_dedup", "replace_parent", "manifest_fd_index")
+    __slots__ = ("kind", "compression", "chunk_size", "label", "allow_partial", "topology_checks", "parent_manifest_fd_indexes", "parent_hint", "no_dedup", "replace_parent", "manifest_fd_index", "hold_s")
     class TopologyChecksEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -174,6 +174,7 @@ class OpenSession(_message.Message):
     NO_DEDUP_FIELD_NUMBER: _ClassVar[int]
     REPLACE_PARENT_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    HOLD_S_FIELD_NUMBER: _ClassVar[int]
     kind: SessionKind
     compression: str
     chunk_size: int
@@ -185,7 +186,8 @@ class OpenSession(_message.Message):
     no_dedup: bool
     replace_parent: bool
     manifest_fd_index: int
-    def __init__(self, kind: _Optional[_Union[SessionKind, str]] = ..., compression: _Optional[str] = ..., chunk_size: _Optional[int] = ..., label: _Optional[str] = ..., allow_partial: _Optional[bool] = ..., topology_checks: _Optional[_Mapping[str, bool]] = ..., parent_manifest_fd_indexes: _Optional[_Iterable[int]] = ..., parent_hint: _Optional[str] = ..., no_dedup: _Optional[bool] = ..., replace_parent: _Optional[bool] = ..., manifest_fd_index: _Optional[int] = ...) -> None: ...
+    hold_s: int
+    def __init__(self, kind: _Optional[_Union[SessionKind, str]] = ..., compression: _Optional[str] = ..., chunk_size: _Optional[int] = ..., label: _Optional[str] = ..., allow_partial: _Optional[bool] = ..., topology_checks: _Optional[_Mapping[str, bool]] = ..., parent_manifest_fd_indexes: _Optional[_Iterable[int]] = ..., parent_hint: _Optional[str] = ..., no_dedup: _Optional[bool] = ..., replace_parent: _Optional[bool] = ..., manifest_fd_index: _Optional[int] = ..., hold_s: _Optional[int] = ...) -> None: ...
 
 class FileRef(_message.Message):
     __slots__ = ("image", "name", "fd_index", "direct_fd_index", "gpu_id", "stripe")
@@ -400,7 +402,7 @@ class ImageSummary(_message.Message):
     def __init__(self, bo_count: _Optional[int] = ..., bo_bytes: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., zero_bytes: _Optional[int] = ..., chunk_size: _Optional[int] = ..., compression: _Optional[str] = ..., data_files: _Optional[int] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
-    __slots__ = ("session_id", "token", "kind", "state", "uid", "pid", "label", "progress", "error", "holders", "image", "target_pids", "rate_bytes_per_s", "age_s", "image_id", "files_needed", "data_files_per_gpu")
+    __slots__ = ("session_id", "token", "kind", "state", "uid", "pid", "label", "progress", "error", "holders", "image", "target_pids", "rate_bytes_per_s", "age_s", "image_id", "files_needed", "data_files_per_gpu", "hold_s")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -418,6 +420,7 @@ class SessionInfo(_message.Message):
     IMAGE_ID_FIELD_NUMBER: _ClassVar[int]
     FILES_NEEDED_FIELD_NUMBER: _ClassVar[int]
     DATA_FILES_PER_GPU_FIELD_NUMBER: _ClassVar[int]
+    HOLD_S_FIELD_NUMBER: _ClassVar[int]
     session_id: int
     token: str
     kind: SessionKind
@@ -435,7 +438,8 @@ class SessionInfo(_message.Message):
     image_id: bytes
     files_needed: _containers.RepeatedCompositeFieldContainer[FileRef]
     data_files_per_gpu: int
-    def __init__(self, session_id: _Optional[int] = ..., token: _Optional[str] = ..., kind: _Optional[_Union[SessionKind, str]] = ..., state: _Optional[_Union[SessionState, str]] = ..., uid: _Optional[int] = ..., pid: _Optional[int] = ..., label: _Optional[str] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., holders: _Optional[int] = ..., image: _Optional[_Union[ImageSummary, _Mapping]] = ..., target_pids: _Optional[_Iterable[int]] = ..., rate_bytes_per_s: _Optional[float] = ..., age_s: _Optional[float] = ..., image_id: _Optional[bytes] = ..., files_needed: _Optional[_Iterable[_Union[FileRef, _Mapping]]] = ..., data_files_per_gpu: _Optional[int] = ...) -> None: ...
+    hold_s: int
+    def __init__(self, session_id: _Optional[int] = ..., token: _Optional[str] = ..., kind: _Optional[_Union[SessionKind, str]] = ..., state: _Optional[_Union[SessionState, str]] = ..., uid: _Optional[int] = ..., pid: _Optional[int] = ..., label: _Optional[str] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., holders: _Optional[int] = ..., image: _Optional[_Union[ImageSummary, _Mapping]] = ..., target_pids: _Optional[_Iterable[int]] = ..., rate_bytes_per_s: _Optional[float] = ..., age_s: _Optional[float] = ..., image_id: _Optional[bytes] = ..., files_needed: _Optional[_Iterable[_Union[FileRef, _Mapping]]] = ..., data_files_per_gpu: _Optional[int] = ..., hold_s: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
     __slots__ = ("server", "version", "uptime_s", "connections", "sessions", "staging_budget", "staging_in_use", "backends", "metrics", "draining")

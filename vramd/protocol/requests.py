@@ -36,6 +36,7 @@ class OpenSpec:
     parent_hint: str = ""
     dedup: bool = True
     replace_parent: bool = False
+    hold_s: int = 0  # restore: kept this long once no connection holds it (at most the daemon's max_hold)
 
     @property
     def dump(self) -> bool:
@@ -61,6 +62,7 @@ def open_session(spec: OpenSpec, manifest_fds: Sequence[int]) -> Call:
                            label=spec.label, allow_partial=spec.allow_partial,
                            topology_checks=dict(spec.topology_checks), parent_hint=spec.parent_hint,
                            no_dedup=not spec.dedup, replace_parent=spec.replace_parent, manifest_fd_index=0,
+                           hold_s=spec.hold_s,
                            parent_manifest_fd_indexes=range(first, first + spec.parents))
     return Call(body, tuple(manifest_fds), tuple(f"manifest:{k}" for k in images))
 

@@ -11,6 +11,7 @@
     allowed_uids = [0]                 # the daemon's own uid is always allowed
     allowed_groups = ["vramd"]
     grace_period = 30                  # seconds a session outlives its last connection (not a dump whose opener left)
+    max_hold = 3600                    # seconds a restore may ask to be kept instead (the CRIU offload; 0: none)
     drain_timeout = 30                 # seconds SIGTERM waits for running sessions
     metrics_textfile = "/var/lib/prometheus/node-exporter/vramd.prom"
     metrics_interval = 15              # seconds between rewrites of metrics_textfile
@@ -188,6 +189,7 @@ KEYS: dict[str, Callable[[object], Any]] = {
     "allowed_uids": _list(_UID, "uids"),
     "allowed_groups": _list(_group, "group names or gids"),
     "grace_period": _seconds(0),
+    "max_hold": _seconds(0),
     "drain_timeout": _seconds(0),
     "max_message_bytes": _size(4096, 1 << 30),
     "max_fds_per_message": _int(2, SCM_MAX_FD),  # a data file and its O_DIRECT twin travel in one AttachFiles
@@ -212,8 +214,8 @@ KEYS: dict[str, Callable[[object], Any]] = {
 }
 
 # What SIGHUP applies to a running daemon; any other key changed in the file waits for a restart.
-RELOADABLE = ("log_level", "allowed_uids", "allowed_groups", "grace_period", "drain_timeout", "hello_timeout",
-              "max_connections", "max_connections_per_uid", "metrics_textfile", "metrics_interval")
+RELOADABLE = ("log_level", "allowed_uids", "allowed_groups", "grace_period", "max_hold", "drain_timeout",
+              "hello_timeout", "max_connections", "max_connections_per_uid", "metrics_textfile", "metrics_interval")
 
 
 @dataclass
@@ -234,6 +236,7 @@ class DaemonConfig:
     allowed_uids: list[int] = field(default_factory=lambda: sorted({0, os.getuid()}))
     allowed_groups: list[str | int] = field(default_factory=lambda: [DEFAULT_GROUP])
     grace_period: float = 30.0
+    max_hold: float = 3600.0               # the most seconds a restore's OpenSession.hold_s is granted
     drain_timeout: float = 30.0
     max_message_bytes: int = DEFAULT_MAX_MESSAGE
     max_fds_per_message: int = SCM_MAX_FD

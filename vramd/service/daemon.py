@@ -94,7 +94,8 @@ class Daemon:
         # The GPUs a BO may name (each gpu_id gets pools and lanes): the topology's, else 0 and the configured ones
         self.gpu_ids = frozenset(g.gpu_id for g in gpus) if self.topology else frozenset({0, *cfg.gpu_ids})
         self.sessions = SessionTable(
-            self.engine, self.metrics, grace_period=cfg.grace_period, max_per_uid=cfg.max_sessions_per_uid,
+            self.engine, self.metrics, grace_period=cfg.grace_period, max_hold=cfg.max_hold,
+            max_per_uid=cfg.max_sessions_per_uid,
             limits=SessionLimits(cfg.max_bos_per_session, cfg.max_fds_per_session, cfg.max_chunks_per_session,
                                  self.gpu_ids),
             uid_limits=UidLimits(cfg.max_bos_per_uid, cfg.max_fds_per_uid, cfg.max_sessions_per_uid),
@@ -191,6 +192,7 @@ class Daemon:
         self.allowed_uids = set(old.allowed_uids) | {os.getuid()}
         self.allowed_gids = old.allowed_gids()  # group names looked up again: a group created since counts now
         self.sessions.grace_period = old.grace_period
+        self.sessions.max_hold = old.max_hold
         self._metrics_written = float("-inf")  # a new textfile (or interval) is written at the next tick
         self._wake.set()
         later = sorted(k for k in old.effective() if k not in RELOADABLE and getattr(old, k) != getattr(new, k))

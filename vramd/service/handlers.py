@@ -71,7 +71,7 @@ def _session(daemon: Daemon, conn: Connection, token: str) -> Session:
 
 
 def _hold(daemon: Daemon, conn: Connection, s: Session) -> Session:
-    """`conn` now holds `s`: the session outlives it only by the grace period."""
+    """`conn` now holds `s`: the session outlives it only by the grace period (a restore: or its hold)."""
     daemon.sessions.hold(s, conn)
     conn.sessions.add(s)
     return s

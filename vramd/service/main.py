@@ -2,7 +2,7 @@
 
     vramd [--config FILE] [--socket PATH] [--socket-mode OCTAL] [--staging-budget SIZE] [--chunk-size SIZE]
           [--compression none|zstd[:N]] [--workers-per-gpu N] [--allow-uid UID ...]
-          [--allow-group GROUP ...] [--grace-period S] [--drain-timeout S]
+          [--allow-group GROUP ...] [--grace-period S] [--max-hold S] [--drain-timeout S]
           [--metrics-textfile PATH] [--log-level LEVEL] [--check-config]
 
 Listens on the socket passed by systemd (socket activation) if there is
@@ -59,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="group (name or gid) allowed to connect")
     ap.add_argument("--grace-period", type=float, help="seconds a session outlives its last connection (not a dump "
                     "whose opener hung up: cancelled at once)")
+    ap.add_argument("--max-hold", type=float, help="the most seconds a restore may ask to be kept instead, once no "
+                    "connection holds it (the CRIU offload's submit; 0: the grace period for every session)")
     ap.add_argument("--drain-timeout", type=float, help="seconds SIGTERM waits for running sessions")
     ap.add_argument("--metrics-textfile", help="write Prometheus metrics here (atomically)")
     ap.add_argument("--log-level", choices=list(LOG_LEVELS), help="log level (default: the config's log_level, info)")
@@ -73,7 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def overrides(ns: argparse.Namespace) -> dict[str, object]:
     keys = ("socket", "socket_mode", "staging_budget", "chunk_size", "compression", "workers_per_gpu", "allowed_uids",
-            "allowed_groups", "grace_period", "drain_timeout", "metrics_textfile", "log_level")
+            "allowed_groups", "grace_period", "max_hold", "drain_timeout", "metrics_textfile", "log_level")
     out = {k: getattr(ns, k) for k in keys}
     if ns.allowed_groups:
         out["allowed_groups"] = [int(g) if g.isdigit() else g for g in ns.allowed_groups]

@@ -37,12 +37,13 @@ class SessionTable:
     """Every live session, by token; opening, lookup with the uid check, reaping."""
 
     def __init__(self, engine: Engine, metrics: Metrics, *, grace_period: float, max_per_uid: int,
-                 limits: SessionLimits,
+                 limits: SessionLimits, max_hold: float = 0.0,
                  uid_limits: UidLimits | None = None, topology: Topology | None = None,
                  topology_checks: Mapping[str, bool] | None = None) -> None:
         self.engine = engine
         self.metrics = metrics
         self.grace_period = grace_period
+        self.max_hold = max_hold  # the most a restore's OpenSession.hold_s is granted (config max_hold)
         self.max_per_uid = max_per_uid
         self.limits = limits
         self.by_token: dict[str, Session] = {}
@@ -85,6 +86,8 @@ class SessionTable:
     async def _open(self, req: rpc.OpenSession, bundle: FdBundle, usage: UidUsage, uid: int, pid: int) -> Session:
         if req.kind not in KIND_NAMES:
             raise InvalidRequestError(f"unknown session kind {req.kind}")
+        if req.hold_s and req.kind != rpc.SESSION_RESTORE:
+            raise InvalidRequestError("hold_s is a restore option")
         checks = self._checks(req)
         nparents = len(req.parent_manifest_fd_indexes)
         if nparents > MAX_PARENT_FDS:
@@ -110,6 +113,10 @@ class SessionTable:
         self._next_id += 1
         if manifest is not None:  # the image a restore or verify reads
             s.image = image_summary(manifest)
+        if req.hold_s:
+            s.hold = min(float(req.hold_s), self.max_hold)
+            log.info("session %d: held %g s once no connection holds it (asked %d s, max_hold %g s)", s.id, s.hold,
+                     req.hold_s, self.max_hold)
         if req.replace_parent:
             log.warning("session %d: uid %d replaces an image that incremental images are marked as needing "
                         "(replace_parent)", s.id, uid)
@@ -191,16 +198,24 @@ class SessionTable:
         s.holders.add(conn)
 
     def let_go(self, s: Session, conn: object) -> None:
-        """`conn` is gone; a session nobody holds is reaped after the grace period."""
+        """`conn` is gone; a session nobody holds is reaped after the grace period, or after its hold where it
+        was granted a longer one (a restore's OpenSession.hold_s: the CRIU offload's submit).  Either way it
+        counts against its uid's sessions until then."""
         s.holders.discard(conn)
         if not s.holders and s.token in self.by_token and s.holders.reap_timer is None:
             loop = asyncio.get_running_loop()
+            held = s.hold > self.grace_period
+            why = "hold over" if held else "grace period over"
+            if held:
+                log.info("session %d: no connection holds it; kept %g s for its token (hold)", s.id, s.hold)
 
             def expire() -> None:
                 s.holders.reap_timer = None
-                if self.detach(s, "grace period over"):
-                    s.holders.reap_task = loop.create_task(s.close("session reaped: grace period over"))  # kept
-            s.holders.reap_timer = loop.call_later(self.grace_period, expire)
+                if held and s.token in self.by_token:
+                    log.info("session %d: hold over (%g s): reaped, its token forgotten", s.id, s.hold)
+                if self.detach(s, why):
+                    s.holders.reap_task = loop.create_task(s.close(f"session reaped: {why}"))  # kept
+            s.holders.reap_timer = loop.call_later(s.hold if held else self.grace_period, expire)
 
     def detach(self, s: Session, why: str) -> bool:
         """Take `s` out of the table (no token reaches it any more); False if it was not there.

@@ -63,6 +63,7 @@ class Session:
         self.image: rpc.ImageSummary | None = None
         self.held = HeldFds(usage, limits.max_fds, fds)
         self.holders = Holders()  # the connections that used its token, the one that opened it, its reaping
+        self.hold = 0.0  # seconds it is kept once nobody holds it, if longer than the grace period (a restore's)
         self.started = time.monotonic()
         self.ended: float | None = None
         self.bo_count = 0  # BOs taken (reserved by an AddBos under way, then added)
@@ -284,6 +285,7 @@ class Session:
 
     def info(self, *, with_token: bool = False) -> rpc.SessionInfo:
         info = session_info(self, self.job.progress, self.rate)
+        info.hold_s = int(self.hold)
         if with_token:
             info.token = self.token
             info.files_needed.extend(rpc.FileRef(image=k, name=name) for k, name in self.needed())

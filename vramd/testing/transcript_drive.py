@@ -162,13 +162,15 @@ class _Driver:
             raise ValueError(f"unknown action {do!r}")
 
     def criu_restore_submit(self, a: Spec) -> None:
-        """vramd_criu_restore_submit's sequence: connect, open, add, start, hang up (the session lives on)."""
+        """vramd_criu_restore_submit's sequence: connect, open (asking for a hold), add, start, hang up (the
+        session lives on)."""
         parents = a.get("parents", [])
         assert isinstance(parents, list)
         with Client(self.path, timeout=30) as c:
             info = c.open_session(SESSION_RESTORE, self.dir_fd(_str(a, "dir")), label=_str(a, "label"),
                                   allow_partial=bool(a.get("allow_partial")),
-                                  parent_fds=[self.dir_fd(str(p)) for p in parents])
+                                  parent_fds=[self.dir_fd(str(p)) for p in parents],
+                                  hold_s=0xFFFFFFFF)  # libvramd's default: as long as the daemon's max_hold allows
             self.token = info.token
             c.add_bos(info.token, client_bos(self.setup, self.bos, restore_criu=True, backend=_str(a, "backend")))
             c.start(info.token)

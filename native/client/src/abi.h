@@ -25,6 +25,9 @@
 #define VRAMD__BO_1_0 VRAMD__SIZE_1_0(struct vramd_bo, backend_kind)
 #define VRAMD__CRIU_CONFIG_1_0 VRAMD__SIZE_1_0(struct vramd_criu_config, compression_level)
 #define VRAMD__CRIU_BO_1_0 VRAMD__SIZE_1_0(struct vramd_criu_bo, va_addr)
+/* After 1.0: each appended a uint64_t hold_s (past the 1.0 size: never in a 1.0 caller's padding) */
+#define VRAMD__OPEN_ARGS_1_1 VRAMD__SIZE_1_0(struct vramd_open_args, hold_s)
+#define VRAMD__CRIU_CONFIG_1_1 VRAMD__SIZE_1_0(struct vramd_criu_config, hold_s)
 
 /*
  * The caller's struct `in` (named `name` in messages) as this library's layout in `out` (`known` bytes,

@@ -122,6 +122,7 @@ static int criu_begin(const struct vramd_criu_config *in, int dir_fd, const stru
     a.n_parent_dir_fds = cfg->n_parent_dir_fds;
     if (restore) {
         a.allow_partial = cfg->allow_partial;
+        a.hold_s = cfg->hold_s ? cfg->hold_s : UINT32_MAX; /* the daemon grants at most its max_hold */
     } else {
         a.compression = cfg->compression;
         a.compression_kind = cfg->compression_kind;

@@ -166,6 +166,8 @@ static void open_request(const struct vramd_open_args *a, const char *compressio
     o->no_dedup = a->no_dedup;
     o->has_replace_parent = a->replace_parent;
     o->replace_parent = a->replace_parent;
+    o->has_hold_s = a->hold_s != 0;
+    o->hold_s = a->hold_s > UINT32_MAX ? UINT32_MAX : (uint32_t)a->hold_s;
 }
 
 /* A dump's OpenSession reply: its image id and data files per GPU into d.  -EPROTO when it lacks them. */

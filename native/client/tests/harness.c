@@ -291,7 +291,8 @@ static int run_one(const struct test *t)
 
 int main(int argc, char **argv)
 {
-    static const struct test *const lists[] = {roundtrip_tests, criu_tests, failure_tests, files_tests, abi_tests};
+    static const struct test *const lists[] = {roundtrip_tests, criu_tests, failure_tests, files_tests,
+                                                abi_tests, hold_tests};
     setvbuf(stdout, NULL, _IOLBF, 0);
     if (argc > 1 && strcmp(argv[1], "--list") == 0) {
         for (size_t l = 0; l < sizeof lists / sizeof lists[0]; l++)

@@ -41,6 +41,7 @@ struct test {
 extern const struct test roundtrip_tests[];
 extern const struct test criu_tests[];
 extern const struct test failure_tests[];
+extern const struct test hold_tests[];
 extern const struct test files_tests[];
 extern const struct test abi_tests[];
 

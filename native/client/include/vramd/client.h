@@ -406,6 +406,10 @@ struct vramd_open_args {
     /* ABI 1.0: the compression as an enum (the string above stays accepted; both set must agree) */
     int compression_kind;              /* dump: enum vramd_compression; DEFAULT: the string, or the daemon's */
     int compression_level;             /* dump: zstd level -7..22 for ZSTD, BPLANES, AUTO; 0: the default (1) */
+    /* appended after ABI 1.0 (read where struct_size covers it) */
+    uint64_t hold_s;                   /* restore: once no connection holds the session, the daemon keeps it this
+                                          many seconds (at most its max_hold; not the grace period) for a client
+                                          to come back by its token; 0: the grace period */
 #ifdef VRAMD_ABI_TEST_EXTRA
     /* only in the ABI test's build (tests/test_libvramd_abi.py): an option appended as a later 1.x would */
     uint64_t abi_test_extra;

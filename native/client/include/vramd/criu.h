@@ -71,6 +71,10 @@ struct vramd_criu_config {
     int backend_kind;         /* enum vramd_backend, for every BO: VRAMD_BACKEND_SDMA for GPU BOs */
     int compression_kind;     /* dump: enum vramd_compression */
     int compression_level;    /* dump: zstd level for ZSTD, BPLANES, AUTO; 0: the default */
+    /* appended after ABI 1.0 (read where struct_size covers it) */
+    uint64_t hold_s;          /* restore_submit: the seconds the daemon keeps the session, once the call has hung
+                                 up, for CRIU main's barrier (vramd_open_args.hold_s); 0: as long as the daemon
+                                 allows (its max_hold) */
 };
 
 #define VRAMD_CRIU_CONFIG_INIT {.struct_size = sizeof(struct vramd_criu_config), .sock_fd = -1}
@@ -117,9 +121,10 @@ struct vramd_criu_ticket {
  * process opens manifest.vrdm and the data files and hands them over;
  * nothing of them stays open here), add the targets, start it and return at
  * once, with the copy running in the daemon.  ticket->pid is set to `pid` (0: getpid()).  The connection is
- * closed before returning: the session lives on for the daemon's grace
- * period, so CRIU main must attach (vramd_criu_restore_attach or _barrier)
- * within it, or the daemon reaps (cancels) the session.  On failure every
+ * closed before returning: the session lives on for the hold it asked for
+ * (cfg->hold_s; by default as long as the daemon's max_hold allows, not
+ * only its grace period), so CRIU main must attach (vramd_criu_restore_attach
+ * or _barrier) within it, or the daemon reaps (cancels) the session.  On failure every
  * session this call opened is closed (its copies stopped) before it
  * returns, so the caller can fall back to copying by itself; where the
  * connection broke (a reply timed out, the daemon hung up), over a new one
