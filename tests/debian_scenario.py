@@ -1,7 +1,8 @@
 """Run inside a Debian 12 chroot where the vramd packages were just installed with apt (tests/test_debian_package.py
 copies it in and runs it as root with the system's python3.11; only the standard library).
 
-What it does, the way systemd would with the installed units (no systemd runs in the chroot):
+What it does: with systemd as PID 1 (the container booted, test_debian_package.py), the first client starts the
+service through the enabled socket unit; without (a plain chroot), the way systemd would with the installed units:
   - reads /lib/systemd/system/vramd.socket and vramd.service: the socket's path, owner and mode; the
     service's ExecStart, User and Group;
   - binds that socket as root, gives it the unit's owner and mode, and starts the unit's ExecStart as the
@@ -27,6 +28,7 @@ import stat
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 SIZE = 32 << 20
 WORKLOAD = r"""
@@ -86,6 +88,72 @@ def run(*cmd: str, **kw: object) -> subprocess.CompletedProcess[str]:
     return r
 
 
+def listening_inode(path: str) -> str:
+    """"socket:[INODE]" of the socket listening on `path` (/proc/net/unix)."""
+    with open("/proc/net/unix") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) == 8 and fields[7] == path:
+                return f"socket:[{fields[6]}]"
+    sys.exit(f"nothing listens on {path}")
+
+
+def by_systemd() -> tuple[int, Callable[[], int]]:
+    """The socket unit is enabled and listening; the first client starts the service (Type=notify: active
+    once vramd said READY=1)."""
+    facts_status = json.loads(run("vramctl", "status", "--json").stdout)
+    assert facts_status["server"].startswith("vramd"), facts_status
+    show = dict(line.split("=", 1) for line in run("systemctl", "show", "-p", "MainPID", "-p", "ActiveState",
+                                                     "vramd.service").stdout.split())
+    if show["ActiveState"] != "active":
+        sys.exit(f"vramd.service is {show['ActiveState']}")
+
+    def stop() -> int:
+        run("systemctl", "stop", "vramd.service")  # SIGTERM: drains, exits 0
+        out = dict(line.split("=", 1) for line in run("systemctl", "show", "-p", "ExecMainStatus", "-p", "Result",
+                                                        "vramd.service").stdout.split())
+        return int(out["ExecMainStatus"]) if out["Result"] == "success" else -1
+
+    return int(show["MainPID"]), stop
+
+
+def as_the_unit_would(service: dict[str, str], sock_unit: dict[str, str]) -> tuple[int, Callable[[], int]]:
+    """No systemd as PID 1: the socket bound as vramd.socket says, the service's ExecStart run as its
+    User=/Group= with the user's groups, no capabilities, the socket as fd 3 (LISTEN_FDS, LISTEN_PID) and a
+    notify socket waited on for READY=1."""
+    path = sock_unit["ListenSequentialPacket"]
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(path)
+    os.chown(path, pwd.getpwnam(sock_unit["SocketUser"]).pw_uid, grp.getgrnam(sock_unit["SocketGroup"]).gr_gid)
+    os.chmod(path, int(sock_unit["SocketMode"], 8))
+    listener.listen(64)
+    notify_path = "/run/vramd-test-notify"
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(notify_path)
+    os.chmod(notify_path, 0o777)  # the daemon's user sends to it
+    env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8", "NOTIFY_SOCKET": notify_path,
+           "LISTEN_FDS": "1", "LISTEN_FDNAMES": sock_unit["FileDescriptorName"], "LFD": str(listener.fileno())}
+    log = "/var/log/vramd-test.log"
+    daemon = subprocess.Popen(
+        ["/bin/sh", "-c", 'exec 3<&"$LFD"; g=$1; shift; LISTEN_PID=$$ exec setpriv --reuid="$0" --regid="$g" '
+         '--init-groups --no-new-privs --inh-caps=-all --bounding-set=-all "$@"',
+         service["User"], service["Group"], *service["ExecStart"].split()],
+        env=env, pass_fds=(listener.fileno(),), stderr=os.open(log, os.O_WRONLY | os.O_CREAT, 0o644))
+    notes: list[str] = []
+    while not any(n.startswith("READY=1") for n in notes):
+        ready, _, _ = select.select([notify], [], [], 60)
+        if not ready or daemon.poll() is not None:
+            sys.exit(f"vramd did not say READY=1 (exit {daemon.poll()}): {read(log)}")
+        notes.extend(notify.recv(4096).decode().split("\n"))
+    listener.close()
+
+    def stop() -> int:
+        daemon.send_signal(signal.SIGTERM)
+        return daemon.wait(timeout=120)
+
+    return daemon.pid, stop
+
+
 def main() -> None:
     facts: dict[str, object] = {}
     service = unit("/lib/systemd/system/vramd.service")
@@ -102,48 +170,24 @@ def main() -> None:
     st = os.stat("/run/vramd")
     facts["run_dir"] = [oct(stat.S_IMODE(st.st_mode)), pwd.getpwuid(st.st_uid).pw_name, grp.getgrgid(st.st_gid).gr_name]
 
-    # the socket, as vramd.socket makes it
     path = sock_unit["ListenSequentialPacket"]
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    listener.bind(path)
-    os.chown(path, pwd.getpwnam(sock_unit["SocketUser"]).pw_uid, grp.getgrnam(sock_unit["SocketGroup"]).gr_gid)
-    os.chmod(path, int(sock_unit["SocketMode"], 8))
-    listener.listen(64)
+    under_systemd = read("/proc/1/comm").strip() == "systemd"
+    facts["pid1"] = read("/proc/1/comm").strip()
+    started = time.monotonic()
+    if under_systemd:
+        pid, stop = by_systemd()
+    else:
+        pid, stop = as_the_unit_would(service, sock_unit)
+    facts["ready_s"] = round(time.monotonic() - started, 2)
     st = os.stat(path)
     facts["socket"] = [path, oct(stat.S_IMODE(st.st_mode)), pwd.getpwuid(st.st_uid).pw_name,
                        grp.getgrgid(st.st_gid).gr_name]
-
-    notify_path = "/run/vramd-test-notify"
-    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    notify.bind(notify_path)
-    os.chmod(notify_path, 0o777)  # the daemon's user sends to it
-
-    # the service: ExecStart as User=/Group= with the user's groups, the socket as fd 3
-    argv = service["ExecStart"].split()
-    env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8", "NOTIFY_SOCKET": notify_path,
-           "LISTEN_FDS": "1", "LISTEN_FDNAMES": sock_unit["FileDescriptorName"], "LFD": str(listener.fileno())}
-    started = time.monotonic()
-    log = "/var/log/vramd-test.log"
-    daemon = subprocess.Popen(
-        ["/bin/sh", "-c", 'exec 3<&"$LFD"; g=$1; shift; LISTEN_PID=$$ exec setpriv --reuid="$0" --regid="$g" '
-         '--init-groups --no-new-privs --inh-caps=-all --bounding-set=-all "$@"',
-         service["User"], service["Group"], *argv],
-        env=env, pass_fds=(listener.fileno(),), stderr=os.open(log, os.O_WRONLY | os.O_CREAT, 0o644))
-    notes: list[str] = []
-    while not any(n.startswith("READY=1") for n in notes):
-        ready, _, _ = select.select([notify], [], [], 60)
-        if not ready or daemon.poll() is not None:
-            sys.exit(f"vramd did not say READY=1 (exit {daemon.poll()}): {read(log)}")
-        notes.extend(notify.recv(4096).decode().split("\n"))
-    facts["ready_s"] = round(time.monotonic() - started, 2)
-    ino = os.fstat(listener.fileno()).st_ino
-    fds = [os.readlink(f"/proc/{daemon.pid}/fd/{n}") for n in os.listdir(f"/proc/{daemon.pid}/fd")]
-    facts["daemon_holds_the_socket"] = f"socket:[{ino}]" in fds  # serves the unit's socket, bound no other
-    listener.close()
-    with open(f"/proc/{daemon.pid}/status") as f:
+    facts["daemon_holds_the_socket"] = listening_inode(path) in {
+        os.readlink(f"/proc/{pid}/fd/{n}") for n in os.listdir(f"/proc/{pid}/fd")}
+    with open(f"/proc/{pid}/status") as f:
         status = dict(line.rstrip("\n").split(":\t", 1) for line in f if ":\t" in line)
-    facts["daemon"] = {"exe": os.readlink(f"/proc/{daemon.pid}/exe"),
-                       "cmdline": read(f"/proc/{daemon.pid}/cmdline").split("\0")[:-1],
+    facts["daemon"] = {"exe": os.readlink(f"/proc/{pid}/exe"),
+                       "cmdline": read(f"/proc/{pid}/cmdline").split("\0")[:-1],
                        "uid": int(status["Uid"].split()[0]),
                        "group": grp.getgrgid(int(status["Gid"].split()[0])).gr_name,
                        "groups": sorted(grp.getgrgid(int(g)).gr_name for g in status["Groups"].split()),
@@ -183,9 +227,8 @@ def main() -> None:
     facts["c_client_links"] = [line.split()[2] for line in run("ldd", "/tmp/client").stdout.splitlines()
                                if "libvramd" in line]
 
-    daemon.send_signal(signal.SIGTERM)
-    facts["daemon_exit"] = daemon.wait(timeout=120)
-    facts["socket_kept"] = os.path.exists(path)  # systemd's (here: this script's), not the daemon's
+    facts["daemon_exit"] = stop()
+    facts["socket_kept"] = os.path.exists(path)  # systemd's (or this script's), not the daemon's
     print(json.dumps(facts))
 
 
