@@ -12,6 +12,7 @@ service through the enabled socket unit; without (a plain chroot), the way syste
   - dumps a workload's memory through that socket with the package's vramctl (the default socket path),
     verifies the image, overwrites the memory, restores it and compares it byte for byte (sha256);
   - builds a small C program against libvramd with `pkg-config vramd` and runs it against the daemon;
+  - connects as a member of group vramd (allowed) and as another user (refused);
   - stops the daemon with SIGTERM (exit 0).
 It prints one JSON object (the facts the test asserts) as its last line.
 """
@@ -226,6 +227,14 @@ def main() -> None:
     facts["c_client"] = run("/tmp/client").stdout.strip()
     facts["c_client_links"] = [line.split()[2] for line in run("ldd", "/tmp/client").stdout.splitlines()
                                if "libvramd" in line]
+
+    # who may connect: a member of group vramd (the socket's group, allowed_groups) may, another user may not
+    for name, groups in (("vramd-member", ["-G", "vramd"]), ("vramd-outsider", [])):
+        run("useradd", "--no-create-home", "--no-user-group", "--gid", "users", *groups, name)
+        r = subprocess.run(["setpriv", f"--reuid={name}", "--regid=users", "--init-groups", "vramctl", "--socket",
+                            path, "status", "--json"], capture_output=True, text=True, timeout=60)
+        facts[name] = {"rc": r.returncode, "stderr": r.stderr.strip(),
+                       "server": json.loads(r.stdout)["server"] if r.returncode == 0 else None}
 
     facts["daemon_exit"] = stop()
     facts["socket_kept"] = os.path.exists(path)  # systemd's (or this script's), not the daemon's

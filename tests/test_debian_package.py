@@ -7,7 +7,9 @@ and a C program built with `pkg-config vramd` (docs/packaging.md).
 The .debs: VRAMD_DEBS=DIR (.ci/debian builds them first), else this builds them (.ci/debian --build-only).
 The chroot: debootstrap --variant=minbase bookworm from the mirror apt uses here; the result is cached as a
 tarball (VRAMD_DEBIAN_CACHE, default ~/.cache/vramd) and reused for a week.  Needs root, debootstrap and
-unshare; everything runs in a private mount and pid namespace, so nothing stays mounted or running.
+unshare; everything runs in a private mount and pid namespace, so nothing stays mounted or running.  With
+systemd-nspawn the installed chroot is booted with systemd as PID 1 (VRAMD_DEBIAN_BOOT=0: the plain chroot, where
+tests/debian_scenario.py starts the daemon as the units would).
 """
 from __future__ import annotations
 
@@ -95,7 +97,8 @@ def _in_chroot(root: Path, script: str, timeout: float) -> subprocess.CompletedP
 
 def _chroot_scenario(root: Path) -> dict[str, object]:
     """No systemd-nspawn: the scenario in the chroot, starting the daemon as the units would."""
-    r = _in_chroot(root, f"exec python3.11 /{SCENARIO}", timeout=600)
+    # a fresh /run, as at boot: systemd-tmpfiles-setup.service's part (the chroot has no systemd to run it)
+    r = _in_chroot(root, f"systemd-tmpfiles --create && exec python3.11 /{SCENARIO}", timeout=600)
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-6000:]
     return json.loads(r.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
@@ -153,13 +156,15 @@ def test_the_packages_install_on_debian_12_and_serve_a_dump_and_restore(debs: Pa
     install_s = time.monotonic() - t
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-6000:]
     t = time.monotonic()
-    facts = _boot(root) if shutil.which("systemd-nspawn") else _chroot_scenario(root)
+    boot = shutil.which("systemd-nspawn") is not None and os.environ.get("VRAMD_DEBIAN_BOOT", "1") != "0"
+    facts = _boot(root) if boot else _chroot_scenario(root)
     scenario_s = time.monotonic() - t
     print(f"\ndebootstrap {debootstrap_s:.0f} s (0: cached), unpack {unpack_s:.1f} s, apt install {install_s:.1f} s, "
           f"pid 1 {facts['pid1']}: boot + scenario {scenario_s:.1f} s (daemon up {facts['ready_s']} s, dump "
           f"{facts['dump']['s']} s, restore {facts['restore']['s']} s), all {time.monotonic() - start:.0f} s",
           file=sys.stderr)
-    if shutil.which("systemd-nspawn"):
+    print(f"a user not in group vramd: {facts['vramd-outsider']}", file=sys.stderr)
+    if boot:
         assert facts["pid1"] == "systemd"  # the real thing: the units as systemd runs them
 
     # installed as the unit names them; the maintainer scripts ran sysusers.d, tmpfiles.d and enabled the socket
@@ -192,5 +197,11 @@ def test_the_packages_install_on_debian_12_and_serve_a_dump_and_restore(debs: Pa
     assert path == "/run/vramd/vramd.sock" and server.startswith("vramd"), facts["c_client"]
     assert facts["c_client_links"] == ["/lib/x86_64-linux-gnu/libvramd.so.1"] or \
         facts["c_client_links"] == ["/usr/lib/x86_64-linux-gnu/libvramd.so.1"], facts["c_client_links"]
+
+    # the socket's group is the gate: a member of vramd gets in, another user gets one line, not a traceback
+    assert facts["vramd-member"]["rc"] == 0 and facts["vramd-member"]["server"].startswith("vramd")
+    outsider = facts["vramd-outsider"]
+    assert outsider["rc"] != 0 and "Traceback" not in outsider["stderr"] and outsider["stderr"], outsider
+    assert "denied" in outsider["stderr"].lower() or "permission" in outsider["stderr"].lower(), outsider
 
     assert facts["daemon_exit"] == 0 and facts["socket_kept"]
