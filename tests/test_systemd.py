@@ -85,3 +85,23 @@ def test_example_config_loads():
     with pytest.raises(ValueError, match="unknown setting"):
         from vramd.service.config import DaemonConfig
         DaemonConfig().update({"stagin_budget": 1}, origin="test")
+
+
+@pytest.mark.skipif(shutil.which("systemd-sysusers") is None, reason="systemd-sysusers not installed")
+def test_sysusers_gives_vramd_the_render_groups_on_a_host_without_them(tmp_path):
+    """A host with no render group (no udev rules made it): systemd-sysusers with vramd.sysusers creates it
+    and makes vramd a member of render and video, and the unit names no group that could be missing
+    (SupplementaryGroups= stops the service on such a host: User= gets the database's groups instead)."""
+    (tmp_path / "etc").mkdir()
+    (tmp_path / "etc" / "group").write_text("root:x:0:\nvideo:x:44:\n")
+    (tmp_path / "etc" / "passwd").write_text("root:x:0:0:root:/root:/bin/sh\n")
+    conf = os.path.join(ROOT, "contrib", "systemd", "vramd.sysusers")
+    r = subprocess.run(["systemd-sysusers", f"--root={tmp_path}", conf], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    groups = {line.split(":")[0]: line.split(":") for line in (tmp_path / "etc" / "group").read_text().splitlines()}
+    assert groups["video"][2] == "44"  # the host's group is kept, with vramd added
+    for name in ("render", "video"):
+        assert "vramd" in groups[name][3].split(","), groups[name]
+    assert any(line.startswith("vramd:") for line in (tmp_path / "etc" / "passwd").read_text().splitlines())
+    unit = Path(ROOT, "contrib", "systemd", "vramd.service").read_text()
+    assert not [line for line in unit.splitlines() if line.startswith("SupplementaryGroups=")]
