@@ -22,6 +22,7 @@ os.environ["COLUMNS"] = "100"  # argparse wraps usage to the terminal: the same 
 
 from vramd import __version__  # noqa: E402
 from vramd.cli.vramctl import build_parser as vramctl_parser  # noqa: E402
+from vramd.image.compression import MODES, compression_arg  # noqa: E402
 from vramd.service.main import build_parser as vramd_parser  # noqa: E402
 
 DATE = "2026-11"  # bump by hand with a release; generated files must not change with the clock
@@ -95,8 +96,11 @@ VRAMD_TAIL = [
     ".TP", "\\fI/run/vramd/vramd.sock\\fR", "the socket systemd creates (vramd.socket), and a daemon root "
     "starts by hand listens on without \\-\\-socket.  Clients prefer it whenever it exists, and use a socket only "
     "if its directories and its listener belong to root, themselves or the daemon user (vramctl(1), SOCKET).",
-    ".SH EXIT STATUS", "0 after a drain or \\-\\-check\\-config; 2 for a bad configuration, with one line naming "
-    "the key.",
+    ".SH EXIT STATUS", "0 after a drain or \\-\\-check\\-config; 2 for a bad configuration or a usage mistake, with "
+    "one line naming the key or the flag; 1 where it cannot listen (one line naming the socket's path, and nothing "
+    "left behind).  Of the socket's directories it makes only its runtime directories, \\fI/run/vramd\\fR (root) "
+    "and \\fI$XDG_RUNTIME_DIR/vramd\\fR or \\fI/tmp/vramd\\-UID\\fR: a \\-\\-socket in a directory that does "
+    "not exist is refused, not made.",
     ".SH SEE ALSO", "\\fBvramctl\\fR(1), \\fBsystemd.socket\\fR(5)",
 ]
 VRAMCTL_TAIL = [
@@ -129,6 +133,19 @@ VRAMCTL_TAIL = [
 ]
 
 
+def _value_words(parser: argparse.ArgumentParser) -> dict[str, list[str]]:
+    """Flag -> the words a shell offers after it: an option's choices, and for --compress (its type is
+    compression_arg) the codec names compression.py accepts (a level goes after a colon: zstd:3)."""
+    out: dict[str, list[str]] = {}
+    for p in [parser, *_subcommands(parser).values()]:
+        for action in p._actions:
+            words = ([str(c) for c in action.choices] if action.choices and not isinstance(
+                action, argparse._SubParsersAction) else list(MODES) if action.type is compression_arg else [])
+            for flag in action.option_strings if words else ():
+                out.setdefault(flag, words)
+    return out
+
+
 def bash_completion(parser: argparse.ArgumentParser) -> str:
     subs = _subcommands(parser)
     top = [s for a in parser._actions for s in a.option_strings]
@@ -149,8 +166,10 @@ def bash_completion(parser: argparse.ArgumentParser) -> str:
     lines += [f'        "") COMPREPLY=($(compgen -W "{" ".join(top)} {" ".join(subs)}" -- "$cur")) ;;',
               "    esac",
               "    case \"${COMP_WORDS[COMP_CWORD-1]}\" in",
-              "        --image|--workdir|--socket) COMPREPLY=($(compgen -f -- \"$cur\")) ;;",
-              "    esac",
+              "        --image|--workdir|--socket) COMPREPLY=($(compgen -f -- \"$cur\")) ;;"]
+    lines += [f'        {flag}) COMPREPLY=($(compgen -W "{" ".join(words)}" -- "$cur")) ;;'
+              for flag, words in _value_words(parser).items()]
+    lines += ["    esac",
               "}",
               "complete -o default -F _vramctl vramctl",
               ""]
