@@ -135,6 +135,10 @@ def _replace_stale(path: str) -> None:
     try:
         probe.connect(path)
     except OSError as e:
+        if e.errno == errno.EACCES:
+            raise ListenError(f"cannot listen on {path}: a socket of uid {st.st_uid} is there, mode "
+                              f"{st.st_mode & 0o777:04o}, and this uid ({os.geteuid()}) may neither use nor replace "
+                              "it: have its owner remove it, or choose another --socket") from None
         if e.errno != errno.ECONNREFUSED:
             raise
         os.unlink(path)  # stale: nobody listens
