@@ -2,7 +2,8 @@
 """Generate the man pages and the shell completion from the commands' own argparse parsers.
 
     python contrib/generate.py            # rewrite contrib/man/vramd.8, vramctl.1, contrib/completion/vramctl.bash
-    python contrib/generate.py --check    # exit 1 if the committed files drifted from the parsers
+    python contrib/generate.py --check    # exit 1 if the committed files drifted from the parsers, or
+                                          # README.md's vramctl block lists a command or flag they lack
 
 The parsers are the one source: a flag added to `vramd` or `vramctl` appears
 in the man page and the completion when this is re-run, and
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -176,6 +178,33 @@ def bash_completion(parser: argparse.ArgumentParser) -> str:
     return "\n".join(lines)
 
 
+def readme_drift(readme: str, parser: argparse.ArgumentParser) -> list[str]:
+    """Where README.md's vramctl block (hand-written: it explains) has drifted from the parser: a command it does
+    not list, or a flag it names that the command (or vramctl itself) does not take."""
+    start = readme.find("## vramctl\n")
+    if start < 0:
+        return ["README.md has no vramctl section"]
+    block = readme[start:].split("```sh\n", 1)[-1].split("```", 1)[0]
+    subs = _subcommands(parser)
+    top = {s for a in parser._actions for s in a.option_strings}
+    listed: dict[str, set[str]] = {}
+    name = ""
+    for line in block.splitlines():
+        if line.startswith("vramctl "):
+            name = line.split()[1]
+            listed.setdefault(name, set())
+        if name:
+            listed[name] |= set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", line))
+    out = [f"README.md: vramctl {n} is not listed" for n in subs if n not in listed]
+    for n, flags in listed.items():
+        if n not in subs:
+            out.append(f"README.md: vramctl {n}: no such command")
+            continue
+        takes = top | {s for a in subs[n]._actions for s in a.option_strings}
+        out += [f"README.md: vramctl {n} {f}: no such flag" for f in sorted(flags - takes)]
+    return out
+
+
 def outputs() -> dict[Path, str]:
     return {
         ROOT / "contrib" / "man" / "vramd.8": man_page(vramd_parser(), 8, VRAMD_TAIL),
@@ -187,19 +216,25 @@ def outputs() -> dict[Path, str]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true", help="compare instead of writing")
+    ap.add_argument("--root", type=Path, default=ROOT,
+                    help="the tree whose files --check compares (default: this repository)")
     ns = ap.parse_args()
     drift = []
     for path, text in outputs().items():
+        path = ns.root / path.relative_to(ROOT)
         if ns.check:
             if not path.exists() or path.read_text() != text:
-                drift.append(str(path.relative_to(ROOT)))
+                drift.append(str(path.relative_to(ns.root)))
         else:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text)
     if drift:
         print("generated files drifted from the parsers; run python contrib/generate.py:", *drift, sep="\n  ")
-        return 1
-    return 0
+    readme = ns.root / "README.md"
+    by_hand = readme_drift(readme.read_text() if readme.exists() else "", vramctl_parser())
+    if by_hand:
+        print("README.md's vramctl commands drifted from the parser (edit it by hand):", *by_hand, sep="\n  ")
+    return 1 if drift or by_hand else 0
 
 
 if __name__ == "__main__":

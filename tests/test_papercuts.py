@@ -273,3 +273,33 @@ def test_completion_offers_codec_names_after_compress() -> None:
     assert complete("dump", "--compress", "''") == ["none", "zstd", "bplanes", "auto"]
     assert complete("import-criu", "--compress", "b") == ["bplanes"]
     assert "--image" in complete("dump", "--i")
+
+
+def test_the_drift_check_fails_on_a_stale_file(tmp_path: Path) -> None:
+    """contrib/generate.py --check (tests/test_packaging.py runs it on the repository) on a copy of what it checks:
+    clean, then each kind of staleness: a completion without the codec names, a man page without a codec, a README
+    that lists a command no more (or a flag vramctl never took)."""
+    for name in ("contrib", "README.md"):
+        src = Path(ROOT, name)
+        (shutil.copytree if src.is_dir() else shutil.copyfile)(src, tmp_path / name)
+
+    def check() -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, str(Path(ROOT, "contrib", "generate.py")), "--check", "--root",
+                               str(tmp_path)], capture_output=True, text=True, timeout=TIMEOUT)
+    r = check()
+    assert r.returncode == 0, r.stdout + r.stderr
+    completion, man, readme = (tmp_path / "contrib" / "completion" / "vramctl.bash",
+                               tmp_path / "contrib" / "man" / "vramd.8", tmp_path / "README.md")
+    for path, old, new in ((completion, '-W "none zstd bplanes auto"', '-W "none zstd"'),
+                           (man, "bplanes, bplanes:LEVEL, auto, auto:LEVEL", ""),
+                           (readme, "vramctl selftest [--size 64M]", "vramctl selfcheck [--size 64M]"),
+                           (readme, "vramctl gc DIR ", "vramctl gc DIR --all-of-it ")):
+        good = path.read_text()
+        assert old in good, (path, old)
+        path.write_text(good.replace(old, new))
+        r = check()
+        assert r.returncode == 1, (path, r.stdout)
+        named = "README.md" if path == readme else str(path.relative_to(tmp_path))
+        assert named in r.stdout, r.stdout
+        path.write_text(good)
+    assert "--all-of-it: no such flag" in r.stdout and check().returncode == 0
