@@ -162,6 +162,13 @@ ROWS: dict[str, Row] = {
         _sh("vramd", "--check-config", "--config", "{scratch}/c.toml"), 0,
         ["warning: allowed_groups", '"nosuchgroup"', "lets nobody in"],
         prep=_write("c.toml", 'allowed_groups = ["nosuchgroup"]\n')),
+    "config: a metrics file in a directory that does not exist": Row(
+        _sh("vramd", "--check-config", "--metrics-textfile", "{scratch}/gone/vramd.prom"), 0,
+        ["warning: metrics_textfile: {scratch}/gone is not a directory", "no metrics will be written"]),
+    "vramd: a socket path longer than a unix socket's": Row(
+        _sh("vramd", "--socket", "{scratch}/" + "d" * 100 + "/v.sock"), 1,
+        ["cannot listen on {scratch}/ddd", "at most 107 bytes: choose a shorter --socket"],
+        prep=_mkdir("d" * 100)),
     # --- usage mistakes: exit 2 from the parser, sizes in one style ------------------------------------------
     "vramd: a size it cannot read": Row(
         _sh("vramd", "--staging-budget", "12Q"), 2,

@@ -333,7 +333,8 @@ class DaemonConfig:
     def warnings(self) -> list[str]:
         """What is valid but likely a mistake (--check-config prints these; the daemon logs them): a group in
         allowed_groups that does not exist lets nobody in (but the default group, vramd, which the package's
-        sysusers file makes: a daemon run by hand without it is the ordinary case)."""
+        sysusers file makes: a daemon run by hand without it is the ordinary case); a metrics_textfile whose
+        directory is missing is never written."""
         out = []
         for g in self.allowed_groups:
             if isinstance(g, str) and g != DEFAULT_GROUP:
@@ -342,6 +343,10 @@ class DaemonConfig:
                 except KeyError:
                     out.append(f"allowed_groups: no group {_show(g)} on this host: it lets nobody in (create it, "
                                "e.g. with groupadd, or remove it)")
+        where = os.path.dirname(self.metrics_textfile or "") or "."
+        if self.metrics_textfile and not os.path.isdir(where):
+            out.append(f"metrics_textfile: {where} is not a directory here: no metrics will be written (create "
+                       "it, or choose another path)")
         return out
 
     def allowed_gids(self) -> set[int]:

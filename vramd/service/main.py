@@ -89,6 +89,9 @@ def raise_fd_limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
+UNIX_PATH_MAX = 108  # sun_path's size, its terminating NUL included
+
+
 class ListenError(Exception):
     """The daemon cannot listen where it was asked to: one line (what, where, what to do); exit 1."""
 
@@ -181,8 +184,13 @@ def bind_socket(path: str, mode: int) -> socket.socket:
         what = e.strerror or str(e)
         if e.filename and e.filename != path:
             what = f"{e.filename}: {what}"
-        raise ListenError(f"cannot listen on {path}: {what}; run vramd as a user that may write {parent}, or "
-                          "choose another --socket") from None
+        if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            todo = f"run vramd as a user that may write {parent}, or choose another --socket"
+        elif len(os.fsencode(path)) >= UNIX_PATH_MAX:
+            todo = f"a unix socket's path has at most {UNIX_PATH_MAX - 1} bytes: choose a shorter --socket"
+        else:
+            todo = "choose another --socket"
+        raise ListenError(f"cannot listen on {path}: {what}; {todo}") from None
 
 
 async def run(cfg: DaemonConfig, reload: Callable[[], DaemonConfig] | None = None) -> int:
