@@ -43,6 +43,8 @@ from ..image.format import MAX_STRIPES
 from ..protocol.frames import DEFAULT_MAX_MESSAGE, SCM_MAX_FD
 from ..topology import CHECK_ENV, DEFAULT_ROOT
 from ..units import PAGE, MiB, parse_size
+from .tomltext import show as _show
+from .tomltext import to_toml as to_toml  # (--check-config's output; imported from here)
 from .usage import dump_fds
 
 DEFAULT_GROUP = "vramd"
@@ -55,19 +57,6 @@ class ConfigError(ValueError):
     def __init__(self, origin: str, key: str, problem: str) -> None:
         super().__init__(f"{origin}: {key}: {problem}")
         self.origin, self.key, self.problem = origin, key, problem
-
-
-def _show(v: object) -> str:
-    """A value as TOML writes it (true, not Python's True; "text" in double quotes), for messages."""
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(v, list):
-        return "[" + ", ".join(_show(x) for x in v) + "]"
-    if isinstance(v, dict):
-        return "{" + ", ".join(f"{k} = {_show(x)}" for k, x in v.items()) + "}"
-    return repr(v)
 
 
 def _type_name(v: object) -> str:
@@ -381,27 +370,3 @@ def load_config(path: str | None, overrides: dict[str, Any]) -> DaemonConfig:
     cfg.update({k: v for k, v in overrides.items() if v is not None}, origin="command line")
     cfg.check(path or "command line")
     return cfg
-
-
-def to_toml(values: dict[str, Any]) -> str:
-    """`values` (DaemonConfig.effective()) as a TOML document; None values as comments."""
-    def fmt(v: Any) -> str:
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, (int, float)):
-            return repr(v)
-        if isinstance(v, str):
-            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-        if isinstance(v, list):
-            return "[" + ", ".join(fmt(x) for x in v) + "]"
-        raise TypeError(type(v))
-    lines, tables = [], []
-    for k, v in values.items():
-        if isinstance(v, dict):
-            tables.append(f"\n[{k}]")
-            tables += [f"{name} = {fmt(on)}" for name, on in sorted(v.items())]
-        elif v is None:
-            lines.append(f"# {k} is not set")
-        else:
-            lines.append(f"{k} = {fmt(v)}")
-    return "\n".join(lines + tables) + "\n"
