@@ -106,8 +106,11 @@ VRAMD_TAIL = [
     ".SH SEE ALSO", "\\fBvramctl\\fR(1), \\fBsystemd.socket\\fR(5)",
 ]
 VRAMCTL_TAIL = [
-    ".SH EXIT STATUS", "0 success; 1 failure, with a one-line reason on stderr (and in the JSON with \\-\\-json); "
-    "2 usage error.",
+    ".SH EXIT STATUS", "0 success; 1 failure, with a one-line reason on stderr (and in the JSON with \\-\\-json): "
+    "what failed, where, and what to do (where no daemon listens, the sockets looked for and "
+    "\\fBsystemctl start vramd.socket\\fR; where the socket's mode keeps you out, its group); "
+    "2 usage error (a flag's value the parser refuses, such as an unknown codec or size, or a dump with nothing to "
+    "dump).",
     ".SH SOCKET",
     "Without \\-\\-socket, vramctl uses \\fB$VRAMD_SOCKET\\fR; else \\fI/run/vramd/vramd.sock\\fR if it exists "
     "(if it cannot be trusted, vramctl fails: it does not fall back); else your own daemon's, "
