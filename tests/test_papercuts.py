@@ -183,6 +183,13 @@ ROWS: dict[str, Row] = {
     "vramctl: dump --pid without --range": Row(
         _sh("vramctl", "--socket", "{socket}", "dump", "--pid", "1", "--image", "{scratch}/img"), 2,
         ["dump: nothing to dump", "--range ADDR:LEN", "--bo-file"], one_line=False),
+    "vramctl: dump --pid of a process that is not there": Row(
+        _sh("vramctl", "--socket", "{socket}", "dump", "--pid", "999999999", "--range", "0x1000:4096", "--image",
+            "{scratch}/img"), 1, ["cannot open /proc/999999999/mem", "no process 999999999 is running: check --pid"]),
+    "vramctl: dump --pid of another uid's process": Row(
+        _sh("vramctl", "--socket", "{socket}", "dump", "--pid", "1", "--range", "0x1000:4096", "--image",
+            "{scratch}/img"), 1, ["cannot open /proc/1/mem", "you may not trace process 1", "ptrace_scope"],
+        who=TEST_USER, prep=lambda scratch, w: scratch.chmod(0o1777)),
     # --- reaching the daemon ---------------------------------------------------------------------------------
     "vramctl: no daemon running": Row(
         _sh("vramctl", "status"), 1, ["cannot connect to vramd at /tmp/vramd-65534/vramd.sock",
