@@ -195,6 +195,9 @@ ROWS: dict[str, Row] = {
         _sh("vramctl", "status"), 1, ["cannot connect to vramd at /tmp/vramd-65534/vramd.sock",
                                       f"no system socket at {SYSTEM_SOCKET}", "systemctl start vramd.socket"],
         who="nobody"),
+    "vramctl: --socket names a directory": Row(
+        _sh("vramctl", "--socket", "{scratch}", "status"), 1,
+        ["cannot connect to vramd at {scratch}", "is a directory, not a socket"], not_says=["is vramd running"]),
     "vramctl: the socket's mode keeps a non-member out": Row(
         _sh("vramctl", "--socket", "{socket}", "status"), 1,
         ["cannot connect to vramd at {socket}", "Permission denied", "0660", "group vramd", "usermod -aG vramd"],

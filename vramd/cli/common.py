@@ -138,7 +138,12 @@ def no_connection(message: str, explicit: str | None) -> str:
         return f"{message}{also}: is vramd running? (systemctl start vramd.socket)"
     except OSError:
         return message
-    if stat.S_ISSOCK(st.st_mode) and not os.access(path, os.W_OK):
+    if not stat.S_ISSOCK(st.st_mode):
+        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "a regular file" if stat.S_ISREG(st.st_mode) else \
+            "not a socket"
+        return (f"{message}: {path} is {kind}, not a socket: give the path the daemon listens on (its log says "
+                "\"listening on PATH\")")
+    if not os.access(path, os.W_OK):
         try:
             group = grp.getgrgid(st.st_gid).gr_name
         except KeyError:
