@@ -154,8 +154,7 @@ def _replace_stale(path: str) -> None:
 def bind_socket(path: str, mode: int) -> socket.socket:
     """Listen on `path`; a stale socket file is replaced, a live daemon is not.  ListenError (one line) where
     that cannot be done, and then nothing this call made is left behind."""
-    path = os.path.abspath(path)
-    parent = os.path.dirname(path)
+    parent = os.path.dirname(os.path.abspath(path))  # (bound as given: a relative path may fit sun_path)
     made: list[str] = []
     bound = False
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
