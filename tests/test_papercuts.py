@@ -273,6 +273,22 @@ def test_each_mistake_is_one_line_with_its_exit_status_and_leaves_nothing(world:
     assert _snapshot(scratch) == before, "the command left something behind"
 
 
+def test_the_daemon_logs_what_check_config_warns_of(run_dir: str) -> None:
+    """What --check-config warns of, the daemon logs at warning priority: at its start, and at a SIGHUP that
+    brings it in; it runs all the same."""
+    import signal
+    config = Path(run_dir, "vramd.toml")
+    config.write_text('allowed_groups = ["nosuchgroup"]\n')
+    with DaemonProcess(run_dir, "--config", str(config)) as d:
+        d.expect_log(r'WARNING vramd: allowed_groups: no group "nosuchgroup" on this host: it lets nobody in')
+        config.write_text(f'metrics_textfile = "{run_dir}/gone/vramd.prom"\n')
+        d.proc.send_signal(signal.SIGHUP)
+        d.expect_log(rf"WARNING vramd: SIGHUP: metrics_textfile: {run_dir}/gone is not a directory here")
+        with Client(d.socket) as c:
+            assert c.status().server.startswith("vramd ")
+        assert d.stop() == 0
+
+
 def test_completion_offers_codec_names_after_compress() -> None:
     """The generated bash completion, sourced into a real bash: after `--compress`, the codecs compression.py
     accepts; elsewhere, the flags."""

@@ -237,6 +237,8 @@ def reload_config(daemon: Daemon, reload: Callable[[], DaemonConfig] | None) -> 
         log.error("SIGHUP: configuration not reloaded (the running settings stay): %s", e)
         return
     set_log_level(new.log_level)
+    for warning in new.warnings():
+        log.warning("SIGHUP: %s", warning)
     daemon.reconfigure(new)
 
 
