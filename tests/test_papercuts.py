@@ -238,6 +238,8 @@ def _snapshot(d: Path) -> dict[str, tuple[int, int]]:
 @pytest.mark.parametrize("name", list(ROWS))
 def test_each_mistake_is_one_line_with_its_exit_status_and_leaves_nothing(world: World, name: str) -> None:
     row = ROWS[name]
+    if name == "vramctl: no daemon running" and os.path.lexists(SYSTEM_SOCKET):
+        pytest.skip(f"this machine has a system socket ({SYSTEM_SOCKET}): vramctl would go there")
     scratch = Path(tempfile.mkdtemp(prefix="case-", dir=world.base))
     os.chmod(scratch, 0o755)
     if row.prep is not None:
