@@ -2,7 +2,8 @@
 """Generate the man pages and the shell completion from the commands' own argparse parsers.
 
     python contrib/generate.py            # rewrite contrib/man/vramd.8, vramctl.1, contrib/completion/vramctl.bash
-    python contrib/generate.py --check    # exit 1 if the committed files drifted from the parsers
+    python contrib/generate.py --check    # exit 1 if the committed files drifted from the parsers, or
+                                          # README.md's vramctl block lists a command or flag they lack
 
 The parsers are the one source: a flag added to `vramd` or `vramctl` appears
 in the man page and the completion when this is re-run, and
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +24,7 @@ os.environ["COLUMNS"] = "100"  # argparse wraps usage to the terminal: the same 
 
 from vramd import __version__  # noqa: E402
 from vramd.cli.vramctl import build_parser as vramctl_parser  # noqa: E402
+from vramd.image.compression import MODES, compression_arg  # noqa: E402
 from vramd.service.main import build_parser as vramd_parser  # noqa: E402
 
 DATE = "2026-11"  # bump by hand with a release; generated files must not change with the clock
@@ -95,13 +98,19 @@ VRAMD_TAIL = [
     ".TP", "\\fI/run/vramd/vramd.sock\\fR", "the socket systemd creates (vramd.socket), and a daemon root "
     "starts by hand listens on without \\-\\-socket.  Clients prefer it whenever it exists, and use a socket only "
     "if its directories and its listener belong to root, themselves or the daemon user (vramctl(1), SOCKET).",
-    ".SH EXIT STATUS", "0 after a drain or \\-\\-check\\-config; 2 for a bad configuration, with one line naming "
-    "the key.",
+    ".SH EXIT STATUS", "0 after a drain or \\-\\-check\\-config; 2 for a bad configuration or a usage mistake, with "
+    "one line naming the key or the flag; 1 where it cannot listen (one line naming the socket's path, and nothing "
+    "left behind).  Of the socket's directories it makes only its runtime directories, \\fI/run/vramd\\fR (root) "
+    "and \\fI$XDG_RUNTIME_DIR/vramd\\fR or \\fI/tmp/vramd\\-UID\\fR: a \\-\\-socket in a directory that does "
+    "not exist is refused, not made.",
     ".SH SEE ALSO", "\\fBvramctl\\fR(1), \\fBsystemd.socket\\fR(5)",
 ]
 VRAMCTL_TAIL = [
-    ".SH EXIT STATUS", "0 success; 1 failure, with a one-line reason on stderr (and in the JSON with \\-\\-json); "
-    "2 usage error.",
+    ".SH EXIT STATUS", "0 success; 1 failure, with a one-line reason on stderr (and in the JSON with \\-\\-json): "
+    "what failed, where, and what to do (where no daemon listens, the sockets looked for and "
+    "\\fBsystemctl start vramd.socket\\fR; where the socket's mode keeps you out, its group); "
+    "2 usage error (a flag's value the parser refuses, such as an unknown codec or size, or a dump with nothing to "
+    "dump).",
     ".SH SOCKET",
     "Without \\-\\-socket, vramctl uses \\fB$VRAMD_SOCKET\\fR; else \\fI/run/vramd/vramd.sock\\fR if it exists "
     "(if it cannot be trusted, vramctl fails: it does not fall back); else your own daemon's, "
@@ -129,6 +138,19 @@ VRAMCTL_TAIL = [
 ]
 
 
+def _value_words(parser: argparse.ArgumentParser) -> dict[str, list[str]]:
+    """Flag -> the words a shell offers after it: an option's choices, and for --compress (its type is
+    compression_arg) the codec names compression.py accepts (a level goes after a colon: zstd:3)."""
+    out: dict[str, list[str]] = {}
+    for p in [parser, *_subcommands(parser).values()]:
+        for action in p._actions:
+            words = ([str(c) for c in action.choices] if action.choices and not isinstance(
+                action, argparse._SubParsersAction) else list(MODES) if action.type is compression_arg else [])
+            for flag in action.option_strings if words else ():
+                out.setdefault(flag, words)
+    return out
+
+
 def bash_completion(parser: argparse.ArgumentParser) -> str:
     subs = _subcommands(parser)
     top = [s for a in parser._actions for s in a.option_strings]
@@ -149,12 +171,41 @@ def bash_completion(parser: argparse.ArgumentParser) -> str:
     lines += [f'        "") COMPREPLY=($(compgen -W "{" ".join(top)} {" ".join(subs)}" -- "$cur")) ;;',
               "    esac",
               "    case \"${COMP_WORDS[COMP_CWORD-1]}\" in",
-              "        --image|--workdir|--socket) COMPREPLY=($(compgen -f -- \"$cur\")) ;;",
-              "    esac",
+              "        --image|--workdir|--socket) COMPREPLY=($(compgen -f -- \"$cur\")) ;;"]
+    lines += [f'        {flag}) COMPREPLY=($(compgen -W "{" ".join(words)}" -- "$cur")) ;;'
+              for flag, words in _value_words(parser).items()]
+    lines += ["    esac",
               "}",
               "complete -o default -F _vramctl vramctl",
               ""]
     return "\n".join(lines)
+
+
+def readme_drift(readme: str, parser: argparse.ArgumentParser) -> list[str]:
+    """Where README.md's vramctl block (hand-written: it explains) has drifted from the parser: a command it does
+    not list, or a flag it names that the command (or vramctl itself) does not take."""
+    start = readme.find("## vramctl\n")
+    if start < 0:
+        return ["README.md has no vramctl section"]
+    block = readme[start:].split("```sh\n", 1)[-1].split("```", 1)[0]
+    subs = _subcommands(parser)
+    top = {s for a in parser._actions for s in a.option_strings}
+    listed: dict[str, set[str]] = {}
+    name = ""
+    for line in block.splitlines():
+        if line.startswith("vramctl "):
+            name = line.split()[1]
+            listed.setdefault(name, set())
+        if name:
+            listed[name] |= set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", line))
+    out = [f"README.md: vramctl {n} is not listed" for n in subs if n not in listed]
+    for n, flags in listed.items():
+        if n not in subs:
+            out.append(f"README.md: vramctl {n}: no such command")
+            continue
+        takes = top | {s for a in subs[n]._actions for s in a.option_strings}
+        out += [f"README.md: vramctl {n} {f}: no such flag" for f in sorted(flags - takes)]
+    return out
 
 
 def outputs() -> dict[Path, str]:
@@ -168,19 +219,25 @@ def outputs() -> dict[Path, str]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true", help="compare instead of writing")
+    ap.add_argument("--root", type=Path, default=ROOT,
+                    help="the tree whose files --check compares (default: this repository)")
     ns = ap.parse_args()
     drift = []
     for path, text in outputs().items():
+        path = ns.root / path.relative_to(ROOT)
         if ns.check:
             if not path.exists() or path.read_text() != text:
-                drift.append(str(path.relative_to(ROOT)))
+                drift.append(str(path.relative_to(ns.root)))
         else:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text)
     if drift:
         print("generated files drifted from the parsers; run python contrib/generate.py:", *drift, sep="\n  ")
-        return 1
-    return 0
+    readme = ns.root / "README.md"
+    by_hand = readme_drift(readme.read_text() if readme.exists() else "", vramctl_parser())
+    if by_hand:
+        print("README.md's vramctl commands drifted from the parser (edit it by hand):", *by_hand, sep="\n  ")
+    return 1 if drift or by_hand else 0
 
 
 if __name__ == "__main__":

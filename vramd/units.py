@@ -1,6 +1,7 @@
 """Sizes as users write them (4096, 0x1000, 8M, 1GiB), and the arithmetic every layer shares."""
 from __future__ import annotations
 
+import argparse
 import mmap
 import re
 
@@ -31,6 +32,15 @@ def parse_size(text: str | int) -> int:
     if not m:
         raise ValueError(f"not a size: {text!r} (examples: 4096, 0x1000, 8M, 1GiB)")
     return int(m.group(1), 0) * _SUFFIX[m.group(2).upper()]
+
+
+def size_arg(text: str) -> int:
+    """`parse_size` as an argparse type: a bad size is a usage error (exit 2) in parse_size's own words, the one
+    style every command and the configuration share ("not a size: '12Q' (examples: ...)")."""
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def format_size(n: float) -> str:

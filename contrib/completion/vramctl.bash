@@ -26,6 +26,7 @@ _vramctl() {
     esac
     case "${COMP_WORDS[COMP_CWORD-1]}" in
         --image|--workdir|--socket) COMPREPLY=($(compgen -f -- "$cur")) ;;
+        --compress) COMPREPLY=($(compgen -W "none zstd bplanes auto" -- "$cur")) ;;
     esac
 }
 complete -o default -F _vramctl vramctl

@@ -4,11 +4,12 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import sys
 import tempfile
 from typing import Any
 
 from ..units import format_size
-from .common import EXIT_OK, Failure, connect, emit, gbps, session_dict
+from .common import EXIT_OK, Failure, connect, daemon_uid, emit, gbps, session_dict
 
 
 def cmd_status(ns: argparse.Namespace) -> int:
@@ -59,6 +60,10 @@ def sessions_table(rows: list[dict[str, Any]]) -> list[str]:
 def cmd_sessions(ns: argparse.Namespace) -> int:
     with connect(ns) as c:
         infos = c.sessions()  # root and the daemon's uid get every uid's; others their own
+        me, daemon = os.geteuid(), daemon_uid(c)
+    if ns.all and me not in (0, daemon):  # said on stderr: stdout stays what scripts parse
+        print(f"vramctl: sessions --all shows you only your own sessions (uid {me}): every uid's are shown only "
+              f"to root and the daemon's user (uid {daemon})", file=sys.stderr)
     if not ns.all:
         infos = [i for i in infos if i.uid == os.getuid()]
     rows = [session_dict(i) for i in infos]

@@ -2,11 +2,17 @@
 from __future__ import annotations
 
 import argparse
+import grp
 import json
+import os
 import re
+import socket
+import stat
+import struct
 from typing import Any
 
 from ..client import Client
+from ..paths import SYSTEM_SOCKET, client_socket_path
 from ..pb import image_pb2 as pb
 from ..pb import rpc_pb2 as rpc
 from ..protocol.wire import code_name, enum_name
@@ -106,5 +112,51 @@ def rate(nbytes: int, seconds: float) -> str:
 
 
 def connect(ns: argparse.Namespace, name: str = "vramctl") -> Client:
-    """The daemon at --socket (else the search order), authenticated with --daemon-user (vramd.paths)."""
-    return Client(ns.socket, name=name, daemon_user=ns.daemon_user)
+    """The daemon at --socket (else the search order), authenticated with --daemon-user (vramd.paths).  A
+    connection refused is a Failure of one line that says why and what to do (`no_connection`)."""
+    try:
+        return Client(ns.socket, name=name, daemon_user=ns.daemon_user)
+    except ConnectionError as e:
+        raise Failure(no_connection(str(e), ns.socket)) from None
+
+
+def no_connection(message: str, explicit: str | None) -> str:
+    """The client's "cannot connect to vramd at PATH: why", and what to do about it: where nobody listens, the
+    sockets looked for and how to start the daemon; where the socket's mode keeps the caller out, its group.
+    `explicit`: the --socket the user gave (then a missing socket is only named, as before)."""
+    if not message.startswith("cannot connect to vramd at "):
+        return message  # (the daemon hung up during Hello: nothing to add)
+    path = explicit or client_socket_path()
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        if explicit:
+            return message
+        env = os.environ.get("VRAMD_SOCKET")
+        if env:
+            return f"{message} (from $VRAMD_SOCKET): is vramd running there?"
+        also = "" if path == SYSTEM_SOCKET else f"; no system socket at {SYSTEM_SOCKET} either"
+        return f"{message}{also}: is vramd running? (systemctl start vramd.socket)"
+    except OSError:
+        return message
+    if not stat.S_ISSOCK(st.st_mode):
+        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "a regular file" if stat.S_ISREG(st.st_mode) else \
+            "not a socket"
+        return (f"{message}: {path} is {kind}, not a socket: give the path the daemon listens on (its log says "
+                "\"listening on PATH\")")
+    if not os.access(path, os.W_OK):
+        try:
+            group = grp.getgrgid(st.st_gid).gr_name
+        except KeyError:
+            group = str(st.st_gid)
+        return (f"{message} (the socket is mode {st.st_mode & 0o777:04o}, group {group}): only members of group "
+                f"{group} may connect; ask an administrator to add you (usermod -aG {group} USER), then log in "
+                "again")
+    return f"{message}: is vramd running? (a socket nobody listens on: systemctl start vramd.socket, or restart " \
+        "the daemon that made it)"
+
+
+def daemon_uid(c: Client) -> int:
+    """The uid of the daemon at the other end (SO_PEERCRED)."""
+    creds = c.sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("iII"))
+    return int(struct.unpack("iII", creds)[1])

@@ -1,6 +1,7 @@
 """End-to-end demo through the daemon: dump a live process, restore into a fresh one, verify.
 
-    python -m vramd.cli.demo [--size 2G] [--image DIR] [--compress zstd:1] [--socket PATH]
+    ./dev.sh demo [--size 2G] [--image DIR] [--compress zstd:1] [--socket PATH]
+    python -m vramd.cli.demo ...      (the same, in a prepared virtual environment)
 
 Starts a `vramd` daemon (unless --socket names one already running), a
 workload process holding mixed buffers (random, zero, patterned, odd
@@ -24,11 +25,13 @@ from contextlib import ExitStack
 from typing import Any
 
 from ..client import SESSION_DUMP, SESSION_RESTORE, SESSION_VERIFY, Client, ClientBo
-from ..image.codec import Compression
+from ..errors import VramdError
+from ..image.compression import FORMS, compression_arg
 from ..pb import rpc_pb2 as rpc
 from ..testing.launcher import DaemonProcess
 from ..testing.workload import Workload, blank_spec_like
-from ..units import format_size, parse_size
+from ..units import format_size, size_arg
+from .common import Failure, no_connection
 from .progress import Lines
 from .progress import follow as _follow
 
@@ -119,17 +122,31 @@ def run_demo(sock: str, total: int, image: str, compression: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m vramd.demo", description=__doc__.splitlines()[0])
-    ap.add_argument("--size", default="2G", help="total bytes the workload holds (default 2G)")
+    ap = argparse.ArgumentParser(prog="./dev.sh demo", description=__doc__.splitlines()[0])
+    ap.add_argument("--size", type=size_arg, default="2G", help="total bytes the workload holds (default 2G)")
     ap.add_argument("--image", help="image directory (default: a temporary one, removed afterwards)")
-    ap.add_argument("--compress", default="zstd:1", help="none | zstd | zstd:LEVEL (default zstd:1)")
+    ap.add_argument("--compress", type=compression_arg, default="zstd:1",
+                    help=f"{FORMS} (default zstd:1)")
     ap.add_argument("--socket", help="use the daemon already listening here instead of starting one")
     ns = ap.parse_args(argv)
+    total = ns.size
     try:
-        total = parse_size(ns.size)
-        Compression.parse(ns.compress)
-    except ValueError as e:
-        ap.error(str(e))
+        return _demo(ns, total)
+    except (Failure, VramdError, OSError) as e:  # one line: what, where, what to do
+        reason = f"{e.code}: {e.describe()}" if isinstance(e, VramdError) else str(e)
+        print(f"vramd-demo: {reason}", file=sys.stderr)
+        return 1
+
+
+def _demo(ns: argparse.Namespace, total: int) -> int:
+    if ns.socket:  # first, before anything is made: the one line names the socket and what to do
+        try:
+            Client(ns.socket, name="vramd-demo").close()
+        except ConnectionError as e:
+            why = no_connection(str(e), ns.socket)
+            if why == str(e):
+                why += ": is vramd listening there? (without --socket the demo starts a daemon of its own)"
+            raise Failure(why) from None
     image = ns.image or tempfile.mkdtemp(prefix="vramd-demo-", dir="/var/tmp")
     os.makedirs(image, exist_ok=True)
     run_dir = tempfile.mkdtemp(prefix="vramd-demo-run-")

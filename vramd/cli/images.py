@@ -82,6 +82,19 @@ def cmd_inspect(ns: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def child_dir(dfd: int, parent: str, mark: str) -> str:
+    """The directory of the child image the mark `mark` in `parent` names, as the user can find it: the path
+    the mark records that leads to a directory (the absolute one first); the mark's own name where it names
+    none (an older vramd's mark)."""
+    from ..imagedir import read_mark
+    got = read_mark(dfd, mark)
+    if got is None:
+        return f"{mark} (a mark that names no directory)"
+    paths = sorted((os.fsdecode(p) for p in got[1]), key=lambda p: not os.path.isabs(p))
+    shown = [p if os.path.isabs(p) else os.path.normpath(os.path.join(parent, p)) for p in paths]
+    return next((p for p in shown if os.path.isdir(p)), shown[0])
+
+
 def cmd_rm(ns: argparse.Namespace) -> int:
     """Remove an image: refused while incremental images are marked as needing it (stale marks, whose child
     is gone or holds another image, do not count: they go too, and rm says so).  Only vramd's own files go,
@@ -104,8 +117,9 @@ def cmd_rm(ns: argparse.Namespace) -> int:
         m = read_manifest_offline(dfd, ns.dir)
         stale, live = remove_stale_marks(dfd)
         if live:
-            raise Failure(f"{ns.dir} is the parent of {len(live)} incremental image(s) ({live[0][0]}: "
-                          f"{live[0][1]}...): remove or flatten them first")
+            children = [child_dir(dfd, ns.dir, name) for name, _why in live]
+            raise Failure(f"{ns.dir} is the parent of {len(live)} incremental image(s): {', '.join(children)}: "
+                          "remove or flatten them first")
         if stale:
             notes.append(f"ignored and removed {len(stale)} stale mark(s): {'; '.join(stale)}")
         parent_fds: list[int] = []

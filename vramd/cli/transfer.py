@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 import time
@@ -54,7 +55,14 @@ def open_procmem(pid: int, flags: int) -> int:
     try:
         return os.open(f"/proc/{pid}/mem", flags | os.O_CLOEXEC)
     except OSError as e:
-        raise Failure(f"cannot open /proc/{pid}/mem: {e.strerror}") from None
+        if e.errno == errno.ENOENT:
+            todo = f"no process {pid} is running: check --pid"
+        elif e.errno in (errno.EACCES, errno.EPERM):
+            todo = (f"you may not trace process {pid}: run vramctl as its user (or root), and see "
+                    "/proc/sys/kernel/yama/ptrace_scope")
+        else:
+            todo = "check --pid"
+        raise Failure(f"cannot open /proc/{pid}/mem: {e.strerror}; {todo}") from None
 
 
 def cmd_dump(ns: argparse.Namespace) -> int:

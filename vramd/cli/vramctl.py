@@ -42,7 +42,8 @@ from typing import Any
 
 from .. import __version__
 from ..errors import VramdError
-from ..units import parse_size
+from ..image.compression import compression_arg
+from ..units import size_arg
 from .admin import cmd_cancel, cmd_selftest, cmd_sessions, cmd_status
 from .common import (
     EXIT_FAILURE,
@@ -105,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bo-file", type=parse_bo_file, action="append", metavar="PATH[:OFF:LEN]",
                    help="a file (memfd, dmabuf, regular file) holding a BO, repeatable")
     p.add_argument("--image", required=True, metavar="DIR")
-    p.add_argument("--compress", metavar="none|zstd|bplanes|auto[:LEVEL]",
+    p.add_argument("--compress", type=compression_arg, metavar="none|zstd|bplanes|auto[:LEVEL]",
                    help="default: the daemon's (auto: compressed only where that makes the dump faster)")
     p.add_argument("--force", action="store_true", help="replace an image the directory already holds")
     p.add_argument("--parent", metavar="DIR",
@@ -139,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out", metavar="OUT", help="an empty or new directory for the self-contained copy")
     p.add_argument("--parent", metavar="DIR", help=PARENT_HELP)
     p = cmd("selftest", cmd_selftest, "round-trip known data through every backend, per GPU; GB/s")
-    p.add_argument("--size", type=parse_size, default=64 << 20, help="bytes per BO (default 64M)")
+    p.add_argument("--size", type=size_arg, default=64 << 20, help="bytes per BO (default 64M)")
     p.add_argument("--workdir", default="/var/tmp", help="where the temporary images go")
     p = cmd("inspect", cmd_inspect, "describe an image (offline)", daemon=False)
     p.add_argument("dir", metavar="DIR")
@@ -149,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
             "into a vramd image")
     p.add_argument("criu_dir", metavar="CRIU_DIR", help="the stock checkpoint directory (criu dump -D)")
     p.add_argument("image", metavar="IMAGE_DIR")
-    p.add_argument("--compress", metavar="none|zstd|bplanes|auto[:LEVEL]",
+    p.add_argument("--compress", type=compression_arg, metavar="none|zstd|bplanes|auto[:LEVEL]",
                    help="default: the daemon's (auto: compressed only where that makes the dump faster)")
     p.add_argument("--force", action="store_true", help="replace an image the directory already holds")
     p.add_argument("--offline", action="store_true", help=offline_help)
@@ -205,6 +206,10 @@ def _main(argv: list[str] | None) -> int:
     ns = parser.parse_args(argv)  # exits 2 on usage errors
     if ns.command == "dump" and ns.range and ns.pid is None:
         parser.error("dump: --range needs --pid (the process the addresses are in)")
+    if ns.command == "dump" and not ns.range and not ns.bo_file:
+        parser.error("dump: nothing to dump: give --range ADDR:LEN (the addresses in --pid's memory to dump) "
+                     "and/or --bo-file PATH" if ns.pid is not None else
+                     "dump: nothing to dump: give --pid PID --range ADDR:LEN and/or --bo-file PATH")
     try:
         rc: int = ns.fn(ns)
         sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit

@@ -13,6 +13,7 @@ takes it (`str`, `compression_name`).
 """
 from __future__ import annotations
 
+import argparse
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from ..pb import image_pb2 as pb
 from .policy import LEVELS, AutoPolicy, Choice, Mode, candidates, choose, sample_slices
 
 FORMS = "none, zstd, zstd:LEVEL, bplanes, bplanes:LEVEL, auto, auto:LEVEL"
+MODES = ("none", "zstd", "bplanes", "auto")  # what a shell completes after --compress
 _SPEC = re.compile(r"(none|zstd|bplanes|auto)(?::(-?[0-9]{1,2}))?")
 
 
@@ -97,3 +99,13 @@ def compression_name(c: pb.Compression) -> str:
     """How an image's manifest names its compression (as `--compress` takes it; an auto image of no recorded
     level: `auto`)."""
     return "auto" if c.automatic and not c.level else str(Compression.from_pb(c))
+
+
+def compression_arg(text: str) -> str:
+    """A --compress value checked by the parser (a usage error, exit 2, naming the accepted forms), kept as
+    text: the daemon parses it again where it arrives."""
+    try:
+        Compression.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text

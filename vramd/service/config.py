@@ -29,11 +29,12 @@ file and applies the keys in `RELOADABLE` (see docs/protocol.md, Configuration).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import grp
 import math
 import os
 import tomllib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +44,8 @@ from ..image.format import MAX_STRIPES
 from ..protocol.frames import DEFAULT_MAX_MESSAGE, SCM_MAX_FD
 from ..topology import CHECK_ENV, DEFAULT_ROOT
 from ..units import PAGE, MiB, parse_size
+from .tomltext import show as _show
+from .tomltext import to_toml as to_toml  # (--check-config's output; imported from here)
 from .usage import dump_fds
 
 DEFAULT_GROUP = "vramd"
@@ -65,7 +68,7 @@ def _type_name(v: object) -> str:
 def _int(lo: int, hi: int | None = None) -> Callable[[object], int]:
     def conv(v: object) -> int:
         if isinstance(v, bool) or not isinstance(v, int):
-            raise ValueError(f"expected an integer, got {_type_name(v)} {v!r}")
+            raise ValueError(f"expected an integer, got {_type_name(v)} {_show(v)}")
         if v < lo or (hi is not None and v > hi):
             raise ValueError(f"{v} is out of range ({lo}..{hi if hi is not None else ''})")
         return v
@@ -75,10 +78,10 @@ def _int(lo: int, hi: int | None = None) -> Callable[[object], int]:
 def _seconds(lo: float, *, positive: bool = False) -> Callable[[object], float]:
     def conv(v: object) -> float:
         if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise ValueError(f"expected a number of seconds, got {_type_name(v)} {v!r}")
+            raise ValueError(f"expected a number of seconds, got {_type_name(v)} {_show(v)}")
         f = float(v)
         if not math.isfinite(f) or f < lo or (positive and f <= 0):
-            raise ValueError(f"{v!r} seconds is out of range (must be {'> 0' if positive else f'>= {lo:g}'})")
+            raise ValueError(f"{_show(v)} seconds is out of range (must be {'> 0' if positive else f'>= {lo:g}'})")
         return f
     return conv
 
@@ -86,12 +89,12 @@ def _seconds(lo: float, *, positive: bool = False) -> Callable[[object], float]:
 def _size(lo: int, hi: int | None = None, *, page: bool = False) -> Callable[[object], int]:
     def conv(v: object) -> int:
         if isinstance(v, bool) or not isinstance(v, (int, str)):
-            raise ValueError(f"expected a size (4096, \"0x1000\", \"8M\"), got {_type_name(v)} {v!r}")
+            raise ValueError(f"expected a size (4096, \"0x1000\", \"8M\"), got {_type_name(v)} {_show(v)}")
         n = parse_size(v)  # ValueError on a negative or malformed one
         if n < lo or (hi is not None and n > hi):
-            raise ValueError(f"{v!r} is out of range ({lo}..{hi if hi is not None else ''} bytes)")
+            raise ValueError(f"{_show(v)} is out of range ({lo}..{hi if hi is not None else ''} bytes)")
         if page and n % PAGE:
-            raise ValueError(f"{v!r} is not a multiple of {PAGE} bytes")
+            raise ValueError(f"{_show(v)} is not a multiple of {PAGE} bytes")
         return n
     return conv
 
@@ -99,17 +102,17 @@ def _size(lo: int, hi: int | None = None, *, page: bool = False) -> Callable[[ob
 def _mode(v: object) -> int:
     # A TOML integer 660 is decimal 660 (0o1224): refused rather than guessed at.
     if not isinstance(v, str):
-        raise ValueError(f"expected a string of octal digits such as \"0660\", got {_type_name(v)} {v!r}")
+        raise ValueError(f"expected a string of octal digits such as \"0660\", got {_type_name(v)} {_show(v)}")
     text = v.removeprefix("0o")
     if not text or any(c not in "01234567" for c in text) or int(text, 8) > 0o777:
-        raise ValueError(f"{v!r} is not an octal mode between \"0000\" and \"0777\"")
+        raise ValueError(f"{_show(v)} is not an octal mode between \"0000\" and \"0777\"")
     return int(text, 8)
 
 
 def _str(*, optional: bool = False, nonempty: bool = True) -> Callable[[object], str | None]:
     def conv(v: object) -> str | None:
         if not isinstance(v, str):
-            raise ValueError(f"expected a string, got {_type_name(v)} {v!r}")
+            raise ValueError(f"expected a string, got {_type_name(v)} {_show(v)}")
         if nonempty and not v and not optional:
             raise ValueError("must not be empty")
         return v or None if optional else v
@@ -118,36 +121,36 @@ def _str(*, optional: bool = False, nonempty: bool = True) -> Callable[[object],
 
 def _bool(v: object) -> bool:
     if not isinstance(v, bool):
-        raise ValueError(f"expected true or false, got {_type_name(v)} {v!r}")
+        raise ValueError(f"expected true or false, got {_type_name(v)} {_show(v)}")
     return v
 
 
 def _compression(v: object) -> str:
     if not isinstance(v, str):
-        raise ValueError(f"expected a string such as \"zstd:3\", got {_type_name(v)} {v!r}")
+        raise ValueError(f"expected a string such as \"zstd:3\", got {_type_name(v)} {_show(v)}")
     try:
         Compression.parse(v)
     except Exception as e:  # whatever the codec parser says, as one line
-        raise ValueError(str(e).splitlines()[0] if str(e) else f"{v!r} is not a compression") from None
+        raise ValueError(str(e).splitlines()[0] if str(e) else f"{_show(v)} is not a compression") from None
     return v
 
 
 def _log_level(v: object) -> str:
     if not isinstance(v, str) or v.lower() not in LOG_LEVELS:
-        raise ValueError(f"expected one of {', '.join(LOG_LEVELS)}, got {v!r}")
+        raise ValueError(f"expected one of {', '.join(LOG_LEVELS)}, got {_show(v)}")
     return v.lower()
 
 
 def _list(item: Callable[[object], Any], what: str) -> Callable[[object], list[Any]]:
     def conv(v: object) -> list[Any]:
         if not isinstance(v, list):
-            raise ValueError(f"expected an array of {what}, got {_type_name(v)} {v!r}")
+            raise ValueError(f"expected an array of {what}, got {_type_name(v)} {_show(v)}")
         out = []
         for x in v:
             try:
                 out.append(item(x))
             except ValueError as e:
-                raise ValueError(f"element {x!r}: {e}") from None
+                raise ValueError(f"element {_show(x)}: {e}") from None
         return out
     return conv
 
@@ -160,12 +163,21 @@ def _group(v: object) -> str | int:
 
 def _checks(v: object) -> dict[str, bool]:
     if not isinstance(v, dict):
-        raise ValueError(f"expected a table of CRIU switch = true/false, got {_type_name(v)} {v!r}")
+        raise ValueError(f"expected a table of CRIU switch = true/false, got {_type_name(v)} {_show(v)}")
     names = sorted(CHECK_ENV.values())
     for name, on in v.items():
+        if name in KEYS:  # appended to a file whose last table is this one
+            raise ValueError(f"{name} = {_show(on)}: this key belongs at the top level, above the "
+                             "[topology_checks] header (in TOML every key after a [table] header is in that table)")
         if name not in names or not isinstance(on, bool):
-            raise ValueError(f"{name!r} = {on!r}: expected one of {', '.join(names)} = true/false")
+            raise ValueError(f"{name} = {_show(on)}: expected one of {', '.join(names)} = true/false"
+                             + ("" if name in names else _did_you_mean(name, names)))
     return dict(v)
+
+
+def _did_you_mean(name: str, known: Iterable[str]) -> str:
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.75)
+    return f" (did you mean {close[0]}?)" if close else ""
 
 
 _UID = _int(0, 2**32 - 2)
@@ -265,7 +277,7 @@ class DaemonConfig:
             key = key.replace("-", "_")
             conv = KEYS.get(key)
             if conv is None:
-                raise ConfigError(origin, key, "unknown setting")
+                raise ConfigError(origin, key, "unknown setting" + _did_you_mean(key, KEYS))
             try:
                 setattr(self, key, conv(value))
             except ValueError as e:
@@ -310,6 +322,25 @@ class DaemonConfig:
             out[f.name] = f"{v:04o}" if f.name == "socket_mode" else v
         return out
 
+    def warnings(self) -> list[str]:
+        """What is valid but likely a mistake (--check-config prints these; the daemon logs them): a group in
+        allowed_groups that does not exist lets nobody in (but the default group, vramd, which the package's
+        sysusers file makes: a daemon run by hand without it is the ordinary case); a metrics_textfile whose
+        directory is missing is never written."""
+        out = []
+        for g in self.allowed_groups:
+            if isinstance(g, str) and g != DEFAULT_GROUP:
+                try:
+                    grp.getgrnam(g)
+                except KeyError:
+                    out.append(f"allowed_groups: no group {_show(g)} on this host: it lets nobody in (create it, "
+                               "e.g. with groupadd, or remove it)")
+        where = os.path.dirname(self.metrics_textfile or "") or "."
+        if self.metrics_textfile and not os.path.isdir(where):
+            out.append(f"metrics_textfile: {where} is not a directory here: no metrics will be written (create "
+                       "it, or choose another path)")
+        return out
+
     def allowed_gids(self) -> set[int]:
         """Configured groups as gids; a group name that does not exist is skipped."""
         gids: set[int] = set()
@@ -342,27 +373,3 @@ def load_config(path: str | None, overrides: dict[str, Any]) -> DaemonConfig:
     cfg.update({k: v for k, v in overrides.items() if v is not None}, origin="command line")
     cfg.check(path or "command line")
     return cfg
-
-
-def to_toml(values: dict[str, Any]) -> str:
-    """`values` (DaemonConfig.effective()) as a TOML document; None values as comments."""
-    def fmt(v: Any) -> str:
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, (int, float)):
-            return repr(v)
-        if isinstance(v, str):
-            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-        if isinstance(v, list):
-            return "[" + ", ".join(fmt(x) for x in v) + "]"
-        raise TypeError(type(v))
-    lines, tables = [], []
-    for k, v in values.items():
-        if isinstance(v, dict):
-            tables.append(f"\n[{k}]")
-            tables += [f"{name} = {fmt(on)}" for name, on in sorted(v.items())]
-        elif v is None:
-            lines.append(f"# {k} is not set")
-        else:
-            lines.append(f"{k} = {fmt(v)}")
-    return "\n".join(lines + tables) + "\n"

@@ -198,7 +198,8 @@ class Daemon:
         later = sorted(k for k in old.effective() if k not in RELOADABLE and getattr(old, k) != getattr(new, k))
         log.info("SIGHUP: configuration reloaded; changed: %s", ", ".join(changed) or "nothing")
         if later:
-            log.warning("SIGHUP: %s changed in the file but take effect only at a restart", ", ".join(later))
+            log.warning("SIGHUP: %s changed in the file; %s effect only at a restart", ", ".join(later),
+                        "it takes" if len(later) == 1 else "they take")
         systemd.notify("READY=1", f"STATUS={self.status_line()}")
 
     # --- serving -------------------------------------------------------------

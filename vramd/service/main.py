@@ -1,7 +1,7 @@
 """`vramd`: the daemon's command line.
 
     vramd [--config FILE] [--socket PATH] [--socket-mode OCTAL] [--staging-budget SIZE] [--chunk-size SIZE]
-          [--compression none|zstd[:N]] [--workers-per-gpu N] [--allow-uid UID ...]
+          [--compression none|zstd|bplanes|auto[:LEVEL]] [--workers-per-gpu N] [--allow-uid UID ...]
           [--allow-group GROUP ...] [--grace-period S] [--max-hold S] [--drain-timeout S]
           [--metrics-textfile PATH] [--log-level LEVEL] [--check-config]
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import errno
 import logging
 import os
@@ -32,8 +33,9 @@ from collections.abc import Callable
 import uvloop
 
 from .. import __version__
-from ..paths import default_socket_path, ensure_private_dir, user_run_dir
-from ..units import parse_size
+from ..image.compression import FORMS
+from ..paths import SYSTEM_SOCKET, default_socket_path, ensure_private_dir, user_run_dir
+from ..units import size_arg
 from . import systemd
 from .config import LOG_LEVELS, ConfigError, DaemonConfig, load_config, to_toml
 from .daemon import Daemon
@@ -50,9 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "$XDG_RUNTIME_DIR/vramd/vramd.sock, else /tmp/vramd-UID/vramd.sock, for root "
                     "/run/vramd/vramd.sock: where clients look)")
     ap.add_argument("--socket-mode", help="permissions of the socket file (octal, e.g. 0660)")
-    ap.add_argument("--staging-budget", type=parse_size, help="host staging memory budget (e.g. 512M)")
-    ap.add_argument("--chunk-size", type=parse_size, help="chunk size (e.g. 8M)")
-    ap.add_argument("--compression", help="default dump compression: none, zstd, zstd:LEVEL")
+    ap.add_argument("--staging-budget", type=size_arg, help="host staging memory budget (e.g. 512M)")
+    ap.add_argument("--chunk-size", type=size_arg, help="chunk size (e.g. 8M)")
+    ap.add_argument("--compression", help=f"default dump compression: {FORMS} (default: auto)")
     ap.add_argument("--workers-per-gpu", type=int, help="chunks in flight per GPU")
     ap.add_argument("--allow-uid", type=int, action="append", dest="allowed_uids", help="uid allowed to connect")
     ap.add_argument("--allow-group", action="append", dest="allowed_groups",
@@ -89,44 +91,107 @@ def raise_fd_limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
-def bind_socket(path: str, mode: int) -> socket.socket:
-    """Listen on `path`; a stale socket file is replaced, a live daemon is not."""
-    parent = os.path.dirname(path) or "."
+UNIX_PATH_MAX = 108  # sun_path's size, its terminating NUL included
+
+
+class ListenError(Exception):
+    """The daemon cannot listen where it was asked to: one line (what, where, what to do); exit 1."""
+
+
+def _made_dirs(path: str, parent: str) -> list[str]:
+    """Make the socket's directory if it is one of the two documented runtime directories, the user's
+    (`user_run_dir`, 0700, ours alone) and root's /run/vramd (0755 whatever the umask: clients refuse a
+    group-writable one); any other missing directory is a mistyped path, refused.  Returns what was made."""
     if parent == user_run_dir():
+        existed = os.path.isdir(parent)
         ensure_private_dir(parent)
-    else:  # (clients trust only directories nobody but root, their uid and the daemon user can write)
-        old = os.umask(0o022)  # 0755 whatever the umask: under 002 they were 0775, and every client refused them
+        return [] if existed else [parent]
+    if parent == os.path.dirname(SYSTEM_SOCKET) and _is_root():
+        old = os.umask(0o022)
         try:
-            os.makedirs(parent, mode=0o755, exist_ok=True)
+            os.mkdir(parent, 0o755)
+        except FileExistsError:
+            return []
         finally:
             os.umask(old)
+        return [parent]
+    if not os.path.isdir(parent):
+        why = "is not a directory" if os.path.lexists(parent) else "does not exist"
+        raise ListenError(f"cannot listen on {path}: {parent} {why}; vramd "
+                          f"makes only {os.path.dirname(SYSTEM_SOCKET)} and {user_run_dir()}: create it first, or "
+                          "choose another --socket")
+    return []
+
+
+def _is_root() -> bool:
+    return os.geteuid() == 0
+
+
+def _replace_stale(path: str) -> None:
+    """A stale socket file (nobody listens) is removed; a live daemon's, or anything but a socket, is not."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
-        pass
-    else:
-        if not stat.S_ISSOCK(st.st_mode):
-            raise SystemExit(f"vramd: {path} exists and is not a socket")
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        try:
-            probe.connect(path)
-        except OSError as e:
-            if e.errno != errno.ECONNREFUSED:
-                raise
-            os.unlink(path)  # stale: nobody listens
-        else:
-            raise SystemExit(f"vramd: another daemon is already listening on {path}")
-        finally:
-            probe.close()
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-    old = os.umask(0o177)
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise ListenError(f"cannot listen on {path}: it exists and is not a socket: remove it or choose another "
+                          "--socket")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
-        sock.bind(path)
+        probe.connect(path)
+    except OSError as e:
+        if e.errno == errno.EACCES:
+            raise ListenError(f"cannot listen on {path}: a socket of uid {st.st_uid} is there, mode "
+                              f"{st.st_mode & 0o777:04o}, and this uid ({os.geteuid()}) may neither use nor replace "
+                              "it: have its owner remove it, or choose another --socket") from None
+        if e.errno != errno.ECONNREFUSED:
+            raise
+        os.unlink(path)  # stale: nobody listens
+    else:
+        raise ListenError(f"another daemon is already listening on {path}: stop it or choose another --socket")
     finally:
-        os.umask(old)
-    os.chmod(path, mode)
-    sock.listen(128)
-    return sock
+        probe.close()
+
+
+def bind_socket(path: str, mode: int) -> socket.socket:
+    """Listen on `path`; a stale socket file is replaced, a live daemon is not.  ListenError (one line) where
+    that cannot be done, and then nothing this call made is left behind."""
+    parent = os.path.dirname(os.path.abspath(path))  # (bound as given: a relative path may fit sun_path)
+    made: list[str] = []
+    bound = False
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    try:
+        made = _made_dirs(path, parent)
+        _replace_stale(path)
+        old = os.umask(0o177)
+        try:
+            sock.bind(path)
+        finally:
+            os.umask(old)
+        bound = True
+        os.chmod(path, mode)
+        sock.listen(128)
+        return sock
+    except (OSError, ListenError) as e:
+        sock.close()
+        if bound:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        for d in reversed(made):
+            with contextlib.suppress(OSError):
+                os.rmdir(d)
+        if isinstance(e, ListenError):
+            raise
+        what = e.strerror or str(e)
+        if e.filename and e.filename != path:
+            what = f"{e.filename}: {what}"
+        if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            todo = f"run vramd as a user that may write {parent}, or choose another --socket"
+        elif len(os.fsencode(path)) >= UNIX_PATH_MAX:
+            todo = f"a unix socket's path has at most {UNIX_PATH_MAX - 1} bytes: choose a shorter --socket"
+        else:
+            todo = "choose another --socket"
+        raise ListenError(f"cannot listen on {path}: {what}; {todo}") from None
 
 
 async def run(cfg: DaemonConfig, reload: Callable[[], DaemonConfig] | None = None) -> int:
@@ -174,6 +239,8 @@ def reload_config(daemon: Daemon, reload: Callable[[], DaemonConfig] | None) -> 
         log.error("SIGHUP: configuration not reloaded (the running settings stay): %s", e)
         return
     set_log_level(new.log_level)
+    for warning in new.warnings():
+        log.warning("SIGHUP: %s", warning)
     daemon.reconfigure(new)
 
 
@@ -202,14 +269,25 @@ def main(argv: list[str] | None = None) -> int:
         print(f"vramd: bad configuration: {e}", file=sys.stderr)
         return 2
     if ns.check_config:
+        for warning in cfg.warnings():
+            print(f"vramd: warning: {warning}", file=sys.stderr)
         sys.stdout.write(f"# vramd {__version__}: effective configuration"
                          f"{' from ' + ns.config if ns.config else ''} (defaults, file, flags)\n")
         sys.stdout.write(to_toml(cfg.effective()))
         return 0
     setup_logging(cfg.log_level)
+    for warning in cfg.warnings():
+        log.warning("%s", warning)
     raise_fd_limit()
     config = ns.config
-    return uvloop.run(run(cfg, (lambda: load_config(config, flags)) if config else None))
+    try:
+        return uvloop.run(run(cfg, (lambda: load_config(config, flags)) if config else None))
+    except ListenError as e:  # one line, no traceback; into the journal with its priority
+        if systemd.stderr_is_journal():
+            log.error("%s", e)
+        else:
+            print(f"vramd: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
