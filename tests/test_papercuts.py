@@ -148,9 +148,14 @@ ROWS: dict[str, Row] = {
         ["cannot listen on {scratch}/nonexistent/dir/v.sock", "{scratch}/nonexistent/dir does not exist",
          "makes only /run/vramd"]),
     # --- the configuration ------------------------------------------------------------------------------------
-    "config: a key appended after the shipped file's last table": Row(
-        _sh("vramd", "--check-config", "--config", "{scratch}/vramd.toml"), 2,
-        ["topology_checks: log_level", "belongs at the top level"], prep=_shipped_plus('log_level = "debug"')),
+    "config: a key appended to the shipped file is a top-level key": Row(
+        _sh("vramd", "--check-config", "--config", "{scratch}/vramd.toml"), 0, ['log_level = "debug"'],
+        stream="stdout", one_line=False, not_says=["[topology_checks]\nlog_level"],
+        prep=_shipped_plus('log_level = "debug"')),
+    "config: a top-level key under a table header": Row(
+        _sh("vramd", "--check-config", "--config", "{scratch}/c.toml"), 2,
+        ["topology_checks: log_level", "belongs at the top level"],
+        prep=_write("c.toml", '[topology_checks]\nKFD_NUMA_CHECK = false\nlog_level = "debug"\n')),
     "config: values in TOML's words": Row(
         _sh("vramd", "--check-config", "--config", "{scratch}/c.toml"), 2, ["chunk_size", "got a boolean true"],
         not_says=["True"], prep=_write("c.toml", "chunk_size = true\n")),
