@@ -1,0 +1,203 @@
+"""vramctl push / pull / restore oci:// against the real registry (Debian's docker-registry, vramd/testing/registry.py)
+and real daemons: byte-exact round trips, what goes over the wire (the client's stats cross-checked with the
+registry's access log and storage), replicas and incremental children, and a second "node" restoring from the
+reference (docs/image-format.md, "OCI artifact")."""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+from helpers import vramctl
+
+from vramd.testing import DaemonProcess
+
+
+def files_of(d: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir()) if p.name == "manifest.vrdm" or p.suffix == ".vrd"}
+
+
+def blob_writes(reg) -> list:
+    """The registry's blob upload requests that carried data (PUT/PATCH of an upload), from its access log."""
+    return [r for r in reg.access_log() if r.method in ("PUT", "PATCH") and "/blobs/uploads/" in r.path]
+
+
+def ok(r) -> dict:
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+class Node:
+    """A "node": its own daemon and its own files."""
+
+    def __init__(self, run_dir: str, d: Path) -> None:
+        self.dir = d
+        d.mkdir(parents=True, exist_ok=True)
+        sock_dir = tempfile.mkdtemp(prefix="n", dir=run_dir)  # its own socket: each node runs a daemon
+        os.chmod(sock_dir, 0o755)
+        self.daemon = DaemonProcess(sock_dir, "--grace-period", "0.3", "--staging-budget", "64M", "--chunk-size",
+                                    "1M")
+
+    def __enter__(self) -> Node:
+        self.daemon.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.daemon.__exit__(*exc)
+
+    def dump(self, image: Path, bos: list[bytes], *more: str) -> dict:
+        args = []
+        for i, data in enumerate(bos, 1):
+            f = self.dir / f"bo{i}.bin"
+            f.write_bytes(data)
+            args += ["--bo-file", str(f)]
+        return ok(vramctl("dump", "--pid", str(os.getpid()), *args, "--image", str(image), "--json", *more,
+                          socket=self.daemon.socket))
+
+    def restore(self, image: str, sizes: list[int], *more: str, stdin: str | None = None) -> list[bytes]:
+        args = []
+        for i, n in enumerate(sizes, 1):
+            f = self.dir / f"out{i}.bin"
+            f.write_bytes(bytes(n))
+            args += ["--bo-file", f"{i}={f}"]
+        r = vramctl("restore", "--pid", str(os.getpid()), "--image", image, *args, *more, socket=self.daemon.socket)
+        assert r.returncode == 0, r.stderr
+        return [(self.dir / f"out{i}.bin").read_bytes() for i in range(1, len(sizes) + 1)]
+
+
+def workload_bos() -> list[bytes]:
+    a = os.urandom(3 << 20)
+    # a BO with a hole, a chunk equal to one of `a`'s (dedup) and a chunk of its own
+    b = bytes(1 << 20) + a[1 << 20:2 << 20] + os.urandom(1 << 20) + bytes(4096)
+    return [a, b]
+
+
+@pytest.fixture
+def node(run_dir, tmp_path):
+    with Node(run_dir, tmp_path / "node1") as n:
+        yield n
+
+
+def test_push_pull_restore_round_trip_and_a_second_push_uploads_nothing(node, registry, tmp_path, run_dir):
+    bos = workload_bos()
+    img = tmp_path / "ckpt" / "step1"
+    node.dump(img, bos)
+    ref = f"{registry.host}/jobs/train:step1"
+    first = ok(vramctl("push", str(img), ref, "--plain-http", "--json"))
+    st = first["stats"]
+    assert st["blobs_present"] == 0 and st["blobs_uploaded"] >= 4  # config, skeleton, >= 2 payloads
+    writes = blob_writes(registry)
+    assert len(writes) == st["blobs_uploaded"]
+    stored = registry.stored_blobs()
+    assert first["digest"] in stored  # the OCI manifest, by its digest
+    assert st["bytes_uploaded"] == sum(stored.values()) - stored[first["digest"]]
+
+    # a second push of the same image: every blob is there (HEAD), nothing is uploaded, the digest is the same
+    again = ok(vramctl("push", str(img), ref, "--plain-http", "--json"))
+    assert again["digest"] == first["digest"]
+    assert again["stats"]["bytes_uploaded"] == 0 and again["stats"]["blobs_uploaded"] == 0
+    assert len(blob_writes(registry)) == len(writes)
+    assert registry.stored_blobs() == stored
+
+    # pull: every file of the directory byte for byte (manifest.vrdm's BLAKE3 holds for children)
+    pulled = tmp_path / "pulled"
+    got = ok(vramctl("pull", ref, str(pulled), "--plain-http", "--json"))
+    assert got["digest"] == first["digest"]
+    assert files_of(pulled) == files_of(img)
+    assert vramctl("verify", str(pulled)).returncode == 0
+
+    # restore from the reference on another node (another daemon, another directory): byte-exact
+    with Node(run_dir, tmp_path / "node2") as other:
+        cache = tmp_path / "node2-cache"
+        out = other.restore(f"oci://{ref}", [len(b) for b in bos], "--plain-http", "--cache", str(cache))
+        assert out == bos
+        downloads = [r for r in registry.access_log() if r.method == "GET" and "/blobs/" in r.path]
+        # the cache holds it now: a second restore downloads no blob
+        out = other.restore(f"oci://{ref}", [len(b) for b in bos], "--plain-http", "--cache", str(cache))
+        assert out == bos
+        assert [r for r in registry.access_log() if r.method == "GET" and "/blobs/" in r.path] == downloads
+
+
+def test_four_replicas_occupy_one_replica(run_dir, registry, tmp_path):
+    """Data-parallel replicas: the same BOs dumped by four daemons into four directories, pushed to four tags
+    of two repositories: the registry stores about one replica (payloads are blobs by their content)."""
+    bos = workload_bos()
+    sizes = []
+    for k in range(4):
+        with Node(run_dir, tmp_path / f"n{k}") as n:
+            img = tmp_path / f"n{k}" / "image"
+            n.dump(img, bos)
+            before = registry.stored_bytes()
+            ok(vramctl("push", str(img), f"{registry.host}/replicas/r{k % 2}:rank{k}", "--plain-http", "--json",
+                       "--mount-from", "replicas/r0"))
+            sizes.append(registry.stored_bytes() - before)
+    one = sizes[0]
+    assert one >= 4 << 20  # the first holds the payloads: 3 MiB + 1 MiB of its own (a hole, a duplicate chunk)
+    assert sum(sizes) <= 1.1 * one, sizes  # the others add their manifests, configs and skeletons only
+
+
+def test_incremental_child_uploads_only_its_changed_chunks_and_pulls_its_parent(node, registry, tmp_path, run_dir):
+    bos = workload_bos()
+    parent, child = tmp_path / "ckpt" / "step1", tmp_path / "ckpt" / "step2"
+    node.dump(parent, bos)
+    base = f"{registry.host}/jobs/inc"
+    ok(vramctl("push", str(parent), f"{base}:step1", "--plain-http", "--json"))
+    changed = bytearray(bos[0])
+    changed[(1 << 20) + 5] ^= 0xFF  # one chunk of the first BO changed
+    bos2 = [bytes(changed), bos[1]]
+    info = node.dump(child, bos2, "--parent", str(parent), "--compress", "none")
+    stored_payload = info["image"]["stored_bytes"]
+    assert 0 < stored_payload <= 1 << 20
+    r = ok(vramctl("push", str(child), f"{base}:step2", "--plain-http", "--json"))
+    assert [c["dir"] for c in r["chain"]] == [str(parent), str(child)]
+    st = r["stats"]
+    # the parent's blobs were all there; the child uploaded its config, skeleton and the changed chunk only
+    assert st["blobs_uploaded"] == 3, st
+    assert stored_payload <= st["bytes_uploaded"] <= stored_payload + 64 << 10
+
+    # pull the child into another place: the parent comes along, as the sibling the child recorded
+    dest = tmp_path / "elsewhere" / "step2"
+    dest.parent.mkdir()
+    got = ok(vramctl("pull", f"{base}:step2", str(dest), "--plain-http", "--json"))
+    assert [c["dir"] for c in got["chain"]] == [str(dest), str(dest.parent / "step1")]
+    assert files_of(dest) == files_of(child) and files_of(dest.parent / "step1") == files_of(parent)
+    with Node(run_dir, tmp_path / "node2") as other:
+        out = other.restore(f"oci://{base}:step2", [len(b) for b in bos2], "--plain-http", "--cache",
+                            str(tmp_path / "cache"))
+    assert out == bos2
+
+
+def test_tls_and_htpasswd(node, htpasswd_registry, tmp_path):
+    from registry_fixtures import REGISTRY_USERS
+    bos = workload_bos()
+    img = tmp_path / "image"
+    node.dump(img, bos)
+    reg = htpasswd_registry
+    ref = f"{reg.host}/secure/job:1"
+    ca = ["--ca-file", str(reg.ca_file)]
+    r = vramctl_stdin(["push", str(img), ref, *ca, "--username", "alice", "--password-stdin", "--json"],
+                      REGISTRY_USERS["alice"] + "\n")
+    assert r.returncode == 0, r.stderr
+    # wrong password: one line, typed, no secret in it
+    r = vramctl_stdin(["push", str(img), ref, *ca, "--username", "alice", "--password-stdin"], "wrong-password\n")
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "AUTH_FAILED" in r.stderr
+    assert "wrong-password" not in r.stderr
+    # no --ca-file: the certificate is not trusted
+    r = vramctl_stdin(["pull", ref, str(tmp_path / "x"), "--username", "alice", "--password-stdin"],
+                      REGISTRY_USERS["alice"] + "\n")
+    assert r.returncode == 1 and "TLS_ERROR" in r.stderr
+    r = vramctl_stdin(["pull", ref, str(tmp_path / "pulled"), *ca, "--username", "alice", "--password-stdin"],
+                      REGISTRY_USERS["alice"] + "\n")
+    assert r.returncode == 0, r.stderr
+    assert files_of(tmp_path / "pulled") == files_of(img)
+
+
+def vramctl_stdin(args: list[str], stdin: str):
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+    return subprocess.run([sys.executable, "-m", "vramd.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                          input=stdin, timeout=120)
