@@ -80,15 +80,15 @@ class Puller:
             finally:
                 os.close(dfd)
             return Pulled(dest, digest, manifest, art.parent, True)
-        try:
+        try:  # nothing is created before the config and the skeleton passed every check
             config, manifest = self.config(art, digest)
+            what = f"{self.reg.host}/{self.repo}@{digest}"
+            sk = decode_skeleton(self.reg.get_blob(self.repo, art.skeleton.digest, art.skeleton.size,
+                                                   where=" (the skeleton layer)"), what=f"{what}: skeleton")
+            check_skeleton(sk, art, manifest)
         except BaseException:
             os.rmdir(dest)
             raise
-        what = f"{self.reg.host}/{self.repo}@{digest}"
-        sk = decode_skeleton(self.reg.get_blob(self.repo, art.skeleton.digest, art.skeleton.size,
-                                               where=" (the skeleton layer)"), what=f"{what}: skeleton")
-        check_skeleton(sk, art, manifest)
         dfd = open_dir(dest)
         created: list[str] = []
         try:
@@ -129,7 +129,7 @@ class Puller:
     def _write(self, dfd: int, dest: str, sk: Skeleton, manifest: pb.Manifest, created: list[str]) -> None:
         fds: list[int] = []
         places: dict[int, list[tuple[int, int]]] = {}  # payload index -> (fd, offset) it goes to
-        where: dict[int, tuple[int, int]] = {}  # payload index -> (file index, offset of its record's end)
+        where: dict[int, tuple[int, int]] = {}  # payload index -> (file index, where it starts there)
         try:
             for fi, f in enumerate(sk.files):
                 tmp = f.name + ".tmp"
@@ -144,7 +144,7 @@ class Puller:
                         os.pwrite(fd, s.data, pos)
                     elif s.kind == PAYLOAD:
                         places.setdefault(s.blob, []).append((fd, pos))
-                        where.setdefault(s.blob, (fi, pos + s.length))
+                        where.setdefault(s.blob, (fi, pos))
                     pos += s.length
 
             def one(k: int) -> None:
@@ -153,8 +153,9 @@ class Puller:
                     data = self.reg.get_blob(self.repo, digest, size)
                 except DigestMismatchError as e:
                     bo, off, name = _chunk_of(manifest, *where[k])
-                    raise DigestMismatchError(f"{e.message}: the payload of a chunk of BO {bo} at offset {off:#x} "
-                                              f"({name}); nothing was restored from it", bo_id=bo, offset=off) from None
+                    chunk = f"BO {bo} at offset {off:#x}" if bo is not None and off is not None else "no BO"
+                    raise DigestMismatchError(f"{e.message}: the payload of a chunk of {chunk} ({name}); nothing "
+                                              "was restored from it", bo_id=bo, offset=off) from None
                 for fd, pos in places[k]:
                     os.pwrite(fd, data, pos)
 
@@ -168,12 +169,12 @@ class Puller:
                 os.close(fd)
 
 
-def _chunk_of(m: pb.Manifest, file_index: int, record_end: int) -> tuple[int | None, int | None, str]:
-    """The BO and offset of a chunk whose record in data file `file_index` ends at `record_end` (for messages)."""
+def _chunk_of(m: pb.Manifest, file_index: int, pos: int) -> tuple[int | None, int | None, str]:
+    """The BO and offset of a chunk whose record in data file `file_index` holds byte `pos` (for messages)."""
     name = m.files[file_index].name
     t = m.chunks
     for e, (img, fi, off, ln) in enumerate(zip(t.image, t.file_index, t.offset, t.length, strict=True)):
-        if img == 0 and fi == file_index and off + ln == record_end:
+        if img == 0 and fi == file_index and off <= pos < off + ln:
             for bo in m.bos:
                 for i, ref in enumerate(bo.chunk_refs):
                     if ref == e + 1:
@@ -181,7 +182,7 @@ def _chunk_of(m: pb.Manifest, file_index: int, record_end: int) -> tuple[int | N
     for bo in m.bos:  # format v1
         if bo.file_index == file_index:
             for i, (off, ln) in enumerate(zip(bo.record_offsets, bo.record_lengths, strict=True)):
-                if off + ln == record_end:
+                if off <= pos < off + ln:
                     return bo.id, i * m.chunk_size, name
     return None, None, name
 

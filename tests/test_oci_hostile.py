@@ -1,0 +1,191 @@
+"""Registry data is untrusted: crafted OCI manifests and skeletons are refused before vramd writes a byte,
+allocates without bound, or uses a blob it did not verify (vramd.oci.layout; the real registry for the end to
+end cases)."""
+from __future__ import annotations
+
+import json
+import os
+import struct
+
+import pytest
+import zstandard
+from oci_helpers import Node, files_of, ok, vramctl, workload_bos
+
+from vramd.errors import CorruptManifestError
+from vramd.image.manifest import decode_manifest
+from vramd.oci import layout as L
+from vramd.oci.registry import Registry
+from vramd.oci.tls import Trust
+
+D1, D2 = "sha256:" + "1" * 64, "sha256:" + "2" * 64
+NAME = "data-0123456789abcdef-00000000.vrd"
+
+
+def manifest_doc(**over: object) -> dict:
+    doc = {"schemaVersion": 2, "mediaType": L.MEDIA_OCI_MANIFEST, "artifactType": L.ARTIFACT_TYPE,
+           "config": {"mediaType": L.CONFIG_MEDIA[3], "digest": D1, "size": 100},
+           "layers": [{"mediaType": L.MEDIA_SKELETON, "digest": D2, "size": 10}]}
+    doc.update(over)
+    return doc
+
+
+@pytest.mark.parametrize("change, what", [
+    ({"artifactType": "application/vnd.other"}, "not a vramd image"),
+    ({"mediaType": "application/vnd.docker.distribution.manifest.v2+json"}, "not an OCI image manifest"),
+    ({"config": {"mediaType": "application/octet-stream", "digest": D1, "size": 1}}, "media type"),
+    ({"config": {"mediaType": L.CONFIG_MEDIA[3], "digest": "sha256:../../etc", "size": 1}}, "digest"),
+    ({"config": {"mediaType": L.CONFIG_MEDIA[3], "digest": D1, "size": -1}}, "size"),
+    ({"config": {"mediaType": L.CONFIG_MEDIA[3], "digest": D1, "size": True}}, "size"),
+    ({"config": {"mediaType": L.CONFIG_MEDIA[3], "digest": D1, "size": 1 << 40}}, "size"),
+    ({"layers": []}, "layers"),
+    ({"layers": [{"mediaType": L.MEDIA_CHUNK, "digest": D2, "size": 1}]}, "media type"),
+    ({"layers": [{"mediaType": L.MEDIA_SKELETON, "digest": D2, "size": 1},
+                 {"mediaType": L.MEDIA_CHUNK, "digest": D1, "size": 1 << 31}]}, "size"),
+    ({"layers": [{"mediaType": L.MEDIA_SKELETON, "digest": D2, "size": 1},
+                 {"mediaType": L.MEDIA_CHUNK, "digest": D1, "size": 1},
+                 {"mediaType": L.MEDIA_CHUNK, "digest": D1, "size": 1}]}, "listed twice"),
+    ({"annotations": {L.ANN_PARENT: "sha256:nope"}}, "not a sha256 digest"),
+    ({"annotations": {L.ANN_PARENT: D1},
+      "subject": {"mediaType": L.MEDIA_OCI_MANIFEST, "digest": D2, "size": 5}}, "different parents"),
+    ({"annotations": {"k": 5}}, "annotations"),
+])
+def test_crafted_oci_manifests_are_refused(change, what):
+    L.decode_oci_manifest(json.dumps(manifest_doc()).encode(), "ref")  # the unchanged one passes
+    with pytest.raises(CorruptManifestError, match=what):
+        L.decode_oci_manifest(json.dumps(manifest_doc(**change)).encode(), "ref")
+
+
+def test_an_oversized_or_undecodable_oci_manifest_is_refused():
+    with pytest.raises(CorruptManifestError, match="larger than"):
+        L.decode_oci_manifest(b" " * (L.MAX_OCI_MANIFEST + 1), "ref")
+    with pytest.raises(CorruptManifestError, match="not JSON"):
+        L.decode_oci_manifest(b"\xff{", "ref")
+
+
+def raw_skeleton(name: bytes, length: int, segs: bytes, nseg: int, blobs: list[tuple[bytes, int]] = (),
+                 tail: bytes = b"") -> bytes:
+    out = L.SKELETON_MAGIC + struct.pack("<I", len(blobs))
+    for h, n in blobs:
+        out += struct.pack("<32sQ", h, n)
+    out += struct.pack("<I", 1) + struct.pack("<H", len(name)) + name + struct.pack("<QI", length, nseg) + segs
+    return zstandard.ZstdCompressor().compress(out + tail)
+
+
+def lit(data: bytes) -> bytes:
+    return bytes([L.LITERAL]) + struct.pack("<I", len(data)) + data
+
+
+@pytest.mark.parametrize("blob, what", [
+    (raw_skeleton(b"../../etc/passwd", 3, lit(b"abc"), 1), "not a data file name"),
+    (raw_skeleton(b"/tmp/x.vrd", 3, lit(b"abc"), 1), "not a data file name"),
+    (raw_skeleton(NAME.encode() + b"\0", 3, lit(b"abc"), 1), "not a data file name"),
+    (raw_skeleton(NAME.encode(), 3, bytes([L.ZEROS]) + struct.pack("<Q", 1 << 62), 1), "run past"),
+    (raw_skeleton(NAME.encode(), 4, lit(b"abc"), 1), "cover 3 of its 4"),
+    (raw_skeleton(NAME.encode(), 3, bytes([L.PAYLOAD]) + struct.pack("<I", 0), 1), "not in the table"),
+    (raw_skeleton(NAME.encode(), 3, bytes([L.LITERAL]) + struct.pack("<I", L.MAX_LITERAL + 1), 1), "literal run"),
+    (raw_skeleton(NAME.encode(), 3, bytes([7]), 1), "unknown segment kind"),
+    (raw_skeleton(NAME.encode(), 3, lit(b"abc"), 1 << 31), "cannot fit"),
+    (raw_skeleton(NAME.encode(), 3, lit(b"abc"), 1, tail=b"x"), "trailing"),
+    (raw_skeleton(NAME.encode(), 3, lit(b"abc"), 1)[:-3], "zstd|cut short"),
+    (b"not zstd at all", "not a zstd frame"),
+    (zstandard.ZstdCompressor().compress(b"NOTSKEL!"), "bad magic"),
+])
+def test_crafted_skeletons_are_refused(blob, what):
+    L.decode_skeleton(raw_skeleton(NAME.encode(), 3, lit(b"abc"), 1))  # well-formed: passes
+    with pytest.raises(CorruptManifestError, match=what):
+        L.decode_skeleton(blob)
+
+
+def test_a_skeleton_that_decompresses_without_bound_is_refused():
+    bomb = zstandard.ZstdCompressor(level=1).compress(L.SKELETON_MAGIC + bytes(L.MAX_SKELETON + 1))
+    assert len(bomb) < 1 << 20
+    with pytest.raises(CorruptManifestError, match="decompresses to more than"):
+        L.decode_skeleton(bomb)
+
+
+@pytest.fixture
+def pushed(run_dir, tmp_path, registry):
+    """An image pushed to the registry: (its directory, the registry client, repo, its OCI manifest)."""
+    with Node(run_dir, tmp_path / "node") as n:
+        img = tmp_path / "image"
+        n.dump(img, workload_bos())
+    ok(vramctl("push", str(img), f"{registry.host}/jobs/good:1", "--plain-http", "--json"))
+    reg = Registry(registry.host, trust=Trust(plain_http=True), actions=("pull", "push"))
+    body, _ = reg.get_manifest("jobs/good", "1", 1 << 20)
+    yield img, reg, "jobs/good", json.loads(body)
+    reg.close()
+
+
+def put_crafted(reg: Registry, repo: str, doc: dict, tag: str) -> None:
+    reg.put_manifest(repo, tag, json.dumps(doc).encode())
+
+
+def test_a_skeleton_naming_files_the_manifest_does_not_list_writes_nothing(pushed, registry, tmp_path):
+    img, reg, repo, doc = pushed
+    config = (img / "manifest.vrdm").read_bytes()
+    m = decode_manifest(config)
+    # a data file name of the right pattern, but not one of the image's
+    sk = L.Skeleton((), (L.FileSkeleton("data-" + "f" * 16 + "-00000000.vrd", 3, (L.Segment(L.LITERAL, 3, b"abc"),)),))
+    blob = L.encode_skeleton(sk)
+    reg.upload_blob(repo, L.sha256_digest(blob), blob)
+    doc["layers"] = [{"mediaType": L.MEDIA_SKELETON, "digest": L.sha256_digest(blob), "size": len(blob)}]
+    put_crafted(reg, repo, doc, "crafted")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    r = vramctl("pull", f"{registry.host}/{repo}:crafted", str(tmp_path / "dest"), "--plain-http", "--json")
+    assert r.returncode == 1 and json.loads(r.stdout)["error"]["code"] == "CORRUPT_MANIFEST", r.stdout
+    assert "not the ones manifest.vrdm lists" in r.stderr or "payload table" in r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # not even the directory stays
+    assert m.files  # (the image has data files: the refusal is about names, not an empty image)
+
+
+def test_a_blob_longer_than_its_descriptor_is_refused(pushed, registry, tmp_path):
+    _img, reg, repo, doc = pushed
+    # the skeleton and the layer say a payload is one byte shorter than the blob the registry serves
+    big = max(doc["layers"][1:], key=lambda d: d["size"])
+    k = doc["layers"].index(big) - 1
+    sk = L.decode_skeleton(reg.get_blob(repo, doc["layers"][0]["digest"], doc["layers"][0]["size"]))
+    files = []
+    for f in sk.files:
+        segs = []
+        for s in f.segments:
+            if s.kind == L.PAYLOAD and s.blob == k:
+                segs += [L.Segment(L.PAYLOAD, s.length - 1, blob=k), L.Segment(L.LITERAL, 1, b"x")]
+            else:
+                segs.append(s)
+        files.append(L.FileSkeleton(f.name, f.length, tuple(segs)))
+    blobs = list(sk.blobs)
+    blobs[k] = (blobs[k][0], blobs[k][1] - 1)
+    crafted = L.encode_skeleton(L.Skeleton(tuple(blobs), tuple(files)))
+    reg.upload_blob(repo, L.sha256_digest(crafted), crafted)
+    doc["layers"][0] = {"mediaType": L.MEDIA_SKELETON, "digest": L.sha256_digest(crafted), "size": len(crafted)}
+    big["size"] -= 1
+    put_crafted(reg, repo, doc, "short")
+    r = vramctl("pull", f"{registry.host}/{repo}:short", str(tmp_path / "dest"), "--plain-http", "--json")
+    assert r.returncode == 1, r.stderr
+    assert r.stdout, r.stderr
+    e = json.loads(r.stdout)["error"]
+    assert e["code"] == "DIGEST_MISMATCH" and big["digest"] in e["message"] and e["bo_id"] is not None
+    assert not (tmp_path / "dest").exists()
+
+
+def test_a_config_that_is_no_vramd_manifest_is_refused(pushed, registry, tmp_path):
+    _img, reg, repo, doc = pushed
+    junk = os.urandom(200)
+    reg.upload_blob(repo, L.sha256_digest(junk), junk)
+    doc["config"] = {"mediaType": L.CONFIG_MEDIA[3], "digest": L.sha256_digest(junk), "size": len(junk)}
+    put_crafted(reg, repo, doc, "junk")
+    r = vramctl("pull", f"{registry.host}/{repo}:junk", str(tmp_path / "dest"), "--plain-http", "--json")
+    assert r.returncode == 1 and json.loads(r.stdout)["error"]["code"] == "CORRUPT_MANIFEST"
+    assert not (tmp_path / "dest").exists()
+
+
+def test_pull_refuses_a_directory_holding_something_else(pushed, registry, tmp_path):
+    img, _reg, repo, _doc = pushed
+    dest = tmp_path / "busy"
+    dest.mkdir()
+    (dest / "notes.txt").write_text("mine")
+    r = vramctl("pull", f"{registry.host}/{repo}:1", str(dest), "--plain-http")
+    assert r.returncode == 1 and "not empty" in r.stderr
+    assert sorted(p.name for p in dest.iterdir()) == ["notes.txt"]
+    ok(vramctl("pull", f"{registry.host}/{repo}:1", str(tmp_path / "fresh"), "--plain-http", "--json"))
+    assert files_of(tmp_path / "fresh") == files_of(img)
