@@ -8,9 +8,17 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pytest
 from helpers import ROOT, vramctl
 
 from vramd.testing import DaemonProcess
+
+
+@pytest.fixture(autouse=True)
+def user_cache(tmp_path, monkeypatch):
+    """vramctl's default cache (skeletons of pushed images, pulled images) under the test's directory."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg-cache"))
+    return tmp_path / "xdg-cache" / "vramd" / "oci"
 
 
 def files_of(d: Path) -> dict[str, bytes]:

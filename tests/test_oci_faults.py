@@ -14,7 +14,7 @@ import time
 
 import pytest
 from helpers import ROOT, vramctl
-from oci_helpers import Node, blob_writes, files_of, ok, workload_bos
+from oci_helpers import Node, blob_writes, files_of, ok, user_cache, workload_bos  # noqa: F401 (user_cache: autouse)
 
 
 @pytest.fixture
@@ -100,6 +100,35 @@ def test_registry_down_at_restore_is_a_typed_error_and_restores_nothing(node, re
     assert r.returncode == 1 and json.loads(r.stdout)["error"]["code"] == "REGISTRY_ERROR"
     assert r.stderr.count("\n") == 1 and registry.host in r.stderr
     assert target.read_bytes() == bytes(len(bos[0]))
+
+
+def test_registry_killed_mid_restore_is_a_typed_error_and_restores_nothing(node, registry, tmp_path, run_dir):
+    bos = [os.urandom(24 << 20)]
+    img = tmp_path / "image"
+    node.dump(img, bos, "--compress", "none")
+    ref = f"{registry.host}/jobs/midrestore:1"
+    ok(vramctl("push", str(img), ref, "--plain-http", "--json"))
+    with Node(run_dir, tmp_path / "node2") as other:
+        target = other.dir / "out1.bin"
+        target.write_bytes(bytes(len(bos[0])))
+        cache = tmp_path / "cache"
+        restore = subprocess.Popen(
+            [sys.executable, "-m", "vramd.cli", "--socket", other.daemon.socket, "restore", "--pid", str(os.getpid()),
+             "--image", f"oci://{ref}", "--plain-http", "--cache", str(cache), "--concurrency", "1",
+             "--bo-file", f"1={target}", "--json"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True)
+        deadline = time.monotonic() + 120
+        gets = lambda: [r for r in registry.access_log() if r.method == "GET" and "/blobs/" in r.path]  # noqa: E731
+        while len(gets()) < 5:  # config, skeleton and 3 payloads served
+            assert restore.poll() is None and time.monotonic() < deadline, "the restore ended before 5 blobs"
+            time.sleep(0.005)
+        registry.stop(signal.SIGKILL)
+        out, err = restore.communicate(timeout=120)
+        assert restore.returncode == 1 and json.loads(out)["error"]["code"] == "REGISTRY_ERROR", err
+        assert target.read_bytes() == bytes(len(bos[0]))  # not a byte restored
+        assert not any(cache.rglob("manifest.vrdm"))  # and no image left in the cache to be taken for whole
+        st = json.loads(vramctl("sessions", "--json", socket=other.daemon.socket).stdout)
+        assert not st.get("sessions")
 
 
 def test_a_full_registry_is_a_typed_error(node, make_registry, tmp_path):

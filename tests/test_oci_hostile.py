@@ -9,7 +9,7 @@ import struct
 
 import pytest
 import zstandard
-from oci_helpers import Node, files_of, ok, vramctl, workload_bos
+from oci_helpers import Node, files_of, ok, user_cache, vramctl, workload_bos  # noqa: F401 (user_cache: autouse)
 
 from vramd.errors import CorruptManifestError
 from vramd.image.manifest import decode_manifest

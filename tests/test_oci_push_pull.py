@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 from helpers import vramctl
-from oci_helpers import Node, blob_writes, files_of, ok, vramctl_stdin, workload_bos
+from oci_helpers import Node, blob_writes, files_of, ok, user_cache, vramctl_stdin, workload_bos  # noqa: F401 (user_cache: autouse)
 
 
 @pytest.fixture
@@ -127,3 +127,41 @@ def test_tls_and_htpasswd(node, htpasswd_registry, tmp_path):
                       REGISTRY_USERS["alice"] + "\n")
     assert r.returncode == 0, r.stderr
     assert files_of(tmp_path / "pulled") == files_of(img)
+
+
+def test_token_auth_push_and_pull(node, token_registry, tmp_path):
+    from registry_fixtures import REGISTRY_USERS
+    bos = workload_bos()
+    img = tmp_path / "image"
+    node.dump(img, bos)
+    reg = token_registry
+    ref = f"{reg.host}/team/job:1"
+    ca = ["--ca-file", str(reg.ca_file)]
+    r = vramctl_stdin(["push", str(img), ref, *ca, "--username", "bob", "--password-stdin", "--json"],
+                      REGISTRY_USERS["bob"] + "\n")
+    assert r.returncode == 0, r.stderr
+    r = vramctl_stdin(["pull", ref, str(tmp_path / "pulled"), *ca, "--username", "bob", "--password-stdin"],
+                      REGISTRY_USERS["bob"] + "\n")
+    assert r.returncode == 0, r.stderr
+    assert files_of(tmp_path / "pulled") == files_of(img)
+    assert REGISTRY_USERS["bob"] not in reg.output()
+
+
+def test_a_second_push_reads_no_payload_where_the_cache_holds_the_skeleton(node, registry, tmp_path):
+    """The first push keeps the image's skeleton (payload digests) in the cache; a second push of the image
+    HEADs the blobs by those digests without reading a payload: a payload changed on disk since (which
+    a valid image never has) goes unnoticed by it, and is noticed once the cache is not used."""
+    bos = workload_bos()
+    img = tmp_path / "image"
+    node.dump(img, bos, "--compress", "none")
+    ref = f"{registry.host}/jobs/cached:1"
+    first = ok(vramctl("push", str(img), ref, "--plain-http", "--json"))
+    assert list((tmp_path / "xdg-cache" / "vramd" / "oci" / "push").iterdir())  # (user_cache: XDG_CACHE_HOME)
+    data = max((p for p in img.iterdir() if p.suffix == ".vrd"), key=lambda p: p.stat().st_size)
+    raw = bytearray(data.read_bytes())
+    raw[-100] ^= 0xFF  # within the last record's payload
+    data.write_bytes(raw)
+    again = ok(vramctl("push", str(img), ref, "--plain-http", "--json"))
+    assert again["digest"] == first["digest"] and again["stats"]["bytes_uploaded"] == 0
+    fresh = ok(vramctl("push", str(img), ref, "--plain-http", "--json", "--cache", str(tmp_path / "empty")))
+    assert fresh["digest"] != first["digest"] and fresh["stats"]["blobs_uploaded"] >= 2

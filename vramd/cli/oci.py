@@ -51,6 +51,8 @@ def add_oci_commands(cmd: Any) -> None:
                    "the image recorded it")
     p.add_argument("--annotation", action="append", metavar="KEY=VALUE", default=[],
                    help="an annotation of the image's OCI manifest (e.g. org.vramd.image.pid=1234), repeatable")
+    p.add_argument("--cache", metavar="DIR", help="where the skeletons of images pushed before are kept, so a second "
+                   "push of one reads none of its payloads (default: as restore's --cache)")
     p.add_argument("--mount-from", action="append", metavar="REPO", default=[],
                    help="another repository of the registry whose blobs may be mounted instead of uploaded")
     add_registry_args(p)
@@ -103,7 +105,8 @@ def cmd_push(ns: argparse.Namespace) -> int:
     t0 = time.monotonic()
     try:
         pushed = push_chain(Pusher(reg, ref.repo, concurrency=ns.concurrency, mount_from=ns.mount_from), ns.dir,
-                            ref.tag or "latest", first_parent=ns.parent, annotations=_annotations(ns.annotation))
+                            ref.tag or "latest", first_parent=ns.parent, annotations=_annotations(ns.annotation),
+                            cache=cache_root(ns))
     finally:
         reg.close()
     secs = time.monotonic() - t0

@@ -22,6 +22,7 @@ from .layout import (
     CONFIG_MEDIA,
     LITERAL,
     MAX_LITERAL,
+    MAX_SKELETON,
     MEDIA_CHUNK,
     MEDIA_SKELETON,
     PAYLOAD,
@@ -31,6 +32,7 @@ from .layout import (
     Segment,
     Skeleton,
     annotations_for,
+    decode_skeleton,
     encode_oci_manifest,
     encode_skeleton,
     sha256_digest,
@@ -124,13 +126,18 @@ def _gap(fd: int, start: int, end: int, what: str) -> list[Segment]:
     return segs
 
 
-def scan_image(path: str) -> LocalImage:
+def scan_image(path: str, cache: str | None = None) -> LocalImage:
     """The image in `path`: its manifest bytes, its skeleton and where each distinct payload lies (every payload
-    is read and hashed once here; a push reads again only those the registry lacks)."""
+    is read and hashed once here; a push reads again only those the registry lacks).  `cache`: a directory of
+    the caller's where the skeleton of an image scanned before is kept (by its manifest's sha256), so pushing
+    it again reads no payload."""
     dfd = open_dir(path)
     try:
         mbytes = read_manifest_bytes(dfd, path)
         m = decode_manifest(mbytes, f"{path}/{MANIFEST_NAME}")
+        cached = _cached_skeleton(cache, mbytes, m)
+        if cached is not None:
+            return LocalImage(path, mbytes, m, cached, _sources(cached))
         blobs: dict[str, int] = {}
         sources: dict[str, Source] = {}
         files = []
@@ -164,9 +171,57 @@ def scan_image(path: str) -> LocalImage:
                 os.close(fd)
             files.append(FileSkeleton(df.name, df.length, tuple(segs)))
         table = tuple((d, sources[d].size) for d in blobs)
-        return LocalImage(path, mbytes, m, Skeleton(table, tuple(files)), sources)
+        sk = Skeleton(table, tuple(files))
+        _keep_skeleton(cache, mbytes, sk)
+        return LocalImage(path, mbytes, m, sk, sources)
     finally:
         os.close(dfd)
+
+
+def _sources(sk: Skeleton) -> dict[str, Source]:
+    out: dict[str, Source] = {}
+    for f in sk.files:
+        pos = 0
+        for s in f.segments:
+            if s.kind == PAYLOAD:
+                digest, size = sk.blobs[s.blob]
+                out.setdefault(digest, Source(f.name, pos, size))
+            pos += s.length
+    return out
+
+
+def _cache_path(cache: str, mbytes: bytes) -> str:
+    return os.path.join(cache, "push", sha256_digest(mbytes).removeprefix("sha256:") + ".skeleton")
+
+
+def _cached_skeleton(cache: str | None, mbytes: bytes, m: pb.Manifest) -> Skeleton | None:
+    if cache is None:
+        return None
+    try:
+        with open(_cache_path(cache, mbytes), "rb", opener=lambda p, f: os.open(p, f | os.O_NOFOLLOW)) as fh:
+            sk = decode_skeleton(fh.read(MAX_SKELETON + 1))
+    except (OSError, CorruptManifestError):
+        return None  # none kept, or damaged: scanned again
+    if [(f.name, f.length) for f in sk.files] != [(f.name, f.length) for f in m.files]:
+        return None
+    return sk
+
+
+def _keep_skeleton(cache: str | None, mbytes: bytes, sk: Skeleton) -> None:
+    if cache is None:
+        return
+    path = _cache_path(cache, mbytes)
+    try:
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, encode_skeleton(sk))
+        finally:
+            os.close(fd)
+        os.rename(tmp, path)
+    except OSError:
+        pass  # a cache: the push goes on without it
 
 
 def parent_dirs(path: str, manifest: pb.Manifest, first: str | None) -> list[str]:
@@ -219,8 +274,6 @@ class Pusher:
                 data = _pread(fd, read.size, read.offset, f"{where}/{read.name}")
             finally:
                 os.close(fd)
-            if sha256_digest(data) != digest:
-                raise ImageError(f"{where}/{read.name}: the payload at {read.offset} changed while it was pushed")
         self.reg.upload_blob(self.repo, digest, data)
 
     def push_image(self, img: LocalImage, tag: str | None, parent: Descriptor | None,
@@ -243,17 +296,17 @@ class Pusher:
 
 
 def push_chain(pusher: Pusher, path: str, tag: str, *, first_parent: str | None,
-               annotations: Mapping[str, str]) -> list[tuple[str, Descriptor]]:
+               annotations: Mapping[str, str], cache: str | None = None) -> list[tuple[str, Descriptor]]:
     """The image in `path` and its parents, the farthest parent first (each child's manifest names its
     parent's digest); only the image itself gets `tag`.  Returns (directory, manifest descriptor) of each."""
-    img = scan_image(path)
+    img = scan_image(path, cache)
     chain = parent_dirs(path, img.manifest, first_parent)
     if len(chain) > MAX_CHAIN:
         raise ImageError(f"{path}: a chain of {len(chain)} parents is longer than a push takes ({MAX_CHAIN})")
     pushed: list[tuple[str, Descriptor]] = []
     parent: Descriptor | None = None
     for d in reversed(chain):
-        parent = pusher.push_image(scan_image(d), None, parent, {})
+        parent = pusher.push_image(scan_image(d, cache), None, parent, {})
         pushed.append((d, parent))
     pushed.append((path, pusher.push_image(img, tag, parent, annotations)))
     return pushed

@@ -1,0 +1,116 @@
+"""vramctl push / pull against the local registry, side by side with skopeo moving the same bytes.
+
+    .venv/bin/python bench/oci_push.py --size 512MiB --chunks 1M,8M,32M --out bench/measured/oci.json
+
+For each chunk size: a daemon (--chunk-size) dumps --size of incompressible bytes (one BO file, codec none),
+then, each against a fresh registry (Debian's docker-registry, vramd/testing/registry.py, plain HTTP on
+127.0.0.1): `vramctl push` (first push: every blob), the same push again (every blob there: HEADs only),
+`vramctl pull` into an empty directory, and `skopeo copy` of the very artifact from an OCI layout (made by skopeo
+from the registry beforehand) into another fresh registry: the peer moving the same blobs.  Reported: wall
+seconds, GB/s (decimal) of payload, CPU s/GiB of the client (vramctl's or skopeo's children rusage; the
+registry runs on the same cores and is not counted), requests (the registry's access log).  The registry, the
+client and the daemon share the machine: its load is recorded.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from vramd.testing import DaemonProcess  # noqa: E402
+from vramd.testing.registry import Registry  # noqa: E402
+from vramd.units import parse_size  # noqa: E402
+
+
+def timed(cmd: list[str]) -> tuple[float, float, str]:
+    """(wall s, CPU s of the child, stdout) of a command run to its end."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if r.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd[:4])}: {r.stderr.strip()}")
+    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime), r.stdout
+
+
+def vramctl(*args: str) -> list[str]:
+    return [sys.executable, "-m", "vramd.cli", *args]
+
+
+def row(name: str, wall: float, cpu: float, nbytes: int, requests: int) -> dict[str, object]:
+    gib = nbytes / 2**30
+    return {"case": name, "wall_s": round(wall, 3), "GB_per_s": round(nbytes / wall / 1e9, 3) if wall else None,
+            "cpu_s_per_GiB": round(cpu / gib, 3) if gib else None, "requests": requests, "bytes": nbytes}
+
+
+def one_chunk_size(work: Path, size: int, chunk: str) -> list[dict[str, object]]:
+    data = work / "bo.bin"
+    with open(data, "wb") as f:
+        for _ in range(size // (8 << 20)):
+            f.write(os.urandom(8 << 20))
+    img = work / f"image-{chunk}"
+    run = tempfile.mkdtemp(prefix="vb", dir="/tmp")
+    os.chmod(run, 0o755)
+    try:
+        with DaemonProcess(run, "--chunk-size", chunk, log_level="warning") as d:
+            subprocess.run(vramctl("--socket", d.socket, "dump", "--pid", str(os.getpid()), "--bo-file", str(data),
+                                   "--image", str(img), "--compress", "none"), cwd=ROOT, check=True,
+                           capture_output=True)
+    finally:
+        shutil.rmtree(run, ignore_errors=True)
+    rows = []
+    with Registry(work / f"reg-a-{chunk}") as a, Registry(work / f"reg-b-{chunk}") as b:
+        ref = f"{a.host}/bench/img:1"
+        wall, cpu, _ = timed(vramctl("push", str(img), ref, "--plain-http", "--json"))
+        rows.append(row(f"vramctl push ({chunk} chunks)", wall, cpu, size, len(a.access_log())))
+        n = len(a.access_log())
+        wall, cpu, _ = timed(vramctl("push", str(img), ref, "--plain-http", "--json"))
+        rows.append(row(f"vramctl push again ({chunk})", wall, cpu, size, len(a.access_log()) - n))
+        n = len(a.access_log())
+        wall, cpu, _ = timed(vramctl("pull", ref, str(work / f"pulled-{chunk}"), "--plain-http", "--json"))
+        rows.append(row(f"vramctl pull ({chunk})", wall, cpu, size, len(a.access_log()) - n))
+        layout = work / f"layout-{chunk}"
+        subprocess.run(["skopeo", "copy", "--src-tls-verify=false", f"docker://{ref}", f"oci:{layout}:1"],
+                       check=True, capture_output=True)
+        wall, cpu, _ = timed(["skopeo", "copy", "--dest-tls-verify=false", f"oci:{layout}:1",
+                              f"docker://{b.host}/bench/img:1"])
+        rows.append(row(f"skopeo copy oci: -> registry ({chunk})", wall, cpu, size, len(b.access_log())))
+    for p in (img, work / f"pulled-{chunk}", layout):
+        shutil.rmtree(p, ignore_errors=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size", default="512MiB")
+    ap.add_argument("--chunks", default="1M,8M,32M")
+    ap.add_argument("--workdir", default="/var/tmp")
+    ap.add_argument("--out")
+    ns = ap.parse_args()
+    size = parse_size(ns.size)
+    rows: list[dict[str, object]] = []
+    with tempfile.TemporaryDirectory(prefix="vramd-oci-bench-", dir=ns.workdir) as w:
+        for chunk in ns.chunks.split(","):
+            rows += one_chunk_size(Path(w), size, chunk)
+    result = {"size": size, "load_before_after": [os.getloadavg(), None], "rows": rows}
+    result["load_before_after"][1] = os.getloadavg()
+    for r in rows:
+        print(f"{r['case']:42} {r['wall_s']:8.3f} s {r['GB_per_s']!s:>7} GB/s {r['cpu_s_per_GiB']!s:>6} CPU s/GiB "
+              f"{r['requests']:6} requests")
+    if ns.out:
+        Path(ns.out).write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
