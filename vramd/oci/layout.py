@@ -142,7 +142,7 @@ class _Cursor:
         return value
 
 
-def decode_skeleton(blob: bytes, *, what: str = "skeleton") -> Skeleton:
+def decode_skeleton(blob: bytes | bytearray, *, what: str = "skeleton") -> Skeleton:
     """The skeleton layer's bytes (already checked against their digest), decoded with every count bounded."""
     try:
         with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(blob)) as r:

@@ -57,7 +57,7 @@ class Puller:
         body, digest = self.reg.get_manifest(self.repo, ref, MAX_OCI_MANIFEST)
         return decode_oci_manifest(body, f"{self.reg.host}/{self.repo}@{digest}"), digest
 
-    def config(self, art: Artifact, digest: str) -> tuple[bytes, pb.Manifest]:
+    def config(self, art: Artifact, digest: str) -> tuple[bytearray, pb.Manifest]:
         """The artifact's config blob (manifest.vrdm's bytes, every reader check passed) and its decoding."""
         what = f"{self.reg.host}/{self.repo}@{digest}"
         config = self.reg.get_blob(self.repo, art.config.digest, min(art.config.size, MAX_CONFIG),

@@ -228,30 +228,34 @@ class Registry:
             raise RegistryError(f"registry {self.host}: {what}: upload location on another host")
         return full
 
-    def get_blob(self, repo: str, digest: str, size: int, *, where: str = "") -> bytes:
+    def get_blob(self, repo: str, digest: str, size: int, *, where: str = "") -> bytearray:
         """The blob's bytes, exactly `size` of them, whose sha256 is `digest`: else DigestMismatchError naming
-        `where` (what needed the blob).  At most size + 1 bytes are ever held."""
+        `where` (what needed the blob).  Read straight into one buffer of `size` bytes (never more is held),
+        hashed as it fills."""
         what = f"GET {repo}@{digest}"
         r = self._request("GET", f"/v2/{repo}/blobs/{digest}", what, repo=repo, stream=True)
         buf = bytearray(size)
         view, got, h = memoryview(buf), 0, hashlib.sha256()
         try:
-            for piece in r.stream(1 << 20):
-                if got + len(piece) > size:
-                    raise DigestMismatchError(f"registry {self.host}: blob {digest} of {repo} is longer than the "
-                                              f"{size} bytes its descriptor says{where}")
-                view[got:got + len(piece)] = piece
-                h.update(piece)
-                got += len(piece)
+            while got < size:
+                n = r.readinto(view[got:got + (4 << 20)])
+                if not n:
+                    break
+                h.update(view[got:got + n])
+                got += n
+            longer = got == size and r.read(1) != b""
         except HTTPError as e:
             raise RegistryError(f"registry {self.host}: {what}: cut off after {got} bytes: {_reason(e)}") from None
         finally:
             r.release_conn()
+        if longer:
+            raise DigestMismatchError(f"registry {self.host}: blob {digest} of {repo} is longer than the {size} "
+                                      f"bytes its descriptor says{where}")
         if got != size or "sha256:" + h.hexdigest() != digest:
             raise DigestMismatchError(f"registry {self.host}: blob {digest} of {repo} does not match its digest "
                                       f"({got} of {size} bytes){where}")
         self.stats.add(blobs_downloaded=1, bytes_downloaded=size)
-        return bytes(buf)
+        return buf
 
     # --- manifests ---------------------------------------------------------------
 
