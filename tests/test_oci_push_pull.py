@@ -65,9 +65,13 @@ def test_four_replicas_occupy_one_replica(run_dir, registry, tmp_path):
             img = tmp_path / f"n{k}" / "image"
             n.dump(img, bos)
             before = registry.stored_bytes()
-            ok(vramctl("push", str(img), f"{registry.host}/replicas/r{k % 2}:rank{k}", "--plain-http", "--json",
-                       "--mount-from", "replicas/r0"))
+            st = ok(vramctl("push", str(img), f"{registry.host}/replicas/r{k % 2}:rank{k}", "--plain-http", "--json",
+                            "--mount-from", "replicas/r0"))["stats"]
             sizes.append(registry.stored_bytes() - before)
+            if k == 1:  # another repository: its payloads are mounted from replicas/r0, not sent
+                assert st["blobs_mounted"] >= 2 and st["bytes_uploaded"] < 64 << 10, st
+            if k >= 2:  # a repository that has them: HEAD finds them
+                assert st["blobs_present"] >= 2 and st["bytes_uploaded"] < 64 << 10, st
     one = sizes[0]
     assert one >= 4 << 20  # the first holds the payloads: 3 MiB + 1 MiB of its own (a hole, a duplicate chunk)
     assert sum(sizes) <= 1.1 * one, sizes  # the others add their manifests, configs and skeletons only
