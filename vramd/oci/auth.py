@@ -19,7 +19,9 @@ The distribution protocol's authentication, as a state machine the HTTP code dri
   for): `GET realm?service=&scope=` with Basic credentials (or none: anonymous), or `POST realm` with the
   OAuth2 `refresh_token` grant for an identity token; the answer's `token`/`access_token` and `expires_in`
   are cached per scope until shortly before they expire; a `registrytoken` is sent as is;
-- a 401 that answers credentials just sent (Basic, or an unexpired token we fetched) is `AuthFailedError`:
+- a 401 asking for more than the token sent was asked for (a cross-repository mount also needs `pull` on
+  the source) is answered with a token request for all of it;
+- a 401 that answers credentials just sent (Basic, or an unexpired token asked for that scope) is `AuthFailedError`:
   one line naming the registry and where the credentials came from, never a secret. Token requests keep
   their secrets out of repr; no message here quotes a header, a token or a body.
 """
@@ -28,7 +30,7 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from urllib.parse import urlencode, urlsplit
 
@@ -48,6 +50,20 @@ _SCHEME = re.compile(r"\s*,?\s*([A-Za-z][A-Za-z0-9_.-]*)(?:\s+|$)")
 def repository_scope(repository: str, *actions: str) -> str:
     """`repository:REPO:ACTIONS`, the scope a registry's token names."""
     return f"repository:{repository}:{','.join(actions)}"
+
+
+def merge_scopes(scopes: Iterable[str]) -> tuple[str, ...]:
+    """One scope per resource, its actions merged (`repository:R:push,pull` and `...:pull` make
+    `repository:R:pull,push`), sorted: the same access asked in any order is one cache entry."""
+    merged: dict[str, set[str]] = {}
+    for scope in scopes:
+        resource, sep, actions = scope.rpartition(":")
+        if not sep or not resource:
+            resource, actions = scope, ""
+        merged.setdefault(resource, set()).update(a for a in actions.split(",") if a)
+    order = {"pull": 0, "push": 1}
+    return tuple(f"{r}:{','.join(sorted(acts, key=lambda a: (order.get(a, 2), a)))}"
+                 for r, acts in sorted(merged.items()))
 
 
 @dataclass(frozen=True)
@@ -99,6 +115,7 @@ class _Token:
     value: str
     good_until: float
     anonymous: bool
+    scopes: tuple[str, ...]  # what it was asked for
 
 
 class Authenticator:
@@ -115,7 +132,7 @@ class Authenticator:
 
     @staticmethod
     def _key(scopes: str | tuple[str, ...]) -> tuple[str, ...]:
-        return tuple(sorted(set(scopes.split() if isinstance(scopes, str) else scopes)))
+        return merge_scopes(scopes.split() if isinstance(scopes, str) else scopes)
 
     def headers(self, scope: str) -> dict[str, str]:
         """The `Authorization` header to send for a request needing `scope` (none if nothing is known yet)."""
@@ -155,11 +172,14 @@ class Authenticator:
         self.trust.check_url(realm, f"the token realm of {self.registry},")
         scopes = self._key((*scope.split(), *c.params.get("scope", "").split()))
         held = self._tokens.pop(self._key(scope), None)
-        if held is not None and self._clock() < held.good_until:  # a token we just sent was refused
-            if c.params.get("error") == "insufficient_scope" and not held.anonymous:
-                raise AuthFailedError(f"{self.registry}: the credentials ({self.credentials.source}) do not allow "
-                                      f"{' '.join(scopes)}")
-            raise self._no_credentials("a bearer token") if held.anonymous else self.refused()
+        if held is not None and self._clock() < held.good_until:  # a token we just sent was not enough
+            if self._key((*held.scopes, *scopes)) == held.scopes:  # it was asked for all this: refused
+                if c.params.get("error") == "insufficient_scope" and not held.anonymous:
+                    raise AuthFailedError(f"{self.registry}: the credentials ({self.credentials.source}) do not "
+                                          f"allow {' '.join(scopes)}")
+                raise self._no_credentials("a bearer token") if held.anonymous else self.refused()
+            # the registry wants more than it was asked for (a mount's source repository): one token for all
+            scopes = self._key((*held.scopes, *scopes))
         if self.credentials.registry_token is not None:  # sent as is, and refused
             raise self.refused()
         query: list[tuple[str, str]] = []
@@ -200,7 +220,7 @@ class Authenticator:
             raise RegistryError(f"{self.registry}: the token server {realm} answered no usable token") from None
         life = max(float(expires_in), 1.0)
         self._tokens[request.wanted] = _Token(
-            value, self._clock() + max(life - EXPIRY_MARGIN, life / 2), request.anonymous)
+            value, self._clock() + max(life - EXPIRY_MARGIN, life / 2), request.anonymous, request.scopes)
 
     # --- errors ------------------------------------------------------------------------
     def refused(self) -> AuthFailedError:

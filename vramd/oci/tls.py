@@ -56,7 +56,10 @@ class Trust:
 
     def error(self, host: str, e: ssl.SSLError | ssl.CertificateError) -> TlsError:
         """The typed error for a failed TLS handshake with `host`."""
-        reason = getattr(e, "verify_message", None) or getattr(e, "reason", None) or str(e)
+        if isinstance(e, ssl.SSLCertVerificationError):
+            reason = f"certificate verify failed: {e.verify_message}"
+        else:
+            reason = getattr(e, "reason", None) or str(e)
         return TlsError(f"TLS to {host} failed: {reason} (trusting {self.describe()})")
 
 
@@ -66,4 +69,8 @@ def _origin(url: str) -> str:
     host = u.hostname or ""
     if ":" in host:
         host = f"[{host}]"
-    return f"{u.scheme}://{host}{f':{u.port}' if u.port else ''}{u.path}"
+    try:
+        port = u.port
+    except ValueError:  # not a number: named as is, it is no secret
+        port = None
+    return f"{u.scheme}://{host}{f':{port}' if port else ''}{u.path}"

@@ -2,7 +2,7 @@
 
 Everything goes through the `openssl` command line (in every Debian), so the tests need no crypto package:
 - `Pki(dir, name)` makes a CA (an RSA key and a self-signed CA certificate, valid two days) in `dir`;
-- `Pki.issue(name, ips=..., dns=...)` makes a key and a certificate signed by that CA, with the
+- `Pki.issue(name, ips=..., dns=...)` makes (once) a key and a certificate signed by that CA, with the
   subjectAltNames a TLS client checks (Go's crypto/x509, which the registry uses, ignores the CN);
 - `sign_jwt(claims, key, cert)` makes an RS256 JSON Web Token whose header carries the signer's
   certificate (`x5c`), which the registry verifies against the CA it was told to trust.
@@ -50,11 +50,20 @@ class Pki:
                  "-addext", "basicConstraints=critical,CA:TRUE",
                  "-addext", "keyUsage=critical,keyCertSign,cRLSign")
         self._serial = 1
+        self._issued: dict[tuple[str, tuple[str, ...], tuple[str, ...], bool], Issued] = {}
 
     def issue(self, name: str, *, ips: tuple[str, ...] = (), dns: tuple[str, ...] = (),
-              server: bool = True) -> Issued:
-        """A key and a certificate for `name` signed by this CA (serverAuth, or a plain signing certificate)."""
-        key, csr, cert = (self.dir / f"{name}.key", self.dir / f"{name}.csr", self.dir / f"{name}.pem")
+              server: bool = True, fresh: bool = False) -> Issued:
+        """A key and a certificate for `name` signed by this CA (serverAuth, or a plain signing certificate).
+
+        The same request again gets the same files (an RSA key costs a few hundred ms on a loaded machine; the
+        session's registries share theirs), unless `fresh`; every certificate has files of its own."""
+        wanted = (name, ips, dns, server)
+        if not fresh and wanted in self._issued:
+            return self._issued[wanted]
+        self._serial += 1
+        stem = f"{name}-{self._serial}"  # its own files: a registry restarted later reads the certificate it had
+        key, csr, cert = (self.dir / f"{stem}.key", self.dir / f"{stem}.csr", self.dir / f"{stem}.pem")
         _openssl("req", "-new", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(csr),
                  "-subj", f"/CN={name}")
         ext = ["basicConstraints=critical,CA:FALSE"]
@@ -65,13 +74,13 @@ class Pki:
             ext += ["keyUsage=critical,digitalSignature,keyEncipherment", "extendedKeyUsage=serverAuth"]
         else:
             ext.append("keyUsage=critical,digitalSignature")
-        extfile = self.dir / f"{name}.ext"
+        extfile = self.dir / f"{stem}.ext"
         extfile.write_text("\n".join(ext) + "\n")
-        self._serial += 1
         _openssl("x509", "-req", "-in", str(csr), "-CA", str(self.ca_cert), "-CAkey", str(self.ca_key),
                  "-set_serial", str(self._serial), "-days", "2", "-sha256", "-extfile", str(extfile),
                  "-out", str(cert))
-        return Issued(cert, key)
+        self._issued[wanted] = Issued(cert, key)
+        return self._issued[wanted]
 
 
 def b64url(data: bytes) -> str:

@@ -16,7 +16,9 @@ Options:
 Control: `stop()` and `start()` (same port, same storage: an interrupted upload can be resumed), `close()`.
 Inspection: `storage` (the registry's root directory), `blob_data(digest)` (the file holding a blob's bytes,
 to corrupt it), `stored_blobs()` ({digest: size}), `access_log()` (each request: method, path, status, bytes
-sent), `log` (every line the registry wrote). Readiness is a bounded poll of `GET /v2/` (any HTTP answer).
+sent; it `settle()`s first: the registry logs a request when its handler returns, which can be after the
+client has its answer), `log` (every line the registry wrote), `wait_log(pattern, count)`.
+Readiness is a bounded poll of `GET /v2/` (any HTTP answer).
 """
 from __future__ import annotations
 
@@ -83,6 +85,8 @@ class Registry:
         self.log: list[str] = []
         self._stdout: list[str] = []
         self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._settles = 0
         self._proc: subprocess.Popen[str] | None = None
         self._readers: list[threading.Thread] = []
         self._mounted = False
@@ -158,12 +162,16 @@ class Registry:
 
     def _read(self, stream: IO[str], into: list[str]) -> None:
         for line in stream:
-            with self._lock:
+            with self._cond:
                 into.append(line.rstrip("\n"))
+                self._cond.notify_all()
+
+    def _context(self) -> ssl.SSLContext | None:
+        return ssl.create_default_context(cafile=str(self.ca_file)) if self.ca_file is not None else None
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.ready_timeout
-        ctx = ssl.create_default_context(cafile=str(self.ca_file)) if self.ca_file is not None else None
+        ctx = self._context()
         while True:
             if self._proc is None or self._proc.poll() is not None:
                 raise RuntimeError("docker-registry exited at start:\n" + "\n".join(self.log[-20:]))
@@ -239,8 +247,12 @@ class Registry:
     def stored_bytes(self) -> int:
         return sum(self.stored_blobs().values())
 
-    def access_log(self) -> list[AccessRecord]:
-        """Every request the registry has answered (across restarts), oldest first."""
+    def access_log(self, settle: bool = True) -> list[AccessRecord]:
+        """Every request the registry has answered (across restarts), oldest first. A running registry is
+        `settle()`d first, so the requests answered before this call are all there (the readiness polls and
+        settle's own requests are `GET /v2/` and `GET /v2/?vramd-settle=N`); a stopped one has logged all."""
+        if settle and self.running:
+            self.settle()
         with self._lock:
             lines = list(self._stdout)
         out = []
@@ -250,6 +262,38 @@ class Registry:
                 out.append(AccessRecord(m.group(3), m.group(4), int(m.group(5)),
                                         0 if m.group(6) == "-" else int(m.group(6)), m.group(2)))
         return out
+
+    def wait_log(self, pattern: str, count: int = 1, timeout: float = 10.0) -> list[str]:
+        """The first `count` lines of the registry's log matching `pattern`, once it has written them."""
+        rx = re.compile(pattern)
+        found: list[str] = []
+
+        def enough() -> bool:
+            found[:] = [line for line in self.log if rx.search(line)]
+            return len(found) >= count
+
+        with self._cond:
+            if not self._cond.wait_for(enough, timeout):
+                raise TimeoutError(f"the registry logged {len(found)} of {count} lines matching {pattern!r}")
+        return found[:count]
+
+    def settle(self, timeout: float = 10.0) -> None:
+        """Return once the access log holds every request answered before this call.
+
+        The registry writes a request's access line when its handler returns, which can be just after the client
+        has read a large body's last byte; a request of our own, made after those were answered (a new
+        connection, a round trip), is logged after their handlers returned: its line read means theirs were."""
+        with self._lock:
+            self._settles += 1
+            marker = f"vramd-settle={self._settles}"
+        try:
+            with urllib.request.urlopen(f"{self.url}/v2/?{marker}", timeout=timeout, context=self._context()):
+                pass
+        except urllib.error.HTTPError:  # 401 on an authenticated registry: logged all the same
+            pass
+        with self._cond:
+            if not self._cond.wait_for(lambda: any(marker in line for line in self._stdout), timeout):
+                raise TimeoutError(f"the registry did not log {marker} within {timeout} s")
 
     def output(self) -> str:
         """All the registry wrote (its log and its access log), for a test that greps it for a secret."""
