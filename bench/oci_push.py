@@ -44,6 +44,11 @@ def timed(cmd: list[str]) -> tuple[float, float, str]:
     return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime), r.stdout
 
 
+def requests(reg: Registry) -> int:
+    """Requests the registry answered, its fixture's own readiness and settle probes (GET /v2/) not counted."""
+    return sum(1 for r in reg.access_log() if r.path.split("?")[0] != "/v2/")
+
+
 def vramctl(*args: str) -> list[str]:
     return [sys.executable, "-m", "vramd.cli", *args]
 
@@ -73,19 +78,19 @@ def one_chunk_size(work: Path, size: int, chunk: str) -> list[dict[str, object]]
     with Registry(work / f"reg-a-{chunk}") as a, Registry(work / f"reg-b-{chunk}") as b:
         ref = f"{a.host}/bench/img:1"
         wall, cpu, _ = timed(vramctl("push", str(img), ref, "--plain-http", "--json"))
-        rows.append(row(f"vramctl push ({chunk} chunks)", wall, cpu, size, len(a.access_log())))
-        n = len(a.access_log())
+        rows.append(row(f"vramctl push ({chunk} chunks)", wall, cpu, size, requests(a)))
+        n = requests(a)
         wall, cpu, _ = timed(vramctl("push", str(img), ref, "--plain-http", "--json"))
-        rows.append(row(f"vramctl push again ({chunk})", wall, cpu, size, len(a.access_log()) - n))
-        n = len(a.access_log())
+        rows.append(row(f"vramctl push again ({chunk})", wall, cpu, size, requests(a) - n))
+        n = requests(a)
         wall, cpu, _ = timed(vramctl("pull", ref, str(work / f"pulled-{chunk}"), "--plain-http", "--json"))
-        rows.append(row(f"vramctl pull ({chunk})", wall, cpu, size, len(a.access_log()) - n))
+        rows.append(row(f"vramctl pull ({chunk})", wall, cpu, size, requests(a) - n))
         layout = work / f"layout-{chunk}"
         subprocess.run(["skopeo", "copy", "--src-tls-verify=false", f"docker://{ref}", f"oci:{layout}:1"],
                        check=True, capture_output=True)
         wall, cpu, _ = timed(["skopeo", "copy", "--dest-tls-verify=false", f"oci:{layout}:1",
                               f"docker://{b.host}/bench/img:1"])
-        rows.append(row(f"skopeo copy oci: -> registry ({chunk})", wall, cpu, size, len(b.access_log())))
+        rows.append(row(f"skopeo copy oci: -> registry ({chunk})", wall, cpu, size, requests(b)))
     for p in (img, work / f"pulled-{chunk}", layout):
         shutil.rmtree(p, ignore_errors=True)
     return rows
