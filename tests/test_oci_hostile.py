@@ -189,3 +189,41 @@ def test_pull_refuses_a_directory_holding_something_else(pushed, registry, tmp_p
     assert sorted(p.name for p in dest.iterdir()) == ["notes.txt"]
     ok(vramctl("pull", f"{registry.host}/{repo}:1", str(tmp_path / "fresh"), "--plain-http", "--json"))
     assert files_of(tmp_path / "fresh") == files_of(img)
+
+
+def test_a_parent_path_a_crafted_child_records_never_leads_outside(run_dir, registry, tmp_path):
+    """A child whose manifest.vrdm records its parent at `../../../<somewhere>`: pull puts the parent beside
+    the child as DEST.parent-1, never where the recorded path leads."""
+    from vramd.image.manifest import encode_manifest
+    with Node(run_dir, tmp_path / "node") as n:
+        parent, child = tmp_path / "ckpt" / "p", tmp_path / "ckpt" / "c"
+        bos = workload_bos()
+        n.dump(parent, bos)
+        n.dump(child, [bos[0], os.urandom(len(bos[1]))], "--parent", str(parent))
+    m = decode_manifest((child / "manifest.vrdm").read_bytes())
+    assert m.parents[0].relative_path == "../p"
+    m.parents[0].relative_path = "../../../escape"
+    (child / "manifest.vrdm").write_bytes(encode_manifest(m))  # a valid manifest, recording another path
+    ref = f"{registry.host}/jobs/crafted:1"
+    ok(vramctl("push", str(child), ref, "--plain-http", "--json", "--parent", str(parent)))
+    dest = tmp_path / "pulled" / "c"
+    dest.parent.mkdir()
+    got = ok(vramctl("pull", ref, str(dest), "--plain-http", "--json"))
+    assert [c["dir"] for c in got["chain"]] == [str(dest), f"{dest}.parent-1"]
+    assert files_of(tmp_path / "pulled" / "c.parent-1") == files_of(parent)
+    assert not (tmp_path.parent.parent / "escape").exists() and not (tmp_path / "escape").exists()
+
+
+def test_a_blob_past_the_chunked_threshold_goes_up_in_patches(registry):
+    from vramd.oci.registry import CHUNKED_UPLOAD
+    reg = Registry(registry.host, trust=Trust(plain_http=True), actions=("pull", "push"))
+    try:
+        data = os.urandom(CHUNKED_UPLOAD + 12345)
+        digest = L.sha256_digest(data)
+        reg.upload_blob("big/blob", digest, data)
+        patches = [r for r in registry.access_log() if r.method == "PATCH"]
+        assert len(patches) == 2 and all(r.status == 202 for r in patches)
+        assert registry.stored_blobs()[digest] == len(data)
+        assert reg.get_blob("big/blob", digest, len(data)) == data
+    finally:
+        reg.close()

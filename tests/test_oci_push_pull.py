@@ -4,6 +4,8 @@ registry's access log and storage), replicas and incremental children, and a sec
 reference (docs/image-format.md, "OCI artifact")."""
 from __future__ import annotations
 
+import os
+
 import pytest
 from helpers import vramctl
 from oci_helpers import Node, blob_writes, files_of, ok, user_cache, vramctl_stdin, workload_bos  # noqa: F401 (user_cache: autouse)
@@ -169,3 +171,17 @@ def test_a_second_push_reads_no_payload_where_the_cache_holds_the_skeleton(node,
     assert again["digest"] == first["digest"] and again["stats"]["bytes_uploaded"] == 0
     fresh = ok(vramctl("push", str(img), ref, "--plain-http", "--json", "--cache", str(tmp_path / "empty")))
     assert fresh["digest"] != first["digest"] and fresh["stats"]["blobs_uploaded"] >= 2
+
+
+def test_push_of_a_child_whose_parent_is_not_found_refuses_in_one_line(node, registry, tmp_path):
+    bos = workload_bos()
+    parent, child = tmp_path / "ckpt" / "p", tmp_path / "ckpt" / "c"
+    node.dump(parent, bos)
+    node.dump(child, [bos[0], os.urandom(len(bos[1]))], "--parent", str(parent))
+    moved = tmp_path / "moved"
+    parent.rename(moved)
+    r = vramctl("push", str(child), f"{registry.host}/jobs/orphan:1", "--plain-http")
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "--parent" in r.stderr
+    assert not blob_writes(registry)  # refused before anything went up
+    ok(vramctl("push", str(child), f"{registry.host}/jobs/orphan:1", "--plain-http", "--json", "--parent",
+               str(moved)))

@@ -238,11 +238,15 @@ def parent_dirs(path: str, manifest: pb.Manifest, first: str | None) -> list[str
         else:
             raise ParentMissingError(f"{path} is incremental and its parent #{k} was not recorded where vramctl "
                                      "can find it; name the parent with --parent DIR")
-        dfd = open_dir(nxt)
         try:
-            m = decode_manifest(read_manifest_bytes(dfd, nxt), f"{nxt}/{MANIFEST_NAME}")
-        finally:
-            os.close(dfd)
+            dfd = open_dir(nxt)
+            try:
+                m = decode_manifest(read_manifest_bytes(dfd, nxt), f"{nxt}/{MANIFEST_NAME}")
+            finally:
+                os.close(dfd)
+        except ImageError as e:
+            raise ParentMissingError(f"{e.message}; {path} is incremental: name its parent #{k} with --parent DIR "
+                                     "(a push sends the parents first)") from None
         if m.image_id != ref.image_id:
             raise ParentMissingError(f"{nxt} holds another image than parent #{k} of {path}; name the parent with "
                                      "--parent DIR")
