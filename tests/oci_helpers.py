@@ -38,13 +38,13 @@ def ok(r) -> dict:
 class Node:
     """A "node": its own daemon and its own files."""
 
-    def __init__(self, run_dir: str, d: Path) -> None:
+    def __init__(self, run_dir: str, d: Path, *daemon_args: str) -> None:
         self.dir = d
         d.mkdir(parents=True, exist_ok=True)
         sock_dir = tempfile.mkdtemp(prefix="n", dir=run_dir)  # its own socket: each node runs a daemon
         os.chmod(sock_dir, 0o755)
         self.daemon = DaemonProcess(sock_dir, "--grace-period", "0.3", "--staging-budget", "64M", "--chunk-size",
-                                    "1M")
+                                    "1M", *daemon_args)
 
     def __enter__(self) -> Node:
         self.daemon.__enter__()

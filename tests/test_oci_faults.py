@@ -145,13 +145,18 @@ def test_skopeo_copies_the_artifact_unchanged_and_vramd_restores_the_copy(node, 
     img = tmp_path / "image"
     node.dump(img, bos)
     src = f"{registry.host}/jobs/orig:1"
-    digest = ok(vramctl("push", str(img), src, "--plain-http", "--json"))["digest"]
+    digest = ok(vramctl("push", str(img), src, "--plain-http", "--json", "--annotation",
+                        "org.vramd.image.pid=4242"))["digest"]
     raw = subprocess.run(["skopeo", "inspect", "--raw", "--tls-verify=false", f"docker://{src}"],
                          capture_output=True, check=True).stdout
     assert "sha256:" + hashlib.sha256(raw).hexdigest() == digest
     doc = json.loads(raw)
     assert doc["artifactType"] == "application/vnd.vramd.image.v1"
     assert doc["config"]["mediaType"].startswith("application/vnd.vramd.manifest.v")
+    info = ok(vramctl("inspect", str(img), "--json"))
+    ann = doc["annotations"]
+    assert ann["org.vramd.image.pid"] == "4242" and ann["org.vramd.image.id"] == info["image_id"]
+    assert ann["org.vramd.image.gpus"] and ann["org.opencontainers.image.created"].endswith("Z")
     layout = tmp_path / "layout"
     subprocess.run(["skopeo", "copy", "--src-tls-verify=false", f"docker://{src}", f"oci:{layout}:one"],
                    capture_output=True, check=True)

@@ -185,3 +185,39 @@ def test_push_of_a_child_whose_parent_is_not_found_refuses_in_one_line(node, reg
     assert not blob_writes(registry)  # refused before anything went up
     ok(vramctl("push", str(child), f"{registry.host}/jobs/orphan:1", "--plain-http", "--json", "--parent",
                str(moved)))
+
+
+def test_restore_from_the_reference_on_a_node_with_other_gpus_maps_them(registry, tmp_path, run_dir):
+    """Dumped on one machine's GPUs, restored from the registry on another's (the KFD topology fixtures of
+    tests/test_topology_restore.py): the daemon maps the image's GPUs onto its own, bytes exact."""
+    from helpers import ROOT
+    fixtures = os.path.join(ROOT, "tests", "fixtures", "topology")
+
+    def config(name: str) -> str:
+        p = tmp_path / f"{name}.toml"
+        p.write_text(f"topology_root = {os.path.join(fixtures, name, 'nodes')!r}\n")
+        return str(p)
+    from helpers import memfd, open_dir
+
+    from vramd.client import SESSION_DUMP, Client, ClientBo
+    from vramd.topology import parse_topology
+    gpu = parse_topology(os.path.join(fixtures, "2gpu-pcie", "nodes")).gpus[0].gpu_id
+    bos = workload_bos()
+    img = tmp_path / "image"
+    img.mkdir()
+    dfd, srcs = open_dir(img), [memfd(b) for b in bos]
+    with Node(run_dir, tmp_path / "n1", "--config", config("2gpu-pcie")) as n, Client(n.daemon.socket) as c:
+        s = c.open_session(SESSION_DUMP, dfd)
+        c.add_bos(s.token, [ClientBo(i, fd, size=len(b), gpu_id=gpu) for i, (fd, b) in enumerate(zip(srcs, bos), 1)])
+        c.start(s.token)
+        c.wait(s.token)
+    for fd in [dfd, *srcs]:
+        os.close(fd)
+    ref = f"{registry.host}/jobs/moved:1"
+    ok(vramctl("push", str(img), ref, "--plain-http", "--json"))
+    with Node(run_dir, tmp_path / "n2", "--config", config("2gpu-pcie-host2")) as other:
+        out = other.restore(f"oci://{ref}", [len(b) for b in bos], "--plain-http", "--cache", str(tmp_path / "c"))
+        m = other.daemon.expect_log(r"GPU map \(image -> here\): (.*)")
+        a, b = m.group(1).strip().split(", ")[0].split("->")
+        assert a != b  # the image's GPU is not this machine's: mapped
+    assert out == bos
