@@ -221,3 +221,17 @@ def test_restore_from_the_reference_on_a_node_with_other_gpus_maps_them(registry
         a, b = m.group(1).strip().split(", ")[0].split("->")
         assert a != b  # the image's GPU is not this machine's: mapped
     assert out == bos
+
+
+def test_a_format_v1_image_travels_byte_for_byte(registry, tmp_path):
+    """The version 1 image the repository keeps (records bound per BO, holes as payload-less records)."""
+    import shutil
+
+    from helpers import ROOT
+    src = tmp_path / "v1"
+    shutil.copytree(os.path.join(ROOT, "tests", "fixtures", "image-v1"), src)
+    ref = f"{registry.host}/old/v1:1"
+    ok(vramctl("push", str(src), ref, "--plain-http", "--json"))
+    ok(vramctl("pull", ref, str(tmp_path / "pulled"), "--plain-http", "--json"))
+    assert files_of(tmp_path / "pulled") == files_of(src)
+    assert vramctl("verify", str(tmp_path / "pulled")).returncode == 0
