@@ -96,25 +96,92 @@ def one_chunk_size(work: Path, size: int, chunk: str) -> list[dict[str, object]]
     return rows
 
 
+def storage(work: Path, size: int) -> list[dict[str, object]]:
+    """Registry-side bytes: 4 replicas (the same BOs dumped by 4 daemons, pushed to 4 tags) against one, and a
+    chain of 5 incrementals (each child changes 1 of every 16 chunks of 8 MiB) against what each child stores."""
+    rows: list[dict[str, object]] = []
+    data = work / "bo.bin"
+    with open(data, "wb") as f:
+        for _ in range(size // (8 << 20)):
+            f.write(os.urandom(8 << 20))
+    with Registry(work / "reg-storage") as reg:
+        sizes = []
+        for k in range(4):
+            run = tempfile.mkdtemp(prefix="vb", dir="/tmp")
+            os.chmod(run, 0o755)
+            try:
+                with DaemonProcess(run, "--chunk-size", "8M", log_level="warning") as d:
+                    img = work / f"replica{k}"
+                    subprocess.run(vramctl("--socket", d.socket, "dump", "--pid", str(os.getpid()), "--bo-file",
+                                           str(data), "--image", str(img), "--compress", "none"),
+                                   cwd=ROOT, check=True, capture_output=True)
+            finally:
+                shutil.rmtree(run, ignore_errors=True)
+            before = reg.stored_bytes()
+            timed(vramctl("push", str(img), f"{reg.host}/replicas/job:rank{k}", "--plain-http", "--json"))
+            sizes.append(reg.stored_bytes() - before)
+        rows.append({"case": "4 replicas: registry bytes / one replica's", "ratio": round(sum(sizes) / sizes[0], 4),
+                     "bytes": sizes})
+    with Registry(work / "reg-chain") as reg:
+        run = tempfile.mkdtemp(prefix="vb", dir="/tmp")
+        os.chmod(run, 0o755)
+        try:
+            with DaemonProcess(run, "--chunk-size", "8M", log_level="warning") as d:
+                prev = None
+                for step in range(6):
+                    if step:  # a child: 1 chunk in 16 rewritten
+                        with open(data, "r+b") as f:
+                            for off in range((step % 16) << 23, size, 16 << 23):
+                                f.seek(off)
+                                f.write(os.urandom(8 << 20))
+                    img = work / f"step{step}"
+                    more = ["--parent", str(prev)] if prev else []
+                    out = subprocess.run(vramctl("--socket", d.socket, "dump", "--pid", str(os.getpid()), "--bo-file",
+                                                 str(data), "--image", str(img), "--compress", "none", "--json", *more),
+                                         cwd=ROOT, check=True, capture_output=True, text=True).stdout
+                    stored = json.loads(out)["image"]["stored_bytes"]
+                    before = reg.stored_bytes()
+                    _w, _c, pushed = timed(vramctl("push", str(img), f"{reg.host}/chain/job:step{step}", "--plain-http",
+                                                   "--json"))
+                    up = json.loads(pushed)["stats"]["bytes_uploaded"]
+                    grew = reg.stored_bytes() - before
+                    rows.append({"case": f"chain step {step}" + (" (base)" if not step else ""),
+                                 "stored_by_image": stored, "uploaded": up, "registry_grew": grew,
+                                 "ratio": round(grew / stored, 4) if stored else None})
+                    prev = img
+        finally:
+            shutil.rmtree(run, ignore_errors=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", default="512MiB")
     ap.add_argument("--chunks", default="1M,8M,32M")
     ap.add_argument("--workdir", default="/var/tmp")
     ap.add_argument("--out")
+    ap.add_argument("--storage", action="store_true", help="instead: registry bytes for replicas and a chain")
     ns = ap.parse_args()
     size = parse_size(ns.size)
     rows: list[dict[str, object]] = []
+    load = [os.getloadavg()]
     with tempfile.TemporaryDirectory(prefix="vramd-oci-bench-", dir=ns.workdir) as w:
-        for chunk in ns.chunks.split(","):
-            rows += one_chunk_size(Path(w), size, chunk)
-    result = {"size": size, "load_before_after": [os.getloadavg(), None], "rows": rows}
-    result["load_before_after"][1] = os.getloadavg()
+        if ns.storage:
+            rows = storage(Path(w), size)
+        else:
+            for chunk in ns.chunks.split(","):
+                rows += one_chunk_size(Path(w), size, chunk)
+    load.append(os.getloadavg())
+    result = {"size": size, "load_before_after": load, "rows": rows}
+    if ns.out:
+        Path(ns.out).write_text(json.dumps(result, indent=2) + "\n")
+    if ns.storage:
+        for r in rows:
+            print(json.dumps(r))
+        return
     for r in rows:
         print(f"{r['case']:42} {r['wall_s']:8.3f} s {r['GB_per_s']!s:>7} GB/s {r['cpu_s_per_GiB']!s:>6} CPU s/GiB "
               f"{r['requests']:6} requests")
-    if ns.out:
-        Path(ns.out).write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":
