@@ -227,3 +227,26 @@ def test_a_blob_past_the_chunked_threshold_goes_up_in_patches(registry):
         assert reg.get_blob("big/blob", digest, len(data)) == data
     finally:
         reg.close()
+
+
+@pytest.mark.parametrize("text, parsed", [
+    ("127.0.0.1:5000/jobs/train:step1", ("127.0.0.1:5000", "jobs/train", "step1", None)),
+    ("oci://registry.example/a/b/c", ("registry.example", "a/b/c", None, None)),
+    ("localhost/x@sha256:" + "a" * 64, ("localhost", "x", None, "sha256:" + "a" * 64)),
+    ("[::1]:5000/x:v1.2-rc_3", ("[::1]:5000", "x", "v1.2-rc_3", None)),
+])
+def test_references_parse(text, parsed):
+    from vramd.oci.registry import Reference
+    r = Reference.parse(text)
+    assert (r.host, r.repo, r.tag, r.digest) == parsed
+
+
+@pytest.mark.parametrize("text", [
+    "library/ubuntu", "host.example", "host.example/", "host.example/UPPER", "host.example/a/../b",
+    "host.example/a:bad tag", "host.example/a@sha256:short", "host.example/a//b", "ho st/a", "host.example/a:",
+])
+def test_references_refused(text):
+    from vramd.errors import RegistryError
+    from vramd.oci.registry import Reference
+    with pytest.raises(RegistryError):
+        Reference.parse(text)

@@ -45,6 +45,9 @@ class Reference:
         host, sep, rest = rest.partition("/")
         if not sep or HOST.fullmatch(host) is None:
             raise RegistryError(f"{text!r} is not a reference HOST[:PORT]/REPOSITORY[:TAG|@DIGEST]")
+        if "." not in host and ":" not in host and host != "localhost":  # docker's rule for a first component
+            raise RegistryError(f"{text!r}: name the registry: HOST[:PORT]/{text.removeprefix('oci://')} (no "
+                                "default registry is assumed)")
         digest = None
         if "@" in rest:
             rest, digest = rest.split("@", 1)
