@@ -154,6 +154,47 @@ def storage(work: Path, size: int) -> list[dict[str, object]]:
     return rows
 
 
+def restore(work: Path, size: int) -> list[dict[str, object]]:
+    """`vramctl restore --image oci://` (cold cache: pull, then restore) against a pull alone and a restore of
+    the local directory alone, into a file BO; then again with the cache holding the image."""
+    data = work / "bo.bin"
+    with open(data, "wb") as f:
+        for _ in range(size // (8 << 20)):
+            f.write(os.urandom(8 << 20))
+    out = work / "out.bin"
+    rows = []
+    run = tempfile.mkdtemp(prefix="vb", dir="/tmp")
+    os.chmod(run, 0o755)
+    try:
+        with DaemonProcess(run, "--chunk-size", "8M", log_level="warning") as d, Registry(work / "reg-r") as reg:
+            img = work / "image"
+            subprocess.run(vramctl("--socket", d.socket, "dump", "--pid", str(os.getpid()), "--bo-file", str(data),
+                                   "--image", str(img), "--compress", "none"), cwd=ROOT, check=True,
+                           capture_output=True)
+            ref = f"{reg.host}/bench/r:1"
+            timed(vramctl("push", str(img), ref, "--plain-http"))
+
+            def restore_cmd(image: str, *more: str) -> list[str]:
+                out.write_bytes(b"")
+                os.truncate(out, size)
+                return vramctl("--socket", d.socket, "restore", "--pid", str(os.getpid()), "--image", image,
+                               "--bo-file", f"1={out}", *more)
+            # a pull first, untimed, so the registry's files are in its page cache for both timed pulls alike
+            timed(vramctl("pull", ref, str(work / "warmup"), "--plain-http"))
+            wall, cpu, _ = timed(vramctl("pull", ref, str(work / "pulled"), "--plain-http"))
+            rows.append(row("pull alone", wall, cpu, size, 0))
+            wall, cpu, _ = timed(restore_cmd(str(img)))
+            rows.append(row("restore of the local directory alone", wall, cpu, size, 0))
+            cache = work / "cache"
+            wall, cpu, _ = timed(restore_cmd(f"oci://{ref}", "--plain-http", "--cache", str(cache)))
+            rows.append(row("restore --image oci:// (cold cache)", wall, cpu, size, 0))
+            wall, cpu, _ = timed(restore_cmd(f"oci://{ref}", "--plain-http", "--cache", str(cache)))
+            rows.append(row("restore --image oci:// (warm cache)", wall, cpu, size, 0))
+    finally:
+        shutil.rmtree(run, ignore_errors=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", default="512MiB")
@@ -161,6 +202,7 @@ def main() -> None:
     ap.add_argument("--workdir", default="/var/tmp")
     ap.add_argument("--out")
     ap.add_argument("--storage", action="store_true", help="instead: registry bytes for replicas and a chain")
+    ap.add_argument("--restore", action="store_true", help="instead: restore from a reference against its parts")
     ns = ap.parse_args()
     size = parse_size(ns.size)
     rows: list[dict[str, object]] = []
@@ -168,6 +210,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="vramd-oci-bench-", dir=ns.workdir) as w:
         if ns.storage:
             rows = storage(Path(w), size)
+        elif ns.restore:
+            rows = restore(Path(w), size)
         else:
             for chunk in ns.chunks.split(","):
                 rows += one_chunk_size(Path(w), size, chunk)
