@@ -1,6 +1,8 @@
 """vramctl push / pull against the local registry, side by side with skopeo moving the same bytes.
 
     .venv/bin/python bench/oci_push.py --size 512MiB --chunks 1M,8M,32M --out bench/measured/oci.json
+    .venv/bin/python bench/oci_push.py --storage --size 256MiB     # registry bytes: 4 replicas, a chain of 5
+    .venv/bin/python bench/oci_push.py --restore --size 512MiB     # restore from a reference vs its parts
 
 For each chunk size: a daemon (--chunk-size) dumps --size of incompressible bytes (one BO file, codec none),
 then, each against a fresh registry (Debian's docker-registry, vramd/testing/registry.py, plain HTTP on
