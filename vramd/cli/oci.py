@@ -15,12 +15,12 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from ..oci.credentials import find_credentials, from_password_stdin
 from ..oci.layout import MAX_OCI_MANIFEST
-from ..oci.pull import Puller, pull_chain
+from ..oci.pull import Pulled, Puller, pull_chain
 from ..oci.push import Pusher, push_chain
 from ..oci.registry import Reference, Registry
 from ..oci.tls import Trust
@@ -41,7 +41,7 @@ def add_registry_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, default=4, metavar="N", help="blobs moved at once (default 4)")
 
 
-def add_oci_commands(cmd: Any) -> None:
+def add_oci_commands(cmd: Callable[..., argparse.ArgumentParser]) -> None:
     """Registers push and pull with vramctl's `cmd(name, fn, help, daemon=...)`."""
     p = cmd("push", cmd_push, "push an image (and its parents, farthest first) to an OCI registry; only blobs the "
             "registry lacks are uploaded", daemon=False)
@@ -119,7 +119,7 @@ def cmd_push(ns: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _pull(ns: argparse.Namespace, text: str, dest: str) -> tuple[Reference, Registry, list[Any], float]:
+def _pull(ns: argparse.Namespace, text: str, dest: str) -> tuple[Reference, Registry, list[Pulled], float]:
     ref = Reference.parse(text)
     reg = _registry(ns, ref)
     t0 = time.monotonic()

@@ -10,6 +10,7 @@ nodes, or by an image and its child, is one blob in the registry.
 """
 from __future__ import annotations
 
+import datetime
 import hashlib
 import io
 import json
@@ -223,8 +224,6 @@ def check_skeleton(sk: Skeleton, art: Artifact, manifest: pb.Manifest) -> None:
 # --- the OCI image manifest ----------------------------------------------------
 
 def annotations_for(manifest: pb.Manifest, extra: Mapping[str, str]) -> dict[str, str]:
-    import datetime
-
     created = datetime.datetime.fromtimestamp(manifest.created_unix_ns / 1e9, datetime.UTC)
     ann = {
         ANN_IMAGE_ID: manifest.image_id.hex(),

@@ -24,6 +24,7 @@ from .layout import (
     MAX_LITERAL,
     MAX_SKELETON,
     MEDIA_CHUNK,
+    MEDIA_OCI_MANIFEST,
     MEDIA_SKELETON,
     PAYLOAD,
     ZEROS,
@@ -296,7 +297,7 @@ class Pusher:
                 fut.result()
         body = encode_oci_manifest(config, skeleton, chunks, parent, annotations_for(img.manifest, annotations))
         digest = self.reg.put_manifest(self.repo, tag or sha256_digest(body), body)
-        return Descriptor("application/vnd.oci.image.manifest.v1+json", digest, len(body))
+        return Descriptor(MEDIA_OCI_MANIFEST, digest, len(body))
 
 
 def push_chain(pusher: Pusher, path: str, tag: str, *, first_parent: str | None,

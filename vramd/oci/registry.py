@@ -12,7 +12,6 @@ import re
 import ssl
 import threading
 from dataclasses import dataclass, field
-from typing import Any
 from urllib.parse import quote, urljoin
 
 import urllib3
@@ -108,9 +107,9 @@ class Registry:
         self.stats = Stats()
         self._auth = Authenticator(host, credentials or ANONYMOUS, self.trust)
         self._auth_lock = threading.Lock()
-        kw: dict[str, Any] = {"ssl_context": self.trust.context()} if not self.trust.plain_http else {}
+        ctx = None if self.trust.plain_http else self.trust.context()
         self._pool = urllib3.PoolManager(num_pools=4, maxsize=max(1, concurrency), block=True, retries=False,
-                                         timeout=urllib3.Timeout(connect=10.0, read=timeout), **kw)
+                                         timeout=urllib3.Timeout(connect=10.0, read=timeout), ssl_context=ctx)
 
     def close(self) -> None:
         self._pool.clear()
