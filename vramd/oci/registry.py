@@ -24,6 +24,7 @@ from .layout import DIGEST, MEDIA_OCI_MANIFEST
 from .tls import Trust
 
 CHUNKED_UPLOAD = 64 << 20  # blobs larger than this go up in PATCHes of this size, then a closing PUT
+PREALLOCATE = 64 << 20  # a downloaded blob's buffer starts at most this large
 REPO = re.compile(r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*")
 TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
 HOST = re.compile(r"[A-Za-z0-9.-]+(?::[0-9]{1,5})?|\[[0-9a-fA-F:]+\](?::[0-9]{1,5})?")
@@ -232,18 +233,21 @@ class Registry:
 
     def get_blob(self, repo: str, digest: str, size: int, *, where: str = "") -> bytearray:
         """The blob's bytes, exactly `size` of them, whose sha256 is `digest`: else DigestMismatchError naming
-        `where` (what needed the blob).  Read straight into one buffer of `size` bytes (never more is held),
-        hashed as it fills."""
+        `where` (what needed the blob).  Read straight into one buffer, hashed as it fills; the buffer grows
+        with what arrives (from 64 MiB), so a descriptor claiming a huge size costs nothing until bytes come."""
         what = f"GET {repo}@{digest}"
         r = self._request("GET", f"/v2/{repo}/blobs/{digest}", what, repo=repo, stream=True)
-        buf = bytearray(size)
-        view, got, h = memoryview(buf), 0, hashlib.sha256()
+        buf = bytearray(min(size, PREALLOCATE))
+        got, h = 0, hashlib.sha256()
         try:
             while got < size:
-                n = r.readinto(view[got:got + (4 << 20)])
-                if not n:
-                    break
-                h.update(view[got:got + n])
+                if got == len(buf):
+                    buf.extend(bytes(min(size - got, len(buf))))  # doubles, up to `size`
+                with memoryview(buf) as view:
+                    n = r.readinto(view[got:min(len(buf), got + (4 << 20))])
+                    if not n:
+                        break
+                    h.update(view[got:got + n])
                 got += n
             longer = got == size and r.read(1) != b""
         except HTTPError as e:
