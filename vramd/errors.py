@@ -258,6 +258,19 @@ class TlsError(RegistryError):
     code = "TLS_ERROR"
 
 
+class DigestMismatchError(RegistryError):
+    """A blob or manifest whose bytes are not the digest asked for (damaged in the registry or in transit);
+    for a chunk's payload the message names the BO and offset that needed it."""
+
+    code = "DIGEST_MISMATCH"
+
+
+class RegistryFullError(RegistryError):
+    """The registry could not store a blob: it is out of space or over a quota."""
+
+    code = "REGISTRY_FULL"
+
+
 # --- the wire registry ------------------------------------------------------
 
 # Every code a peer may report, with the class that stands for it on this side.
@@ -279,7 +292,7 @@ WIRE_ERRORS: dict[str, type[VramdError]] = {cls.code: cls for cls in (
 # Raised on the client's side only: the network belongs to the client (vramctl, libvramd's helpers), the
 # daemon never speaks to a registry, so these are not wire codes.
 CLIENT_ERRORS: dict[str, type[VramdError]] = {cls.code: cls for cls in (
-    RegistryError, AuthFailedError, CredentialsError, TlsError,
+    RegistryError, AuthFailedError, CredentialsError, TlsError, DigestMismatchError, RegistryFullError,
 )}
 
 

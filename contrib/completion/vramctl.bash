@@ -5,7 +5,7 @@ _vramctl() {
     cmd=""
     for ((i = 1; i < COMP_CWORD; i++)); do
         case "${COMP_WORDS[i]}" in
-            status|sessions|cancel|dump|restore|verify|rm|gc|flatten|selftest|inspect|import-criu|export-criu) cmd="${COMP_WORDS[i]}"; break ;;
+            status|sessions|cancel|dump|restore|verify|rm|gc|flatten|selftest|inspect|import-criu|export-criu|push|pull) cmd="${COMP_WORDS[i]}"; break ;;
         esac
     done
     case "$cmd" in
@@ -13,7 +13,7 @@ _vramctl() {
         sessions) COMPREPLY=($(compgen -W "-h --help --json --socket --daemon-user --all" -- "$cur")) ;;
         cancel) COMPREPLY=($(compgen -W "-h --help --json --socket --daemon-user --reason" -- "$cur")) ;;
         dump) COMPREPLY=($(compgen -W "-h --help --json --socket --daemon-user --pid --range --bo-file --image --compress --force --parent --no-dedup --replace-parent" -- "$cur")) ;;
-        restore) COMPREPLY=($(compgen -W "-h --help --json --socket --daemon-user --pid --image --bo-file --to-recorded-paths --parent" -- "$cur")) ;;
+        restore) COMPREPLY=($(compgen -W "-h --help --json --socket --daemon-user --pid --image --cache --plain-http --ca-file --registry-config --username --password-stdin --concurrency --bo-file --to-recorded-paths --parent" -- "$cur")) ;;
         verify) COMPREPLY=($(compgen -W "-h --help --json --parent" -- "$cur")) ;;
         rm) COMPREPLY=($(compgen -W "-h --help --json --parent" -- "$cur")) ;;
         gc) COMPREPLY=($(compgen -W "-h --help --json" -- "$cur")) ;;
@@ -22,7 +22,9 @@ _vramctl() {
         inspect) COMPREPLY=($(compgen -W "-h --help --json" -- "$cur")) ;;
         import-criu) COMPREPLY=($(compgen -W "-h --help --json --socket --daemon-user --compress --force --offline --kfd" -- "$cur")) ;;
         export-criu) COMPREPLY=($(compgen -W "-h --help --json --socket --daemon-user --parent --offline --kfd" -- "$cur")) ;;
-        "") COMPREPLY=($(compgen -W "-h --help --version --socket --daemon-user status sessions cancel dump restore verify rm gc flatten selftest inspect import-criu export-criu" -- "$cur")) ;;
+        push) COMPREPLY=($(compgen -W "-h --help --json --parent --annotation --cache --mount-from --plain-http --ca-file --registry-config --username --password-stdin --concurrency" -- "$cur")) ;;
+        pull) COMPREPLY=($(compgen -W "-h --help --json --plain-http --ca-file --registry-config --username --password-stdin --concurrency" -- "$cur")) ;;
+        "") COMPREPLY=($(compgen -W "-h --help --version --socket --daemon-user status sessions cancel dump restore verify rm gc flatten selftest inspect import-criu export-criu push pull" -- "$cur")) ;;
     esac
     case "${COMP_WORDS[COMP_CWORD-1]}" in
         --image|--workdir|--socket) COMPREPLY=($(compgen -f -- "$cur")) ;;

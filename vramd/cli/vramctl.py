@@ -6,6 +6,9 @@
     vramctl [--socket S] dump [--pid PID --range ADDR:LEN [--range ...]] [--bo-file PATH[:OFF:LEN] ...]
                               --image DIR [--compress none|zstd|bplanes|auto[:LEVEL]] [--json]
     vramctl [--socket S] restore --pid PID --image DIR [--json]
+    vramctl [--socket S] restore --pid PID --image oci://HOST/REPO[:TAG] [--cache DIR] [registry options]
+    vramctl push IMAGE_DIR HOST/REPO[:TAG] [registry options]   (an OCI registry: cli/oci.py)
+    vramctl pull HOST/REPO[:TAG|@DIGEST] IMAGE_DIR [registry options]
     vramctl [--socket S] dump ... --parent PARENT_DIR    (an incremental image)
     vramctl verify DIR [--parent DIR] [--json]          (offline: no daemon)
     vramctl inspect DIR [--json]                        (offline: no daemon)
@@ -59,7 +62,8 @@ from .common import (
 from .imagedir import read_manifest_offline
 from .images import cmd_flatten, cmd_gc, cmd_inspect, cmd_rm, cmd_verify
 from .interop import cmd_export_criu, cmd_import_criu
-from .transfer import cmd_dump, cmd_restore
+from .oci import add_oci_commands, add_restore_args, cmd_restore_any
+from .transfer import cmd_dump
 
 # What scripts imported from this module before vramctl was split by command group: still here.
 __all__ = ["build_parser", "main", "rate", "read_manifest_offline", "session_dict"]
@@ -114,10 +118,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-dedup", action="store_true", help="store every chunk, even one the image holds already")
     p.add_argument("--replace-parent", action="store_true",
                    help="with --force: replace an image even though incremental images need it (they break)")
-    p = cmd("restore", cmd_restore, "write an image back: ranges into PID at their addresses, file BOs into the files "
-            "you name")
+    p = cmd("restore", cmd_restore_any, "write an image back: ranges into PID at their addresses, file BOs into the "
+            "files you name")
     p.add_argument("--pid", type=int, required=True)
-    p.add_argument("--image", required=True, metavar="DIR")
+    p.add_argument("--image", required=True, metavar="DIR|oci://HOST/REPO[:TAG|@DIGEST]")
+    add_restore_args(p)
     p.add_argument("--bo-file", type=parse_bo_target, action="append", metavar="ID=PATH",
                    help="write the image's file BO ID into PATH, repeatable (the image's recorded paths are never "
                         "opened unless --to-recorded-paths)")
@@ -169,6 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "files are written; unnamed BOs (the vramd plugin's image) go by id = bucket index (default: ID "
                    "of an IMAGE_DIR named amdgpu-vramd-ID)")
     p.set_defaults(pid=None)
+    add_oci_commands(cmd)
     return ap
 
 

@@ -1,0 +1,234 @@
+"""vramctl push / pull against the local registry, side by side with skopeo moving the same bytes.
+
+    .venv/bin/python bench/oci_push.py --size 512MiB --chunks 1M,8M,32M --out bench/measured/oci.json
+    .venv/bin/python bench/oci_push.py --storage --size 256MiB     # registry bytes: 4 replicas, a chain of 5
+    .venv/bin/python bench/oci_push.py --restore --size 512MiB     # restore from a reference vs its parts
+
+For each chunk size: a daemon (--chunk-size) dumps --size of incompressible bytes (one BO file, codec none),
+then, each against a fresh registry (Debian's docker-registry, vramd/testing/registry.py, plain HTTP on
+127.0.0.1): `vramctl push` (first push: every blob), the same push again (every blob there: HEADs only),
+`vramctl pull` into an empty directory, and `skopeo copy` of the very artifact from an OCI layout (made by skopeo
+from the registry beforehand) into another fresh registry: the peer moving the same blobs.  Reported: wall
+seconds, GB/s (decimal) of payload, CPU s/GiB of the client (vramctl's or skopeo's children rusage; the
+registry runs on the same cores and is not counted), requests (the registry's access log).  The registry, the
+client and the daemon share the machine: its load is recorded.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from vramd.testing import DaemonProcess  # noqa: E402
+from vramd.testing.registry import Registry  # noqa: E402
+from vramd.units import parse_size  # noqa: E402
+
+
+def timed(cmd: list[str]) -> tuple[float, float, str]:
+    """(wall s, CPU s of the child, stdout) of a command run to its end."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if r.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd[:4])}: {r.stderr.strip()}")
+    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime), r.stdout
+
+
+def requests(reg: Registry) -> int:
+    """Requests the registry answered, its fixture's own readiness and settle probes (GET /v2/) not counted."""
+    return sum(1 for r in reg.access_log() if r.path.split("?")[0] != "/v2/")
+
+
+def vramctl(*args: str) -> list[str]:
+    return [sys.executable, "-m", "vramd.cli", *args]
+
+
+def row(name: str, wall: float, cpu: float, nbytes: int, requests: int) -> dict[str, object]:
+    gib = nbytes / 2**30
+    return {"case": name, "wall_s": round(wall, 3), "GB_per_s": round(nbytes / wall / 1e9, 3) if wall else None,
+            "cpu_s_per_GiB": round(cpu / gib, 3) if gib else None, "requests": requests, "bytes": nbytes}
+
+
+def one_chunk_size(work: Path, size: int, chunk: str) -> list[dict[str, object]]:
+    data = work / "bo.bin"
+    with open(data, "wb") as f:
+        for _ in range(size // (8 << 20)):
+            f.write(os.urandom(8 << 20))
+    img = work / f"image-{chunk}"
+    run = tempfile.mkdtemp(prefix="vb", dir="/tmp")
+    os.chmod(run, 0o755)
+    try:
+        with DaemonProcess(run, "--chunk-size", chunk, log_level="warning") as d:
+            subprocess.run(vramctl("--socket", d.socket, "dump", "--pid", str(os.getpid()), "--bo-file", str(data),
+                                   "--image", str(img), "--compress", "none"), cwd=ROOT, check=True,
+                           capture_output=True)
+    finally:
+        shutil.rmtree(run, ignore_errors=True)
+    rows = []
+    with Registry(work / f"reg-a-{chunk}") as a, Registry(work / f"reg-b-{chunk}") as b:
+        ref = f"{a.host}/bench/img:1"
+        wall, cpu, _ = timed(vramctl("push", str(img), ref, "--plain-http", "--json"))
+        rows.append(row(f"vramctl push ({chunk} chunks)", wall, cpu, size, requests(a)))
+        n = requests(a)
+        wall, cpu, _ = timed(vramctl("push", str(img), ref, "--plain-http", "--json"))
+        rows.append(row(f"vramctl push again ({chunk})", wall, cpu, size, requests(a) - n))
+        n = requests(a)
+        wall, cpu, _ = timed(vramctl("pull", ref, str(work / f"pulled-{chunk}"), "--plain-http", "--json"))
+        rows.append(row(f"vramctl pull ({chunk})", wall, cpu, size, requests(a) - n))
+        layout = work / f"layout-{chunk}"
+        subprocess.run(["skopeo", "copy", "--src-tls-verify=false", f"docker://{ref}", f"oci:{layout}:1"],
+                       check=True, capture_output=True)
+        wall, cpu, _ = timed(["skopeo", "copy", "--dest-tls-verify=false", f"oci:{layout}:1",
+                              f"docker://{b.host}/bench/img:1"])
+        rows.append(row(f"skopeo copy oci: -> registry ({chunk})", wall, cpu, size, requests(b)))
+    for p in (img, work / f"pulled-{chunk}", layout):
+        shutil.rmtree(p, ignore_errors=True)
+    return rows
+
+
+def storage(work: Path, size: int) -> list[dict[str, object]]:
+    """Registry-side bytes: 4 replicas (the same BOs dumped by 4 daemons, pushed to 4 tags) against one, and a
+    chain of 5 incrementals (each child changes 1 of every 16 chunks of 8 MiB) against what each child stores."""
+    rows: list[dict[str, object]] = []
+    data = work / "bo.bin"
+    with open(data, "wb") as f:
+        for _ in range(size // (8 << 20)):
+            f.write(os.urandom(8 << 20))
+    with Registry(work / "reg-storage") as reg:
+        sizes = []
+        for k in range(4):
+            run = tempfile.mkdtemp(prefix="vb", dir="/tmp")
+            os.chmod(run, 0o755)
+            try:
+                with DaemonProcess(run, "--chunk-size", "8M", log_level="warning") as d:
+                    img = work / f"replica{k}"
+                    subprocess.run(vramctl("--socket", d.socket, "dump", "--pid", str(os.getpid()), "--bo-file",
+                                           str(data), "--image", str(img), "--compress", "none"),
+                                   cwd=ROOT, check=True, capture_output=True)
+            finally:
+                shutil.rmtree(run, ignore_errors=True)
+            before = reg.stored_bytes()
+            timed(vramctl("push", str(img), f"{reg.host}/replicas/job:rank{k}", "--plain-http", "--json"))
+            sizes.append(reg.stored_bytes() - before)
+        rows.append({"case": "4 replicas: registry bytes / one replica's", "ratio": round(sum(sizes) / sizes[0], 4),
+                     "bytes": sizes})
+    with Registry(work / "reg-chain") as reg:
+        run = tempfile.mkdtemp(prefix="vb", dir="/tmp")
+        os.chmod(run, 0o755)
+        try:
+            with DaemonProcess(run, "--chunk-size", "8M", log_level="warning") as d:
+                prev = None
+                for step in range(6):
+                    if step:  # a child: 1 chunk in 16 rewritten
+                        with open(data, "r+b") as f:
+                            for off in range((step % 16) << 23, size, 16 << 23):
+                                f.seek(off)
+                                f.write(os.urandom(8 << 20))
+                    img = work / f"step{step}"
+                    more = ["--parent", str(prev)] if prev else []
+                    out = subprocess.run(vramctl("--socket", d.socket, "dump", "--pid", str(os.getpid()), "--bo-file",
+                                                 str(data), "--image", str(img), "--compress", "none", "--json", *more),
+                                         cwd=ROOT, check=True, capture_output=True, text=True).stdout
+                    stored = json.loads(out)["image"]["stored_bytes"]
+                    before = reg.stored_bytes()
+                    _w, _c, pushed = timed(vramctl("push", str(img), f"{reg.host}/chain/job:step{step}", "--plain-http",
+                                                   "--json"))
+                    up = json.loads(pushed)["stats"]["bytes_uploaded"]
+                    grew = reg.stored_bytes() - before
+                    rows.append({"case": f"chain step {step}" + (" (base)" if not step else ""),
+                                 "stored_by_image": stored, "uploaded": up, "registry_grew": grew,
+                                 "ratio": round(grew / stored, 4) if stored else None})
+                    prev = img
+        finally:
+            shutil.rmtree(run, ignore_errors=True)
+    return rows
+
+
+def restore(work: Path, size: int) -> list[dict[str, object]]:
+    """`vramctl restore --image oci://` (cold cache: pull, then restore) against a pull alone and a restore of
+    the local directory alone, into a file BO; then again with the cache holding the image."""
+    data = work / "bo.bin"
+    with open(data, "wb") as f:
+        for _ in range(size // (8 << 20)):
+            f.write(os.urandom(8 << 20))
+    out = work / "out.bin"
+    rows = []
+    run = tempfile.mkdtemp(prefix="vb", dir="/tmp")
+    os.chmod(run, 0o755)
+    try:
+        with DaemonProcess(run, "--chunk-size", "8M", log_level="warning") as d, Registry(work / "reg-r") as reg:
+            img = work / "image"
+            subprocess.run(vramctl("--socket", d.socket, "dump", "--pid", str(os.getpid()), "--bo-file", str(data),
+                                   "--image", str(img), "--compress", "none"), cwd=ROOT, check=True,
+                           capture_output=True)
+            ref = f"{reg.host}/bench/r:1"
+            timed(vramctl("push", str(img), ref, "--plain-http"))
+
+            def restore_cmd(image: str, *more: str) -> list[str]:
+                out.write_bytes(b"")
+                os.truncate(out, size)
+                return vramctl("--socket", d.socket, "restore", "--pid", str(os.getpid()), "--image", image,
+                               "--bo-file", f"1={out}", *more)
+            # a pull first, untimed, so the registry's files are in its page cache for both timed pulls alike
+            timed(vramctl("pull", ref, str(work / "warmup"), "--plain-http"))
+            wall, cpu, _ = timed(vramctl("pull", ref, str(work / "pulled"), "--plain-http"))
+            rows.append(row("pull alone", wall, cpu, size, 0))
+            wall, cpu, _ = timed(restore_cmd(str(img)))
+            rows.append(row("restore of the local directory alone", wall, cpu, size, 0))
+            cache = work / "cache"
+            wall, cpu, _ = timed(restore_cmd(f"oci://{ref}", "--plain-http", "--cache", str(cache)))
+            rows.append(row("restore --image oci:// (cold cache)", wall, cpu, size, 0))
+            wall, cpu, _ = timed(restore_cmd(f"oci://{ref}", "--plain-http", "--cache", str(cache)))
+            rows.append(row("restore --image oci:// (warm cache)", wall, cpu, size, 0))
+    finally:
+        shutil.rmtree(run, ignore_errors=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size", default="512MiB")
+    ap.add_argument("--chunks", default="1M,8M,32M")
+    ap.add_argument("--workdir", default="/var/tmp")
+    ap.add_argument("--out")
+    ap.add_argument("--storage", action="store_true", help="instead: registry bytes for replicas and a chain")
+    ap.add_argument("--restore", action="store_true", help="instead: restore from a reference against its parts")
+    ns = ap.parse_args()
+    size = parse_size(ns.size)
+    rows: list[dict[str, object]] = []
+    load = [os.getloadavg()]
+    with tempfile.TemporaryDirectory(prefix="vramd-oci-bench-", dir=ns.workdir) as w:
+        if ns.storage:
+            rows = storage(Path(w), size)
+        elif ns.restore:
+            rows = restore(Path(w), size)
+        else:
+            for chunk in ns.chunks.split(","):
+                rows += one_chunk_size(Path(w), size, chunk)
+    load.append(os.getloadavg())
+    result = {"size": size, "load_before_after": load, "rows": rows}
+    if ns.out:
+        Path(ns.out).write_text(json.dumps(result, indent=2) + "\n")
+    if ns.storage:
+        for r in rows:
+            print(json.dumps(r))
+        return
+    for r in rows:
+        print(f"{r['case']:42} {r['wall_s']:8.3f} s {r['GB_per_s']!s:>7} GB/s {r['cpu_s_per_GiB']!s:>6} CPU s/GiB "
+              f"{r['requests']:6} requests")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,170 @@
+"""vramctl push, pull, and restore from a registry reference (vramd.oci; docs/image-format.md, "OCI artifact").
+
+    vramctl push IMAGE_DIR HOST/REPO[:TAG] [--parent DIR] [--annotation K=V ...] [registry options]
+    vramctl pull HOST/REPO[:TAG|@DIGEST] IMAGE_DIR [registry options]
+    vramctl restore --pid PID --image oci://HOST/REPO[:TAG|@DIGEST] [--cache DIR] [registry options] ...
+
+Registry options: --plain-http (explicit: TLS, verified, is the default), --ca-file, --registry-config
+(docker/podman config.json), --username with --password-stdin (a password is never taken from argv),
+--concurrency.  The network side is vramctl's: the daemon is handed the pulled directory's fds as for any
+restore, and never talks to a registry.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from ..oci.credentials import find_credentials, from_password_stdin
+from ..oci.layout import MAX_OCI_MANIFEST
+from ..oci.pull import Pulled, Puller, pull_chain
+from ..oci.push import Pusher, push_chain
+from ..oci.registry import Reference, Registry
+from ..oci.tls import Trust
+from .common import EXIT_OK, Failure, emit, rate
+from .transfer import cmd_restore
+
+OCI_SCHEME = "oci://"
+
+
+def add_registry_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--plain-http", action="store_true", help="talk HTTP, not HTTPS, to the registry (only a "
+                   "registry you reach over a network you trust)")
+    p.add_argument("--ca-file", metavar="PEM", help="trust the registry's certificate if this CA signed it")
+    p.add_argument("--registry-config", metavar="PATH", help="a docker/podman config.json holding the registry's "
+                   "credentials (default: $REGISTRY_AUTH_FILE, else ~/.docker/config.json, where there is one)")
+    p.add_argument("--username", help="the registry user; the password is read from stdin (--password-stdin)")
+    p.add_argument("--password-stdin", action="store_true", help="read the registry password from stdin")
+    p.add_argument("--concurrency", type=int, default=4, metavar="N", help="blobs moved at once (default 4)")
+
+
+def add_oci_commands(cmd: Callable[..., argparse.ArgumentParser]) -> None:
+    """Registers push and pull with vramctl's `cmd(name, fn, help, daemon=...)`."""
+    p = cmd("push", cmd_push, "push an image (and its parents, farthest first) to an OCI registry; only blobs the "
+            "registry lacks are uploaded", daemon=False)
+    p.add_argument("dir", metavar="IMAGE_DIR")
+    p.add_argument("ref", metavar="HOST/REPO[:TAG]")
+    p.add_argument("--parent", metavar="DIR", help="an incremental image's parent directory, where it is not where "
+                   "the image recorded it")
+    p.add_argument("--annotation", action="append", metavar="KEY=VALUE", default=[],
+                   help="an annotation of the image's OCI manifest (e.g. org.vramd.image.pid=1234), repeatable")
+    p.add_argument("--cache", metavar="DIR", help="where the skeletons of images pushed before are kept, so a second "
+                   "push of one reads none of its payloads (default: as restore's --cache)")
+    p.add_argument("--mount-from", action="append", metavar="REPO", default=[],
+                   help="another repository of the registry whose blobs may be mounted instead of uploaded")
+    add_registry_args(p)
+    p = cmd("pull", cmd_pull, "pull an image from an OCI registry into a new or empty directory; its parents go "
+            "into sibling directories", daemon=False)
+    p.add_argument("ref", metavar="HOST/REPO[:TAG|@DIGEST]")
+    p.add_argument("dir", metavar="IMAGE_DIR")
+    add_registry_args(p)
+
+
+def add_restore_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cache", metavar="DIR", help="with --image oci://...: where pulled images are kept and looked "
+                   "for first (default: $XDG_CACHE_HOME/vramd/oci, else ~/.cache/vramd/oci)")
+    add_registry_args(p)
+
+
+def _registry(ns: argparse.Namespace, ref: Reference, actions: tuple[str, ...] = ("pull",)) -> Registry:
+    if ns.concurrency < 1:
+        raise Failure("--concurrency must be at least 1")
+    if not hasattr(ns, "oci_credentials"):  # stdin is read once, however many registries a command opens
+        explicit = None
+        if ns.password_stdin:
+            if not ns.username:
+                raise Failure("--password-stdin needs --username")
+            explicit = from_password_stdin(ns.username, sys.stdin)
+        elif ns.username:
+            raise Failure("--username needs --password-stdin (a password is never taken from the command line)")
+        config = Path(ns.registry_config) if ns.registry_config else None
+        ns.oci_credentials = find_credentials(ref.host, ref.repo, registry_config=config, explicit=explicit)
+    trust = Trust(ca_file=Path(ns.ca_file) if ns.ca_file else None, plain_http=ns.plain_http)
+    return Registry(ref.host, trust=trust, credentials=ns.oci_credentials, actions=actions,
+                    concurrency=ns.concurrency)
+
+
+def _annotations(items: list[str]) -> dict[str, str]:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise Failure(f"--annotation {item!r}: expected KEY=VALUE")
+        out[key] = value
+    return out
+
+
+def cmd_push(ns: argparse.Namespace) -> int:
+    ref = Reference.parse(ns.ref)
+    if ref.digest:
+        raise Failure(f"{ns.ref}: push to a tag (HOST/REPO:TAG), not to a digest")
+    reg = _registry(ns, ref, ("pull", "push"))
+    t0 = time.monotonic()
+    try:
+        pushed = push_chain(Pusher(reg, ref.repo, concurrency=ns.concurrency, mount_from=ns.mount_from), ns.dir,
+                            ref.tag or "latest", first_parent=ns.parent, annotations=_annotations(ns.annotation),
+                            cache=cache_root(ns))
+    finally:
+        reg.close()
+    secs = time.monotonic() - t0
+    st = reg.stats
+    d = {"ok": True, "reference": str(ref), "digest": pushed[-1][1].digest, "seconds": round(secs, 6),
+         "chain": [{"dir": p, "digest": desc.digest} for p, desc in pushed], "stats": st.to_dict()}
+    emit(ns, d, f"pushed {ns.dir} to {ref} ({pushed[-1][1].digest}), {len(pushed)} image(s): uploaded "
+                f"{st.blobs_uploaded} blob(s), {st.bytes_uploaded} bytes ({rate(st.bytes_uploaded, secs)}), "
+                f"{st.blobs_present} already there, {st.blobs_mounted} mounted")
+    return EXIT_OK
+
+
+def _pull(ns: argparse.Namespace, text: str, dest: str) -> tuple[Reference, Registry, list[Pulled], float]:
+    ref = Reference.parse(text)
+    reg = _registry(ns, ref)
+    t0 = time.monotonic()
+    try:
+        chain = pull_chain(Puller(reg, ref.repo, concurrency=ns.concurrency), ref.ref, dest)
+    finally:
+        reg.close()
+    return ref, reg, chain, time.monotonic() - t0
+
+
+def cmd_pull(ns: argparse.Namespace) -> int:
+    ref, reg, chain, secs = _pull(ns, ns.ref, ns.dir)
+    st = reg.stats
+    d = {"ok": True, "reference": str(ref), "digest": chain[0].digest, "seconds": round(secs, 6),
+         "chain": [{"dir": p.path, "digest": p.digest, "cached": p.cached} for p in chain], "stats": st.to_dict()}
+    emit(ns, d, f"pulled {ref} ({chain[0].digest}) into {ns.dir}, {len(chain)} image(s): downloaded "
+                f"{st.blobs_downloaded} blob(s), {st.bytes_downloaded} bytes ({rate(st.bytes_downloaded, secs)})")
+    return EXIT_OK
+
+
+def cache_root(ns: argparse.Namespace) -> str:
+    if ns.cache:
+        return str(ns.cache)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    return os.path.join(base, "vramd", "oci")
+
+
+def cmd_restore_any(ns: argparse.Namespace) -> int:
+    """vramctl restore: an image directory as before, or `oci://` a reference, pulled (verified) into the cache
+    first, then restored from there (the pull of a reference the cache holds downloads no blob)."""
+    if not ns.image.startswith(OCI_SCHEME):
+        return cmd_restore(ns)
+    ref = Reference.parse(ns.image)
+    key = ref.host.replace(":", "_")
+    # One directory per pulled child: its parents become its siblings there, as the child recorded them.
+    # The artifact's digest names it, so a tag moved to another image gets a directory of its own.
+    probe = _registry(ns, ref)
+    try:
+        body_digest = probe.get_manifest(ref.repo, ref.ref, MAX_OCI_MANIFEST)[1]
+    finally:
+        probe.close()
+    root = os.path.join(cache_root(ns), key, ref.repo.replace("/", "_"), body_digest.removeprefix("sha256:"))
+    os.makedirs(root, mode=0o700, exist_ok=True)
+    _ref, _reg, chain, _secs = _pull(ns, f"{ref.host}/{ref.repo}@{body_digest}", os.path.join(root, "image"))
+    ns.image = chain[0].path
+    if len(chain) > 1 and ns.parent is None:
+        ns.parent = chain[1].path
+    return cmd_restore(ns)

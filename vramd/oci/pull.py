@@ -1,0 +1,245 @@
+"""Pull a vramd image (and its parents) from a registry into image directories, byte for byte as pushed.
+
+Registry data is untrusted: the OCI manifest, the config (manifest.vrdm, which must decode and pass every check
+a reader makes) and the skeleton are checked against each other (vramd.oci.layout) before a file is created;
+every blob is downloaded into memory, at most `concurrency` at once and none longer than its descriptor says,
+and checked against its digest before a byte of it is written.  Files are created only under the data file
+names manifest.vrdm lists, as `<name>.tmp` in the one directory the caller named, and the manifest is renamed
+into place last: a pull that fails leaves no image (and removes what it created).
+"""
+from __future__ import annotations
+
+import os
+import re
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import blake3
+
+from ..errors import CorruptManifestError, DigestMismatchError, ImageError, ParentMismatchError, from_os_error
+from ..image.manifest import decode_manifest
+from ..image.names import MANIFEST_NAME
+from ..pb import image_pb2 as pb
+from .layout import (
+    LITERAL,
+    MAX_CONFIG,
+    MAX_OCI_MANIFEST,
+    PAYLOAD,
+    Artifact,
+    Skeleton,
+    check_config,
+    check_skeleton,
+    decode_oci_manifest,
+    decode_skeleton,
+    sha256_digest,
+)
+from .push import MAX_CHAIN, open_dir, read_manifest_bytes
+from .registry import Registry
+
+SIBLING_HINT = re.compile(r"\.\./([A-Za-z0-9_][A-Za-z0-9._-]{0,200})")
+
+
+@dataclass(frozen=True)
+class Pulled:
+    path: str
+    digest: str  # of the OCI manifest
+    manifest: pb.Manifest
+    parent: str | None  # the parent's OCI manifest digest
+    cached: bool  # the directory held this very image already: nothing was downloaded
+
+
+class Puller:
+    def __init__(self, reg: Registry, repo: str, *, concurrency: int = 4) -> None:
+        self.reg, self.repo, self.concurrency = reg, repo, max(1, concurrency)
+
+    def artifact(self, ref: str) -> tuple[Artifact, str]:
+        """The checked OCI manifest at `ref`, and its digest."""
+        body, digest = self.reg.get_manifest(self.repo, ref, MAX_OCI_MANIFEST)
+        return decode_oci_manifest(body, f"{self.reg.host}/{self.repo}@{digest}"), digest
+
+    def config(self, art: Artifact, digest: str) -> tuple[bytearray, pb.Manifest]:
+        """The artifact's config blob (manifest.vrdm's bytes, every reader check passed) and its decoding."""
+        what = f"{self.reg.host}/{self.repo}@{digest}"
+        config = self.reg.get_blob(self.repo, art.config.digest, min(art.config.size, MAX_CONFIG),
+                                   where=" (the image's manifest.vrdm)")
+        manifest = decode_manifest(config, f"{what}: config ({MANIFEST_NAME})")
+        check_config(art, manifest, what)
+        return config, manifest
+
+    def pull(self, ref: str, dest: str) -> Pulled:
+        art, digest = self.artifact(ref)
+        created_dir = _prepare(dest)
+        if not created_dir:
+            held = _held(dest)
+            if held != art.config.digest:
+                raise ImageError(f"{dest} holds another image; pull into a new or empty directory (or vramctl rm "
+                                 "it)")
+            dfd = open_dir(dest)  # the very image, committed: nothing to download
+            try:
+                manifest = decode_manifest(read_manifest_bytes(dfd, dest), f"{dest}/{MANIFEST_NAME}")
+            finally:
+                os.close(dfd)
+            return Pulled(dest, digest, manifest, art.parent, True)
+        try:  # nothing is created before the config and the skeleton passed every check
+            config, manifest = self.config(art, digest)
+            what = f"{self.reg.host}/{self.repo}@{digest}"
+            sk = decode_skeleton(self.reg.get_blob(self.repo, art.skeleton.digest, art.skeleton.size,
+                                                   where=" (the skeleton layer)"), what=f"{what}: skeleton")
+            check_skeleton(sk, art, manifest)
+        except BaseException:
+            os.rmdir(dest)
+            raise
+        dfd = open_dir(dest)
+        created: list[str] = []
+        try:
+            self._write(dfd, dest, sk, manifest, created)
+            for name in list(created):
+                os.rename(name, name.removesuffix(".tmp"), src_dir_fd=dfd, dst_dir_fd=dfd)
+                created[created.index(name)] = name.removesuffix(".tmp")
+            tmp = f".manifest.vrdm.{manifest.image_id.hex()}{os.urandom(8).hex()}.tmp"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                         dir_fd=dfd)
+            created.append(tmp)
+            try:
+                os.write(fd, config)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(tmp, MANIFEST_NAME, src_dir_fd=dfd, dst_dir_fd=dfd)  # the commit
+            created.pop()
+            os.fsync(dfd)
+        except BaseException as e:
+            for name in created:
+                try:
+                    os.unlink(name, dir_fd=dfd)
+                except OSError:
+                    pass
+            if created_dir:
+                try:
+                    os.rmdir(dest)
+                except OSError:
+                    pass
+            if isinstance(e, OSError):
+                raise from_os_error(e, dest, ImageError) from None
+            raise
+        finally:
+            os.close(dfd)
+        return Pulled(dest, digest, manifest, art.parent, False)
+
+    def _write(self, dfd: int, dest: str, sk: Skeleton, manifest: pb.Manifest, created: list[str]) -> None:
+        fds: list[int] = []
+        places: dict[int, list[tuple[int, int]]] = {}  # payload index -> (fd, offset) it goes to
+        where: dict[int, tuple[int, int]] = {}  # payload index -> (file index, where it starts there)
+        try:
+            for fi, f in enumerate(sk.files):
+                tmp = f.name + ".tmp"
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                             dir_fd=dfd)
+                created.append(tmp)
+                fds.append(fd)
+                os.ftruncate(fd, f.length)  # zero runs stay holes
+                pos = 0
+                for s in f.segments:
+                    if s.kind == LITERAL:
+                        os.pwrite(fd, s.data, pos)
+                    elif s.kind == PAYLOAD:
+                        places.setdefault(s.blob, []).append((fd, pos))
+                        where.setdefault(s.blob, (fi, pos))
+                    pos += s.length
+
+            def one(k: int) -> None:
+                digest, size = sk.blobs[k]
+                try:
+                    data = self.reg.get_blob(self.repo, digest, size)
+                except DigestMismatchError as e:
+                    bo, off, name = _chunk_of(manifest, *where[k])
+                    chunk = f"BO {bo} at offset {off:#x}" if bo is not None and off is not None else "no BO"
+                    raise DigestMismatchError(f"{e.message}: the payload of a chunk of {chunk} ({name}); nothing "
+                                              "was restored from it", bo_id=bo, offset=off) from None
+                for fd, pos in places[k]:
+                    os.pwrite(fd, data, pos)
+
+            with ThreadPoolExecutor(self.concurrency, thread_name_prefix="vramd-pull") as ex:
+                for fut in [ex.submit(one, k) for k in range(len(sk.blobs))]:
+                    fut.result()
+            for fd in fds:
+                os.fsync(fd)
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+
+def _chunk_of(m: pb.Manifest, file_index: int, pos: int) -> tuple[int | None, int | None, str]:
+    """The BO and offset of a chunk whose record in data file `file_index` holds byte `pos` (for messages)."""
+    name = m.files[file_index].name
+    t = m.chunks
+    for e, (img, fi, off, ln) in enumerate(zip(t.image, t.file_index, t.offset, t.length, strict=True)):
+        if img == 0 and fi == file_index and off <= pos < off + ln:
+            for bo in m.bos:
+                for i, ref in enumerate(bo.chunk_refs):
+                    if ref == e + 1:
+                        return bo.id, i * m.chunk_size, name
+    for bo in m.bos:  # format v1
+        if bo.file_index == file_index:
+            for i, (off, ln) in enumerate(zip(bo.record_offsets, bo.record_lengths, strict=True)):
+                if off <= pos < off + ln:
+                    return bo.id, i * m.chunk_size, name
+    return None, None, name
+
+
+def _prepare(dest: str) -> bool:
+    """Make `dest` if it is not there (True); an existing one must be a directory that is empty or holds an
+    image already (the cache's case, checked by _holds)."""
+    try:
+        os.mkdir(dest)
+        return True
+    except FileExistsError:
+        pass
+    except OSError as e:
+        raise from_os_error(e, dest, ImageError) from None
+    if not os.path.isdir(dest) or os.path.islink(dest):
+        raise ImageError(f"{dest}: not a directory")
+    names = set(os.listdir(dest))
+    if names and MANIFEST_NAME not in names:
+        raise ImageError(f"{dest}: not empty, and holds no image; pull into a new or empty directory")
+    return False
+
+
+def _held(dest: str) -> str:
+    """The sha256 digest of the manifest.vrdm `dest` holds."""
+    dfd = open_dir(dest)
+    try:
+        return sha256_digest(read_manifest_bytes(dfd, dest))
+    finally:
+        os.close(dfd)
+
+
+def pull_chain(puller: Puller, ref: str, dest: str) -> list[Pulled]:
+    """The image at `ref` into `dest`, and its parents (by the digests the artifacts name) into sibling
+    directories: at the name the child recorded where that is `../NAME`, so vramctl finds them as it finds
+    any parent; else `DEST.parent-K` (then name the first with --parent)."""
+    out = [puller.pull(ref, dest)]
+    while out[-1].parent is not None:
+        child = out[-1]
+        if len(out) > MAX_CHAIN:
+            raise CorruptManifestError(f"{ref}: a chain of more than {MAX_CHAIN} parents")
+        pref = child.manifest.parents[0]
+        hint = SIBLING_HINT.fullmatch(pref.relative_path)
+        base = os.path.dirname(os.path.abspath(child.path))
+        path = os.path.join(base, hint[1]) if hint else f"{os.path.abspath(dest)}.parent-{len(out)}"
+        assert child.parent is not None
+        try:
+            got = puller.pull(child.parent, path)
+        except ImageError as e:
+            raise ImageError(f"parent #{len(out)} of {ref} ({path}): {e.message}") from None
+        dfd = open_dir(path)
+        try:
+            mbytes = read_manifest_bytes(dfd, path)
+        finally:
+            os.close(dfd)
+        if got.manifest.image_id != pref.image_id or blake3.blake3(mbytes).digest() != pref.manifest_hash:
+            raise ParentMismatchError(f"{ref}: the artifact named as parent #{len(out)} ({child.parent}) is not the "
+                                      "image the child recorded")
+        out.append(got)
+    return out
+

@@ -1,0 +1,317 @@
+"""Push a vramd image directory (and its parents) to a registry as OCI artifacts (vramd.oci.layout).
+
+Only what the registry lacks goes up: every blob is HEADed first (so a push that was interrupted is resumed by
+pushing again), mounted from another repository where the caller names one, else uploaded; the OCI manifest
+goes last, so a reference never names an artifact with a blob missing.  Blobs move `concurrency` at a time,
+each read from its data file when its turn comes: memory holds at most `concurrency` payloads.
+"""
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from ..errors import CorruptManifestError, ImageError, ManifestMissingError, ParentMissingError, from_os_error
+from ..image.format import HEAD_PEEK, record_head_length
+from ..image.manifest import MAX_MANIFEST_BYTES, decode_manifest
+from ..image.names import MANIFEST_NAME
+from ..pb import image_pb2 as pb
+from .layout import (
+    CONFIG_MEDIA,
+    LITERAL,
+    MAX_LITERAL,
+    MAX_SKELETON,
+    MEDIA_CHUNK,
+    MEDIA_OCI_MANIFEST,
+    MEDIA_SKELETON,
+    PAYLOAD,
+    ZEROS,
+    Descriptor,
+    FileSkeleton,
+    Segment,
+    Skeleton,
+    annotations_for,
+    decode_skeleton,
+    encode_oci_manifest,
+    encode_skeleton,
+    sha256_digest,
+)
+from .registry import Registry
+
+MAX_CHAIN = 16
+OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a payload lies in the local image: (data file, offset, length)."""
+
+    name: str
+    offset: int
+    size: int
+
+
+@dataclass
+class LocalImage:
+    path: str
+    manifest_bytes: bytes
+    manifest: pb.Manifest
+    skeleton: Skeleton
+    sources: dict[str, Source]  # payload digest -> one place it is stored
+
+
+def open_dir(path: str) -> int:
+    try:
+        return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as e:
+        raise from_os_error(e, path, ImageError) from None
+
+
+def _open_file(dfd: int, name: str, where: str) -> int:
+    try:
+        fd = os.open(name, OPEN_FLAGS, dir_fd=dfd)
+    except FileNotFoundError:
+        if name == MANIFEST_NAME:
+            raise ManifestMissingError(f"{where}: no {MANIFEST_NAME}: the directory holds no image") from None
+        raise ImageError(f"{where}/{name}: missing") from None
+    except OSError as e:
+        raise from_os_error(e, f"{where}/{name}", ImageError) from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ImageError(f"{where}/{name}: not a regular file")
+    return fd
+
+
+def _pread(fd: int, n: int, off: int, what: str) -> bytes:
+    data = os.pread(fd, n, off)
+    if len(data) != n:
+        raise ImageError(f"{what}: {n} bytes expected at {off}, the file ends first")
+    return data
+
+
+def read_manifest_bytes(dfd: int, where: str) -> bytes:
+    fd = _open_file(dfd, MANIFEST_NAME, where)
+    try:
+        size = os.fstat(fd).st_size
+        if size > MAX_MANIFEST_BYTES:
+            raise CorruptManifestError(f"{where}/{MANIFEST_NAME}: larger than {MAX_MANIFEST_BYTES} bytes")
+        return _pread(fd, size, 0, f"{where}/{MANIFEST_NAME}")
+    finally:
+        os.close(fd)
+
+
+def _records(m: pb.Manifest) -> list[list[tuple[int, int]]]:
+    """Per data file, the (offset, length) of each record this image stores, by offset."""
+    per: list[set[tuple[int, int]]] = [set() for _ in m.files]
+    if m.format_version >= 2:
+        t = m.chunks
+        for img, fi, off, ln in zip(t.image, t.file_index, t.offset, t.length, strict=True):
+            if img == 0:
+                per[fi].add((off, ln))
+    else:
+        for bo in m.bos:
+            for off, ln in zip(bo.record_offsets, bo.record_lengths, strict=True):
+                per[bo.file_index].add((off, ln))
+    return [sorted(s) for s in per]
+
+
+def _gap(fd: int, start: int, end: int, what: str) -> list[Segment]:
+    segs = []
+    while start < end:
+        n = min(end - start, MAX_LITERAL)
+        data = _pread(fd, n, start, what)
+        segs.append(Segment(ZEROS, n) if data.count(0) == n else Segment(LITERAL, n, data=data))
+        start += n
+    return segs
+
+
+def scan_image(path: str, cache: str | None = None) -> LocalImage:
+    """The image in `path`: its manifest bytes, its skeleton and where each distinct payload lies (every payload
+    is read and hashed once here; a push reads again only those the registry lacks).  `cache`: a directory of
+    the caller's where the skeleton of an image scanned before is kept (by its manifest's sha256), so pushing
+    it again reads no payload."""
+    dfd = open_dir(path)
+    try:
+        mbytes = read_manifest_bytes(dfd, path)
+        m = decode_manifest(mbytes, f"{path}/{MANIFEST_NAME}")
+        cached = _cached_skeleton(cache, mbytes, m)
+        if cached is not None:
+            return LocalImage(path, mbytes, m, cached, _sources(cached))
+        blobs: dict[str, int] = {}
+        sources: dict[str, Source] = {}
+        files = []
+        for df, records in zip(m.files, _records(m), strict=True):
+            what = f"{path}/{df.name}"
+            fd = _open_file(dfd, df.name, path)
+            try:
+                if os.fstat(fd).st_size < df.length:
+                    raise ImageError(f"{what}: shorter than its committed {df.length} bytes")
+                segs: list[Segment] = []
+                pos = 0
+                for off, ln in records:
+                    if off < pos or off + ln > df.length:
+                        raise CorruptManifestError(f"{what}: records overlap or run past the file")
+                    segs += _gap(fd, pos, off, what)
+                    head = record_head_length(_pread(fd, min(ln, HEAD_PEEK), off, what), bo_id=0, offset=off,
+                                              where=what)
+                    if head > ln:
+                        raise CorruptManifestError(f"{what}: record at {off} shorter than its header")
+                    segs.append(Segment(LITERAL, head, data=_pread(fd, head, off, what)))
+                    size = ln - head
+                    if size:
+                        digest = sha256_digest(_pread(fd, size, off + head, what))
+                        if digest not in blobs:
+                            blobs[digest] = len(blobs)
+                            sources[digest] = Source(df.name, off + head, size)
+                        segs.append(Segment(PAYLOAD, size, blob=blobs[digest]))
+                    pos = off + ln
+                segs += _gap(fd, pos, df.length, what)
+            finally:
+                os.close(fd)
+            files.append(FileSkeleton(df.name, df.length, tuple(segs)))
+        table = tuple((d, sources[d].size) for d in blobs)
+        sk = Skeleton(table, tuple(files))
+        _keep_skeleton(cache, mbytes, sk)
+        return LocalImage(path, mbytes, m, sk, sources)
+    finally:
+        os.close(dfd)
+
+
+def _sources(sk: Skeleton) -> dict[str, Source]:
+    out: dict[str, Source] = {}
+    for f in sk.files:
+        pos = 0
+        for s in f.segments:
+            if s.kind == PAYLOAD:
+                digest, size = sk.blobs[s.blob]
+                out.setdefault(digest, Source(f.name, pos, size))
+            pos += s.length
+    return out
+
+
+def _cache_path(cache: str, mbytes: bytes) -> str:
+    return os.path.join(cache, "push", sha256_digest(mbytes).removeprefix("sha256:") + ".skeleton")
+
+
+def _cached_skeleton(cache: str | None, mbytes: bytes, m: pb.Manifest) -> Skeleton | None:
+    if cache is None:
+        return None
+    try:
+        with open(_cache_path(cache, mbytes), "rb", opener=lambda p, f: os.open(p, f | os.O_NOFOLLOW)) as fh:
+            sk = decode_skeleton(fh.read(MAX_SKELETON + 1))
+    except (OSError, CorruptManifestError):
+        return None  # none kept, or damaged: scanned again
+    if [(f.name, f.length) for f in sk.files] != [(f.name, f.length) for f in m.files]:
+        return None
+    return sk
+
+
+def _keep_skeleton(cache: str | None, mbytes: bytes, sk: Skeleton) -> None:
+    if cache is None:
+        return
+    path = _cache_path(cache, mbytes)
+    try:
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, encode_skeleton(sk))
+        finally:
+            os.close(fd)
+        os.rename(tmp, path)
+    except OSError:
+        pass  # a cache: the push goes on without it
+
+
+def parent_dirs(path: str, manifest: pb.Manifest, first: str | None) -> list[str]:
+    """The directories of the image's parents, nearest first: `first`, else where the image recorded its
+    parent; each next one where the one before recorded its own (vramctl restore's rule)."""
+    dirs: list[str] = []
+    here, m = path, manifest
+    for k, ref in enumerate(manifest.parents, 1):
+        rel = m.parents[0].relative_path if m.parents else ""
+        if k == 1 and first:
+            nxt = first
+        elif rel and not os.path.isabs(rel):
+            nxt = os.path.normpath(os.path.join(here, rel))
+        else:
+            raise ParentMissingError(f"{path} is incremental and its parent #{k} was not recorded where vramctl "
+                                     "can find it; name the parent with --parent DIR")
+        try:
+            dfd = open_dir(nxt)
+            try:
+                m = decode_manifest(read_manifest_bytes(dfd, nxt), f"{nxt}/{MANIFEST_NAME}")
+            finally:
+                os.close(dfd)
+        except ImageError as e:
+            raise ParentMissingError(f"{e.message}; {path} is incremental: name its parent #{k} with --parent DIR "
+                                     "(a push sends the parents first)") from None
+        if m.image_id != ref.image_id:
+            raise ParentMissingError(f"{nxt} holds another image than parent #{k} of {path}; name the parent with "
+                                     "--parent DIR")
+        dirs.append(nxt)
+        here = nxt
+    return dirs
+
+
+class Pusher:
+    def __init__(self, reg: Registry, repo: str, *, concurrency: int = 4, mount_from: Sequence[str] = ()) -> None:
+        self.reg, self.repo, self.concurrency, self.mount_from = reg, repo, max(1, concurrency), list(mount_from)
+
+    def _ensure(self, digest: str, size: int, read: Source | bytes, where: str) -> None:
+        if self.reg.blob_size(self.repo, digest) == size:
+            self.reg.stats.add(blobs_present=1)
+            return
+        for other in self.mount_from:
+            if self.reg.mount_blob(self.repo, digest, other):
+                return
+        if isinstance(read, bytes):
+            data = read
+        else:
+            dfd = open_dir(where)
+            try:
+                fd = _open_file(dfd, read.name, where)
+            finally:
+                os.close(dfd)
+            try:
+                data = _pread(fd, read.size, read.offset, f"{where}/{read.name}")
+            finally:
+                os.close(fd)
+        self.reg.upload_blob(self.repo, digest, data)
+
+    def push_image(self, img: LocalImage, tag: str | None, parent: Descriptor | None,
+                   annotations: Mapping[str, str]) -> Descriptor:
+        """The image's blobs the registry lacks, then its OCI manifest (by digest, and by `tag` if given)."""
+        config = Descriptor(CONFIG_MEDIA[img.manifest.format_version], sha256_digest(img.manifest_bytes),
+                            len(img.manifest_bytes))
+        skel_bytes = encode_skeleton(img.skeleton)
+        skeleton = Descriptor(MEDIA_SKELETON, sha256_digest(skel_bytes), len(skel_bytes))
+        chunks = [Descriptor(MEDIA_CHUNK, d, n) for d, n in img.skeleton.blobs]
+        jobs: list[tuple[str, int, Source | bytes]] = [(config.digest, config.size, img.manifest_bytes),
+                                                        (skeleton.digest, skeleton.size, skel_bytes)]
+        jobs += [(d, n, img.sources[d]) for d, n in img.skeleton.blobs]
+        with ThreadPoolExecutor(self.concurrency, thread_name_prefix="vramd-push") as ex:
+            for fut in [ex.submit(self._ensure, d, n, src, img.path) for d, n, src in jobs]:
+                fut.result()
+        body = encode_oci_manifest(config, skeleton, chunks, parent, annotations_for(img.manifest, annotations))
+        digest = self.reg.put_manifest(self.repo, tag or sha256_digest(body), body)
+        return Descriptor(MEDIA_OCI_MANIFEST, digest, len(body))
+
+
+def push_chain(pusher: Pusher, path: str, tag: str, *, first_parent: str | None,
+               annotations: Mapping[str, str], cache: str | None = None) -> list[tuple[str, Descriptor]]:
+    """The image in `path` and its parents, the farthest parent first (each child's manifest names its
+    parent's digest); only the image itself gets `tag`.  Returns (directory, manifest descriptor) of each."""
+    img = scan_image(path, cache)
+    chain = parent_dirs(path, img.manifest, first_parent)
+    if len(chain) > MAX_CHAIN:
+        raise ImageError(f"{path}: a chain of {len(chain)} parents is longer than a push takes ({MAX_CHAIN})")
+    pushed: list[tuple[str, Descriptor]] = []
+    parent: Descriptor | None = None
+    for d in reversed(chain):
+        parent = pusher.push_image(scan_image(d, cache), None, parent, {})
+        pushed.append((d, parent))
+    pushed.append((path, pusher.push_image(img, tag, parent, annotations)))
+    return pushed

@@ -1,0 +1,299 @@
+"""The OCI distribution API, as vramd's push and pull use it (urllib3: docs/image-format.md says why).
+
+HEAD a blob, upload one (monolithic, or in pieces past CHUNKED_UPLOAD), mount one from another repository,
+GET one into memory with its size bounded and its sha256 checked before the caller sees a byte, PUT and GET
+manifests.  Thread-safe: push and pull run several blobs at once over one pool.  Errors are RegistryError
+and its kinds (vramd.oci.errors), naming the registry, the repository and the digest.
+"""
+from __future__ import annotations
+
+import hashlib
+import re
+import ssl
+import threading
+from dataclasses import dataclass, field
+from urllib.parse import quote, urljoin
+
+import urllib3
+from urllib3.exceptions import HTTPError
+
+from ..errors import AuthFailedError, DigestMismatchError, RegistryError, RegistryFullError
+from .auth import Authenticator, repository_scope
+from .credentials import ANONYMOUS, Credentials
+from .layout import DIGEST, MEDIA_OCI_MANIFEST
+from .tls import Trust
+
+CHUNKED_UPLOAD = 64 << 20  # blobs larger than this go up in PATCHes of this size, then a closing PUT
+PREALLOCATE = 64 << 20  # a downloaded blob's buffer starts at most this large
+REPO = re.compile(r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*")
+TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
+HOST = re.compile(r"[A-Za-z0-9.-]+(?::[0-9]{1,5})?|\[[0-9a-fA-F:]+\](?::[0-9]{1,5})?")
+
+
+@dataclass(frozen=True)
+class Reference:
+    """HOST[:PORT]/REPO[:TAG][@sha256:...], the form docker, podman and skopeo name an image with."""
+
+    host: str
+    repo: str
+    tag: str | None = None
+    digest: str | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> Reference:
+        rest = text.removeprefix("oci://")
+        host, sep, rest = rest.partition("/")
+        if not sep or HOST.fullmatch(host) is None:
+            raise RegistryError(f"{text!r} is not a reference HOST[:PORT]/REPOSITORY[:TAG|@DIGEST]")
+        if "." not in host and ":" not in host and host != "localhost":  # docker's rule for a first component
+            raise RegistryError(f"{text!r}: name the registry: HOST[:PORT]/{text.removeprefix('oci://')} (no "
+                                "default registry is assumed)")
+        digest = None
+        if "@" in rest:
+            rest, digest = rest.split("@", 1)
+            if DIGEST.fullmatch(digest) is None:
+                raise RegistryError(f"{text!r}: the digest is not sha256:<64 hex>")
+        tag = None
+        if ":" in rest:
+            rest, tag = rest.rsplit(":", 1)
+            if TAG.fullmatch(tag) is None:
+                raise RegistryError(f"{text!r}: {tag!r} is not a tag")
+        if REPO.fullmatch(rest) is None:
+            raise RegistryError(f"{text!r}: {rest!r} is not a repository name (lowercase, digits, . _ - /)")
+        return cls(host, rest, tag, digest)
+
+    @property
+    def ref(self) -> str:
+        """The manifest reference: the digest where there is one, else the tag (default latest)."""
+        return self.digest or self.tag or "latest"
+
+    def __str__(self) -> str:
+        return f"{self.host}/{self.repo}" + (f":{self.tag}" if self.tag else "") + (
+            f"@{self.digest}" if self.digest else "")
+
+
+@dataclass
+class Stats:
+    """What a push or pull moved (vramctl --json reports it)."""
+
+    blobs_uploaded: int = 0
+    bytes_uploaded: int = 0
+    blobs_present: int = 0  # HEAD found them: nothing sent
+    blobs_mounted: int = 0
+    blobs_downloaded: int = 0
+    bytes_downloaded: int = 0
+    requests: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, **counts: int) -> None:
+        with self.lock:
+            for k, v in counts.items():
+                setattr(self, k, getattr(self, k) + v)
+
+    def to_dict(self) -> dict[str, int]:
+        return {k: v for k, v in vars(self).items() if isinstance(v, int)}
+
+
+class Registry:
+    """One registry host, spoken to as `trust` says (TLS verified unless plain HTTP was asked for), with
+    `credentials` answering its challenges (vramd.oci.auth); credentials never reach a log, a message or a URL.
+    `actions`: what the caller does in a repository ("pull", or "pull", "push"), the token scope asked for."""
+
+    def __init__(self, host: str, *, trust: Trust | None = None, credentials: Credentials | None = None,
+                 actions: tuple[str, ...] = ("pull",), concurrency: int = 4, timeout: float = 120.0) -> None:
+        self.host = host
+        self.trust = trust or Trust()
+        self.base = f"{self.trust.scheme}://{host}"
+        self.actions = actions
+        self.stats = Stats()
+        self._auth = Authenticator(host, credentials or ANONYMOUS, self.trust)
+        self._auth_lock = threading.Lock()
+        ctx = None if self.trust.plain_http else self.trust.context()
+        self._pool = urllib3.PoolManager(num_pools=4, maxsize=max(1, concurrency), block=True, retries=False,
+                                         timeout=urllib3.Timeout(connect=10.0, read=timeout), ssl_context=ctx)
+
+    def close(self) -> None:
+        self._pool.clear()
+
+    # --- one request -----------------------------------------------------------
+
+    def _send(self, method: str, url: str, what: str, body: bytes | None, hdrs: dict[str, str],
+              stream: bool) -> urllib3.BaseHTTPResponse:
+        try:
+            r = self._pool.request(method, url, body=body, headers=hdrs, preload_content=not stream,
+                                   redirect=False)
+        except urllib3.exceptions.SSLError as e:
+            inner = e.__context__ if isinstance(e.__context__, ssl.SSLError) else ssl.SSLError(str(e))
+            raise self.trust.error(self.host, inner) from None
+        except HTTPError as e:
+            raise RegistryError(f"registry {self.host}: {what}: {type(e).__name__}: {_reason(e)}") from None
+        self.stats.add(requests=1)
+        return r
+
+    def _request(self, method: str, url: str, what: str, *, repo: str, body: bytes | None = None,
+                 headers: dict[str, str] | None = None, ok: tuple[int, ...] = (200,), stream: bool = False,
+                 scope: str | None = None) -> urllib3.BaseHTTPResponse:
+        scope = scope or repository_scope(repo, *self.actions)
+        full = url if url.startswith(("http://", "https://")) else self.base + url
+        for _attempt in range(3):
+            with self._auth_lock:
+                sent = self._auth.headers(scope)
+            r = self._send(method, full, what, body, {**(headers or {}), **sent}, stream)
+            if r.status != 401:
+                break
+            challenge = r.headers.get("www-authenticate")
+            r.drain_conn()
+            r.release_conn()
+            with self._auth_lock:
+                if self._auth.headers(scope) != sent:  # another thread answered a challenge meanwhile: retry
+                    continue
+                token = self._auth.challenge(challenge, scope)
+                if token is not None:
+                    t = self._send(token.method, token.url, "token request", token.body, dict(token.headers), False)
+                    self._auth.token_response(token, t.status, t.data[:1 << 20])
+        # a blob may be served elsewhere (an object store): followed, checked as trust says, without our
+        # credentials (a presigned URL carries its own)
+        for _hop in range(5):
+            if r.status not in (301, 302, 303, 307, 308) or method not in ("GET", "HEAD"):
+                break
+            location = urljoin(full, r.headers.get("location", ""))
+            r.drain_conn()
+            r.release_conn()
+            self.trust.check_url(location, f"{what}: a redirect to")
+            r = self._send(method, location, what, None, dict(headers or {}), stream)
+        if r.status in ok:
+            return r
+        data = r.data[:4096] if not stream else r.read(4096)
+        r.release_conn()
+        if r.status == 401:
+            raise AuthFailedError(f"registry {self.host}: {what}: authentication refused")
+        if r.status == 403:
+            raise AuthFailedError(f"registry {self.host}: {what}: access denied (403)")
+        text = data.decode("utf-8", "replace")
+        if r.status == 507 or "no space left" in text.lower() or "quota" in text.lower():
+            raise RegistryFullError(f"registry {self.host}: {what}: the registry is out of space ({r.status})")
+        raise RegistryError(f"registry {self.host}: {what}: HTTP {r.status} {_error_codes(text)}".rstrip())
+
+    # --- blobs -----------------------------------------------------------------
+
+    def blob_size(self, repo: str, digest: str) -> int | None:
+        """The size of a blob the repository holds, None where it holds none."""
+        r = self._request("HEAD", f"/v2/{repo}/blobs/{digest}", f"HEAD {repo}@{digest}", repo=repo, ok=(200, 404))
+        r.release_conn()
+        if r.status == 404:
+            return None
+        length = r.headers.get("content-length")
+        return int(length) if length and length.isdigit() else None
+
+    def mount_blob(self, repo: str, digest: str, from_repo: str) -> bool:
+        """Cross-repository mount; False where the registry would rather take an upload (202: it opened one,
+        which is cancelled)."""
+        r = self._request("POST", f"/v2/{repo}/blobs/uploads/?mount={quote(digest)}&from={quote(from_repo)}",
+                          f"mount {digest} from {from_repo} into {repo}", repo=repo, ok=(201, 202),
+                          scope=f"{repository_scope(repo, 'pull', 'push')} {repository_scope(from_repo, 'pull')}")
+        r.release_conn()
+        if r.status == 201:
+            self.stats.add(blobs_mounted=1)
+            return True
+        location = r.headers.get("location")
+        if location:
+            self._request("DELETE", urljoin(self.base + "/", location), "cancel upload", repo=repo,
+                          ok=(204, 404)).release_conn()
+        return False
+
+    def upload_blob(self, repo: str, digest: str, data: bytes) -> None:
+        what = f"upload {repo}@{digest}"
+        r = self._request("POST", f"/v2/{repo}/blobs/uploads/", what, repo=repo, ok=(202,))
+        r.release_conn()
+        location = self._location(r, what)
+        last = data
+        if len(data) > CHUNKED_UPLOAD:
+            for start in range(0, len(data), CHUNKED_UPLOAD):
+                piece = data[start:start + CHUNKED_UPLOAD]
+                r = self._request("PATCH", location, what, repo=repo, body=piece, ok=(202,), headers={
+                    "Content-Type": "application/octet-stream",
+                    "Content-Range": f"{start}-{start + len(piece) - 1}"})
+                r.release_conn()
+                location = self._location(r, what)
+            last = b""
+        sep = "&" if "?" in location else "?"
+        r = self._request("PUT", f"{location}{sep}digest={quote(digest)}", what, repo=repo, body=last, ok=(201,),
+                          headers={"Content-Type": "application/octet-stream"})
+        r.release_conn()
+        self.stats.add(blobs_uploaded=1, bytes_uploaded=len(data))
+
+    def _location(self, r: urllib3.BaseHTTPResponse, what: str) -> str:
+        location = r.headers.get("location")
+        if not location:
+            raise RegistryError(f"registry {self.host}: {what}: no upload location in its answer")
+        full = urljoin(self.base + "/", location)
+        if not full.startswith(self.base + "/"):  # an upload goes to the registry we trust, nowhere else
+            raise RegistryError(f"registry {self.host}: {what}: upload location on another host")
+        return full
+
+    def get_blob(self, repo: str, digest: str, size: int, *, where: str = "") -> bytearray:
+        """The blob's bytes, exactly `size` of them, whose sha256 is `digest`: else DigestMismatchError naming
+        `where` (what needed the blob).  Read straight into one buffer, hashed as it fills; the buffer grows
+        with what arrives (from 64 MiB), so a descriptor claiming a huge size costs nothing until bytes come."""
+        what = f"GET {repo}@{digest}"
+        r = self._request("GET", f"/v2/{repo}/blobs/{digest}", what, repo=repo, stream=True)
+        buf = bytearray(min(size, PREALLOCATE))
+        got, h = 0, hashlib.sha256()
+        try:
+            while got < size:
+                if got == len(buf):
+                    buf.extend(bytes(min(size - got, len(buf))))  # doubles, up to `size`
+                with memoryview(buf) as view:
+                    n = r.readinto(view[got:min(len(buf), got + (4 << 20))])
+                    if not n:
+                        break
+                    h.update(view[got:got + n])
+                got += n
+            longer = got == size and r.read(1) != b""
+        except HTTPError as e:
+            raise RegistryError(f"registry {self.host}: {what}: cut off after {got} bytes: {_reason(e)}") from None
+        finally:
+            r.release_conn()
+        if longer:
+            raise DigestMismatchError(f"registry {self.host}: blob {digest} of {repo} is longer than the {size} "
+                                      f"bytes its descriptor says{where}")
+        if got != size or "sha256:" + h.hexdigest() != digest:
+            raise DigestMismatchError(f"registry {self.host}: blob {digest} of {repo} does not match its digest "
+                                      f"({got} of {size} bytes){where}")
+        self.stats.add(blobs_downloaded=1, bytes_downloaded=size)
+        return buf
+
+    # --- manifests ---------------------------------------------------------------
+
+    def put_manifest(self, repo: str, ref: str, body: bytes) -> str:
+        digest = "sha256:" + hashlib.sha256(body).hexdigest()
+        r = self._request("PUT", f"/v2/{repo}/manifests/{ref}", f"PUT manifest {repo}:{ref}", repo=repo, body=body,
+                          ok=(201,), headers={"Content-Type": MEDIA_OCI_MANIFEST})
+        r.release_conn()
+        return digest
+
+    def get_manifest(self, repo: str, ref: str, max_size: int) -> tuple[bytes, str]:
+        """(the manifest's bytes, their digest); a reference by digest must match it."""
+        what = f"GET manifest {repo}:{ref}" if not ref.startswith("sha256:") else f"GET manifest {repo}@{ref}"
+        r = self._request("GET", f"/v2/{repo}/manifests/{ref}", what, repo=repo, stream=True,
+                          headers={"Accept": MEDIA_OCI_MANIFEST})
+        try:
+            body = r.read(max_size + 1)
+        finally:
+            r.release_conn()
+        if len(body) > max_size:
+            raise RegistryError(f"registry {self.host}: {what}: larger than {max_size} bytes")
+        digest = "sha256:" + hashlib.sha256(body).hexdigest()
+        if ref.startswith("sha256:") and digest != ref:
+            raise DigestMismatchError(f"registry {self.host}: manifest {repo}@{ref} does not match its digest")
+        return body, digest
+
+
+def _reason(e: BaseException) -> str:
+    reason = getattr(e, "reason", None)
+    return str(reason or e).split(": ", 1)[-1][:200]
+
+
+def _error_codes(text: str) -> str:
+    """The distribution API's error codes from an error body (never its detail: it may echo request data)."""
+    return ", ".join(sorted(set(re.findall(r'"code"\s*:\s*"([A-Z_]{1,64})"', text))))
