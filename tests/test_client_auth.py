@@ -160,13 +160,13 @@ class Error(ctypes.Structure):
     _fields_ = [("errnum", c_int), ("code", c_int), ("has_bo_id", c_bool), ("has_offset", c_bool),
                 ("bo_id", c_uint64), ("offset", c_uint64), ("message", c_char * 256)]
 
-class CriuConfig(ctypes.Structure):  # vramd/criu.h (ABI 1.0: struct_size first, the enums at the end)
+class CriuConfig(ctypes.Structure):  # vramd/criu.h (ABI 1.0: struct_size first, the enums, then what was appended)
     _fields_ = [("struct_size", c_uint32), ("socket_path", c_char_p), ("sock_fd", c_int), ("min_fd", c_int),
                 ("timeout_ms", c_int), ("wait_timeout_ms", c_int), ("client_name", c_char_p),
                 ("backend", c_char_p), ("compression", c_char_p), ("chunk_size", c_uint64), ("label", c_char_p),
                 ("allow_partial", c_bool), ("parent_dir_fds", c_void_p), ("n_parent_dir_fds", c_size_t),
                 ("parent_hint", c_char_p), ("backend_kind", c_int), ("compression_kind", c_int),
-                ("compression_level", c_int)]
+                ("compression_level", c_int), ("hold_s", c_uint64)]
 
 class CriuBo(ctypes.Structure):  # struct_size 0 here: the ABI 1.0 layout
     _fields_ = [("struct_size", c_uint32), ("id", c_uint64), ("fd", c_int), ("offset", c_uint64),
