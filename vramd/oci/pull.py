@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -18,7 +19,7 @@ import blake3
 
 from ..errors import CorruptManifestError, DigestMismatchError, ImageError, ParentMismatchError, from_os_error
 from ..image.manifest import decode_manifest
-from ..image.names import MANIFEST_NAME
+from ..image.names import MANIFEST_NAME, is_own_temporary, manifest_tmp_name
 from ..pb import image_pb2 as pb
 from .layout import (
     LITERAL,
@@ -68,8 +69,8 @@ class Puller:
 
     def pull(self, ref: str, dest: str) -> Pulled:
         art, digest = self.artifact(ref)
-        created_dir = _prepare(dest)
-        if not created_dir:
+        created_dir, empty = _prepare(dest)
+        if not empty:
             held = _held(dest)
             if held != art.config.digest:
                 raise ImageError(f"{dest} holds another image; pull into a new or empty directory (or vramctl rm "
@@ -87,7 +88,8 @@ class Puller:
                                                    where=" (the skeleton layer)"), what=f"{what}: skeleton")
             check_skeleton(sk, art, manifest)
         except BaseException:
-            os.rmdir(dest)
+            if created_dir:
+                os.rmdir(dest)
             raise
         dfd = open_dir(dest)
         created: list[str] = []
@@ -96,7 +98,7 @@ class Puller:
             for name in list(created):
                 os.rename(name, name.removesuffix(".tmp"), src_dir_fd=dfd, dst_dir_fd=dfd)
                 created[created.index(name)] = name.removesuffix(".tmp")
-            tmp = f".manifest.vrdm.{manifest.image_id.hex()}{os.urandom(8).hex()}.tmp"
+            tmp = manifest_tmp_name(manifest.image_id)  # a dump's name for it: what _prepare sweeps
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
                          dir_fd=dfd)
             created.append(tmp)
@@ -187,12 +189,13 @@ def _chunk_of(m: pb.Manifest, file_index: int, pos: int) -> tuple[int | None, in
     return None, None, name
 
 
-def _prepare(dest: str) -> bool:
-    """Make `dest` if it is not there (True); an existing one must be a directory that is empty or holds an
-    image already (the cache's case, checked by _holds)."""
+def _prepare(dest: str) -> tuple[bool, bool]:
+    """(made, empty): make `dest` if it is not there; an existing one must be a directory that holds an image
+    already (the cache's case), or nothing but the temporaries of a pull or dump that died before its commit
+    (a vramctl killed midway: they are removed, so that a cache entry is never stuck), or nothing at all."""
     try:
         os.mkdir(dest)
-        return True
+        return True, True
     except FileExistsError:
         pass
     except OSError as e:
@@ -200,9 +203,22 @@ def _prepare(dest: str) -> bool:
     if not os.path.isdir(dest) or os.path.islink(dest):
         raise ImageError(f"{dest}: not a directory")
     names = set(os.listdir(dest))
-    if names and MANIFEST_NAME not in names:
+    if MANIFEST_NAME in names:
+        return False, False
+    if not all(is_own_temporary(n) for n in names):
         raise ImageError(f"{dest}: not empty, and holds no image; pull into a new or empty directory")
-    return False
+    dfd = open_dir(dest)
+    try:
+        for name in names:  # regular files only: lstat, then unlink of the name
+            if stat.S_ISREG(os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode):
+                os.unlink(name, dir_fd=dfd)
+            else:
+                raise ImageError(f"{dest}/{name}: not a regular file; pull into a new or empty directory")
+    except OSError as e:
+        raise from_os_error(e, dest, ImageError) from None
+    finally:
+        os.close(dfd)
+    return False, True
 
 
 def _held(dest: str) -> str:

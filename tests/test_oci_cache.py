@@ -1,0 +1,65 @@
+"""vramctl restore --image oci://'s node-local cache and vramctl pull's target directory: an empty directory is
+a target; what a pull killed midway left behind does not make the cache unusable (docs/image-format.md,
+"OCI artifact")."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from helpers import ROOT, vramctl
+from oci_helpers import Node, files_of, ok, user_cache, workload_bos  # noqa: F401 (user_cache: autouse)
+
+
+@pytest.fixture
+def node(run_dir, tmp_path):
+    with Node(run_dir, tmp_path / "node1") as n:
+        yield n
+
+
+def _pushed(node, registry, tmp_path, name):
+    bos = workload_bos()
+    img = tmp_path / "ckpt" / name
+    node.dump(img, bos, "--compress", "none")
+    ref = f"{registry.host}/jobs/{name}:1"
+    ok(vramctl("push", str(img), ref, "--plain-http", "--json"))
+    return bos, img, ref
+
+
+def test_pull_into_an_existing_empty_directory(node, registry, tmp_path):
+    _bos, img, ref = _pushed(node, registry, tmp_path, "empty")
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    r = vramctl("pull", ref, str(dest), "--plain-http", "--json")
+    assert r.returncode == 0, r.stderr
+    assert files_of(dest) == files_of(img)
+
+
+def test_a_pull_killed_midway_leaves_a_cache_the_next_restore_uses(node, registry, tmp_path, run_dir):
+    bos = [os.urandom(24 << 20)]  # 24 payloads of 1 MiB (the test daemon's chunk size)
+    img = tmp_path / "image"
+    node.dump(img, bos, "--compress", "none")
+    ref = f"{registry.host}/jobs/killed:1"
+    ok(vramctl("push", str(img), ref, "--plain-http", "--json"))
+    cache = tmp_path / "cache"
+    with Node(run_dir, tmp_path / "node2") as other:
+        target = other.dir / "out1.bin"
+        target.write_bytes(bytes(len(bos[0])))
+        restore = subprocess.Popen(
+            [sys.executable, "-m", "vramd.cli", "--socket", other.daemon.socket, "restore", "--pid", str(os.getpid()),
+             "--image", f"oci://{ref}", "--plain-http", "--cache", str(cache), "--concurrency", "1",
+             "--bo-file", f"1={target}", "--json"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 120
+        gets = lambda: [r for r in registry.access_log() if r.method == "GET" and "/blobs/" in r.path]  # noqa: E731
+        while len(gets()) < 5:  # config, skeleton and 3 payloads served (each access_log(): a round trip)
+            assert restore.poll() is None and time.monotonic() < deadline, "the restore ended before 5 blobs"
+        restore.send_signal(signal.SIGKILL)  # as a node's OOM killer or a reboot would
+        restore.communicate(timeout=60)
+        left = [p.name for p in cache.rglob("*") if p.is_file()]
+        assert left and all(n.endswith(".tmp") for n in left), left  # it died before its commit
+        assert target.read_bytes() == bytes(len(bos[0]))
+        assert other.restore(f"oci://{ref}", [len(bos[0])], "--plain-http", "--cache", str(cache)) == bos
+        assert not list(cache.rglob("*.tmp"))
