@@ -5,11 +5,13 @@ not start the registry, lost its storage on restart, or mislocated a blob's file
 """
 from __future__ import annotations
 
+import gc
 import hashlib
 import os
 import ssl
 import urllib.error
 import urllib.request
+import warnings
 
 import pytest
 
@@ -53,6 +55,17 @@ def test_stop_refuses_connections_and_start_serves_the_same_storage_on_the_same_
     assert registry.url == url
     with urllib.request.urlopen(f"{url}/v2/vramd/t/blobs/{digest}") as r:
         assert r.read() == b"kept across a restart"
+
+
+def test_stop_leaves_no_pipe_of_the_registry_open(make_registry):
+    """stop() closes the registry process's stdout and stderr: none is left for the GC (a ResourceWarning,
+    an error under -W error)."""
+    reg = make_registry()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always", ResourceWarning)
+        reg.stop()
+        gc.collect()
+    assert not [w for w in seen if issubclass(w.category, ResourceWarning)], [str(w.message) for w in seen]
 
 
 def test_a_corrupted_blob_file_is_served_as_is(registry):

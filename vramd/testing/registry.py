@@ -206,6 +206,9 @@ class Registry:
             proc.wait()
         for t in self._readers:
             t.join(timeout)
+        for pipe in (proc.stdout, proc.stderr):  # read to their end by the readers: closed, not left to the GC
+            if pipe is not None:
+                pipe.close()
 
     @property
     def running(self) -> bool:
