@@ -1,9 +1,12 @@
 """vramctl restore --image oci://'s node-local cache and vramctl pull's target directory: an empty directory is
-a target; what a pull killed midway left behind does not make the cache unusable (docs/image-format.md,
-"OCI artifact")."""
+a target; what a pull killed midway left behind does not make the cache unusable; a cache entry
+damaged after it was pulled is refused before a byte of it reaches a BO (docs/image-format.md, "OCI artifact").
+"""
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -38,6 +41,37 @@ def test_pull_into_an_existing_empty_directory(node, registry, tmp_path):
     assert files_of(dest) == files_of(img)
 
 
+def test_a_damaged_cache_entry_is_refused_before_any_byte_reaches_a_bo(node, registry, tmp_path, run_dir):
+    bos, _img, ref = _pushed(node, registry, tmp_path, "tamper")
+    cache = tmp_path / "cache"
+    with Node(run_dir, tmp_path / "node2") as other:
+        assert other.restore(f"oci://{ref}", [len(b) for b in bos], "--plain-http", "--cache", str(cache)) == bos
+        data = max(cache.rglob("*.vrd"), key=lambda p: p.stat().st_size)
+        raw = bytearray(data.read_bytes())
+        at = raw.find(bos[0][:4096])  # BO 1's first chunk, stored as is (--compress none)
+        assert at > 0
+        raw[at + 100] ^= 0xFF
+        data.write_bytes(raw)
+        targets = []
+        for i, b in enumerate(bos, 1):
+            t = other.dir / f"out{i}.bin"
+            t.write_bytes(bytes(len(b)))
+            targets += ["--bo-file", f"{i}={t}"]
+        r = vramctl("restore", "--pid", str(os.getpid()), "--image", f"oci://{ref}", "--plain-http", "--cache",
+                    str(cache), *targets, "--json", socket=other.daemon.socket)
+        assert r.returncode == 1, r.stderr
+        err = json.loads(r.stdout)["error"]
+        assert err["code"] == "DIGEST_MISMATCH" and err["bo_id"] == 1 and err["offset"] == 0, err
+        assert data.name in err["message"] and r.stderr.count("\n") == 1
+        assert all((other.dir / f"out{i}.bin").read_bytes() == bytes(len(b)) for i, b in enumerate(bos, 1))
+        st = json.loads(vramctl("sessions", "--json", socket=other.daemon.socket).stdout)
+        assert not st.get("sessions")  # the daemon was never asked
+        shutil.rmtree(data.parent)  # as the message says: the next restore pulls it again
+        assert other.restore(f"oci://{ref}", [len(b) for b in bos], "--plain-http", "--cache", str(cache)) == bos
+
+
+
+
 def test_a_pull_killed_midway_leaves_a_cache_the_next_restore_uses(node, registry, tmp_path, run_dir):
     bos = [os.urandom(24 << 20)]  # 24 payloads of 1 MiB (the test daemon's chunk size)
     img = tmp_path / "image"
@@ -58,7 +92,7 @@ def test_a_pull_killed_midway_leaves_a_cache_the_next_restore_uses(node, registr
             assert restore.poll() is None and time.monotonic() < deadline, "the restore ended before 5 blobs"
         restore.send_signal(signal.SIGKILL)  # as a node's OOM killer or a reboot would
         restore.communicate(timeout=60)
-        left = [p.name for p in cache.rglob("*") if p.is_file()]
+        left = [p.name for p in cache.rglob("*") if p.is_file() and p.parent.name == "image"]
         assert left and all(n.endswith(".tmp") for n in left), left  # it died before its commit
         assert target.read_bytes() == bytes(len(bos[0]))
         assert other.restore(f"oci://{ref}", [len(bos[0])], "--plain-http", "--cache", str(cache)) == bos

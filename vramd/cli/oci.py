@@ -119,12 +119,13 @@ def cmd_push(ns: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _pull(ns: argparse.Namespace, text: str, dest: str) -> tuple[Reference, Registry, list[Pulled], float]:
+def _pull(ns: argparse.Namespace, text: str, dest: str, keep: str | None = None) -> tuple[Reference, Registry,
+                                                                                        list[Pulled], float]:
     ref = Reference.parse(text)
     reg = _registry(ns, ref)
     t0 = time.monotonic()
     try:
-        chain = pull_chain(Puller(reg, ref.repo, concurrency=ns.concurrency), ref.ref, dest)
+        chain = pull_chain(Puller(reg, ref.repo, concurrency=ns.concurrency, keep=keep), ref.ref, dest)
     finally:
         reg.close()
     return ref, reg, chain, time.monotonic() - t0
@@ -163,7 +164,9 @@ def cmd_restore_any(ns: argparse.Namespace) -> int:
         probe.close()
     root = os.path.join(cache_root(ns), key, ref.repo.replace("/", "_"), body_digest.removeprefix("sha256:"))
     os.makedirs(root, mode=0o700, exist_ok=True)
-    _ref, _reg, chain, _secs = _pull(ns, f"{ref.host}/{ref.repo}@{body_digest}", os.path.join(root, "image"))
+    # A cached image is checked against its artifact before use (vramd.oci.pull): the skeleton kept beside it
+    _ref, _reg, chain, _secs = _pull(ns, f"{ref.host}/{ref.repo}@{body_digest}", os.path.join(root, "image"),
+                                     keep=os.path.join(cache_root(ns), "skeletons"))
     ns.image = chain[0].path
     if len(chain) > 1 and ns.parent is None:
         ns.parent = chain[1].path

@@ -34,7 +34,7 @@ from .layout import (
     decode_skeleton,
     sha256_digest,
 )
-from .push import MAX_CHAIN, open_dir, read_manifest_bytes
+from .push import MAX_CHAIN, open_dir, open_file, read_manifest_bytes
 from .registry import Registry
 
 SIBLING_HINT = re.compile(r"\.\./([A-Za-z0-9_][A-Za-z0-9._-]{0,200})")
@@ -50,8 +50,10 @@ class Pulled:
 
 
 class Puller:
-    def __init__(self, reg: Registry, repo: str, *, concurrency: int = 4) -> None:
-        self.reg, self.repo, self.concurrency = reg, repo, max(1, concurrency)
+    def __init__(self, reg: Registry, repo: str, *, concurrency: int = 4, keep: str | None = None) -> None:
+        """`keep`: a directory of the caller's where skeleton layers are kept by digest (restore's cache), so
+        checking a cached image against its artifact downloads no blob."""
+        self.reg, self.repo, self.concurrency, self.keep = reg, repo, max(1, concurrency), keep
 
     def artifact(self, ref: str) -> tuple[Artifact, str]:
         """The checked OCI manifest at `ref`, and its digest."""
@@ -75,18 +77,18 @@ class Puller:
             if held != art.config.digest:
                 raise ImageError(f"{dest} holds another image; pull into a new or empty directory (or vramctl rm "
                                  "it)")
-            dfd = open_dir(dest)  # the very image, committed: nothing to download
+            dfd = open_dir(dest)  # the very image, committed: only its skeleton is downloaded, to check it by
             try:
                 manifest = decode_manifest(read_manifest_bytes(dfd, dest), f"{dest}/{MANIFEST_NAME}")
+                check_config(art, manifest, dest)
+                sk = self._skeleton(art, digest, manifest)
+                _verify(dfd, dest, sk, manifest)
             finally:
                 os.close(dfd)
             return Pulled(dest, digest, manifest, art.parent, True)
         try:  # nothing is created before the config and the skeleton passed every check
             config, manifest = self.config(art, digest)
-            what = f"{self.reg.host}/{self.repo}@{digest}"
-            sk = decode_skeleton(self.reg.get_blob(self.repo, art.skeleton.digest, art.skeleton.size,
-                                                   where=" (the skeleton layer)"), what=f"{what}: skeleton")
-            check_skeleton(sk, art, manifest)
+            sk = self._skeleton(art, digest, manifest)
         except BaseException:
             if created_dir:
                 os.rmdir(dest)
@@ -127,6 +129,18 @@ class Puller:
         finally:
             os.close(dfd)
         return Pulled(dest, digest, manifest, art.parent, False)
+
+    def _skeleton(self, art: Artifact, digest: str, manifest: pb.Manifest) -> Skeleton:
+        what = f"{self.reg.host}/{self.repo}@{digest}"
+        kept = os.path.join(self.keep, art.skeleton.digest.removeprefix("sha256:")) if self.keep else None
+        blob: bytes | bytearray | None = _read_kept(kept, art.skeleton.digest, art.skeleton.size)
+        if blob is None:
+            blob = self.reg.get_blob(self.repo, art.skeleton.digest, art.skeleton.size,
+                                     where=" (the skeleton layer)")
+            _keep(kept, blob)
+        sk = decode_skeleton(blob, what=f"{what}: skeleton")
+        check_skeleton(sk, art, manifest)
+        return sk
 
     def _write(self, dfd: int, dest: str, sk: Skeleton, manifest: pb.Manifest, created: list[str]) -> None:
         fds: list[int] = []
@@ -169,6 +183,72 @@ class Puller:
         finally:
             for fd in fds:
                 os.close(fd)
+
+
+def _verify(dfd: int, dest: str, sk: Skeleton, manifest: pb.Manifest) -> None:
+    """A directory that held the image already (a cache entry) is used only if every byte is what the artifact
+    says: each data file as long as its skeleton, each literal run equal, each zero run zeros, each payload's
+    sha256 its layer's digest; else DigestMismatchError naming the file, the offset and the BO, and nothing
+    was restored from it.  Reads the image once (sha256 at disk speed), never more than a chunk at a time."""
+    for fi, f in enumerate(sk.files):
+        fd = open_file(dfd, f.name, dest)
+        try:
+            if os.fstat(fd).st_size != f.length:
+                raise DigestMismatchError(f"{dest}/{f.name}: {os.fstat(fd).st_size} bytes, not the {f.length} the "
+                                          f"artifact has; {_DAMAGED.format(dest=dest)}")
+            pos = 0
+            for s in f.segments:
+                good = True
+                if s.kind == PAYLOAD:
+                    good = sha256_digest(os.pread(fd, s.length, pos)) == sk.blobs[s.blob][0]
+                elif s.kind == LITERAL:
+                    good = os.pread(fd, s.length, pos) == s.data
+                else:
+                    for at in range(pos, pos + s.length, 4 << 20):
+                        n = min(4 << 20, pos + s.length - at)
+                        good = good and os.pread(fd, n, at).count(0) == n
+                if not good:
+                    bo, off, name = _chunk_of(manifest, fi, pos)
+                    chunk = f"a chunk of BO {bo} at offset {off:#x}" if bo is not None and off is not None else \
+                        "no BO's payload"
+                    raise DigestMismatchError(f"{dest}/{name} @ {pos:#x} ({chunk}) is not what the artifact holds; "
+                                              f"{_DAMAGED.format(dest=dest)}", bo_id=bo, offset=off)
+                pos += s.length
+        except OSError as e:
+            raise from_os_error(e, f"{dest}/{f.name}", ImageError) from None
+        finally:
+            os.close(fd)
+
+
+def _read_kept(path: str | None, digest: str, size: int) -> bytes | None:
+    """A kept skeleton layer, if it is there and is the layer (its sha256 checked: a cache is no authority)."""
+    if path is None:
+        return None
+    try:
+        with open(path, "rb", opener=lambda p, f: os.open(p, f | os.O_NOFOLLOW)) as fh:
+            data = fh.read(size + 1)
+    except OSError:
+        return None
+    return data if len(data) == size and sha256_digest(data) == digest else None
+
+
+def _keep(path: str | None, data: bytes | bytearray) -> None:
+    if path is None:
+        return
+    try:
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, data)
+        finally:
+            os.close(fd)
+        os.rename(tmp, path)
+    except OSError:
+        pass  # a cache: the next check downloads the layer again
+
+
+_DAMAGED = "the copy in {dest} is damaged and nothing was restored from it: remove the directory to pull it again"
 
 
 def _chunk_of(m: pb.Manifest, file_index: int, pos: int) -> tuple[int | None, int | None, str]:

@@ -69,7 +69,7 @@ def open_dir(path: str) -> int:
         raise from_os_error(e, path, ImageError) from None
 
 
-def _open_file(dfd: int, name: str, where: str) -> int:
+def open_file(dfd: int, name: str, where: str) -> int:
     try:
         fd = os.open(name, OPEN_FLAGS, dir_fd=dfd)
     except FileNotFoundError:
@@ -92,7 +92,7 @@ def _pread(fd: int, n: int, off: int, what: str) -> bytes:
 
 
 def read_manifest_bytes(dfd: int, where: str) -> bytes:
-    fd = _open_file(dfd, MANIFEST_NAME, where)
+    fd = open_file(dfd, MANIFEST_NAME, where)
     try:
         size = os.fstat(fd).st_size
         if size > MAX_MANIFEST_BYTES:
@@ -144,7 +144,7 @@ def scan_image(path: str, cache: str | None = None) -> LocalImage:
         files = []
         for df, records in zip(m.files, _records(m), strict=True):
             what = f"{path}/{df.name}"
-            fd = _open_file(dfd, df.name, path)
+            fd = open_file(dfd, df.name, path)
             try:
                 if os.fstat(fd).st_size < df.length:
                     raise ImageError(f"{what}: shorter than its committed {df.length} bytes")
@@ -272,7 +272,7 @@ class Pusher:
         else:
             dfd = open_dir(where)
             try:
-                fd = _open_file(dfd, read.name, where)
+                fd = open_file(dfd, read.name, where)
             finally:
                 os.close(dfd)
             try:
