@@ -235,3 +235,16 @@ def test_a_format_v1_image_travels_byte_for_byte(registry, tmp_path):
     ok(vramctl("pull", ref, str(tmp_path / "pulled"), "--plain-http", "--json"))
     assert files_of(tmp_path / "pulled") == files_of(src)
     assert vramctl("verify", str(tmp_path / "pulled")).returncode == 0
+
+
+@pytest.mark.parametrize("key", ["org.vramd.image.parent", "org.vramd.image.id", "org.vramd.image.gpus",
+                                 "org.vramd.image.bo-bytes", "org.opencontainers.image.created"])
+def test_an_annotation_vramctl_computes_is_refused_and_nothing_is_pushed(node, registry, tmp_path, key):
+    """A caller's value for an annotation that describes the image would be a lie (a parent it does not have
+    makes the artifact unpullable): refused in one line before a request is made."""
+    img = tmp_path / "image"
+    node.dump(img, workload_bos())
+    r = vramctl("push", str(img), f"{registry.host}/jobs/ann:1", "--plain-http", "--annotation",
+                f"{key}=sha256:{'0' * 64}")
+    assert r.returncode == 1 and key in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    assert not [a for a in registry.access_log() if a.path.startswith("/v2/jobs/")]

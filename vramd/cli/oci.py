@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..oci.credentials import find_credentials, from_password_stdin
-from ..oci.layout import MAX_OCI_MANIFEST
+from ..oci.layout import ANN_BYTES, ANN_CREATED, ANN_GPUS, ANN_IMAGE_ID, ANN_PARENT, MAX_OCI_MANIFEST
 from ..oci.pull import Pulled, Puller, pull_chain
 from ..oci.push import Pusher, push_chain
 from ..oci.registry import Reference, Registry
@@ -28,6 +28,7 @@ from .common import EXIT_OK, Failure, emit, rate
 from .transfer import cmd_restore
 
 OCI_SCHEME = "oci://"
+COMPUTED_ANNOTATIONS = (ANN_PARENT, ANN_IMAGE_ID, ANN_GPUS, ANN_BYTES, ANN_CREATED)
 
 
 def add_registry_args(p: argparse.ArgumentParser) -> None:
@@ -93,6 +94,8 @@ def _annotations(items: list[str]) -> dict[str, str]:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise Failure(f"--annotation {item!r}: expected KEY=VALUE")
+        if key in COMPUTED_ANNOTATIONS:  # they describe the image: a value of the caller's would be a lie,
+            raise Failure(f"--annotation {key}: vramctl sets it from the image itself")  # or make it unpullable
         out[key] = value
     return out
 
