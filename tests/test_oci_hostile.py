@@ -252,6 +252,16 @@ def test_references_refused(text):
         Reference.parse(text)
 
 
+@pytest.mark.parametrize("command", ["push", "pull"])
+def test_credentials_written_into_a_reference_are_refused_unechoed(tmp_path, command):
+    secret = "pw-" + os.urandom(8).hex()
+    ref = f"alice:{secret}@127.0.0.1:9/jobs/x:1"
+    args = [str(tmp_path), ref] if command == "push" else [ref, str(tmp_path / "d")]
+    r = vramctl(command, *args, "--plain-http", "--json")
+    assert r.returncode == 1 and "REGISTRY_ERROR" in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    assert secret not in r.stderr + r.stdout and "--password-stdin" in r.stderr
+
+
 def test_a_config_descriptor_claiming_a_gigabyte_allocates_as_bytes_arrive(pushed, registry, tmp_path):
     """A config whose descriptor says 1 GiB while the registry serves 100 bytes: refused by digest once the
     100 bytes are in, with a buffer of its first 64 MiB at most (vramctl's peak memory stays far below 1 GiB)."""

@@ -43,6 +43,9 @@ class Reference:
     def parse(cls, text: str) -> Reference:
         rest = text.removeprefix("oci://")
         host, sep, rest = rest.partition("/")
+        if "@" in host:  # user:password@host: never echoed, a message may be logged
+            raise RegistryError("a reference holds no credentials (USER[:PASSWORD]@ before the host): give them with "
+                                "--username and --password-stdin, or in a config.json")
         if not sep or HOST.fullmatch(host) is None:
             raise RegistryError(f"{text!r} is not a reference HOST[:PORT]/REPOSITORY[:TAG|@DIGEST]")
         if "." not in host and ":" not in host and host != "localhost":  # docker's rule for a first component
