@@ -284,3 +284,54 @@ def test_a_config_descriptor_claiming_a_gigabyte_allocates_as_bytes_arrive(pushe
     assert json.loads(out.read_text())["error"]["code"] == "DIGEST_MISMATCH", err.read_text()
     assert usage.ru_maxrss < 400 << 10  # KiB: well under the 1 GiB claimed
     assert not (tmp_path / "dest").exists()
+
+
+def test_a_token_realm_answering_without_end_is_refused_within_a_bound(tmp_path):
+    """A registry names a token realm (any host: untrusted) that answers 1 GiB: refused once 1 MiB is in, the
+    rest never read, so vramctl's peak memory stays far below what the realm sent (a child's ru_maxrss starts
+    at its parent's size at fork: this test process may be a few hundred MiB by now)."""
+    import http.server
+    import subprocess
+    import sys
+    import threading
+
+    from helpers import ROOT
+
+    class Hostile(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            if self.path.startswith("/token"):
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Connection", "close")
+                self.end_headers()
+                try:
+                    for _ in range(1024):
+                        self.wfile.write(b" " * (1 << 20))
+                except OSError:
+                    pass  # the client stopped reading: as it should
+                return
+            host = self.headers["Host"]
+            self.send_response(401)
+            self.send_header("WWW-Authenticate", f'Bearer realm="http://{host}/token",service="s"')
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hostile)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        out, err = tmp_path / "out", tmp_path / "err"
+        with open(out, "w") as o, open(err, "w") as e:  # the child's own peak (wait4)
+            p = subprocess.Popen([sys.executable, "-m", "vramd.cli", "pull", f"127.0.0.1:{server.server_port}/jobs/x:1",
+                                  str(tmp_path / "dest"), "--plain-http", "--json"], cwd=ROOT, stdout=o, stderr=e)
+            _pid, status, usage = os.wait4(p.pid, 0)
+            p.returncode = os.waitstatus_to_exitcode(status)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert p.returncode == 1, err.read_text()
+    assert json.loads(out.read_text())["error"]["code"] == "REGISTRY_ERROR", err.read_text()
+    assert usage.ru_maxrss < 600 << 10, usage.ru_maxrss  # KiB: far below the 1 GiB sent
+    assert not (tmp_path / "dest").exists()

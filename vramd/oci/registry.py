@@ -25,6 +25,7 @@ from .tls import Trust
 
 CHUNKED_UPLOAD = 64 << 20  # blobs larger than this go up in PATCHes of this size, then a closing PUT
 PREALLOCATE = 64 << 20  # a downloaded blob's buffer starts at most this large
+MAX_ANSWER = 1 << 20  # the most of an answer's body held, but a blob's or a manifest's (read as they bound it)
 REPO = re.compile(r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*")
 TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
 HOST = re.compile(r"[A-Za-z0-9.-]+(?::[0-9]{1,5})?|\[[0-9a-fA-F:]+\](?::[0-9]{1,5})?")
@@ -121,17 +122,23 @@ class Registry:
     # --- one request -----------------------------------------------------------
 
     def _send(self, method: str, url: str, what: str, body: bytes | None, hdrs: dict[str, str],
-              stream: bool) -> urllib3.BaseHTTPResponse:
+              stream: bool) -> tuple[urllib3.BaseHTTPResponse, bytes]:
+        """The response, and (unless `stream`) its body, read up to MAX_ANSWER: a larger one (from the registry,
+        a token realm or a redirect's target, all untrusted) is refused before it is held."""
         try:
-            r = self._pool.request(method, url, body=body, headers=hdrs, preload_content=not stream,
-                                   redirect=False)
+            r = self._pool.request(method, url, body=body, headers=hdrs, preload_content=False, redirect=False)
+            answer = b"" if stream else r.read(MAX_ANSWER + 1)
         except urllib3.exceptions.SSLError as e:
             inner = e.__context__ if isinstance(e.__context__, ssl.SSLError) else ssl.SSLError(str(e))
             raise self.trust.error(self.host, inner) from None
         except HTTPError as e:
             raise RegistryError(f"registry {self.host}: {what}: {type(e).__name__}: {_reason(e)}") from None
         self.stats.add(requests=1)
-        return r
+        if len(answer) > MAX_ANSWER:
+            r.close()  # not back to the pool: the rest of the answer is never read
+            r.release_conn()
+            raise RegistryError(f"registry {self.host}: {what}: an answer of more than {MAX_ANSWER} bytes")
+        return r, answer
 
     def _request(self, method: str, url: str, what: str, *, repo: str, body: bytes | None = None,
                  headers: dict[str, str] | None = None, ok: tuple[int, ...] = (200,), stream: bool = False,
@@ -141,7 +148,7 @@ class Registry:
         for _attempt in range(3):
             with self._auth_lock:
                 sent = self._auth.headers(scope)
-            r = self._send(method, full, what, body, {**(headers or {}), **sent}, stream)
+            r, answer = self._send(method, full, what, body, {**(headers or {}), **sent}, stream)
             if r.status != 401:
                 break
             challenge = r.headers.get("www-authenticate")
@@ -152,8 +159,10 @@ class Registry:
                     continue
                 token = self._auth.challenge(challenge, scope)
                 if token is not None:
-                    t = self._send(token.method, token.url, "token request", token.body, dict(token.headers), False)
-                    self._auth.token_response(token, t.status, t.data[:1 << 20])
+                    t, reply = self._send(token.method, token.url, "token request", token.body, dict(token.headers),
+                                          False)
+                    t.release_conn()
+                    self._auth.token_response(token, t.status, reply)
         # a blob may be served elsewhere (an object store): followed, checked as trust says, without our
         # credentials (a presigned URL carries its own)
         for _hop in range(5):
@@ -163,10 +172,10 @@ class Registry:
             r.drain_conn()
             r.release_conn()
             self.trust.check_url(location, f"{what}: a redirect to")
-            r = self._send(method, location, what, None, dict(headers or {}), stream)
+            r, answer = self._send(method, location, what, None, dict(headers or {}), stream)
         if r.status in ok:
             return r
-        data = r.data[:4096] if not stream else r.read(4096)
+        data = answer[:4096] if not stream else r.read(4096)
         r.release_conn()
         if r.status == 401:
             raise AuthFailedError(f"registry {self.host}: {what}: authentication refused")
