@@ -335,3 +335,44 @@ def test_a_token_realm_answering_without_end_is_refused_within_a_bound(tmp_path)
     assert json.loads(out.read_text())["error"]["code"] == "REGISTRY_ERROR", err.read_text()
     assert usage.ru_maxrss < 600 << 10, usage.ru_maxrss  # KiB: far below the 1 GiB sent
     assert not (tmp_path / "dest").exists()
+
+
+def test_a_401_answered_without_end_is_not_read_to_its_end(tmp_path):
+    """A registry whose 401 to the manifest's GET carries a body without end: vramctl reads a bounded part of
+    it, drops the connection and answers the challenge (no credentials: one line), rather than reading on."""
+    import http.server
+    import subprocess
+    import sys
+    import threading
+
+    from helpers import ROOT
+    stop = threading.Event()
+
+    class Endless(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            self.send_response(401)
+            self.send_header("WWW-Authenticate", 'Basic realm="r"')
+            self.send_header("Connection", "close")
+            self.end_headers()
+            try:
+                while not stop.is_set():
+                    self.wfile.write(b" " * (1 << 16))
+            except OSError:
+                pass  # the client hung up: as it should
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Endless)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        r = subprocess.run([sys.executable, "-m", "vramd.cli", "pull", f"127.0.0.1:{server.server_port}/jobs/x:1",
+                            str(tmp_path / "dest"), "--plain-http", "--json"], cwd=ROOT, capture_output=True,
+                           text=True, timeout=60, env={**os.environ, "HOME": str(tmp_path)})
+    finally:
+        stop.set()
+        server.shutdown()
+        server.server_close()
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+    assert json.loads(r.stdout)["error"]["code"] == "AUTH_FAILED" and "no credentials" in r.stderr, r.stderr
+    assert not (tmp_path / "dest").exists()

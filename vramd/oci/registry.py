@@ -152,8 +152,7 @@ class Registry:
             if r.status != 401:
                 break
             challenge = r.headers.get("www-authenticate")
-            r.drain_conn()
-            r.release_conn()
+            _discard(r)
             with self._auth_lock:
                 if self._auth.headers(scope) != sent:  # another thread answered a challenge meanwhile: retry
                     continue
@@ -169,13 +168,13 @@ class Registry:
             if r.status not in (301, 302, 303, 307, 308) or method not in ("GET", "HEAD"):
                 break
             location = urljoin(full, r.headers.get("location", ""))
-            r.drain_conn()
-            r.release_conn()
+            _discard(r)
             self.trust.check_url(location, f"{what}: a redirect to")
             r, answer = self._send(method, location, what, None, dict(headers or {}), stream)
         if r.status in ok:
             return r
         data = answer[:4096] if not stream else r.read(4096)
+        r.close()  # the rest of an error's body is never read: its connection is not reused
         r.release_conn()
         if r.status == 401:
             raise AuthFailedError(f"registry {self.host}: {what}: authentication refused")
@@ -299,6 +298,17 @@ class Registry:
         if ref.startswith("sha256:") and digest != ref:
             raise DigestMismatchError(f"registry {self.host}: manifest {repo}@{ref} does not match its digest")
         return body, digest
+
+
+def _discard(r: urllib3.BaseHTTPResponse) -> None:
+    """Done with an answer whose body is not used (a 401, a redirect): what is left of it is read up to
+    MAX_ANSWER so that its connection is reused; past that (an answer without end) the connection is closed."""
+    try:
+        if len(r.read(MAX_ANSWER + 1)) > MAX_ANSWER:
+            r.close()
+    except HTTPError:
+        r.close()
+    r.release_conn()
 
 
 def _reason(e: BaseException) -> str:
