@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from helpers import ROOT, vramctl
@@ -97,3 +98,37 @@ def test_a_pull_killed_midway_leaves_a_cache_the_next_restore_uses(node, registr
         assert target.read_bytes() == bytes(len(bos[0]))
         assert other.restore(f"oci://{ref}", [len(bos[0])], "--plain-http", "--cache", str(cache)) == bos
         assert not list(cache.rglob("*.tmp"))
+
+
+def test_two_pulls_into_one_directory_at_once_both_end_with_the_image(node, registry, tmp_path):
+    """Restores of one reference on one node share its cache entry: a second pull started while the first is
+    midway (stopped there) waits for it rather than sweeping its files, then finds the image (checked, not
+    downloaded again); neither fails."""
+    bos = [os.urandom(24 << 20)]
+    img = tmp_path / "image"
+    node.dump(img, bos, "--compress", "none")
+    ref = f"{registry.host}/jobs/twice:1"
+    ok(vramctl("push", str(img), ref, "--plain-http", "--json"))
+    dest = tmp_path / "shared" / "image"
+    dest.parent.mkdir()
+    cmd = [sys.executable, "-m", "vramd.cli", "pull", ref, str(dest), "--plain-http", "--concurrency", "1", "--json"]
+    first = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    gets = lambda: [r for r in registry.access_log() if r.method == "GET" and "/blobs/" in r.path]  # noqa: E731
+    while len(gets()) < 5:  # config, skeleton and 3 payloads served: the first is writing its temporaries
+        assert first.poll() is None and time.monotonic() < deadline, "the first pull ended before 5 blobs"
+    first.send_signal(signal.SIGSTOP)  # midway, for as long as the test says
+    second = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wchan = Path(f"/proc/{second.pid}/wchan")
+        while second.poll() is None and "lock" not in wchan.read_text():  # the kernel's word for where it waits
+            assert time.monotonic() < deadline, "the second pull neither ended nor waited for a lock"
+        assert second.poll() is None, second.communicate()[1]  # it waits for the first: it did not go ahead
+    finally:
+        first.send_signal(signal.SIGCONT)
+    _out1, err1 = first.communicate(timeout=120)
+    out2, err2 = second.communicate(timeout=120)
+    assert first.returncode == 0, err1
+    assert second.returncode == 0, err2
+    assert [c["cached"] for c in json.loads(out2)["chain"]] == [True]
+    assert files_of(dest) == files_of(img)

@@ -9,6 +9,7 @@ into place last: a pull that fails leaves no image (and removes what it created)
 """
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import stat
@@ -70,7 +71,17 @@ class Puller:
         return config, manifest
 
     def pull(self, ref: str, dest: str) -> Pulled:
+        """The image at `ref` into `dest`, one pull at a time per parent directory (an flock of it: restores of
+        one reference on one node share its cache entry; a pull that died holds no lock, so its temporaries are
+        swept)."""
         art, digest = self.artifact(ref)
+        lock = _lock_parent(dest)
+        try:
+            return self._pull_locked(art, digest, dest)
+        finally:
+            os.close(lock)
+
+    def _pull_locked(self, art: Artifact, digest: str, dest: str) -> Pulled:
         created_dir, empty = _prepare(dest)
         if not empty:
             held = _held(dest)
@@ -267,6 +278,20 @@ def _chunk_of(m: pb.Manifest, file_index: int, pos: int) -> tuple[int | None, in
                 if off <= pos < off + ln:
                     return bo.id, i * m.chunk_size, name
     return None, None, name
+
+
+def _lock_parent(dest: str) -> int:
+    parent = os.path.dirname(os.path.abspath(dest))
+    try:
+        fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as e:
+        raise from_os_error(e, parent, ImageError) from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except OSError as e:
+        os.close(fd)
+        raise from_os_error(e, f"cannot lock {parent}", ImageError) from None
+    return fd
 
 
 def _prepare(dest: str) -> tuple[bool, bool]:
