@@ -50,6 +50,13 @@ class _AnonymousCopyError(MmapBackend):
         return BackendError("a copy failed somewhere")
 
 
+class _OneIdentity(MmapBackend):
+    """Takes every BO of a size for one buffer (the model's inode, trusted alone): the contract must notice."""
+
+    def identity(self, handle):
+        return ("one", handle.size)
+
+
 def _subject_with(cls):
     def make():
         s = mmap_subject()
@@ -58,7 +65,7 @@ def _subject_with(cls):
     return make
 
 
-@pytest.mark.parametrize("broken", [_OffByOne, _Untruthful, _NoCopier, _AnonymousCopyError])
+@pytest.mark.parametrize("broken", [_OffByOne, _Untruthful, _NoCopier, _AnonymousCopyError, _OneIdentity])
 def test_the_contract_catches_a_broken_backend(broken):
     with pytest.raises(AssertionError):
         check_backend(_subject_with(broken))

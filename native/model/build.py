@@ -40,6 +40,7 @@ KFD_TEST_SOURCE = HERE / "test_kfd.c"
 KFD_SHIM_SOURCES = [HERE / "kfd_model.c", HERE / "kfd_shim.c"]
 KFD_SHIM_TEST_SOURCE = HERE / "test_kfd_shim.c"
 KFD_LIB_NAME = "libvramd_kfd_model.so"
+KFD_CORE_LIB_NAME = "libvramd_kfd_core.so"
 KFD_WORKLOAD_SOURCE = HERE / "kfd_workload.c"
 LIB_NAME = "libdrm_amdgpu_model.so"
 SONAME = "libdrm_amdgpu.so.1"
@@ -189,6 +190,19 @@ def build_kfd_lib(out_dir: str | os.PathLike, sanitize: str | None = None, force
         return str(out)
     _compile_into(out, [_gcc(), *CFLAGS, *SANITIZERS[sanitize], "-fPIC", "-shared", *libdrm_cflags(),
                         *kfd_cflags(out_dir), f"-I{HERE}", "-Wl,--no-undefined"], KFD_SHIM_SOURCES)
+    return str(out)
+
+
+def build_kfd_core_lib(out_dir: str | os.PathLike) -> str:
+    """Compiles the KFD model alone (no identity emulation, nothing interposed) into
+    OUT_DIR/libvramd_kfd_core.so, for a process that calls kfdm_* itself (a test,
+    through ctypes); returns its path."""
+    out_dir = Path(out_dir).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out = out_dir / KFD_CORE_LIB_NAME
+    if not _up_to_date(out, KFD_SOURCES + KFD_HEADERS + [Path(__file__).resolve()]):
+        _compile_into(out, [_gcc(), *CFLAGS, "-fPIC", "-shared", *libdrm_cflags(), *kfd_cflags(out_dir), f"-I{HERE}",
+                            "-Wl,--no-undefined"], KFD_SOURCES)
     return str(out)
 
 

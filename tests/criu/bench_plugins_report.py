@@ -28,6 +28,20 @@ def _held_back(res: dict, what: str) -> str:
     return f"held back by {stage}: +{d[stage]:.2f} s vs stock ({', '.join(f'{k} {x:+.2f}' for k, x in d.items())})"
 
 
+def _per_bo_cpu(m: dict) -> str:
+    """Where a many-BO step's CPU went (its whole step; the BO stage is most of it): which side's per-BO work
+    holds the rate back."""
+    parts = {
+        "criu (its own work, the plugin, libvramd)": m["criu_cpu_s"],
+        "the restored tasks (the plugin, libvramd)": m["task_cpu_s"],
+        "the daemon (intake, opens and imports, per-chunk work)": m["daemon_cpu_s"] - m["model_copy_daemon_cpu_s"],
+        "the SDMA model's copying": m["model_copy_cpu_s"],
+    }
+    top = max(parts, key=lambda k: parts[k])
+    return (f"the BO stage {m['copy_s']:.2f} s of {m['wall_s']:.2f} s; most CPU in {top}: "
+            + ", ".join(f"{k} {x:.2f} s" for k, x in parts.items()))
+
+
 def table(results: list[dict]) -> list[str]:
     out = [
         "| shape | plugin | step | wall s | criu CPU s | task CPU s | daemon CPU s | model copy CPU s | "
@@ -119,9 +133,8 @@ def verdicts(results: list[dict], hash_rate: float) -> list[str]:
     if "small" in by:
         small = by["small"]
         n = small["vramd"]["bos"]
-        # on the model equal-sized BOs of one GPU alias (docs/kfd-model.md): their copies are skipped, the
-        # per-BO work is not; the rate is shown, marked, and not judged
-        caveat = "" if small["vramd"]["restore"]["byte_exact"] else " (vramd's restore not byte-exact: aliased BOs)"
+        # a restore that is not byte-exact may have skipped work: the rate is shown, marked, and not judged
+        caveat = "" if small["vramd"]["restore"]["byte_exact"] else " (vramd's restore not byte-exact)"
         for what in ("dump", "restore"):
             if failed("small", what, f"{n} small BOs"):
                 continue
@@ -135,6 +148,6 @@ def verdicts(results: list[dict], hash_rate: float) -> list[str]:
                 f"- {n} small BOs, vramd {what}: {rate:.0f} BOs/s through the plugin's BO stage (stock "
                 f"{stock_rate:.0f}; over criu's whole wall {n / m['wall_s']:.0f}) (target >= 10000): **{verdict}**"
                 + caveat
-                + ("" if caveat or rate >= 10000 else f"; {_held_back(res['small'], what)}")
+                + ("" if caveat or rate >= 10000 else f"; {_per_bo_cpu(m)}; {_held_back(res['small'], what)}")
             )
     return out

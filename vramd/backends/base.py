@@ -28,7 +28,7 @@ import os
 import stat
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Iterable, Iterator, Mapping, MutableMapping, Sequence
+from collections.abc import Awaitable, Hashable, Iterable, Iterator, Mapping, MutableMapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import ClassVar, NamedTuple, Protocol, Self
@@ -180,6 +180,31 @@ class Backend(ABC):
 
     def release(self, handle: BoHandle) -> None:
         """The job is done with this BO."""
+
+    # --- identity: which BOs of a dump are one buffer --------------------------
+
+    prepares_identity: ClassVar[bool] = False  # `identity` needs `prepare_identity` first (a worker thread's)
+
+    def identity(self, handle: BoHandle) -> Hashable | None:
+        """The buffer an opened BO reaches, for a dump's alias rule: BOs of one dump with equal identities
+        are one buffer, stored and copied once (one dmabuf given twice, by one process or two).  None: not
+        known, and the BO is copied on its own (copying a buffer twice is always right; taking two buffers
+        for one never is).  Cheap: on the event loop, once per BO.
+
+        The default: the fd's inode, the offset and the size, right wherever the kernel gives each buffer
+        an inode of its own (a dma-buf, a memfd, a file).  A backend that reaches buffers some other way
+        says what the device itself takes for one buffer."""
+        try:
+            st = os.fstat(handle.ref.fd)
+        except OSError:
+            return None
+        return (st.st_dev, st.st_ino, handle.ref.offset, handle.size)
+
+    def prepare_identity(self, handles: Sequence[BoHandle]) -> None:
+        """Blocking, in a worker thread, before a dump takes these opened BOs (only where `prepares_identity`):
+        whatever `identity` needs that must not run on the event loop (SDMA: each dmabuf imported into its
+        GPU's device, which it needs before its first copy anyway).  A BO that fails raises its typed error;
+        the caller releases every handle."""
 
     def cpu_copier(self) -> CpuCopier | None:
         """The backend's CPU copies, where its copies are plain CPU copies (procmem, mmap): the engine then runs

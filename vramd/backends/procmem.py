@@ -31,6 +31,10 @@ class ProcMemBackend(ThreadedBackend):
             description="process memory through a caller-opened /proc/<pid>/mem fd",
         )
 
+    def identity(self, handle: BoHandle) -> None:
+        """None: a range of a process's memory is not a buffer a dump takes for another BO's (never aliased)."""
+        return None
+
     def open(self, bo_id: int, ref: BoRef, size: int, gpu_id: int, direction: Direction,
              checked: FdMemo | None = None) -> BoHandle:
         self.check(ref.fd, direction, bo_id=bo_id, checked=checked)

@@ -7,7 +7,8 @@ contents, and to read a BO's bytes back.  The suite checks what the engine
 relies on: capabilities that tell the truth, byte-exact copies in both
 directions at any offset and into any slot of a staging buffer, one
 future per batch (`submit_many`) that completes when every copy landed,
-typed errors that name the BO, and release/close that free everything.
+typed errors that name the BO, release/close that free everything, and
+identities that take one buffer given twice for one, and no two for one.
 A backend that hands out a CPU copier (`Backend.cpu_copier`) has that half
 checked too, the way the engine's copy threads drive it: planned copies run
 by batchcopy, `after_copy`, write locks, and `copy_error` naming the BO.
@@ -249,7 +250,34 @@ async def _cpu_copier(make: Callable[[], Subject]) -> None:
             assert isinstance(e, VramdError) and e.bo_id == 1 and e.offset == PAGE, (err, e)
 
 
-CHECKS = (_capabilities, _read_round_trip, _write_round_trip, _errors_name_the_bo, _cpu_copier)
+async def _identity(make: Callable[[], Subject]) -> None:
+    """`identity` (a dump's alias rule): one buffer given for two BOs (the same fd, or a dup of it) is one
+    buffer, two buffers of one size are two, another offset or size into one buffer is another BO; None
+    (never aliased) is always allowed.  Found after `prepare_identity`, in a worker thread, where it is."""
+    with _subject(make) as (s, _):
+        backend = s.backend
+        ra, _ = s.new_bo(_data(2 * PAGE, 6))
+        rb, _ = s.new_bo(_data(2 * PAGE, 7))
+        dup = os.dup(ra.fd)
+        s.cleanups.append(lambda: os.close(dup))
+        opens = [(1, ra, 2 * PAGE), (2, ra, 2 * PAGE), (3, ra._replace(fd=dup), 2 * PAGE), (4, rb, 2 * PAGE),
+                 (5, ra, PAGE), (6, ra._replace(offset=ra.offset + PAGE), PAGE)]
+        handles = [backend.open(i, ref, n, GPU, Direction.READ) for i, ref, n in opens]
+        try:
+            if backend.prepares_identity:
+                await asyncio.to_thread(backend.prepare_identity, handles)
+            ids = [backend.identity(h) for h in handles]
+        finally:
+            for h in handles:
+                backend.release(h)
+        if any(i is None for i in ids):
+            assert all(i is None for i in ids), f"identities known for some BOs of one kind only: {ids}"
+            return
+        assert ids[0] == ids[1] == ids[2], f"one buffer given three times has several identities: {ids[:3]}"
+        assert len({ids[0], ids[3], ids[4], ids[5]}) == 4, f"different buffers or ranges share an identity: {ids}"
+
+
+CHECKS = (_capabilities, _read_round_trip, _write_round_trip, _errors_name_the_bo, _cpu_copier, _identity)
 
 
 def check_backend(make: Callable[[], Subject]) -> None:

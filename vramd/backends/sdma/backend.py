@@ -2,8 +2,10 @@
 
 What it does differently from CRIU's amdgpu plugin loop (docs/sdma.md):
 - one device handle per GPU (render node), opened once and reused;
-- each BO's dmabuf imported and VA-mapped once per job, before its first
-  copy; open() only checks the fd and its size (no libdrm call on the loop);
+- each BO's dmabuf imported once per job, for a dump before the job takes
+  it (its identity: the imported buffer, `identity`), and VA-mapped before
+  its first copy; open() only checks the fd and its size (no libdrm call on
+  the loop);
 - every libdrm call but the fence wait in one submit thread per GPU (device
   setup, import, VA mapping, userptr registration, submission, release);
 - a batch that finds every IB slot of its ring in flight waits for one;
@@ -31,21 +33,21 @@ from __future__ import annotations
 
 import array
 import asyncio
+import concurrent.futures
 import os
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Self, TypeVar
 
-from ...errors import BackendError, BackendUnavailableError, TargetTooSmallError, from_os_error
+from ...errors import BackendError, BackendUnavailableError, from_os_error
 from ...hostmem.staging import StagingBuffer, StagingPool
-from ...units import round_up
 from ..base import Backend, BackendOptions, BoHandle, BoRef, Capabilities, CopyItem, Direction, FdMemo, fd_size
 from ..kind import BackendKind
 from .binding import Unavailable, is_model, load, resolve
-from .device import GpuDevice, Handle, Ring, SdmaBo
+from .device import GpuDevice, Handle, Ring, SdmaBo, check_fits
 from .driver import Driver
-from .packets import GPU_PAGE, IB_SLOT_BYTES, IB_SLOTS_PER_RING, TIMEOUT_INFINITE, copy_linear_packets
+from .packets import IB_SLOT_BYTES, IB_SLOTS_PER_RING, TIMEOUT_INFINITE, copy_linear_packets
 
 if TYPE_CHECKING:
     from ._amdgpu import _FFI, _Lib
@@ -148,37 +150,43 @@ class SdmaBackend(Backend):
 
     def open(self, bo_id: int, ref: BoRef, size: int, gpu_id: int, direction: Direction,
              checked: FdMemo | None = None) -> SdmaBo:
-        """Validate the dmabuf fd and that it holds the BO; no libdrm call here, on the event loop.
-
-        The BO is imported and VA-mapped in its GPU's submit thread, before its first copy.
-        """
+        """Validate the dmabuf fd and that it holds the BO; no libdrm call here, on the event loop (the import
+        and VA mapping: in its GPU's submit thread, `prepare_identity` or before its first copy)."""
         st = self.check(ref.fd, direction, bo_id=bo_id, checked=checked)
         have = fd_size(ref.fd, st)
         if have is not None:
-            self._check_fits(ref, size, have, bo_id)
+            check_fits(ref, size, have, bo_id)
         return SdmaBo(bo_id, ref, size, gpu_id, direction)
 
-    @staticmethod
-    def _check_fits(ref: BoRef, size: int, have: int, bo_id: int) -> None:
-        if ref.offset + size > have:
-            raise TargetTooSmallError(f"the dmabuf of BO {bo_id} holds {have} bytes; the BO needs {size} bytes at "
-                                      f"its offset {ref.offset:#x}", bo_id=bo_id, offset=max(0, have - ref.offset))
+    # --- identity: the buffer the device imports ---------------------------
 
-    def _import(self, g: GpuDevice, h: SdmaBo) -> None:
-        """In the GPU's submit thread: import the BO's dmabuf and map it into the GPU's VM (once per BO and job)."""
-        ffi, lib = self.ffi, self.lib
-        res = ffi.new("struct amdgpu_bo_import_result *")
-        self.driver.rc(lib.amdgpu_bo_import(g.dev, lib.amdgpu_bo_handle_type_dma_buf_fd, h.ref.fd, res),
-                 f"amdgpu_bo_import (the dmabuf of BO {h.bo_id}, gpu {h.gpu_id:#x})", bo_id=h.bo_id)
-        bo, have = res.buf_handle, res.alloc_size
-        try:
-            self._check_fits(h.ref, h.size, have, h.bo_id)
-            map_size = round_up(max(have, 1), GPU_PAGE)
-            h.va, h.va_handle = g.map_va(bo, map_size, f"BO {h.bo_id}", bo_id=h.bo_id)
-        except BaseException:
-            self.driver.cleanup(lib.amdgpu_bo_free(bo), "amdgpu_bo_free")
-            raise
-        h.bo, h.map_size = bo, map_size
+    prepares_identity = True
+
+    def identity(self, handle: BoHandle) -> tuple[str, int, int, int, int] | None:
+        """The buffer as the GPU's device imported it (amdgpu_bo_import gives one handle per buffer while
+        one is held, as the kernel's prime lookup finds one GEM object per dma-buf), the offset and the size;
+        None before `prepare_identity`.  A dmabuf given for two GPUs is two imports: copied for each."""
+        assert isinstance(handle, SdmaBo)
+        if not handle.imported:
+            return None
+        return (self.name, handle.gpu_id, handle.imported, handle.ref.offset, handle.size)
+
+    def prepare_identity(self, handles: Sequence[BoHandle]) -> None:
+        """Import each BO's dmabuf in its GPU's submit thread (what its first copy would do), waiting here."""
+        by_gpu: dict[int, list[SdmaBo]] = {}
+        for h in handles:
+            assert isinstance(h, SdmaBo)
+            by_gpu.setdefault(h.gpu_id, []).append(h)
+        futs = [self._submitter(gpu).submit(self._import_all, gpu, hs) for gpu, hs in by_gpu.items()]
+        concurrent.futures.wait(futs)  # every GPU's imports done, also when one failed
+        for f in futs:
+            f.result()
+
+    def _import_all(self, gpu_id: int, handles: list[SdmaBo]) -> None:
+        g = self._gpu(gpu_id)
+        for h in handles:
+            if h.bo is None:
+                g.import_bo(h)
 
     def release(self, handle: BoHandle) -> None:
         """Unmap and free the BO in its GPU's submit thread (after every submission queued before)."""
@@ -195,10 +203,13 @@ class SdmaBackend(Backend):
         if handle.bo is None:
             return
         g = self._gpus.get(handle.gpu_id)
-        if g is not None:
+        if g is not None and handle.va_handle is not None:
             g.unmap_va(handle.bo, handle.map_size, handle.va, handle.va_handle, f"BO {handle.bo_id}")
+            handle.va_handle = None
         self.driver.cleanup(self.lib.amdgpu_bo_free(handle.bo), "amdgpu_bo_free (BO)")
-        handle.bo = None
+        if g is not None:
+            g.freed(handle.bo)
+        handle.bo, handle.imported = None, 0
 
     def submit(self, handle: BoHandle, bo_offset: int, buf: StagingBuffer, buf_offset: int,
                length: int) -> asyncio.Future[None]:
@@ -278,7 +289,9 @@ class SdmaBackend(Backend):
         for h, bo_off, buf, buf_off, n in items:
             assert isinstance(h, SdmaBo)
             if h.bo is None:
-                self._import(g, h)
+                g.import_bo(h)
+            if h.va_handle is None:
+                g.map_bo(h)
             bo_va = h.va + h.ref.offset + bo_off
             st_va = g.userptr_va(buf) + buf_off
             copies.append((bo_va, st_va, n) if h.direction is Direction.READ else (st_va, bo_va, n))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import logging
 import os
 import threading
@@ -10,9 +11,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...errors import BackendUnavailableError
+from ...errors import BackendUnavailableError, TargetTooSmallError
 from ...hostmem.staging import StagingBuffer
-from ..base import BoHandle, Direction
+from ...units import round_up
+from ..base import BoHandle, BoRef, Direction
 from ..kind import BackendKind
 from .driver import Driver
 from .packets import GPU_PAGE, IB_SLOT_BYTES, IB_SLOTS_PER_RING, KERNEL_DMA_RINGS
@@ -23,12 +25,19 @@ log = logging.getLogger("vramd.backends.sdma")
 Handle = Any
 
 
+def check_fits(ref: BoRef, size: int, have: int, bo_id: int) -> None:
+    if ref.offset + size > have:
+        raise TargetTooSmallError(f"the dmabuf of BO {bo_id} holds {have} bytes; the BO needs {size} bytes at "
+                                  f"its offset {ref.offset:#x}", bo_id=bo_id, offset=max(0, have - ref.offset))
+
+
 @dataclass(eq=False)
 class SdmaBo(BoHandle):
     bo: Handle = None
     va: int = 0
     va_handle: Handle = None
     map_size: int = 0
+    imported: int = 0  # the import's number on its GPU (GpuDevice.imported), from its import to its release
 
 
 @dataclass(eq=False)
@@ -57,6 +66,10 @@ class GpuDevice:
         self.rings: list[Ring] = []
         self.retired: list[Handle] = []   # guilty contexts replaced, freed at close
         self.userptrs: list[StagingBuffer] = []  # staging buffers registered here
+        # the buffers imported here and not yet freed: handle address -> [its number, references]
+        # (libdrm hands out one handle per buffer while one is held: the kernel's prime lookup)
+        self.imports: dict[int, list[int]] = {}
+        self._numbers = itertools.count(1)
         ffi, lib = driver.ffi, driver.lib
         try:  # from here on, close() releases whatever was set up, the fd included
             major, minor, dev = ffi.new("uint32_t *"), ffi.new("uint32_t *"), ffi.new("amdgpu_device_handle *")
@@ -116,6 +129,45 @@ class GpuDevice:
             lib.amdgpu_va_range_free(vah[0])
             b.rc(rc, f"amdgpu_bo_va_op MAP ({what})", bo_id=bo_id)
         return va[0], vah[0]
+
+    def import_bo(self, h: SdmaBo) -> None:
+        """In the submit thread: import the BO's dmabuf (once per BO and job; its VA mapping: `map_bo`)."""
+        ffi, lib = self.driver.ffi, self.driver.lib
+        res = ffi.new("struct amdgpu_bo_import_result *")
+        self.driver.rc(lib.amdgpu_bo_import(self.dev, lib.amdgpu_bo_handle_type_dma_buf_fd, h.ref.fd, res),
+                       f"amdgpu_bo_import (the dmabuf of BO {h.bo_id}, gpu {h.gpu_id:#x})", bo_id=h.bo_id)
+        bo, have = res.buf_handle, res.alloc_size
+        number = self.imported(bo)
+        try:
+            check_fits(h.ref, h.size, have, h.bo_id)
+        except BaseException:
+            self.driver.cleanup(lib.amdgpu_bo_free(bo), "amdgpu_bo_free")
+            self.freed(bo)
+            raise
+        h.bo, h.map_size, h.imported = bo, round_up(max(have, 1), GPU_PAGE), number
+
+    def map_bo(self, h: SdmaBo) -> None:
+        """In the submit thread, before an imported BO's first copy: map it into the GPU's VM."""
+        h.va, h.va_handle = self.map_va(h.bo, h.map_size, f"BO {h.bo_id}", bo_id=h.bo_id)
+
+    def imported(self, bo: Handle) -> int:
+        """In the submit thread, after amdgpu_bo_import gave `bo`: the buffer's number, the same for every
+        handle of it held at once (the device's identity of a buffer), never reused by another."""
+        key = int(self.driver.ffi.cast("uintptr_t", bo))
+        entry = self.imports.get(key)
+        if entry is None:
+            entry = self.imports[key] = [next(self._numbers), 0]
+        entry[1] += 1
+        return entry[0]
+
+    def freed(self, bo: Handle) -> None:
+        """In the submit thread, after amdgpu_bo_free of an imported `bo`: one reference fewer."""
+        key = int(self.driver.ffi.cast("uintptr_t", bo))
+        entry = self.imports.get(key)
+        if entry is not None:
+            entry[1] -= 1
+            if not entry[1]:
+                del self.imports[key]
 
     def unmap_va(self, bo: Handle, size: int, va: int, vah: Handle, what: str) -> None:
         lib = self.driver.lib

@@ -258,20 +258,35 @@ class JobBase(Generic[BoT, ItemT]):
     def open_ahead(self, todo: Sequence[ItemT]) -> Ahead:
         """In a worker thread, before `add(todo, ahead)`: open what `add` will open, so that the
         event loop makes no syscall for these BOs (procmem's probes) and never waits for the GIL
-        after one.  Only CPU-copy backends (procmem, mmap: fd checks, probes, sizes); nothing is
-        raised here: on any error nothing is kept, and `add` meets the error again, in order.
-        The caller passes what is returned to `add`, then to `drop_ahead`."""
+        after one.  The backends `_opens_ahead` names (CPU-copy ones: fd checks, probes, sizes;
+        a dump's also those that find a BO's identity here, `_prepare`); nothing is raised here:
+        on any error nothing is kept, and `add` meets the error again, in order.  The caller
+        passes what is returned to `add`, then to `drop_ahead`."""
         valid, _ = self._validate(todo)
-        opened = [(v, spec) for v, spec in zip(valid, todo) if v[0].cpu_copier() is not None]
+        opened = [(v, spec) for v, spec in zip(valid, todo) if self._opens_ahead(v[0])]
         ahead = Ahead()
         try:
             handles = self._open_all([v for v, _ in opened])
+            try:
+                self._prepare([(backend, h) for ((backend, _), _), h in zip(opened, handles)])
+            except BaseException:
+                for ((backend, _), _), h in zip(opened, handles):
+                    backend.release(h)
+                raise
         except VramdError as e:
             if e.bo_id is not None and any(item[0] == e.bo_id for (_, item), _ in opened):
                 ahead.failed = (e.bo_id, e)
             return ahead
         ahead.update({item[0]: (backend, item, h, spec) for ((backend, item), spec), h in zip(opened, handles)})
         return ahead
+
+    def _opens_ahead(self, backend: Backend) -> bool:
+        """Whether `open_ahead` opens the BOs of `backend`: the CPU-copy backends' (their syscalls)."""
+        return backend.cpu_copier() is not None
+
+    def _prepare(self, opened: Sequence[tuple[Backend, BoHandle]]) -> None:
+        """In `open_ahead`'s worker thread, the BOs it opened: what else the job needs done there (a dump:
+        `Backend.prepare_identity`).  Raises a BO's typed error; the caller releases the handles."""
 
     def _validated(self, todo: Sequence[ItemT], ahead: Ahead | None) -> tuple[list[tuple[Backend, OpenItem]],
                                                                            VramdError | None]:

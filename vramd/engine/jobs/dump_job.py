@@ -5,12 +5,11 @@ of each batch of chunks (holes, references, records and their writes) is dump.py
 from __future__ import annotations
 
 import asyncio
-import os
 import posixpath
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 
-from ...backends import Backend, BackendKind, BoRef, Direction, OpenItem
+from ...backends import Backend, BackendKind, BoHandle, BoRef, Direction, OpenItem
 from ...errors import InvalidRequestError, LimitExceededError, VramdError
 from ...image.chunks import ChunkIndex
 from ...image.compression import Compression
@@ -47,7 +46,7 @@ class DumpJob(JobBase[DumpBo, BoSpec]):
             self.parent = parent
             self.chunk_size = writer.chunk_size
             self.topology_json = b""  # the machine's KFD topology, saved in the manifest
-            self._inodes: dict[tuple[int, int, int, int], DumpBo] = {}  # one dmabuf given twice is copied once
+            self._buffers: dict[Hashable, DumpBo] = {}  # Backend.identity -> its BO: one dmabuf given twice copied once
             self.ends = DumpEnds(self.writer, compression, writer.chunk_size, index=self.index, parent=parent,
                                  workers=ctx.compress_workers)
             super().__init__(ctx, self.ends, on_progress)
@@ -198,7 +197,7 @@ class DumpJob(JobBase[DumpBo, BoSpec]):
         try:
             valid, error = self._validated(todo, ahead)  # raised once the BOs before it are open: the first error wins
             for spec, (backend, _), handle in zip(todo, valid, self._open_all(valid, ahead)):
-                key, same = self._same_buffer(spec)
+                key, same = self._same_buffer(spec, backend, handle)
                 if same is not None:  # the BO another process (or this one) passed already: its chunks serve
                     backend.release(handle)
                     bo = DumpBo(spec.id, spec.gpu_id, spec.size, None, None, spec=spec, alias_of=same)
@@ -207,7 +206,7 @@ class DumpJob(JobBase[DumpBo, BoSpec]):
                                 chunks_left=chunk_count(spec.size, self.chunk_size), spec=spec)
                     bo.file = self.writer.data_file(spec.gpu_id) if spec.size else None
                     if key is not None:
-                        self._inodes[key] = bo
+                        self._buffers[key] = bo
                 self.bos[spec.id] = bo
                 queue.append(bo)
             if error is not None:
@@ -221,17 +220,27 @@ class DumpJob(JobBase[DumpBo, BoSpec]):
             self._fail(e)
             raise
 
-    def _same_buffer(self, spec: BoSpec) -> tuple[tuple[int, int, int, int] | None, DumpBo | None]:
-        """A dmabuf (or memfd) given before, as the same inode, offset and size: (its key, the BO first given
-        with it, or None)."""
-        if spec.ref.kind == BackendKind.PROCMEM or not spec.size:
+    def _same_buffer(self, spec: BoSpec, backend: Backend,
+                     handle: BoHandle) -> tuple[Hashable | None, DumpBo | None]:
+        """A buffer given before in this dump, as its backend names it (`Backend.identity`: on a kernel's
+        dmabuf, the same inode, offset and size; through SDMA, the same imported buffer): (its identity, the
+        BO first given with it, or None)."""
+        if not spec.size:
             return None, None
-        try:
-            st = os.fstat(spec.ref.fd)
-        except OSError:
-            return None, None  # the backend's open reports the fd
-        key = (st.st_dev, st.st_ino, spec.ref.offset, spec.size)
-        return key, self._inodes.get(key)
+        key = backend.identity(handle)
+        return key, None if key is None else self._buffers.get(key)
+
+    def _opens_ahead(self, backend: Backend) -> bool:
+        """Also the backends whose identity is found off the event loop (SDMA: the imported buffer)."""
+        return backend.prepares_identity or backend.cpu_copier() is not None
+
+    def _prepare(self, opened: Sequence[tuple[Backend, BoHandle]]) -> None:
+        groups: dict[Backend, list[BoHandle]] = {}
+        for backend, handle in opened:
+            if backend.prepares_identity:
+                groups.setdefault(backend, []).append(handle)
+        for backend, handles in groups.items():
+            backend.prepare_identity(handles)
 
     def _chunks(self, bo: DumpBo) -> Iterator[ChunkTask[DumpBo]]:
         for i, off in enumerate(range(0, bo.size, self.chunk_size)):
