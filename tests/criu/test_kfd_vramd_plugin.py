@@ -431,11 +431,13 @@ STREAMER = str(REPO / "tests" / "criu" / "img_streamer.py")
 
 
 def _streamed(script: str, verb: str, mode: str) -> str:
-    """The script with `criu VERB --stream`, its image streamer (img_streamer.py) started first."""
-    start = (f"$PY {STREAMER} {mode} $W/img $W/stream > $W/streamer-{mode}.log 2>&1 &\n"
+    """The script with `criu VERB --stream`, its image streamer (img_streamer.py) started first and waited
+    for after criu (it writes the files of the stream in threads of its own, until criu hangs up)."""
+    start = (f"$PY {STREAMER} {mode} $W/img $W/stream > $W/streamer-{mode}.log 2>&1 &\nspid=$!\n"
              "wait_for $W/img/streamer.ready || exit 1\nrm -f $W/img/streamer.ready\n")
     out = script.replace(f"$CRIU {verb} ", f"{start}$CRIU {verb} --stream ")
-    assert out != script
+    out = out.replace(f'echo "{verb}: $?"', f'rc=$?; wait $spid; echo "{verb}: $rc"')
+    assert out.count("--stream") == 1 and "wait $spid" in out
     return out
 
 
