@@ -446,7 +446,9 @@ def test_a_streamed_dump_puts_the_bo_contents_into_the_stream_and_restores_from_
     amdgpu-pages files too.  A vramd image is a directory beside the stream, not in it: a streamed
     checkpoint taken through vramd would reach the other side without its BO contents.  Under
     --stream the patched plugin takes the stock path (one log line per KFD file), even with a
-    daemon running, and what reached the stream restores byte-exact."""
+    daemon running, and what reached the stream restores byte-exact; with KFD_VRAMD=1 (vramd
+    required) the streamed dump fails instead, naming --stream, and the process runs on, as does a
+    dump by a plugin built without libvramd."""
     case.use(plugins["vramd"])
     a = case.state("state-a", TOPO_A)
     env = {**case.env(daemon.socket), "PY": sys.executable}
@@ -469,6 +471,20 @@ def test_a_streamed_dump_puts_the_bo_contents_into_the_stream_and_restores_from_
     assert r["restore"] == "0", log[-3000:]
     _ok(r["checks"], 1)
     assert "BOs submitted" not in log, log[-3000:]
+    # KFD_VRAMD=1 requires vramd, which a streamed dump cannot use: it fails saying so, the process runs on
+    d = case.run(_streamed(DUMP, "dump", "capture"), a, TOPO_A, extra={**env, "KFD_VRAMD": "1"})
+    log = case.log("dump.log")
+    assert d["dump"] != "0" and d["alive"] == "yes", log[-3000:]
+    _ok(d["checks"], 2)  # before the dump, and after it: intact
+    assert "param: KFD_VRAMD:required" in log and "vramd: KFD_VRAMD=1 but --stream: " in log, log[-3000:]
+    assert "vramd: process unpaused after the failed dump" in log and "vramd: --stream: dumping" not in log
+    # so does a dump by a plugin built without libvramd
+    case.use(plugins["novramd"])
+    d = case.run(DUMP, a, TOPO_A, extra=case.env(daemon.socket, KFD_VRAMD="1"))
+    log = case.log("dump.log")
+    assert d["dump"] != "0" and d["alive"] == "yes", log[-3000:]
+    _ok(d["checks"], 2)
+    assert "vramd: KFD_VRAMD=1 but this amdgpu_plugin was built without libvramd" in log, log[-3000:]
 
 
 
