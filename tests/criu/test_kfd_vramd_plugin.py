@@ -605,3 +605,35 @@ def test_a_restore_slower_than_the_grace_period_fails_with_no_task_left(case, pl
     for pid in map(int, tasks):
         assert _dead_or_dying(pid), pid
 
+
+FAIL_POST_RESTORE = r'''
+[ "$CRTOOLS_SCRIPT_ACTION" = post-restore ] || exit 0
+exit 1
+'''
+
+
+def test_a_restore_failing_after_the_submits_cancels_their_copies(case, plugins, daemon):
+    """The two-process tree: both restored tasks submit their copies (each session asking the daemon to hold
+    it for CRIU main's barrier), then CRIU fails the restore before that barrier (its post-restore action
+    script fails).  The plugin's fini cancels both copies (patch 0005): the daemon holds neither session for
+    a barrier that never comes (an hour, its max_hold), and no task is left."""
+    case.use(plugins["vramd"])
+    a = case.state("state-a", TOPO_A)
+    env = case.env(daemon.socket)
+    d = case.run(DUMP.replace("-g $GPUS", "-g $GPUS -c"), a, TOPO_A, gpus=2, extra=env)
+    assert d["dump"] == "0", case.log("dump.log")[-3000:]
+    script = os.path.join(case.work, "fail-post-restore.sh")
+    with open(script, "w") as f:
+        f.write(FAIL_POST_RESTORE)
+    os.chmod(script, 0o755)
+    r = case.run(RESTORE.replace("--shell-job -d", f"--shell-job -d --action-script {script}"), a, TOPO_A,
+                 extra=env)
+    log = case.log("restore.log")
+    assert r["restore"] != "0" and r["alive"] == "no", log[-3000:]
+    tasks = re.findall(r" (\d+): amdgpu_plugin: vramd: \d+ BOs submitted from", log)
+    cancelled = re.findall(r"vramd: the restore failed: the copy task (\d+) submitted is cancelled", log)
+    assert len(tasks) == 2 and sorted(cancelled) == sorted(tasks), log[-3000:]
+    assert _restore_sessions(daemon.socket) == 0
+    assert case.model.counters(a)["calls"]["resume"] == 0
+    for pid in map(int, tasks):
+        assert _dead_or_dying(pid), pid
