@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 
 import pytest
 from helpers import vramctl
@@ -34,6 +35,11 @@ def _dumped(socket: str, dfd: int) -> tuple[Workload, dict[int, str]]:
     finally:
         os.close(mem)
     return w, w.digests()
+
+
+def _files(d: DaemonProcess) -> list[str]:
+    """The daemon's fds other than sockets (whose connections' ends it may not have seen yet)."""
+    return [f for f in d.fds() if not f.startswith("socket:")]
 
 
 def _submit(socket: str, dfd: int, w: Workload, mem: int, hold_s: int) -> rpc.SessionInfo:
@@ -114,3 +120,59 @@ def test_max_hold_zero_grants_no_hold_and_a_dump_takes_none(run_dir, tmp_path, i
             s = c.open_session(SESSION_RESTORE, dfd, hold_s=10)
             assert s.hold_s == 0
             c.close_session(s.token)
+
+
+def test_a_sighup_lowering_max_hold_cuts_the_holds_already_granted(run_dir, tmp_path, image_dir):
+    """max_hold lowered by a SIGHUP (3600 s to 5 s) bounds a hold granted before it, already counting down:
+    the session is reaped 5 s after nobody held it, not an hour, and its token is forgotten; a session
+    opened after the reload is granted 5 s."""
+    _, dfd = image_dir
+    with _daemon(run_dir, tmp_path, "max_hold = 3600\n") as d:
+        w, _ = _dumped(d.socket, dfd)
+        with w, Workload(blank_spec_like(w.regions)) as w2:
+            mem2 = w2.open_mem(os.O_RDWR)
+            s = _submit(d.socket, dfd, w, mem2, hold_s=3600)
+            os.close(mem2)
+            assert s.hold_s == 3600
+            d.expect_log(rf"session {s.session_id}: no connection holds it; kept 3600 s for its token \(hold\)")
+            (tmp_path / "vramd.toml").write_text('grace_period = 0\nstaging_budget = "64M"\nchunk_size = "1M"\n'
+                                                 "max_hold = 5\n")
+            d.proc.send_signal(signal.SIGHUP)
+            d.expect_log(rf"session {s.session_id}: hold 3600 s cut to max_hold 5 s")
+            d.expect_log(r"SIGHUP: configuration reloaded; changed: max_hold")
+            with Client(d.socket) as c:
+                (row,) = c.sessions()
+                assert row.hold_s == 5 and row.holders == 0
+            d.expect_log(rf"session {s.session_id}: hold over \(5 s\): reaped, its token forgotten")
+            with Client(d.socket) as c:
+                with pytest.raises(NotFoundError):
+                    c.wait(s.token)
+                assert c.sessions() == []
+                later = c.open_session(SESSION_RESTORE, dfd, hold_s=3600)
+                assert later.hold_s == 5
+                c.close_session(later.token)
+
+
+def test_a_held_restore_nobody_started_goes_after_the_grace_period_with_its_fds(run_dir, tmp_path, image_dir):
+    """A submit that dies between its open (a hold asked and granted) and its Start never runs: the hold
+    does not keep it (nor the target's BO fds it was given) for max_hold; it is reaped after the grace
+    period (0 here), and the daemon holds none of its fds any more."""
+    _, dfd = image_dir
+    with _daemon(run_dir, tmp_path, "max_hold = 3600\n") as d:
+        w, _ = _dumped(d.socket, dfd)
+        with w, Workload(blank_spec_like(w.regions)) as w2:
+            mem2 = w2.open_mem(os.O_RDWR)
+            before = _files(d)
+            with Client(d.socket) as task:
+                s = task.open_session(SESSION_RESTORE, dfd, hold_s=3600)
+                task.add_bos(s.token, [ClientBo(i + 1, mem2, offset=r["addr"]) for i, r in enumerate(w.regions)])
+                assert s.hold_s == 3600
+                assert len(_files(d)) > len(before)  # the image's files and the target's fd, held
+            os.close(mem2)
+            d.expect_log(rf"session {s.session_id}: no client holds it any more \(grace period over\)")
+            with Client(d.socket) as c:
+                with pytest.raises(NotFoundError):
+                    c.wait(s.token)
+                assert c.sessions() == []
+            d.expect_log(rf"session {s.session_id} \(restore, .*: SESSION_CANCELLED: ")  # once its fds are closed
+            assert _files(d) == before

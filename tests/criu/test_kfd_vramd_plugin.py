@@ -431,11 +431,13 @@ STREAMER = str(REPO / "tests" / "criu" / "img_streamer.py")
 
 
 def _streamed(script: str, verb: str, mode: str) -> str:
-    """The script with `criu VERB --stream`, its image streamer (img_streamer.py) started first."""
-    start = (f"$PY {STREAMER} {mode} $W/img $W/stream > $W/streamer-{mode}.log 2>&1 &\n"
+    """The script with `criu VERB --stream`, its image streamer (img_streamer.py) started first and waited
+    for after criu (it writes the files of the stream in threads of its own, until criu hangs up)."""
+    start = (f"$PY {STREAMER} {mode} $W/img $W/stream > $W/streamer-{mode}.log 2>&1 &\nspid=$!\n"
              "wait_for $W/img/streamer.ready || exit 1\nrm -f $W/img/streamer.ready\n")
     out = script.replace(f"$CRIU {verb} ", f"{start}$CRIU {verb} --stream ")
-    assert out != script
+    out = out.replace(f'echo "{verb}: $?"', f'rc=$?; wait $spid; echo "{verb}: $rc"')
+    assert out.count("--stream") == 1 and "wait $spid" in out
     return out
 
 
@@ -444,7 +446,9 @@ def test_a_streamed_dump_puts_the_bo_contents_into_the_stream_and_restores_from_
     amdgpu-pages files too.  A vramd image is a directory beside the stream, not in it: a streamed
     checkpoint taken through vramd would reach the other side without its BO contents.  Under
     --stream the patched plugin takes the stock path (one log line per KFD file), even with a
-    daemon running, and what reached the stream restores byte-exact."""
+    daemon running, and what reached the stream restores byte-exact; with KFD_VRAMD=1 (vramd
+    required) the streamed dump fails instead, naming --stream, and the process runs on, as does a
+    dump by a plugin built without libvramd."""
     case.use(plugins["vramd"])
     a = case.state("state-a", TOPO_A)
     env = {**case.env(daemon.socket), "PY": sys.executable}
@@ -467,6 +471,20 @@ def test_a_streamed_dump_puts_the_bo_contents_into_the_stream_and_restores_from_
     assert r["restore"] == "0", log[-3000:]
     _ok(r["checks"], 1)
     assert "BOs submitted" not in log, log[-3000:]
+    # KFD_VRAMD=1 requires vramd, which a streamed dump cannot use: it fails saying so, the process runs on
+    d = case.run(_streamed(DUMP, "dump", "capture"), a, TOPO_A, extra={**env, "KFD_VRAMD": "1"})
+    log = case.log("dump.log")
+    assert d["dump"] != "0" and d["alive"] == "yes", log[-3000:]
+    _ok(d["checks"], 2)  # before the dump, and after it: intact
+    assert "param: KFD_VRAMD:required" in log and "vramd: KFD_VRAMD=1 but --stream: " in log, log[-3000:]
+    assert "vramd: process unpaused after the failed dump" in log and "vramd: --stream: dumping" not in log
+    # so does a dump by a plugin built without libvramd
+    case.use(plugins["novramd"])
+    d = case.run(DUMP, a, TOPO_A, extra=case.env(daemon.socket, KFD_VRAMD="1"))
+    log = case.log("dump.log")
+    assert d["dump"] != "0" and d["alive"] == "yes", log[-3000:]
+    _ok(d["checks"], 2)
+    assert "vramd: KFD_VRAMD=1 but this amdgpu_plugin was built without libvramd" in log, log[-3000:]
 
 
 
@@ -587,3 +605,35 @@ def test_a_restore_slower_than_the_grace_period_fails_with_no_task_left(case, pl
     for pid in map(int, tasks):
         assert _dead_or_dying(pid), pid
 
+
+FAIL_POST_RESTORE = r'''
+[ "$CRTOOLS_SCRIPT_ACTION" = post-restore ] || exit 0
+exit 1
+'''
+
+
+def test_a_restore_failing_after_the_submits_cancels_their_copies(case, plugins, daemon):
+    """The two-process tree: both restored tasks submit their copies (each session asking the daemon to hold
+    it for CRIU main's barrier), then CRIU fails the restore before that barrier (its post-restore action
+    script fails).  The plugin's fini cancels both copies (patch 0005): the daemon holds neither session for
+    a barrier that never comes (an hour, its max_hold), and no task is left."""
+    case.use(plugins["vramd"])
+    a = case.state("state-a", TOPO_A)
+    env = case.env(daemon.socket)
+    d = case.run(DUMP.replace("-g $GPUS", "-g $GPUS -c"), a, TOPO_A, gpus=2, extra=env)
+    assert d["dump"] == "0", case.log("dump.log")[-3000:]
+    script = os.path.join(case.work, "fail-post-restore.sh")
+    with open(script, "w") as f:
+        f.write(FAIL_POST_RESTORE)
+    os.chmod(script, 0o755)
+    r = case.run(RESTORE.replace("--shell-job -d", f"--shell-job -d --action-script {script}"), a, TOPO_A,
+                 extra=env)
+    log = case.log("restore.log")
+    assert r["restore"] != "0" and r["alive"] == "no", log[-3000:]
+    tasks = re.findall(r" (\d+): amdgpu_plugin: vramd: \d+ BOs submitted from", log)
+    cancelled = re.findall(r"vramd: the restore failed: the copy task (\d+) submitted is cancelled", log)
+    assert len(tasks) == 2 and sorted(cancelled) == sorted(tasks), log[-3000:]
+    assert _restore_sessions(daemon.socket) == 0
+    assert case.model.counters(a)["calls"]["resume"] == 0
+    for pid in map(int, tasks):
+        assert _dead_or_dying(pid), pid

@@ -192,7 +192,7 @@ class Daemon:
         self.allowed_uids = set(old.allowed_uids) | {os.getuid()}
         self.allowed_gids = old.allowed_gids()  # group names looked up again: a group created since counts now
         self.sessions.grace_period = old.grace_period
-        self.sessions.max_hold = old.max_hold
+        self.sessions.set_max_hold(old.max_hold)
         self._metrics_written = float("-inf")  # a new textfile (or interval) is written at the next tick
         self._wake.set()
         later = sorted(k for k in old.effective() if k not in RELOADABLE and getattr(old, k) != getattr(new, k))

@@ -21,6 +21,7 @@ class Holders:
         self.opener: weakref.ref[object] | None = None
         self.reap_timer: asyncio.TimerHandle | None = None  # set while nobody holds it (the grace period)
         self.reap_task: asyncio.Task[None] | None = None    # its close, once the grace period is over
+        self.let_go_at = 0.0  # the loop's time when nobody held it any more (while reap_timer is set)
 
     def __len__(self) -> int:
         return len(self.conns)

@@ -199,23 +199,46 @@ class SessionTable:
 
     def let_go(self, s: Session, conn: object) -> None:
         """`conn` is gone; a session nobody holds is reaped after the grace period, or after its hold where it
-        was granted a longer one (a restore's OpenSession.hold_s: the CRIU offload's submit).  Either way it
-        counts against its uid's sessions until then."""
+        was granted a longer one (a restore's OpenSession.hold_s: the CRIU offload's submit) and was started
+        (one nobody started never runs: its fds go after the grace period).  Either way it counts against its
+        uid's sessions until then."""
         s.holders.discard(conn)
         if not s.holders and s.token in self.by_token and s.holders.reap_timer is None:
-            loop = asyncio.get_running_loop()
-            held = s.hold > self.grace_period
-            why = "hold over" if held else "grace period over"
-            if held:
+            if self._held(s):
                 log.info("session %d: no connection holds it; kept %g s for its token (hold)", s.id, s.hold)
+            self._arm(s, 0.0)
 
-            def expire() -> None:
-                s.holders.reap_timer = None
-                if held and s.token in self.by_token:
-                    log.info("session %d: hold over (%g s): reaped, its token forgotten", s.id, s.hold)
-                if self.detach(s, why):
-                    s.holders.reap_task = loop.create_task(s.close(f"session reaped: {why}"))  # kept
-            s.holders.reap_timer = loop.call_later(s.hold if held else self.grace_period, expire)
+    def _held(self, s: Session) -> bool:
+        return s.hold > self.grace_period and s.state != rpc.SESSION_OPEN
+
+    def _arm(self, s: Session, elapsed: float) -> None:
+        """Reap `s` once nobody has held it for its hold (or the grace period); `elapsed` of that is gone."""
+        loop = asyncio.get_running_loop()
+        held = self._held(s)
+        why = "hold over" if held else "grace period over"
+
+        def expire() -> None:
+            s.holders.reap_timer = None
+            if held and s.token in self.by_token:
+                log.info("session %d: hold over (%g s): reaped, its token forgotten", s.id, s.hold)
+            if self.detach(s, why):
+                s.holders.reap_task = loop.create_task(s.close(f"session reaped: {why}"))  # kept
+        wait = s.hold if held else self.grace_period
+        s.holders.reap_timer = loop.call_later(max(0.0, wait - elapsed), expire)
+        s.holders.let_go_at = loop.time() - elapsed
+
+    def set_max_hold(self, max_hold: float) -> None:
+        """SIGHUP: a lower max_hold bounds the holds granted before it too, those counting down included
+        (counted from when nobody held the session any more); a higher one lengthens none."""
+        self.max_hold = max_hold
+        for s in self.by_token.values():
+            if s.hold <= max_hold:
+                continue
+            log.info("session %d: hold %g s cut to max_hold %g s", s.id, s.hold, max_hold)
+            s.hold = max_hold
+            if s.holders.reap_timer is not None:
+                s.holders.stop_timer()
+                self._arm(s, asyncio.get_running_loop().time() - s.holders.let_go_at)
 
     def detach(self, s: Session, why: str) -> bool:
         """Take `s` out of the table (no token reaches it any more); False if it was not there.
