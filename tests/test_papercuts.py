@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import grp
 import os
+import select
 import shutil
 import subprocess
 import sys
@@ -109,6 +110,25 @@ def _stale_root_socket(scratch: Path, w: World) -> None:
     os.chmod(scratch / "v.sock", 0o600)
 
 
+def _listener_that_hangs_up(scratch: Path, w: World) -> None:
+    """Something that listens at v.sock and lets the one connection it gets go once its Hello has come, unread:
+    what a client of vramd.socket meets when the service it starts fails (the peer sees ECONNRESET)."""
+    import socket
+    import threading
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.bind(str(scratch / "v.sock"))
+    s.listen(1)
+    s.settimeout(TIMEOUT)
+
+    def serve() -> None:
+        with s:
+            conn, _ = s.accept()
+            with conn:
+                conn.settimeout(TIMEOUT)
+                select.select([conn], [], [], TIMEOUT)  # the Hello is there: closing now resets the connection
+    threading.Thread(target=serve, daemon=True).start()
+
+
 def _shipped_plus(line: str) -> Callable[[Path, World], None]:
     def prep(scratch: Path, w: World) -> None:  # what `echo LINE >> /etc/vramd/vramd.toml` does
         text = (Path(ROOT) / "contrib" / "systemd" / "vramd.toml").read_text()
@@ -200,6 +220,10 @@ ROWS: dict[str, Row] = {
         _sh("vramctl", "status"), 1, ["cannot connect to vramd at /tmp/vramd-65534/vramd.sock",
                                       f"no system socket at {SYSTEM_SOCKET}", "systemctl start vramd.socket"],
         who="nobody"),
+    "vramctl: a service that failed to start (the socket hangs up at Hello)": Row(
+        _sh("vramctl", "--socket", "{scratch}/v.sock", "status"), 1,
+        ["cannot connect to vramd at {scratch}/v.sock", "hung up before it answered", "systemctl status vramd"],
+        not_says=["[Errno"], prep=_listener_that_hangs_up),
     "vramctl: --socket names a directory": Row(
         _sh("vramctl", "--socket", "{scratch}", "status"), 1,
         ["cannot connect to vramd at {scratch}", "is a directory, not a socket"], not_says=["is vramd running"]),
