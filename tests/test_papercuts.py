@@ -215,6 +215,25 @@ ROWS: dict[str, Row] = {
         _sh("vramctl", "--socket", "{socket}", "dump", "--pid", "1", "--range", "0x1000:4096", "--image",
             "{scratch}/img"), 1, ["cannot open /proc/1/mem", "you may not trace process 1", "ptrace_scope"],
         who=TEST_USER, prep=lambda scratch, w: scratch.chmod(0o1777)),
+    # --- push, pull and restore from a registry: what is wrong with the words is a usage mistake ------------
+    "vramctl: push to a reference that is none": Row(
+        _sh("vramctl", "push", "{scratch}", "badref"), 2,
+        ["argument HOST/REPO[:TAG]: 'badref' is not a reference HOST[:PORT]/REPOSITORY"], one_line=False),
+    "vramctl: pull a repository name with capitals": Row(
+        _sh("vramctl", "pull", "localhost:5000/My Repo:1", "{scratch}/img"), 2,
+        ["argument HOST/REPO[:TAG|@DIGEST]:", "'My Repo' is not a repository name"], one_line=False),
+    "vramctl: restore from an oci:// reference that is none": Row(
+        _sh("vramctl", "--socket", "{socket}", "restore", "--pid", "1", "--image", "oci://badref"), 2,
+        ["argument --image: 'oci://badref' is not a reference"], one_line=False),
+    "vramctl: --password-stdin with no --username": Row(
+        _sh("vramctl", "push", "{scratch}", "localhost:5000/x:1", "--password-stdin"), 2,
+        ["--password-stdin needs --username"], one_line=False),
+    "vramctl: --concurrency 0": Row(
+        _sh("vramctl", "pull", "localhost:5000/x:1", "{scratch}/img", "--concurrency", "0"), 2,
+        ["argument --concurrency: 0: must be at least 1"], one_line=False),
+    "vramctl: an annotation that is no KEY=VALUE": Row(
+        _sh("vramctl", "push", "{scratch}", "localhost:5000/x:1", "--annotation", "foo"), 2,
+        ["--annotation 'foo': expected KEY=VALUE"], one_line=False),
     # --- reaching the daemon ---------------------------------------------------------------------------------
     "vramctl: no daemon running": Row(
         _sh("vramctl", "status"), 1, ["cannot connect to vramd at /tmp/vramd-65534/vramd.sock",

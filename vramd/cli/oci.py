@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from ..errors import RegistryError
 from ..oci.credentials import find_credentials, from_password_stdin
 from ..oci.layout import MAX_OCI_MANIFEST
 from ..oci.pull import Pulled, Puller, pull_chain
@@ -67,6 +68,36 @@ def add_restore_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache", metavar="DIR", help="with --image oci://...: where pulled images are kept and looked "
                    "for first (default: $XDG_CACHE_HOME/vramd/oci, else ~/.cache/vramd/oci)")
     add_registry_args(p)
+
+
+def usage_error(ns: argparse.Namespace) -> str | None:
+    """What is wrong with a push's, pull's or `restore --image oci://`'s arguments before anything is touched (a
+    reference that is none, a digest to push to, a KEY=VALUE without '=', --concurrency 0, a --username without
+    --password-stdin): vramctl's parser reports it as a usage error (exit 2); None if nothing is."""
+    if ns.command == "push" or ns.command == "pull":
+        ref_text = ns.ref
+    elif ns.command == "restore" and ns.image.startswith(OCI_SCHEME):
+        ref_text = ns.image
+    else:
+        return None
+    what = {"push": "HOST/REPO[:TAG]", "pull": "HOST/REPO[:TAG|@DIGEST]"}.get(ns.command, "--image")
+    try:
+        ref = Reference.parse(ref_text)
+    except RegistryError as e:
+        return f"argument {what}: {e}"
+    if ns.command == "push" and ref.digest:
+        return f"argument {what}: {ref_text}: push to a tag (HOST/REPO:TAG), not to a digest"
+    try:
+        _annotations(getattr(ns, "annotation", []))
+    except Failure as e:
+        return str(e)
+    if ns.concurrency < 1:
+        return f"argument --concurrency: {ns.concurrency}: must be at least 1"
+    if ns.password_stdin and not ns.username:
+        return "--password-stdin needs --username"
+    if ns.username and not ns.password_stdin:
+        return "--username needs --password-stdin (a password is never taken from the command line)"
+    return None
 
 
 def _registry(ns: argparse.Namespace, ref: Reference, actions: tuple[str, ...] = ("pull",)) -> Registry:
