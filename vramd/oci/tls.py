@@ -60,6 +60,8 @@ class Trust:
             reason = f"certificate verify failed: {e.verify_message}"
         else:
             reason = getattr(e, "reason", None) or str(e)
+            if reason == "WRONG_VERSION_NUMBER" and self.scheme == "https":  # the answer was not TLS at all
+                reason += ": it does not answer in TLS (a plain-HTTP registry? then --plain-http)"
         return TlsError(f"TLS to {host} failed: {reason} (trusting {self.describe()})")
 
 
