@@ -258,6 +258,10 @@ ROWS: dict[str, Row] = {
         _sh("vramctl", "rm", "{scratch}/parent"), 1,
         ["{scratch}/parent is the parent of 1 incremental image(s): {scratch}/kids/step2", "remove or flatten"],
         not_says=[".child."], prep=_parent_and_child),
+    "vramctl: flatten refused leaves no directory behind": Row(
+        lambda scratch, w: ["vramctl", "flatten", os.path.join(ROOT, "tests", "fixtures", "image-v1"),
+                            str(scratch / "new" / "out")], 1,
+        ["a format v1 image has no parents: it is self-contained already"]),
     "demo: --socket where nobody listens": Row(
         _sh("./dev.sh", "demo", "--socket", "{scratch}/missing.sock"), 1,
         ["vramd-demo: cannot connect to vramd at {scratch}/missing.sock", "without --socket"]),
