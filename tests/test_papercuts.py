@@ -265,6 +265,10 @@ ROWS: dict[str, Row] = {
     "demo: --socket where nobody listens": Row(
         _sh("./dev.sh", "demo", "--socket", "{scratch}/missing.sock"), 1,
         ["vramd-demo: cannot connect to vramd at {scratch}/missing.sock", "without --socket"]),
+    "demo: --image names a file": Row(
+        _sh("./dev.sh", "demo", "--size", "1M", "--image", "{scratch}/f"), 1,
+        ["vramd-demo: cannot make the image directory {scratch}/f (--image): it exists and is not a directory"],
+        not_says=["[Errno"], prep=_write("f", "not a directory\n")),
     # --- help and usage say what the tools take ----------------------------------------------------------------
     "vramd --help lists every codec": Row(
         _sh("vramd", "--help"), 0, ["none, zstd, zstd:LEVEL, bplanes, bplanes:LEVEL, auto, auto:LEVEL"],
