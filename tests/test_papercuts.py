@@ -258,6 +258,10 @@ ROWS: dict[str, Row] = {
         _sh("vramctl", "rm", "{scratch}/parent"), 1,
         ["{scratch}/parent is the parent of 1 incremental image(s): {scratch}/kids/step2", "remove or flatten"],
         not_says=[".child."], prep=_parent_and_child),
+    "vramctl: restore --bo-file with an id the image has not": Row(
+        _sh("vramctl", "--socket", "{socket}", "restore", "--pid", "1", "--image", "{scratch}/parent", "--bo-file",
+            "2={scratch}/bo"), 1, ["the image has no file BO 2 (--bo-file 2=...); its file BOs: 1"],
+        not_says=["BO 1 was dumped from a file"], prep=_parent_and_child),
     "vramctl: flatten refused leaves no directory behind": Row(
         lambda scratch, w: ["vramctl", "flatten", os.path.join(ROOT, "tests", "fixtures", "image-v1"),
                             str(scratch / "new" / "out")], 1,
