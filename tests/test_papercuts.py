@@ -425,3 +425,19 @@ def test_a_registry_it_cannot_reach_is_one_line_that_says_why(registry: Registry
             assert all(s in lines[0] for s in says), (says, lines[0])
             assert "Error:" not in lines[0] and "[Errno" not in lines[0], lines[0]
             assert os.listdir(tmp_path) == [], words
+
+
+def test_password_stdin_with_nothing_on_stdin_is_one_line(tmp_path: Path) -> None:
+    """vramctl push --username U --password-stdin where stdin is empty (< /dev/null) or closed (<&-): one line
+    that says what stdin held and how to give the password, exit 1, before any registry is asked (the port is
+    one nobody listens on: reaching it would be a different line)."""
+    image = os.path.join(ROOT, "tests", "fixtures", "image-v1")
+    cmd = [sys.executable, "-m", "vramd.cli", "push", image, "127.0.0.1:1/x:1", "--plain-http", "--cache",
+           str(tmp_path / "cache"), "--username", "alice", "--password-stdin"]
+    for redirect, says in (("< /dev/null", "stdin held no password (its first line is empty)"),
+                           ("<&-", "stdin is closed")):
+        r = subprocess.run(["bash", "-c", f'exec "$@" {redirect}', "_", *cmd], capture_output=True, text=True,
+                           timeout=TIMEOUT, cwd=ROOT)
+        lines = r.stderr.splitlines()
+        assert r.returncode == 1 and len(lines) == 1, (redirect, r.stderr)
+        assert says in lines[0] and "--password-stdin < FILE" in lines[0], lines[0]

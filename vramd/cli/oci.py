@@ -108,6 +108,9 @@ def _registry(ns: argparse.Namespace, ref: Reference, actions: tuple[str, ...] =
         if ns.password_stdin:
             if not ns.username:
                 raise Failure("--password-stdin needs --username")
+            if sys.stdin is None:  # started with stdin closed (<&-): nothing to read the password from
+                raise Failure("--password-stdin: stdin is closed: pipe the password in (e.g. vramctl ... "
+                              "--password-stdin < FILE)")
             explicit = from_password_stdin(ns.username, sys.stdin)
         elif ns.username:
             raise Failure("--username needs --password-stdin (a password is never taken from the command line)")

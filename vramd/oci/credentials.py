@@ -78,8 +78,11 @@ def from_password_stdin(username: str, stdin: IO[str]) -> Credentials:
     password = line[:-1] if line.endswith("\n") else line
     if password.endswith("\r"):
         password = password[:-1]
-    if not username or not password:
-        raise CredentialsError("--password-stdin: empty username or password")
+    if not username:
+        raise CredentialsError("--password-stdin: empty username (--username)")
+    if not password:
+        raise CredentialsError("--password-stdin: stdin held no password (its first line is empty): pipe the "
+                               "password in, e.g. vramctl ... --password-stdin < FILE")
     return Credentials(source="the command line (--username, --password-stdin)", username=username,
                        password=password)
 
