@@ -232,6 +232,9 @@ ROWS: dict[str, Row] = {
     "vramctl: --concurrency 0": Row(
         _sh("vramctl", "pull", "localhost:5000/x:1", "{scratch}/img", "--concurrency", "0"), 2,
         ["argument --concurrency: 0: must be at least 1"], one_line=False),
+    "vramctl: --mount-from a repository name that is none": Row(
+        _sh("vramctl", "push", "{scratch}", "localhost:5000/x:1", "--mount-from", "Other Repo"), 2,
+        ["argument --mount-from: 'Other Repo' is not a repository name"], one_line=False),
     "vramctl: an annotation that is no KEY=VALUE": Row(
         _sh("vramctl", "push", "{scratch}", "localhost:5000/x:1", "--annotation", "foo"), 2,
         ["--annotation 'foo': expected KEY=VALUE"], one_line=False),
@@ -441,3 +444,22 @@ def test_password_stdin_with_nothing_on_stdin_is_one_line(tmp_path: Path) -> Non
         lines = r.stderr.splitlines()
         assert r.returncode == 1 and len(lines) == 1, (redirect, r.stderr)
         assert says in lines[0] and "--password-stdin < FILE" in lines[0], lines[0]
+
+
+def test_restore_from_a_reference_with_a_cache_that_is_a_file(registry: Registry, tmp_path: Path) -> None:
+    """vramctl restore --image oci://... --cache FILE, against a real registry holding the image: one line naming
+    the cache directory it could not make and what to give, exit 1, where it printed '[Errno 20] Not a
+    directory: ...'."""
+    ref = f"{registry.host}/papercut/img:1"
+    push = subprocess.run([sys.executable, "-m", "vramd.cli", "push", os.path.join(ROOT, "tests", "fixtures",
+                           "image-v1"), ref, "--plain-http", "--cache", str(tmp_path / "push-cache")],
+                          capture_output=True, text=True, timeout=TIMEOUT, cwd=ROOT)
+    assert push.returncode == 0, push.stderr
+    (tmp_path / "file").write_text("not a directory\n")
+    r = subprocess.run([sys.executable, "-m", "vramd.cli", "restore", "--pid", "1", "--image", f"oci://{ref}",
+                        "--plain-http", "--cache", str(tmp_path / "file")], capture_output=True, text=True,
+                       timeout=TIMEOUT, cwd=ROOT)
+    lines = r.stderr.splitlines()
+    assert r.returncode == 1 and len(lines) == 1, r.stderr
+    assert f"cannot make the pull's cache directory {tmp_path}/file/" in lines[0], lines[0]
+    assert "Not a directory: give --cache a directory you may write" in lines[0] and "[Errno" not in lines[0]

@@ -23,7 +23,7 @@ from ..oci.credentials import find_credentials, from_password_stdin
 from ..oci.layout import MAX_OCI_MANIFEST
 from ..oci.pull import Pulled, Puller, pull_chain
 from ..oci.push import Pusher, push_chain
-from ..oci.registry import Reference, Registry
+from ..oci.registry import REPO, Reference, Registry
 from ..oci.tls import Trust
 from .common import EXIT_OK, Failure, emit, rate
 from .transfer import cmd_restore
@@ -87,6 +87,9 @@ def usage_error(ns: argparse.Namespace) -> str | None:
         return f"argument {what}: {e}"
     if ns.command == "push" and ref.digest:
         return f"argument {what}: {ref_text}: push to a tag (HOST/REPO:TAG), not to a digest"
+    for repo in getattr(ns, "mount_from", []):
+        if REPO.fullmatch(repo) is None:
+            return f"argument --mount-from: {repo!r} is not a repository name (lowercase, digits, . _ - /)"
     try:
         _annotations(getattr(ns, "annotation", []))
     except Failure as e:
@@ -196,7 +199,11 @@ def cmd_restore_any(ns: argparse.Namespace) -> int:
     finally:
         probe.close()
     root = os.path.join(cache_root(ns), key, ref.repo.replace("/", "_"), body_digest.removeprefix("sha256:"))
-    os.makedirs(root, mode=0o700, exist_ok=True)
+    try:
+        os.makedirs(root, mode=0o700, exist_ok=True)
+    except OSError as e:
+        raise Failure(f"cannot make the pull's cache directory {root}: {e.strerror}: give --cache a directory "
+                      "you may write") from None
     _ref, _reg, chain, _secs = _pull(ns, f"{ref.host}/{ref.repo}@{body_digest}", os.path.join(root, "image"))
     ns.image = chain[0].path
     if len(chain) > 1 and ns.parent is None:
