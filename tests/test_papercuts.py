@@ -235,6 +235,14 @@ ROWS: dict[str, Row] = {
     "vramctl: --mount-from a repository name that is none": Row(
         _sh("vramctl", "push", "{scratch}", "localhost:5000/x:1", "--mount-from", "Other Repo"), 2,
         ["argument --mount-from: 'Other Repo' is not a repository name"], one_line=False),
+    "vramctl: --ca-file that holds no certificate": Row(
+        _sh("vramctl", "pull", "127.0.0.1:1/x:1", "{scratch}/img", "--ca-file", "{scratch}/ca.pem"), 1,
+        ["cannot load the CA file {scratch}/ca.pem: NO_CERTIFICATE_OR_CRL_FOUND: give a PEM file of CA certificates"],
+        not_says=["_ssl.c"], prep=_write("ca.pem", "not a certificate\n")),
+    "vramctl: --registry-config names a directory": Row(
+        _sh("vramctl", "pull", "127.0.0.1:1/x:1", "{scratch}/img", "--registry-config", "{scratch}"), 1,
+        ["--registry-config {scratch}: is not a regular file (give a docker/podman config.json)"],
+        not_says=["no such file"]),
     "vramctl: an annotation that is no KEY=VALUE": Row(
         _sh("vramctl", "push", "{scratch}", "localhost:5000/x:1", "--annotation", "foo"), 2,
         ["--annotation 'foo': expected KEY=VALUE"], one_line=False),

@@ -111,7 +111,8 @@ def find_credentials(host: str, repository: str = "", *, registry_config: Path |
         return explicit
     files = auth_files(registry_config, env)
     if registry_config is not None and not registry_config.is_file():
-        raise CredentialsError(f"--registry-config {registry_config}: no such file")
+        what = "is not a regular file" if registry_config.exists() else "no such file"
+        raise CredentialsError(f"--registry-config {registry_config}: {what} (give a docker/podman config.json)")
     for path in files:
         creds = _from_file(path, host, repository, env)
         if creds is not None:

@@ -40,9 +40,11 @@ class Trust:
         if self.ca_file is not None:
             try:
                 ctx.load_verify_locations(cafile=str(self.ca_file))
-            except (OSError, ssl.SSLError) as e:
-                raise TlsError(f"cannot load the CA file {self.ca_file}: {getattr(e, 'strerror', None) or e}") \
-                    from None
+            except ssl.SSLError as e:  # read, but no certificate in it: OpenSSL's reason, not its source line
+                raise TlsError(f"cannot load the CA file {self.ca_file}: {e.reason or e}: give a PEM file of CA "
+                               "certificates") from None
+            except OSError as e:
+                raise TlsError(f"cannot load the CA file {self.ca_file}: {e.strerror or e}") from None
         return ctx
 
     def check_url(self, url: str, what: str) -> None:
