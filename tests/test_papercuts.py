@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import grp
 import os
+import select
 import shutil
 import subprocess
 import sys
@@ -109,6 +110,25 @@ def _stale_root_socket(scratch: Path, w: World) -> None:
     os.chmod(scratch / "v.sock", 0o600)
 
 
+def _listener_that_hangs_up(scratch: Path, w: World) -> None:
+    """Something that listens at v.sock and lets the one connection it gets go once its Hello has come, unread:
+    what a client of vramd.socket meets when the service it starts fails (the peer sees ECONNRESET)."""
+    import socket
+    import threading
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.bind(str(scratch / "v.sock"))
+    s.listen(1)
+    s.settimeout(TIMEOUT)
+
+    def serve() -> None:
+        with s:
+            conn, _ = s.accept()
+            with conn:
+                conn.settimeout(TIMEOUT)
+                select.select([conn], [], [], TIMEOUT)  # the Hello is there: closing now resets the connection
+    threading.Thread(target=serve, daemon=True).start()
+
+
 def _shipped_plus(line: str) -> Callable[[Path, World], None]:
     def prep(scratch: Path, w: World) -> None:  # what `echo LINE >> /etc/vramd/vramd.toml` does
         text = (Path(ROOT) / "contrib" / "systemd" / "vramd.toml").read_text()
@@ -195,11 +215,45 @@ ROWS: dict[str, Row] = {
         _sh("vramctl", "--socket", "{socket}", "dump", "--pid", "1", "--range", "0x1000:4096", "--image",
             "{scratch}/img"), 1, ["cannot open /proc/1/mem", "you may not trace process 1", "ptrace_scope"],
         who=TEST_USER, prep=lambda scratch, w: scratch.chmod(0o1777)),
+    # --- push, pull and restore from a registry: what is wrong with the words is a usage mistake ------------
+    "vramctl: push to a reference that is none": Row(
+        _sh("vramctl", "push", "{scratch}", "badref"), 2,
+        ["argument HOST/REPO[:TAG]: 'badref' is not a reference HOST[:PORT]/REPOSITORY"], one_line=False),
+    "vramctl: pull a repository name with capitals": Row(
+        _sh("vramctl", "pull", "localhost:5000/My Repo:1", "{scratch}/img"), 2,
+        ["argument HOST/REPO[:TAG|@DIGEST]:", "'My Repo' is not a repository name"], one_line=False),
+    "vramctl: restore from an oci:// reference that is none": Row(
+        _sh("vramctl", "--socket", "{socket}", "restore", "--pid", "1", "--image", "oci://badref"), 2,
+        ["argument --image: 'oci://badref' is not a reference"], one_line=False),
+    "vramctl: --password-stdin with no --username": Row(
+        _sh("vramctl", "push", "{scratch}", "localhost:5000/x:1", "--password-stdin"), 2,
+        ["--password-stdin needs --username"], one_line=False),
+    "vramctl: --concurrency 0": Row(
+        _sh("vramctl", "pull", "localhost:5000/x:1", "{scratch}/img", "--concurrency", "0"), 2,
+        ["argument --concurrency: 0: must be at least 1"], one_line=False),
+    "vramctl: --mount-from a repository name that is none": Row(
+        _sh("vramctl", "push", "{scratch}", "localhost:5000/x:1", "--mount-from", "Other Repo"), 2,
+        ["argument --mount-from: 'Other Repo' is not a repository name"], one_line=False),
+    "vramctl: --ca-file that holds no certificate": Row(
+        _sh("vramctl", "pull", "127.0.0.1:1/x:1", "{scratch}/img", "--ca-file", "{scratch}/ca.pem"), 1,
+        ["cannot load the CA file {scratch}/ca.pem: NO_CERTIFICATE_OR_CRL_FOUND: give a PEM file of CA certificates"],
+        not_says=["_ssl.c"], prep=_write("ca.pem", "not a certificate\n")),
+    "vramctl: --registry-config names a directory": Row(
+        _sh("vramctl", "pull", "127.0.0.1:1/x:1", "{scratch}/img", "--registry-config", "{scratch}"), 1,
+        ["--registry-config {scratch}: is not a regular file (give a docker/podman config.json)"],
+        not_says=["no such file"]),
+    "vramctl: an annotation that is no KEY=VALUE": Row(
+        _sh("vramctl", "push", "{scratch}", "localhost:5000/x:1", "--annotation", "foo"), 2,
+        ["--annotation 'foo': expected KEY=VALUE"], one_line=False),
     # --- reaching the daemon ---------------------------------------------------------------------------------
     "vramctl: no daemon running": Row(
         _sh("vramctl", "status"), 1, ["cannot connect to vramd at /tmp/vramd-65534/vramd.sock",
                                       f"no system socket at {SYSTEM_SOCKET}", "systemctl start vramd.socket"],
         who="nobody"),
+    "vramctl: a service that failed to start (the socket hangs up at Hello)": Row(
+        _sh("vramctl", "--socket", "{scratch}/v.sock", "status"), 1,
+        ["cannot connect to vramd at {scratch}/v.sock", "hung up before it answered", "systemctl status vramd"],
+        not_says=["[Errno"], prep=_listener_that_hangs_up),
     "vramctl: --socket names a directory": Row(
         _sh("vramctl", "--socket", "{scratch}", "status"), 1,
         ["cannot connect to vramd at {scratch}", "is a directory, not a socket"], not_says=["is vramd running"]),
@@ -214,9 +268,21 @@ ROWS: dict[str, Row] = {
         _sh("vramctl", "rm", "{scratch}/parent"), 1,
         ["{scratch}/parent is the parent of 1 incremental image(s): {scratch}/kids/step2", "remove or flatten"],
         not_says=[".child."], prep=_parent_and_child),
+    "vramctl: restore --bo-file with an id the image has not": Row(
+        _sh("vramctl", "--socket", "{socket}", "restore", "--pid", "1", "--image", "{scratch}/parent", "--bo-file",
+            "2={scratch}/bo"), 1, ["the image has no file BO 2 (--bo-file 2=...); its file BOs: 1"],
+        not_says=["BO 1 was dumped from a file"], prep=_parent_and_child),
+    "vramctl: flatten refused leaves no directory behind": Row(
+        lambda scratch, w: ["vramctl", "flatten", os.path.join(ROOT, "tests", "fixtures", "image-v1"),
+                            str(scratch / "new" / "out")], 1,
+        ["a format v1 image has no parents: it is self-contained already"]),
     "demo: --socket where nobody listens": Row(
         _sh("./dev.sh", "demo", "--socket", "{scratch}/missing.sock"), 1,
         ["vramd-demo: cannot connect to vramd at {scratch}/missing.sock", "without --socket"]),
+    "demo: --image names a file": Row(
+        _sh("./dev.sh", "demo", "--size", "1M", "--image", "{scratch}/f"), 1,
+        ["vramd-demo: cannot make the image directory {scratch}/f (--image): it exists and is not a directory"],
+        not_says=["[Errno"], prep=_write("f", "not a directory\n")),
     # --- help and usage say what the tools take ----------------------------------------------------------------
     "vramd --help lists every codec": Row(
         _sh("vramd", "--help"), 0, ["none, zstd, zstd:LEVEL, bplanes, bplanes:LEVEL, auto, auto:LEVEL"],

@@ -124,7 +124,7 @@ def test_password_stdin_takes_the_first_line_only():
     assert creds.password == SECRET and creds.username == "alice"
     assert creds.source == "the command line (--username, --password-stdin)"
     assert from_password_stdin("alice", io.StringIO(SECRET + "\r\n")).password == SECRET
-    with pytest.raises(CredentialsError, match=r"empty username or password"):
+    with pytest.raises(CredentialsError, match=r"stdin held no password \(its first line is empty\)"):
         from_password_stdin("alice", io.StringIO("\n"))
 
 

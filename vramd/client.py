@@ -46,6 +46,7 @@ CHECK_NAMES = tuple(CHECK_ENV.values())
 __all__ = ["CHECK_NAMES", "SESSION_DUMP", "SESSION_RESTORE", "SESSION_VERIFY", "Client", "ClientBo", "ClientFile",
            "topology_checks_from_env"]
 # sendmsg's errors that mean nothing was sent: the connection is still in step
+HUNG_UP_AT_HELLO = "the daemon hung up before it answered"  # vramctl adds what to look at
 _NOT_SENT = (errno.EBADF, errno.EMSGSIZE, errno.ENOBUFS, errno.ENOMEM, errno.ETOOMANYREFS)
 
 
@@ -86,7 +87,13 @@ class Client:
                 raise ConnectionError(f"cannot connect to vramd at {self.path}: {e.strerror or e}") from None
             check_peer(self.sock, self.path, trusted)
             self.machine.say_hello()
-            self._drive()
+            try:
+                self._drive()
+            except TimeoutError:
+                raise
+            except OSError as e:  # ECONNRESET, EPIPE, EOF: e.g. a socket unit whose service failed to start
+                raise ConnectionError(f"cannot connect to vramd at {self.path}: {HUNG_UP_AT_HELLO} "
+                                      f"({getattr(e, 'strerror', None) or e})") from None
         except BaseException:
             self.sock.close()
             raise

@@ -11,7 +11,7 @@ import stat
 import struct
 from typing import Any
 
-from ..client import Client
+from ..client import HUNG_UP_AT_HELLO, Client
 from ..paths import SYSTEM_SOCKET, client_socket_path
 from ..pb import image_pb2 as pb
 from ..pb import rpc_pb2 as rpc
@@ -125,7 +125,10 @@ def no_connection(message: str, explicit: str | None) -> str:
     sockets looked for and how to start the daemon; where the socket's mode keeps the caller out, its group.
     `explicit`: the --socket the user gave (then a missing socket is only named, as before)."""
     if not message.startswith("cannot connect to vramd at "):
-        return message  # (the daemon hung up during Hello: nothing to add)
+        return message
+    if HUNG_UP_AT_HELLO in message:  # something listens there, and let the connection go unanswered
+        return (f"{message}: did its service fail to start? (systemctl status vramd.service; journalctl -u "
+                "vramd.service)")
     path = explicit or client_socket_path()
     try:
         st = os.stat(path)

@@ -133,7 +133,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _demo(ns, total)
     except (Failure, VramdError, OSError) as e:  # one line: what, where, what to do
-        reason = f"{e.code}: {e.describe()}" if isinstance(e, VramdError) else str(e)
+        if isinstance(e, VramdError):
+            reason = f"{e.code}: {e.describe()}"
+        elif isinstance(e, OSError) and e.strerror:  # its words and the file, not Python's "[Errno N] ..."
+            reason = f"{e.filename}: {e.strerror}" if e.filename else e.strerror
+        else:
+            reason = str(e)
         print(f"vramd-demo: {reason}", file=sys.stderr)
         return 1
 
@@ -148,7 +153,12 @@ def _demo(ns: argparse.Namespace, total: int) -> int:
                 why += ": is vramd listening there? (without --socket the demo starts a daemon of its own)"
             raise Failure(why) from None
     image = ns.image or tempfile.mkdtemp(prefix="vramd-demo-", dir="/var/tmp")
-    os.makedirs(image, exist_ok=True)
+    try:
+        os.makedirs(image, exist_ok=True)
+    except OSError as e:
+        why = "it exists and is not a directory" if os.path.lexists(image) else (e.strerror or str(e))
+        raise Failure(f"cannot make the image directory {image} (--image): {why}: give a directory that is not "
+                      "there yet, or an empty one") from None
     run_dir = tempfile.mkdtemp(prefix="vramd-demo-run-")
     daemon = None
     try:

@@ -12,7 +12,14 @@ from ..image.manifest import chunk_record
 from ..pb import image_pb2 as pb
 from ..units import format_size
 from .common import EXIT_OK, SOURCE_NAMES, Failure, emit, rate
-from .imagedir import ImageAndParents, holds_image, open_image_dir, open_parents, read_manifest_offline
+from .imagedir import (
+    ImageAndParents,
+    holds_image,
+    open_image_dir,
+    open_parents,
+    read_manifest_offline,
+    remove_created,
+)
 
 
 def cmd_verify(ns: argparse.Namespace) -> int:
@@ -182,16 +189,20 @@ def cmd_flatten(ns: argparse.Namespace) -> int:
     import uvloop
 
     from ..imagedir.flatten import flatten
+    created: list[str] = []  # the directories made for OUT: removed again (if still empty) when flatten fails
     with ImageAndParents(ns.dir, ns.parent) as (dfd, parent_fds):
-        out = open_image_dir(ns.out, create=True)
+        out = open_image_dir(ns.out, create=True, created=created)
         try:
             if holds_image(out):
                 raise Failure(f"{ns.out} already holds an image; flatten into a new directory")
             t0 = time.monotonic()
             m = uvloop.run(flatten(dfd, parent_fds, out))
             secs = time.monotonic() - t0
-        finally:
+        except BaseException:
             os.close(out)
+            remove_created(created)
+            raise
+        os.close(out)
     t = m.totals
     emit(ns, {"ok": True, "image_id": m.image_id.hex(), "stored_bytes": t.stored_bytes, "records": t.record_count,
               "seconds": round(secs, 6)},

@@ -18,11 +18,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from ..errors import RegistryError
 from ..oci.credentials import find_credentials, from_password_stdin
 from ..oci.layout import ANN_BYTES, ANN_CREATED, ANN_GPUS, ANN_IMAGE_ID, ANN_PARENT, MAX_OCI_MANIFEST
 from ..oci.pull import Pulled, Puller, pull_chain
 from ..oci.push import Pusher, push_chain
-from ..oci.registry import Reference, Registry
+from ..oci.registry import REPO, Reference, Registry
 from ..oci.tls import Trust
 from .common import EXIT_OK, Failure, emit, rate
 from .transfer import cmd_restore
@@ -70,6 +71,39 @@ def add_restore_args(p: argparse.ArgumentParser) -> None:
     add_registry_args(p)
 
 
+def usage_error(ns: argparse.Namespace) -> str | None:
+    """What is wrong with a push's, pull's or `restore --image oci://`'s arguments before anything is touched (a
+    reference that is none, a digest to push to, a KEY=VALUE without '=', --concurrency 0, a --username without
+    --password-stdin): vramctl's parser reports it as a usage error (exit 2); None if nothing is."""
+    if ns.command == "push" or ns.command == "pull":
+        ref_text = ns.ref
+    elif ns.command == "restore" and ns.image.startswith(OCI_SCHEME):
+        ref_text = ns.image
+    else:
+        return None
+    what = {"push": "HOST/REPO[:TAG]", "pull": "HOST/REPO[:TAG|@DIGEST]"}.get(ns.command, "--image")
+    try:
+        ref = Reference.parse(ref_text)
+    except RegistryError as e:
+        return f"argument {what}: {e}"
+    if ns.command == "push" and ref.digest:
+        return f"argument {what}: {ref_text}: push to a tag (HOST/REPO:TAG), not to a digest"
+    for repo in getattr(ns, "mount_from", []):
+        if REPO.fullmatch(repo) is None:
+            return f"argument --mount-from: {repo!r} is not a repository name (lowercase, digits, . _ - /)"
+    try:
+        _annotations(getattr(ns, "annotation", []))
+    except Failure as e:
+        return str(e)
+    if ns.concurrency < 1:
+        return f"argument --concurrency: {ns.concurrency}: must be at least 1"
+    if ns.password_stdin and not ns.username:
+        return "--password-stdin needs --username"
+    if ns.username and not ns.password_stdin:
+        return "--username needs --password-stdin (a password is never taken from the command line)"
+    return None
+
+
 def _registry(ns: argparse.Namespace, ref: Reference, actions: tuple[str, ...] = ("pull",)) -> Registry:
     if ns.concurrency < 1:
         raise Failure("--concurrency must be at least 1")
@@ -78,6 +112,9 @@ def _registry(ns: argparse.Namespace, ref: Reference, actions: tuple[str, ...] =
         if ns.password_stdin:
             if not ns.username:
                 raise Failure("--password-stdin needs --username")
+            if sys.stdin is None:  # started with stdin closed (<&-): nothing to read the password from
+                raise Failure("--password-stdin: stdin is closed: pipe the password in (e.g. vramctl ... "
+                              "--password-stdin < FILE)")
             explicit = from_password_stdin(ns.username, sys.stdin)
         elif ns.username:
             raise Failure("--username needs --password-stdin (a password is never taken from the command line)")
@@ -166,7 +203,11 @@ def cmd_restore_any(ns: argparse.Namespace) -> int:
     finally:
         probe.close()
     root = os.path.join(cache_root(ns), key, ref.repo.replace("/", "_"), body_digest.removeprefix("sha256:"))
-    os.makedirs(root, mode=0o700, exist_ok=True)
+    try:
+        os.makedirs(root, mode=0o700, exist_ok=True)
+    except OSError as e:
+        raise Failure(f"cannot make the pull's cache directory {root}: {e.strerror}: give --cache a directory "
+                      "you may write") from None
     # A cached image is checked against its artifact before use (vramd.oci.pull): the skeleton kept beside it
     _ref, _reg, chain, _secs = _pull(ns, f"{ref.host}/{ref.repo}@{body_digest}", os.path.join(root, "image"),
                                      keep=os.path.join(cache_root(ns), "skeletons"))

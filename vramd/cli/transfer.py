@@ -128,6 +128,11 @@ def cmd_restore(ns: argparse.Namespace) -> int:
         fds.append(dfd)
         manifest = read_manifest_offline(dfd, ns.image)
         targets = dict(ns.bo_file or [])
+        file_ids = sorted(e.id for e in manifest.bos if e.source == pb.SOURCE_MMAP)
+        unknown = sorted(set(targets) - set(file_ids))
+        if unknown:  # before any other complaint: a mistyped id is the mistake to name
+            raise Failure(f"the image has no file BO {unknown[0]} (--bo-file {unknown[0]}=...); its file BOs: "
+                          f"{', '.join(map(str, file_ids)) or 'none'}")
         mem = None
         for e in manifest.bos:
             if e.source == pb.SOURCE_PROCMEM:
@@ -151,8 +156,6 @@ def cmd_restore(ns: argparse.Namespace) -> int:
             else:
                 raise Failure(f"BO {e.id} was saved from a {SOURCE_NAMES.get(e.source, 'unknown')} source that "
                               "vramctl cannot target; restore it through the plugin that dumped it")
-        if targets:
-            raise Failure(f"the image has no file BO {min(targets)} (--bo-file {min(targets)}=...)")
         _paths, parent_fds = open_parents(ns.image, manifest, ns.parent)
         fds += parent_fds
         # CRIU's KFD_*_CHECK switches travel with the request (the daemon never reads its own environment)

@@ -63,6 +63,7 @@ from .imagedir import read_manifest_offline
 from .images import cmd_flatten, cmd_gc, cmd_inspect, cmd_rm, cmd_verify
 from .interop import cmd_export_criu, cmd_import_criu
 from .oci import add_oci_commands, add_restore_args, cmd_restore_any
+from .oci import usage_error as oci_usage_error
 from .transfer import cmd_dump
 
 # What scripts imported from this module before vramctl was split by command group: still here.
@@ -216,6 +217,8 @@ def _main(argv: list[str] | None) -> int:
         parser.error("dump: nothing to dump: give --range ADDR:LEN (the addresses in --pid's memory to dump) "
                      "and/or --bo-file PATH" if ns.pid is not None else
                      "dump: nothing to dump: give --pid PID --range ADDR:LEN and/or --bo-file PATH")
+    if (oci_usage := oci_usage_error(ns)) is not None:
+        parser.error(oci_usage)
     try:
         rc: int = ns.fn(ns)
         sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit

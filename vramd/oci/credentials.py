@@ -78,8 +78,11 @@ def from_password_stdin(username: str, stdin: IO[str]) -> Credentials:
     password = line[:-1] if line.endswith("\n") else line
     if password.endswith("\r"):
         password = password[:-1]
-    if not username or not password:
-        raise CredentialsError("--password-stdin: empty username or password")
+    if not username:
+        raise CredentialsError("--password-stdin: empty username (--username)")
+    if not password:
+        raise CredentialsError("--password-stdin: stdin held no password (its first line is empty): pipe the "
+                               "password in, e.g. vramctl ... --password-stdin < FILE")
     return Credentials(source="the command line (--username, --password-stdin)", username=username,
                        password=password)
 
@@ -108,7 +111,8 @@ def find_credentials(host: str, repository: str = "", *, registry_config: Path |
         return explicit
     files = auth_files(registry_config, env)
     if registry_config is not None and not registry_config.is_file():
-        raise CredentialsError(f"--registry-config {registry_config}: no such file")
+        what = "is not a regular file" if registry_config.exists() else "no such file"
+        raise CredentialsError(f"--registry-config {registry_config}: {what} (give a docker/podman config.json)")
     for path in files:
         creds = _from_file(path, host, repository, env)
         if creds is not None:

@@ -131,6 +131,14 @@ class Registry:
         except urllib3.exceptions.SSLError as e:
             inner = e.__context__ if isinstance(e.__context__, ssl.SSLError) else ssl.SSLError(str(e))
             raise self.trust.error(self.host, inner) from None
+        except urllib3.exceptions.NameResolutionError as e:
+            why = getattr(e.__context__, "strerror", None) or _reason(e)
+            raise RegistryError(f"registry {self.host}: {what}: cannot resolve its name ({why}): check the "
+                                "reference's host") from None
+        except urllib3.exceptions.NewConnectionError as e:
+            why = getattr(e.__context__, "strerror", None) or _reason(e)
+            raise RegistryError(f"registry {self.host}: {what}: cannot connect ({why}): is a registry listening at "
+                                f"{self.host}?") from None
         except HTTPError as e:
             raise RegistryError(f"registry {self.host}: {what}: {type(e).__name__}: {_reason(e)}") from None
         self.stats.add(requests=1)

@@ -40,9 +40,11 @@ class Trust:
         if self.ca_file is not None:
             try:
                 ctx.load_verify_locations(cafile=str(self.ca_file))
-            except (OSError, ssl.SSLError) as e:
-                raise TlsError(f"cannot load the CA file {self.ca_file}: {getattr(e, 'strerror', None) or e}") \
-                    from None
+            except ssl.SSLError as e:  # read, but no certificate in it: OpenSSL's reason, not its source line
+                raise TlsError(f"cannot load the CA file {self.ca_file}: {e.reason or e}: give a PEM file of CA "
+                               "certificates") from None
+            except OSError as e:
+                raise TlsError(f"cannot load the CA file {self.ca_file}: {e.strerror or e}") from None
         return ctx
 
     def check_url(self, url: str, what: str) -> None:
@@ -60,6 +62,8 @@ class Trust:
             reason = f"certificate verify failed: {e.verify_message}"
         else:
             reason = getattr(e, "reason", None) or str(e)
+            if reason == "WRONG_VERSION_NUMBER" and self.scheme == "https":  # the answer was not TLS at all
+                reason += ": it does not answer in TLS (a plain-HTTP registry? then --plain-http)"
         return TlsError(f"TLS to {host} failed: {reason} (trusting {self.describe()})")
 
 
