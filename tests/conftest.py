@@ -18,6 +18,21 @@ from registry_fixtures import (  # noqa: F401
 )
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _private_cache_home(tmp_path_factory):
+    """The tests' vramctl (push's skeleton cache, restore oci://'s pull cache) caches under a directory of this
+    run's, never the user's ~/.cache: a test that names no --cache must not leave files there."""
+    old = os.environ.get("XDG_CACHE_HOME")
+    d = tmp_path_factory.mktemp("xdg-cache")
+    os.chmod(d, 0o1777)  # as /tmp: the unprivileged users some tests run vramctl as
+    os.environ["XDG_CACHE_HOME"] = str(d)
+    yield
+    if old is None:
+        os.environ.pop("XDG_CACHE_HOME", None)
+    else:
+        os.environ["XDG_CACHE_HOME"] = old
+
+
 @pytest.fixture
 def image_dir(tmp_path):
     """(path, fd) of an empty image directory; the fd is what the engine gets."""
