@@ -259,3 +259,86 @@ def test_failed_dump_drops_the_started_copy_and_unpauses(plugin_so, kfd, env, ru
             assert _fds_into(d.pid, tmp_path) == []
     finally:
         os.close(img)
+
+
+def test_incremental_dump_refers_to_the_previous_checkpoint(plugin_so, kfd, env, run_dir, tmp_path):
+    """Patch 0002: the second checkpoint's images directory has CRIU's link "parent" to the first; its
+    amdgpu-vramd-7/ gets a link "parent" to the first's and stores only the BO that changed; the restore from
+    the second goes through the chain and brings back the new bytes of every BO."""
+    rnd = random.Random(3403)
+    sizes = [64 << 10, 4096]
+    want = [rnd.randbytes(n) for n in sizes]
+    for n, d in zip(sizes, want):
+        kfd.alloc(n, d)
+    buckets = _buckets(kfd, kfd.checkpoint())
+    first, second = tmp_path / "ck1", tmp_path / "ck2"
+    first.mkdir()
+    second.mkdir()
+    (second / "parent").symlink_to("../ck1")  # what --prev-images-dir=../ck1 makes
+    fds = [open_dir(first), open_dir(second)]
+    target = subprocess.Popen(["cat"], stdin=subprocess.PIPE)
+    try:
+        with _sdma_daemon(run_dir) as d:
+            env.setenv("VRAMD_SOCKET", d.socket)
+            for fd in fds:
+                if fd == fds[1]:
+                    want[1] = rnd.randbytes(sizes[1])
+                    os.pwrite(kfd.render, want[1], kfd.bos[1].mmap_offset)
+                lib = _load(plugin_so[0], tmp_path, fd)
+                lib.amdgpu_vramd_init(STAGE_DUMP)
+                assert lib.amdgpu_vramd_dump(7, buckets, len(buckets)) == 0
+                assert lib.amdgpu_vramd_dump_finish() == 0
+            assert os.readlink(second / "amdgpu-vramd-7" / "parent") == "../parent/amdgpu-vramd-7"
+            assert not (first / "amdgpu-vramd-7" / "parent").exists()
+            full, _ = image_records(first / "amdgpu-vramd-7")
+            inc, _ = image_records(second / "amdgpu-vramd-7")
+            assert sorted((b.id, b.stored_bytes) for b in full.bos) == [(0, sizes[0]), (1, sizes[1])]
+            assert sorted((b.id, b.stored_bytes) for b in inc.bos) == [(0, 0), (1, sizes[1])]
+            for i in range(len(sizes)):
+                kfd.clear(i)
+            lib = _load(plugin_so[0], tmp_path, fds[1])
+            lib.amdgpu_vramd_init(STAGE_RESTORE)
+            assert lib.amdgpu_vramd_restore_init() == 0
+            assert lib.amdgpu_vramd_restore(7, buckets, len(buckets)) == 0
+            assert lib.amdgpu_vramd_resume(target.pid) == 0
+            assert [kfd.bytes_of(i) == want[i] for i in range(len(sizes))] == [True, True]
+            assert target.poll() is None
+    finally:
+        target.kill()
+        target.wait()
+        for fd in fds:
+            os.close(fd)
+
+
+def test_failed_restore_cancels_the_submitted_copy(plugin_so, kfd, env, run_dir, tmp_path, capfd):
+    """Patch 0005: a restore that fails after the restored task submitted: fini cancels that copy at once (the
+    daemon keeps none of its fds), and the barrier then has no ticket left to wait for."""
+    kfd.alloc(1 << 20, random.Random(3404).randbytes(1 << 20))
+    buckets = _buckets(kfd, kfd.checkpoint())
+    (tmp_path / "img").mkdir()
+    img = open_dir(tmp_path / "img")
+    target = subprocess.Popen(["cat"], stdin=subprocess.PIPE)
+    try:
+        with _sdma_daemon(run_dir) as d:
+            env.setenv("VRAMD_SOCKET", d.socket)
+            lib = _load(plugin_so[0], tmp_path, img)
+            lib.amdgpu_vramd_init(STAGE_DUMP)
+            assert lib.amdgpu_vramd_dump(7, buckets, len(buckets)) == 0
+            assert lib.amdgpu_vramd_dump_finish() == 0
+            lib = _load(plugin_so[0], tmp_path, img)
+            lib.amdgpu_vramd_init(STAGE_RESTORE)
+            assert lib.amdgpu_vramd_restore_init() == 0
+            assert lib.amdgpu_vramd_restore(7, buckets, len(buckets)) == 0
+            assert _fds_into(d.pid, tmp_path / "kfd") != []  # the submitted session holds the BO's dmabuf
+            capfd.readouterr()
+            lib.amdgpu_vramd_fini(STAGE_RESTORE, -1)
+            err = capfd.readouterr().err
+            assert f"I: vramd: the restore failed: the copy task {os.getpid()} submitted is cancelled" in err, err
+            assert _fds_into(d.pid, tmp_path) == []
+            assert lib.amdgpu_vramd_resume(target.pid) == 0  # nothing left to wait for: no kill
+            assert target.poll() is None
+            assert lib.stub_unpause_all_calls() == 0
+    finally:
+        target.kill()
+        target.wait()
+        os.close(img)
