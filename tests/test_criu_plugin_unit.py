@@ -146,10 +146,11 @@ def env(monkeypatch):
     return monkeypatch
 
 
-def test_dump_and_restore_through_the_patched_functions(plugin_so, kfd, env, run_dir, tmp_path):
+def test_dump_and_restore_through_the_patched_functions(plugin_so, kfd, env, run_dir, tmp_path, capfd):
     """Three VRAM BOs of the KFD model (two equal-sized) and a doorbell: dump -> dump_finish commits
-    amdgpu-vramd-7/ with the three (bucket indexes 0, 1, 3); the BOs cleared; restore_init -> restore ->
-    resume (the barrier) brings back each BO's bytes exactly, and the target task lives on."""
+    amdgpu-vramd-7/ with the three (bucket indexes 0, 1, 3); the BOs cleared; restore_init, restore in a forked
+    task (as CRIU's restored task), then resume in this one (CRIU main's barrier, by the task's ticket) bring
+    back each BO's bytes exactly, and the target task lives on."""
     rnd = random.Random(3401)
     sizes = [64 << 10, 4096, 4096]
     want = [rnd.randbytes(n) for n in sizes]
@@ -176,9 +177,14 @@ def test_dump_and_restore_through_the_patched_functions(plugin_so, kfd, env, run
             lib = _load(plugin_so[0], tmp_path, img)  # CRIU restore: a fresh process
             lib.amdgpu_vramd_init(STAGE_RESTORE)
             assert lib.amdgpu_vramd_restore_init() == 0
-            assert lib.amdgpu_vramd_restore(7, buckets, len(buckets)) == 0
+            task = os.fork()  # the restored task submits (its ticket into the shared table) and ends
+            if task == 0:
+                os._exit(min(abs(lib.amdgpu_vramd_restore(7, buckets, len(buckets))), 120))
+            assert os.waitstatus_to_exitcode(os.waitpid(task, 0)[1]) == 0
             assert lib.amdgpu_vramd_restore(8, buckets, len(buckets)) == 1  # no amdgpu-vramd-8/: stock path
-            assert lib.amdgpu_vramd_resume(target.pid) == 0
+            capfd.readouterr()
+            assert lib.amdgpu_vramd_resume(target.pid) == 0  # CRIU main: the barrier, on the task's ticket
+            assert f"I: vramd: restore of task {task} done" in capfd.readouterr().err
             assert target.poll() is None
             got = [kfd.bytes_of(i) for i in range(len(sizes))]
             assert [i for i in range(len(sizes)) if got[i] != want[i]] == []
