@@ -32,10 +32,12 @@ CHUNKED_UPLOAD = 64 << 20  # vramd.oci.registry.CHUNKED_UPLOAD: a blob past this
 # (test_distributed_sim checks it against vramd.oci.layout).
 LAYER_JSON = 138
 MANIFEST_FIXED = 1200  # config and skeleton descriptors, subject, annotations
-SKELETON_PER_BLOB = 40  # a payload's digest and size in the skeleton layer (zstd cannot shrink digests)
-SKELETON_FIXED = 512
-CONFIG_FIXED = 2048  # manifest.vrdm: header, BOs, data files
-CONFIG_PER_CHUNK = 48  # manifest.vrdm's record of one chunk
+# Metadata per image, fitted to images vramctl dumped (one BO of 4, 32 and 96 uncompressed 1 MiB chunks:
+# manifest.vrdm 483, 2139, 5917 bytes; zstd skeleton 556, 3076, 8755 bytes), docs/distributed.md.
+SKELETON_PER_BLOB = 89  # a chunk's record head, digest and size in the skeleton layer
+SKELETON_FIXED = 200
+CONFIG_FIXED = 250  # manifest.vrdm: header, BOs, data files
+CONFIG_PER_CHUNK = 59  # manifest.vrdm's record of one chunk
 MANIFEST_LIMIT = 4 << 20  # newer distribution (v3) refuses manifest bodies past 4 MiB
 
 
