@@ -9,6 +9,8 @@ import json
 import os
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from collections import Counter
 
 from helpers import ROOT, vramctl
@@ -143,3 +145,25 @@ def test_the_sim_is_deterministic_and_writes_json():
     res = json.loads(runs[0])
     assert res["push"]["dedup"]["blobs_uploaded"] < res["push"]["no_dedup"]["blobs_uploaded"] / 60
     assert res["restore"]["full"]["fan_out"] == 64
+
+
+def test_the_registrys_manifest_cap_is_the_models(registry):
+    """Debian's docker-registry refuses a manifest body one byte past the model's MANIFEST_LIMIT (4 MiB) and reads
+    one of exactly that size (it then refuses it for its unknown blobs, which it checks after the size)."""
+    def put(size: int) -> str:
+        head = {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+                "config": {"mediaType": "application/vnd.vramd.manifest.v3", "digest": "sha256:" + "1" * 64,
+                           "size": 10}, "layers": [], "annotations": {"pad": ""}}
+        body = json.dumps(head).encode()
+        body = json.dumps({**head, "annotations": {"pad": "x" * (size - len(body))}}).encode()
+        assert len(body) == size
+        req = urllib.request.Request(f"{registry.url}/v2/job/cap/manifests/t", data=body, method="PUT",
+                                     headers={"Content-Type": "application/vnd.oci.image.manifest.v1+json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60):
+                return "accepted"
+        except urllib.error.HTTPError as e:
+            return e.read().decode()
+
+    assert "request body too large" in put(sim.MANIFEST_LIMIT + 1)
+    assert "MANIFEST_BLOB_UNKNOWN" in put(sim.MANIFEST_LIMIT)
