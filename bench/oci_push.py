@@ -3,6 +3,8 @@
     .venv/bin/python bench/oci_push.py --size 512MiB --chunks 1M,8M,32M --out bench/measured/oci.json
     .venv/bin/python bench/oci_push.py --storage --size 256MiB     # registry bytes: 4 replicas, a chain of 5
     .venv/bin/python bench/oci_push.py --restore --size 512MiB     # restore from a reference vs its parts
+    .venv/bin/python bench/oci_push.py --hashes --size 1GiB        # the dump's BLAKE3 pass vs the push's sha256 pass
+    .venv/bin/python bench/oci_push.py --all --size 4GiB --chunks 8M --out bench/measured/oci-4g.json  # all, one run
 
 For each chunk size: a daemon (--chunk-size) dumps --size of incompressible bytes (one BO file, codec none),
 then, each against a fresh registry (Debian's docker-registry, vramd/testing/registry.py, plain HTTP on
@@ -79,11 +81,18 @@ def one_chunk_size(work: Path, size: int, chunk: str) -> list[dict[str, object]]
     rows = []
     with Registry(work / f"reg-a-{chunk}") as a, Registry(work / f"reg-b-{chunk}") as b:
         ref = f"{a.host}/bench/img:1"
-        wall, cpu, _ = timed(vramctl("push", str(img), ref, "--plain-http", "--json"))
+        cache = str(work / f"push-cache-{chunk}")  # the push's skeleton cache: this run's own, empty at first
+        wall, cpu, _ = timed(vramctl("push", str(img), ref, "--plain-http", "--json", "--cache", cache))
         rows.append(row(f"vramctl push ({chunk} chunks)", wall, cpu, size, requests(a)))
         n = requests(a)
-        wall, cpu, _ = timed(vramctl("push", str(img), ref, "--plain-http", "--json"))
+        wall, cpu, _ = timed(vramctl("push", str(img), ref, "--plain-http", "--json", "--cache", cache))
         rows.append(row(f"vramctl push again ({chunk})", wall, cpu, size, requests(a) - n))
+        n = requests(a)
+        wall, cpu, _ = timed(vramctl("push", str(img), ref, "--plain-http", "--json", "--cache", cache + "-none"))
+        rows.append(row(f"vramctl push again, no cached skeleton ({chunk})", wall, cpu, size, requests(a) - n))
+        # what a re-push cannot avoid: the interpreter and vramd's imports (vramctl --help: parse, print, exit)
+        wall, cpu, _ = timed(vramctl("--help"))
+        rows.append(row("vramctl --help (start-up alone)", wall, cpu, 0, 0))
         n = requests(a)
         wall, cpu, _ = timed(vramctl("pull", ref, str(work / f"pulled-{chunk}"), "--plain-http", "--json"))
         rows.append(row(f"vramctl pull ({chunk})", wall, cpu, size, requests(a) - n))
@@ -93,7 +102,7 @@ def one_chunk_size(work: Path, size: int, chunk: str) -> list[dict[str, object]]
         wall, cpu, _ = timed(["skopeo", "copy", "--dest-tls-verify=false", f"oci:{layout}:1",
                               f"docker://{b.host}/bench/img:1"])
         rows.append(row(f"skopeo copy oci: -> registry ({chunk})", wall, cpu, size, requests(b)))
-    for p in (img, work / f"pulled-{chunk}", layout):
+    for p in (img, work / f"pulled-{chunk}", layout, work / f"push-cache-{chunk}", work / f"push-cache-{chunk}-none"):
         shutil.rmtree(p, ignore_errors=True)
     return rows
 
@@ -120,7 +129,8 @@ def storage(work: Path, size: int) -> list[dict[str, object]]:
             finally:
                 shutil.rmtree(run, ignore_errors=True)
             before = reg.stored_bytes()
-            timed(vramctl("push", str(img), f"{reg.host}/replicas/job:rank{k}", "--plain-http", "--json"))
+            timed(vramctl("push", str(img), f"{reg.host}/replicas/job:rank{k}", "--plain-http", "--json", "--cache",
+                          str(work / "push-cache")))
             sizes.append(reg.stored_bytes() - before)
         rows.append({"case": "4 replicas: registry bytes / one replica's", "ratio": round(sum(sizes) / sizes[0], 4),
                      "bytes": sizes})
@@ -131,11 +141,14 @@ def storage(work: Path, size: int) -> list[dict[str, object]]:
             with DaemonProcess(run, "--chunk-size", "8M", log_level="warning") as d:
                 prev = None
                 for step in range(6):
+                    changed = size
                     if step:  # a child: 1 chunk in 16 rewritten
+                        changed = 0
                         with open(data, "r+b") as f:
                             for off in range((step % 16) << 23, size, 16 << 23):
                                 f.seek(off)
                                 f.write(os.urandom(8 << 20))
+                                changed += 8 << 20
                     img = work / f"step{step}"
                     more = ["--parent", str(prev)] if prev else []
                     out = subprocess.run(vramctl("--socket", d.socket, "dump", "--pid", str(os.getpid()), "--bo-file",
@@ -144,12 +157,13 @@ def storage(work: Path, size: int) -> list[dict[str, object]]:
                     stored = json.loads(out)["image"]["stored_bytes"]
                     before = reg.stored_bytes()
                     _w, _c, pushed = timed(vramctl("push", str(img), f"{reg.host}/chain/job:step{step}", "--plain-http",
-                                                   "--json"))
+                                                   "--json", "--cache", str(work / "push-cache")))
                     up = json.loads(pushed)["stats"]["bytes_uploaded"]
                     grew = reg.stored_bytes() - before
                     rows.append({"case": f"chain step {step}" + (" (base)" if not step else ""),
-                                 "stored_by_image": stored, "uploaded": up, "registry_grew": grew,
-                                 "ratio": round(grew / stored, 4) if stored else None})
+                                 "changed": changed, "stored_by_image": stored, "uploaded": up, "registry_grew": grew,
+                                 "ratio": round(grew / stored, 4) if stored else None,
+                                 "uploaded_over_changed": round(up / changed, 4)})
                     prev = img
         finally:
             shutil.rmtree(run, ignore_errors=True)
@@ -197,6 +211,27 @@ def restore(work: Path, size: int) -> list[dict[str, object]]:
     return rows
 
 
+def hashes(size: int) -> list[dict[str, object]]:
+    """CPU s/GiB of each hashing pass over `size` bytes in 8 MiB chunks, in memory (no I/O), one thread: the
+    dump's BLAKE3 (chunk identity: dedup, incrementals) against the push's sha256 (the OCI blob digest)."""
+    import hashlib
+
+    import blake3
+    buf = os.urandom(64 << 20)
+    views = [memoryview(buf)[i:i + (8 << 20)] for i in range(0, len(buf), 8 << 20)]
+    rows: list[dict[str, object]] = []
+    for name, fn in (("BLAKE3 (dump: chunk identity)", lambda v: blake3.blake3(v).digest()),
+                     ("sha256 (push: OCI blob digest)", lambda v: hashlib.sha256(v).digest())):
+        c0, t0 = time.process_time(), time.perf_counter()
+        done = 0
+        while done < size:
+            for v in views:
+                fn(v)
+            done += len(buf)
+        rows.append(row(name, time.perf_counter() - t0, time.process_time() - c0, done, 0))
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", default="512MiB")
@@ -205,27 +240,39 @@ def main() -> None:
     ap.add_argument("--out")
     ap.add_argument("--storage", action="store_true", help="instead: registry bytes for replicas and a chain")
     ap.add_argument("--restore", action="store_true", help="instead: restore from a reference against its parts")
+    ap.add_argument("--hashes", action="store_true", help="instead: CPU s/GiB of the BLAKE3 and sha256 passes")
+    ap.add_argument("--all", action="store_true", help="every case above, one after another in one run")
     ns = ap.parse_args()
     size = parse_size(ns.size)
     rows: list[dict[str, object]] = []
     load = [os.getloadavg()]
+    free = {d: shutil.disk_usage(d).free for d in (ns.workdir, str(ROOT))}
     with tempfile.TemporaryDirectory(prefix="vramd-oci-bench-", dir=ns.workdir) as w:
-        if ns.storage:
-            rows = storage(Path(w), size)
-        elif ns.restore:
-            rows = restore(Path(w), size)
-        else:
+        def phase(name: str) -> Path:  # each phase in its own directory, the last one's gone: disk stays bounded
+            for old in Path(w).iterdir():
+                shutil.rmtree(old, ignore_errors=True)
+            d = Path(w) / name
+            d.mkdir()
+            return d
+        if ns.hashes or ns.all:
+            rows += hashes(size)
+        if not (ns.storage or ns.restore or ns.hashes) or ns.all:
             for chunk in ns.chunks.split(","):
-                rows += one_chunk_size(Path(w), size, chunk)
+                rows += one_chunk_size(phase("push"), size, chunk)
+                load.append(os.getloadavg())
+        if ns.restore or ns.all:
+            rows += restore(phase("restore"), size)
+            load.append(os.getloadavg())
+        if ns.storage or ns.all:
+            rows += storage(phase("storage"), size)
     load.append(os.getloadavg())
-    result = {"size": size, "load_before_after": load, "rows": rows}
+    result = {"size": size, "load_before_after": load, "free_disk_before": free, "rows": rows}
     if ns.out:
         Path(ns.out).write_text(json.dumps(result, indent=2) + "\n")
-    if ns.storage:
-        for r in rows:
-            print(json.dumps(r))
-        return
     for r in rows:
+        if "wall_s" not in r:
+            print(json.dumps(r))
+            continue
         print(f"{r['case']:42} {r['wall_s']:8.3f} s {r['GB_per_s']!s:>7} GB/s {r['cpu_s_per_GiB']!s:>6} CPU s/GiB "
               f"{r['requests']:6} requests")
 
