@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 
-from ..errors import NotWritableError, PermissionDeniedError, VramdError
+from ..errors import NotWritableError, ParentMissingError, PermissionDeniedError, VramdError
+from ..image.chain import parent_chain
 from ..image.names import MANIFEST_NAME
 from ..pb import image_pb2 as pb
 from .common import Failure
@@ -49,36 +50,26 @@ def open_parents(image_dir: str, manifest: pb.Manifest, first: str | None) -> tu
     The first is `first` (--parent) or where the image recorded it, relative to itself; each next one is
     where the one before recorded its own parent.  vramctl opens them (the daemon opens no path); the
     daemon then checks each is the very image the chain names (image id and manifest hash)."""
-    paths: list[str] = []
     fds: list[int] = []
-    here, m = image_dir, manifest
+
+    def read(path: str, k: int) -> pb.Manifest:
+        try:
+            fd = open_image_dir(path, create=False)
+        except Failure as e:
+            raise Failure(f"{e}; {image_dir} is incremental: name its parent #{k} with --parent DIR") from None
+        fds.append(fd)
+        try:
+            return read_manifest_offline(fd)
+        except VramdError as e:
+            raise Failure(f"{path} (parent #{k} of {image_dir}): {e.message}") from None
+
     try:
-        for k, ref in enumerate(manifest.parents, 1):
-            rel = m.parents[0].relative_path if m.parents else ""
-            if k == 1 and first:
-                path = first
-            elif rel and not os.path.isabs(rel):
-                path = os.path.normpath(os.path.join(here, rel))
-            else:
-                raise Failure(f"{image_dir} is incremental and its parent #{k} was not recorded where vramctl can "
-                              "find it; name the parent with --parent DIR")
-            try:
-                fd = open_image_dir(path, create=False)
-            except Failure as e:
-                raise Failure(f"{e}; {image_dir} is incremental: name its parent #{k} with --parent DIR") from None
-            fds.append(fd)
-            try:
-                m = read_manifest_offline(fd)
-            except VramdError as e:
-                raise Failure(f"{path} (parent #{k} of {image_dir}): {e.message}") from None
-            if m.image_id != ref.image_id:
-                raise Failure(f"{path} holds another image than parent #{k} of {image_dir}; name the parent with "
-                              "--parent DIR")
-            paths.append(path)
-            here = path
-    except BaseException:
+        paths = parent_chain(image_dir, manifest, first, read)
+    except BaseException as e:
         for fd in fds:
             os.close(fd)
+        if isinstance(e, ParentMissingError):
+            raise Failure(e.message) from None
         raise
     return paths, fds
 

@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ..errors import CorruptManifestError, ImageError, ManifestMissingError, ParentMissingError, from_os_error
+from ..image.chain import parent_chain
 from ..image.format import HEAD_PEEK, record_head_length
 from ..image.manifest import MAX_MANIFEST_BYTES, decode_manifest
 from ..image.names import MANIFEST_NAME
@@ -226,34 +227,19 @@ def _keep_skeleton(cache: str | None, mbytes: bytes, sk: Skeleton) -> None:
 
 
 def parent_dirs(path: str, manifest: pb.Manifest, first: str | None) -> list[str]:
-    """The directories of the image's parents, nearest first: `first`, else where the image recorded its
-    parent; each next one where the one before recorded its own (vramctl restore's rule)."""
-    dirs: list[str] = []
-    here, m = path, manifest
-    for k, ref in enumerate(manifest.parents, 1):
-        rel = m.parents[0].relative_path if m.parents else ""
-        if k == 1 and first:
-            nxt = first
-        elif rel and not os.path.isabs(rel):
-            nxt = os.path.normpath(os.path.join(here, rel))
-        else:
-            raise ParentMissingError(f"{path} is incremental and its parent #{k} was not recorded where vramctl "
-                                     "can find it; name the parent with --parent DIR")
+    """The directories of the image's parents, nearest first (vramd.image.chain: vramctl restore's rule),
+    each checked to hold a committed image, the one the chain names."""
+    def read(nxt: str, k: int) -> pb.Manifest:
         try:
             dfd = open_dir(nxt)
             try:
-                m = decode_manifest(read_manifest_bytes(dfd, nxt), f"{nxt}/{MANIFEST_NAME}")
+                return decode_manifest(read_manifest_bytes(dfd, nxt), f"{nxt}/{MANIFEST_NAME}")
             finally:
                 os.close(dfd)
         except ImageError as e:
             raise ParentMissingError(f"{e.message}; {path} is incremental: name its parent #{k} with --parent DIR "
                                      "(a push sends the parents first)") from None
-        if m.image_id != ref.image_id:
-            raise ParentMissingError(f"{nxt} holds another image than parent #{k} of {path}; name the parent with "
-                                     "--parent DIR")
-        dirs.append(nxt)
-        here = nxt
-    return dirs
+    return parent_chain(path, manifest, first, read)
 
 
 class Pusher:
