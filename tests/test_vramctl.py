@@ -469,3 +469,22 @@ def test_a_relative_socket_path_from_a_removed_directory_is_one_line(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 1, r
     assert r.stderr == "vramctl: cannot connect to vramd at rel/vramd.sock: No such file or directory\n", r.stderr
+
+
+def test_a_parent_not_where_the_child_recorded_it_or_another_image_is_one_line(daemon, tmp_path):
+    """The parent chain's rule (vramd.image.chain), as vramctl verify meets it: a parent moved away, and a
+    --parent that names another image, are each one line naming the parent's number and what to do."""
+    bo = tmp_path / "bo.bin"
+    bo.write_bytes(os.urandom(1 << 20))
+    parent, child, other = tmp_path / "step1", tmp_path / "step2", tmp_path / "other"
+    for img, more in ((parent, []), (other, []), (child, ["--parent", str(parent)])):
+        r = vramctl("dump", "--bo-file", str(bo), "--image", str(img), *more, socket=daemon.socket)
+        assert r.returncode == 0, r.stderr
+    parent.rename(tmp_path / "moved")
+    r = vramctl("verify", str(child))
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+    assert f"{child} is incremental: name its parent #1 with --parent DIR" in r.stderr, r.stderr
+    r = vramctl("verify", str(child), "--parent", str(other))
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+    assert f"{other} holds another image than parent #1 of {child}" in r.stderr, r.stderr
+    assert vramctl("verify", str(child), "--parent", str(tmp_path / "moved")).returncode == 0
