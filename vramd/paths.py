@@ -200,11 +200,18 @@ def check_socket_path(path: str, trusted: TrustedUids) -> None:
     raise ConnectionError(f"cannot connect to vramd at {path}: not a socket")
 
 
-def check_peer(sock: socket.socket, path: str, trusted: TrustedUids) -> None:
-    """Raise UntrustedDaemonError unless the listener at the other end of the connected `sock` (SO_PEERCRED:
-    the credentials it had when it called listen) runs as a trusted uid."""
+def peer_creds(sock: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the listener at the other end of the connected `sock` (SO_PEERCRED: the
+    credentials it had when it called listen)."""
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("iII"))
-    pid, uid, _gid = struct.unpack("iII", creds)
+    pid, uid, gid = struct.unpack("iII", creds)
+    return int(pid), int(uid), int(gid)
+
+
+def check_peer(sock: socket.socket, path: str, trusted: TrustedUids) -> None:
+    """Raise UntrustedDaemonError unless the listener at the other end of the connected `sock` runs as a
+    trusted uid (peer_creds)."""
+    pid, uid, _gid = peer_creds(sock)
     if uid not in trusted:
         raise UntrustedDaemonError(f"untrusted vramd socket {path}: its listener (pid {pid}) runs as "
                                    f"{_owner(uid)}; trusted: {trusted.describe()}")

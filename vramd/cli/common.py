@@ -6,13 +6,11 @@ import grp
 import json
 import os
 import re
-import socket
 import stat
-import struct
 from typing import Any
 
 from ..client import HUNG_UP_AT_HELLO, Client
-from ..paths import SYSTEM_SOCKET, client_socket_path
+from ..paths import SYSTEM_SOCKET, client_socket_path, peer_creds
 from ..pb import image_pb2 as pb
 from ..pb import rpc_pb2 as rpc
 from ..protocol.wire import code_name, enum_name
@@ -161,5 +159,4 @@ def no_connection(message: str, explicit: str | None) -> str:
 
 def daemon_uid(c: Client) -> int:
     """The uid of the daemon at the other end (SO_PEERCRED)."""
-    creds = c.sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("iII"))
-    return int(struct.unpack("iII", creds)[1])
+    return peer_creds(c.sock)[1]
