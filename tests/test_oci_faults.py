@@ -138,6 +138,11 @@ def test_a_full_registry_is_a_typed_error(node, make_registry, tmp_path):
     r = vramctl("push", str(img), f"{reg.host}/jobs/full:1", "--plain-http", "--json")
     assert r.returncode == 1
     assert json.loads(r.stdout)["error"]["code"] == "REGISTRY_FULL", r.stdout
+    # pushed again into the full storage: the registry now fails the upload's start, and says so not in words
+    # but as a file system error's errno (a detail with "Err": 28, ENOSPC)
+    r = vramctl("push", str(img), f"{reg.host}/jobs/full:1", "--plain-http", "--json")
+    assert r.returncode == 1
+    assert json.loads(r.stdout)["error"]["code"] == "REGISTRY_FULL", r.stdout
 
 
 def test_skopeo_copies_the_artifact_unchanged_and_vramd_restores_the_copy(node, registry, tmp_path, run_dir):

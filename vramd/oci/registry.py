@@ -7,6 +7,7 @@ and its kinds (vramd.oci.errors), naming the registry, the repository and the di
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import re
 import ssl
@@ -189,7 +190,7 @@ class Registry:
         if r.status == 403:
             raise AuthFailedError(f"registry {self.host}: {what}: access denied (403)")
         text = data.decode("utf-8", "replace")
-        if r.status == 507 or "no space left" in text.lower() or "quota" in text.lower():
+        if r.status == 507 or "no space left" in text.lower() or "quota" in text.lower() or _enospc(text):
             raise RegistryFullError(f"registry {self.host}: {what}: the registry is out of space ({r.status})")
         raise RegistryError(f"registry {self.host}: {what}: HTTP {r.status} {_error_codes(text)}".rstrip())
 
@@ -322,6 +323,13 @@ def _discard(r: urllib3.BaseHTTPResponse) -> None:
 def _reason(e: BaseException) -> str:
     reason = getattr(e, "reason", None)
     return str(reason or e).split(": ", 1)[-1][:200]
+
+
+def _enospc(text: str) -> bool:
+    """An error body whose detail is a file system error with errno ENOSPC, as the distribution registry
+    reports some of its storage driver's failures: `"detail": {..., "Enclosed": {"Op": "write", "Path": ...,
+    "Err": 28}}` (others it spells out as "no space left on device")."""
+    return re.search(r'"Err"\s*:\s*' + str(errno.ENOSPC) + r'\b', text) is not None
 
 
 def _error_codes(text: str) -> str:
