@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from helpers import ROOT, vramctl
@@ -174,3 +175,110 @@ def test_skopeo_copies_the_artifact_unchanged_and_vramd_restores_the_copy(node, 
     with Node(run_dir, tmp_path / "node2") as other:
         out = other.restore(f"oci://{dst}", [len(b) for b in bos], "--plain-http", "--cache", str(tmp_path / "c"))
     assert out == bos
+
+
+# --- a push whose reads of the local image fail: one typed line, exit 1 (vramd.image.fileio.pread_exact) ---------
+
+def _pushed_once(node, registry, tmp_path, bos):
+    """An image (raw payloads) pushed once to one repository, so the user's cache holds its skeleton: a second
+    push reads only the payloads another repository lacks, from data files that may have changed since."""
+    img = tmp_path / "image"
+    node.dump(img, bos, "--compress", "none")
+    ok(vramctl("push", str(img), f"{registry.host}/jobs/first:1", "--plain-http", "--json"))
+    return img
+
+
+def _record(img, bo_id: int, chunk: int) -> tuple[str, int, int]:
+    """(data file name, offset, length) of the record of `bo_id`'s chunk `chunk`."""
+    from vramd.image.manifest import chunk_record, decode_manifest
+    m = decode_manifest((img / "manifest.vrdm").read_bytes())
+    bo = next(b for b in m.bos if b.id == bo_id)
+    rec = chunk_record(m, bo, chunk)
+    assert rec is not None
+    return m.files[rec[0]].name, rec[1], rec[2]
+
+
+def _failed_push(img, ref: str, *more: str) -> dict:
+    r = vramctl("push", str(img), ref, "--plain-http", "--json", *more)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+    assert "Traceback" not in r.stderr and "[Errno" not in r.stderr, r.stderr
+    return json.loads(r.stdout)["error"]
+
+
+def test_a_data_file_cut_short_after_its_manifest_was_read_is_truncated_data_naming_the_bo(node, registry, tmp_path):
+    img = _pushed_once(node, registry, tmp_path, [os.urandom(3 << 20)])
+    # the chunk whose record lies last in its data file: cut short, its payload, and no other, ends early
+    chunk, (name, off, ln) = max(((i, _record(img, 1, i)) for i in range(3)), key=lambda c: c[1][1])
+    data = img / name
+    os.truncate(data, off + ln - 1000)
+    e = _failed_push(img, f"{registry.host}/jobs/cut:1")
+    assert e["code"] == "TRUNCATED_DATA" and e["bo_id"] == 1 and e["offset"] == chunk << 20, e
+    assert str(data) in e["message"] and "the file ends at" in e["message"], e
+    # scanned afresh (an empty cache): the file is refused before a payload is read, as shorter than committed
+    e = _failed_push(img, f"{registry.host}/jobs/cut:1", "--cache", str(tmp_path / "fresh"))
+    assert e["code"] == "TRUNCATED_DATA" and str(data) in e["message"] and "committed" in e["message"], e
+    assert "MANIFEST_UNKNOWN" in vramctl("pull", f"{registry.host}/jobs/cut:1", str(tmp_path / "p"),
+                                         "--plain-http").stderr  # no artifact was tagged
+
+
+@pytest.mark.parametrize("what", ["a FIFO", "a directory"])
+def test_a_data_file_replaced_by_something_else_is_refused_without_blocking(node, registry, tmp_path, what):
+    img = _pushed_once(node, registry, tmp_path, [os.urandom(2 << 20)])
+    data = img / _record(img, 1, 1)[0]
+    data.unlink()
+    if what == "a FIFO":
+        os.mkfifo(data)  # nobody writes it: an open or read that blocks would hang the push (vramctl's timeout)
+    else:
+        data.mkdir()
+    e = _failed_push(img, f"{registry.host}/jobs/swapped:1")
+    assert e["code"] == "IMAGE_ERROR" and f"{data}: not a regular file" in e["message"], e
+
+
+def test_eio_under_a_push_is_io_error_naming_the_file_offset_and_bo(node, registry, tmp_path):
+    from test_io_errors import eio_mount
+    from test_io_errors import why as fuse_missing
+    if fuse_missing:
+        pytest.skip(fuse_missing)
+    img = tmp_path / "image"
+    node.dump(img, [os.urandom(3 << 20)], "--compress", "none")
+    name, off, ln = _record(img, 1, 1)  # BO 1's chunk at 1 MiB: the last 100 bytes of its record fail
+    mnt = tmp_path / "mnt"
+    with eio_mount(img, mnt, "--read-eio", f"{name}:{off + ln - 100}:{off + ln}"):
+        e = _failed_push(mnt, f"{registry.host}/jobs/eio:1", "--cache", str(tmp_path / "cache"))
+    assert e["code"] == "IO_ERROR" and e["bo_id"] == 1 and e["offset"] == 1 << 20, e
+    assert f"cannot read {mnt}/{name} at 0x" in e["message"] and "Input/output error" in e["message"], e
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root: the push runs as nobody")
+def test_a_cache_the_user_may_not_write_is_one_warning_and_the_push_succeeds(node, registry, tmp_path):
+    """vramctl push --cache DIR as nobody, DIR root's 0755: the push succeeds, and stderr has one warning
+    naming DIR and why (it used to keep nothing, silently: every push then read every payload again)."""
+    import pwd
+    import shutil
+    import tempfile
+
+    from vramd.testing import PythonAccess, RunAs
+    base = Path(tempfile.mkdtemp(prefix="vramd-ocicache-", dir="/tmp"))
+    access = PythonAccess.choose(["nobody"])
+    try:
+        os.chmod(base, 0o755)
+        img = base / "image"
+        node.dump(img, workload_bos())
+        nobody = pwd.getpwnam("nobody")
+        for p in [img, *img.iterdir()]:
+            os.chown(p, nobody.pw_uid, nobody.pw_gid)
+        cache = base / "cache"
+        cache.mkdir(mode=0o755)  # root's: nobody may not make its push/ there
+        who = RunAs.user("nobody", access, cwd=str(base))
+        r = subprocess.run([*who.python, "-m", "vramd.cli", "push", str(img), f"{registry.host}/jobs/nocache:1",
+                            "--plain-http", "--json", "--cache", str(cache)], capture_output=True, text=True,
+                           timeout=120, **who.popen_kwargs())
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout)["stats"]["blobs_uploaded"] > 2
+        lines = r.stderr.splitlines()
+        assert len(lines) == 1 and lines[0].startswith("vramctl: warning: "), r.stderr
+        assert f"the cache directory {cache}" in lines[0] and "Permission denied" in lines[0], lines[0]
+        assert os.listdir(cache) == []
+    finally:
+        access.close()
+        shutil.rmtree(base, ignore_errors=True)

@@ -143,10 +143,16 @@ def cmd_push(ns: argparse.Namespace) -> int:
         raise Failure(f"{ns.ref}: push to a tag (HOST/REPO:TAG), not to a digest")
     reg = _registry(ns, ref, ("pull", "push"))
     t0 = time.monotonic()
+    warned: set[str] = set()
+
+    def warn(text: str) -> None:  # once: the chain's images share the cache
+        if text not in warned:
+            warned.add(text)
+            print(f"vramctl: warning: {text}", file=sys.stderr, flush=True)
     try:
         pushed = push_chain(Pusher(reg, ref.repo, concurrency=ns.concurrency, mount_from=ns.mount_from), ns.dir,
                             ref.tag or "latest", first_parent=ns.parent, annotations=_annotations(ns.annotation),
-                            cache=cache_root(ns))
+                            cache=cache_root(ns), warn=warn)
     finally:
         reg.close()
     secs = time.monotonic() - t0

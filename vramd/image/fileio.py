@@ -21,6 +21,7 @@ from ..errors import (
     NoSpaceError,
     NotWritableError,
     ReadOnlyFsError,
+    TruncatedDataError,
     VramdError,
     from_os_error,
 )
@@ -126,17 +127,38 @@ def preadv_all(fd: int, views: Sequence[memoryview], offset: int) -> int:
     return total
 
 
-def read_manifest_blob(fd: int) -> bytes:
-    """The whole manifest file `fd` (read with pread from offset 0: its file position is not ours)."""
+def pread_exact(fd: int, n: int, offset: int, what: str, *, bo_id: int | None = None,
+                bo_offset: int | None = None) -> bytes:
+    """Exactly `n` bytes of the file `fd` at `offset` (short reads continue): the one read of an image file
+    whose every failure is typed.  A file that ends first is TRUNCATED_DATA; an OSError is its kind
+    (image_os_error: EIO is IO_ERROR); each names `what` (the file) and `offset`, and the BO and the offset in
+    it (`bo_id`, `bo_offset`) where the caller knows them."""
+    try:
+        data = os.pread(fd, n, offset)  # one read, no copy, in the usual case
+        while len(data) < n:
+            more = os.pread(fd, n - len(data), offset + len(data))
+            if not more:
+                raise TruncatedDataError(f"{what}: {n} bytes expected at {offset:#x}, the file ends at "
+                                         f"{offset + len(data):#x}", bo_id=bo_id, offset=bo_offset)
+            data += more
+    except OSError as e:
+        raise image_os_error(e, f"cannot read {what} at {offset:#x} ({n} bytes)", bo_id=bo_id,
+                             offset=bo_offset) from None
+    return data
+
+
+def read_manifest_blob(fd: int, what: str = MANIFEST_NAME) -> bytes:
+    """The whole manifest file `fd` (read with pread from offset 0: its file position is not ours); `what`
+    names it in errors (the daemon knows only the name, a client its path)."""
     try:
         size = os.fstat(fd).st_size
         if size > MAX_MANIFEST_BYTES:
-            raise CorruptManifestError(f"{MANIFEST_NAME} is {size} bytes; at most {MAX_MANIFEST_BYTES} are read")
+            raise CorruptManifestError(f"{what} is {size} bytes; at most {MAX_MANIFEST_BYTES} are read")
         buf = bytearray(size)
         got = pread_into(fd, memoryview(buf), 0)
         return bytes(buf[:got])
     except OSError as e:
-        raise image_os_error(e, f"cannot read {MANIFEST_NAME}") from None
+        raise image_os_error(e, f"cannot read {what}") from None
 
 
 def read_manifest_now(fd: int) -> pb.Manifest:

@@ -7,16 +7,25 @@ each read from its data file when its turn comes: memory holds at most `concurre
 """
 from __future__ import annotations
 
+import bisect
 import os
 import stat
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from ..errors import CorruptManifestError, ImageError, ManifestMissingError, ParentMissingError, from_os_error
+from ..errors import (
+    CorruptManifestError,
+    ImageError,
+    ManifestMissingError,
+    ParentMissingError,
+    TruncatedDataError,
+    from_os_error,
+)
 from ..image.chain import parent_chain
+from ..image.fileio import image_os_error, pread_exact, read_manifest_blob
 from ..image.format import HEAD_PEEK, record_head_length
-from ..image.manifest import MAX_MANIFEST_BYTES, decode_manifest
+from ..image.manifest import chunk_record, decode_manifest
 from ..image.names import MANIFEST_NAME
 from ..pb import image_pb2 as pb
 from .layout import (
@@ -47,11 +56,14 @@ OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 @dataclass(frozen=True)
 class Source:
-    """Where a payload lies in the local image: (data file, offset, length)."""
+    """Where a payload lies in the local image: (data file, offset, length), and the chunk whose record holds
+    it (BO id, offset in the BO; None where no BO's chunk does), which a failed read names."""
 
     name: str
     offset: int
     size: int
+    bo_id: int | None = None
+    bo_offset: int | None = None
 
 
 @dataclass
@@ -63,6 +75,9 @@ class LocalImage:
     sources: dict[str, Source]  # payload digest -> one place it is stored
 
 
+# A local image's files are read by the client's code for them (vramd.image.fileio: every read error typed,
+# naming the file and offset); opening them by name is vramctl's, with its rights, never through a link.
+
 def open_dir(path: str) -> int:
     try:
         return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -71,6 +86,8 @@ def open_dir(path: str) -> int:
 
 
 def open_file(dfd: int, name: str, where: str) -> int:
+    """`name` in the directory `dfd` (called `where`), a regular file opened for reading, never through a link
+    and never blocking (a FIFO put in its place opens at once and is refused)."""
     try:
         fd = os.open(name, OPEN_FLAGS, dir_fd=dfd)
     except FileNotFoundError:
@@ -79,32 +96,38 @@ def open_file(dfd: int, name: str, where: str) -> int:
         raise ImageError(f"{where}/{name}: missing") from None
     except OSError as e:
         raise from_os_error(e, f"{where}/{name}", ImageError) from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ImageError(f"{where}/{name}: not a regular file")
+    except OSError as e:
         os.close(fd)
-        raise ImageError(f"{where}/{name}: not a regular file")
+        raise image_os_error(e, f"{where}/{name}") from None
+    except BaseException:
+        os.close(fd)
+        raise
     return fd
-
-
-def _pread(fd: int, n: int, off: int, what: str) -> bytes:
-    data = os.pread(fd, n, off)
-    if len(data) != n:
-        raise ImageError(f"{what}: {n} bytes expected at {off}, the file ends first")
-    return data
 
 
 def read_manifest_bytes(dfd: int, where: str) -> bytes:
     fd = open_file(dfd, MANIFEST_NAME, where)
     try:
-        size = os.fstat(fd).st_size
-        if size > MAX_MANIFEST_BYTES:
-            raise CorruptManifestError(f"{where}/{MANIFEST_NAME}: larger than {MAX_MANIFEST_BYTES} bytes")
-        return _pread(fd, size, 0, f"{where}/{MANIFEST_NAME}")
+        return read_manifest_blob(fd, f"{where}/{MANIFEST_NAME}")
     finally:
         os.close(fd)
 
 
-def _records(m: pb.Manifest) -> list[list[tuple[int, int]]]:
-    """Per data file, the (offset, length) of each record this image stores, by offset."""
+Record = tuple[int, int, int | None, int | None]  # offset, length, BO id, offset in the BO
+
+
+def _records(m: pb.Manifest) -> list[list[Record]]:
+    """Per data file, each record this image stores, by offset, with the BO chunk it holds (the first BO's
+    that refers to it: a dedup'd record serves several)."""
+    owner: dict[tuple[int, int], tuple[int, int]] = {}
+    for bo in m.bos:
+        for i in range(len(bo.chunk_refs) if m.format_version >= 2 else len(bo.record_offsets)):
+            rec = chunk_record(m, bo, i)
+            if rec is not None:
+                owner.setdefault((rec[0], rec[1]), (bo.id, i * m.chunk_size))
     per: list[set[tuple[int, int]]] = [set() for _ in m.files]
     if m.format_version >= 2:
         t = m.chunks
@@ -115,57 +138,71 @@ def _records(m: pb.Manifest) -> list[list[tuple[int, int]]]:
         for bo in m.bos:
             for off, ln in zip(bo.record_offsets, bo.record_lengths, strict=True):
                 per[bo.file_index].add((off, ln))
-    return [sorted(s) for s in per]
+    out: list[list[Record]] = []
+    for fi, recs in enumerate(per):
+        out.append([(off, ln, *owner.get((fi, off), (None, None))) for off, ln in sorted(recs)])
+    return out
 
 
 def _gap(fd: int, start: int, end: int, what: str) -> list[Segment]:
     segs = []
     while start < end:
         n = min(end - start, MAX_LITERAL)
-        data = _pread(fd, n, start, what)
+        data = pread_exact(fd, n, start, what)
         segs.append(Segment(ZEROS, n) if data.count(0) == n else Segment(LITERAL, n, data=data))
         start += n
     return segs
 
 
-def scan_image(path: str, cache: str | None = None) -> LocalImage:
+Warn = Callable[[str], None]
+
+
+def scan_image(path: str, cache: str | None = None, warn: Warn | None = None) -> LocalImage:
     """The image in `path`: its manifest bytes, its skeleton and where each distinct payload lies (every payload
     is read and hashed once here; a push reads again only those the registry lacks).  `cache`: a directory of
     the caller's where the skeleton of an image scanned before is kept (by its manifest's sha256), so pushing
-    it again reads no payload."""
+    it again reads no payload; `warn` is told, in one line, why one could not be kept there.  A failed read
+    is a typed error naming the file, the offset and the BO (vramd.image.fileio.pread_exact)."""
     dfd = open_dir(path)
     try:
         mbytes = read_manifest_bytes(dfd, path)
         m = decode_manifest(mbytes, f"{path}/{MANIFEST_NAME}")
+        records = _records(m)
         cached = _cached_skeleton(cache, mbytes, m)
         if cached is not None:
-            return LocalImage(path, mbytes, m, cached, _sources(cached))
+            return LocalImage(path, mbytes, m, cached, _sources(cached, records))
         blobs: dict[str, int] = {}
         sources: dict[str, Source] = {}
         files = []
-        for df, records in zip(m.files, _records(m), strict=True):
+        for df, recs in zip(m.files, records, strict=True):
             what = f"{path}/{df.name}"
             fd = open_file(dfd, df.name, path)
             try:
-                if os.fstat(fd).st_size < df.length:
-                    raise ImageError(f"{what}: shorter than its committed {df.length} bytes")
+                try:
+                    size = os.fstat(fd).st_size
+                except OSError as e:
+                    raise image_os_error(e, what) from None
+                if size < df.length:
+                    raise TruncatedDataError(f"{what}: {size} bytes, shorter than its committed {df.length}")
                 segs: list[Segment] = []
                 pos = 0
-                for off, ln in records:
+                for off, ln, bo, bo_off in recs:
                     if off < pos or off + ln > df.length:
                         raise CorruptManifestError(f"{what}: records overlap or run past the file")
                     segs += _gap(fd, pos, off, what)
-                    head = record_head_length(_pread(fd, min(ln, HEAD_PEEK), off, what), bo_id=0, offset=off,
-                                              where=what)
+                    at = {"bo_id": bo, "bo_offset": bo_off}
+                    head = record_head_length(pread_exact(fd, min(ln, HEAD_PEEK), off, what, **at),
+                                              bo_id=bo or 0, offset=bo_off or 0, where=what)
                     if head > ln:
-                        raise CorruptManifestError(f"{what}: record at {off} shorter than its header")
-                    segs.append(Segment(LITERAL, head, data=_pread(fd, head, off, what)))
+                        raise CorruptManifestError(f"{what}: record at {off:#x} shorter than its header", bo_id=bo,
+                                                   offset=bo_off)
+                    segs.append(Segment(LITERAL, head, data=pread_exact(fd, head, off, what, **at)))
                     size = ln - head
                     if size:
-                        digest = sha256_digest(_pread(fd, size, off + head, what))
+                        digest = sha256_digest(pread_exact(fd, size, off + head, what, **at))
                         if digest not in blobs:
                             blobs[digest] = len(blobs)
-                            sources[digest] = Source(df.name, off + head, size)
+                            sources[digest] = Source(df.name, off + head, size, bo, bo_off)
                         segs.append(Segment(PAYLOAD, size, blob=blobs[digest]))
                     pos = off + ln
                 segs += _gap(fd, pos, df.length, what)
@@ -174,20 +211,24 @@ def scan_image(path: str, cache: str | None = None) -> LocalImage:
             files.append(FileSkeleton(df.name, df.length, tuple(segs)))
         table = tuple((d, sources[d].size) for d in blobs)
         sk = Skeleton(table, tuple(files))
-        _keep_skeleton(cache, mbytes, sk)
+        _keep_skeleton(cache, mbytes, sk, warn)
         return LocalImage(path, mbytes, m, sk, sources)
     finally:
         os.close(dfd)
 
 
-def _sources(sk: Skeleton) -> dict[str, Source]:
+def _sources(sk: Skeleton, records: list[list[Record]]) -> dict[str, Source]:
+    """Where each payload of a kept skeleton lies, with the BO chunk of the record around it."""
     out: dict[str, Source] = {}
-    for f in sk.files:
+    for f, recs in zip(sk.files, records, strict=True):
+        starts = [r[0] for r in recs]
         pos = 0
         for s in f.segments:
             if s.kind == PAYLOAD:
                 digest, size = sk.blobs[s.blob]
-                out.setdefault(digest, Source(f.name, pos, size))
+                k = bisect.bisect_right(starts, pos) - 1
+                bo, bo_off = recs[k][2:] if k >= 0 and pos < recs[k][0] + recs[k][1] else (None, None)
+                out.setdefault(digest, Source(f.name, pos, size, bo, bo_off))
             pos += s.length
     return out
 
@@ -209,21 +250,30 @@ def _cached_skeleton(cache: str | None, mbytes: bytes, m: pb.Manifest) -> Skelet
     return sk
 
 
-def _keep_skeleton(cache: str | None, mbytes: bytes, sk: Skeleton) -> None:
+def _keep_skeleton(cache: str | None, mbytes: bytes, sk: Skeleton, warn: Warn | None) -> None:
     if cache is None:
         return
     path = _cache_path(cache, mbytes)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    made = False
     try:
         os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        made = True
         try:
             os.write(fd, encode_skeleton(sk))
         finally:
             os.close(fd)
         os.rename(tmp, path)
-    except OSError:
-        pass  # a cache: the push goes on without it
+    except OSError as e:  # a cache: the push goes on without it, and says so
+        if made:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+        if warn is not None:
+            warn(f"the cache directory {cache}: cannot keep the image's skeleton there ({e.strerror or e}); the "
+                 "push goes on without it (a next push of this image reads its payloads again)")
 
 
 def parent_dirs(path: str, manifest: pb.Manifest, first: str | None) -> list[str]:
@@ -262,7 +312,8 @@ class Pusher:
             finally:
                 os.close(dfd)
             try:
-                data = _pread(fd, read.size, read.offset, f"{where}/{read.name}")
+                data = pread_exact(fd, read.size, read.offset, f"{where}/{read.name}", bo_id=read.bo_id,
+                                   bo_offset=read.bo_offset)
             finally:
                 os.close(fd)
         self.reg.upload_blob(self.repo, digest, data)
@@ -287,17 +338,19 @@ class Pusher:
 
 
 def push_chain(pusher: Pusher, path: str, tag: str, *, first_parent: str | None,
-               annotations: Mapping[str, str], cache: str | None = None) -> list[tuple[str, Descriptor]]:
+               annotations: Mapping[str, str], cache: str | None = None,
+               warn: Warn | None = None) -> list[tuple[str, Descriptor]]:
     """The image in `path` and its parents, the farthest parent first (each child's manifest names its
-    parent's digest); only the image itself gets `tag`.  Returns (directory, manifest descriptor) of each."""
-    img = scan_image(path, cache)
+    parent's digest); only the image itself gets `tag`.  Returns (directory, manifest descriptor) of each.
+    `warn`: told in one line where the skeleton cache could not be written (the push goes on)."""
+    img = scan_image(path, cache, warn)
     chain = parent_dirs(path, img.manifest, first_parent)
     if len(chain) > MAX_CHAIN:
         raise ImageError(f"{path}: a chain of {len(chain)} parents is longer than a push takes ({MAX_CHAIN})")
     pushed: list[tuple[str, Descriptor]] = []
     parent: Descriptor | None = None
     for d in reversed(chain):
-        parent = pusher.push_image(scan_image(d, cache), None, parent, {})
+        parent = pusher.push_image(scan_image(d, cache, warn), None, parent, {})
         pushed.append((d, parent))
     pushed.append((path, pusher.push_image(img, tag, parent, annotations)))
     return pushed
