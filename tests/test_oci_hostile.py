@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+from pathlib import Path
 
 import pytest
 import zstandard
@@ -84,6 +85,8 @@ def lit(data: bytes) -> bytes:
     (raw_skeleton(NAME.encode(), 3, bytes([L.PAYLOAD]) + struct.pack("<I", 0), 1), "not in the table"),
     (raw_skeleton(NAME.encode(), 3, bytes([L.LITERAL]) + struct.pack("<I", L.MAX_LITERAL + 1), 1), "literal run"),
     (raw_skeleton(NAME.encode(), 3, bytes([7]), 1), "unknown segment kind"),
+    (raw_skeleton(NAME.encode(), 3, lit(b"") + lit(b"abc"), 2), "an empty run"),
+    (raw_skeleton(NAME.encode(), 3, bytes([L.ZEROS]) + struct.pack("<Q", 0) + lit(b"abc"), 2), "an empty run"),
     (raw_skeleton(NAME.encode(), 3, lit(b"abc"), 1 << 31), "cannot fit"),
     (raw_skeleton(NAME.encode(), 3, lit(b"abc"), 1, tail=b"x"), "trailing"),
     (raw_skeleton(NAME.encode(), 3, lit(b"abc"), 1)[:-3], "zstd|cut short"),
@@ -264,20 +267,14 @@ def test_credentials_written_into_a_reference_are_refused_unechoed(tmp_path, com
     assert secret not in r.stderr + r.stdout and "--password-stdin" in r.stderr
 
 
-def test_a_config_descriptor_claiming_a_gigabyte_allocates_as_bytes_arrive(pushed, registry, tmp_path):
-    """A config whose descriptor says 1 GiB while the registry serves 100 bytes: refused by digest once the
-    100 bytes are in, with a buffer of its first 64 MiB at most (vramctl's peak memory stays far below 1 GiB)."""
+def pull_peak(ref: str, dest: Path, tmp_path: Path):
+    """vramctl pull REF DEST --plain-http --json, and the pull's own peak memory in KiB: VmHWM of its process,
+    read as it exits (a child's ru_maxrss would start from the parent's peak, since exec keeps the larger of
+    the old and the new address space's high-water marks)."""
     import subprocess
     import sys
 
     from helpers import ROOT
-    _img, reg, repo, doc = pushed
-    junk = os.urandom(100)
-    reg.upload_blob(repo, L.sha256_digest(junk), junk)
-    doc["config"] = {"mediaType": L.CONFIG_MEDIA[3], "digest": L.sha256_digest(junk), "size": 1 << 30}
-    put_crafted(reg, repo, doc, "huge")
-    # The pull's own peak: VmHWM of its process, read as it exits (a child's ru_maxrss would start from the
-    # parent's peak, since exec keeps the larger of the old and the new address space's high-water marks).
     peak = tmp_path / "peak"
     wrapper = ("import atexit, runpy, sys\n"
                "def peak():\n"
@@ -286,11 +283,59 @@ def test_a_config_descriptor_claiming_a_gigabyte_allocates_as_bytes_arrive(pushe
                "atexit.register(peak)\n"
                "sys.argv = ['vramctl'] + sys.argv[1:]\n"
                "runpy.run_module('vramd.cli', run_name='__main__')\n")
-    r = subprocess.run([sys.executable, "-c", wrapper, "pull", f"{registry.host}/{repo}:huge",
-                        str(tmp_path / "dest"), "--plain-http", "--json"], cwd=ROOT, capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-c", wrapper, "pull", ref, str(dest), "--plain-http", "--json"], cwd=ROOT,
+                       capture_output=True, text=True)
+    return r, int(peak.read_text())
+
+
+def test_a_config_descriptor_claiming_a_gigabyte_allocates_as_bytes_arrive(pushed, registry, tmp_path):
+    """A config whose descriptor says 1 GiB while the registry serves 100 bytes: refused by digest once the
+    100 bytes are in, with a buffer of its first 64 MiB at most (vramctl's peak memory stays far below 1 GiB)."""
+    _img, reg, repo, doc = pushed
+    junk = os.urandom(100)
+    reg.upload_blob(repo, L.sha256_digest(junk), junk)
+    doc["config"] = {"mediaType": L.CONFIG_MEDIA[3], "digest": L.sha256_digest(junk), "size": 1 << 30}
+    put_crafted(reg, repo, doc, "huge")
+    r, peak = pull_peak(f"{registry.host}/{repo}:huge", tmp_path / "dest", tmp_path)
     assert r.returncode == 1 and json.loads(r.stdout)["error"]["code"] == "DIGEST_MISMATCH", r.stderr
-    assert int(peak.read_text()) < 400 << 10, peak.read_text()  # KiB: well under the 1 GiB claimed
+    assert peak < 400 << 10, peak  # KiB: well under the 1 GiB claimed
     assert not (tmp_path / "dest").exists()
+
+
+def test_a_skeleton_of_millions_of_tiny_runs_is_refused_before_they_are_made(pushed, registry, tmp_path):
+    """A skeleton layer of 12 M payload runs (5 bytes each: 60 MB, a few KB once compressed, within the 256 MiB
+    bound): each run decoded is a Python object of ~100 bytes, so decoding them all would hold over 1 GiB.
+    Refused by count (MAX_SEGMENTS) before one is made; pull's peak memory stays far below."""
+    _img, reg, repo, doc = pushed
+    layer = doc["layers"][1]
+    n = 12 << 20
+    raw = (L.SKELETON_MAGIC + struct.pack("<I", 1) + struct.pack("<32sQ", bytes.fromhex(layer["digest"][7:]),
+                                                                  layer["size"])
+           + struct.pack("<I", 1) + struct.pack("<H", len(NAME)) + NAME.encode()
+           + struct.pack("<QI", n * layer["size"], n) + (bytes([L.PAYLOAD]) + struct.pack("<I", 0)) * n)
+    blob = zstandard.ZstdCompressor(level=3).compress(raw)
+    del raw
+    assert len(blob) < 1 << 20
+    reg.upload_blob(repo, L.sha256_digest(blob), blob)
+    doc["layers"] = [{"mediaType": L.MEDIA_SKELETON, "digest": L.sha256_digest(blob), "size": len(blob)}, layer]
+    put_crafted(reg, repo, doc, "runs")
+    r, peak = pull_peak(f"{registry.host}/{repo}:runs", tmp_path / "dest", tmp_path)
+    assert peak < 400 << 10, peak  # KiB
+    assert r.returncode == 1 and json.loads(r.stdout)["error"]["code"] == "CORRUPT_MANIFEST", r.stderr
+    assert "segments cannot fit" in r.stderr, r.stderr
+    assert not (tmp_path / "dest").exists()
+
+
+def test_a_skeleton_whose_payload_table_is_not_the_artifacts_layers_is_refused_before_it_is_built():
+    """The payload count is checked against the artifact's layers before a table entry is made (a table of
+    millions of copies of one entry compresses to nothing)."""
+    ok_blob = raw_skeleton(NAME.encode(), 3, lit(b"abc"), 1)
+    L.decode_skeleton(ok_blob, layers=0)
+    with pytest.raises(CorruptManifestError, match="1 payload layers"):
+        L.decode_skeleton(ok_blob, layers=1)
+    many = raw_skeleton(NAME.encode(), 3, lit(b"abc"), 1, blobs=[(b"\1" * 32, 1)] * (1 << 16))
+    with pytest.raises(CorruptManifestError, match="65536 payloads, but the artifact has 2"):
+        L.decode_skeleton(many, layers=2)
 
 
 def test_a_token_realm_answering_without_end_is_refused_within_a_bound(tmp_path):

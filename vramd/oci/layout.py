@@ -49,6 +49,9 @@ MAX_OCI_MANIFEST = 64 << 20  # 1 TiB of BOs at 8 MiB chunks is ~131,000 layers, 
 MAX_CONFIG = 1 << 30  # manifest.MAX_MANIFEST_BYTES
 MAX_SKELETON = 256 << 20  # compressed and decompressed
 MAX_LAYERS = 1 << 22
+# A decoded segment is a Python object (~100 bytes) made from as few as 5 bytes of a skeleton that compresses
+# without limit: their count is bounded apart from the bytes.  A 1 TiB image at 1 MiB chunks has ~3 M.
+MAX_SEGMENTS = 1 << 22
 MAX_LITERAL = 1 << 20  # one literal run: a data file header, a record head or a gap (O_DIRECT: < 1 page)
 
 SKELETON_MAGIC = b"VRDSKEL1"
@@ -68,7 +71,7 @@ class Descriptor:
         return {"mediaType": self.media_type, "digest": self.digest, "size": self.size}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Segment:
     """A run of a data file: literal bytes, zeros, or the payload blob `blob` (an index into Skeleton.blobs)."""
 
@@ -143,8 +146,10 @@ class _Cursor:
         return value
 
 
-def decode_skeleton(blob: bytes | bytearray, *, what: str = "skeleton") -> Skeleton:
-    """The skeleton layer's bytes (already checked against their digest), decoded with every count bounded."""
+def decode_skeleton(blob: bytes | bytearray, *, what: str = "skeleton", layers: int | None = None) -> Skeleton:
+    """The skeleton layer's bytes (already checked against their digest), decoded with every count bounded before
+    anything is made of it: payloads by `layers` (the artifact's payload layers, where the caller has them) and
+    MAX_LAYERS, segments by MAX_SEGMENTS in all; no run is empty (an encoder never writes one)."""
     try:
         with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(blob)) as r:
             raw = r.read(MAX_SKELETON + 1)
@@ -156,13 +161,16 @@ def decode_skeleton(blob: bytes | bytearray, *, what: str = "skeleton") -> Skele
     if c.take(len(SKELETON_MAGIC)) != SKELETON_MAGIC:
         raise CorruptManifestError(f"{what}: not a vramd skeleton (bad magic)")
     nblobs = c.u(_U32)
-    if nblobs * _BLOB.size > len(raw):
+    if nblobs * _BLOB.size > len(raw) or nblobs >= MAX_LAYERS:
         raise CorruptManifestError(f"{what}: {nblobs} payloads cannot fit")
+    if layers is not None and nblobs != layers:
+        raise CorruptManifestError(f"{what}: {nblobs} payloads, but the artifact has {layers} payload layers")
     blobs = []
     for _ in range(nblobs):
         h, size = _BLOB.unpack(c.take(_BLOB.size))
         blobs.append(("sha256:" + h.hex(), size))
     files = []
+    nsegs = 0
     for i in range(c.u(_U32)):
         name_len = c.u(struct.Struct("<H"))
         try:
@@ -172,8 +180,9 @@ def decode_skeleton(blob: bytes | bytearray, *, what: str = "skeleton") -> Skele
         if DATA_FILE_NAME.fullmatch(name) is None:
             raise CorruptManifestError(f"{what}: files[{i}] is not a data file name")
         length, nseg = c.u(_U64), c.u(_U32)
-        if nseg > len(raw):
-            raise CorruptManifestError(f"{what}: {name}: {nseg} segments cannot fit")
+        nsegs += nseg
+        if nseg > len(raw) or nsegs > MAX_SEGMENTS:
+            raise CorruptManifestError(f"{what}: {name}: {nseg} segments cannot fit (at most {MAX_SEGMENTS} in all)")
         segs, total = [], 0
         for _ in range(nseg):
             kind = c.take(1)[0]
@@ -191,6 +200,8 @@ def decode_skeleton(blob: bytes | bytearray, *, what: str = "skeleton") -> Skele
                 segs.append(Segment(PAYLOAD, blobs[k][1], blob=k))
             else:
                 raise CorruptManifestError(f"{what}: {name}: unknown segment kind {kind}")
+            if segs[-1].length == 0:
+                raise CorruptManifestError(f"{what}: {name}: an empty run")
             total += segs[-1].length
             if total > length:
                 raise CorruptManifestError(f"{what}: {name}: segments run past the file's {length} bytes")

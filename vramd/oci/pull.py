@@ -149,7 +149,7 @@ class Puller:
             blob = self.reg.get_blob(self.repo, art.skeleton.digest, art.skeleton.size,
                                      where=" (the skeleton layer)")
             _keep(kept, blob)
-        sk = decode_skeleton(blob, what=f"{what}: skeleton")
+        sk = decode_skeleton(blob, what=f"{what}: skeleton", layers=len(art.chunks))
         check_skeleton(sk, art, manifest)
         return sk
 
