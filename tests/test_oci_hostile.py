@@ -428,3 +428,99 @@ def test_a_401_answered_without_end_is_not_read_to_its_end(tmp_path):
     assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
     assert json.loads(r.stdout)["error"]["code"] == "AUTH_FAILED" and "no credentials" in r.stderr, r.stderr
     assert not (tmp_path / "dest").exists()
+
+
+# --- where our credentials go: a tiny real HTTP server plays what distribution cannot be made to send ---------
+
+class Seen:
+    """A plain-HTTP server on 127.0.0.1 answering with `answer(handler)`, and what it was sent."""
+
+    def __init__(self, answer) -> None:
+        import http.server
+        import threading
+        seen = self.requests = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def _any(self) -> None:
+                seen.append((self.command, self.path, self.headers.get("Authorization")))
+                status, headers, body = answer(self)
+                self.send_response(status)
+                for k, v in {"Content-Length": str(len(body)), **headers}.items():
+                    self.send_header(k, v)
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(body)
+
+            do_GET = do_HEAD = do_POST = do_PUT = do_PATCH = do_DELETE = _any
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.host = f"127.0.0.1:{self.server.server_port}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def basic_registry(then):
+    """A registry that wants HTTP Basic: 401 until a request carries credentials, then `then(handler)`."""
+    def answer(h):
+        if h.headers.get("Authorization") is None:
+            return 401, {"WWW-Authenticate": 'Basic realm="r"'}, b""
+        return then(h)
+    return answer
+
+
+def alice(secret: str):
+    from vramd.oci.credentials import Credentials
+    return Credentials("the test", "alice", secret)
+
+
+def test_a_mount_answered_with_an_upload_on_another_host_sends_it_no_credentials(tmp_path):
+    """A registry answers a cross-repository mount with 202 and an upload Location on another host: the upload
+    a mount opened was cancelled there (DELETE) with the registry's credentials.  Refused now, nothing sent."""
+    from vramd.errors import RegistryError
+    other = Seen(lambda h: (204, {}, b""))
+    reg_srv = Seen(basic_registry(lambda h: (202, {"Location": f"http://{other.host}/v2/x/blobs/uploads/u1"}, b"")))
+    secret = "pw-" + os.urandom(8).hex()
+    reg = Registry(reg_srv.host, trust=Trust(plain_http=True), credentials=alice(secret), actions=("pull", "push"))
+    try:
+        with pytest.raises(RegistryError, match="upload location on another host"):
+            reg.mount_blob("x", D1, "y")
+    finally:
+        reg.close()
+        other.close()
+        reg_srv.close()
+    assert reg_srv.requests[-1][2] is not None  # the registry had the credentials
+    assert other.requests == []  # the other host had nothing
+
+
+def test_a_redirect_carries_credentials_only_back_to_the_registry_itself(tmp_path):
+    """A blob GET redirected to another host (an object store's presigned URL, as distribution on S3 answers):
+    fetched without the registry's Authorization.  Redirected to another path of the registry itself (same
+    scheme, host and port): with it, as Go's client keeps it (the registry wants it there too)."""
+    data = os.urandom(1000)
+    digest = L.sha256_digest(data)
+    store = Seen(lambda h: (200, {}, data))
+
+    def registry_answer(h):
+        if h.path.startswith("/v2/x/blobs/"):
+            return 307, {"Location": f"http://{store.host}/bucket/blob?X-Amz-Signature=abc"}, b""
+        if h.path.startswith("/v2/y/blobs/"):
+            return 302, {"Location": "/elsewhere/blob"}, b""
+        return 200, {}, data  # /elsewhere/blob: only with credentials (basic_registry)
+    reg_srv = Seen(basic_registry(registry_answer))
+    secret = "pw-" + os.urandom(8).hex()
+    reg = Registry(reg_srv.host, trust=Trust(plain_http=True), credentials=alice(secret))
+    try:
+        assert reg.get_blob("x", digest, len(data)) == data
+        assert store.requests == [("GET", "/bucket/blob?X-Amz-Signature=abc", None)]
+        assert reg.get_blob("y", digest, len(data)) == data
+    finally:
+        reg.close()
+        store.close()
+        reg_srv.close()
+    assert reg_srv.requests[-1][:2] == ("GET", "/elsewhere/blob") and reg_srv.requests[-1][2] is not None

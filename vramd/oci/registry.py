@@ -13,7 +13,7 @@ import re
 import ssl
 import threading
 from dataclasses import dataclass, field
-from urllib.parse import quote, urljoin
+from urllib.parse import quote, urljoin, urlsplit
 
 import urllib3
 from urllib3.exceptions import HTTPError
@@ -171,15 +171,17 @@ class Registry:
                                           False)
                     t.release_conn()
                     self._auth.token_response(token, t.status, reply)
-        # a blob may be served elsewhere (an object store): followed, checked as trust says, without our
-        # credentials (a presigned URL carries its own)
+        # a blob may be served elsewhere (an object store): followed, checked as trust says, with our
+        # credentials only where the registry itself is (same scheme, host and port: as Go's client, which
+        # docker and distribution use, keeps them); anywhere else without (a presigned URL carries its own)
         for _hop in range(5):
             if r.status not in (301, 302, 303, 307, 308) or method not in ("GET", "HEAD"):
                 break
             location = urljoin(full, r.headers.get("location", ""))
             _discard(r)
             self.trust.check_url(location, f"{what}: a redirect to")
-            r, answer = self._send(method, location, what, None, dict(headers or {}), stream)
+            hop = {**(headers or {}), **(sent if _origin(location) == _origin(self.base) else {})}
+            r, answer = self._send(method, location, what, None, hop, stream)
         if r.status in ok:
             return r
         data = answer[:4096] if not stream else r.read(4096)
@@ -215,10 +217,9 @@ class Registry:
         if r.status == 201:
             self.stats.add(blobs_mounted=1)
             return True
-        location = r.headers.get("location")
-        if location:
-            self._request("DELETE", urljoin(self.base + "/", location), "cancel upload", repo=repo,
-                          ok=(204, 404)).release_conn()
+        if r.headers.get("location"):  # cancelled where the registry itself is: our credentials go nowhere else
+            self._request("DELETE", self._location(r, f"cancel the upload a mount of {digest} opened"),
+                          "cancel upload", repo=repo, ok=(204, 404)).release_conn()
         return False
 
     def upload_blob(self, repo: str, digest: str, data: bytes) -> None:
@@ -307,6 +308,16 @@ class Registry:
         if ref.startswith("sha256:") and digest != ref:
             raise DigestMismatchError(f"registry {self.host}: manifest {repo}@{ref} does not match its digest")
         return body, digest
+
+
+def _origin(url: str) -> tuple[str, str, int | None]:
+    """(scheme, host, port) of a URL, the port made explicit: what credentials are bound to."""
+    u = urlsplit(url)
+    try:
+        port = u.port
+    except ValueError:
+        return (u.scheme.lower(), "", -1)  # a malformed port: no origin of ours
+    return u.scheme.lower(), (u.hostname or "").lower(), port or {"http": 80, "https": 443}.get(u.scheme.lower())
 
 
 def _discard(r: urllib3.BaseHTTPResponse) -> None:
