@@ -524,3 +524,73 @@ def test_a_redirect_carries_credentials_only_back_to_the_registry_itself(tmp_pat
         store.close()
         reg_srv.close()
     assert reg_srv.requests[-1][:2] == ("GET", "/elsewhere/blob") and reg_srv.requests[-1][2] is not None
+
+
+class Trickle:
+    """A TCP server on 127.0.0.1 that answers its k-th connection with `answer(port, k)`: a head sent at once,
+    then a tail one byte every 0.2 s (well inside any read timeout), for up to 30 s: a registry, a token realm
+    or a network that never quite stops."""
+
+    def __init__(self, answer) -> None:
+        import itertools
+        import socketserver
+        import threading
+        stop = self.stop = threading.Event()
+        count = itertools.count(1)
+
+        class Handler(socketserver.BaseRequestHandler):
+            def handle(self) -> None:
+                self.request.recv(65536)  # the request (its head is all a GET has)
+                head, tail = answer(self.server.server_address[1], next(count))
+                try:
+                    self.request.sendall(head)
+                    for b in tail[:150]:
+                        if stop.wait(0.2):
+                            return
+                        self.request.sendall(bytes([b]))
+                except OSError:
+                    pass  # the client hung up: as it should
+
+        class Server(socketserver.ThreadingTCPServer):
+            daemon_threads = True
+
+        self.server = Server(("127.0.0.1", 0), Handler)
+        self.host = f"127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _trickled(case: str, port: int, k: int) -> tuple[bytes, bytes]:
+    if case == "headers":
+        return b"HTTP/1.1 200 OK\r\n", b"X-Slow: " + b"a" * 200
+    if case == "manifest body":
+        return b"HTTP/1.1 200 OK\r\nContent-Length: 900\r\n\r\n", b"{" * 900
+    if k == 1:  # "token answer": the registry wants a token from a realm (this same server) ...
+        return (b"HTTP/1.1 401 Unauthorized\r\nContent-Length: 0\r\nWWW-Authenticate: Bearer realm=\"http://"
+                b"127.0.0.1:%d/token\",service=\"s\"\r\n\r\n" % port, b"")
+    return b"HTTP/1.1 200 OK\r\nContent-Length: 200\r\n\r\n", b'{"token": "' + b"t" * 188  # ... that trickles
+
+
+@pytest.mark.parametrize("case", ["headers", "manifest body", "token answer"])
+def test_a_request_answered_a_byte_at_a_time_is_cut_off_at_its_deadline(case):
+    """Each byte arrives within the read timeout, so urllib3's timeouts never fire: a registry (or a token realm)
+    trickling its answer's headers, a manifest, or a token held a pull for as long as it liked.  Now the whole
+    request has a deadline (the read timeout, 2 s here, plus its bytes' time at 256 KiB/s): one REGISTRY_ERROR."""
+    import time
+
+    from vramd.errors import RegistryError
+    srv = Trickle(lambda port, k: _trickled(case, port, k))
+    reg = Registry(srv.host, trust=Trust(plain_http=True), timeout=2.0)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(RegistryError, match="no complete answer within") as ei:
+            reg.get_manifest("x", "1", 1000)
+    finally:
+        reg.close()
+        srv.close()
+    assert time.monotonic() - t0 < 15, ei.value
+    assert type(ei.value) is RegistryError and ei.value.code == "REGISTRY_ERROR"

@@ -21,12 +21,14 @@ from urllib3.exceptions import HTTPError
 from ..errors import AuthFailedError, DigestMismatchError, RegistryError, RegistryFullError
 from .auth import Authenticator, repository_scope
 from .credentials import ANONYMOUS, Credentials
+from .deadline import Deadlines
 from .layout import DIGEST, MEDIA_OCI_MANIFEST
 from .tls import Trust
 
 CHUNKED_UPLOAD = 64 << 20  # blobs larger than this go up in PATCHes of this size, then a closing PUT
 PREALLOCATE = 64 << 20  # a downloaded blob's buffer starts at most this large
 MAX_ANSWER = 1 << 20  # the most of an answer's body held, but a blob's or a manifest's (read as they bound it)
+MIN_RATE = 256 << 10  # bytes/s: a request may take its read timeout, plus its bytes' time at this rate, in all
 REPO = re.compile(r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*")
 TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
 HOST = re.compile(r"[A-Za-z0-9.-]+(?::[0-9]{1,5})?|\[[0-9a-fA-F:]+\](?::[0-9]{1,5})?")
@@ -102,7 +104,9 @@ class Stats:
 class Registry:
     """One registry host, spoken to as `trust` says (TLS verified unless plain HTTP was asked for), with
     `credentials` answering its challenges (vramd.oci.auth); credentials never reach a log, a message or a URL.
-    `actions`: what the caller does in a repository ("pull", or "pull", "push"), the token scope asked for."""
+    `actions`: what the caller does in a repository ("pull", or "pull", "push"), the token scope asked for.
+    `timeout`: how long one read may wait; a whole request (connect, send, the answer's headers, and the answer
+    itself but a blob's) is cut off after `timeout` plus the time its bytes take at MIN_RATE (vramd.oci.deadline)."""
 
     def __init__(self, host: str, *, trust: Trust | None = None, credentials: Credentials | None = None,
                  actions: tuple[str, ...] = ("pull",), concurrency: int = 4, timeout: float = 120.0) -> None:
@@ -114,18 +118,48 @@ class Registry:
         self._auth = Authenticator(host, credentials or ANONYMOUS, self.trust)
         self._auth_lock = threading.Lock()
         ctx = None if self.trust.plain_http else self.trust.context()
+        self.timeout = timeout
+        self._deadlines = Deadlines()
         self._pool = urllib3.PoolManager(num_pools=4, maxsize=max(1, concurrency), block=True, retries=False,
                                          timeout=urllib3.Timeout(connect=10.0, read=timeout), ssl_context=ctx)
+        self._pool.pool_classes_by_scheme = self._deadlines.pool_classes()
 
     def close(self) -> None:
         self._pool.clear()
+        self._deadlines.close()
+
+    def deadline(self, nbytes: int) -> float:
+        """Seconds a request moving `nbytes` (sent and read) may take in all."""
+        return self.timeout + nbytes / MIN_RATE
+
+    def _late(self, what: str, seconds: float) -> RegistryError:
+        return RegistryError(f"registry {self.host}: {what}: no complete answer within {seconds:.0f} s (a request "
+                             f"may take the read timeout, {self.timeout:.0f} s, plus its bytes' time at "
+                             f"{MIN_RATE >> 10} KiB/s): the registry, or the network to it, is too slow")
 
     # --- one request -----------------------------------------------------------
 
     def _send(self, method: str, url: str, what: str, body: bytes | None, hdrs: dict[str, str],
               stream: bool) -> tuple[urllib3.BaseHTTPResponse, bytes]:
         """The response, and (unless `stream`) its body, read up to MAX_ANSWER: a larger one (from the registry,
-        a token realm or a redirect's target, all untrusted) is refused before it is held."""
+        a token realm or a redirect's target, all untrusted) is refused before it is held.  All of it within
+        its deadline (a `stream` answer: up to its headers; the caller bounds the reading of its body)."""
+        seconds = self.deadline(len(body or b"") + (0 if stream else MAX_ANSWER))
+        with self._deadlines.within(seconds) as armed:
+            try:
+                r, answer = self._send_now(method, url, what, body, hdrs, stream)
+            except (HTTPError, RegistryError):
+                if armed.expired:
+                    raise self._late(what, seconds) from None
+                raise
+            if armed.expired:  # cut short: an answer that ended early may look whole (headers end at EOF)
+                r.close()
+                r.release_conn()
+                raise self._late(what, seconds)
+            return r, answer
+
+    def _send_now(self, method: str, url: str, what: str, body: bytes | None, hdrs: dict[str, str],
+                  stream: bool) -> tuple[urllib3.BaseHTTPResponse, bytes]:
         try:
             r = self._pool.request(method, url, body=body, headers=hdrs, preload_content=False, redirect=False)
             answer = b"" if stream else r.read(MAX_ANSWER + 1)
@@ -298,8 +332,18 @@ class Registry:
         what = f"GET manifest {repo}:{ref}" if not ref.startswith("sha256:") else f"GET manifest {repo}@{ref}"
         r = self._request("GET", f"/v2/{repo}/manifests/{ref}", what, repo=repo, stream=True,
                           headers={"Accept": MEDIA_OCI_MANIFEST})
+        seconds = self.deadline(max_size)
         try:
-            body = r.read(max_size + 1)
+            with self._deadlines.within(seconds, r.connection) as armed:
+                body = r.read(max_size + 1)
+                if armed.expired:  # read to an end the cut made
+                    r.close()
+                    raise self._late(what, seconds)
+        except HTTPError as e:
+            r.close()
+            if armed.expired:
+                raise self._late(what, seconds) from None
+            raise RegistryError(f"registry {self.host}: {what}: cut off: {_reason(e)}") from None
         finally:
             r.release_conn()
         if len(body) > max_size:
