@@ -594,3 +594,23 @@ def test_a_request_answered_a_byte_at_a_time_is_cut_off_at_its_deadline(case):
         srv.close()
     assert time.monotonic() - t0 < 15, ei.value
     assert type(ei.value) is RegistryError and ei.value.code == "REGISTRY_ERROR"
+
+
+@pytest.mark.parametrize("encoding", ["identity", "gzip"])
+def test_an_oci_manifest_of_millions_of_empty_objects_is_refused_before_it_is_parsed(tmp_path, encoding):
+    """48 MiB of `{}` (within the 64 MiB bound) parse into 16 M dicts, over 1 GiB; gzip makes that 50 KB on the
+    wire, and urllib3 inflates a gzip answer unasked.  Now an answer is held as sent (never inflated: a gzip body
+    is no JSON) and a manifest with more objects and arrays than one per 64 bytes is refused before json.loads."""
+    import gzip
+    body = b'{"layers":[' + b"{}," * (16 << 20) + b"{}]}"
+    wire = gzip.compress(body, 6) if encoding == "gzip" else body
+    headers = {"Content-Type": L.MEDIA_OCI_MANIFEST, **({"Content-Encoding": "gzip"} if encoding == "gzip" else {})}
+    srv = Seen(lambda h: (200, headers, wire))
+    try:
+        r, peak = pull_peak(f"{srv.host}/x:1", tmp_path / "dest", tmp_path)
+    finally:
+        srv.close()
+    assert peak < 400 << 10, peak  # KiB
+    assert r.returncode == 1 and json.loads(r.stdout)["error"]["code"] == "CORRUPT_MANIFEST", r.stderr
+    assert ("more objects and arrays" if encoding == "identity" else "not JSON") in r.stderr, r.stderr
+    assert not (tmp_path / "dest").exists()

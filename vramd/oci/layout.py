@@ -49,6 +49,7 @@ MAX_OCI_MANIFEST = 64 << 20  # 1 TiB of BOs at 8 MiB chunks is ~131,000 layers, 
 MAX_CONFIG = 1 << 30  # manifest.MAX_MANIFEST_BYTES
 MAX_SKELETON = 256 << 20  # compressed and decompressed
 MAX_LAYERS = 1 << 22
+JSON_BYTES_PER_CONTAINER = 64
 # A decoded segment is a Python object (~100 bytes) made from as few as 5 bytes of a skeleton that compresses
 # without limit: their count is bounded apart from the bytes.  A 1 TiB image at 1 MiB chunks has ~3 M.
 MAX_SEGMENTS = 1 << 22
@@ -281,6 +282,10 @@ def decode_oci_manifest(body: bytes, what: str) -> Artifact:
     """An OCI image manifest from a registry (untrusted), checked: ours, well-formed, bounded."""
     if len(body) > MAX_OCI_MANIFEST:
         raise CorruptManifestError(f"{what}: OCI manifest larger than {MAX_OCI_MANIFEST} bytes")
+    # JSON's objects and arrays cost ~60 bytes each once parsed, for 2 bytes of text ("{}"): at most one per
+    # JSON_BYTES_PER_CONTAINER bytes (a descriptor takes ~150) before json.loads builds any
+    if body.count(b"{") + body.count(b"[") > len(body) // JSON_BYTES_PER_CONTAINER + 16:
+        raise CorruptManifestError(f"{what}: OCI manifest has more objects and arrays than a manifest needs")
     try:
         doc = json.loads(body)
     except (ValueError, UnicodeDecodeError):

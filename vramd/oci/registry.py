@@ -161,7 +161,10 @@ class Registry:
     def _send_now(self, method: str, url: str, what: str, body: bytes | None, hdrs: dict[str, str],
                   stream: bool) -> tuple[urllib3.BaseHTTPResponse, bytes]:
         try:
-            r = self._pool.request(method, url, body=body, headers=hdrs, preload_content=False, redirect=False)
+            # decode_content=False: what we hold is the bytes sent, never an inflated gzip (a few KB that make
+            # a gigabyte): a registry answers in identity encoding, as we ask (a blob's digest is of its bytes)
+            r = self._pool.request(method, url, body=body, headers=hdrs, preload_content=False, redirect=False,
+                                   decode_content=False)
             answer = b"" if stream else r.read(MAX_ANSWER + 1)
         except urllib3.exceptions.SSLError as e:
             inner = e.__context__ if isinstance(e.__context__, ssl.SSLError) else ssl.SSLError(str(e))
