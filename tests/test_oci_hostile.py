@@ -614,3 +614,41 @@ def test_an_oci_manifest_of_millions_of_empty_objects_is_refused_before_it_is_pa
     assert r.returncode == 1 and json.loads(r.stdout)["error"]["code"] == "CORRUPT_MANIFEST", r.stderr
     assert ("more objects and arrays" if encoding == "identity" else "not JSON") in r.stderr, r.stderr
     assert not (tmp_path / "dest").exists()
+
+
+def test_a_parent_name_a_child_records_never_takes_a_directory_already_there(run_dir, registry, tmp_path):
+    """The parent's directory name comes from the child's manifest.vrdm, i.e. from the registry: `../victim`,
+    where the caller has a directory holding a dump in progress (its temporaries) and an empty one.  Neither is
+    touched (a pull sweeps a dead dump's temporaries from the directory it fills): the parent goes beside the
+    child as DEST.parent-1.  A name that is free, or holds that very parent, is still taken (restore's cache)."""
+    from vramd.image.manifest import encode_manifest
+    with Node(run_dir, tmp_path / "node") as n:
+        parent, child = tmp_path / "ckpt" / "p", tmp_path / "ckpt" / "c"
+        bos = workload_bos()
+        n.dump(parent, bos)
+        n.dump(child, [bos[0], os.urandom(len(bos[1]))], "--parent", str(parent))
+    m = decode_manifest((child / "manifest.vrdm").read_bytes())
+    for name in ("victim", "empty"):
+        m.parents[0].relative_path = f"../{name}"
+        (child / "manifest.vrdm").write_bytes(encode_manifest(m))
+        ok(vramctl("push", str(child), f"{registry.host}/jobs/{name}:1", "--plain-http", "--json", "--parent",
+                   str(parent)))
+    pulled = tmp_path / "pulled"
+    (pulled / "victim").mkdir(parents=True)
+    dumping = pulled / "victim" / "data-0123456789abcdef-00000000.vrd.tmp"  # a dump's, not yet committed
+    dumping.write_bytes(b"a dump in progress")
+    (pulled / "empty").mkdir()
+    for name in ("victim", "empty"):
+        dest = pulled / f"c-{name}"
+        got = ok(vramctl("pull", f"{registry.host}/jobs/{name}:1", str(dest), "--plain-http", "--json"))
+        assert [c["dir"] for c in got["chain"]] == [str(dest), f"{dest}.parent-1"]
+        assert files_of(Path(f"{dest}.parent-1")) == files_of(parent)
+    assert dumping.read_bytes() == b"a dump in progress" and os.listdir(pulled / "victim") == [dumping.name]
+    assert os.listdir(pulled / "empty") == []
+    # a free name is taken, and taken again once it holds that parent (as restore's cache pulls again)
+    other = tmp_path / "other"
+    other.mkdir()
+    for k, cached in ((1, False), (2, True)):
+        got = ok(vramctl("pull", f"{registry.host}/jobs/victim:1", str(other / f"c{k}"), "--plain-http", "--json"))
+        assert got["chain"][1]["dir"] == str(other / "victim") and got["chain"][1]["cached"] is cached, got
+    assert files_of(other / "victim") == files_of(parent)

@@ -335,10 +335,24 @@ def _held(dest: str) -> str:
         os.close(dfd)
 
 
+def _free_or_holding(puller: Puller, path: str, ref: str | None) -> bool:
+    """Nothing at `path`, or a directory holding the image of the artifact at `ref`."""
+    if not os.path.lexists(path):
+        return True
+    if ref is None or os.path.islink(path) or not os.path.isfile(os.path.join(path, MANIFEST_NAME)):
+        return False
+    try:
+        return _held(path) == puller.artifact(ref)[0].config.digest
+    except ImageError:
+        return False
+
+
 def pull_chain(puller: Puller, ref: str, dest: str) -> list[Pulled]:
     """The image at `ref` into `dest`, and its parents (by the digests the artifacts name) into sibling
     directories: at the name the child recorded where that is `../NAME`, so vramctl finds them as it finds
-    any parent; else `DEST.parent-K` (then name the first with --parent)."""
+    any parent, if nothing is there yet or that very image is (the name comes from the registry: a directory
+    of the caller's is never filled, nor its temporaries swept); else `DEST.parent-K` (then name the first
+    with --parent)."""
     out = [puller.pull(ref, dest)]
     while out[-1].parent is not None:
         child = out[-1]
@@ -347,7 +361,9 @@ def pull_chain(puller: Puller, ref: str, dest: str) -> list[Pulled]:
         pref = child.manifest.parents[0]
         hint = SIBLING_HINT.fullmatch(pref.relative_path)
         base = os.path.dirname(os.path.abspath(child.path))
-        path = os.path.join(base, hint[1]) if hint else f"{os.path.abspath(dest)}.parent-{len(out)}"
+        path = os.path.join(base, hint[1]) if hint else ""
+        if not path or not _free_or_holding(puller, path, child.parent):
+            path = f"{os.path.abspath(dest)}.parent-{len(out)}"
         assert child.parent is not None
         try:
             got = puller.pull(child.parent, path)
