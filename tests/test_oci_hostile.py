@@ -652,3 +652,19 @@ def test_a_parent_name_a_child_records_never_takes_a_directory_already_there(run
         got = ok(vramctl("pull", f"{registry.host}/jobs/victim:1", str(other / f"c{k}"), "--plain-http", "--json"))
         assert got["chain"][1]["dir"] == str(other / "victim") and got["chain"][1]["cached"] is cached, got
     assert files_of(other / "victim") == files_of(parent)
+
+
+@pytest.mark.parametrize("expires_in, used_for", [(b"Infinity", 86400), (b"1e300", 86400), (b"NaN", 60)])
+def test_a_token_life_the_realm_states_beyond_reason_is_bounded(expires_in, used_for):
+    """json takes Infinity and NaN: a token kept for ever (so an expired one is never asked for again, and a 401
+    then reads as refused credentials), or one never used (every request a 401 and a token request)."""
+    from test_registry_auth_units import BEARER, HOST, SCOPE, Clock
+
+    from vramd.oci.auth import Authenticator
+    clock = Clock()
+    auth = Authenticator(HOST, alice("pw"), Trust(), clock)
+    req = auth.challenge(BEARER, SCOPE)
+    auth.token_response(req, 200, b'{"token": "T", "expires_in": ' + expires_in + b"}")
+    assert auth.headers(SCOPE) == {"Authorization": "Bearer T"}
+    clock.now += used_for - 10  # dropped 10 s before the life taken
+    assert auth.headers(SCOPE) == {}

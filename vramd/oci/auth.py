@@ -28,6 +28,7 @@ The distribution protocol's authentication, as a state machine the HTTP code dri
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -39,6 +40,7 @@ from .credentials import Credentials
 from .tls import Trust
 
 DEFAULT_EXPIRES_IN = 60  # the token specification's default when the answer names none
+MAX_EXPIRES_IN = 86400   # a longer life is taken as a day (asked again after that)
 EXPIRY_MARGIN = 10.0     # a cached token is dropped this long before it expires (never under half its life)
 CLIENT_ID = "vramd"
 MAX_TOKEN_RESPONSE = 1 << 20  # a token answer larger than this is refused, not parsed
@@ -218,7 +220,8 @@ class Authenticator:
                 raise ValueError
         except (ValueError, AttributeError):  # its body may hold a token: not quoted
             raise RegistryError(f"{self.registry}: the token server {realm} answered no usable token") from None
-        life = max(float(expires_in), 1.0)
+        # a life the realm states, within reason: json takes Infinity and NaN (a token kept for ever, or never)
+        life = min(max(float(expires_in), 1.0), MAX_EXPIRES_IN) if math.isfinite(expires_in) else DEFAULT_EXPIRES_IN
         self._tokens[request.wanted] = _Token(
             value, self._clock() + max(life - EXPIRY_MARGIN, life / 2), request.anonymous, request.scopes)
 
