@@ -282,3 +282,18 @@ def test_a_cache_the_user_may_not_write_is_one_warning_and_the_push_succeeds(nod
     finally:
         access.close()
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_eio_reading_a_parents_manifest_is_io_error_not_a_missing_parent(node, registry, tmp_path):
+    from test_io_errors import eio_mount
+    from test_io_errors import why as fuse_missing
+    if fuse_missing:
+        pytest.skip(fuse_missing)
+    parent, child = tmp_path / "p", tmp_path / "c"
+    bos = workload_bos()
+    node.dump(parent, bos)
+    node.dump(child, [bos[0], os.urandom(len(bos[1]))], "--parent", str(parent))
+    mnt = tmp_path / "mnt"
+    with eio_mount(parent, mnt, "--read-eio", "manifest.vrdm:0:1"):
+        e = _failed_push(child, f"{registry.host}/jobs/eioparent:1", "--parent", str(mnt))
+    assert e["code"] == "IO_ERROR" and f"{mnt}/manifest.vrdm" in e["message"], e

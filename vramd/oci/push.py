@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from ..errors import (
     CorruptManifestError,
     ImageError,
+    ImageIoError,
     ManifestMissingError,
     ParentMissingError,
     TruncatedDataError,
@@ -286,6 +287,8 @@ def parent_dirs(path: str, manifest: pb.Manifest, first: str | None) -> list[str
                 return decode_manifest(read_manifest_bytes(dfd, nxt), f"{nxt}/{MANIFEST_NAME}")
             finally:
                 os.close(dfd)
+        except ImageIoError:
+            raise  # the parent is there, its storage failed: that, not a missing parent
         except ImageError as e:
             raise ParentMissingError(f"{e.message}; {path} is incremental: name its parent #{k} with --parent DIR "
                                      "(a push sends the parents first)") from None
