@@ -14,9 +14,11 @@ import base64
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
+import textwrap
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -29,6 +31,19 @@ pytestmark = base.pytestmark
 plugins, model, case = base.plugins, base.model, base.case
 
 TREE = DUMP.replace("-g $GPUS", "-g $GPUS -c")
+DOC = REPO / "docs" / "criu-integration.md"
+# docs/criu-integration.md's two loops, as written there (the test asserts it), run with HOST/REPO:TAG and
+# IMAGES filled in and `vramctl` a shell function adding the registry options
+PUSH_LOOP = """for d in IMAGES/amdgpu-vramd-*/; do          # one vramd image per KFD file (one per process of the tree)
+    id=${d%/}; id=${id##*-}
+    vramctl push "$d" "HOST/REPO:TAG-$id"    # needs push rights; uploads only the blobs the registry lacks
+done
+"""
+PULL_LOOP = """for f in IMAGES/amdgpu-kfd-*.img; do
+    id=${f##*/amdgpu-kfd-}; id=${id%.img}
+    vramctl pull "HOST/REPO:TAG-$id" "IMAGES/amdgpu-vramd-$id" || exit 1   # stop: no restore
+done
+"""
 KFD_IMG = re.compile(r"^amdgpu-kfd-(\d+)\.img$")
 EXPECT_TREE = f"ok 14 {2 * MIB << 20}; child ok 10 {2 * 4 << 20}\n"
 
@@ -47,6 +62,15 @@ def auth_file(path: str, host: str, user: str, password: str) -> list[str]:
     return ["--registry-config", path]
 
 
+def documented(loop: str, img: str, ref: str, opts: list[str]) -> subprocess.CompletedProcess[str]:
+    """One of the documented loops, run by bash as written there."""
+    text = DOC.read_text()
+    assert loop in text or textwrap.indent(loop, "   ") in text, "docs/criu-integration.md's loop changed"
+    script = (f"set -u\nvramctl() {{ {shlex.quote(sys.executable)} -m vramd.cli \"$@\" {shlex.join(opts)}; }}\n"
+              + loop.replace("IMAGES", shlex.quote(img)).replace("HOST/REPO:TAG", ref))
+    return subprocess.run(["bash", "-c", script], capture_output=True, text=True, cwd=str(REPO), timeout=600)
+
+
 def kfd_ids(img: str) -> list[str]:
     return sorted(m[1] for n in os.listdir(img) if (m := KFD_IMG.match(n)))
 
@@ -61,9 +85,10 @@ def files_of(d: str) -> dict[str, bytes]:
 
 def test_a_tree_restored_from_vramd_images_pulled_from_the_registry(case, plugins, htpasswd_registry, tmp_path):
     """The two-process tree dumped through vramd (two KFD files, two vramd images), each image pushed to
-    the registry (TLS, htpasswd, credentials in a config.json), the vramd images removed from the images
-    directory and the dump's daemon stopped; on the restoring side another daemon, each image pulled back into
-    place by its KFD file's id, and `criu restore` byte-exact in both processes."""
+    the registry by the documented loop (TLS, htpasswd, credentials in a config.json), the vramd images
+    removed from the images directory and the dump's daemon stopped; on the restoring side another daemon,
+    each image pulled back into place by its KFD file's id (the documented loop), the same files as dumped,
+    and `criu restore` byte-exact in both processes."""
     from registry_fixtures import REGISTRY_USERS
 
     reg = htpasswd_registry
@@ -79,22 +104,25 @@ def test_a_tree_restored_from_vramd_images_pulled_from_the_registry(case, plugin
         assert dumped["checks"] == EXPECT_TREE
     ids = kfd_ids(img)
     assert len(ids) == 2 and case.vramd_dirs() == [f"amdgpu-vramd-{i}" for i in ids], case.img()
+    r = documented(PUSH_LOOP, img, f"{reg.host}/ckpt/job:1", opts)
+    assert r.returncode == 0, r.stderr
+    pushed = r.stdout.splitlines()
+    assert [ln.split()[3] for ln in pushed] == [f"{reg.host}/ckpt/job:1-{i}" for i in ids], r.stdout
+    assert all(" uploaded 0 blob(s)" not in ln for ln in pushed), r.stdout
     kept = {}
     for i in ids:
         vdir = os.path.join(img, f"amdgpu-vramd-{i}")
-        r = vramctl("push", vdir, f"{reg.host}/ckpt/job:1-{i}", *opts, "--json")
-        assert r.returncode == 0, r.stderr
-        assert json.loads(r.stdout)["stats"]["blobs_uploaded"] > 0
         kept[i] = files_of(vdir)
         shutil.rmtree(vdir)
     assert case.vramd_dirs() == []
     # the restoring node: its own daemon; the documented loop over CRIU's KFD images, then criu restore
     with running_daemon() as d:
         env = case.env(d.socket, KFD_VRAMD="1")
-        for i in kfd_ids(img):
-            r = vramctl("pull", f"{reg.host}/ckpt/job:1-{i}", os.path.join(img, f"amdgpu-vramd-{i}"), *opts)
-            assert r.returncode == 0, r.stderr
-            assert r.stdout.startswith(f"pulled {reg.host}/ckpt/job:1-{i} (sha256:"), r.stdout
+        r = documented(PULL_LOOP, img, f"{reg.host}/ckpt/job:1", opts)
+        assert r.returncode == 0, r.stderr
+        assert [ln.split()[1] for ln in r.stdout.splitlines()] == [f"{reg.host}/ckpt/job:1-{i}" for i in ids], \
+            r.stdout
+        for i in ids:
             assert files_of(os.path.join(img, f"amdgpu-vramd-{i}")) == kept[i]
         restored = case.run(RESTORE, a, TOPO_A, extra=env)
         log = case.log("restore.log")
