@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import test_kfd_vramd_plugin as base
 from kfd_harness import REPO
-from test_kfd_stock_plugin import DUMP, MIB, RESTORE, TOPO_A
+from test_kfd_stock_plugin import DUMP, MIB, RESTORE, START, TOPO_A
 from test_kfd_vramd_plugin import running_daemon
 
 pytestmark = base.pytestmark
@@ -196,3 +196,56 @@ def test_kfd_vramd_1_still_restores_a_checkpoint_of_the_stock_path(case, plugins
     assert restored["restore"] == "0", log[-3000:]
     assert restored["checks"] == f"ok 7 {MIB << 20}\n"
     assert "param: KFD_VRAMD:required" in log
+
+
+# Two dumps of one running process into img/1 and img/2, the 2nd incremental on the 1st (KFD_VRAMD_PARENT, as
+# test_kfd_vramd_incremental.py: CRIU here has no dirty tracking); the workload rewrites one VRAM BO in between
+CHAIN2 = START + r"""
+rm -rf $W/img $W/ready; mkdir -p $W/img/1 $W/img/2
+$WL -m $MIB -g $GPUS $W/report > $W/ready 2>$W/wl.err < /dev/null &
+wait_for $W/ready || { cat $W/wl.err; exit 1; }
+pid=$(awk '{print $2}' $W/ready); echo "pid: $pid"
+$CRIU dump -t $pid -D $W/img/1 -o dump.log -v4 --libdir $W/plugins --shell-job --leave-running; echo "dump1: $?"
+rm -f $W/report; kill -HUP $pid && wait_for $W/report && echo "change: $(cat $W/report)"
+KFD_VRAMD_PARENT=../1 $CRIU dump -t $pid -D $W/img/2 -o dump.log -v4 --libdir $W/plugins --shell-job
+echo "dump2: $?"
+if alive $pid; then echo "alive: yes"; kill -TERM $pid; else echo "alive: no"; fi
+"""
+
+
+def test_an_incremental_vramd_image_through_the_registry_needs_its_parent_linked(case, plugins, registry):
+    """An incremental vramd image (one parent) pushed (vramctl pushes the parent too) and pulled back alone
+    into the 2nd checkpoint's images directory: vramctl puts the parent beside it as amdgpu-vramd-<id>.parent-1,
+    where the plugin does not look (it follows amdgpu-vramd-<id>/parent): criu restore fails naming the missing
+    parent; once the link is made (ln -s ../amdgpu-vramd-<id>.parent-1 amdgpu-vramd-<id>/parent) it restores
+    byte-exact, with the BO the workload rewrote between the dumps."""
+    case.use(plugins["vramd"])
+    a = case.state("state-a", TOPO_A)
+    img = os.path.join(case.work, "img")
+    with running_daemon() as d:
+        env = case.env(d.socket, KFD_VRAMD="1")
+        r = case.run(CHAIN2, a, TOPO_A, gpus=2, extra=env)
+        assert (r.get("dump1"), r.get("dump2")) == ("0", "0"), r["stdout"] + r["stderr"]
+        (i,) = kfd_ids(os.path.join(img, "2"))
+        vdir = os.path.join(img, "2", f"amdgpu-vramd-{i}")
+        assert os.readlink(os.path.join(vdir, "parent")) == f"../../1/amdgpu-vramd-{i}"
+        p = vramctl("push", vdir, f"{registry.host}/ckpt/chain:2-{i}", "--plain-http", "--json")
+        assert p.returncode == 0, p.stderr
+        assert len(json.loads(p.stdout)["chain"]) == 2, p.stdout
+        shutil.rmtree(os.path.join(img, "1"))
+        shutil.rmtree(vdir)
+        p = vramctl("pull", f"{registry.host}/ckpt/chain:2-{i}", vdir, "--plain-http", "--json")
+        assert p.returncode == 0, p.stderr
+        assert [c["dir"] for c in json.loads(p.stdout)["chain"]] == [vdir, f"{vdir}.parent-1"], p.stdout
+        restore2 = RESTORE.replace("-D $W/img ", "-D $W/img/2 ")
+        r = case.run(restore2, a, TOPO_A, extra=env)
+        log = case.log(os.path.join("2", "restore.log"))
+        assert r["restore"] != "0" and r["alive"] == "no", log[-3000:]
+        assert (f"vramd: restore from amdgpu-vramd-{i}/ failed: the image is incremental and needs parent #1 of the "
+                "chain (recorded at 'parent'), which was not given [PARENT_MISSING]") in log, log[-3000:]
+        os.symlink(f"../amdgpu-vramd-{i}.parent-1", os.path.join(vdir, "parent"))
+        r = case.run(restore2, a, TOPO_A, extra=env)
+        log = case.log(os.path.join("2", "restore.log"))
+        assert r["restore"] == "0", log[-3000:]
+        assert r["checks"] == f"ok 14 {2 * MIB << 20}\n", r["checks"]
+        assert f"vramd: amdgpu-vramd-{i}/ is incremental, restored through 1 parents" in log, log[-3000:]
