@@ -1,6 +1,6 @@
 """The patched amdgpu plugin's own file, amdgpu_plugin_vramd.c, without CRIU.
 
-contrib/criu/series creates plugins/amdgpu/amdgpu_plugin_vramd.{c,h} (0001) and changes them (0002-0005).
+contrib/criu/series creates plugins/amdgpu/amdgpu_plugin_vramd.{c,h} (0001) and changes them (0002-0006).
 Here the series is applied, in order, to an empty git tree with only those two files included; the .c is
 compiled with -Wall -Werror against libvramd (build/libvramd) and our stub headers (tests/criu_stubs, written
 from what the file uses; nothing of CRIU's), with and without HAVE_VRAMD, into a shared object this test
@@ -33,7 +33,7 @@ LIBVRAMD = ROOT / "build" / "libvramd"
 OWN = "plugins/amdgpu/amdgpu_plugin_vramd"
 STAGE_DUMP, STAGE_RESTORE = 0, 2  # tests/criu_stubs/criu-plugin.h
 DOORBELL = 1 << 3  # KFD_IOC_ALLOC_MEM_FLAGS_DOORBELL: no contents to move
-ECONNREFUSED, EEXIST = 111, 17
+ECONNREFUSED, EEXIST, ENOENT = 111, 17, 2
 
 pytestmark = pytest.mark.skipif(not os.path.exists(MODEL_PATH), reason="the SDMA model is not built (needs libdrm-dev "
                                 "at install time; ./dev.sh installs it)")
@@ -347,4 +347,37 @@ def test_failed_restore_cancels_the_submitted_copy(plugin_so, kfd, env, run_dir,
     finally:
         target.kill()
         target.wait()
+        os.close(img)
+
+
+def test_kfd_vramd_1_fails_a_restore_that_finds_no_bo_contents(plugin_so, env, tmp_path, capfd):
+    """Patch 0006: with KFD_VRAMD=1 the restored task's hook fails (-ENOENT, one line naming the directory it
+    expected) where the images directory holds neither amdgpu-vramd-<id>/ nor amdgpu-pages-<id>-* files (a vramd
+    image not pulled into place); with pages files there, or without the setting, it leaves the KFD file to the
+    stock path (1) as before."""
+    (tmp_path / "img").mkdir()
+    img = open_dir(tmp_path / "img")
+    buckets = (BoBucket * 1)(BoBucket(0x7F0000000000, 4096, 0, 0, GPU_ID, 0, 0xFFFFFFFF, 0))
+    try:
+        env.setenv("KFD_VRAMD", "1")
+        lib = _load(plugin_so[0], tmp_path, img)
+        lib.amdgpu_vramd_init(STAGE_RESTORE)
+        capfd.readouterr()
+        assert lib.amdgpu_vramd_restore(7, buckets, 1) == -ENOENT
+        lines = capfd.readouterr().err.splitlines()
+        assert lines == ["E: vramd: KFD_VRAMD=1 but the BO contents of amdgpu-kfd-7.img are neither a vramd image "
+                         "(amdgpu-vramd-7/) nor amdgpu-pages files: put the vramd image in place first (e.g. vramctl "
+                         "pull REF amdgpu-vramd-7)"], lines
+        (tmp_path / "img" / "amdgpu-pages-70-5d21.img").write_bytes(b"")  # another KFD file's
+        assert lib.amdgpu_vramd_restore(7, buckets, 1) == -ENOENT
+        (tmp_path / "img" / "amdgpu-pages-7-5d21.img").write_bytes(b"")
+        assert lib.amdgpu_vramd_restore(7, buckets, 1) == 1
+        os.unlink(tmp_path / "img" / "amdgpu-pages-7-5d21.img")
+        env.delenv("KFD_VRAMD")
+        lib = _load(plugin_so[0], tmp_path, img)
+        lib.amdgpu_vramd_init(STAGE_RESTORE)
+        capfd.readouterr()
+        assert lib.amdgpu_vramd_restore(7, buckets, 1) == 1
+        assert capfd.readouterr().err == ""
+    finally:
         os.close(img)
