@@ -110,7 +110,7 @@ def test_c_suite(build, daemon):
                  "unreadable_image", "marks_and_sweep", "sibling_children", "fake_asks_for_a_file",
                  "reader_child_locks_nothing", "marks_read_by_vramctl", "lock_on_fd_one",
                  "child_of_another_owner_marks_nothing", "moved_childs_mark_kept", "abi_sizes", "abi_refusals",
-                 "abi_enums"):
+                 "abi_enums", "lock_replacements"):
         assert f"PASS {name} " in out, out
 
 

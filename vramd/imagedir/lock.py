@@ -1,5 +1,17 @@
 """An image directory's lock: a file `.lock` only those who may write the image can open (one dump, rm or gc
-at a time; children hold their parents' shared)."""
+at a time; children hold their parents' shared).
+
+The file exists only while someone holds it: its last holder removes it as it releases it, and the next taker
+creates a new one.  So a taker may open the file just before its last holder removes it, and find, once it
+has flocked it, that it locks nothing (the name is gone, or another file's): it looks again.  Siblings (children
+of one image, each taking and releasing its lock shared) can make that happen any number of times in a row,
+though none ever excludes another.  The rule: a taker looks again, with no limit, every time the file it
+opened was removed before it held it, since each removal is another holder's completed release (the lock was
+free then: nobody excluded the taker, and the others made progress); it is refused only where another holds
+the lock (exclusively, against a child), where `.lock` is not vramd's, on an error (the directory removed:
+`.lock` cannot be created there), or after STRAYS replacements that no release explains (the file it opened
+moved away, still linked).
+"""
 from __future__ import annotations
 
 import errno
@@ -137,6 +149,10 @@ def _open_lock_file(dir_fd: int, where: str, owner: os.stat_result, optional: bo
 RELEASE_SPINS = 300
 RELEASE_YIELDS = 100
 RELEASE_PAUSE = 0.001
+# How many replacements of `.lock` that no holder's release explains (the file a taker opened moved aside, still
+# linked, rather than removed) a taker sees before it gives up: a file system that never shows a removed
+# file as unlinked would otherwise keep it looking forever.
+STRAYS = 8
 
 
 def _flock_waiting_out_releases(fd: int, dir_fd: int, shared: bool) -> bool:
@@ -163,22 +179,25 @@ def take_lock(dir_fd: int, where: str = "the image directory", *, shared: bool =
     other (sibling dumps commit at once), only a dump writing into the directory, or gc, or rm, excludes
     them, and they it.  Only who may open `.lock` (its owner, the directory's, and root) can take it, and
     only who may write the directory can create it: a reader of an image blocks nobody.  `optional`: None
-    where this uid may not create it (a read-only directory or file system)."""
+    where this uid may not create it (a read-only directory or file system).  A `.lock` removed between our
+    open and our flock (its last holder released it) is no refusal: see the module's docstring."""
     try:
         owner = os.fstat(dir_fd)
     except OSError as e:
         raise from_os_error(e, f"{where} cannot be opened", InvalidRequestError) from None
-    for _ in range(8):
+    strays = 0  # replacements no holder's release explains: at most STRAYS
+    while True:
         fd = _open_lock_file(dir_fd, where, owner, optional)
         if fd is None:
             return None
         if fd == GONE:
-            continue
+            continue  # removed between our create and our open: a holder's release
         try:
             # its last holder may have removed the name between our open and our flock (or held it exclusively
             # to remove it): then this file excludes nobody, and the one at the name now is the lock
             if _flock_waiting_out_releases(fd, dir_fd, shared) and same_file(os.fstat(fd), dir_fd, LOCK_NAME):
                 return DirectoryLock(os.dup(dir_fd), fd, shared)
+            released = os.fstat(fd).st_nlink == 0
         except OSError as e:
             os.close(fd)
             if e.errno == errno.EWOULDBLOCK:
@@ -186,7 +205,12 @@ def take_lock(dir_fd: int, where: str = "the image directory", *, shared: bool =
                 raise InvalidRequestError(f"another dump is writing into {where}{also}") from None
             raise from_os_error(e, f"cannot lock {where}", InvalidRequestError) from None
         os.close(fd)
-    raise InvalidRequestError(f"cannot lock {where}: its {LOCK_NAME} was replaced 8 times in a row")
+        if not released:
+            strays += 1
+            if strays == STRAYS:
+                raise InvalidRequestError(f"cannot lock {where}: its {LOCK_NAME} was replaced {STRAYS} times while "
+                                          "the file opened stayed linked (moved away, not removed by a holder's "
+                                          "release)")
 
 
 def lock_directory(dir_fd: int, where: str = "the image directory", *, shared: bool = False) -> DirectoryLock:

@@ -313,6 +313,8 @@ static int open_lock_file(int dir_fd, const struct stat *owner, bool optional, i
  * exclusive lock refuses a shared taker after about 0.2 s. */
 #define RELEASE_SPINS 300
 #define RELEASE_YIELDS 100
+/* vramd.imagedir.lock.STRAYS: replacements of .lock no holder's release explains before a taker gives up */
+#define STRAYS 8
 
 /* flock fd (shared or exclusive, never waiting): 0 once held, 1 where .lock is no longer this file (its last
  * holder removed it), -errno (-EWOULDBLOCK: another holds it). */
@@ -345,20 +347,19 @@ static int take_lock(int dir_fd, bool shared, bool optional, const char *label, 
     *lock_fd = -1;
     if (fstat(dir_fd, &owner) < 0)
         return fail_name(err, errno, "stat", ".", dir_fd);
-    for (int tries = 0; tries < 8; tries++) {
+    /* as vramd.imagedir.take_lock: no limit while each file opened was removed before we held it (another
+     * holder's completed release: the lock was free then); STRAYS replacements no release explains (the file
+     * opened still linked, moved away) are refused */
+    for (int strays = 0; strays < STRAYS;) {
         int fd;
         int r = open_lock_file(dir_fd, &owner, optional, min_fd, &fd, err);
         if (r < 0)
             return r;
         if (r == 1)
-            continue;
+            continue; /* removed between our create and our open: a release */
         if (fd < 0)
             return 0;
         r = flock_waiting_out_releases(fd, dir_fd, shared);
-        if (r == 1) { /* its last holder, removing it, held it exclusively: the lock is the new one */
-            vramd__close_fd(fd);
-            continue;
-        }
         if (r < 0) {
             int e = -r;
             char path[PATH_MAX];
@@ -369,19 +370,24 @@ static int take_lock(int dir_fd, bool shared, bool optional, const char *label, 
                                    "lock)", label, path);
             return vramd__fail(err, -e, VRAMD_CODE_LOCAL, "cannot lock %s%s: %s", label, path, errtext(e));
         }
-        /* its last holder may have removed the name between our open and our flock: this file then excludes
-         * nobody, and the one at the name now is the lock */
+        /* r == 1: its last holder, removing it, held it exclusively; or its last holder may have removed the
+         * name between our open and our flock: this file then excludes nobody, and the one at the name now is
+         * the lock */
         struct stat st;
-        if (fstat(fd, &st) == 0 && same_file(&st, dir_fd, VRAMD__LOCK_NAME, false)) {
+        bool have = fstat(fd, &st) == 0;
+        if (r == 0 && have && same_file(&st, dir_fd, VRAMD__LOCK_NAME, false)) {
             *lock_fd = fd;
             return 0;
         }
         vramd__close_fd(fd);
+        if (!have || st.st_nlink > 0)
+            strays++;
     }
     char path[PATH_MAX];
     vramd__dir_label(dir_fd, path, sizeof path);
-    return vramd__fail(err, -EBUSY, VRAMD_CODE_LOCAL, "cannot lock %s%s: its " VRAMD__LOCK_NAME " was replaced 8 "
-                       "times in a row", label, path);
+    return vramd__fail(err, -EBUSY, VRAMD_CODE_LOCAL, "cannot lock %s%s: its " VRAMD__LOCK_NAME " was replaced %d "
+                       "times while the file opened stayed linked (moved away, not removed by a holder's release)",
+                       label, path, STRAYS);
 }
 
 /* Unlock: where no other holder is left, the name goes first (it exists only while held, or after a crash).
