@@ -9,6 +9,7 @@ read from the session's progress, which is deterministic: a chunk whose record i
 from __future__ import annotations
 
 import os
+import struct
 import time
 from pathlib import Path
 
@@ -17,13 +18,22 @@ from helpers import open_dir, run
 
 from vramd import inproc
 from vramd.backends import BoRef
-from vramd.client import SESSION_RESTORE, Client, ClientBo
+from vramd.client import SESSION_DUMP, SESSION_RESTORE, SESSION_VERIFY, Client, ClientBo
 from vramd.engine import BoSpec, Engine, EngineConfig
-from vramd.errors import WaitTimeoutError
+from vramd.errors import (
+    BadDescriptorError,
+    ForeignDataFileError,
+    InvalidRequestError,
+    JobCancelledError,
+    TruncatedDataError,
+    WaitTimeoutError,
+)
+from vramd.hostmem.staging import buffer_unit
 from vramd.image.manifest import chunk_record, decode_manifest
 from vramd.image.names import MANIFEST_NAME
 from vramd.image.supply import encode
 from vramd.pb import rpc_pb2 as rpc
+from vramd.testing import DaemonProcess
 from vramd.units import MiB
 
 CHUNK = MiB
@@ -189,3 +199,170 @@ def test_a_restore_streamed_in_pieces_lands_as_they_are_supplied(daemon, image, 
         assert info.state == rpc.SESSION_DONE and info.progress.bytes_done == total
         c.close_session(s.token)
     assert targets.contents() == image.contents
+
+
+def test_bytes_never_supplied_are_never_read_and_the_pipes_end_names_them(daemon, image, targets):
+    """The part after the first 3 chunks holds garbage no record check passes, never supplied: the restore
+    reaches exactly the supplied chunks, then the pipe's end fails it naming the data file, how far it was
+    supplied, and the first chunk that was not restored (not a CORRUPT_CHUNK: the garbage was never read)."""
+    cut = image.cut(3)
+    image.fill(0, cut)
+    image.garbage(cut)
+    with Client(daemon.socket) as c:
+        s, w = _streamed(c, image, targets)
+        try:
+            os.write(w, encode(0, cut))
+            assert _until(c, s.token, image.covered(cut)).progress.bytes_done == image.covered(cut)
+            assert _running(c, s.token).progress.bytes_done == image.covered(cut)
+        finally:
+            os.close(w)
+        with pytest.raises(TruncatedDataError) as e:
+            c.wait(s.token)
+        assert (e.value.bo_id, e.value.offset) == (1, 3 * CHUNK)
+        assert f"stopped supplying data file {image.name} at {cut:#x}" in e.value.message
+        assert "BO 1 at offset 0x300000 was not restored" in e.value.message
+        info = c.progress(s.token)
+        assert info.state == rpc.SESSION_FAILED and info.progress.bytes_done == image.covered(cut)
+        c.close_session(s.token)
+    assert targets.contents()[1][:3 * CHUNK] == image.contents[1][:3 * CHUNK]
+
+
+def _message(index: int, end: int, reserved: int = 0) -> bytes:
+    return struct.pack("<IIQ", index, reserved, end)
+
+
+@pytest.mark.parametrize(("sent", "says"), [
+    (lambda n: encode(0, n + 1), "is past its length"),
+    (lambda n: encode(0, 4096) + encode(0, 4095), "goes back from 0x1000"),
+    (lambda n: encode(1, 16), "data file #1: the image has 1"),
+    (lambda n: _message(0, 16, reserved=7), "reserved field 0x7 is not 0"),
+    (lambda n: encode(0, 16)[:10], "ended inside a message (10 of 16 bytes)"),
+], ids=["past-the-end", "going-back", "no-such-file", "reserved", "cut-message"])
+def test_a_message_no_client_sends_fails_the_session_and_only_it(daemon, image, targets, sent, says):
+    """A bad supply message fails its session with INVALID_REQUEST naming it; an ordinary restore on the same
+    daemon then completes, byte-exact."""
+    image.fill(0, len(image.data))  # the bytes are all there: only the message is wrong
+    with Client(daemon.socket) as c:
+        s, w = _streamed(c, image, targets)
+        os.write(w, sent(len(image.data)))
+        os.close(w)
+        with pytest.raises(InvalidRequestError) as e:
+            c.wait(s.token)
+        assert e.value.message.startswith("the supply pipe: ") and says in e.value.message
+        c.close_session(s.token)
+        other = Targets()
+        try:
+            dfd = open_dir(image.src)
+            try:
+                assert c.run_session(SESSION_RESTORE, dfd, other.bos()).state == rpc.SESSION_DONE
+            finally:
+                os.close(dfd)
+            assert other.contents() == image.contents
+        finally:
+            other.close()
+
+
+def test_a_session_that_waits_for_its_supply_holds_no_staging(run_dir, tmp_path, image, targets):
+    """A daemon whose staging budget is the least it starts with (4 buffers of a 1 MiB chunk) and whose lanes
+    keep 8 batches in flight: a streamed restore that is never supplied has every chunk to take, yet holds no
+    buffer, and an ordinary restore on another connection completes meanwhile; then the streamed one is
+    supplied and completes too."""
+    budget = 4 * buffer_unit(CHUNK)
+    cfg = tmp_path / "vramd.toml"
+    cfg.write_text(f'staging_budget = {budget}\nchunk_size = "1M"\ninflight_per_gpu = 8\n')
+    with DaemonProcess(run_dir, "--config", str(cfg)) as d, Client(d.socket) as c:
+        s, w = _streamed(c, image, targets)
+        try:
+            with Client(d.socket) as other_client:
+                other = Targets()
+                try:
+                    dfd = open_dir(image.src)
+                    try:
+                        o = other_client.open_session(SESSION_RESTORE, dfd)
+                    finally:
+                        os.close(dfd)
+                    other_client.add_bos(o.token, other.bos())
+                    other_client.start(o.token)
+                    # (a bound that only a restore starved of staging would reach: it fails the test)
+                    assert other_client.wait(o.token, 60).state == rpc.SESSION_DONE
+                    assert other.contents() == image.contents
+                finally:
+                    other.close()
+            assert _running(c, s.token).progress.bytes_done == 0
+            image.fill(0, len(image.data))
+            os.write(w, encode(0, len(image.data)))
+        finally:
+            os.close(w)
+        assert c.wait(s.token).state == rpc.SESSION_DONE
+        c.close_session(s.token)
+    assert targets.contents() == image.contents
+
+
+def test_a_supply_fd_that_is_not_a_pipe_is_refused_at_open(daemon, image):
+    """A regular file, or a pipe's write end: BAD_DESCRIPTOR at OpenSession, and no session is left open."""
+    dfd = open_dir(image.dst)
+    r, w = os.pipe2(os.O_CLOEXEC)
+    try:
+        with Client(daemon.socket) as c:
+            for fd, says in ((dfd, "not a pipe nor a socket"), (w, "not open for reading")):
+                with pytest.raises(BadDescriptorError) as e:
+                    c.open_session(SESSION_RESTORE, dfd, supply_fd=fd)
+                assert says in e.value.message
+            assert c.sessions() == []
+    finally:
+        for fd in (dfd, r, w):
+            os.close(fd)
+
+
+def test_a_dump_takes_no_supply_pipe(daemon, image):
+    r, w = os.pipe2(os.O_CLOEXEC)
+    try:
+        with Client(daemon.socket) as c:
+            resp = c.request([r], open_session=rpc.OpenSession(kind=SESSION_DUMP, supply_fd_index=0))
+            assert resp.error.code == rpc.INVALID_REQUEST and "supply_fd_index" in resp.error.message
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_a_cancel_while_waiting_ends_the_session_and_lets_the_pipe_go(daemon, image, targets):
+    """Cancelled while every chunk waits for its supply: CANCELLED at once, and the daemon has closed its end
+    of the pipe (a write to ours is EPIPE), holding no fd of the session."""
+    files = [f for f in daemon.fds() if not f.startswith("socket:")]
+    with Client(daemon.socket) as c:
+        s, w = _streamed(c, image, targets)
+        try:
+            assert _running(c, s.token).progress.bytes_done == 0
+            c.cancel(s.token, "no more")
+            with pytest.raises(JobCancelledError):
+                c.wait(s.token)
+            assert c.progress(s.token).state == rpc.SESSION_CANCELLED
+            c.close_session(s.token)
+            with pytest.raises(BrokenPipeError):
+                os.write(w, encode(0, 16))
+        finally:
+            os.close(w)
+    assert [f for f in daemon.fds() if not f.startswith("socket:")] == files
+
+
+def test_a_streamed_verify_checks_the_header_once_supplied(daemon, image):
+    """A verify streams too; a data file whose header (written last here) is another image's is refused once
+    it is supplied, FOREIGN_DATA_FILE naming the file, though the records are right."""
+    image.fill(0, len(image.data))
+    with Client(daemon.socket) as c:
+        s, w = _streamed(c, image, None, SESSION_VERIFY)
+        os.write(w, encode(0, len(image.data)))
+        os.close(w)
+        info = c.wait(s.token)
+        assert info.state == rpc.SESSION_DONE and info.progress.bytes_done == sum(SIZES.values())
+        c.close_session(s.token)
+        with open(image.dst / image.name, "r+b") as f:
+            f.seek(16)
+            f.write(bytes(16))  # the image id in the header
+        s, w = _streamed(c, image, None, SESSION_VERIFY)
+        os.write(w, encode(0, len(image.data)))
+        os.close(w)
+        with pytest.raises(ForeignDataFileError) as e:
+            c.wait(s.token)
+        assert image.name in e.value.message
+        assert c.progress(s.token).progress.bytes_done == 0
