@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import select
+import socket
 import struct
 import time
 from pathlib import Path
@@ -34,6 +35,8 @@ from vramd.image.manifest import chunk_record, decode_manifest
 from vramd.image.names import MANIFEST_NAME
 from vramd.image.supply import encode
 from vramd.pb import rpc_pb2 as rpc
+from vramd.protocol import requests
+from vramd.protocol.requests import OpenSpec
 from vramd.testing import DaemonProcess
 from vramd.units import MiB
 
@@ -451,3 +454,38 @@ def test_shutdown_drains_a_streamed_session_then_ends_its_waits(run_dir, image, 
             assert d.stop() == 0
         finally:
             os.close(w)
+
+
+def test_open_session_carries_the_supply_pipe_after_the_manifests():
+    """The request: the supply fd goes after the image's and its parents' manifests, named by its index, with
+    the transcript role "supply"; a dump takes none (refused before anything is sent)."""
+    call = requests.open_session(OpenSpec(SESSION_RESTORE, parents=2), [10, 11, 12], supply_fd=13)
+    assert call.fds == (10, 11, 12, 13) and call.roles == ("manifest:0", "manifest:1", "manifest:2", "supply")
+    assert call.body.HasField("supply_fd_index") and call.body.supply_fd_index == 3
+    assert not requests.open_session(OpenSpec(SESSION_RESTORE), [10]).body.HasField("supply_fd_index")
+    with pytest.raises(ValueError, match="a dump takes no supply pipe"):
+        requests.open_session(OpenSpec(SESSION_DUMP), [], supply_fd=13)
+
+
+def test_a_stream_socket_supplies_as_a_pipe_does_and_a_datagram_socket_is_refused(daemon, image, targets):
+    """A connected SOCK_STREAM socket pair works as the supply channel (the peer's close is its end); a
+    SOCK_SEQPACKET one, whose reads return messages rather than a byte stream, is BAD_DESCRIPTOR at open."""
+    image.fill(0, len(image.data))
+    dfd = open_dir(image.dst)
+    try:
+        with Client(daemon.socket) as c:
+            a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            with a, b, pytest.raises(BadDescriptorError, match="not a stream socket"):
+                c.open_session(SESSION_RESTORE, dfd, supply_fd=a.fileno())
+            a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            with b:
+                with a:
+                    s = c.open_session(SESSION_RESTORE, dfd, supply_fd=a.fileno())
+                c.add_bos(s.token, targets.bos())
+                c.start(s.token)
+                b.sendall(encode(0, len(image.data)))
+            assert c.wait(s.token).state == rpc.SESSION_DONE
+            c.close_session(s.token)
+    finally:
+        os.close(dfd)
+    assert targets.contents() == image.contents
