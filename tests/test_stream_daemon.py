@@ -217,6 +217,27 @@ def test_a_restore_streamed_in_pieces_lands_as_they_are_supplied(daemon, image, 
     assert targets.contents() == image.contents
 
 
+def test_a_supply_that_comes_before_the_files_are_attached_waits_for_them(daemon, image, targets):
+    """Every message written (and the pipe closed) before OpenSession: the daemon reads them at once, before the
+    client has attached the data files; the headers are checked once they are, and the restore completes."""
+    image.fill(0, len(image.data))
+    r, w = os.pipe2(os.O_CLOEXEC)
+    os.write(w, encode(0, 16) + encode(0, len(image.data)))
+    os.close(w)
+    dfd = open_dir(image.dst)
+    try:
+        with Client(daemon.socket) as c:
+            s = c.open_session(SESSION_RESTORE, dfd, supply_fd=r)
+            os.close(r)
+            c.add_bos(s.token, targets.bos())
+            c.start(s.token)
+            assert c.wait(s.token).state == rpc.SESSION_DONE
+            c.close_session(s.token)
+    finally:
+        os.close(dfd)
+    assert targets.contents() == image.contents
+
+
 def test_bytes_never_supplied_are_never_read_and_the_pipes_end_names_them(daemon, image, targets):
     """The part after the first 3 chunks holds garbage no record check passes, never supplied: the restore
     reaches exactly the supplied chunks, then the pipe's end fails it naming the data file, how far it was
