@@ -12,11 +12,13 @@ import os
 import select
 import socket
 import struct
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
-from helpers import open_dir, run
+from helpers import ROOT, open_dir, run
 
 from vramd import inproc
 from vramd.backends import BoRef
@@ -510,3 +512,13 @@ def test_a_stream_socket_supplies_as_a_pipe_does_and_a_datagram_socket_is_refuse
     finally:
         os.close(dfd)
     assert targets.contents() == image.contents
+
+
+def test_the_bench_runs_and_reports_every_row(tmp_path):
+    """bench/stream_daemon.py at a small size: every row, the ratio and the CPU line (it asserts each session
+    ended DONE)."""
+    out = subprocess.run([sys.executable, "bench/stream_daemon.py", "--size", "24MiB", "--reps", "1", "--dir",
+                          str(tmp_path), "--piece", "1MiB"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    for row in ("local", "fill", "supplied", "streamed", "streamed / max(local, fill) = ", "daemon CPU s/GiB"):
+        assert f"  {row}" in out.stdout, out.stdout
