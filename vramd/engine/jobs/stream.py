@@ -40,7 +40,7 @@ from ...errors import (
 from ...image.format import DATA_HEADER
 from ...image.reader import ImageReader, Loc
 from ...image.supply import SupplyDecoder, SupplyError
-from ..pipeline import ChunkTask
+from ..pipeline import ChunkTask, settle
 from .read import ImageBo
 
 log = logging.getLogger(__name__)
@@ -57,8 +57,11 @@ def check_supply_fd(fd: int) -> None:
     except OSError as e:
         raise from_os_error(e, "the supply fd is unusable", BadDescriptorError) from None
     if stat.S_ISSOCK(st.st_mode):
-        with socket.socket(fileno=os.dup(fd)) as s:
-            kind = s.getsockopt(socket.SOL_SOCKET, socket.SO_TYPE)
+        try:
+            with socket.socket(fileno=os.dup(fd)) as s:
+                kind = s.getsockopt(socket.SOL_SOCKET, socket.SO_TYPE)
+        except OSError as e:
+            raise from_os_error(e, "the supply socket is unusable", BadDescriptorError) from None
         if kind != socket.SOCK_STREAM:
             raise BadDescriptorError("the supply fd is a socket that is not a stream socket (SOCK_STREAM)")
     elif not stat.S_ISFIFO(st.st_mode):
@@ -134,6 +137,10 @@ class Supply:
             h.cancel()
         self._wake()
 
+    async def closed(self) -> None:
+        """After `stop`: return once no header check reads a data file any more (the session then closes them)."""
+        await asyncio.gather(*self._headers.values(), return_exceptions=True)
+
     # --- the pipe ---------------------------------------------------------------
 
     def _wake(self) -> None:
@@ -180,7 +187,8 @@ class Supply:
 
     async def _check_header(self, index: int) -> None:
         try:
-            await asyncio.get_running_loop().run_in_executor(self._io, self.reader.check_header, index)
+            # (settled: cancelled, it still waits for the thread's read, so `closed` means no read is under way)
+            await settle(asyncio.get_running_loop().run_in_executor(self._io, self.reader.check_header, index))
         except asyncio.CancelledError:
             raise
         except VramdError as e:  # FOREIGN_DATA_FILE, UNSUPPORTED_VERSION, IO_ERROR: the reader's, naming the file
