@@ -19,6 +19,7 @@ from vramd.pb import rpc_pb2 as rpc
 from vramd.protocol import requests
 from vramd.protocol.requests import OpenSpec
 from vramd.testing import DaemonProcess
+from vramd.testing.transcript import fd_role
 
 
 @pytest.fixture
@@ -204,6 +205,25 @@ def test_open_session_carries_the_supply_pipe_after_the_manifests():
     assert not requests.open_session(OpenSpec(SESSION_RESTORE), [10]).body.HasField("supply_fd_index")
     with pytest.raises(ValueError, match="a dump takes no supply pipe"):
         requests.open_session(OpenSpec(SESSION_DUMP), [], supply_fd=13)
+
+
+def test_a_recorded_streamed_open_names_the_pipe_by_its_role(daemon, image):
+    """A client recording its packets lists the supply pipe as "supply", the role vramd.testing.transcript gives
+    a pipe's read end (tests/transcripts/README.md): there is no fixture for it, libvramd cannot open one."""
+    r, w = os.pipe2(os.O_CLOEXEC)
+    dfd = open_dir(image.dst)
+    try:
+        assert fd_role(r, {}, []) == "supply" and fd_role(w, {}, []).startswith("other:pipe:")
+        with Client(daemon.socket, record=True) as c:
+            s = c.open_session(SESSION_RESTORE, dfd, supply_fd=r)
+            c.close_session(s.token)
+            assert c.transcript is not None
+            sent = [st for st in c.transcript.steps if "send" in st]
+            assert sent[1]["send"]["open_session"]["supply_fd_index"] == 1 and sent[1]["fds"] == ["manifest:0",
+                                                                                                   "supply"]
+    finally:
+        for fd in (r, w, dfd):
+            os.close(fd)
 
 
 def test_the_bench_runs_and_reports_every_row(tmp_path):
