@@ -14,7 +14,8 @@ One daemon (8 MiB chunks, its other settings the defaults) and one image of one 
             were all filled and supplied before it opened: what the gate costs when it never holds a chunk
   streamed  the same session while the fill runs in a thread, each piece followed by its supply message
 
-It reports each one's median wall seconds, the streamed restore's wall against max(local, fill) (issue #35's
+It reports each one's median wall seconds, the streamed restore's tail (from its last supply message to the
+session's end: what the daemon adds after the fill), its wall against max(local, fill) (issue #35's
 target for the whole streamed pull: 1.15), and the daemon's CPU seconds per GiB for local, supplied and
 streamed (utime + stime of the daemon process, /proc/PID/stat, before and after).  The fill runs in this
 process: on a machine with few cores it competes with the daemon for them, as a registry client's downloads
@@ -60,11 +61,12 @@ def memfd(size: int, seed: int | None = None) -> int:
 
 
 def fill(image: Path, target: Path, names: list[str], piece: int, supply: int | None = None,
-         rate: float = 0.0) -> None:
+         rate: float = 0.0) -> float:
     """Copy the image's data files into the target's (created at their full length), side by side: a piece of
     each in turn (the daemon reads the files' records in chunk order, and a dump spreads chunks over them);
     after each piece, supply that file's end.  `rate` (bytes/s, 0: as fast as it goes): no piece is written
-    before the time a download at that rate would have brought it (a network, not the CPU, setting the pace)."""
+    before the time a download at that rate would have brought it (a network, not the CPU, setting the pace).
+    Returns when the last piece was supplied (perf_counter)."""
     sizes = [(image / n).stat().st_size for n in names]
     start, done = time.perf_counter(), 0
     srcs = [os.open(image / n, os.O_RDONLY | os.O_CLOEXEC) for n in names]
@@ -85,6 +87,7 @@ def fill(image: Path, target: Path, names: list[str], piece: int, supply: int | 
     finally:
         for fd in srcs + dsts:
             os.close(fd)
+    return time.perf_counter()
 
 
 def fresh(image: Path, where: Path, names: list[str]) -> Path:
@@ -111,7 +114,7 @@ def main() -> None:
     size, piece, rate = parse_size(a.size), parse_size(a.piece), a.rate * 1e9
     top = Path(tempfile.mkdtemp(prefix="vramd-stream-bench-", dir=a.dir))
     run_dir = tempfile.mkdtemp(prefix="vramd-b", dir="/tmp")
-    rows: dict[str, list[float]] = {k: [] for k in ("local", "fill", "supplied", "streamed", "local_cpu",
+    rows: dict[str, list[float]] = {k: [] for k in ("local", "fill", "supplied", "streamed", "tail", "local_cpu",
                                                     "supplied_cpu", "streamed_cpu")}
     try:
         with DaemonProcess(run_dir, "--chunk-size", "8M", log_level="warning") as d, Client(d.socket) as c:
@@ -153,13 +156,18 @@ def main() -> None:
                     os.close(dfd)
                     c.add_bos(s.token, [ClientBo(1, dst)])
                     c.start(s.token)
+                    last: list[float] = []
                     if kind == "streamed":
-                        writer = threading.Thread(target=fill, args=(image, target, names, piece, w, rate))
+                        writer = threading.Thread(target=lambda out=last, to=target, fd=w: out.append(
+                            fill(image, to, names, piece, fd, rate)))
                         writer.start()
                         writer.join()
                     os.close(w)
                     assert c.wait(s.token).state == rpc.SESSION_DONE
-                    rows[kind].append(time.perf_counter() - t)
+                    done = time.perf_counter()
+                    rows[kind].append(done - t)
+                    if last:
+                        rows["tail"].append(done - last[0])
                     rows[f"{kind}_cpu"].append((daemon_cpu(d.pid) - cpu) / (size / GiB))
                     c.close_session(s.token)
                     shutil.rmtree(target)
@@ -174,6 +182,7 @@ def main() -> None:
         print(f"  {k:9s} {med[k]:.3f} s  {size / med[k] / 1e9:.2f} GB/s   (runs: "
               f"{', '.join(f'{x:.3f}' for x in rows[k])})")
     print(f"  streamed / max(local, fill) = {med['streamed'] / max(med['local'], med['fill']):.2f}")
+    print(f"  tail (streamed: from the last supply message to DONE) {med['tail'] * 1e3:.1f} ms")
     print(f"  daemon CPU s/GiB: local {med['local_cpu']:.3f}, supplied {med['supplied_cpu']:.3f}, "
           f"streamed {med['streamed_cpu']:.3f}")
 
