@@ -23,6 +23,10 @@ with few cores that beats handing each stage to another thread.  A batch
 that `run` declines (its read would wait on a device) takes the three
 stages, and its lane then adds `device_workers` batches in flight, once, so
 that reads keep waiting on the device while other batches copy out.
+
+A job whose bytes arrive while it runs (a streamed restore) sets a `Gate`:
+a worker waits for its first chunk to be ready before it takes staging, and
+a batch takes beside it only chunks that are ready.
 """
 from __future__ import annotations
 
@@ -31,7 +35,6 @@ import collections
 import enum
 import logging
 import time
-import traceback
 from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -50,6 +53,7 @@ from .stages import (
     Declined,
     Ends,
     FilledT,
+    Gate,
     InlineEnds,
     PipelineBo,
     ProductT,
@@ -59,10 +63,12 @@ from .stages import (
     blame,
     settle,
     slot_size,
+    unpin,
 )
 
-__all__ = ["DECLINED", "HEAD_PAGE", "MAX_BATCH", "SLOT_ALIGN", "ChunkTask", "Clock", "Declined", "Ends", "InlineEnds",
-           "Pipeline", "PipelineBo", "Progress", "ProgressCallback", "StageTimes", "blame", "settle", "slot_size"]
+__all__ = ["DECLINED", "HEAD_PAGE", "MAX_BATCH", "SLOT_ALIGN", "ChunkTask", "Clock", "Declined", "Ends", "Gate",
+           "InlineEnds", "Pipeline", "PipelineBo", "Progress", "ProgressCallback", "StageTimes", "blame", "settle",
+           "slot_size"]
 
 log = logging.getLogger(__name__)
 
@@ -84,20 +90,6 @@ class Shape(Protocol[_BoIn]):
     buffers_per_chunk: int
 
     def bo_done(self, bo: _BoIn) -> None: ...
-
-
-def _unpin(exc: BaseException | None) -> None:
-    """Drop the locals of the finished frames an error passed through.
-
-    They can hold views into the staging buffers (a batch's payloads, an
-    iovec), and the job's error outlives the job: kept, it would keep the
-    pool from ever unmapping those buffers.  The traceback itself stays.
-    """
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        traceback.clear_frames(exc.__traceback__)
-        exc = exc.__cause__ or exc.__context__
 
 
 @dataclass(eq=False)
@@ -164,6 +156,8 @@ class Pipeline(Generic[BoT]):
         # called once, with the first error (e.g. to end an RPC session at once)
         self.on_fail: Callable[[BaseException], None] | None = None
         self.progress = Progress()
+        # what holds chunks back until they may be read (a streamed restore's supply); None: nothing does
+        self.gate: Gate[BoT] | None = None
         self._lanes: dict[int, _Lane[BoT]] = {}
         self._closed = False
         self.error: BaseException | None = None
@@ -217,6 +211,8 @@ class Pipeline(Generic[BoT]):
             self.error = exc
         for lane in self._lanes.values():
             self._poke(lane)
+        if self.gate is not None:
+            self.gate.stop()
         if first and self.on_fail is not None:
             self.on_fail(exc)
 
@@ -298,8 +294,8 @@ class Pipeline(Generic[BoT]):
             if task is None:
                 break
             slot = slot_size(task.length)
-            if end + slot > limit:
-                lane.carry = task  # not lost: the lane's next batch starts with it
+            if end + slot > limit or (self.gate is not None and not self.gate.is_ready(task)):
+                lane.carry = task  # too big, or held back by the gate: the lane's next batch starts with it
                 self._poke(lane)
                 break
             task.buf_offset = end + HEAD_PAGE
@@ -353,6 +349,11 @@ class Pipeline(Generic[BoT]):
             tasks: list[ChunkTask[BoT]] = [first]
             clock = Clock(self.times)
             try:  # e.g. a chunk larger than the whole budget: the job fails with it, never silently
+                if self.gate is not None and not self.gate.is_ready(first):
+                    await self.gate.ready(first)  # before taking staging: a chunk held back holds none
+                    clock.lap("supply")
+                    if self.error is not None:
+                        break
                 bufs = await self.pool.acquire(ends.chunk_size, ends.buffers_per_chunk)
             except VramdError as e:
                 self.fail(e)
@@ -375,14 +376,14 @@ class Pipeline(Generic[BoT]):
                     self.times.largest = max(self.times.largest, len(tasks))
                 await self._stages(lane, tasks, bufs)
             except VramdError as e:
-                _unpin(e)
+                unpin(e)
                 self.fail(e)
             except asyncio.CancelledError:
                 self.fail(JobCancelledError("job cancelled while copying", bo_id=first.bo.id, offset=first.offset))
                 raise
             except Exception as e:  # a bug, not bad input: still a typed error for the client
                 log.exception("internal error in pipeline")
-                _unpin(e)
+                unpin(e)
                 task = getattr(e, "vramd_task", first)
                 self.fail(JobError(f"internal error: {e!r}", bo_id=task.bo.id, offset=task.offset))
             else:

@@ -19,6 +19,7 @@ import asyncio
 import enum
 import threading
 import time
+import traceback
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Final, Generic, Protocol, TypedDict, TypeVar, runtime_checkable
@@ -106,6 +107,20 @@ def blame(exc: BaseException, task: ChunkTask[BoT]) -> BaseException:
     return exc
 
 
+def unpin(exc: BaseException | None) -> None:
+    """Drop the locals of the finished frames an error passed through.
+
+    They can hold views into the staging buffers (a batch's payloads, an
+    iovec), and the job's error outlives the job: kept, it would keep the
+    pool from ever unmapping those buffers.  The traceback itself stays.
+    """
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)
+        exc = exc.__cause__ or exc.__context__
+
+
 FilledT = TypeVar("FilledT")    # what a job's fill hands its transform
 ProductT = TypeVar("ProductT")  # what its transform hands its drain
 LandedT = TypeVar("LandedT")    # what its inline run hands `landed`
@@ -145,11 +160,27 @@ class InlineEnds(Protocol[BoT, LandedT]):
         """Back on the event loop after `run`: record what the batch produced."""
 
 
+class Gate(Protocol[BoT]):
+    """What holds a job's chunks back until their bytes may be read (a streamed restore's supply: a chunk's
+    record is read only once the client said it is final).  The pipeline asks before it takes staging for a
+    chunk, so that a chunk held back holds no staging memory."""
+
+    def is_ready(self, task: ChunkTask[BoT]) -> bool:
+        """Whether `task` may be read now (never waits: a batch takes only ready chunks beside its first)."""
+
+    async def ready(self, task: ChunkTask[BoT]) -> None:
+        """Return once `task` may be read, or once the gate is stopped; raise (typed) if it never may be."""
+
+    def stop(self) -> None:
+        """The job has stopped: every wait returns, and none waits from now on."""
+
+
 class StageTimes:
     """Where a job's batches spend their time, per stage: wall and thread-CPU seconds, summed over batches.
 
     Off by default (EngineConfig.stage_times): when on, each stage is timed
-    with two clock reads.  Stages: `staging` (waiting for a staging buffer),
+    with two clock reads.  Stages: `supply` (a streamed restore's chunk waiting for its bytes: `Gate`),
+    `staging` (waiting for a staging buffer),
     `fill`, `transform`, `drain` (the three-stage path, wall time on the event
     loop for fill/drain); `queue` (an inline batch waiting for a copy thread),
     `copy` (batchcopy: copy + zero scan + xxh3, GIL released), `python`
