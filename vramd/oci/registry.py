@@ -12,6 +12,8 @@ import hashlib
 import re
 import ssl
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from urllib.parse import quote, urljoin
 
@@ -26,6 +28,9 @@ from .tls import Trust
 
 CHUNKED_UPLOAD = 64 << 20  # blobs larger than this go up in PATCHes of this size, then a closing PUT
 PREALLOCATE = 64 << 20  # a downloaded blob's buffer starts at most this large
+STREAM_PIECE = 1 << 20  # a streamed blob read hands its bytes on in pieces of this size
+STREAM_BASE_S = 60.0  # a streamed blob read's deadline: this many seconds,
+STREAM_MIN_RATE = 1 << 20  # plus its size at this rate (bytes/s): an 8 MiB chunk's blob has 68 s
 MAX_ANSWER = 1 << 20  # the most of an answer's body held, but a blob's or a manifest's (read as they bound it)
 REPO = re.compile(r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*")
 TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
@@ -97,6 +102,40 @@ class Stats:
 
     def to_dict(self) -> dict[str, int]:
         return {k: v for k, v in vars(self).items() if isinstance(v, int)}
+
+
+class Interrupted(Exception):
+    """A streamed read ended by its Interrupt (the caller stopped it: its own reason is the one to report)."""
+
+
+class Interrupt:
+    """Ends streamed reads from another thread: `fire` shuts down the socket of each answer being read, so a
+    read blocked on a stalled registry returns at once."""
+
+    def __init__(self) -> None:
+        self.fired = False
+        self._lock = threading.Lock()
+        self._live: set[urllib3.BaseHTTPResponse] = set()
+
+    def watch(self, r: urllib3.BaseHTTPResponse) -> None:
+        with self._lock:
+            self._live.add(r)
+            if not self.fired:
+                return
+        raise Interrupted()
+
+    def unwatch(self, r: urllib3.BaseHTTPResponse) -> None:
+        with self._lock:
+            self._live.discard(r)
+
+    def fire(self) -> None:
+        with self._lock:
+            self.fired = True
+            for r in self._live:
+                try:
+                    r.shutdown()
+                except (OSError, ValueError, RuntimeError):
+                    pass  # already done with
 
 
 class Registry:
@@ -282,6 +321,65 @@ class Registry:
                                       f"({got} of {size} bytes){where}")
         self.stats.add(blobs_downloaded=1, bytes_downloaded=size)
         return buf
+
+    def stream_blob(self, repo: str, digest: str, size: int, sink: Callable[[int, memoryview], None], *,
+                    interrupt: Interrupt | None = None, base_s: float = STREAM_BASE_S,
+                    min_rate: float = STREAM_MIN_RATE) -> None:
+        """Blob `digest`'s bytes, exactly `size` of them, handed to `sink(offset, piece)` in pieces of up to
+        STREAM_PIECE as they arrive, their sha256 computed on the way: the caller learns whether they were the
+        blob only when this returns (else DigestMismatchError), so what `sink` got is unchecked until then.
+        Memory: one piece, whatever `size` says.  Time: a registry that trickles (a few bytes per read
+        timeout) holds no pull forever: past `base_s + size / min_rate` seconds from the request the read is
+        a RegistryError naming the blob (the deadline is checked after each read, and a read waits at most
+        the read timeout).  `interrupt`: fired from another thread, it ends the read at once (Interrupted)."""
+        what = f"GET {repo}@{digest}"
+        deadline = time.monotonic() + base_s + size / min_rate
+        r = self._request("GET", f"/v2/{repo}/blobs/{digest}", what, repo=repo, stream=True)
+        buf = bytearray(max(1, min(size, STREAM_PIECE)))
+        got, h, complete = 0, hashlib.sha256(), False
+        try:
+            if interrupt is not None:
+                interrupt.watch(r)
+            while got < size:
+                want, fill = min(len(buf), size - got), 0
+                while fill < want:
+                    data = r.read1(want - fill)
+                    if not data:
+                        break
+                    buf[fill:fill + len(data)] = data
+                    fill += len(data)
+                    if time.monotonic() > deadline:
+                        raise RegistryError(f"registry {self.host}: {what}: {got + fill} of {size} bytes in "
+                                            f"{base_s + size / min_rate:.0f} s (the most a blob of its size may "
+                                            "take): the registry is too slow or stalled")
+                if fill:
+                    with memoryview(buf) as view, view[:fill] as piece:
+                        h.update(piece)
+                        sink(got, piece)
+                    got += fill
+                if fill < want:
+                    break
+            longer = got == size and r.read1(1) != b""
+            complete = got == size and not longer
+        except (HTTPError, OSError) as e:
+            if interrupt is not None and interrupt.fired:
+                raise Interrupted() from None
+            raise RegistryError(f"registry {self.host}: {what}: cut off after {got} bytes: {_reason(e)}") from None
+        finally:
+            if interrupt is not None:
+                interrupt.unwatch(r)
+            if not complete:
+                r.close()  # the rest of its answer is never read: its connection is not reused
+            r.release_conn()
+        if interrupt is not None and interrupt.fired:
+            raise Interrupted()
+        if longer:
+            raise DigestMismatchError(f"registry {self.host}: blob {digest} of {repo} is longer than the {size} "
+                                      "bytes its descriptor says")
+        if got != size or "sha256:" + h.hexdigest() != digest:
+            raise DigestMismatchError(f"registry {self.host}: blob {digest} of {repo} does not match its digest "
+                                      f"({got} of {size} bytes)")
+        self.stats.add(blobs_downloaded=1, bytes_downloaded=size)
 
     # --- manifests ---------------------------------------------------------------
 
