@@ -191,7 +191,8 @@ class Client:
                      label: str = "", allow_partial: bool = False,
                      topology_checks: Mapping[str, bool] | None = None, parent_fds: Sequence[int] = (),
                      parent_hint: str = "", dedup: bool = True, replace_parent: bool = False,
-                     where: str = "the image directory", hold_s: int = 0) -> rpc.SessionInfo:
+                     where: str = "the image directory", hold_s: int = 0,
+                     supply_fd: int | None = None) -> rpc.SessionInfo:
         """Open a session on the image directory `dir_fd`: this process opens (a dump: locks, and later
         creates) the image's files with its own rights and attaches them.
         `topology_checks`: a restore's CRIU switches by name, e.g. {"KFD_FW_VER_CHECK": False}
@@ -202,7 +203,10 @@ class Client:
         `replace_parent`: a dump may replace an image that incremental images need.  `where`: how errors
         name the directory (its path).  `hold_s`: a restore the daemon keeps this many seconds once no
         connection holds it, for another to come back by its token (granted up to the daemon's max_hold:
-        the reply's `hold_s`); 0: the grace period."""
+        the reply's `hold_s`); 0: the grace period.  `supply_fd`: a streamed restore or verify, whose data
+        files this process fills while the session runs: the read end of a pipe over which it says how far
+        each is final (vramd.image.supply; docs/protocol.md, "Streamed sessions").  It stays the caller's:
+        close it here once sent, and the write end when nothing more comes."""
         dump = kind == rpc.SESSION_DUMP
         out = DumpDirectory(dir_fd, parent_fds, replace_parent=replace_parent, where=where) if dump else None
         try:
@@ -217,7 +221,7 @@ class Client:
                         parents=len(parent_fds), parent_hint=parent_hint, dedup=dedup, replace_parent=replace_parent,
                         hold_s=hold_s)
         try:
-            self.machine.open_session(spec)
+            self.machine.open_session(spec, supply_fd)
             info = self._drive(local).session
         except BaseException:
             local.close()

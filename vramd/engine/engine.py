@@ -276,24 +276,33 @@ class Engine:
         return reader
 
     def start_restore(self, reader: ImageReader, *, on_progress: ProgressCallback | None = None,
-                      gpu_map: GpuMap | None = None, allow_partial: bool = False) -> RestoreJob:
+                      gpu_map: GpuMap | None = None, allow_partial: bool = False,
+                      supply_fd: int | None = None) -> RestoreJob:
         """A restore of the image `reader` reads (its data files attached before the first target is added).
-        `gpu_map(manifest) -> {image gpu_id: present gpu_id}` places each BO on its present GPU.  The job owns
-        the reader and closes it, even on error."""
+        `gpu_map(manifest) -> {image gpu_id: present gpu_id}` places each BO on its present GPU.  `supply_fd`:
+        a streamed restore's supply pipe (ImageJob.stream; the caller's fd).  The job owns the reader and
+        closes it, even on error."""
         try:
             self._check_image_staging(reader)
             mapping = gpu_map(reader.manifest) if gpu_map is not None else None
+            job = RestoreJob(self.ctx, reader, on_progress=on_progress, gpu_map=mapping, allow_partial=allow_partial)
+            if supply_fd is not None:
+                job.stream(supply_fd, "restored")
+            return job
         except BaseException:
             reader.close()
             raise
-        return RestoreJob(self.ctx, reader, on_progress=on_progress, gpu_map=mapping, allow_partial=allow_partial)
 
-    def start_verify(self, reader: ImageReader, *, on_progress: ProgressCallback | None = None) -> VerifyJob:
+    def start_verify(self, reader: ImageReader, *, on_progress: ProgressCallback | None = None,
+                     supply_fd: int | None = None) -> VerifyJob:
         """A job that reads and checks every chunk of the image (its data files attached before `finish`),
-        writing nowhere.  The job owns the reader."""
+        writing nowhere.  `supply_fd`: as `start_restore`'s.  The job owns the reader."""
         try:
             self._check_image_staging(reader)
-            return VerifyJob(self.ctx, reader, on_progress=on_progress)
+            job = VerifyJob(self.ctx, reader, on_progress=on_progress)
+            if supply_fd is not None:
+                job.stream(supply_fd, "verified")
+            return job
         except BaseException:
             reader.close()
             raise

@@ -23,6 +23,10 @@ with few cores that beats handing each stage to another thread.  A batch
 that `run` declines (its read would wait on a device) takes the three
 stages, and its lane then adds `device_workers` batches in flight, once, so
 that reads keep waiting on the device while other batches copy out.
+
+A job whose bytes arrive while it runs (a streamed restore) sets a `Gate`:
+a worker waits for its first chunk to be ready before it takes staging, and
+a batch takes beside it only chunks that are ready.
 """
 from __future__ import annotations
 
@@ -50,6 +54,7 @@ from .stages import (
     Declined,
     Ends,
     FilledT,
+    Gate,
     InlineEnds,
     PipelineBo,
     ProductT,
@@ -61,8 +66,9 @@ from .stages import (
     slot_size,
 )
 
-__all__ = ["DECLINED", "HEAD_PAGE", "MAX_BATCH", "SLOT_ALIGN", "ChunkTask", "Clock", "Declined", "Ends", "InlineEnds",
-           "Pipeline", "PipelineBo", "Progress", "ProgressCallback", "StageTimes", "blame", "settle", "slot_size"]
+__all__ = ["DECLINED", "HEAD_PAGE", "MAX_BATCH", "SLOT_ALIGN", "ChunkTask", "Clock", "Declined", "Ends", "Gate",
+           "InlineEnds", "Pipeline", "PipelineBo", "Progress", "ProgressCallback", "StageTimes", "blame", "settle",
+           "slot_size"]
 
 log = logging.getLogger(__name__)
 
@@ -164,6 +170,8 @@ class Pipeline(Generic[BoT]):
         # called once, with the first error (e.g. to end an RPC session at once)
         self.on_fail: Callable[[BaseException], None] | None = None
         self.progress = Progress()
+        # what holds chunks back until they may be read (a streamed restore's supply); None: nothing does
+        self.gate: Gate[BoT] | None = None
         self._lanes: dict[int, _Lane[BoT]] = {}
         self._closed = False
         self.error: BaseException | None = None
@@ -217,6 +225,8 @@ class Pipeline(Generic[BoT]):
             self.error = exc
         for lane in self._lanes.values():
             self._poke(lane)
+        if self.gate is not None:
+            self.gate.stop()
         if first and self.on_fail is not None:
             self.on_fail(exc)
 
@@ -298,8 +308,8 @@ class Pipeline(Generic[BoT]):
             if task is None:
                 break
             slot = slot_size(task.length)
-            if end + slot > limit:
-                lane.carry = task  # not lost: the lane's next batch starts with it
+            if end + slot > limit or (self.gate is not None and not self.gate.is_ready(task)):
+                lane.carry = task  # too big, or held back by the gate: the lane's next batch starts with it
                 self._poke(lane)
                 break
             task.buf_offset = end + HEAD_PAGE
@@ -353,6 +363,11 @@ class Pipeline(Generic[BoT]):
             tasks: list[ChunkTask[BoT]] = [first]
             clock = Clock(self.times)
             try:  # e.g. a chunk larger than the whole budget: the job fails with it, never silently
+                if self.gate is not None and not self.gate.is_ready(first):
+                    await self.gate.ready(first)  # before taking staging: a chunk held back holds none
+                    clock.lap("supply")
+                    if self.error is not None:
+                        break
                 bufs = await self.pool.acquire(ends.chunk_size, ends.buffers_per_chunk)
             except VramdError as e:
                 self.fail(e)

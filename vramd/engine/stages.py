@@ -145,11 +145,27 @@ class InlineEnds(Protocol[BoT, LandedT]):
         """Back on the event loop after `run`: record what the batch produced."""
 
 
+class Gate(Protocol[BoT]):
+    """What holds a job's chunks back until their bytes may be read (a streamed restore's supply: a chunk's
+    record is read only once the client said it is final).  The pipeline asks before it takes staging for a
+    chunk, so that a chunk held back holds no staging memory."""
+
+    def is_ready(self, task: ChunkTask[BoT]) -> bool:
+        """Whether `task` may be read now (never waits: a batch takes only ready chunks beside its first)."""
+
+    async def ready(self, task: ChunkTask[BoT]) -> None:
+        """Return once `task` may be read, or once the gate is stopped; raise (typed) if it never may be."""
+
+    def stop(self) -> None:
+        """The job has stopped: every wait returns, and none waits from now on."""
+
+
 class StageTimes:
     """Where a job's batches spend their time, per stage: wall and thread-CPU seconds, summed over batches.
 
     Off by default (EngineConfig.stage_times): when on, each stage is timed
-    with two clock reads.  Stages: `staging` (waiting for a staging buffer),
+    with two clock reads.  Stages: `supply` (a streamed restore's chunk waiting for its bytes: `Gate`),
+    `staging` (waiting for a staging buffer),
     `fill`, `transform`, `drain` (the three-stage path, wall time on the event
     loop for fill/drain); `queue` (an inline batch waiting for a copy thread),
     `copy` (batchcopy: copy + zero scan + xxh3, GIL released), `python`

@@ -92,6 +92,9 @@ class ImageReader:
         self._trusted: list[bool] = [True] + [False] * len(self.parents)
         self.has_deltas = any(self._table.base)
         self._lock = threading.Lock()
+        # a streamed session's: the image's own data files are filled while it runs, their headers checked
+        # once supplied (`check_header`), not when attached
+        self.streamed = False
         self._check_parent_files()
 
     @property
@@ -147,16 +150,26 @@ class ImageReader:
         size = check_attached(fd, name, write=False)
         if direct is not None:
             check_direct(direct, fd, name)
+        m = self.manifest if k == 0 else self.parents[k - 1]
+        if k or not self.streamed:
+            self._check_header(fd, m, name)
+        if size < df.length:
+            raise self._truncation(m, df, slot - self._slot[(k, 0)], size)
+        return size
+
+    def check_header(self, slot: int) -> None:
+        """Check the header of the attached data file in `slot` (in the calling thread: never the event loop)."""
+        k, _ = self._files[slot]
+        self._check_header(self.fds[slot], self.manifest if k == 0 else self.parents[k - 1], self.names[slot])
+
+    @staticmethod
+    def _check_header(fd: int, m: pb.Manifest, name: str) -> None:
         header = memoryview(bytearray(DATA_HEADER.size))
         try:
             got = pread_into(fd, header, 0)
         except OSError as e:
             raise image_os_error(e, f"cannot read data file {name}") from None
-        m = self.manifest if k == 0 else self.parents[k - 1]
         check_data_header(bytes(header[:got]), m.image_id, name)
-        if size < df.length:
-            raise self._truncation(m, df, slot - self._slot[(k, 0)], size)
-        return size
 
     def _check_parent_files(self) -> None:
         """Every table entry of a parent names a data file that parent lists (the parents' manifests

@@ -155,7 +155,7 @@ class Hello(_message.Message):
     def __init__(self, versions: _Optional[_Iterable[int]] = ..., client: _Optional[str] = ...) -> None: ...
 
 class OpenSession(_message.Message):
-    __slots__ = ("kind", "compression", "chunk_size", "label", "allow_partial", "topology_checks", "parent_manifest_fd_indexes", "parent_hint", "no_dedup", "replace_parent", "manifest_fd_index", "hold_s")
+    __slots__ = ("kind", "compression", "chunk_size", "label", "allow_partial", "topology_checks", "parent_manifest_fd_indexes", "parent_hint", "no_dedup", "replace_parent", "manifest_fd_index", "hold_s", "supply_fd_index")
     class TopologyChecksEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -175,6 +175,7 @@ class OpenSession(_message.Message):
     REPLACE_PARENT_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FD_INDEX_FIELD_NUMBER: _ClassVar[int]
     HOLD_S_FIELD_NUMBER: _ClassVar[int]
+    SUPPLY_FD_INDEX_FIELD_NUMBER: _ClassVar[int]
     kind: SessionKind
     compression: str
     chunk_size: int
@@ -187,7 +188,8 @@ class OpenSession(_message.Message):
     replace_parent: bool
     manifest_fd_index: int
     hold_s: int
-    def __init__(self, kind: _Optional[_Union[SessionKind, str]] = ..., compression: _Optional[str] = ..., chunk_size: _Optional[int] = ..., label: _Optional[str] = ..., allow_partial: _Optional[bool] = ..., topology_checks: _Optional[_Mapping[str, bool]] = ..., parent_manifest_fd_indexes: _Optional[_Iterable[int]] = ..., parent_hint: _Optional[str] = ..., no_dedup: _Optional[bool] = ..., replace_parent: _Optional[bool] = ..., manifest_fd_index: _Optional[int] = ..., hold_s: _Optional[int] = ...) -> None: ...
+    supply_fd_index: int
+    def __init__(self, kind: _Optional[_Union[SessionKind, str]] = ..., compression: _Optional[str] = ..., chunk_size: _Optional[int] = ..., label: _Optional[str] = ..., allow_partial: _Optional[bool] = ..., topology_checks: _Optional[_Mapping[str, bool]] = ..., parent_manifest_fd_indexes: _Optional[_Iterable[int]] = ..., parent_hint: _Optional[str] = ..., no_dedup: _Optional[bool] = ..., replace_parent: _Optional[bool] = ..., manifest_fd_index: _Optional[int] = ..., hold_s: _Optional[int] = ..., supply_fd_index: _Optional[int] = ...) -> None: ...
 
 class FileRef(_message.Message):
     __slots__ = ("image", "name", "fd_index", "direct_fd_index", "gpu_id", "stripe")

@@ -52,11 +52,14 @@ def hello(client: str, versions: Sequence[int] = PROTOCOL_VERSIONS) -> Call:
     return Call(rpc.Hello(versions=versions, client=client))
 
 
-def open_session(spec: OpenSpec, manifest_fds: Sequence[int]) -> Call:
-    """OpenSession with the manifests of `spec.manifest_images`, in that order."""
+def open_session(spec: OpenSpec, manifest_fds: Sequence[int], supply_fd: int | None = None) -> Call:
+    """OpenSession with the manifests of `spec.manifest_images`, in that order; `supply_fd`: a streamed
+    restore's or verify's supply pipe (its read end), after them."""
     images = spec.manifest_images
     if len(manifest_fds) != len(images):
         raise ValueError(f"{len(manifest_fds)} manifest fds for the images {images}")
+    if supply_fd is not None and spec.dump:
+        raise ValueError("a dump takes no supply pipe")
     first = 0 if spec.dump else 1
     body = rpc.OpenSession(kind=spec.kind, compression=spec.compression, chunk_size=spec.chunk_size,
                            label=spec.label, allow_partial=spec.allow_partial,
@@ -64,7 +67,11 @@ def open_session(spec: OpenSpec, manifest_fds: Sequence[int]) -> Call:
                            no_dedup=not spec.dedup, replace_parent=spec.replace_parent, manifest_fd_index=0,
                            hold_s=spec.hold_s,
                            parent_manifest_fd_indexes=range(first, first + spec.parents))
-    return Call(body, tuple(manifest_fds), tuple(f"manifest:{k}" for k in images))
+    roles = tuple(f"manifest:{k}" for k in images)
+    if supply_fd is None:
+        return Call(body, tuple(manifest_fds), roles)
+    body.supply_fd_index = len(manifest_fds)
+    return Call(body, (*manifest_fds, supply_fd), (*roles, "supply"))
 
 
 def attach_files(token: str, files: Sequence[ClientFile]) -> Call:

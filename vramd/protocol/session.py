@@ -90,10 +90,11 @@ class ClientMachine(EventDriver):
     def say_hello(self) -> None:
         self._begin(self._hello())
 
-    def open_session(self, spec: OpenSpec) -> None:
+    def open_session(self, spec: OpenSpec, supply_fd: int | None = None) -> None:
         """Open a session: the manifests (OpenManifest), OpenSession, the files the daemon needs
-        (OpenDataFile, AttachFiles); a dump's image id (BeginDump).  Done: the OpenSession reply."""
-        self._begin(self._open(spec))
+        (OpenDataFile, AttachFiles); a dump's image id (BeginDump).  Done: the OpenSession reply.
+        `supply_fd`: a streamed restore's or verify's supply pipe (the caller's, sent with OpenSession)."""
+        self._begin(self._open(spec, supply_fd))
 
     def add_bos(self, token: str, bos: Sequence[ClientBo]) -> None:
         """A dump's data files of each GPU the BOs name first (CreateDataFile, AttachFiles), then AddBos in as
@@ -137,11 +138,11 @@ class ClientMachine(EventDriver):
         assert isinstance(resp, rpc.Response)
         return resp
 
-    def _open(self, spec: OpenSpec) -> Op:
+    def _open(self, spec: OpenSpec, supply_fd: int | None) -> Op:
         fds = []
         for k in spec.manifest_images:
             fds.append((yield from self._fd(OpenManifest(k))))
-        resp = yield from self._checked(requests.open_session(spec, fds))
+        resp = yield from self._checked(requests.open_session(spec, fds, supply_fd))
         info = resp.session
         if not TOKEN.fullmatch(info.token):
             raise self.connection.error("OpenSession answered without a valid token")

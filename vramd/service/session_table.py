@@ -93,21 +93,28 @@ class SessionTable:
         if nparents > MAX_PARENT_FDS:
             raise LimitExceededError(f"{nparents} parent manifests; at most {MAX_PARENT_FDS} are taken")
         reads = req.kind != rpc.SESSION_DUMP  # restore and verify read an image: its manifest comes along
-        usage.reserve(fds=reads + nparents)  # until the Session, which counts them, is made
+        streamed = req.HasField("supply_fd_index")
+        if streamed and not reads:
+            raise InvalidRequestError("supply_fd_index is a restore and verify option (a streamed image)")
+        usage.reserve(fds=reads + nparents + streamed)  # until the Session, which counts them, is made
         fds: list[int] = []
         try:
             if reads:
                 fds.append(bundle.take(req.manifest_fd_index))
             for i in req.parent_manifest_fd_indexes:  # held, like the image's, until the session ends
                 fds.append(bundle.take(i))
+            if streamed:  # the supply pipe: held too, read by the job until it ends
+                fds.append(bundle.take(req.supply_fd_index))
             bundle.close()  # what the packet carried besides: not held, uncounted, while the image is read
             manifest_fd = fds[0] if reads else None
-            job, manifest, image_id = await self._job(req, manifest_fd, checks, fds[reads:])
+            supply_fd = fds[-1] if streamed else None
+            job, manifest, image_id = await self._job(req, manifest_fd, checks, fds[reads:reads + nparents],
+                                                      supply_fd)
         except BaseException:
             close_fds(fds)
             raise
         finally:
-            usage.release(fds=reads + nparents)
+            usage.release(fds=reads + nparents + streamed)
         s = Session(self._next_id, req.kind, uid, pid, req.label, job, self.limits, self.metrics, usage,
                     fds=fds, image_id=image_id)
         self._next_id += 1
@@ -135,8 +142,9 @@ class SessionTable:
         return Checks(**{attr: switches.get(var, True) for attr, var in CHECK_ENV.items()})
 
     async def _job(self, req: rpc.OpenSession, manifest_fd: int | None, checks: Checks,
-                   parent_fds: list[int]) -> tuple[Job, pb.Manifest | None, bytes]:
-        """The session's job, the manifest of the image it reads (None for a dump), and the image's id."""
+                   parent_fds: list[int], supply_fd: int | None) -> tuple[Job, pb.Manifest | None, bytes]:
+        """The session's job, the manifest of the image it reads (None for a dump), and the image's id.
+        `supply_fd`: a streamed restore's or verify's supply pipe."""
         if req.kind == rpc.SESSION_DUMP:
             try:
                 comp = Compression.parse(req.compression) if req.compression else None  # None: the engine's
@@ -155,9 +163,9 @@ class SessionTable:
         reader = await ImageReader.from_manifests(manifest_fd, parent_fds)
         if req.kind == rpc.SESSION_RESTORE:
             restore = self.engine.start_restore(reader, gpu_map=lambda m: self._gpu_map(m, checks),
-                                                allow_partial=req.allow_partial)
+                                                allow_partial=req.allow_partial, supply_fd=supply_fd)
             return restore, reader.manifest, reader.manifest.image_id
-        verify = self.engine.start_verify(reader)
+        verify = self.engine.start_verify(reader, supply_fd=supply_fd)
         return verify, reader.manifest, reader.manifest.image_id
 
     def _gpu_map(self, manifest: pb.Manifest, checks: Checks) -> dict[int, int] | None:

@@ -9,6 +9,7 @@ from ...pb import image_pb2 as pb
 from ..pipeline import ChunkTask, ProgressCallback
 from .common import JobBase, JobContext, RestoreTarget
 from .read import ImageBo, ImageReadEnds
+from .stream import Supply
 
 
 class ImageJob(JobBase[ImageBo, RestoreTarget]):
@@ -20,7 +21,19 @@ class ImageJob(JobBase[ImageBo, RestoreTarget]):
                  on_progress: ProgressCallback | None = None) -> None:
         self.reader = reader
         self.ends = ends
+        self.supply: Supply | None = None  # a streamed session's (`stream`)
         super().__init__(ctx, ends, on_progress)
+
+    def stream(self, supply_fd: int, done: str) -> None:
+        """The image's own data files are filled while the job runs: each record is read only once the client
+        has said, over the pipe `supply_fd` (the caller's: it closes it after `finish`), that it is final
+        (stream.py).  Before any file is attached.  `done`: what a chunk that never came was not ("restored")."""
+        supply = Supply(self.reader, supply_fd, self.pipeline.fail, self.ctx.io, done)
+        supply.start()
+        self.reader.streamed = True  # headers checked once supplied
+        # what was just written is in the page cache: O_DIRECT would only make the kernel write it back first
+        self.ends.direct = False
+        self.pipeline.gate = self.supply = supply
 
     @property
     def manifest(self) -> pb.Manifest:
@@ -68,5 +81,7 @@ class ImageJob(JobBase[ImageBo, RestoreTarget]):
             self._check_complete()
             return self.manifest
         finally:
+            if self.supply is not None:
+                self.supply.stop()  # before the caller closes the pipe
             self._release_all()
             self.reader.close()

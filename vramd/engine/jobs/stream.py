@@ -1,0 +1,188 @@
+"""A streamed restore or verify: the image's data files are filled while the job runs (vramd.image.supply).
+
+The client hands over the read end of a pipe (or a stream socket) at
+OpenSession, creates the image's data files at their full length, and tells
+the daemon over that pipe how far each one is written and final.  `Supply`
+reads the pipe on the event loop (non-blocking, one bounded read per wakeup)
+and is the job pipeline's `Gate`: a chunk whose record (or whose delta base's
+record, when it is in the image itself) is not below its file's supplied end
+yet is held back before it takes a staging buffer, so a client that supplies
+slowly or never holds up its own session only.  A hole has no record; a
+parent's data files are complete, never streamed.
+
+A data file's header is checked once it is supplied, in an io thread, before
+any record of that file is read.  The end of the pipe means that nothing more
+comes: a chunk still held back then fails the job, naming the data file, how
+far it was supplied and the chunk.  A message no client should send (an end
+past the file, one going back, a file the image does not have) fails it too.
+"""
+from __future__ import annotations
+
+import asyncio
+import errno
+import fcntl
+import logging
+import os
+import socket
+import stat
+from collections.abc import Callable
+from concurrent.futures import Executor
+
+from ...errors import (
+    BadDescriptorError,
+    InvalidRequestError,
+    JobError,
+    TruncatedDataError,
+    VramdError,
+    from_os_error,
+)
+from ...image.format import DATA_HEADER
+from ...image.reader import ImageReader, Loc
+from ...image.supply import SupplyDecoder, SupplyError
+from ..pipeline import ChunkTask
+from .read import ImageBo
+
+log = logging.getLogger(__name__)
+
+READ_MAX = 64 << 10  # bytes read off the pipe per wakeup (4096 messages): the loop is never held long
+
+
+def check_supply_fd(fd: int) -> None:
+    """The supply fd must be something the daemon can wait on and read: a pipe's read end, or a stream socket;
+    else BAD_DESCRIPTOR."""
+    try:
+        st = os.fstat(fd)
+        mode = fcntl.fcntl(fd, fcntl.F_GETFL)
+    except OSError as e:
+        raise from_os_error(e, "the supply fd is unusable", BadDescriptorError) from None
+    if stat.S_ISSOCK(st.st_mode):
+        with socket.socket(fileno=os.dup(fd)) as s:
+            kind = s.getsockopt(socket.SOL_SOCKET, socket.SO_TYPE)
+        if kind != socket.SOCK_STREAM:
+            raise BadDescriptorError("the supply fd is a socket that is not a stream socket (SOCK_STREAM)")
+    elif not stat.S_ISFIFO(st.st_mode):
+        raise BadDescriptorError("the supply fd is not a pipe nor a socket")
+    if mode & os.O_ACCMODE == os.O_WRONLY:
+        raise BadDescriptorError("the supply fd is not open for reading (a pipe's write end?)")
+
+
+class Supply:
+    """The supplied ends of the image's data files, read off the client's pipe; the pipeline's Gate.
+
+    `fail`: how a bad message fails the job (the pipeline's `fail`); `io`: where headers are read;
+    `done`: what a chunk that never came would have been ("restored", "verified")."""
+
+    def __init__(self, reader: ImageReader, fd: int, fail: Callable[[BaseException], None], io: Executor,
+                 done: str) -> None:
+        self.reader = reader
+        self.fd = fd
+        self._fail = fail
+        self._io = io
+        self._done = done
+        files = reader.manifest.files
+        self._files = len(files)  # the image's own: slots [0, n) of the reader (parents' come after)
+        self._decoder = SupplyDecoder([df.length for df in files])
+        self.ends = [0] * self._files  # what a chunk may be read below: its header checked, supplied
+        self._headers: dict[int, asyncio.Task[None]] = {}  # file -> its header check (under way or done)
+        self._eof = False
+        self._stopped = False
+        self._reading = False
+        self._changed: asyncio.Future[None] | None = None
+
+    def start(self) -> None:
+        """Read the pipe from now on (on the running loop)."""
+        check_supply_fd(self.fd)
+        os.set_blocking(self.fd, False)  # (the pipe's: a client that reads its own end too cannot stall the loop)
+        asyncio.get_running_loop().add_reader(self.fd, self._readable)
+        self._reading = True
+
+    # --- the Gate -------------------------------------------------------------
+
+    def _short(self, task: ChunkTask[ImageBo]) -> tuple[int, int] | None:
+        """(data file, the end it needs) of the first record `task` reads that is not supplied yet, or None."""
+        loc: Loc | None = task.loc
+        while loc is not None:
+            if loc.slot < self._files and loc.offset + loc.length > self.ends[loc.slot]:
+                return loc.slot, loc.offset + loc.length
+            loc = loc.base  # a delta's base record (a parent's needs no supply)
+        return None
+
+    def is_ready(self, task: ChunkTask[ImageBo]) -> bool:
+        return self._short(task) is None
+
+    async def ready(self, task: ChunkTask[ImageBo]) -> None:
+        while (short := self._short(task)) is not None and not self._stopped:
+            if self._eof and not any(not h.done() for h in self._headers.values()):
+                slot, need = short
+                raise TruncatedDataError(
+                    f"the client stopped supplying data file {self.reader.names[slot]} at {self.ends[slot]:#x} "
+                    f"(a record ends at {need:#x}): BO {task.bo.id} at offset {task.offset:#x} was not {self._done}",
+                    bo_id=task.bo.id, offset=task.offset)
+            if self._changed is None:
+                self._changed = asyncio.get_running_loop().create_future()
+            await asyncio.wait([self._changed])  # wait() never cancels the shared future
+
+    def stop(self) -> None:
+        """The job has stopped (or finished): no more reading, and every wait returns."""
+        self._stopped = True
+        self._stop_reading()
+        for h in self._headers.values():
+            h.cancel()
+        self._wake()
+
+    # --- the pipe ---------------------------------------------------------------
+
+    def _wake(self) -> None:
+        if self._changed is not None and not self._changed.done():
+            self._changed.set_result(None)
+        self._changed = None
+
+    def _stop_reading(self) -> None:
+        if self._reading:
+            self._reading = False
+            asyncio.get_running_loop().remove_reader(self.fd)
+
+    def _readable(self) -> None:
+        try:
+            data = os.read(self.fd, READ_MAX)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as e:  # (a socket reset by its peer): nothing more comes either way
+            if e.errno != errno.ECONNRESET:
+                log.warning("the supply pipe of a streamed session cannot be read (%s): taken as its end", e)
+            data = b""
+        try:
+            if not data:
+                self._stop_reading()
+                self._decoder.finish()
+                self._eof = True
+                self._wake()
+                return
+            for index, end in self._decoder.feed(data):
+                self._advance(index, end)
+        except SupplyError as e:
+            self._stop_reading()
+            self._fail(InvalidRequestError(f"the supply pipe: {e}"))
+
+    def _advance(self, index: int, end: int) -> None:
+        check = self._headers.get(index)
+        if check is not None and check.done():  # its header is checked: the bytes are readable as supplied
+            self.ends[index] = end
+            self._wake()
+        elif check is None and end >= DATA_HEADER.size:
+            self._headers[index] = asyncio.get_running_loop().create_task(self._check_header(index))
+
+    async def _check_header(self, index: int) -> None:
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._io, self.reader.check_header, index)
+        except asyncio.CancelledError:
+            raise
+        except VramdError as e:  # FOREIGN_DATA_FILE, UNSUPPORTED_VERSION, IO_ERROR: the reader's, naming the file
+            self._fail(e)
+            return
+        except Exception as e:  # a bug: still a typed error for the client
+            log.exception("checking a supplied data file's header")
+            self._fail(JobError(f"internal error: {e!r}"))
+            return
+        self.ends[index] = self._decoder.ends[index]  # all supplied so far
+        self._wake()
