@@ -40,6 +40,7 @@ class Filler:
         self._done: list[list[bool]] = []  # per file: each segment done
         self._next: list[int] = []  # per file: its first segment not done
         self._order: list[int] = []  # the blobs, by their first place in file order
+        self._held = False  # ends not handed on yet (`hold`)
 
     def create(self, dfd: int, suffix: str, created: list[str]) -> None:
         """Every data file at its length, its literal runs written; the names made are appended to `created`.
@@ -69,6 +70,19 @@ class Filler:
             self._next.append(0)
         for fi in range(len(self.sk.files)):
             self._advance(fi)
+
+    def hold(self) -> None:
+        """Hand no end to on_supply until `release` (what is done meanwhile is handed on then)."""
+        with self._lock:
+            self._held = True
+
+    def release(self) -> None:
+        with self._lock:
+            self._held = False
+            if self.on_supply is not None:
+                for fi, n in enumerate(self._next):
+                    if n:
+                        self.on_supply(fi, self._spans[fi][n - 1])
 
     def stop(self) -> None:
         """Stop the downloads now (a read blocked on the network included; a request still waiting for its
@@ -155,7 +169,7 @@ class Filler:
         while n < len(done) and done[n]:
             n += 1
         self._next[fi] = n
-        if n > start and self.on_supply is not None:
+        if n > start and self.on_supply is not None and not self._held:
             self.on_supply(fi, self._spans[fi][n - 1])
 
 
