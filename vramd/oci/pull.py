@@ -2,10 +2,10 @@
 
 Registry data is untrusted: the OCI manifest, the config (manifest.vrdm, which must decode and pass every check
 a reader makes) and the skeleton are checked against each other (vramd.oci.layout) before a file is created;
-every blob is downloaded into memory, at most `concurrency` at once and none longer than its descriptor says,
-and checked against its digest before a byte of it is written.  Files are created only under the data file
-names manifest.vrdm lists, as `<name>.tmp` in the one directory the caller named, and the manifest is renamed
-into place last: a pull that fails leaves no image (and removes what it created).
+the payload blobs are streamed into the files (vramd.oci.fill: `concurrency` at once, 1 MiB each in memory,
+none longer than its descriptor says, each checked against its digest as it ends).  Files are created only
+under the data file names manifest.vrdm lists, as `<name>.tmp` in the one directory the caller named, and the
+manifest is renamed into place last: a pull that fails leaves no image (and removes what it created).
 """
 from __future__ import annotations
 
