@@ -35,7 +35,6 @@ import collections
 import enum
 import logging
 import time
-import traceback
 from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -64,6 +63,7 @@ from .stages import (
     blame,
     settle,
     slot_size,
+    unpin,
 )
 
 __all__ = ["DECLINED", "HEAD_PAGE", "MAX_BATCH", "SLOT_ALIGN", "ChunkTask", "Clock", "Declined", "Ends", "Gate",
@@ -90,20 +90,6 @@ class Shape(Protocol[_BoIn]):
     buffers_per_chunk: int
 
     def bo_done(self, bo: _BoIn) -> None: ...
-
-
-def _unpin(exc: BaseException | None) -> None:
-    """Drop the locals of the finished frames an error passed through.
-
-    They can hold views into the staging buffers (a batch's payloads, an
-    iovec), and the job's error outlives the job: kept, it would keep the
-    pool from ever unmapping those buffers.  The traceback itself stays.
-    """
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        traceback.clear_frames(exc.__traceback__)
-        exc = exc.__cause__ or exc.__context__
 
 
 @dataclass(eq=False)
@@ -390,14 +376,14 @@ class Pipeline(Generic[BoT]):
                     self.times.largest = max(self.times.largest, len(tasks))
                 await self._stages(lane, tasks, bufs)
             except VramdError as e:
-                _unpin(e)
+                unpin(e)
                 self.fail(e)
             except asyncio.CancelledError:
                 self.fail(JobCancelledError("job cancelled while copying", bo_id=first.bo.id, offset=first.offset))
                 raise
             except Exception as e:  # a bug, not bad input: still a typed error for the client
                 log.exception("internal error in pipeline")
-                _unpin(e)
+                unpin(e)
                 task = getattr(e, "vramd_task", first)
                 self.fail(JobError(f"internal error: {e!r}", bo_id=task.bo.id, offset=task.offset))
             else:

@@ -19,6 +19,7 @@ import asyncio
 import enum
 import threading
 import time
+import traceback
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Final, Generic, Protocol, TypedDict, TypeVar, runtime_checkable
@@ -104,6 +105,20 @@ def blame(exc: BaseException, task: ChunkTask[BoT]) -> BaseException:
         except AttributeError:  # an exception type that takes no attributes
             pass
     return exc
+
+
+def unpin(exc: BaseException | None) -> None:
+    """Drop the locals of the finished frames an error passed through.
+
+    They can hold views into the staging buffers (a batch's payloads, an
+    iovec), and the job's error outlives the job: kept, it would keep the
+    pool from ever unmapping those buffers.  The traceback itself stays.
+    """
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)
+        exc = exc.__cause__ or exc.__context__
 
 
 FilledT = TypeVar("FilledT")    # what a job's fill hands its transform
