@@ -10,6 +10,7 @@ no blob read past its deadline.
 """
 from __future__ import annotations
 
+import hashlib
 import http.server
 import json
 import os
@@ -103,10 +104,15 @@ class HoldingProxy:
 
 
 def _layers(registry, repo: str, tag: str) -> list[dict]:
-    """The pushed artifact's layers: the skeleton, then the payload blobs (in the data file's order)."""
+    """The pushed artifact's layers: the skeleton, then the payload blobs."""
     req = urllib.request.Request(f"{registry.url}/v2/{repo}/manifests/{tag}", headers={"Accept": MANIFEST_MEDIA})
     with urllib.request.urlopen(req, timeout=30) as r:
         return json.loads(r.read())["layers"]
+
+
+def _blob(payload: bytes) -> str:
+    """The digest of the layer holding a chunk stored as it is (--compress none)."""
+    return "sha256:" + hashlib.sha256(payload).hexdigest()
 
 
 def _pushed(node, registry, tmp_path, name: str, size: int = 8 * MiB) -> tuple[list[bytes], str]:
@@ -162,7 +168,8 @@ def test_a_streamed_restore_from_a_tls_auth_registry_is_byte_exact_and_committed
 
 def test_the_session_restores_while_a_later_blob_is_still_downloading(node, registry, tmp_path):
     bos, ref = _pushed(node, registry, tmp_path, "overlap")
-    last = _layers(registry, "jobs/overlap", "1")[-1]["digest"]
+    last = _blob(bos[0][7 * MiB:])  # BO 1's last chunk's payload
+    assert last in {layer["digest"] for layer in _layers(registry, "jobs/overlap", "1")}
     proxy = HoldingProxy(registry.url, last)
     try:
         p = _restore(node, bos, ref.replace(registry.host, proxy.host), "--cache", str(tmp_path / "cache"))
@@ -186,7 +193,7 @@ def test_the_session_restores_while_a_later_blob_is_still_downloading(node, regi
 
 def test_a_registry_stopped_mid_restore_is_its_typed_error_and_leaves_nothing(node, registry, tmp_path):
     bos, ref = _pushed(node, registry, tmp_path, "stopped")
-    third = _layers(registry, "jobs/stopped", "1")[3]["digest"]
+    third = _blob(bos[0][2 * MiB:3 * MiB])
     proxy = HoldingProxy(registry.url, third)
     try:
         p = _restore(node, bos, ref.replace(registry.host, proxy.host), "--cache", str(tmp_path / "cache"),
@@ -208,7 +215,7 @@ def test_a_registry_stopped_mid_restore_is_its_typed_error_and_leaves_nothing(no
 
 def test_a_blob_damaged_in_the_registry_is_refused_naming_the_bo(node, registry, tmp_path):
     bos, ref = _pushed(node, registry, tmp_path, "damaged")
-    sixth = _layers(registry, "jobs/damaged", "1")[6]["digest"]  # the payload of BO 1's chunk at 5 MiB
+    sixth = _blob(bos[0][5 * MiB:6 * MiB])  # the payload of BO 1's chunk at 5 MiB
     data = registry.blob_data(sixth)
     raw = bytearray(data.read_bytes())
     raw[1000] ^= 0xFF
@@ -228,9 +235,10 @@ def test_a_failing_daemon_stops_the_downloads_at_once_and_its_error_is_reported(
     once, without waiting for the stalled download (its read timeout is 120 s, this test's limit 60 s)."""
     with Node(run_dir, tmp_path / "node8", "--chunk-size", "8M") as node:
         bos, ref = _pushed(node, registry, tmp_path, "refused", size=16 * MiB)
-        first = _layers(registry, "jobs/refused", "1")[1]
-        assert first["size"] == 8 * MiB
-        proxy = HoldingProxy(registry.url, first["digest"], head_first=True)
+        first = _blob(bos[0][:8 * MiB])
+        assert {"digest": first, "size": 8 * MiB} in [{k: layer[k] for k in ("digest", "size")}
+                                                      for layer in _layers(registry, "jobs/refused", "1")]
+        proxy = HoldingProxy(registry.url, first, head_first=True)
         try:
             p = _restore(node, bos, ref.replace(registry.host, proxy.host), "--cache", str(tmp_path / "cache"))
             assert proxy.held.wait(60), "the first payload was never asked for"
