@@ -16,8 +16,9 @@ from collections.abc import Callable, Iterator
 
 from ..errors import DigestMismatchError
 from ..pb import image_pb2 as pb
+from .interrupt import Interrupt, Interrupted
 from .layout import LITERAL, PAYLOAD, Skeleton
-from .registry import Interrupt, Interrupted, Registry
+from .registry import Registry
 
 Stopped = Interrupted  # what `run` raises once stopped: the caller's own failure is the one to report
 

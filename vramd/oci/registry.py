@@ -23,6 +23,7 @@ from urllib3.exceptions import HTTPError
 from ..errors import AuthFailedError, DigestMismatchError, RegistryError, RegistryFullError
 from .auth import Authenticator, repository_scope
 from .credentials import ANONYMOUS, Credentials
+from .interrupt import Interrupt, Interrupted
 from .layout import DIGEST, MEDIA_OCI_MANIFEST
 from .tls import Trust
 
@@ -102,40 +103,6 @@ class Stats:
 
     def to_dict(self) -> dict[str, int]:
         return {k: v for k, v in vars(self).items() if isinstance(v, int)}
-
-
-class Interrupted(Exception):
-    """A streamed read ended by its Interrupt (the caller stopped it: its own reason is the one to report)."""
-
-
-class Interrupt:
-    """Ends streamed reads from another thread: `fire` shuts down the socket of each answer being read, so a
-    read blocked on a stalled registry returns at once."""
-
-    def __init__(self) -> None:
-        self.fired = False
-        self._lock = threading.Lock()
-        self._live: set[urllib3.BaseHTTPResponse] = set()
-
-    def watch(self, r: urllib3.BaseHTTPResponse) -> None:
-        with self._lock:
-            self._live.add(r)
-            if not self.fired:
-                return
-        raise Interrupted()
-
-    def unwatch(self, r: urllib3.BaseHTTPResponse) -> None:
-        with self._lock:
-            self._live.discard(r)
-
-    def fire(self) -> None:
-        with self._lock:
-            self.fired = True
-            for r in self._live:
-                try:
-                    r.shutdown()
-                except (OSError, ValueError, RuntimeError):
-                    pass  # already done with
 
 
 class Registry:
@@ -325,13 +292,11 @@ class Registry:
     def stream_blob(self, repo: str, digest: str, size: int, sink: Callable[[int, memoryview], None], *,
                     interrupt: Interrupt | None = None, base_s: float = STREAM_BASE_S,
                     min_rate: float = STREAM_MIN_RATE) -> None:
-        """Blob `digest`'s bytes, exactly `size` of them, handed to `sink(offset, piece)` in pieces of up to
-        STREAM_PIECE as they arrive, their sha256 computed on the way: the caller learns whether they were the
-        blob only when this returns (else DigestMismatchError), so what `sink` got is unchecked until then.
-        Memory: one piece, whatever `size` says.  Time: a registry that trickles (a few bytes per read
-        timeout) holds no pull forever: past `base_s + size / min_rate` seconds from the request the read is
-        a RegistryError naming the blob (the deadline is checked after each read, and a read waits at most
-        the read timeout).  `interrupt`: fired from another thread, it ends the read at once (Interrupted)."""
+        """Blob `digest`'s bytes (exactly `size`) handed to `sink(offset, piece)` in pieces of up to STREAM_PIECE
+        as they arrive, sha256 computed on the way: unchecked until this returns (else DigestMismatchError).
+        Memory: one piece.  Time: past `base_s + size / min_rate` s from the request (checked after each read,
+        which waits at most the read timeout) it is a RegistryError naming the blob: a registry that trickles
+        holds no pull forever.  `interrupt`, fired from another thread, ends the read at once (Interrupted)."""
         what = f"GET {repo}@{digest}"
         deadline = time.monotonic() + base_s + size / min_rate
         r = self._request("GET", f"/v2/{repo}/blobs/{digest}", what, repo=repo, stream=True)
