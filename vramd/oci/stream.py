@@ -108,8 +108,16 @@ def _stream(puller: Puller, manifest: pb.Manifest, sk: Skeleton, staging: str, c
     dfd = open_dir(staging)
     r, w = os.pipe2(os.O_CLOEXEC)
 
+    over = threading.Event()  # the session is done: what the daemon never needed is still downloaded, unsent
+
     def supply(index: int, end: int) -> None:
-        os.write(w, encode(index, end))  # 16 bytes: one atomic write
+        if over.is_set():
+            return
+        try:
+            os.write(w, encode(index, end))  # 16 bytes: one atomic write
+        except BrokenPipeError:
+            if not over.is_set():
+                raise
 
     filler = Filler(puller.reg, puller.repo, sk, manifest, concurrency=puller.concurrency, on_supply=supply)
     failed: list[BaseException] = []
@@ -140,6 +148,7 @@ def _stream(puller: Puller, manifest: pb.Manifest, sk: Skeleton, staging: str, c
             if real:  # the session failed because the supply ended: the download's error is the one to report
                 raise real[0] from None
             raise
+        over.set()
         os.close(r)
         r = -1
         thread.join()
