@@ -101,25 +101,46 @@ def restore(puller: Puller, ref: str, entry: str, run: RunSession, *, commit: bo
     return Restored(digest, [child, *parents], False)
 
 
+class _WriteEnd:
+    """The supply pipe's write end: closed (the daemon's EOF) once the writer has finished AND the session is
+    open, so that the ends held back until the session opened are written first; or at once by `close`."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd, self.waiting, self.over = fd, 2, False
+        self._lock = threading.Lock()
+
+    def write(self, index: int, end: int) -> None:
+        with self._lock:
+            if self.over or self.fd < 0:  # the session is done: the ends it never needed are not sent
+                return
+            try:
+                os.write(self.fd, encode(index, end))  # 16 bytes: one atomic write
+            except BrokenPipeError:
+                if not self.over:
+                    raise
+
+    def one_done(self) -> None:
+        with self._lock:
+            self.waiting -= 1
+            if self.waiting == 0 and self.fd >= 0:
+                os.close(self.fd)
+                self.fd = -1
+
+    def close(self) -> None:
+        with self._lock:
+            if self.fd >= 0:
+                os.close(self.fd)
+                self.fd = -1
+
+
 def _stream(puller: Puller, manifest: pb.Manifest, sk: Skeleton, staging: str, config: bytes,
             parents: list[Pulled], run: RunSession) -> bool:
     """The session on `staging` while the writer fills it; True if every file is whole and fsynced (the
     session may end before a record it never reads is downloaded: then the restore stands, uncached)."""
     dfd = open_dir(staging)
     r, w = os.pipe2(os.O_CLOEXEC)
-
-    over = threading.Event()  # the session is done: what the daemon never needed is still downloaded, unsent
-
-    def supply(index: int, end: int) -> None:
-        if over.is_set():
-            return
-        try:
-            os.write(w, encode(index, end))  # 16 bytes: one atomic write
-        except BrokenPipeError:
-            if not over.is_set():
-                raise
-
-    filler = Filler(puller.reg, puller.repo, sk, manifest, concurrency=puller.concurrency, on_supply=supply)
+    pipe = _WriteEnd(w)
+    filler = Filler(puller.reg, puller.repo, sk, manifest, concurrency=puller.concurrency, on_supply=pipe.write)
     failed: list[BaseException] = []
 
     def fill() -> None:
@@ -128,7 +149,11 @@ def _stream(puller: Puller, manifest: pb.Manifest, sk: Skeleton, staging: str, c
         except BaseException as e:  # the main thread reports it
             failed.append(e)
         finally:
-            os.close(w)  # the end of the pipe: the daemon learns nothing more comes
+            pipe.one_done()
+
+    def opened() -> None:  # the session's files are attached: the ends held back go out, then flow
+        filler.release()
+        pipe.one_done()
 
     thread: threading.Thread | None = None
     try:
@@ -138,7 +163,7 @@ def _stream(puller: Puller, manifest: pb.Manifest, sk: Skeleton, staging: str, c
         thread = threading.Thread(target=fill, name="vramd-stream", daemon=True)
         thread.start()
         try:
-            run(staging, parents[0].path if parents else None, SupplyPipe(r, filler.release))
+            run(staging, parents[0].path if parents else None, SupplyPipe(r, opened))
         except BaseException:
             filler.stop()  # the daemon failed (or the supply did): downloads stop at their next piece
             os.close(r)  # a writer blocked on a full pipe gets EPIPE
@@ -148,7 +173,7 @@ def _stream(puller: Puller, manifest: pb.Manifest, sk: Skeleton, staging: str, c
             if real:  # the session failed because the supply ended: the download's error is the one to report
                 raise real[0] from None
             raise
-        over.set()
+        pipe.over = True
         os.close(r)
         r = -1
         thread.join()
@@ -158,8 +183,7 @@ def _stream(puller: Puller, manifest: pb.Manifest, sk: Skeleton, staging: str, c
         os.fsync(dfd)
         return True
     finally:
-        if thread is None:
-            os.close(w)
+        pipe.close()
         if r >= 0:
             os.close(r)
         filler.close()
