@@ -33,3 +33,10 @@ def test_an_end_never_goes_back_and_a_cut_message_is_refused_at_the_end() -> Non
     list(d.feed(encode(0, 50)[:5]))
     with pytest.raises(SupplyError, match="inside a message"):
         d.finish()
+
+
+def test_a_bad_message_is_numbered_from_the_pipes_start() -> None:
+    d = SupplyDecoder([100])
+    list(d.feed(encode(0, 10) + encode(0, 20)))
+    with pytest.raises(SupplyError, match=r"supply message #3: reserved field 0x1 is not 0"):
+        list(d.feed(encode(0, 30)[:4] + b"\x01" + bytes(11)))

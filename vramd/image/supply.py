@@ -38,6 +38,7 @@ class SupplyDecoder:
     def __init__(self, lengths: list[int]) -> None:
         self.lengths = lengths
         self.ends = [0] * len(lengths)
+        self.messages = 0  # decoded so far (errors number a message from the pipe's start, counting from 1)
         self._pending = b""
 
     def feed(self, data: bytes) -> Iterator[tuple[int, int]]:
@@ -47,8 +48,9 @@ class SupplyDecoder:
         self._pending = buf[whole:]
         for off in range(0, whole, MESSAGE_SIZE):
             index, reserved, end = _MESSAGE.unpack_from(buf, off)
+            self.messages += 1
             if reserved != 0:
-                raise SupplyError(f"supply message {off // MESSAGE_SIZE}: reserved field {reserved:#x} is not 0")
+                raise SupplyError(f"supply message #{self.messages}: reserved field {reserved:#x} is not 0")
             if index >= len(self.lengths):
                 raise SupplyError(f"supply message for data file #{index}: the image has {len(self.lengths)}")
             if end > self.lengths[index]:

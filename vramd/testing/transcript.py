@@ -104,6 +104,8 @@ def fd_role(fd: int, images: Mapping[str, int], image_ids: Sequence[str]) -> str
     m = _BO_MEMFD.fullmatch(target)
     if m:
         return f"bo:{m.group(1)}"
+    if stat.S_ISFIFO(st.st_mode) and not writable:  # a streamed session's supply pipe, its read end
+        return "supply"
     if not stat.S_ISREG(st.st_mode):
         return f"other:{target}"
     where, _, name = target.rpartition("/")

@@ -81,7 +81,8 @@ class ImageJob(JobBase[ImageBo, RestoreTarget]):
             self._check_complete()
             return self.manifest
         finally:
-            if self.supply is not None:
-                self.supply.stop()  # before the caller closes the pipe
+            if self.supply is not None:  # before the caller closes the pipe and the data files
+                self.supply.stop()
+                await self.supply.closed()
             self._release_all()
             self.reader.close()

@@ -10,8 +10,9 @@ yet is held back before it takes a staging buffer, so a client that supplies
 slowly or never holds up its own session only.  A hole has no record; a
 parent's data files are complete, never streamed.
 
-A data file's header is checked once it is supplied, in an io thread, before
-any record of that file is read.  The end of the pipe means that nothing more
+A data file's header is checked once it is supplied and a chunk waits for that
+file (the job has every file attached by then), in an io thread, before any
+record of the file is read.  The end of the pipe means that nothing more
 comes: a chunk still held back then fails the job, naming the data file, how
 far it was supplied and the chunk.  A message no client should send (an end
 past the file, one going back, a file the image does not have) fails it too.
@@ -39,7 +40,7 @@ from ...errors import (
 from ...image.format import DATA_HEADER
 from ...image.reader import ImageReader, Loc
 from ...image.supply import SupplyDecoder, SupplyError
-from ..pipeline import ChunkTask
+from ..pipeline import ChunkTask, settle
 from .read import ImageBo
 
 log = logging.getLogger(__name__)
@@ -56,8 +57,11 @@ def check_supply_fd(fd: int) -> None:
     except OSError as e:
         raise from_os_error(e, "the supply fd is unusable", BadDescriptorError) from None
     if stat.S_ISSOCK(st.st_mode):
-        with socket.socket(fileno=os.dup(fd)) as s:
-            kind = s.getsockopt(socket.SOL_SOCKET, socket.SO_TYPE)
+        try:
+            with socket.socket(fileno=os.dup(fd)) as s:
+                kind = s.getsockopt(socket.SOL_SOCKET, socket.SO_TYPE)
+        except OSError as e:
+            raise from_os_error(e, "the supply socket is unusable", BadDescriptorError) from None
         if kind != socket.SOCK_STREAM:
             raise BadDescriptorError("the supply fd is a socket that is not a stream socket (SOCK_STREAM)")
     elif not stat.S_ISFIFO(st.st_mode):
@@ -112,8 +116,11 @@ class Supply:
 
     async def ready(self, task: ChunkTask[ImageBo]) -> None:
         while (short := self._short(task)) is not None and not self._stopped:
-            if self._eof and not any(not h.done() for h in self._headers.values()):
-                slot, need = short
+            slot, need = short
+            if slot not in self._headers and self._decoder.ends[slot] >= DATA_HEADER.size \
+                    and self.reader.fds[slot] >= 0:  # (attached: a job takes chunks only once every file is)
+                self._headers[slot] = asyncio.get_running_loop().create_task(self._check_header(slot))
+            elif self._eof and not any(not h.done() for h in self._headers.values()):
                 raise TruncatedDataError(
                     f"the client stopped supplying data file {self.reader.names[slot]} at {self.ends[slot]:#x} "
                     f"(a record ends at {need:#x}): BO {task.bo.id} at offset {task.offset:#x} was not {self._done}",
@@ -129,6 +136,10 @@ class Supply:
         for h in self._headers.values():
             h.cancel()
         self._wake()
+
+    async def closed(self) -> None:
+        """After `stop`: return once no header check reads a data file any more (the session then closes them)."""
+        await asyncio.gather(*self._headers.values(), return_exceptions=True)
 
     # --- the pipe ---------------------------------------------------------------
 
@@ -170,11 +181,14 @@ class Supply:
             self.ends[index] = end
             self._wake()
         elif check is None and end >= DATA_HEADER.size:
-            self._headers[index] = asyncio.get_running_loop().create_task(self._check_header(index))
+            # its header is supplied: the first chunk that waits for the file has it checked (`ready`), once
+            # the file is attached (the pipe may be read before: a client may supply before it attaches)
+            self._wake()
 
     async def _check_header(self, index: int) -> None:
         try:
-            await asyncio.get_running_loop().run_in_executor(self._io, self.reader.check_header, index)
+            # (settled: cancelled, it still waits for the thread's read, so `closed` means no read is under way)
+            await settle(asyncio.get_running_loop().run_in_executor(self._io, self.reader.check_header, index))
         except asyncio.CancelledError:
             raise
         except VramdError as e:  # FOREIGN_DATA_FILE, UNSUPPORTED_VERSION, IO_ERROR: the reader's, naming the file

@@ -1,0 +1,168 @@
+"""A streamed restore's refusals and ends through a real daemon: bad supply messages, a supply fd that is not a
+pipe or stream socket, a dump given one, and a session that waits for its supply when it is cancelled, its
+client hangs up, or the daemon shuts down (stream_daemon_fixture.py says how the images are made)."""
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+from helpers import open_dir
+from stream_daemon_fixture import Image, Targets, closed_by_the_daemon, open_streamed, raw_message, still_running
+
+from vramd.client import SESSION_DUMP, SESSION_RESTORE, Client
+from vramd.errors import BadDescriptorError, InvalidRequestError, JobCancelledError
+from vramd.image.supply import encode
+from vramd.pb import rpc_pb2 as rpc
+from vramd.testing import DaemonProcess
+
+
+@pytest.fixture
+def image(tmp_path):
+    return Image(tmp_path)
+
+
+@pytest.fixture
+def targets():
+    t = Targets()
+    yield t
+    t.close()
+
+
+@pytest.mark.parametrize(("sent", "says"), [
+    (lambda n: encode(0, n + 1), "is past its length"),
+    (lambda n: encode(0, 4096) + encode(0, 4095), "goes back from 0x1000"),
+    (lambda n: encode(1, 16), "data file #1: the image has 1"),
+    (lambda n: raw_message(0, 16, reserved=7), "reserved field 0x7 is not 0"),
+    (lambda n: encode(0, 16)[:10], "ended inside a message (10 of 16 bytes)"),
+], ids=["past-the-end", "going-back", "no-such-file", "reserved", "cut-message"])
+def test_a_message_no_client_sends_fails_the_session_and_only_it(daemon, image, targets, sent, says):
+    """A bad supply message fails its session with INVALID_REQUEST naming it; an ordinary restore on the same
+    daemon then completes, byte-exact."""
+    image.fill(0, len(image.data))  # the bytes are all there: only the message is wrong
+    with Client(daemon.socket) as c:
+        s, w = open_streamed(c, image, targets)
+        os.write(w, sent(len(image.data)))
+        os.close(w)
+        with pytest.raises(InvalidRequestError) as e:
+            c.wait(s.token)
+        assert e.value.message.startswith("the supply pipe: ") and says in e.value.message
+        c.close_session(s.token)
+        other = Targets()
+        try:
+            dfd = open_dir(image.src)
+            try:
+                assert c.run_session(SESSION_RESTORE, dfd, other.bos()).state == rpc.SESSION_DONE
+            finally:
+                os.close(dfd)
+            assert other.contents() == image.contents
+        finally:
+            other.close()
+
+
+def test_a_supply_fd_that_is_not_a_pipe_is_refused_at_open(daemon, image):
+    """A regular file, or a pipe's write end: BAD_DESCRIPTOR at OpenSession, and no session is left open."""
+    dfd = open_dir(image.dst)
+    r, w = os.pipe2(os.O_CLOEXEC)
+    try:
+        with Client(daemon.socket) as c:
+            for fd, says in ((dfd, "not a pipe nor a socket"), (w, "not open for reading")):
+                with pytest.raises(BadDescriptorError) as e:
+                    c.open_session(SESSION_RESTORE, dfd, supply_fd=fd)
+                assert says in e.value.message
+            assert c.sessions() == []
+    finally:
+        for fd in (dfd, r, w):
+            os.close(fd)
+
+
+def test_a_dump_takes_no_supply_pipe(daemon, image):
+    r, w = os.pipe2(os.O_CLOEXEC)
+    try:
+        with Client(daemon.socket) as c:
+            resp = c.request([r], open_session=rpc.OpenSession(kind=SESSION_DUMP, supply_fd_index=0))
+            assert resp.error.code == rpc.INVALID_REQUEST and "supply_fd_index" in resp.error.message
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_a_stream_socket_supplies_as_a_pipe_does_and_a_datagram_socket_is_refused(daemon, image, targets):
+    """A connected SOCK_STREAM socket pair works as the supply channel (the peer's close is its end); a
+    SOCK_SEQPACKET one, whose reads return messages rather than a byte stream, is BAD_DESCRIPTOR at open."""
+    image.fill(0, len(image.data))
+    dfd = open_dir(image.dst)
+    try:
+        with Client(daemon.socket) as c:
+            a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            with a, b, pytest.raises(BadDescriptorError, match="not a stream socket"):
+                c.open_session(SESSION_RESTORE, dfd, supply_fd=a.fileno())
+            a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            with b:
+                with a:
+                    s = c.open_session(SESSION_RESTORE, dfd, supply_fd=a.fileno())
+                c.add_bos(s.token, targets.bos())
+                c.start(s.token)
+                b.sendall(encode(0, len(image.data)))
+            assert c.wait(s.token).state == rpc.SESSION_DONE
+            c.close_session(s.token)
+    finally:
+        os.close(dfd)
+    assert targets.contents() == image.contents
+
+
+def test_a_cancel_while_waiting_ends_the_session_and_lets_the_pipe_go(daemon, image, targets):
+    """Cancelled while every chunk waits for its supply: CANCELLED at once, and the daemon has closed its end
+    of the pipe (a write to ours is EPIPE), holding no fd of the session."""
+    files = [f for f in daemon.fds() if not f.startswith("socket:")]
+    with Client(daemon.socket) as c:
+        s, w = open_streamed(c, image, targets)
+        try:
+            assert still_running(c, s.token).progress.bytes_done == 0
+            c.cancel(s.token, "no more")
+            with pytest.raises(JobCancelledError):
+                c.wait(s.token)
+            assert c.progress(s.token).state == rpc.SESSION_CANCELLED
+            c.close_session(s.token)
+            with pytest.raises(BrokenPipeError):
+                os.write(w, encode(0, 16))
+        finally:
+            os.close(w)
+    assert [f for f in daemon.fds() if not f.startswith("socket:")] == files
+
+
+def test_a_client_that_hangs_up_while_waiting_is_reaped_with_its_pipe(daemon, image, targets):
+    """The connection closes while every chunk waits: after the grace period the session is cancelled and
+    its end of the pipe closed, like any session's fds."""
+    with Client(daemon.socket) as c:
+        s, w = open_streamed(c, image, targets)
+    try:
+        assert closed_by_the_daemon(w)
+        daemon.expect_log(rf"session {s.session_id}: no client holds it any more \(grace period over\)")
+    finally:
+        os.close(w)
+
+
+def test_shutdown_drains_a_streamed_session_then_ends_its_waits(run_dir, image, targets):
+    """SIGTERM drains: a streamed session supplied during the drain completes; one never supplied is cancelled
+    at the drain timeout, its pipe closed, and the daemon exits 0."""
+    with DaemonProcess(run_dir, "--chunk-size", "1M", "--drain-timeout", "600") as d, Client(d.socket) as c:
+        s, w = open_streamed(c, image, targets)
+        d.terminate()
+        d.expect_log(r"shutting down: draining 1 session")
+        image.fill(0, len(image.data))
+        os.write(w, encode(0, len(image.data)))
+        os.close(w)
+        # (the drain ends with the session: the daemon may close this connection before a Wait is answered)
+        d.expect_log(rf"session {s.session_id} \(restore, .*\): SESSION_DONE: 2/2 BOs")
+        assert d.stop() == 0
+    assert targets.contents() == image.contents
+    with DaemonProcess(run_dir, "--chunk-size", "1M", "--drain-timeout", "0.2") as d, Client(d.socket) as c:
+        s, w = open_streamed(c, image, targets)
+        try:
+            d.terminate()
+            assert closed_by_the_daemon(w)
+            d.expect_log(r"drain timeout \(0.2 s\): cancelling 1 session")
+            assert d.stop() == 0
+        finally:
+            os.close(w)
