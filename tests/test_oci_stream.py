@@ -6,7 +6,9 @@ until the daemon reports restored bytes: without streaming that never happens); 
 and a blob damaged in the registry's storage (typed errors, nothing reported restored, no staging directory,
 no cache entry); a daemon that fails stops the downloads at once; a warm cache entry downloads no blob and a
 damaged one is refused by the daemon naming the BO; --no-cache leaves nothing; a registry that trickles holds
-no blob read past its deadline.
+no blob read past its deadline; a pull of large payloads holds a piece of each, not the blob.  The two tests
+that hold a blob back both fail ("no byte restored while a blob is held") when the download is let finish
+before the session starts.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import hashlib
 import http.server
 import json
 import os
+import ssl
 import subprocess
 import sys
 import threading
@@ -43,14 +46,15 @@ def node(run_dir, tmp_path):
 
 
 class HoldingProxy:
-    """Plain HTTP in front of a registry, forwarding every request; the GET of blob `hold` waits for `release`
-    (with `head_first`, after its answer's head and first MiB went out), then goes on, unless the registry is
-    gone by then: its client's connection is dropped, as a stopped registry's would be."""
+    """In front of a registry, forwarding every request (and its credentials, and the registry's challenges);
+    the GET of blob `hold` waits for `release` (with `head_first`, after its answer's head and first MiB went
+    out), then goes on, unless the registry is gone by then: its client's connection is dropped, as a stopped
+    registry's would be.  Plain HTTP, or with `pki` TLS (a certificate of that CA, which the registry's is too)."""
 
-    def __init__(self, upstream: str, hold: str, *, head_first: bool = False) -> None:
+    def __init__(self, upstream: str, hold: str, *, head_first: bool = False, pki=None) -> None:
         self.hold, self.head_first = hold, head_first
         self.held, self.release = threading.Event(), threading.Event()
-        pool = urllib3.PoolManager(retries=False)
+        pool = urllib3.PoolManager(maxsize=8, retries=False, ca_certs=str(pki.ca_cert) if pki else None)
         proxy = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -69,13 +73,15 @@ class HoldingProxy:
                     proxy.release.wait(120)
                 try:
                     r = pool.request(self.command, upstream + self.path, preload_content=False, redirect=False,
-                                     headers={k: v for k, v in self.headers.items() if k.lower() in ("accept",)})
+                                     headers={k: v for k, v in self.headers.items()
+                                              if k.lower() in ("accept", "authorization")})
                 except urllib3.exceptions.HTTPError:
                     self.close_connection = True  # the registry is gone: no answer at all
                     return
                 self.send_response(r.status)
                 for k, v in r.headers.items():
-                    if k.lower() in ("content-type", "content-length", "docker-content-digest", "location"):
+                    if k.lower() in ("content-type", "content-length", "docker-content-digest", "location",
+                                     "www-authenticate"):
                         self.send_header(k, v)
                 self.end_headers()
                 try:
@@ -94,6 +100,11 @@ class HoldingProxy:
 
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
+        if pki is not None:
+            issued = pki.issue("holding-proxy", ips=("127.0.0.1",))
+            ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            ctx.load_cert_chain(str(issued.cert), str(issued.key))
+            self.server.socket = ctx.wrap_socket(self.server.socket, server_side=True)
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
         self.host = f"127.0.0.1:{self.server.server_port}"
 
@@ -145,25 +156,52 @@ def _entries(cache: Path) -> list[Path]:
 
 
 def test_a_streamed_restore_from_a_tls_auth_registry_is_byte_exact_and_committed(node, htpasswd_registry,
-                                                                                   tmp_path):
+                                                                                   registry_pki, tmp_path):
+    """Through TLS and htpasswd auth (vramctl to a proxy holding the registry's last blob, the proxy to the
+    registry): the session restores bytes while that blob is held, then the image is byte-exact and committed."""
     from registry_fixtures import REGISTRY_USERS
     reg = htpasswd_registry
     bos = [os.urandom(5 * MiB + 4096), bytes(2 * MiB) + os.urandom(MiB)]
     img = tmp_path / "image"
-    node.dump(img, bos)
+    node.dump(img, bos, "--compress", "none")
     ref = f"{reg.host}/secure/stream:1"
     auth = ["--ca-file", str(reg.ca_file), "--username", "alice", "--password-stdin"]
     pw = REGISTRY_USERS["alice"] + "\n"
     assert vramctl_stdin(["push", str(img), ref, *auth, "--json"], pw).returncode == 0
     cache = tmp_path / "cache"
-    r = vramctl_stdin(["--socket", node.daemon.socket, "restore", "--pid", str(os.getpid()), "--image", f"oci://{ref}",
-                       *_targets(node, bos), "--cache", str(cache), *auth, "--json"], pw)
-    assert r.returncode == 0, r.stderr
+    proxy = HoldingProxy(reg.url, _blob(bos[1][2 * MiB:]), pki=registry_pki)  # BO 2's last chunk's payload
+    secret = tmp_path / "password"
+    secret.write_text(pw)
+    try:
+        with open(secret) as stdin:
+            p = subprocess.Popen([sys.executable, "-m", "vramd.cli", "--socket", node.daemon.socket, "restore",
+                                  "--pid", str(os.getpid()), "--image", f"oci://{ref.replace(reg.host, proxy.host)}",
+                                  *_targets(node, bos), "--cache", str(cache), *auth, "--json"], cwd=ROOT,
+                                 stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert proxy.held.wait(60), "the blob was never asked for"
+        _restored_while_held(node, p, MiB)
+        proxy.release.set()
+        out, err = p.communicate(timeout=120)
+    finally:
+        proxy.close()
+    assert p.returncode == 0, err
     assert [(node.dir / f"out{i}.bin").read_bytes() for i in (1, 2)] == bos
     [entry] = _entries(cache)
-    assert entry.name == "image" and json.loads(r.stdout)["image_dir"] == str(entry)
+    assert entry.name == "image" and json.loads(out)["image_dir"] == str(entry)
     assert {p.name: p.read_bytes() for p in entry.iterdir()} == {p.name: p.read_bytes() for p in img.iterdir()
                                                                  if p.name == "manifest.vrdm" or p.suffix == ".vrd"}
+
+
+def _restored_while_held(node, p: subprocess.Popen[str], at_least: int) -> None:
+    """Return once the daemon's restore session has restored `at_least` bytes. Each look is a round trip to the
+    daemon; the caller holds a blob back until then, which a restore that waits for its download to end never
+    reaches (this then fails at the deadline)."""
+    deadline, done = time.monotonic() + 60, 0
+    with Client(node.daemon.socket) as c:
+        while done < at_least:
+            assert time.monotonic() < deadline and p.poll() is None, "no byte restored while a blob is held"
+            infos = [s for s in c.sessions() if s.kind == rpc.SESSION_RESTORE]
+            done = max((s.progress.bytes_done for s in infos), default=0)
 
 
 def test_the_session_restores_while_a_later_blob_is_still_downloading(node, registry, tmp_path):
@@ -174,14 +212,7 @@ def test_the_session_restores_while_a_later_blob_is_still_downloading(node, regi
     try:
         p = _restore(node, bos, ref.replace(registry.host, proxy.host), "--cache", str(tmp_path / "cache"))
         assert proxy.held.wait(60), "the last blob was never asked for"
-        # Each look is a round trip to the daemon; the last blob is held until the session has restored bytes,
-        # which a restore that waits for its download to end never does (this loop would then time out).
-        deadline, done = time.monotonic() + 60, 0
-        with Client(node.daemon.socket) as c:
-            while done < MiB:
-                assert time.monotonic() < deadline and p.poll() is None, "no byte restored while a blob is held"
-                infos = [s for s in c.sessions() if s.kind == rpc.SESSION_RESTORE]
-                done = max((s.progress.bytes_done for s in infos), default=0)
+        _restored_while_held(node, p, MiB)
         proxy.release.set()
         out, err = p.communicate(timeout=120)
     finally:
