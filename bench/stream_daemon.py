@@ -14,11 +14,12 @@ One daemon (8 MiB chunks, its other settings the defaults) and one image of one 
             were all filled and supplied before it opened: what the gate costs when it never holds a chunk
   streamed  the same session while the fill runs in a thread, each piece followed by its supply message
 
-It reports each one's median wall seconds, the streamed restore's wall against max(local, fill) (issue #35's
+It reports each one's median wall seconds, the streamed restore's tail (from its last supply message to the
+session's end: what the daemon adds after the fill), its wall against max(local, fill) (issue #35's
 target for the whole streamed pull: 1.15), and the daemon's CPU seconds per GiB for local, supplied and
 streamed (utime + stime of the daemon process, /proc/PID/stat, before and after).  The fill runs in this
 process: on a machine with few cores it competes with the daemon for them, as a registry client's downloads
-would (a download that waits on the network would not).
+would (a download that waits on the network would not: --rate paces the fill to a network's rate).
 """
 from __future__ import annotations
 
@@ -59,11 +60,15 @@ def memfd(size: int, seed: int | None = None) -> int:
     return fd
 
 
-def fill(image: Path, target: Path, names: list[str], piece: int, supply: int | None = None) -> None:
+def fill(image: Path, target: Path, names: list[str], piece: int, supply: int | None = None,
+         rate: float = 0.0) -> float:
     """Copy the image's data files into the target's (created at their full length), side by side: a piece of
     each in turn (the daemon reads the files' records in chunk order, and a dump spreads chunks over them);
-    after each piece, supply that file's end."""
+    after each piece, supply that file's end.  `rate` (bytes/s, 0: as fast as it goes): no piece is written
+    before the time a download at that rate would have brought it (a network, not the CPU, setting the pace).
+    Returns when the last piece was supplied (perf_counter)."""
     sizes = [(image / n).stat().st_size for n in names]
+    start, done = time.perf_counter(), 0
     srcs = [os.open(image / n, os.O_RDONLY | os.O_CLOEXEC) for n in names]
     dsts = [os.open(target / n, os.O_WRONLY | os.O_CLOEXEC) for n in names]
     try:
@@ -72,12 +77,17 @@ def fill(image: Path, target: Path, names: list[str], piece: int, supply: int | 
                 n = min(piece, size - off)
                 if n <= 0:
                     continue
-                os.pwrite(dsts[i], os.pread(srcs[i], n, off), off)
+                data = os.pread(srcs[i], n, off)
+                done += n
+                if rate:  # (a bench's pacing, standing for the network: nothing here waits on the daemon)
+                    time.sleep(max(0.0, start + done / rate - time.perf_counter()))
+                os.pwrite(dsts[i], data, off)
                 if supply is not None:
                     os.write(supply, encode(i, off + n))
     finally:
         for fd in srcs + dsts:
             os.close(fd)
+    return time.perf_counter()
 
 
 def fresh(image: Path, where: Path, names: list[str]) -> Path:
@@ -98,11 +108,13 @@ def main() -> None:
     ap.add_argument("--dir", default="/dev/shm", help="where the images go (tmpfs by default)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--piece", default="8MiB", help="bytes the fill writes (and supplies) at a time")
+    ap.add_argument("--rate", type=float, default=0.0,
+                    help="GB/s the fill is paced to, as a download would be (default: unpaced, a CPU copy)")
     a = ap.parse_args()
-    size, piece = parse_size(a.size), parse_size(a.piece)
+    size, piece, rate = parse_size(a.size), parse_size(a.piece), a.rate * 1e9
     top = Path(tempfile.mkdtemp(prefix="vramd-stream-bench-", dir=a.dir))
     run_dir = tempfile.mkdtemp(prefix="vramd-b", dir="/tmp")
-    rows: dict[str, list[float]] = {k: [] for k in ("local", "fill", "supplied", "streamed", "local_cpu",
+    rows: dict[str, list[float]] = {k: [] for k in ("local", "fill", "supplied", "streamed", "tail", "local_cpu",
                                                     "supplied_cpu", "streamed_cpu")}
     try:
         with DaemonProcess(run_dir, "--chunk-size", "8M", log_level="warning") as d, Client(d.socket) as c:
@@ -115,6 +127,7 @@ def main() -> None:
                                      compression="none").state == rpc.SESSION_DONE
             finally:
                 os.close(dfd)
+                os.close(src)  # (its bytes are the image's now)
             m = decode_manifest((image / MANIFEST_NAME).read_bytes())
             names = [f.name for f in m.files]
             for _ in range(a.reps):
@@ -127,14 +140,15 @@ def main() -> None:
 
                 target = fresh(image, top / "fill", names)
                 t = time.perf_counter()
-                fill(image, target, names, piece)
+                fill(image, target, names, piece, rate=rate)
                 rows["fill"].append(time.perf_counter() - t)
+                shutil.rmtree(target)  # (one copy at a time on the file system)
 
                 for kind in ("supplied", "streamed"):
                     target = fresh(image, top / kind, names)
                     r, w = os.pipe2(os.O_CLOEXEC)
                     if kind == "supplied":  # every byte written and supplied before the session opens
-                        fill(image, target, names, piece, w)
+                        fill(image, target, names, piece, w)  # (unpaced: supplied before it opens)
                     dfd = os.open(target, os.O_RDONLY | os.O_DIRECTORY)
                     cpu, t = daemon_cpu(d.pid), time.perf_counter()
                     s = c.open_session(SESSION_RESTORE, dfd, supply_fd=r)
@@ -142,26 +156,33 @@ def main() -> None:
                     os.close(dfd)
                     c.add_bos(s.token, [ClientBo(1, dst)])
                     c.start(s.token)
+                    last: list[float] = []
                     if kind == "streamed":
-                        writer = threading.Thread(target=fill, args=(image, target, names, piece, w))
+                        writer = threading.Thread(target=lambda out=last, to=target, fd=w: out.append(
+                            fill(image, to, names, piece, fd, rate)))
                         writer.start()
                         writer.join()
                     os.close(w)
                     assert c.wait(s.token).state == rpc.SESSION_DONE
-                    rows[kind].append(time.perf_counter() - t)
+                    done = time.perf_counter()
+                    rows[kind].append(done - t)
+                    if last:
+                        rows["tail"].append(done - last[0])
                     rows[f"{kind}_cpu"].append((daemon_cpu(d.pid) - cpu) / (size / GiB))
                     c.close_session(s.token)
-            os.close(src)
+                    shutil.rmtree(target)
             os.close(dst)
     finally:
         shutil.rmtree(top, ignore_errors=True)
         shutil.rmtree(run_dir, ignore_errors=True)
     med = {k: statistics.median(v) for k, v in rows.items()}
-    print(f"{size / GiB:g} GiB, {a.reps} reps, medians (load: {os.getloadavg()[0]:.1f}):")
+    paced = f", fill paced to {a.rate:g} GB/s" if a.rate else ""
+    print(f"{size / GiB:g} GiB, {a.reps} reps{paced}, medians (load: {os.getloadavg()[0]:.1f}):")
     for k in ("local", "fill", "supplied", "streamed"):
         print(f"  {k:9s} {med[k]:.3f} s  {size / med[k] / 1e9:.2f} GB/s   (runs: "
               f"{', '.join(f'{x:.3f}' for x in rows[k])})")
     print(f"  streamed / max(local, fill) = {med['streamed'] / max(med['local'], med['fill']):.2f}")
+    print(f"  tail (streamed: from the last supply message to DONE) {med['tail'] * 1e3:.1f} ms")
     print(f"  daemon CPU s/GiB: local {med['local_cpu']:.3f}, supplied {med['supplied_cpu']:.3f}, "
           f"streamed {med['streamed_cpu']:.3f}")
 

@@ -232,5 +232,6 @@ def test_the_bench_runs_and_reports_every_row(tmp_path):
     out = subprocess.run([sys.executable, "bench/stream_daemon.py", "--size", "24MiB", "--reps", "1", "--dir",
                           str(tmp_path), "--piece", "1MiB"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    for row in ("local", "fill", "supplied", "streamed", "streamed / max(local, fill) = ", "daemon CPU s/GiB"):
+    for row in ("local", "fill", "supplied", "streamed", "streamed / max(local, fill) = ", "tail (streamed",
+                "daemon CPU s/GiB"):
         assert f"  {row}" in out.stdout, out.stdout

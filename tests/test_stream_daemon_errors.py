@@ -4,6 +4,7 @@ client hangs up, or the daemon shuts down (stream_daemon_fixture.py says how the
 from __future__ import annotations
 
 import os
+import signal
 import socket
 
 import pytest
@@ -166,3 +167,23 @@ def test_shutdown_drains_a_streamed_session_then_ends_its_waits(run_dir, image, 
             assert d.stop() == 0
         finally:
             os.close(w)
+
+
+def test_a_sighup_leaves_a_waiting_session_waiting(run_dir, tmp_path, image, targets):
+    """SIGHUP reloads the configuration and touches no session: a streamed session waiting for its supply keeps
+    waiting (and its pipe open), then completes once supplied."""
+    cfg = tmp_path / "vramd.toml"
+    cfg.write_text('chunk_size = "1M"\n')
+    with DaemonProcess(run_dir, "--config", str(cfg)) as d, Client(d.socket) as c:
+        s, w = open_streamed(c, image, targets)
+        try:
+            d.proc.send_signal(signal.SIGHUP)
+            d.expect_log(r"SIGHUP: configuration reloaded")
+            assert still_running(c, s.token).progress.bytes_done == 0
+            image.fill(0, len(image.data))
+            os.write(w, encode(0, len(image.data)))  # (EPIPE, were the daemon's end closed)
+        finally:
+            os.close(w)
+        assert c.wait(s.token).state == rpc.SESSION_DONE
+        c.close_session(s.token)
+    assert targets.contents() == image.contents
