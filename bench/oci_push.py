@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/oci_push.py --size 512MiB --chunks 1M,8M,32M --out bench/measured/oci.json
     .venv/bin/python bench/oci_push.py --storage --size 256MiB     # registry bytes: 4 replicas, a chain of 5
-    .venv/bin/python bench/oci_push.py --restore --size 512MiB     # restore from a reference vs its parts
+    .venv/bin/python bench/oci_push.py --restore --size 512MiB     # restore from a reference (streamed) vs its parts
     .venv/bin/python bench/oci_push.py --hashes --size 1GiB        # the dump's BLAKE3 pass vs the push's sha256 pass
     .venv/bin/python bench/oci_push.py --all --size 4GiB --chunks 8M --out bench/measured/oci-4g.json  # all, one run
 
@@ -18,6 +18,7 @@ client and the daemon share the machine: its load is recorded.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import resource
@@ -170,13 +171,19 @@ def storage(work: Path, size: int) -> list[dict[str, object]]:
     return rows
 
 
-def restore(work: Path, size: int) -> list[dict[str, object]]:
-    """`vramctl restore --image oci://` (cold cache: pull, then restore) against a pull alone and a restore of
-    the local directory alone, into a file BO; then again with the cache holding the image."""
+def restore(work: Path, size: int, rounds: int = 1) -> list[dict[str, object]]:
+    """`vramctl restore --image oci://`, streamed (cold cache; and --no-cache), against its parts side by side in
+    one run: a pull alone, a restore of the local directory alone, and the two one after the other (pull, then
+    restore the pulled directory: what restore from a reference did before it streamed); then a restore with
+    the cache holding the image (warm).  Into a file BO; the registry's files are read once, untimed, first.
+    `rounds` > 1 repeats the first four cases, interleaved (rows tagged #1, #2, ...)."""
     data = work / "bo.bin"
+    want = hashlib.sha256()
     with open(data, "wb") as f:
         for _ in range(size // (8 << 20)):
-            f.write(os.urandom(8 << 20))
+            piece = os.urandom(8 << 20)
+            want.update(piece)
+            f.write(piece)
     out = work / "out.bin"
     rows = []
     run = tempfile.mkdtemp(prefix="vb", dir="/tmp")
@@ -195,17 +202,43 @@ def restore(work: Path, size: int) -> list[dict[str, object]]:
                 os.truncate(out, size)
                 return vramctl("--socket", d.socket, "restore", "--pid", str(os.getpid()), "--image", image,
                                "--bo-file", f"1={out}", *more)
-            # a pull first, untimed, so the registry's files are in its page cache for both timed pulls alike
+
+            def check() -> None:  # the restored BO's sha256 (it is in the page cache: the dumped file is not read)
+                h = hashlib.sha256()
+                with open(out, "rb") as f:
+                    while piece := f.read(8 << 20):
+                        h.update(piece)
+                if h.digest() != want.digest():
+                    raise SystemExit("the restored BO differs from the dumped one")
+            # a pull first, untimed, so the registry's files are in its page cache for every timed case alike
             timed(vramctl("pull", ref, str(work / "warmup"), "--plain-http"))
-            wall, cpu, _ = timed(vramctl("pull", ref, str(work / "pulled"), "--plain-http"))
-            rows.append(row("pull alone", wall, cpu, size, 0))
-            wall, cpu, _ = timed(restore_cmd(str(img)))
-            rows.append(row("restore of the local directory alone", wall, cpu, size, 0))
+            shutil.rmtree(work / "warmup")
             cache = work / "cache"
+            for k in range(rounds):  # interleaved: each round's cases see the machine in about the same state
+                tag = f" #{k + 1}" if rounds > 1 else ""
+                if k:
+                    shutil.rmtree(cache)
+                wall, cpu, _ = timed(vramctl("pull", ref, str(work / "pulled"), "--plain-http"))
+                rows.append(row("pull alone" + tag, wall, cpu, size, 0))
+                wall, cpu, _ = timed(restore_cmd(str(img)))
+                check()
+                rows.append(row("restore of the local directory alone" + tag, wall, cpu, size, 0))
+                shutil.rmtree(work / "pulled")
+                wall1, cpu1, _ = timed(vramctl("pull", ref, str(work / "pulled"), "--plain-http"))
+                wall2, cpu2, _ = timed(restore_cmd(str(work / "pulled")))
+                check()
+                rows.append(row("pull, then restore the pulled directory" + tag, wall1 + wall2, cpu1 + cpu2, size, 0))
+                shutil.rmtree(work / "pulled")
+                wall, cpu, _ = timed(restore_cmd(f"oci://{ref}", "--plain-http", "--cache", str(cache)))
+                check()
+                rows.append(row("restore --image oci:// streamed (cold cache)" + tag, wall, cpu, size, 0))
             wall, cpu, _ = timed(restore_cmd(f"oci://{ref}", "--plain-http", "--cache", str(cache)))
-            rows.append(row("restore --image oci:// (cold cache)", wall, cpu, size, 0))
-            wall, cpu, _ = timed(restore_cmd(f"oci://{ref}", "--plain-http", "--cache", str(cache)))
+            check()
             rows.append(row("restore --image oci:// (warm cache)", wall, cpu, size, 0))
+            shutil.rmtree(cache)
+            wall, cpu, _ = timed(restore_cmd(f"oci://{ref}", "--plain-http", "--no-cache"))
+            check()
+            rows.append(row("restore --image oci:// streamed --no-cache", wall, cpu, size, 0))
     finally:
         shutil.rmtree(run, ignore_errors=True)
     return rows
@@ -242,6 +275,7 @@ def main() -> None:
     ap.add_argument("--restore", action="store_true", help="instead: restore from a reference against its parts")
     ap.add_argument("--hashes", action="store_true", help="instead: CPU s/GiB of the BLAKE3 and sha256 passes")
     ap.add_argument("--all", action="store_true", help="every case above, one after another in one run")
+    ap.add_argument("--rounds", type=int, default=1, help="--restore: repeat its cold cases this often, interleaved")
     ns = ap.parse_args()
     size = parse_size(ns.size)
     rows: list[dict[str, object]] = []
@@ -261,12 +295,22 @@ def main() -> None:
                 rows += one_chunk_size(phase("push"), size, chunk)
                 load.append(os.getloadavg())
         if ns.restore or ns.all:
-            rows += restore(phase("restore"), size)
+            rows += restore(phase("restore"), size, ns.rounds)
             load.append(os.getloadavg())
         if ns.storage or ns.all:
             rows += storage(phase("storage"), size)
     load.append(os.getloadavg())
-    result = {"size": size, "load_before_after": load, "free_disk_before": free, "rows": rows}
+    result: dict[str, object] = {"size": size, "load_before_after": load, "free_disk_before": free, "rows": rows}
+    walls = {str(r["case"]): float(str(r["wall_s"])) for r in rows if "wall_s" in r}
+    ratios = []  # the target: streamed restore <= 1.15 x max(pull alone, local restore alone), per round
+    for k in range(ns.rounds):
+        tag = f" #{k + 1}" if ns.rounds > 1 else ""
+        streamed = walls.get("restore --image oci:// streamed (cold cache)" + tag)
+        if streamed is not None:
+            parts = max(walls["pull alone" + tag], walls["restore of the local directory alone" + tag])
+            ratios.append(round(streamed / parts, 3))
+    if ratios:
+        result["streamed_over_max_parts"] = ratios
     if ns.out:
         Path(ns.out).write_text(json.dumps(result, indent=2) + "\n")
     for r in rows:
@@ -275,6 +319,8 @@ def main() -> None:
             continue
         print(f"{r['case']:42} {r['wall_s']:8.3f} s {r['GB_per_s']!s:>7} GB/s {r['cpu_s_per_GiB']!s:>6} CPU s/GiB "
               f"{r['requests']:6} requests")
+    if ratios:
+        print(f"streamed restore / max(pull alone, local restore alone), per round: {ratios} (target <= 1.15)")
 
 
 if __name__ == "__main__":

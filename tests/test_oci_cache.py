@@ -1,12 +1,12 @@
 """vramctl restore --image oci://'s node-local cache and vramctl pull's target directory: an empty directory is
-a target; what a pull killed midway left behind does not make the cache unusable; a cache entry
-damaged after it was pulled is refused before a byte of it reaches a BO (docs/image-format.md, "OCI artifact").
+a target; what a pull or a streamed restore killed midway left behind does not make the cache unusable; a cache
+entry damaged after it was pulled is refused by the daemon, naming the BO, before a byte of the damaged record
+reaches it (docs/image-format.md, "OCI artifact").
 """
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -42,7 +42,9 @@ def test_pull_into_an_existing_empty_directory(node, registry, tmp_path):
     assert files_of(dest) == files_of(img)
 
 
-def test_a_damaged_cache_entry_is_refused_before_any_byte_reaches_a_bo(node, registry, tmp_path, run_dir):
+def test_a_damaged_cache_entry_is_refused_by_the_daemon_naming_the_bo(node, registry, tmp_path, run_dir):
+    """A cache entry is restored as it is (no payload re-hashed first): the daemon checks each record against
+    manifest.vrdm before a byte of it reaches a BO, and its error names the BO and says what to do."""
     bos, _img, ref = _pushed(node, registry, tmp_path, "tamper")
     cache = tmp_path / "cache"
     with Node(run_dir, tmp_path / "node2") as other:
@@ -58,19 +60,20 @@ def test_a_damaged_cache_entry_is_refused_before_any_byte_reaches_a_bo(node, reg
             t = other.dir / f"out{i}.bin"
             t.write_bytes(bytes(len(b)))
             targets += ["--bo-file", f"{i}={t}"]
+        before = len(registry.access_log())
         r = vramctl("restore", "--pid", str(os.getpid()), "--image", f"oci://{ref}", "--plain-http", "--cache",
                     str(cache), *targets, "--json", socket=other.daemon.socket)
         assert r.returncode == 1, r.stderr
         err = json.loads(r.stdout)["error"]
-        assert err["code"] == "DIGEST_MISMATCH" and err["bo_id"] == 1 and err["offset"] == 0, err
-        assert data.name in err["message"] and r.stderr.count("\n") == 1
-        assert all((other.dir / f"out{i}.bin").read_bytes() == bytes(len(b)) for i, b in enumerate(bos, 1))
-        st = json.loads(vramctl("sessions", "--json", socket=other.daemon.socket).stdout)
-        assert not st.get("sessions")  # the daemon was never asked
-        shutil.rmtree(data.parent)  # as the message says: the next restore pulls it again
+        assert err["code"] == "CORRUPT_CHUNK" and err["bo_id"] == 1 and err["offset"] == 0, err
+        assert str(data.parent) in err["message"] and "--refresh-cache" in err["message"], err
+        assert r.stderr.count("\n") == 1
+        assert (other.dir / "out1.bin").read_bytes()[:1 << 20] == bytes(1 << 20)  # the damaged chunk never landed
+        assert [a for a in registry.access_log()[before:] if "/blobs/" in a.path] == []  # no blob downloaded
+        # as the message says: --refresh-cache downloads it again, and the entry is whole once more
+        assert other.restore(f"oci://{ref}", [len(b) for b in bos], "--plain-http", "--cache", str(cache),
+                             "--refresh-cache") == bos
         assert other.restore(f"oci://{ref}", [len(b) for b in bos], "--plain-http", "--cache", str(cache)) == bos
-
-
 
 
 def test_a_pull_killed_midway_leaves_a_cache_the_next_restore_uses(node, registry, tmp_path, run_dir):
@@ -93,11 +96,13 @@ def test_a_pull_killed_midway_leaves_a_cache_the_next_restore_uses(node, registr
             assert restore.poll() is None and time.monotonic() < deadline, "the restore ended before 5 blobs"
         restore.send_signal(signal.SIGKILL)  # as a node's OOM killer or a reboot would
         restore.communicate(timeout=60)
-        left = [p.name for p in cache.rglob("*") if p.is_file() and p.parent.name == "image"]
-        assert left and all(n.endswith(".tmp") for n in left), left  # it died before its commit
-        assert target.read_bytes() == bytes(len(bos[0]))
+        # it died before its commit: its staging directory is left (the restore streamed into it), no entry
+        left = [p.name for p in cache.rglob("*") if p.is_file() and p.parent.name == "image.partial"]
+        assert "manifest.vrdm" in left and any(n.endswith(".vrd") for n in left), left
+        assert not [p for p in cache.rglob("image") if p.is_dir()]
         assert other.restore(f"oci://{ref}", [len(bos[0])], "--plain-http", "--cache", str(cache)) == bos
-        assert not list(cache.rglob("*.tmp"))
+        assert not list(cache.rglob("*.tmp")) and not list(cache.rglob("image.partial"))
+        assert [p.name for p in cache.rglob("image*") if p.is_dir()] == ["image"]
 
 
 def test_two_pulls_into_one_directory_at_once_both_end_with_the_image(node, registry, tmp_path):

@@ -73,7 +73,7 @@ def test_a_payload_damaged_in_the_registry_is_refused_naming_the_bo(node, regist
     assert e["code"] == "DIGEST_MISMATCH" and e["bo_id"] == 2 and e["offset"] == 2 << 20, e
     assert not dest.exists()  # nothing of the image was left
 
-    # restore from the reference: the same refusal, before any byte reaches a BO
+    # restore from the reference (streamed): the same refusal, before any byte of the damaged blob reaches a BO
     other = Node(run_dir, tmp_path / "node2")
     with other:
         targets = [other.dir / "out1.bin", other.dir / "out2.bin"]
@@ -83,7 +83,8 @@ def test_a_payload_damaged_in_the_registry_is_refused_naming_the_bo(node, regist
                     "--cache", str(tmp_path / "cache"), "--bo-file", f"1={targets[0]}", "--bo-file",
                     f"2={targets[1]}", "--json", socket=other.daemon.socket)
         assert r.returncode == 1 and json.loads(r.stdout)["error"]["code"] == "DIGEST_MISMATCH"
-        assert all(t.read_bytes() == b"\x5a" * len(b) for t, b in zip(targets, bos, strict=True))
+        assert "restored" not in r.stdout.replace("nothing was restored", "")
+        assert targets[1].read_bytes()[2 << 20:3 << 20] == b"\x5a" * (1 << 20)  # other blobs' chunks may be
         st = json.loads(vramctl("sessions", "--json", socket=other.daemon.socket).stdout)
         assert not st.get("sessions")  # no restore was started, none reported
 
@@ -126,7 +127,8 @@ def test_registry_killed_mid_restore_is_a_typed_error_and_restores_nothing(node,
         registry.stop(signal.SIGKILL)
         out, err = restore.communicate(timeout=120)
         assert restore.returncode == 1 and json.loads(out)["error"]["code"] == "REGISTRY_ERROR", err
-        assert target.read_bytes() == bytes(len(bos[0]))  # not a byte restored
+        # streamed: chunks whose blobs came whole before the registry died may be restored; the last never came
+        assert target.read_bytes()[-(1 << 20):] == bytes(1 << 20) and "restored" not in out
         assert not any(cache.rglob("manifest.vrdm"))  # and no image left in the cache to be taken for whole
         st = json.loads(vramctl("sessions", "--json", socket=other.daemon.socket).stdout)
         assert not st.get("sessions")

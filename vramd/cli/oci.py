@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +26,7 @@ from ..oci.layout import ANN_BYTES, ANN_CREATED, ANN_GPUS, ANN_IMAGE_ID, ANN_PAR
 from ..oci.pull import Pulled, Puller, pull_chain
 from ..oci.push import Pusher, push_chain
 from ..oci.registry import REPO, Reference, Registry
+from ..oci.stream import SupplyPipe, restore
 from ..oci.tls import Trust
 from .common import EXIT_OK, Failure, emit, rate
 from .transfer import cmd_restore
@@ -68,6 +71,10 @@ def add_oci_commands(cmd: Callable[..., argparse.ArgumentParser]) -> None:
 def add_restore_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache", metavar="DIR", help="with --image oci://...: where pulled images are kept and looked "
                    "for first (default: $XDG_CACHE_HOME/vramd/oci, else ~/.cache/vramd/oci)")
+    p.add_argument("--no-cache", action="store_true", help="with --image oci://...: keep nothing: the image streams "
+                   "through a temporary directory, removed afterwards")
+    p.add_argument("--refresh-cache", action="store_true", help="with --image oci://...: drop the cache's copy of "
+                   "the image (e.g. one the daemon found damaged) and download it again")
     add_registry_args(p)
 
 
@@ -195,29 +202,45 @@ def cache_root(ns: argparse.Namespace) -> str:
 
 
 def cmd_restore_any(ns: argparse.Namespace) -> int:
-    """vramctl restore: an image directory as before, or `oci://` a reference, pulled (verified) into the cache
-    first, then restored from there (the pull of a reference the cache holds downloads no blob)."""
+    """vramctl restore: an image directory as before, or `oci://` a reference, restored while it downloads
+    (vramd.oci.stream) into the cache (or, --no-cache, a temporary directory removed afterwards); a cache entry
+    holding the image is restored as it is (the daemon checks every record it reads)."""
     if not ns.image.startswith(OCI_SCHEME):
         return cmd_restore(ns)
     ref = Reference.parse(ns.image)
-    key = ref.host.replace(":", "_")
-    # One directory per pulled child: its parents become its siblings there, as the child recorded them.
-    # The artifact's digest names it, so a tag moved to another image gets a directory of its own.
-    probe = _registry(ns, ref)
+    reg = _registry(ns, ref)
+    scratch = None
     try:
-        body_digest = probe.get_manifest(ref.repo, ref.ref, MAX_OCI_MANIFEST)[1]
+        # One directory per pulled child: its parents become its siblings there, as the child recorded them.
+        # The artifact's digest names it, so a tag moved to another image gets a directory of its own.
+        body_digest = reg.get_manifest(ref.repo, ref.ref, MAX_OCI_MANIFEST)[1]
+        if ns.no_cache:
+            scratch = tempfile.mkdtemp(prefix="vramd-restore-")
+            root = scratch
+        else:
+            root = os.path.join(cache_root(ns), ref.host.replace(":", "_"), ref.repo.replace("/", "_"),
+                                body_digest.removeprefix("sha256:"))
+            try:
+                os.makedirs(root, mode=0o700, exist_ok=True)
+            except OSError as e:
+                raise Failure(f"cannot make the pull's cache directory {root}: {e.strerror}: give --cache a "
+                              "directory you may write") from None
+        entry = os.path.join(root, "image")
+        shown = str(ref) if ns.no_cache else entry
+
+        def run(image: str, parent: str | None, supply: SupplyPipe | None) -> None:
+            ns.image = image
+            if parent is not None and ns.parent is None:
+                ns.parent = parent
+            cmd_restore(ns, supply=None if supply is None else (supply.fd, supply.opened), shown=shown)
+
+        # parents (incremental images) are pulled whole first, their cached copies checked against the skeleton
+        # kept beside them; the image itself streams
+        keep = None if ns.no_cache else os.path.join(cache_root(ns), "skeletons")
+        restore(Puller(reg, ref.repo, concurrency=ns.concurrency, keep=keep), body_digest, entry, run,
+                commit=not ns.no_cache, refresh=ns.refresh_cache)
     finally:
-        probe.close()
-    root = os.path.join(cache_root(ns), key, ref.repo.replace("/", "_"), body_digest.removeprefix("sha256:"))
-    try:
-        os.makedirs(root, mode=0o700, exist_ok=True)
-    except OSError as e:
-        raise Failure(f"cannot make the pull's cache directory {root}: {e.strerror}: give --cache a directory "
-                      "you may write") from None
-    # A cached image is checked against its artifact before use (vramd.oci.pull): the skeleton kept beside it
-    _ref, _reg, chain, _secs = _pull(ns, f"{ref.host}/{ref.repo}@{body_digest}", os.path.join(root, "image"),
-                                     keep=os.path.join(cache_root(ns), "skeletons"))
-    ns.image = chain[0].path
-    if len(chain) > 1 and ns.parent is None:
-        ns.parent = chain[1].path
-    return cmd_restore(ns)
+        reg.close()
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+    return EXIT_OK

@@ -6,6 +6,7 @@ import errno
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ..client import SESSION_DUMP, SESSION_RESTORE, Client, ClientBo, topology_checks_from_env
@@ -19,13 +20,16 @@ from .progress import Bar, follow
 
 
 def transfer(ns: argparse.Namespace, kind: rpc.SessionKind, dfd: int, bos: list[ClientBo], what: str,
-             **open_kw: Any) -> tuple[rpc.SessionInfo, float]:
-    """One dump or restore session through the daemon: (its final info, seconds it took)."""
+             opened: Callable[[], None] | None = None, **open_kw: Any) -> tuple[rpc.SessionInfo, float]:
+    """One dump or restore session through the daemon: (its final info, seconds it took).  `opened`: called
+    once the session is open, its files attached (a streamed restore's supply starts then)."""
     with connect(ns) as c:
         t0 = time.monotonic()
         label = f"vramctl {what}" + (f" pid {ns.pid}" if ns.pid is not None else "")
         s = c.open_session(kind, dfd, label=label, **open_kw)
         try:
+            if opened is not None:
+                opened()
             c.add_bos(s.token, bos)
         except BaseException:
             try:
@@ -120,7 +124,10 @@ def cmd_dump(ns: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def cmd_restore(ns: argparse.Namespace) -> int:
+def cmd_restore(ns: argparse.Namespace, *, supply: tuple[int, Callable[[], None]] | None = None,
+                shown: str | None = None) -> int:
+    """`supply`: a streamed restore's supply pipe and what to call once the session is open (vramd.oci.stream);
+    `shown`: the image's name in the report where ns.image is a staging directory."""
     fds: list[int] = []
     bos: list[ClientBo] = []
     try:
@@ -159,14 +166,16 @@ def cmd_restore(ns: argparse.Namespace) -> int:
         _paths, parent_fds = open_parents(ns.image, manifest, ns.parent)
         fds += parent_fds
         # CRIU's KFD_*_CHECK switches travel with the request (the daemon never reads its own environment)
-        info, secs = transfer(ns, SESSION_RESTORE, dfd, bos, "restore", topology_checks=topology_checks_from_env(),
-                              parent_fds=parent_fds, where=ns.image)
+        stream: dict[str, int] = {} if supply is None else {"supply_fd": supply[0]}
+        info, secs = transfer(ns, SESSION_RESTORE, dfd, bos, "restore", supply[1] if supply else None,
+                              topology_checks=topology_checks_from_env(), parent_fds=parent_fds, where=ns.image,
+                              **stream)
     finally:
         for fd in fds:
             os.close(fd)
     d = session_dict(info)
     total = info.progress.bytes_total
-    d.update(ok=True, seconds=round(secs, 6), image_dir=os.path.abspath(ns.image))
+    d.update(ok=True, seconds=round(secs, 6), image_dir=os.path.abspath(shown or ns.image))
     emit(ns, d, f"restored {len(bos)} BO(s), {format_size(total)} in {secs:.2f} s ({rate(total, secs)}) "
-                f"from {ns.image}")
+                f"from {shown or ns.image}")
     return EXIT_OK

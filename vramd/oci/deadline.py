@@ -104,8 +104,12 @@ class Deadlines:
 
     def _attach(self, conn: object) -> None:
         armed: Armed | None = getattr(self._local, "armed", None)
-        if armed is None:
-            return
+        if armed is not None:
+            self.add(armed, conn)
+
+    def add(self, armed: Armed, conn: object) -> None:
+        """`conn` is cut at `armed`'s deadline too (e.g. the connection of an answer an inner request opened,
+        whose body the outer block reads); at once if that deadline is past."""
         with self._cond:
             if conn not in armed.conns:
                 armed.conns.append(conn)

@@ -2,10 +2,10 @@
 
 Registry data is untrusted: the OCI manifest, the config (manifest.vrdm, which must decode and pass every check
 a reader makes) and the skeleton are checked against each other (vramd.oci.layout) before a file is created;
-every blob is downloaded into memory, at most `concurrency` at once and none longer than its descriptor says,
-and checked against its digest before a byte of it is written.  Files are created only under the data file
-names manifest.vrdm lists, as `<name>.tmp` in the one directory the caller named, and the manifest is renamed
-into place last: a pull that fails leaves no image (and removes what it created).
+the payload blobs are streamed into the files (vramd.oci.fill: `concurrency` at once, 1 MiB each in memory,
+none longer than its descriptor says, each checked against its digest as it ends).  Files are created only
+under the data file names manifest.vrdm lists, as `<name>.tmp` in the one directory the caller named, and the
+manifest is renamed into place last: a pull that fails leaves no image (and removes what it created).
 """
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import fcntl
 import os
 import re
 import stat
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import blake3
@@ -22,6 +21,7 @@ from ..errors import CorruptManifestError, DigestMismatchError, ImageError, Pare
 from ..image.manifest import decode_manifest
 from ..image.names import MANIFEST_NAME, is_own_temporary, manifest_tmp_name
 from ..pb import image_pb2 as pb
+from .fill import Filler, chunk_of
 from .layout import (
     LITERAL,
     MAX_CONFIG,
@@ -75,14 +75,14 @@ class Puller:
         one reference on one node share its cache entry; a pull that died holds no lock, so its temporaries are
         swept)."""
         art, digest = self.artifact(ref)
-        lock = _lock_parent(dest)
+        lock = lock_parent(dest)
         try:
             return self._pull_locked(art, digest, dest)
         finally:
             os.close(lock)
 
     def _pull_locked(self, art: Artifact, digest: str, dest: str) -> Pulled:
-        created_dir, empty = _prepare(dest)
+        created_dir, empty = prepare(dest)
         if not empty:
             held = _held(dest)
             if held != art.config.digest:
@@ -92,14 +92,14 @@ class Puller:
             try:
                 manifest = decode_manifest(read_manifest_bytes(dfd, dest), f"{dest}/{MANIFEST_NAME}")
                 check_config(art, manifest, dest)
-                sk = self._skeleton(art, digest, manifest)
+                sk = self.skeleton(art, digest, manifest)
                 _verify(dfd, dest, sk, manifest)
             finally:
                 os.close(dfd)
             return Pulled(dest, digest, manifest, art.parent, True)
         try:  # nothing is created before the config and the skeleton passed every check
             config, manifest = self.config(art, digest)
-            sk = self._skeleton(art, digest, manifest)
+            sk = self.skeleton(art, digest, manifest)
         except BaseException:
             if created_dir:
                 os.rmdir(dest)
@@ -111,7 +111,7 @@ class Puller:
             for name in list(created):
                 os.rename(name, name.removesuffix(".tmp"), src_dir_fd=dfd, dst_dir_fd=dfd)
                 created[created.index(name)] = name.removesuffix(".tmp")
-            tmp = manifest_tmp_name(manifest.image_id)  # a dump's name for it: what _prepare sweeps
+            tmp = manifest_tmp_name(manifest.image_id)  # a dump's name for it: what prepare sweeps
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
                          dir_fd=dfd)
             created.append(tmp)
@@ -141,7 +141,7 @@ class Puller:
             os.close(dfd)
         return Pulled(dest, digest, manifest, art.parent, False)
 
-    def _skeleton(self, art: Artifact, digest: str, manifest: pb.Manifest) -> Skeleton:
+    def skeleton(self, art: Artifact, digest: str, manifest: pb.Manifest) -> Skeleton:
         what = f"{self.reg.host}/{self.repo}@{digest}"
         kept = os.path.join(self.keep, art.skeleton.digest.removeprefix("sha256:")) if self.keep else None
         blob: bytes | bytearray | None = _read_kept(kept, art.skeleton.digest, art.skeleton.size)
@@ -154,46 +154,14 @@ class Puller:
         return sk
 
     def _write(self, dfd: int, dest: str, sk: Skeleton, manifest: pb.Manifest, created: list[str]) -> None:
-        fds: list[int] = []
-        places: dict[int, list[tuple[int, int]]] = {}  # payload index -> (fd, offset) it goes to
-        where: dict[int, tuple[int, int]] = {}  # payload index -> (file index, where it starts there)
+        """The data files, as `<name>.tmp`: vramd.oci.fill's writer with no session to supply."""
+        filler = Filler(self.reg, self.repo, sk, manifest, concurrency=self.concurrency)
         try:
-            for fi, f in enumerate(sk.files):
-                tmp = f.name + ".tmp"
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
-                             dir_fd=dfd)
-                created.append(tmp)
-                fds.append(fd)
-                os.ftruncate(fd, f.length)  # zero runs stay holes
-                pos = 0
-                for s in f.segments:
-                    if s.kind == LITERAL:
-                        os.pwrite(fd, s.data, pos)
-                    elif s.kind == PAYLOAD:
-                        places.setdefault(s.blob, []).append((fd, pos))
-                        where.setdefault(s.blob, (fi, pos))
-                    pos += s.length
-
-            def one(k: int) -> None:
-                digest, size = sk.blobs[k]
-                try:
-                    data = self.reg.get_blob(self.repo, digest, size)
-                except DigestMismatchError as e:
-                    bo, off, name = _chunk_of(manifest, *where[k])
-                    chunk = f"BO {bo} at offset {off:#x}" if bo is not None and off is not None else "no BO"
-                    raise DigestMismatchError(f"{e.message}: the payload of a chunk of {chunk} ({name}); nothing "
-                                              "was restored from it", bo_id=bo, offset=off) from None
-                for fd, pos in places[k]:
-                    os.pwrite(fd, data, pos)
-
-            with ThreadPoolExecutor(self.concurrency, thread_name_prefix="vramd-pull") as ex:
-                for fut in [ex.submit(one, k) for k in range(len(sk.blobs))]:
-                    fut.result()
-            for fd in fds:
-                os.fsync(fd)
+            filler.create(dfd, ".tmp", created)
+            filler.run()
+            filler.sync()
         finally:
-            for fd in fds:
-                os.close(fd)
+            filler.close()
 
 
 def _verify(dfd: int, dest: str, sk: Skeleton, manifest: pb.Manifest) -> None:
@@ -219,7 +187,7 @@ def _verify(dfd: int, dest: str, sk: Skeleton, manifest: pb.Manifest) -> None:
                         n = min(4 << 20, pos + s.length - at)
                         good = good and os.pread(fd, n, at).count(0) == n
                 if not good:
-                    bo, off, name = _chunk_of(manifest, fi, pos)
+                    bo, off, name = chunk_of(manifest, fi, pos)
                     chunk = f"a chunk of BO {bo} at offset {off:#x}" if bo is not None and off is not None else \
                         "no BO's payload"
                     raise DigestMismatchError(f"{dest}/{name} @ {pos:#x} ({chunk}) is not what the artifact holds; "
@@ -262,25 +230,7 @@ def _keep(path: str | None, data: bytes | bytearray) -> None:
 _DAMAGED = "the copy in {dest} is damaged and nothing was restored from it: remove the directory to pull it again"
 
 
-def _chunk_of(m: pb.Manifest, file_index: int, pos: int) -> tuple[int | None, int | None, str]:
-    """The BO and offset of a chunk whose record in data file `file_index` holds byte `pos` (for messages)."""
-    name = m.files[file_index].name
-    t = m.chunks
-    for e, (img, fi, off, ln) in enumerate(zip(t.image, t.file_index, t.offset, t.length, strict=True)):
-        if img == 0 and fi == file_index and off <= pos < off + ln:
-            for bo in m.bos:
-                for i, ref in enumerate(bo.chunk_refs):
-                    if ref == e + 1:
-                        return bo.id, i * m.chunk_size, name
-    for bo in m.bos:  # format v1
-        if bo.file_index == file_index:
-            for i, (off, ln) in enumerate(zip(bo.record_offsets, bo.record_lengths, strict=True)):
-                if off <= pos < off + ln:
-                    return bo.id, i * m.chunk_size, name
-    return None, None, name
-
-
-def _lock_parent(dest: str) -> int:
+def lock_parent(dest: str) -> int:
     parent = os.path.dirname(os.path.abspath(dest))
     try:
         fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -294,7 +244,7 @@ def _lock_parent(dest: str) -> int:
     return fd
 
 
-def _prepare(dest: str) -> tuple[bool, bool]:
+def prepare(dest: str) -> tuple[bool, bool]:
     """(made, empty): make `dest` if it is not there; an existing one must be a directory that holds an image
     already (the cache's case), or nothing but the temporaries of a pull or dump that died before its commit
     (a vramctl killed midway: they are removed, so that a cache entry is never stuck), or nothing at all."""
@@ -353,7 +303,13 @@ def pull_chain(puller: Puller, ref: str, dest: str) -> list[Pulled]:
     any parent, if nothing is there yet or that very image is (the name comes from the registry: a directory
     of the caller's is never filled, nor its temporaries swept); else `DEST.parent-K` (then name the first
     with --parent)."""
-    out = [puller.pull(ref, dest)]
+    first = puller.pull(ref, dest)
+    return [first, *pull_parents(puller, ref, first)]
+
+
+def pull_parents(puller: Puller, ref: str, child: Pulled) -> list[Pulled]:
+    """The parents of `child` (pulled, or about to be, into child.path), each pulled whole, nearest first."""
+    out = [child]
     while out[-1].parent is not None:
         child = out[-1]
         if len(out) > MAX_CHAIN:
@@ -363,7 +319,7 @@ def pull_chain(puller: Puller, ref: str, dest: str) -> list[Pulled]:
         base = os.path.dirname(os.path.abspath(child.path))
         path = os.path.join(base, hint[1]) if hint else ""
         if not path or not _free_or_holding(puller, path, child.parent):
-            path = f"{os.path.abspath(dest)}.parent-{len(out)}"
+            path = f"{os.path.abspath(out[0].path)}.parent-{len(out)}"
         assert child.parent is not None
         try:
             got = puller.pull(child.parent, path)
@@ -378,5 +334,4 @@ def pull_chain(puller: Puller, ref: str, dest: str) -> list[Pulled]:
             raise ParentMismatchError(f"{ref}: the artifact named as parent #{len(out)} ({child.parent}) is not the "
                                       "image the child recorded")
         out.append(got)
-    return out
-
+    return out[1:]

@@ -12,6 +12,7 @@ import hashlib
 import re
 import ssl
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from urllib.parse import quote, urljoin, urlsplit
 
@@ -22,11 +23,12 @@ from ..errors import AuthFailedError, DigestMismatchError, RegistryError, Regist
 from .auth import Authenticator, repository_scope
 from .credentials import ANONYMOUS, Credentials
 from .deadline import Deadlines
+from .interrupt import Interrupt, Interrupted
 from .layout import DIGEST, MEDIA_OCI_MANIFEST
 from .tls import Trust
 
 CHUNKED_UPLOAD = 64 << 20  # blobs larger than this go up in PATCHes of this size, then a closing PUT
-PREALLOCATE = 64 << 20  # a downloaded blob's buffer starts at most this large
+STREAM_PIECE = 1 << 20  # a streamed blob read hands its bytes on in pieces of this size
 MAX_ANSWER = 1 << 20  # the most of an answer's body held, but a blob's or a manifest's (read as they bound it)
 MIN_RATE = 256 << 10  # bytes/s: a request may take its read timeout, plus its bytes' time at this rate, in all
 REPO = re.compile(r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*")
@@ -291,27 +293,69 @@ class Registry:
 
     def get_blob(self, repo: str, digest: str, size: int, *, where: str = "") -> bytearray:
         """The blob's bytes, exactly `size` of them, whose sha256 is `digest`: else DigestMismatchError naming
-        `where` (what needed the blob).  Read straight into one buffer, hashed as it fills; the buffer grows
-        with what arrives (from 64 MiB), so a descriptor claiming a huge size costs nothing until bytes come."""
+        `where` (what needed the blob).  `stream_blob` into one buffer that grows with what arrives, so a
+        descriptor claiming a huge size costs nothing until bytes come."""
+        buf = bytearray()
+
+        def sink(_offset: int, piece: memoryview) -> None:
+            buf.extend(piece)
+
+        self.stream_blob(repo, digest, size, sink, where=where)
+        return buf
+
+    def stream_blob(self, repo: str, digest: str, size: int, sink: Callable[[int, memoryview], None], *,
+                    interrupt: Interrupt | None = None, seconds: float | None = None, where: str = "") -> None:
+        """Blob `digest`'s bytes (exactly `size`) handed to `sink(offset, piece)` in pieces of up to STREAM_PIECE
+        as they arrive, sha256 computed on the way: unchecked until this returns (else DigestMismatchError
+        naming `where`).  Memory: one piece.  Time: the whole read is cut off after `seconds` (default: the
+        read timeout plus its size at MIN_RATE, `deadline`), a RegistryError naming the blob: a registry that
+        trickles holds no pull forever.  `interrupt`, fired from another thread, ends it at once (Interrupted)."""
         what = f"GET {repo}@{digest}"
-        r = self._request("GET", f"/v2/{repo}/blobs/{digest}", what, repo=repo, stream=True)
-        buf = bytearray(min(size, PREALLOCATE))
-        got, h = 0, hashlib.sha256()
-        try:
-            while got < size:
-                if got == len(buf):
-                    buf.extend(bytes(min(size - got, len(buf))))  # doubles, up to `size`
-                with memoryview(buf) as view:
-                    n = r.readinto(view[got:min(len(buf), got + (4 << 20))])
-                    if not n:
+        seconds = self.deadline(size) if seconds is None else seconds
+        with self._deadlines.within(seconds) as armed:
+            r = self._request("GET", f"/v2/{repo}/blobs/{digest}", what, repo=repo, stream=True)
+            self._deadlines.add(armed, r.connection)  # its body is read here, under the same deadline
+            buf = bytearray(max(1, min(size, STREAM_PIECE)))
+            got, h, complete, longer = 0, hashlib.sha256(), False, False
+            try:
+                if interrupt is not None:
+                    interrupt.watch(r)
+                while got < size:
+                    want, fill = min(len(buf), size - got), 0
+                    while fill < want:
+                        data = r.read1(want - fill)
+                        if not data:
+                            break
+                        buf[fill:fill + len(data)] = data
+                        fill += len(data)
+                    if armed.expired:  # ended by the cut: what came may look like an early end of the blob
+                        raise self._late(what, seconds)
+                    if fill:
+                        with memoryview(buf) as view, view[:fill] as piece:
+                            h.update(piece)
+                            sink(got, piece)
+                        got += fill
+                    if fill < want:
                         break
-                    h.update(view[got:got + n])
-                got += n
-            longer = got == size and r.read(1) != b""
-        except HTTPError as e:
-            raise RegistryError(f"registry {self.host}: {what}: cut off after {got} bytes: {_reason(e)}") from None
-        finally:
-            r.release_conn()
+                longer = got == size and r.read1(1) != b""
+                complete = got == size and not longer
+            except (HTTPError, OSError) as e:
+                if interrupt is not None and interrupt.fired:
+                    raise Interrupted() from None
+                if armed.expired:
+                    raise self._late(what, seconds) from None
+                raise RegistryError(f"registry {self.host}: {what}: cut off after {got} bytes: {_reason(e)}") \
+                    from None
+            finally:
+                if interrupt is not None:
+                    interrupt.unwatch(r)
+                if not complete:
+                    r.close()  # the rest of its answer is never read: its connection is not reused
+                r.release_conn()
+        if interrupt is not None and interrupt.fired:
+            raise Interrupted()
+        if armed.expired and not complete:
+            raise self._late(what, seconds)
         if longer:
             raise DigestMismatchError(f"registry {self.host}: blob {digest} of {repo} is longer than the {size} "
                                       f"bytes its descriptor says{where}")
@@ -319,7 +363,6 @@ class Registry:
             raise DigestMismatchError(f"registry {self.host}: blob {digest} of {repo} does not match its digest "
                                       f"({got} of {size} bytes){where}")
         self.stats.add(blobs_downloaded=1, bytes_downloaded=size)
-        return buf
 
     # --- manifests ---------------------------------------------------------------
 

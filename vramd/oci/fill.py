@@ -1,0 +1,192 @@
+"""The one writer of a pulled image's data files, for `vramctl pull` and a streamed restore alike.
+
+From a checked skeleton (vramd.oci.layout) it creates every data file at its full length (zero runs stay
+holes), writes the literal runs, then downloads the payload blobs in file order (the order a restore reads
+them), `concurrency` at once, each streamed to every place it fills as it arrives: memory is about
+`concurrency` x STREAM_PIECE, whatever size a descriptor claims.  When a blob's digest checks, its places are
+done; each data file's contiguous done prefix is its supply end, handed to `on_supply(file_index, end)` as it
+grows (a streamed restore writes it to the daemon's supply pipe; a pull passes nothing).  A blob that fails its
+digest is a DigestMismatchError naming the BO and offset that needed it, and no end ever covers its places.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Iterator
+
+from ..errors import DigestMismatchError
+from ..pb import image_pb2 as pb
+from .interrupt import Interrupt, Interrupted
+from .layout import LITERAL, PAYLOAD, Skeleton
+from .registry import Registry
+
+Stopped = Interrupted  # what `run` raises once stopped: the caller's own failure is the one to report
+
+SupplyHook = Callable[[int, int], None]
+
+
+class Filler:
+    """Fill the data files `sk` describes in the directory `dfd`, each created under its name + `suffix`."""
+
+    def __init__(self, reg: Registry, repo: str, sk: Skeleton, manifest: pb.Manifest, *, concurrency: int = 4,
+                 on_supply: SupplyHook | None = None) -> None:
+        self.reg, self.repo, self.sk, self.manifest = reg, repo, sk, manifest
+        self.concurrency = max(1, concurrency)
+        self.on_supply = on_supply
+        self.fds: list[int] = []
+        self._stop = Interrupt()
+        self._lock = threading.Lock()
+        self._places: dict[int, list[tuple[int, int, int]]] = {}  # blob -> (file index, segment index, offset)
+        self._spans: list[list[int]] = []  # per file: each segment's end offset
+        self._done: list[list[bool]] = []  # per file: each segment done
+        self._next: list[int] = []  # per file: its first segment not done
+        self._order: list[int] = []  # the blobs, by their first place in file order
+        self._held = False  # ends not handed on yet (`hold`)
+
+    def create(self, dfd: int, suffix: str, created: list[str]) -> None:
+        """Every data file at its length, its literal runs written; the names made are appended to `created`.
+        The ends covered by literal and zero runs alone are supplied at once."""
+        seen: set[int] = set()
+        for fi, f in enumerate(self.sk.files):
+            name = f.name + suffix
+            fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                         dir_fd=dfd)
+            created.append(name)
+            self.fds.append(fd)
+            os.ftruncate(fd, f.length)  # zero runs stay holes
+            pos, spans, done = 0, [], []
+            for si, s in enumerate(f.segments):
+                if s.kind == LITERAL:
+                    os.pwrite(fd, s.data, pos)
+                elif s.kind == PAYLOAD:
+                    self._places.setdefault(s.blob, []).append((fi, si, pos))
+                    if s.blob not in seen:
+                        seen.add(s.blob)
+                        self._order.append(s.blob)
+                pos += s.length
+                spans.append(pos)
+                done.append(s.kind != PAYLOAD)
+            self._spans.append(spans)
+            self._done.append(done)
+            self._next.append(0)
+        for fi in range(len(self.sk.files)):
+            self._advance(fi)
+
+    def hold(self) -> None:
+        """Hand no end to on_supply until `release` (what is done meanwhile is handed on then)."""
+        with self._lock:
+            self._held = True
+
+    def release(self) -> None:
+        with self._lock:
+            self._held = False
+            if self.on_supply is not None:
+                for fi, n in enumerate(self._next):
+                    if n:
+                        self.on_supply(fi, self._spans[fi][n - 1])
+
+    def stop(self) -> None:
+        """Stop the downloads now (a read blocked on the network included; a request still waiting for its
+        answer's head stops within the read timeout): `run` raises Stopped."""
+        self._stop.fire()
+
+    def run(self) -> None:
+        """Download every payload blob into its places; the first failure stops the others and is raised."""
+        blobs: Iterator[int] = iter(self._order)
+        take = threading.Lock()
+        errors: list[BaseException] = []
+
+        def worker() -> None:
+            while not self._stop.fired:
+                with take:
+                    k = next(blobs, None)
+                if k is None:
+                    return
+                try:
+                    self._one(k)
+                except BaseException as e:
+                    with take:
+                        errors.append(e)
+                    self._stop.fire()
+                    return
+
+        threads = [threading.Thread(target=worker, name=f"vramd-fill-{i}", daemon=True)
+                   for i in range(min(self.concurrency, max(1, len(self._order))))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        real = [e for e in errors if not isinstance(e, Stopped)]
+        if real:
+            raise real[0]
+        if errors or (self._stop.fired and any(n < len(s) for n, s in zip(self._next, self._spans, strict=True))):
+            raise Stopped()
+
+    def sync(self) -> None:
+        for fd in self.fds:
+            os.fsync(fd)
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
+
+    # --- one blob ---------------------------------------------------------------------------------------
+
+    def _one(self, k: int) -> None:
+        digest, size = self.sk.blobs[k]
+        places = [(self.fds[fi], self._start(fi, si)) for fi, si, _ in self._places[k]]
+
+        def sink(offset: int, piece: memoryview) -> None:
+            if self._stop.fired:
+                raise Stopped()
+            for fd, pos in places:
+                os.pwrite(fd, piece, pos + offset)
+
+        try:
+            self.reg.stream_blob(self.repo, digest, size, sink, interrupt=self._stop)
+        except DigestMismatchError as e:
+            fi, _si, pos = self._places[k][0]
+            bo, off, name = chunk_of(self.manifest, fi, pos)
+            chunk = f"BO {bo} at offset {off:#x}" if bo is not None and off is not None else "no BO"
+            raise DigestMismatchError(f"{e.message}: the payload of a chunk of {chunk} ({name}); nothing was "
+                                      "restored from it", bo_id=bo, offset=off) from None
+        with self._lock:
+            touched = set()
+            for fi, si, _pos in self._places[k]:
+                self._done[fi][si] = True
+                touched.add(fi)
+            for fi in sorted(touched):
+                self._advance(fi)
+
+    def _start(self, fi: int, si: int) -> int:
+        return self._spans[fi][si - 1] if si else 0
+
+    def _advance(self, fi: int) -> None:
+        """Move file `fi`'s supply end over its done segments, and tell on_supply (under the lock, so that
+        the ends of one file reach it in order)."""
+        n, done = self._next[fi], self._done[fi]
+        start = n
+        while n < len(done) and done[n]:
+            n += 1
+        self._next[fi] = n
+        if n > start and self.on_supply is not None and not self._held:
+            self.on_supply(fi, self._spans[fi][n - 1])
+
+
+def chunk_of(m: pb.Manifest, file_index: int, pos: int) -> tuple[int | None, int | None, str]:
+    """The BO and offset of a chunk whose record in data file `file_index` holds byte `pos` (for messages)."""
+    name = m.files[file_index].name
+    t = m.chunks
+    for e, (img, fi, off, ln) in enumerate(zip(t.image, t.file_index, t.offset, t.length, strict=True)):
+        if img == 0 and fi == file_index and off <= pos < off + ln:
+            for bo in m.bos:
+                for i, ref in enumerate(bo.chunk_refs):
+                    if ref == e + 1:
+                        return bo.id, i * m.chunk_size, name
+    for bo in m.bos:  # format v1
+        if bo.file_index == file_index:
+            for i, (off, ln) in enumerate(zip(bo.record_offsets, bo.record_lengths, strict=True)):
+                if off <= pos < off + ln:
+                    return bo.id, i * m.chunk_size, name
+    return None, None, name

@@ -1,0 +1,281 @@
+"""A restore streamed from a registry: the daemon restores while the image's blobs download (#35).
+
+An incremental image's parents are pulled first, whole, into sibling directories (vramd.oci.pull).  The image
+itself goes into a staging directory beside its cache entry, `ENTRY.partial`, made under the flock of the
+entry's parent directory (one restore of a reference per node at a time; a staging directory a dead vramctl
+left is swept): manifest.vrdm (the artifact's config, every check passed) and the data files under their final
+names, created at full length with the skeleton's literal runs written.  The session is opened on it with the
+read end of a pipe (vramd.image.supply): vramd.oci.fill's writer downloads the payload blobs in file order,
+each checked by digest before an end covers it, and writes each data file's checked prefix to the pipe; the
+daemon reads no record before an end covers it.  When the session is done and the files fsynced, the staging
+directory is renamed to the entry (the commit); a failure removes it.
+
+A committed entry whose manifest.vrdm is the artifact's config (sha256) is restored as it is: no blob is
+downloaded and no payload re-hashed first, because the daemon checks every record it reads against
+manifest.vrdm (record heads and their checksums, payload checksums) before a byte reaches a BO.  A damaged entry
+fails there, naming the BO, with the advice to remove the entry or restore with `refresh`.
+
+The daemon's session is the caller's (`run`): vramd.oci sits below the client library.  Threads: `run` drives
+the session on the calling thread; the writer's threads write 16-byte supply messages (atomic) to the pipe.
+"""
+from __future__ import annotations
+
+import os
+import stat
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..errors import ImageError, VramdError, from_os_error
+from ..image.manifest import decode_manifest
+from ..image.names import MANIFEST_NAME
+from ..image.supply import encode
+from ..pb import image_pb2 as pb
+from .fill import Filler
+from .layout import Skeleton, sha256_digest
+from .pull import Pulled, Puller, lock_parent, pull_parents
+from .push import open_dir, read_manifest_bytes
+
+
+@dataclass(frozen=True)
+class SupplyPipe:
+    fd: int  # the read end, for Client.open_session(supply_fd=)
+    opened: Callable[[], None]  # to call once the session is open (its files attached): the ends flow from then
+
+
+# (image directory, its first parent's directory or None, the supply pipe or None): runs the restore session on
+# it and returns once it is done; raises the daemon's error if it failed
+RunSession = Callable[[str, "str | None", "SupplyPipe | None"], None]
+STAGING_SUFFIX = ".partial"
+DAMAGED = ("the cache entry {entry} is damaged: remove it (rm -r {entry}) or restore again with --refresh-cache "
+           "to download the image again")
+
+
+@dataclass(frozen=True)
+class Restored:
+    digest: str  # of the OCI manifest
+    chain: list[Pulled]  # the image (at its entry), then its parents
+    warm: bool  # restored from a committed cache entry: no blob of the image downloaded
+
+
+def restore(puller: Puller, ref: str, entry: str, run: RunSession, *, commit: bool = True,
+            refresh: bool = False) -> Restored:
+    """Restore the image at `ref` (a digest reference) through `run`, streamed into `entry` + STAGING_SUFFIX and
+    committed to `entry` (`commit` False: the staging directory is removed instead); a committed `entry`
+    holding the image is restored as it is, unless `refresh` (then it is removed first)."""
+    art, digest = puller.artifact(ref)
+    if refresh:
+        _locked(entry, lambda: _remove_tree(entry))
+    warm = _committed(entry, art.config.digest)
+    if warm is not None:
+        return _warm(puller, ref, entry, digest, warm, art.parent, run)
+    config, manifest = puller.config(art, digest)
+    sk = puller.skeleton(art, digest, manifest)
+    child = Pulled(entry, digest, manifest, art.parent, False)
+    parents = pull_parents(puller, ref, child)  # each under the same flock: taken before ours
+    lock = lock_parent(entry)
+    try:
+        warm = _committed(entry, art.config.digest)  # another restore of it committed while we waited
+        if warm is not None:
+            return _warm(puller, ref, entry, digest, warm, art.parent, run, parents)
+        staging = entry + STAGING_SUFFIX
+        _remove_tree(staging)
+        try:
+            os.mkdir(staging, 0o700)
+        except OSError as e:
+            raise from_os_error(e, staging, ImageError) from None
+        try:
+            whole = _stream(puller, manifest, sk, staging, bytes(config), parents, run)
+            if commit and whole:
+                if os.path.lexists(entry):  # an entry not committed by us (damaged, other image): replaced
+                    _remove_tree(entry)
+                os.rename(staging, entry)
+                _fsync_dir(os.path.dirname(os.path.abspath(entry)))
+            else:
+                _remove_tree(staging)
+        except BaseException:
+            _remove_tree(staging)
+            raise
+    finally:
+        os.close(lock)
+    return Restored(digest, [child, *parents], False)
+
+
+class _WriteEnd:
+    """The supply pipe's write end: closed (the daemon's EOF) once the writer has finished AND the session is
+    open, so that the ends held back until the session opened are written first; or at once by `close`."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd, self.waiting, self.over = fd, 2, False
+        self._lock = threading.Lock()
+
+    def write(self, index: int, end: int) -> None:
+        with self._lock:
+            if self.over or self.fd < 0:  # the session is done: the ends it never needed are not sent
+                return
+            try:
+                os.write(self.fd, encode(index, end))  # 16 bytes: one atomic write
+            except BrokenPipeError:
+                if not self.over:
+                    raise
+
+    def one_done(self) -> None:
+        with self._lock:
+            self.waiting -= 1
+            if self.waiting == 0 and self.fd >= 0:
+                os.close(self.fd)
+                self.fd = -1
+
+    def close(self) -> None:
+        with self._lock:
+            if self.fd >= 0:
+                os.close(self.fd)
+                self.fd = -1
+
+
+def _stream(puller: Puller, manifest: pb.Manifest, sk: Skeleton, staging: str, config: bytes,
+            parents: list[Pulled], run: RunSession) -> bool:
+    """The session on `staging` while the writer fills it; True if every file is whole and fsynced (the
+    session may end before a record it never reads is downloaded: then the restore stands, uncached)."""
+    dfd = open_dir(staging)
+    r, w = os.pipe2(os.O_CLOEXEC)
+    pipe = _WriteEnd(w)
+    filler = Filler(puller.reg, puller.repo, sk, manifest, concurrency=puller.concurrency, on_supply=pipe.write)
+    failed: list[BaseException] = []
+
+    def fill() -> None:
+        try:
+            filler.run()
+        except BaseException as e:  # the main thread reports it
+            failed.append(e)
+        finally:
+            pipe.one_done()
+
+    def opened() -> None:  # the session's files are attached: the ends held back go out, then flow
+        filler.release()
+        pipe.one_done()
+
+    thread: threading.Thread | None = None
+    try:
+        _write_manifest(dfd, staging, config)
+        filler.hold()
+        filler.create(dfd, "", [])
+        thread = threading.Thread(target=fill, name="vramd-stream", daemon=True)
+        thread.start()
+        try:
+            run(staging, parents[0].path if parents else None, SupplyPipe(r, opened))
+        except BaseException:
+            filler.stop()  # the daemon failed (or the supply did): downloads stop at their next piece
+            os.close(r)  # a writer blocked on a full pipe gets EPIPE
+            r = -1
+            thread.join()
+            real = [e for e in failed if isinstance(e, VramdError)]
+            if real:  # the session failed because the supply ended: the download's error is the one to report
+                raise real[0] from None
+            raise
+        pipe.over = True
+        os.close(r)
+        r = -1
+        thread.join()
+        if failed:
+            return False
+        filler.sync()
+        os.fsync(dfd)
+        return True
+    finally:
+        pipe.close()
+        if r >= 0:
+            os.close(r)
+        filler.close()
+        os.close(dfd)
+
+
+def _write_manifest(dfd: int, staging: str, config: bytes) -> None:
+    try:
+        fd = os.open(MANIFEST_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                     dir_fd=dfd)
+        try:
+            os.write(fd, config)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise from_os_error(e, f"{staging}/{MANIFEST_NAME}", ImageError) from None
+
+
+def _warm(puller: Puller, ref: str, entry: str, digest: str, manifest_bytes: bytes, parent: str | None,
+          run: RunSession, parents: list[Pulled] | None = None) -> Restored:
+    manifest = decode_manifest(manifest_bytes, f"{entry}/{MANIFEST_NAME}")
+    child = Pulled(entry, digest, manifest, parent, True)
+    if parents is None:
+        parents = pull_parents(puller, ref, child)
+    try:
+        run(entry, parents[0].path if parents else None, None)
+    except ImageError as e:  # a record the daemon refused (CORRUPT_CHUNK, TRUNCATED_DATA, ...)
+        raise _with_advice(e, entry) from None
+    return Restored(digest, [child, *parents], True)
+
+
+def _with_advice(e: ImageError, entry: str) -> ImageError:
+    out = ImageError.__new__(type(e))
+    VramdError.__init__(out, f"{e.message}; {DAMAGED.format(entry=entry)}", bo_id=e.bo_id, offset=e.offset)
+    return out
+
+
+def _committed(entry: str, config_digest: str) -> bytes | None:
+    """manifest.vrdm's bytes, where `entry` is a committed entry holding the image whose config is
+    `config_digest`; None where there is no entry (ImageError where it holds something else)."""
+    if not os.path.lexists(entry):
+        return None
+    dfd = open_dir(entry)
+    try:
+        try:
+            data = read_manifest_bytes(dfd, entry)
+        except ImageError:
+            return None  # no manifest: what a pull killed midway left; replaced by this restore's commit
+    finally:
+        os.close(dfd)
+    if sha256_digest(data) != config_digest:
+        raise ImageError(f"{entry}/{MANIFEST_NAME} is not the artifact's config; {DAMAGED.format(entry=entry)}")
+    return data
+
+
+def _locked(entry: str, fn: Callable[[], None]) -> None:
+    lock = lock_parent(entry)
+    try:
+        fn()
+    finally:
+        os.close(lock)
+
+
+def _remove_tree(path: str) -> None:
+    """Remove a staging directory or cache entry: regular files, one level, then the directory (never a
+    link's target)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise from_os_error(e, path, ImageError) from None
+    try:
+        if not stat.S_ISDIR(st.st_mode):
+            raise ImageError(f"{path}: not a directory: remove it by hand")
+        dfd = open_dir(path)
+        try:
+            for name in os.listdir(dfd):
+                if not stat.S_ISREG(os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode):
+                    raise ImageError(f"{path}/{name}: not a regular file: remove {path} by hand")
+                os.unlink(name, dir_fd=dfd)
+        finally:
+            os.close(dfd)
+        os.rmdir(path)
+    except OSError as e:
+        raise from_os_error(e, path, ImageError) from None
+
+
+def _fsync_dir(path: str) -> None:
+    dfd = open_dir(path)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
