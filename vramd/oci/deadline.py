@@ -51,6 +51,7 @@ class Deadlines:
             def connect(self) -> None:
                 attach(self)
                 super().connect()
+                self.vramd_sock = self.sock  # http.client forgets it once an answer that closes is under way
 
             def request(self, *args: Any, **kwargs: Any) -> None:
                 attach(self)
@@ -60,6 +61,7 @@ class Deadlines:
             def connect(self) -> None:
                 attach(self)
                 super().connect()
+                self.vramd_sock = self.sock  # http.client forgets it once an answer that closes is under way
 
             def request(self, *args: Any, **kwargs: Any) -> None:
                 attach(self)
@@ -131,8 +133,8 @@ class Deadlines:
 
 def _cut(conn: object) -> None:
     """End what blocks on `conn`'s socket (a read or write in another thread returns at once)."""
-    sock = getattr(conn, "sock", None)
-    if isinstance(sock, socket.socket):
+    sock = getattr(conn, "vramd_sock", None) or getattr(conn, "sock", None)  # the socket it connected, even
+    if isinstance(sock, socket.socket):  # once an HTTP/1.0 answer (it closes) made http.client drop conn.sock
         try:
             socket.socket.shutdown(sock, socket.SHUT_RDWR)
         except OSError:

@@ -324,7 +324,7 @@ class Registry:
                     want, fill = min(len(buf), size - got), 0
                     while fill < want:
                         data = r.read1(want - fill)
-                        if not data:
+                        if not data or armed.expired:  # a trickle's bytes may still come after the cut
                             break
                         buf[fill:fill + len(data)] = data
                         fill += len(data)
