@@ -354,7 +354,7 @@ def test_kfd_vramd_1_fails_a_restore_that_finds_no_bo_contents(plugin_so, env, t
     """Patch 0006: with KFD_VRAMD=1 the restored task's hook fails (-ENOENT, one line naming the directory it
     expected) where the images directory holds neither amdgpu-vramd-<id>/ nor amdgpu-pages-<id>-* files (a vramd
     image not pulled into place); with pages files there, or without the setting, it leaves the KFD file to the
-    stock path (1) as before."""
+    stock path (1) as before.  The plugin built without libvramd does the same."""
     (tmp_path / "img").mkdir()
     img = open_dir(tmp_path / "img")
     buckets = (BoBucket * 1)(BoBucket(0x7F0000000000, 4096, 0, 0, GPU_ID, 0, 0xFFFFFFFF, 0))
@@ -379,5 +379,14 @@ def test_kfd_vramd_1_fails_a_restore_that_finds_no_bo_contents(plugin_so, env, t
         capfd.readouterr()
         assert lib.amdgpu_vramd_restore(7, buckets, 1) == 1
         assert capfd.readouterr().err == ""
+        # the plugin built without libvramd: the same rule (KFD_VRAMD=1 still means the BO contents must be found)
+        stock = _load(plugin_so[1], tmp_path, img)
+        assert stock.amdgpu_vramd_restore(7, buckets, 1) == 1
+        env.setenv("KFD_VRAMD", "1")
+        capfd.readouterr()
+        assert stock.amdgpu_vramd_restore(7, buckets, 1) == -ENOENT
+        assert capfd.readouterr().err.splitlines() == lines
+        (tmp_path / "img" / "amdgpu-pages-7-5d21.img").write_bytes(b"")
+        assert stock.amdgpu_vramd_restore(7, buckets, 1) == 1
     finally:
         os.close(img)

@@ -20,6 +20,7 @@ from helpers import ROOT
 
 from vramd.errors import InvalidRequestError
 from vramd.imagedir import lock_directory
+from vramd.imagedir.lock import RELEASES
 
 # A shared taker that stops between each open of `.lock` and its flock (an audit hook: Python raises "open"
 # and "fcntl.flock" before each call) until a line comes on stdin, then says how it came out.
@@ -91,7 +92,8 @@ def _tell(p, line: str) -> str:
     return _line(p)
 
 
-@pytest.mark.parametrize("then", ["free", "sibling-holds", "exclusive", "moved-away", "directory-gone"])
+@pytest.mark.parametrize("then", ["free", "sibling-holds", "exclusive", "moved-away", "directory-gone",
+                                  "removed-in-a-loop"])
 def test_a_shared_taker_outlasts_any_number_of_siblings_release_cycles(tmp_path, then):
     """A child taking its parent's lock shared while siblings take and release it sees `.lock` replaced between
     its open and its flock 12 times (each time its last holder, a sibling, removed the very file the taker had
@@ -101,7 +103,9 @@ def test_a_shared_taker_outlasts_any_number_of_siblings_release_cycles(tmp_path,
     `sibling-holds`, a sibling holds the new file shared, and the taker shares it; `exclusive`, a dump takes
     the lock in that window: "another dump is writing"; `moved-away`, the file it opened is renamed aside (a
     replacement no holder's release explains) 8 times: refused, never looping; `directory-gone`, the parent
-    is removed: refused, its `.lock` cannot be created."""
+    is removed: refused, its `.lock` cannot be created; `removed-in-a-loop`, a process that may write the
+    directory removes `.lock` in that window each time: refused after RELEASES removals in all, never looping
+    (a dump inside CRIU would otherwise spin for as long as that process likes)."""
     parent = tmp_path / "parent"
     parent.mkdir()
     taker, sibling = (subprocess.Popen([sys.executable, "-c", script, str(parent)], cwd=ROOT, text=True,
@@ -131,7 +135,14 @@ def test_a_shared_taker_outlasts_any_number_of_siblings_release_cycles(tmp_path,
         elif then == "directory-gone":
             assert _tell(sibling, "cycle") == "ok"
             os.rmdir(parent)
-        if then != "moved-away":
+        elif then == "removed-in-a-loop":
+            for k in range(CYCLES, RELEASES):
+                assert line == "OPENED", (k, line)
+                os.unlink(parent / ".lock")  # as a release does, but nobody took the lock
+                line = _tell(taker, "go")
+            assert line.startswith("REFUSED INVALID_REQUEST") and f"removed {RELEASES} times" in line, line
+            assert not (parent / ".lock").exists()
+        if then not in ("moved-away", "removed-in-a-loop"):
             line = _tell(taker, "go")
         if then in ("free", "sibling-holds"):
             assert line == "TAKEN True", line

@@ -5,12 +5,14 @@ The file exists only while someone holds it: its last holder removes it as it re
 creates a new one.  So a taker may open the file just before its last holder removes it, and find, once it
 has flocked it, that it locks nothing (the name is gone, or another file's): it looks again.  Siblings (children
 of one image, each taking and releasing its lock shared) can make that happen any number of times in a row,
-though none ever excludes another.  The rule: a taker looks again, with no limit, every time the file it
+though none ever excludes another.  The rule: a taker looks again every time the file it
 opened was removed before it held it, since each removal is another holder's completed release (the lock was
 free then: nobody excluded the taker, and the others made progress); it is refused only where another holds
 the lock (exclusively, against a child), where `.lock` is not vramd's, on an error (the directory removed:
-`.lock` cannot be created there), or after STRAYS replacements that no release explains (the file it opened
-moved away, still linked).
+`.lock` cannot be created there), after STRAYS replacements that no release explains (the file it opened
+moved away, still linked), or after RELEASES removals: far more than siblings' churn makes in a row, but a
+bound, since a process that may write the directory can remove `.lock` in a loop and would otherwise keep
+the taker (a dump inside CRIU) looking for ever.
 """
 from __future__ import annotations
 
@@ -153,6 +155,10 @@ RELEASE_PAUSE = 0.001
 # linked, rather than removed) a taker sees before it gives up: a file system that never shows a removed
 # file as unlinked would otherwise keep it looking forever.
 STRAYS = 8
+# How many removals of the `.lock` a taker opened, before it held it, it outlasts (each one a holder's release, or
+# a process removing the name in a loop): 4 siblings taking and releasing 2,000 times each made 8 in a row now
+# and then on a loaded machine; a bound all the same (libvramd: the same number).
+RELEASES = 1000
 
 
 def _flock_waiting_out_releases(fd: int, dir_fd: int, shared: bool) -> bool:
@@ -186,12 +192,17 @@ def take_lock(dir_fd: int, where: str = "the image directory", *, shared: bool =
     except OSError as e:
         raise from_os_error(e, f"{where} cannot be opened", InvalidRequestError) from None
     strays = 0  # replacements no holder's release explains: at most STRAYS
+    releases = 0  # removals of the file we opened before we held it: at most RELEASES
     while True:
+        if releases == RELEASES:
+            raise InvalidRequestError(f"cannot lock {where}: its {LOCK_NAME} was removed {RELEASES} times before "
+                                      "it could be held (by holders' releases, or a process removing it)")
         fd = _open_lock_file(dir_fd, where, owner, optional)
         if fd is None:
             return None
         if fd == GONE:
-            continue  # removed between our create and our open: a holder's release
+            releases += 1  # removed between our create and our open: a holder's release
+            continue
         try:
             # its last holder may have removed the name between our open and our flock (or held it exclusively
             # to remove it): then this file excludes nobody, and the one at the name now is the lock
@@ -205,7 +216,9 @@ def take_lock(dir_fd: int, where: str = "the image directory", *, shared: bool =
                 raise InvalidRequestError(f"another dump is writing into {where}{also}") from None
             raise from_os_error(e, f"cannot lock {where}", InvalidRequestError) from None
         os.close(fd)
-        if not released:
+        if released:
+            releases += 1
+        else:
             strays += 1
             if strays == STRAYS:
                 raise InvalidRequestError(f"cannot lock {where}: its {LOCK_NAME} was replaced {STRAYS} times while "

@@ -315,6 +315,9 @@ static int open_lock_file(int dir_fd, const struct stat *owner, bool optional, i
 #define RELEASE_YIELDS 100
 /* vramd.imagedir.lock.STRAYS: replacements of .lock no holder's release explains before a taker gives up */
 #define STRAYS 8
+/* vramd.imagedir.lock.RELEASES: removals of the .lock a taker opened, before it held it, that it outlasts (a
+ * holder's release each, or a process that may write the directory removing it in a loop) */
+#define RELEASES 1000
 
 /* flock fd (shared or exclusive, never waiting): 0 once held, 1 where .lock is no longer this file (its last
  * holder removed it), -errno (-EWOULDBLOCK: another holds it). */
@@ -347,16 +350,26 @@ static int take_lock(int dir_fd, bool shared, bool optional, const char *label, 
     *lock_fd = -1;
     if (fstat(dir_fd, &owner) < 0)
         return fail_name(err, errno, "stat", ".", dir_fd);
-    /* as vramd.imagedir.take_lock: no limit while each file opened was removed before we held it (another
-     * holder's completed release: the lock was free then); STRAYS replacements no release explains (the file
-     * opened still linked, moved away) are refused */
+    /* as vramd.imagedir.take_lock: again while each file opened was removed before we held it (another
+     * holder's completed release: the lock was free then), up to RELEASES times; STRAYS replacements no release
+     * explains (the file opened still linked, moved away) are refused */
+    int releases = 0;
     for (int strays = 0; strays < STRAYS;) {
+        if (releases == RELEASES) {
+            char path[PATH_MAX];
+            vramd__dir_label(dir_fd, path, sizeof path);
+            return vramd__fail(err, -EBUSY, VRAMD_CODE_LOCAL, "cannot lock %s%s: its " VRAMD__LOCK_NAME " was "
+                               "removed %d times before it could be held (by holders' releases, or a process "
+                               "removing it)", label, path, RELEASES);
+        }
         int fd;
         int r = open_lock_file(dir_fd, &owner, optional, min_fd, &fd, err);
         if (r < 0)
             return r;
-        if (r == 1)
-            continue; /* removed between our create and our open: a release */
+        if (r == 1) {
+            releases++; /* removed between our create and our open: a release */
+            continue;
+        }
         if (fd < 0)
             return 0;
         r = flock_waiting_out_releases(fd, dir_fd, shared);
@@ -382,6 +395,8 @@ static int take_lock(int dir_fd, bool shared, bool optional, const char *label, 
         vramd__close_fd(fd);
         if (!have || st.st_nlink > 0)
             strays++;
+        else
+            releases++;
     }
     char path[PATH_MAX];
     vramd__dir_label(dir_fd, path, sizeof path);

@@ -21,6 +21,7 @@
 #include "harness.h"
 
 enum { CYCLES = 12 }; /* more than the 8 after which a taker was refused */
+enum { RELEASES = 1000 }; /* files.c's bound on removals outlasted (vramd.imagedir.lock.RELEASES) */
 
 /* In the taker process only: its shared flocks say so on pause_out and wait for a byte on pause_in. */
 static int pause_in = -1, pause_out = -1;
@@ -177,6 +178,23 @@ static int t_lock_replacements(void)
     CHECK(w == 'R' && o.r == -EBUSY && strstr(o.message, "replaced 8 times") && strstr(o.message, ppath),
           "the taker, its .lock moved away 8 times: %c %d %s", w ? w : '-', o.r, o.message);
     CHECK(reap(taker) == 0, "the taker's exit");
+    close(to[1]);
+    close(from[0]);
+    /* 3. a process that may write the directory removes the .lock the taker opened, each time, in that window:
+     * refused after RELEASES removals, not looking for ever (a dump inside CRIU spinning) */
+    taker = start_taker(tfd, pfd, to, from);
+    CHECK(taker > 0, "fork: %s", strerror(errno));
+    for (int k = 0; k < RELEASES; k++) {
+        w = next_word(from[0], &o);
+        CHECK(w == 'O', "removal %d: the taker said %c: %d %s", k, w ? w : '-', o.r, o.message);
+        CHECK(unlinkat(pfd, ".lock", 0) == 0, "removing .lock: %s", strerror(errno));
+        CHECK(write(to[1], &go, 1) == 1, "go");
+    }
+    w = next_word(from[0], &o);
+    CHECK(w == 'R' && o.r == -EBUSY && strstr(o.message, "removed 1000 times") && strstr(o.message, ppath),
+          "the taker, its .lock removed %d times: %c %d %s", RELEASES, w ? w : '-', o.r, o.message);
+    CHECK(reap(taker) == 0, "the taker's exit");
+    CHECK(!exists_at(pfd, ".lock"), "the refused taker left .lock");
     close(to[1]);
     close(from[0]);
     vramd_close(c);
