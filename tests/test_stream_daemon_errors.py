@@ -77,6 +77,30 @@ def test_a_supply_fd_that_is_not_a_pipe_is_refused_at_open(daemon, image):
             os.close(fd)
 
 
+def test_a_supply_fd_whose_end_could_never_come_or_from_the_network_is_refused(daemon, image):
+    """A pipe reopened read-write (the daemon would hold a writer of its own: the pipe's end, which says that
+    nothing more comes, would never come), and a TCP socket (the daemon does no network I/O, even on a
+    connection a client made): BAD_DESCRIPTOR at OpenSession, and no session is left open."""
+    dfd = open_dir(image.dst)
+    r, w = os.pipe2(os.O_CLOEXEC)
+    both = os.open(f"/proc/self/fd/{r}", os.O_RDWR | os.O_CLOEXEC)  # one fd, both ends of the pipe
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        tcp = socket.create_connection(server.getsockname())
+        peer, _ = server.accept()
+        try:
+            with Client(daemon.socket) as c:
+                for fd, says in ((both, "open for writing too"), (tcp.fileno(), "not a unix one")):
+                    with pytest.raises(BadDescriptorError) as e:
+                        c.open_session(SESSION_RESTORE, dfd, supply_fd=fd)
+                    assert says in e.value.message
+                assert c.sessions() == []
+        finally:
+            for fd in (dfd, r, w, both):
+                os.close(fd)
+            tcp.close()
+            peer.close()
+
+
 def test_a_dump_takes_no_supply_pipe(daemon, image):
     r, w = os.pipe2(os.O_CLOEXEC)
     try:
