@@ -85,6 +85,10 @@ def check_supply_fd(fd: int) -> None:
                                  "of its own, and the pipe's end would never come")
 
 
+def _after_stop(exc: BaseException) -> None:
+    """A stopped Supply's `fail`: the job has stopped already."""
+
+
 class Supply:
     """The supplied ends of the image's data files, read off the client's pipe; the pipeline's Gate.
 
@@ -147,6 +151,9 @@ class Supply:
     def stop(self) -> None:
         """The job has stopped (or finished): no more reading, and every wait returns."""
         self._stopped = True
+        # nothing to fail any more (the pipeline's first error won already): and the pipeline, whose gate this is,
+        # is no longer referenced back, a cycle only the cyclic GC would free
+        self._fail = _after_stop
         self._stop_reading()
         for h in self._headers.values():
             h.cancel()
