@@ -114,6 +114,29 @@ def test_bytes_never_supplied_are_never_read_and_the_pipes_end_names_them(daemon
     assert targets.contents()[1][:3 * CHUNK] == image.contents[1][:3 * CHUNK]
 
 
+def test_a_batch_takes_beside_its_first_chunk_no_chunk_that_is_not_supplied(run_dir, tmp_path, image, targets):
+    """One batch in flight per lane: BO 1's last chunk (12345 bytes, supplied) is a batch's first, and BO 2's
+    chunk (300 KiB, garbage, never supplied) would fit beside it in the same staging buffer; it is left out,
+    so the pipe's end fails the restore naming BO 2 (TRUNCATED_DATA), never a CORRUPT_CHUNK of bytes read."""
+    cfg = tmp_path / "vramd.toml"
+    cfg.write_text('staging_budget = "64M"\nchunk_size = "1M"\ninflight_per_gpu = 1\n')
+    cut = image.cut(7)  # BO 1 whole (7 chunks); BO 2's record after it
+    assert image.chunks[6][:2] == (1, 6 * CHUNK) and image.chunks[7][:2] == (2, 0)
+    image.fill(0, cut)
+    image.garbage(cut)
+    with DaemonProcess(run_dir, "--config", str(cfg)) as d, Client(d.socket) as c:
+        s, w = open_streamed(c, image, targets)
+        try:
+            os.write(w, encode(0, cut))
+        finally:
+            os.close(w)
+        with pytest.raises(TruncatedDataError) as e:
+            c.wait(s.token)
+        assert (e.value.bo_id, e.value.offset) == (2, 0)
+        c.close_session(s.token)
+    assert targets.contents()[1] == image.contents[1]
+
+
 def test_a_session_that_waits_for_its_supply_holds_no_staging(run_dir, tmp_path, image, targets):
     """A daemon whose staging budget is the least it starts with (4 buffers of a 1 MiB chunk) and whose lanes
     keep 8 batches in flight: a streamed restore that is never supplied has every chunk to take, yet holds no
