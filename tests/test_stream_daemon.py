@@ -3,12 +3,14 @@ never before; what needs no supply (holes, a parent's records); staging; a strea
 bench (stream_daemon_fixture.py says how the images are made)."""
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
+import weakref
 
 import pytest
-from helpers import ROOT, open_dir
+from helpers import ROOT, engine, memfd, open_dir, run
 from stream_daemon_fixture import CHUNK, SIZES, Image, Targets, dump_image, open_streamed, restored_up_to, still_running
 
 from vramd.client import SESSION_DUMP, SESSION_RESTORE, SESSION_VERIFY, Client
@@ -20,6 +22,8 @@ from vramd.protocol import requests
 from vramd.protocol.requests import OpenSpec
 from vramd.testing import DaemonProcess
 from vramd.testing.transcript import fd_role
+
+MiB = 1 << 20
 
 
 @pytest.fixture
@@ -108,6 +112,29 @@ def test_bytes_never_supplied_are_never_read_and_the_pipes_end_names_them(daemon
         assert info.state == rpc.SESSION_FAILED and info.progress.bytes_done == image.covered(cut)
         c.close_session(s.token)
     assert targets.contents()[1][:3 * CHUNK] == image.contents[1][:3 * CHUNK]
+
+
+def test_a_batch_takes_beside_its_first_chunk_no_chunk_that_is_not_supplied(run_dir, tmp_path, image, targets):
+    """One batch in flight per lane: BO 1's last chunk (12345 bytes, supplied) is a batch's first, and BO 2's
+    chunk (300 KiB, garbage, never supplied) would fit beside it in the same staging buffer; it is left out,
+    so the pipe's end fails the restore naming BO 2 (TRUNCATED_DATA), never a CORRUPT_CHUNK of bytes read."""
+    cfg = tmp_path / "vramd.toml"
+    cfg.write_text('staging_budget = "64M"\nchunk_size = "1M"\ninflight_per_gpu = 1\n')
+    cut = image.cut(7)  # BO 1 whole (7 chunks); BO 2's record after it
+    assert image.chunks[6][:2] == (1, 6 * CHUNK) and image.chunks[7][:2] == (2, 0)
+    image.fill(0, cut)
+    image.garbage(cut)
+    with DaemonProcess(run_dir, "--config", str(cfg)) as d, Client(d.socket) as c:
+        s, w = open_streamed(c, image, targets)
+        try:
+            os.write(w, encode(0, cut))
+        finally:
+            os.close(w)
+        with pytest.raises(TruncatedDataError) as e:
+            c.wait(s.token)
+        assert (e.value.bo_id, e.value.offset) == (2, 0)
+        c.close_session(s.token)
+    assert targets.contents()[1] == image.contents[1]
 
 
 def test_a_session_that_waits_for_its_supply_holds_no_staging(run_dir, tmp_path, image, targets):
@@ -235,3 +262,43 @@ def test_the_bench_runs_and_reports_every_row(tmp_path):
     for row in ("local", "fill", "supplied", "streamed", "streamed / max(local, fill) = ", "tail (streamed",
                 "daemon CPU s/GiB"):
         assert f"  {row}" in out.stdout, out.stdout
+
+
+def test_a_finished_streamed_job_leaves_no_reference_cycle(tmp_path):
+    """A streamed verify supplied whole and finished is freed by reference counting, as any job is (its supply,
+    the pipeline's gate, called back into the pipeline: a cycle that only the cyclic GC freed)."""
+    from vramd import inproc
+    from vramd.backends import BoRef
+    from vramd.engine import BoSpec
+    from vramd.imagedir import ImageFiles, read_image
+
+    tmp_path.joinpath("img").mkdir()
+    dfd = open_dir(tmp_path / "img")
+    src = memfd(os.urandom(3 * MiB + 5))
+
+    async def go():
+        async with engine(staging_budget=16 * MiB, chunk_size=MiB) as e:
+            m = await inproc.dump(e, dfd, [BoSpec(1, 3 * MiB + 5, BoRef("mmap", src))])
+            r, w = os.pipe2(os.O_CLOEXEC)
+            try:
+                with ImageFiles(dfd) as files:
+                    job = e.start_verify(await read_image(files), supply_fd=r)
+                    for i, f in enumerate(m.files):
+                        os.write(w, encode(i, f.length))
+                    os.close(w)
+                    w = -1
+                    await job.finish()
+                    return weakref.ref(job), weakref.ref(job.pipeline), weakref.ref(job.supply)
+            finally:
+                for fd in (r, w):
+                    if fd >= 0:
+                        os.close(fd)
+    gc.collect()
+    gc.disable()
+    try:
+        refs = run(go())
+        assert [r() for r in refs] == [None] * 3, "the finished streamed job is only reachable through a cycle"
+    finally:
+        gc.enable()
+        os.close(dfd)
+        os.close(src)

@@ -45,12 +45,16 @@ from .read import ImageBo
 
 log = logging.getLogger(__name__)
 
-READ_MAX = 64 << 10  # bytes read off the pipe per wakeup (4096 messages): the loop is never held long
+# bytes read off the pipe per wakeup (256 messages, ~0.3 ms to decode): with all 64 sessions a uid may open
+# flooding their pipes, another client's GetStatus waited a median 3-5 ms (64 KiB a wakeup: 60-90 ms)
+READ_MAX = 4 << 10
 
 
 def check_supply_fd(fd: int) -> None:
-    """The supply fd must be something the daemon can wait on and read: a pipe's read end, or a stream socket;
-    else BAD_DESCRIPTOR."""
+    """The supply fd must be something the daemon can wait on and read, whose end comes when the client's
+    writers are gone: a pipe's read end (open for reading only: a FIFO opened read-write is a writer too, held
+    by the daemon, so its end would never come), or a unix stream socket (never a network one: the daemon
+    does no network I/O); else BAD_DESCRIPTOR."""
     try:
         st = os.fstat(fd)
         mode = fcntl.fcntl(fd, fcntl.F_GETFL)
@@ -58,16 +62,31 @@ def check_supply_fd(fd: int) -> None:
         raise from_os_error(e, "the supply fd is unusable", BadDescriptorError) from None
     if stat.S_ISSOCK(st.st_mode):
         try:
-            with socket.socket(fileno=os.dup(fd)) as s:
-                kind = s.getsockopt(socket.SOL_SOCKET, socket.SO_TYPE)
+            s = socket.socket(fileno=fd)  # (not a dup: where this fails, no fd of the daemon's is left over)
         except OSError as e:
             raise from_os_error(e, "the supply socket is unusable", BadDescriptorError) from None
+        try:
+            family, kind = s.family, s.type
+        finally:
+            s.detach()  # the session's fd, closed with its others
+        if family != socket.AF_UNIX:
+            name = getattr(family, "name", f"family {int(family)}")
+            raise BadDescriptorError(f"the supply fd is a socket of {name}, not a unix one: the daemon does no "
+                                     "network I/O")
         if kind != socket.SOCK_STREAM:
             raise BadDescriptorError("the supply fd is a socket that is not a stream socket (SOCK_STREAM)")
-    elif not stat.S_ISFIFO(st.st_mode):
+        return
+    if not stat.S_ISFIFO(st.st_mode):
         raise BadDescriptorError("the supply fd is not a pipe nor a socket")
     if mode & os.O_ACCMODE == os.O_WRONLY:
         raise BadDescriptorError("the supply fd is not open for reading (a pipe's write end?)")
+    if mode & os.O_ACCMODE != os.O_RDONLY:
+        raise BadDescriptorError("the supply fd is a pipe open for writing too: the daemon would hold a writer "
+                                 "of its own, and the pipe's end would never come")
+
+
+def _after_stop(exc: BaseException) -> None:
+    """A stopped Supply's `fail`: the job has stopped already."""
 
 
 class Supply:
@@ -132,6 +151,9 @@ class Supply:
     def stop(self) -> None:
         """The job has stopped (or finished): no more reading, and every wait returns."""
         self._stopped = True
+        # nothing to fail any more (the pipeline's first error won already): and the pipeline, whose gate this is,
+        # is no longer referenced back, a cycle only the cyclic GC would free
+        self._fail = _after_stop
         self._stop_reading()
         for h in self._headers.values():
             h.cancel()
