@@ -27,6 +27,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,16 +39,25 @@ from vramd.testing.registry import Registry  # noqa: E402
 from vramd.units import parse_size  # noqa: E402
 
 
-def timed(cmd: list[str]) -> tuple[float, float, str]:
-    """(wall s, CPU s of the child, stdout) of a command run to its end."""
+def timed(cmd: list[str], cwd: Path = ROOT) -> tuple[float, float, str]:
+    """(wall s, CPU s of the child, stdout) of a command run to its end (in `cwd`: its vramd is the one run)."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    r = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if r.returncode != 0:
         raise SystemExit(f"{' '.join(cmd[:4])}: {r.stderr.strip()}")
     return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime), r.stdout
+
+
+def cpu_of(pid: int | None) -> float:
+    """CPU s (user + system) a running process has used so far (/proc/PID/stat); 0 for None."""
+    if pid is None:
+        return 0.0
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def requests(reg: Registry) -> int:
@@ -171,12 +182,15 @@ def storage(work: Path, size: int) -> list[dict[str, object]]:
     return rows
 
 
-def restore(work: Path, size: int, rounds: int = 1) -> list[dict[str, object]]:
+def restore(work: Path, size: int, rounds: int = 1, baseline: Path | None = None) -> list[dict[str, object]]:
     """`vramctl restore --image oci://`, streamed (cold cache; and --no-cache), against its parts side by side in
     one run: a pull alone, a restore of the local directory alone, and the two one after the other (pull, then
     restore the pulled directory: what restore from a reference did before it streamed); then a restore with
     the cache holding the image (warm).  Into a file BO; the registry's files are read once, untimed, first.
-    `rounds` > 1 repeats the first four cases, interleaved (rows tagged #1, #2, ...)."""
+    `rounds` > 1 repeats the first four cases, interleaved (rows tagged #1, #2, ...).  `baseline`, another
+    checkout's root: its vramctl's pull alone and streamed restore are timed too, each right after this tree's
+    (rows tagged "(baseline)"; the daemon is this tree's).  Each timed row also has the daemon's and the
+    registry's CPU s/GiB over its wall (/proc/PID/stat), vramctl's being `cpu_s_per_GiB`."""
     data = work / "bo.bin"
     want = hashlib.sha256()
     with open(data, "wb") as f:
@@ -216,22 +230,28 @@ def restore(work: Path, size: int, rounds: int = 1) -> list[dict[str, object]]:
             cache = work / "cache"
             for k in range(rounds):  # interleaved: each round's cases see the machine in about the same state
                 tag = f" #{k + 1}" if rounds > 1 else ""
-                if k:
-                    shutil.rmtree(cache)
-                wall, cpu, _ = timed(vramctl("pull", ref, str(work / "pulled"), "--plain-http"))
-                rows.append(row("pull alone" + tag, wall, cpu, size, 0))
-                wall, cpu, _ = timed(restore_cmd(str(img)))
+                trees = [(t, btag) for t, btag in ((ROOT, ""), (baseline, " (baseline)")) if t is not None]
+                if k % 2:  # which of the two goes first alternates
+                    trees.reverse()
+                for tree, btag in trees:
+                    rows.append(procs(d, reg, size, partial(timed, vramctl("pull", ref, str(work / "pulled"),
+                                                                           "--plain-http"), tree),
+                                      "pull alone" + btag + tag))
+                    shutil.rmtree(work / "pulled")
+                rows.append(procs(d, reg, size, partial(timed, restore_cmd(str(img))),
+                                  "restore of the local directory alone" + tag))
                 check()
-                rows.append(row("restore of the local directory alone" + tag, wall, cpu, size, 0))
-                shutil.rmtree(work / "pulled")
                 wall1, cpu1, _ = timed(vramctl("pull", ref, str(work / "pulled"), "--plain-http"))
                 wall2, cpu2, _ = timed(restore_cmd(str(work / "pulled")))
                 check()
                 rows.append(row("pull, then restore the pulled directory" + tag, wall1 + wall2, cpu1 + cpu2, size, 0))
                 shutil.rmtree(work / "pulled")
-                wall, cpu, _ = timed(restore_cmd(f"oci://{ref}", "--plain-http", "--cache", str(cache)))
-                check()
-                rows.append(row("restore --image oci:// streamed (cold cache)" + tag, wall, cpu, size, 0))
+                for tree, btag in trees:
+                    shutil.rmtree(cache, ignore_errors=True)
+                    rows.append(procs(d, reg, size, partial(timed, restore_cmd(
+                        f"oci://{ref}", "--plain-http", "--cache", str(cache)), tree),
+                        "restore --image oci:// streamed (cold cache)" + btag + tag))
+                    check()
             wall, cpu, _ = timed(restore_cmd(f"oci://{ref}", "--plain-http", "--cache", str(cache)))
             check()
             rows.append(row("restore --image oci:// (warm cache)", wall, cpu, size, 0))
@@ -242,6 +262,18 @@ def restore(work: Path, size: int, rounds: int = 1) -> list[dict[str, object]]:
     finally:
         shutil.rmtree(run, ignore_errors=True)
     return rows
+
+
+def procs(d: DaemonProcess, reg: Registry, size: int, case: Callable[[], tuple[float, float, str]], name: str
+          ) -> dict[str, object]:
+    """`case` timed (a row), with the daemon's and the registry's CPU s/GiB over its wall beside vramctl's."""
+    c0 = (cpu_of(d.pid), cpu_of(reg.pid))
+    wall, cpu, _ = case()
+    gib = size / 2**30
+    r = row(name, wall, cpu, size, 0)
+    r["daemon_cpu_s_per_GiB"] = round((cpu_of(d.pid) - c0[0]) / gib, 3)
+    r["registry_cpu_s_per_GiB"] = round((cpu_of(reg.pid) - c0[1]) / gib, 3)
+    return r
 
 
 def hashes(size: int) -> list[dict[str, object]]:
@@ -276,6 +308,8 @@ def main() -> None:
     ap.add_argument("--hashes", action="store_true", help="instead: CPU s/GiB of the BLAKE3 and sha256 passes")
     ap.add_argument("--all", action="store_true", help="every case above, one after another in one run")
     ap.add_argument("--rounds", type=int, default=1, help="--restore: repeat its cold cases this often, interleaved")
+    ap.add_argument("--baseline", type=Path, help="--restore: another checkout's root: its vramctl's pull and "
+                    "streamed restore are timed too, alternating with this tree's in each round")
     ns = ap.parse_args()
     size = parse_size(ns.size)
     rows: list[dict[str, object]] = []
@@ -295,20 +329,21 @@ def main() -> None:
                 rows += one_chunk_size(phase("push"), size, chunk)
                 load.append(os.getloadavg())
         if ns.restore or ns.all:
-            rows += restore(phase("restore"), size, ns.rounds)
+            rows += restore(phase("restore"), size, ns.rounds, ns.baseline)
             load.append(os.getloadavg())
         if ns.storage or ns.all:
             rows += storage(phase("storage"), size)
     load.append(os.getloadavg())
     result: dict[str, object] = {"size": size, "load_before_after": load, "free_disk_before": free, "rows": rows}
     walls = {str(r["case"]): float(str(r["wall_s"])) for r in rows if "wall_s" in r}
-    ratios = []  # the target: streamed restore <= 1.15 x max(pull alone, local restore alone), per round
-    for k in range(ns.rounds):
-        tag = f" #{k + 1}" if ns.rounds > 1 else ""
-        streamed = walls.get("restore --image oci:// streamed (cold cache)" + tag)
-        if streamed is not None:
-            parts = max(walls["pull alone" + tag], walls["restore of the local directory alone" + tag])
-            ratios.append(round(streamed / parts, 3))
+    ratios: dict[str, list[float]] = {}  # the target: streamed <= 1.15 x max(pull alone, local restore alone)
+    for btag in ("", " (baseline)"):
+        for k in range(ns.rounds):
+            tag = f" #{k + 1}" if ns.rounds > 1 else ""
+            streamed = walls.get("restore --image oci:// streamed (cold cache)" + btag + tag)
+            if streamed is not None:
+                parts = max(walls["pull alone" + btag + tag], walls["restore of the local directory alone" + tag])
+                ratios.setdefault(btag.strip(" ()") or "this tree", []).append(round(streamed / parts, 3))
     if ratios:
         result["streamed_over_max_parts"] = ratios
     if ns.out:
@@ -317,10 +352,13 @@ def main() -> None:
         if "wall_s" not in r:
             print(json.dumps(r))
             continue
+        other = (f"  daemon {r['daemon_cpu_s_per_GiB']} registry {r['registry_cpu_s_per_GiB']}"
+                 if "daemon_cpu_s_per_GiB" in r else "")
         print(f"{r['case']:42} {r['wall_s']:8.3f} s {r['GB_per_s']!s:>7} GB/s {r['cpu_s_per_GiB']!s:>6} CPU s/GiB "
-              f"{r['requests']:6} requests")
+              f"{r['requests']:6} requests{other}")
     if ratios:
-        print(f"streamed restore / max(pull alone, local restore alone), per round: {ratios} (target <= 1.15)")
+        for who, rs in ratios.items():
+            print(f"streamed restore / max(pull alone, local restore alone), per round, {who}: {rs} (target <= 1.15)")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import ssl
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from http.client import HTTPException
 from urllib.parse import quote, urljoin, urlsplit
 
 import urllib3
@@ -21,6 +22,7 @@ from urllib3.exceptions import HTTPError
 
 from ..errors import AuthFailedError, DigestMismatchError, RegistryError, RegistryFullError
 from .auth import Authenticator, repository_scope
+from .body import body_reader
 from .credentials import ANONYMOUS, Credentials
 from .deadline import Deadlines
 from .interrupt import Interrupt, Interrupted
@@ -320,14 +322,11 @@ class Registry:
             try:
                 if interrupt is not None:
                     interrupt.watch(r)
+                read = body_reader(r)  # into buf: no bytes object per socket read, no copy of it
                 while got < size:
-                    want, fill = min(len(buf), size - got), 0
-                    while fill < want:
-                        data = r.read1(want - fill)
-                        if not data or armed.expired:  # a trickle's bytes may still come after the cut
-                            break
-                        buf[fill:fill + len(data)] = data
-                        fill += len(data)
+                    want = min(len(buf), size - got)
+                    with memoryview(buf) as view, view[:want] as room:
+                        fill = read(room)  # all of `want`, but at the body's end
                     if armed.expired:  # ended by the cut: what came may look like an early end of the blob
                         raise self._late(what, seconds)
                     if fill:
@@ -337,9 +336,9 @@ class Registry:
                         got += fill
                     if fill < want:
                         break
-                longer = got == size and r.read1(1) != b""
+                longer = got == size and read(memoryview(bytearray(1))) != 0
                 complete = got == size and not longer
-            except (HTTPError, OSError) as e:
+            except (HTTPError, HTTPException, OSError) as e:
                 if interrupt is not None and interrupt.fired:
                     raise Interrupted() from None
                 if armed.expired:

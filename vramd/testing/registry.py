@@ -133,6 +133,11 @@ class Registry:
     def url(self) -> str:
         return f"{self.scheme}://{self.host}"
 
+    @property
+    def pid(self) -> int | None:
+        """The registry process's (for a benchmark's CPU accounting); None while it is not running."""
+        return self._proc.pid if self._proc is not None else None
+
     # --- life -------------------------------------------------------------------------
     def _write_config(self) -> Path:
         config = self.workdir / "config.yml"
