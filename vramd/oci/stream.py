@@ -72,7 +72,7 @@ def restore(puller: Puller, ref: str, entry: str, run: RunSession, *, commit: bo
     config, manifest = puller.config(art, digest)
     sk = puller.skeleton(art, digest, manifest)
     child = Pulled(entry, digest, manifest, art.parent, False)
-    parents = pull_parents(puller, ref, child)  # each under the same flock: taken before ours
+    parents = pull_parents(puller, ref, child, (entry + STAGING_SUFFIX,))  # each under the same flock: before ours
     lock = lock_parent(entry)
     try:
         warm = _committed(entry, art.config.digest)  # another restore of it committed while we waited
@@ -208,7 +208,7 @@ def _warm(puller: Puller, ref: str, entry: str, digest: str, manifest_bytes: byt
     manifest = decode_manifest(manifest_bytes, f"{entry}/{MANIFEST_NAME}")
     child = Pulled(entry, digest, manifest, parent, True)
     if parents is None:
-        parents = pull_parents(puller, ref, child)
+        parents = pull_parents(puller, ref, child, (entry + STAGING_SUFFIX,))
     try:
         run(entry, parents[0].path if parents else None, None)
     except ImageError as e:  # a record the daemon refused (CORRUPT_CHUNK, TRUNCATED_DATA, ...)
