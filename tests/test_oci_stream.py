@@ -260,16 +260,19 @@ def test_a_blob_damaged_in_the_registry_is_refused_naming_the_bo(node, registry,
     assert _entries(tmp_path / "cache") == []
 
 
-def test_a_failing_daemon_stops_the_downloads_at_once_and_its_error_is_reported(run_dir, registry, tmp_path):
-    """The first payload's answer (8 MiB: a daemon with 8 MiB chunks) stalls after its first MiB, held until the
-    test ends; then the daemon ends the session (an operator cancels it): vramctl reports the daemon's error at
-    once, without waiting for the stalled download (its read timeout is 120 s, this test's limit 60 s)."""
+@pytest.mark.parametrize("head_first", [True, False], ids=["body-stalls", "head-stalls"])
+def test_a_failing_daemon_stops_the_downloads_at_once_and_its_error_is_reported(run_dir, registry, tmp_path,
+                                                                                head_first):
+    """The first payload's answer (8 MiB: a daemon with 8 MiB chunks) stalls after its first MiB, or before its
+    head, held until the test ends; then the daemon ends the session (an operator cancels it): vramctl reports
+    the daemon's error at once, without waiting for the stalled download (its read timeout is 120 s, this
+    test's limit 60 s)."""
     with Node(run_dir, tmp_path / "node8", "--chunk-size", "8M") as node:
         bos, ref = _pushed(node, registry, tmp_path, "refused", size=16 * MiB)
         first = _blob(bos[0][:8 * MiB])
         assert {"digest": first, "size": 8 * MiB} in [{k: layer[k] for k in ("digest", "size")}
                                                       for layer in _layers(registry, "jobs/refused", "1")]
-        proxy = HoldingProxy(registry.url, first, head_first=True)
+        proxy = HoldingProxy(registry.url, first, head_first=head_first)
         try:
             p = _restore(node, bos, ref.replace(registry.host, proxy.host), "--cache", str(tmp_path / "cache"))
             assert proxy.held.wait(60), "the first payload was never asked for"
