@@ -302,7 +302,9 @@ def test_a_warm_cache_entry_downloads_no_blob(node, registry, tmp_path):
     assert r.returncode == 0, r.stderr
     assert (node.dir / "out1.bin").read_bytes() == bos[0]
     after = registry.access_log()[before:]
-    assert [a for a in after if "/blobs/" in a.path] == [] and any("/manifests/" in a.path for a in after)
+    assert [a for a in after if "/blobs/" in a.path] == [] and len([a for a in after if "/manifests/" in a.path]) == 1
+    out = json.loads(r.stdout)
+    assert out["warm"] and out["stats"]["blobs_downloaded"] == 0 == out["stats"]["bytes_downloaded"], out
 
 
 def test_no_cache_leaves_nothing_behind(node, registry, tmp_path):
@@ -316,6 +318,8 @@ def test_no_cache_leaves_nothing_behind(node, registry, tmp_path):
     assert r.returncode == 0, r.stderr
     assert (node.dir / "out1.bin").read_bytes() == bos[0]
     assert not cache.exists() and list(tmp.iterdir()) == []
+    st = json.loads(r.stdout)["stats"]  # the config, the skeleton and 8 payloads; the OCI manifest fetched once
+    assert (st["blobs_downloaded"], st["bytes_downloaded"] >= 8 * MiB, st["requests"]) == (10, True, 11), st
 
 
 def test_a_trickling_registry_holds_a_blob_read_no_longer_than_its_deadline():

@@ -32,7 +32,7 @@ from ..image.names import MANIFEST_NAME
 from ..image.supply import encode
 from ..pb import image_pb2 as pb
 from .fill import Filler
-from .layout import Skeleton, sha256_digest
+from .layout import Artifact, Skeleton, sha256_digest
 from .pull import Pulled, Puller, lock_parent, pull_parents
 from .push import open_dir, read_manifest_bytes
 
@@ -59,11 +59,12 @@ class Restored:
 
 
 def restore(puller: Puller, ref: str, entry: str, run: RunSession, *, commit: bool = True,
-            refresh: bool = False) -> Restored:
+            refresh: bool = False, artifact: tuple[Artifact, str] | None = None) -> Restored:
     """Restore the image at `ref` (a digest reference) through `run`, streamed into `entry` + STAGING_SUFFIX and
     committed to `entry` (`commit` False: the staging directory is removed instead); a committed `entry`
-    holding the image is restored as it is, unless `refresh` (then it is removed first)."""
-    art, digest = puller.artifact(ref)
+    holding the image is restored as it is, unless `refresh` (then it is removed first).  `artifact`: the
+    checked OCI manifest at `ref` and its digest (Puller.artifact), where the caller has it already."""
+    art, digest = artifact or puller.artifact(ref)
     if refresh:
         _locked(entry, lambda: _remove_tree(entry))
     warm = _committed(entry, art.config.digest)
