@@ -155,7 +155,7 @@ class Puller:
 
     def _write(self, dfd: int, dest: str, sk: Skeleton, manifest: pb.Manifest, created: list[str]) -> None:
         """The data files, as `<name>.tmp`: vramd.oci.fill's writer with no session to supply."""
-        filler = Filler(self.reg, self.repo, sk, manifest, concurrency=self.concurrency)
+        filler = Filler(self.reg, self.repo, sk, manifest, concurrency=self.concurrency, where=dest)
         try:
             filler.create(dfd, ".tmp", created)
             filler.run()

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..errors import ImageError, VramdError, from_os_error
+from ..image.fileio import image_os_error
 from ..image.manifest import decode_manifest
 from ..image.names import MANIFEST_NAME
 from ..image.supply import encode
@@ -141,12 +142,15 @@ def _stream(puller: Puller, manifest: pb.Manifest, sk: Skeleton, staging: str, c
     dfd = open_dir(staging)
     r, w = os.pipe2(os.O_CLOEXEC)
     pipe = _WriteEnd(w)
-    filler = Filler(puller.reg, puller.repo, sk, manifest, concurrency=puller.concurrency, on_supply=pipe.write)
+    filler = Filler(puller.reg, puller.repo, sk, manifest, concurrency=puller.concurrency, on_supply=pipe.write,
+                    where=staging)
     failed: list[BaseException] = []
 
     def fill() -> None:
         try:
             filler.run()
+        except OSError as e:  # writing the staging files (ENOSPC, EIO): typed, naming the directory
+            failed.append(image_os_error(e, f"cannot write the image's files in {staging}"))
         except BaseException as e:  # the main thread reports it
             failed.append(e)
         finally:
@@ -171,7 +175,7 @@ def _stream(puller: Puller, manifest: pb.Manifest, sk: Skeleton, staging: str, c
             r = -1
             thread.join()
             real = [e for e in failed if isinstance(e, VramdError)]
-            if real:  # the session failed because the supply ended: the download's error is the one to report
+            if real:  # the session failed because the supply ended: the writer's error is the one to report
                 raise real[0] from None
             raise
         pipe.over = True
