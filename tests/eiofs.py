@@ -55,6 +55,12 @@ class EioFs(Operations):  # type: ignore[misc]
     def unlink(self, path: str) -> None:
         os.unlink(self._p(path))
 
+    def mkdir(self, path: str, mode: int) -> None:
+        os.mkdir(self._p(path), mode)
+
+    def rmdir(self, path: str) -> None:
+        os.rmdir(self._p(path))
+
     def chmod(self, path: str, mode: int) -> None:
         os.chmod(self._p(path), mode)
 

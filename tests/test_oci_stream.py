@@ -260,16 +260,19 @@ def test_a_blob_damaged_in_the_registry_is_refused_naming_the_bo(node, registry,
     assert _entries(tmp_path / "cache") == []
 
 
-def test_a_failing_daemon_stops_the_downloads_at_once_and_its_error_is_reported(run_dir, registry, tmp_path):
-    """The first payload's answer (8 MiB: a daemon with 8 MiB chunks) stalls after its first MiB, held until the
-    test ends; then the daemon ends the session (an operator cancels it): vramctl reports the daemon's error at
-    once, without waiting for the stalled download (its read timeout is 120 s, this test's limit 60 s)."""
+@pytest.mark.parametrize("head_first", [True, False], ids=["body-stalls", "head-stalls"])
+def test_a_failing_daemon_stops_the_downloads_at_once_and_its_error_is_reported(run_dir, registry, tmp_path,
+                                                                                head_first):
+    """The first payload's answer (8 MiB: a daemon with 8 MiB chunks) stalls after its first MiB, or before its
+    head, held until the test ends; then the daemon ends the session (an operator cancels it): vramctl reports
+    the daemon's error at once, without waiting for the stalled download (its read timeout is 120 s, this
+    test's limit 60 s)."""
     with Node(run_dir, tmp_path / "node8", "--chunk-size", "8M") as node:
         bos, ref = _pushed(node, registry, tmp_path, "refused", size=16 * MiB)
         first = _blob(bos[0][:8 * MiB])
         assert {"digest": first, "size": 8 * MiB} in [{k: layer[k] for k in ("digest", "size")}
                                                       for layer in _layers(registry, "jobs/refused", "1")]
-        proxy = HoldingProxy(registry.url, first, head_first=True)
+        proxy = HoldingProxy(registry.url, first, head_first=head_first)
         try:
             p = _restore(node, bos, ref.replace(registry.host, proxy.host), "--cache", str(tmp_path / "cache"))
             assert proxy.held.wait(60), "the first payload was never asked for"
@@ -299,7 +302,9 @@ def test_a_warm_cache_entry_downloads_no_blob(node, registry, tmp_path):
     assert r.returncode == 0, r.stderr
     assert (node.dir / "out1.bin").read_bytes() == bos[0]
     after = registry.access_log()[before:]
-    assert [a for a in after if "/blobs/" in a.path] == [] and any("/manifests/" in a.path for a in after)
+    assert [a for a in after if "/blobs/" in a.path] == [] and len([a for a in after if "/manifests/" in a.path]) == 1
+    out = json.loads(r.stdout)
+    assert out["warm"] and out["stats"]["blobs_downloaded"] == 0 == out["stats"]["bytes_downloaded"], out
 
 
 def test_no_cache_leaves_nothing_behind(node, registry, tmp_path):
@@ -313,6 +318,8 @@ def test_no_cache_leaves_nothing_behind(node, registry, tmp_path):
     assert r.returncode == 0, r.stderr
     assert (node.dir / "out1.bin").read_bytes() == bos[0]
     assert not cache.exists() and list(tmp.iterdir()) == []
+    st = json.loads(r.stdout)["stats"]  # the config, the skeleton and 8 payloads; the OCI manifest fetched once
+    assert (st["blobs_downloaded"], st["bytes_downloaded"] >= 8 * MiB, st["requests"]) == (10, True, 11), st
 
 
 def test_a_trickling_registry_holds_a_blob_read_no_longer_than_its_deadline():

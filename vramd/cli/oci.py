@@ -19,10 +19,11 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from ..errors import RegistryError
 from ..oci.credentials import find_credentials, from_password_stdin
-from ..oci.layout import ANN_BYTES, ANN_CREATED, ANN_GPUS, ANN_IMAGE_ID, ANN_PARENT, MAX_OCI_MANIFEST
+from ..oci.layout import ANN_BYTES, ANN_CREATED, ANN_GPUS, ANN_IMAGE_ID, ANN_PARENT
 from ..oci.pull import Pulled, Puller, pull_chain
 from ..oci.push import Pusher, push_chain
 from ..oci.registry import REPO, Reference, Registry
@@ -213,7 +214,10 @@ def cmd_restore_any(ns: argparse.Namespace) -> int:
     try:
         # One directory per pulled child: its parents become its siblings there, as the child recorded them.
         # The artifact's digest names it, so a tag moved to another image gets a directory of its own.
-        body_digest = reg.get_manifest(ref.repo, ref.ref, MAX_OCI_MANIFEST)[1]
+        keep = None if ns.no_cache else os.path.join(cache_root(ns), "skeletons")
+        puller = Puller(reg, ref.repo, concurrency=ns.concurrency, keep=keep)
+        art = puller.artifact(ref.ref)  # fetched once: restore takes it as it is
+        body_digest = art[1]
         if ns.no_cache:
             scratch = tempfile.mkdtemp(prefix="vramd-restore-")
             root = scratch
@@ -232,15 +236,22 @@ def cmd_restore_any(ns: argparse.Namespace) -> int:
             ns.image = image
             if parent is not None and ns.parent is None:
                 ns.parent = parent
-            cmd_restore(ns, supply=None if supply is None else (supply.fd, supply.opened), shown=shown)
+            cmd_restore(ns, supply=None if supply is None else (supply.fd, supply.opened), shown=shown,
+                        report=report)
 
         # parents (incremental images) are pulled whole first, their cached copies checked against the skeleton
         # kept beside them; the image itself streams
-        keep = None if ns.no_cache else os.path.join(cache_root(ns), "skeletons")
-        restore(Puller(reg, ref.repo, concurrency=ns.concurrency, keep=keep), body_digest, entry, run,
-                commit=not ns.no_cache, refresh=ns.refresh_cache)
+        report: list[tuple[dict[str, Any], str]] = []
+        done = restore(puller, body_digest, entry, run, commit=not ns.no_cache, refresh=ns.refresh_cache,
+                       artifact=art)
     finally:
         reg.close()
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
+    # what the registry sent, the image's blobs downloaded after the session ended (a tail it never read) included
+    d, line = report[-1]
+    st = reg.stats
+    d.update(stats=st.to_dict(), digest=body_digest, warm=done.warm)
+    emit(ns, d, f"{line}; downloaded {st.blobs_downloaded} blob(s), {st.bytes_downloaded} bytes" +
+         (" (the image from its cache entry)" if done.warm else ""))
     return EXIT_OK

@@ -125,9 +125,10 @@ def cmd_dump(ns: argparse.Namespace) -> int:
 
 
 def cmd_restore(ns: argparse.Namespace, *, supply: tuple[int, Callable[[], None]] | None = None,
-                shown: str | None = None) -> int:
+                shown: str | None = None, report: list[tuple[dict[str, Any], str]] | None = None) -> int:
     """`supply`: a streamed restore's supply pipe and what to call once the session is open (vramd.oci.stream);
-    `shown`: the image's name in the report where ns.image is a staging directory."""
+    `shown`: the image's name in the report where ns.image is a staging directory; `report`: the report (its
+    JSON and its line) appended there for the caller to complete and emit, not emitted."""
     fds: list[int] = []
     bos: list[ClientBo] = []
     try:
@@ -176,6 +177,10 @@ def cmd_restore(ns: argparse.Namespace, *, supply: tuple[int, Callable[[], None]
     d = session_dict(info)
     total = info.progress.bytes_total
     d.update(ok=True, seconds=round(secs, 6), image_dir=os.path.abspath(shown or ns.image))
-    emit(ns, d, f"restored {len(bos)} BO(s), {format_size(total)} in {secs:.2f} s ({rate(total, secs)}) "
-                f"from {shown or ns.image}")
+    line = f"restored {len(bos)} BO(s), {format_size(total)} in {secs:.2f} s ({rate(total, secs)}) from " \
+        f"{shown or ns.image}"
+    if report is not None:
+        report.append((d, line))
+    else:
+        emit(ns, d, line)
     return EXIT_OK

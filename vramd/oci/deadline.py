@@ -33,6 +33,8 @@ class Armed:
     seconds: float
     conns: list[object] = field(default_factory=list)  # urllib3's connections (their `sock`)
     expired: bool = False
+    outer: Armed | None = None  # the block this one runs inside: its connections are that block's too
+    cut: bool = False  # ended by `Deadlines.cut` (an Interrupt), not by its time
 
 
 class Deadlines:
@@ -51,7 +53,7 @@ class Deadlines:
             def connect(self) -> None:
                 attach(self)
                 super().connect()
-                self.vramd_sock = self.sock  # http.client forgets it once an answer that closes is under way
+                self.vramd_sock = self.sock  # an answer that closes its connection takes the socket away
 
             def request(self, *args: Any, **kwargs: Any) -> None:
                 attach(self)
@@ -61,7 +63,7 @@ class Deadlines:
             def connect(self) -> None:
                 attach(self)
                 super().connect()
-                self.vramd_sock = self.sock  # http.client forgets it once an answer that closes is under way
+                self.vramd_sock = self.sock  # an answer that closes its connection takes the socket away
 
             def request(self, *args: Any, **kwargs: Any) -> None:
                 attach(self)
@@ -79,8 +81,8 @@ class Deadlines:
     def within(self, seconds: float, conn: object = None) -> Iterator[Armed]:
         """What this thread sends and reads inside the block is cut off `seconds` from now: on the connections
         it makes or sends on, and on `conn` (the connection of an answer whose body is read in the block)."""
-        armed = Armed(time.monotonic() + seconds, seconds, [conn] if conn is not None else [])
         outer = getattr(self._local, "armed", None)
+        armed = Armed(time.monotonic() + seconds, seconds, [conn] if conn is not None else [], outer=outer)
         self._local.armed = armed
         with self._cond:
             if self._closed:
@@ -106,8 +108,9 @@ class Deadlines:
 
     def _attach(self, conn: object) -> None:
         armed: Armed | None = getattr(self._local, "armed", None)
-        if armed is not None:
+        while armed is not None:  # an inner request's connections are cut with the block around it too
             self.add(armed, conn)
+            armed = armed.outer
 
     def add(self, armed: Armed, conn: object) -> None:
         """`conn` is cut at `armed`'s deadline too (e.g. the connection of an answer an inner request opened,
@@ -115,7 +118,15 @@ class Deadlines:
         with self._cond:
             if conn not in armed.conns:
                 armed.conns.append(conn)
-            if armed.expired:  # a connection taken after the time was up: cut at once
+            if armed.expired or armed.cut:  # a connection taken after the time was up: cut at once
+                _cut(conn)
+
+    def cut(self, armed: Armed) -> None:
+        """End `armed`'s block now, from another thread: its connections, and any it takes from now on, are
+        shut down (a request still waiting for its answer's head included)."""
+        with self._cond:
+            armed.cut = True
+            for conn in armed.conns:
                 _cut(conn)
 
     def _watch(self) -> None:
@@ -133,8 +144,12 @@ class Deadlines:
 
 def _cut(conn: object) -> None:
     """End what blocks on `conn`'s socket (a read or write in another thread returns at once)."""
-    sock = getattr(conn, "vramd_sock", None) or getattr(conn, "sock", None)  # the socket it connected, even
-    if isinstance(sock, socket.socket):  # once an HTTP/1.0 answer (it closes) made http.client drop conn.sock
+    sock = getattr(conn, "sock", None)
+    if not isinstance(sock, socket.socket):
+        # an answer that closes its connection ("Connection: close", HTTP/1.0) is read from a socket http.client
+        # dropped from `sock` when the head came: open until that answer is (then shut down to no effect)
+        sock = getattr(conn, "vramd_sock", None)
+    if isinstance(sock, socket.socket):
         try:
             socket.socket.shutdown(sock, socket.SHUT_RDWR)
         except OSError:

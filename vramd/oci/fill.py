@@ -15,6 +15,7 @@ import threading
 from collections.abc import Callable, Iterator
 
 from ..errors import DigestMismatchError
+from ..image.fileio import image_os_error, pwrite_all
 from ..pb import image_pb2 as pb
 from .interrupt import Interrupt, Interrupted
 from .layout import LITERAL, PAYLOAD, Skeleton
@@ -29,11 +30,13 @@ class Filler:
     """Fill the data files `sk` describes in the directory `dfd`, each created under its name + `suffix`."""
 
     def __init__(self, reg: Registry, repo: str, sk: Skeleton, manifest: pb.Manifest, *, concurrency: int = 4,
-                 on_supply: SupplyHook | None = None) -> None:
-        self.reg, self.repo, self.sk, self.manifest = reg, repo, sk, manifest
+                 on_supply: SupplyHook | None = None, where: str = ".") -> None:
+        """`where`: the directory's name, for messages."""
+        self.reg, self.repo, self.sk, self.manifest, self.where = reg, repo, sk, manifest, where
         self.concurrency = max(1, concurrency)
         self.on_supply = on_supply
         self.fds: list[int] = []
+        self.names: list[str] = []  # the files' names as created
         self._stop = Interrupt()
         self._lock = threading.Lock()
         self._places: dict[int, list[tuple[int, int, int]]] = {}  # blob -> (file index, segment index, offset)
@@ -53,11 +56,12 @@ class Filler:
                          dir_fd=dfd)
             created.append(name)
             self.fds.append(fd)
+            self.names.append(name)
             os.ftruncate(fd, f.length)  # zero runs stay holes
             pos, spans, done = 0, [], []
             for si, s in enumerate(f.segments):
                 if s.kind == LITERAL:
-                    os.pwrite(fd, s.data, pos)
+                    pwrite_all(fd, (s.data,), pos)
                 elif s.kind == PAYLOAD:
                     self._places.setdefault(s.blob, []).append((fi, si, pos))
                     if s.blob not in seen:
@@ -135,13 +139,17 @@ class Filler:
 
     def _one(self, k: int) -> None:
         digest, size = self.sk.blobs[k]
-        places = [(self.fds[fi], self._start(fi, si)) for fi, si, _ in self._places[k]]
+        places = [(self.fds[fi], self._start(fi, si), fi) for fi, si, _ in self._places[k]]
 
         def sink(offset: int, piece: memoryview) -> None:
             if self._stop.fired:
                 raise Stopped()
-            for fd, pos in places:
-                os.pwrite(fd, piece, pos + offset)
+            for fd, pos, fi in places:
+                try:  # a short write (EIO, ENOSPC part way) goes on, or raises: never a file with a gap
+                    pwrite_all(fd, (piece,), pos + offset)
+                except OSError as e:  # the local file's error, typed: not the download's
+                    at = f"{self.where}/{self.names[fi]} at {pos + offset:#x}"
+                    raise image_os_error(e, f"cannot write {at}") from None
 
         try:
             self.reg.stream_blob(self.repo, digest, size, sink, interrupt=self._stop)

@@ -155,7 +155,7 @@ class Puller:
 
     def _write(self, dfd: int, dest: str, sk: Skeleton, manifest: pb.Manifest, created: list[str]) -> None:
         """The data files, as `<name>.tmp`: vramd.oci.fill's writer with no session to supply."""
-        filler = Filler(self.reg, self.repo, sk, manifest, concurrency=self.concurrency)
+        filler = Filler(self.reg, self.repo, sk, manifest, concurrency=self.concurrency, where=dest)
         try:
             filler.create(dfd, ".tmp", created)
             filler.run()
@@ -307,9 +307,12 @@ def pull_chain(puller: Puller, ref: str, dest: str) -> list[Pulled]:
     return [first, *pull_parents(puller, ref, first)]
 
 
-def pull_parents(puller: Puller, ref: str, child: Pulled) -> list[Pulled]:
-    """The parents of `child` (pulled, or about to be, into child.path), each pulled whole, nearest first."""
+def pull_parents(puller: Puller, ref: str, child: Pulled, avoid: tuple[str, ...] = ()) -> list[Pulled]:
+    """The parents of `child` (pulled, or about to be, into child.path), each pulled whole, nearest first; never
+    into child.path nor a path of `avoid` (a streamed restore's staging directory), whatever name they recorded:
+    the child may not be there yet."""
     out = [child]
+    taken = {os.path.abspath(p) for p in (child.path, *avoid)}
     while out[-1].parent is not None:
         child = out[-1]
         if len(out) > MAX_CHAIN:
@@ -318,7 +321,7 @@ def pull_parents(puller: Puller, ref: str, child: Pulled) -> list[Pulled]:
         hint = SIBLING_HINT.fullmatch(pref.relative_path)
         base = os.path.dirname(os.path.abspath(child.path))
         path = os.path.join(base, hint[1]) if hint else ""
-        if not path or not _free_or_holding(puller, path, child.parent):
+        if not path or path in taken or not _free_or_holding(puller, path, child.parent):
             path = f"{os.path.abspath(out[0].path)}.parent-{len(out)}"
         assert child.parent is not None
         try:

@@ -25,7 +25,7 @@ from .auth import Authenticator, repository_scope
 from .body import body_reader
 from .credentials import ANONYMOUS, Credentials
 from .deadline import Deadlines
-from .interrupt import Interrupt, Interrupted
+from .interrupt import Interrupt, Interrupted, interrupting
 from .layout import DIGEST, MEDIA_OCI_MANIFEST
 from .tls import Trust
 
@@ -315,7 +315,8 @@ class Registry:
         what = f"GET {repo}@{digest}"
         seconds = self.deadline(size) if seconds is None else seconds
         with self._deadlines.within(seconds) as armed:
-            r = self._request("GET", f"/v2/{repo}/blobs/{digest}", what, repo=repo, stream=True)
+            with interrupting(interrupt, self._deadlines, armed):  # its head awaited: ended by `interrupt` too
+                r = self._request("GET", f"/v2/{repo}/blobs/{digest}", what, repo=repo, stream=True)
             self._deadlines.add(armed, r.connection)  # its body is read here, under the same deadline
             buf = bytearray(max(1, min(size, STREAM_PIECE)))
             got, h, complete, longer = 0, hashlib.sha256(), False, False

@@ -27,12 +27,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..errors import ImageError, VramdError, from_os_error
+from ..image.fileio import image_os_error
 from ..image.manifest import decode_manifest
 from ..image.names import MANIFEST_NAME
 from ..image.supply import encode
 from ..pb import image_pb2 as pb
 from .fill import Filler
-from .layout import Skeleton, sha256_digest
+from .layout import Artifact, Skeleton, sha256_digest
 from .pull import Pulled, Puller, lock_parent, pull_parents
 from .push import open_dir, read_manifest_bytes
 
@@ -59,11 +60,12 @@ class Restored:
 
 
 def restore(puller: Puller, ref: str, entry: str, run: RunSession, *, commit: bool = True,
-            refresh: bool = False) -> Restored:
+            refresh: bool = False, artifact: tuple[Artifact, str] | None = None) -> Restored:
     """Restore the image at `ref` (a digest reference) through `run`, streamed into `entry` + STAGING_SUFFIX and
     committed to `entry` (`commit` False: the staging directory is removed instead); a committed `entry`
-    holding the image is restored as it is, unless `refresh` (then it is removed first)."""
-    art, digest = puller.artifact(ref)
+    holding the image is restored as it is, unless `refresh` (then it is removed first).  `artifact`: the
+    checked OCI manifest at `ref` and its digest (Puller.artifact), where the caller has it already."""
+    art, digest = artifact or puller.artifact(ref)
     if refresh:
         _locked(entry, lambda: _remove_tree(entry))
     warm = _committed(entry, art.config.digest)
@@ -72,7 +74,7 @@ def restore(puller: Puller, ref: str, entry: str, run: RunSession, *, commit: bo
     config, manifest = puller.config(art, digest)
     sk = puller.skeleton(art, digest, manifest)
     child = Pulled(entry, digest, manifest, art.parent, False)
-    parents = pull_parents(puller, ref, child)  # each under the same flock: taken before ours
+    parents = pull_parents(puller, ref, child, (entry + STAGING_SUFFIX,))  # each under the same flock: before ours
     lock = lock_parent(entry)
     try:
         warm = _committed(entry, art.config.digest)  # another restore of it committed while we waited
@@ -140,12 +142,15 @@ def _stream(puller: Puller, manifest: pb.Manifest, sk: Skeleton, staging: str, c
     dfd = open_dir(staging)
     r, w = os.pipe2(os.O_CLOEXEC)
     pipe = _WriteEnd(w)
-    filler = Filler(puller.reg, puller.repo, sk, manifest, concurrency=puller.concurrency, on_supply=pipe.write)
+    filler = Filler(puller.reg, puller.repo, sk, manifest, concurrency=puller.concurrency, on_supply=pipe.write,
+                    where=staging)
     failed: list[BaseException] = []
 
     def fill() -> None:
         try:
             filler.run()
+        except OSError as e:  # writing the staging files (ENOSPC, EIO): typed, naming the directory
+            failed.append(image_os_error(e, f"cannot write the image's files in {staging}"))
         except BaseException as e:  # the main thread reports it
             failed.append(e)
         finally:
@@ -170,7 +175,7 @@ def _stream(puller: Puller, manifest: pb.Manifest, sk: Skeleton, staging: str, c
             r = -1
             thread.join()
             real = [e for e in failed if isinstance(e, VramdError)]
-            if real:  # the session failed because the supply ended: the download's error is the one to report
+            if real:  # the session failed because the supply ended: the writer's error is the one to report
                 raise real[0] from None
             raise
         pipe.over = True
@@ -208,7 +213,7 @@ def _warm(puller: Puller, ref: str, entry: str, digest: str, manifest_bytes: byt
     manifest = decode_manifest(manifest_bytes, f"{entry}/{MANIFEST_NAME}")
     child = Pulled(entry, digest, manifest, parent, True)
     if parents is None:
-        parents = pull_parents(puller, ref, child)
+        parents = pull_parents(puller, ref, child, (entry + STAGING_SUFFIX,))
     try:
         run(entry, parents[0].path if parents else None, None)
     except ImageError as e:  # a record the daemon refused (CORRUPT_CHUNK, TRUNCATED_DATA, ...)
