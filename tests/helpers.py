@@ -30,6 +30,23 @@ def vramctl(*args: str, socket: str | None = None, timeout: float = 120) -> subp
                           text=True, timeout=timeout)
 
 
+def vramctl_peak(tmp_path: Path, *args: str, timeout: float = 300) -> tuple[subprocess.CompletedProcess[str], int]:
+    """vramctl ARGS run to its end, and its own peak resident set in KiB: VmHWM of its process, read as it
+    exits (a child's ru_maxrss would start from the parent's peak, since exec keeps the larger of the old and
+    the new address space's high-water marks)."""
+    peak = tmp_path / "peak"
+    wrapper = ("import atexit, runpy, sys\n"
+               "def peak():\n"
+               "    hwm = [l for l in open('/proc/self/status') if l.startswith('VmHWM:')][0].split()[1]\n"
+               f"    open({str(peak)!r}, 'w').write(hwm)\n"
+               "atexit.register(peak)\n"
+               "sys.argv = ['vramctl'] + sys.argv[1:]\n"
+               "runpy.run_module('vramd.cli', run_name='__main__')\n")
+    r = subprocess.run([sys.executable, "-c", wrapper, *args], cwd=ROOT, capture_output=True, text=True,
+                       timeout=timeout)
+    return r, int(peak.read_text()) if peak.exists() else -1
+
+
 def run(coro):
     return uvloop.run(coro)
 

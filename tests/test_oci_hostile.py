@@ -268,24 +268,9 @@ def test_credentials_written_into_a_reference_are_refused_unechoed(tmp_path, com
 
 
 def pull_peak(ref: str, dest: Path, tmp_path: Path):
-    """vramctl pull REF DEST --plain-http --json, and the pull's own peak memory in KiB: VmHWM of its process,
-    read as it exits (a child's ru_maxrss would start from the parent's peak, since exec keeps the larger of
-    the old and the new address space's high-water marks)."""
-    import subprocess
-    import sys
-
-    from helpers import ROOT
-    peak = tmp_path / "peak"
-    wrapper = ("import atexit, runpy, sys\n"
-               "def peak():\n"
-               "    hwm = [l for l in open('/proc/self/status') if l.startswith('VmHWM:')][0].split()[1]\n"
-               f"    open({str(peak)!r}, 'w').write(hwm)\n"
-               "atexit.register(peak)\n"
-               "sys.argv = ['vramctl'] + sys.argv[1:]\n"
-               "runpy.run_module('vramd.cli', run_name='__main__')\n")
-    r = subprocess.run([sys.executable, "-c", wrapper, "pull", ref, str(dest), "--plain-http", "--json"], cwd=ROOT,
-                       capture_output=True, text=True)
-    return r, int(peak.read_text())
+    """vramctl pull REF DEST --plain-http --json, and the pull's own peak memory in KiB (helpers.vramctl_peak)."""
+    from helpers import vramctl_peak
+    return vramctl_peak(tmp_path, "pull", ref, str(dest), "--plain-http", "--json", timeout=600)
 
 
 def test_a_config_descriptor_claiming_a_gigabyte_allocates_as_bytes_arrive(pushed, registry, tmp_path):

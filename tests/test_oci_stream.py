@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 import urllib3
-from helpers import ROOT, vramctl
+from helpers import ROOT, vramctl, vramctl_peak
 from oci_helpers import Node, ok, user_cache, vramctl_stdin  # noqa: F401 (user_cache: autouse)
 
 from vramd.client import Client
@@ -365,18 +365,9 @@ def test_a_trickling_registry_holds_a_blob_read_no_longer_than_its_deadline():
 
 def _peak_kib(tmp_path: Path, *args: str) -> int:
     """vramctl ARGS run to its end; its own peak resident set (VmHWM, read as it exits), in KiB."""
-    peak = tmp_path / "peak"
-    wrapper = ("import atexit, runpy, sys\n"
-               "def peak():\n"
-               "    hwm = [l for l in open('/proc/self/status') if l.startswith('VmHWM:')][0].split()[1]\n"
-               f"    open({str(peak)!r}, 'w').write(hwm)\n"
-               "atexit.register(peak)\n"
-               "sys.argv = ['vramctl'] + sys.argv[1:]\n"
-               "runpy.run_module('vramd.cli', run_name='__main__')\n")
-    r = subprocess.run([sys.executable, "-c", wrapper, *args], cwd=ROOT, capture_output=True, text=True,
-                       timeout=300)
+    r, peak = vramctl_peak(tmp_path, *args)
     assert r.returncode == 0, r.stderr
-    return int(peak.read_text())
+    return peak
 
 
 def test_a_pull_of_large_payload_blobs_holds_a_piece_of_each_not_the_blob(run_dir, registry, tmp_path):

@@ -49,7 +49,7 @@ class Deadlines:
         """Connection pools whose connections report to this watchdog (PoolManager.pool_classes_by_scheme)."""
         attach = self._attach
 
-        class Http(HTTPConnection):
+        class Watched(HTTPConnection):  # what both schemes' connections add: reporting to the watchdog
             def connect(self) -> None:
                 attach(self)
                 super().connect()
@@ -59,15 +59,11 @@ class Deadlines:
                 attach(self)
                 super().request(*args, **kwargs)
 
-        class Https(HTTPSConnection):
-            def connect(self) -> None:
-                attach(self)
-                super().connect()
-                self.vramd_sock = self.sock  # an answer that closes its connection takes the socket away
+        class Http(Watched):
+            pass
 
-            def request(self, *args: Any, **kwargs: Any) -> None:
-                attach(self)
-                super().request(*args, **kwargs)
+        class Https(Watched, HTTPSConnection):
+            pass
 
         class HttpPool(urllib3.HTTPConnectionPool):
             ConnectionCls = Http
