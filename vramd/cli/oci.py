@@ -243,7 +243,8 @@ def cmd_restore_any(ns: argparse.Namespace) -> int:
         # kept beside them; the image itself streams
         report: list[tuple[dict[str, Any], str]] = []
         done = restore(puller, body_digest, entry, run, commit=not ns.no_cache, refresh=ns.refresh_cache,
-                       artifact=art)
+                       artifact=art, warn=lambda text: print(f"vramctl: warning: {text}", file=sys.stderr,
+                                                             flush=True))
     finally:
         reg.close()
         if scratch is not None:

@@ -8,18 +8,24 @@ names, created at full length with the skeleton's literal runs written.  The ses
 read end of a pipe (vramd.image.supply): vramd.oci.fill's writer downloads the payload blobs in file order,
 each checked by digest before an end covers it, and writes each data file's checked prefix to the pipe; the
 daemon reads no record before an end covers it.  When the session is done and the files fsynced, the staging
-directory is renamed to the entry (the commit); a failure removes it.
+directory is renamed to the entry (the commit); a failure removes it.  A commit that fails after the session
+succeeded (an entry in the way that cannot be removed, the rename, the directory's fsync) is a warning: the BOs
+are restored, the entry is not kept.  A staging directory that cannot be removed is a warning too, never the
+error reported in place of the session's.
 
 A committed entry whose manifest.vrdm is the artifact's config (sha256) is restored as it is: no blob is
 downloaded and no payload re-hashed first, because the daemon checks every record it reads against
 manifest.vrdm (record heads and their checksums, payload checksums) before a byte reaches a BO.  A damaged entry
-fails there, naming the BO, with the advice to remove the entry or restore with `refresh`.
+fails there, naming the BO, with the advice to remove the entry or restore with `refresh`.  It is read under
+a shared flock of the entry's directory: a `refresh` (and a commit) takes it exclusive, so an entry is never
+removed while a restore reads it.
 
 The daemon's session is the caller's (`run`): vramd.oci sits below the client library.  Threads: `run` drives
 the session on the calling thread; the writer's threads write 16-byte supply messages (atomic) to the pipe.
 """
 from __future__ import annotations
 
+import fcntl
 import os
 import stat
 import threading
@@ -48,6 +54,7 @@ class SupplyPipe:
 # it and returns once it is done; raises the daemon's error if it failed
 RunSession = Callable[[str, "str | None", "SupplyPipe | None"], None]
 STAGING_SUFFIX = ".partial"
+Warn = Callable[[str], None]  # one line for the operator (vramctl: stderr)
 DAMAGED = ("the cache entry {entry} is damaged: remove it (rm -r {entry}) or restore again with --refresh-cache "
            "to download the image again")
 
@@ -60,17 +67,22 @@ class Restored:
 
 
 def restore(puller: Puller, ref: str, entry: str, run: RunSession, *, commit: bool = True,
-            refresh: bool = False, artifact: tuple[Artifact, str] | None = None) -> Restored:
+            refresh: bool = False, artifact: tuple[Artifact, str] | None = None,
+            warn: Warn = lambda _text: None) -> Restored:
     """Restore the image at `ref` (a digest reference) through `run`, streamed into `entry` + STAGING_SUFFIX and
     committed to `entry` (`commit` False: the staging directory is removed instead); a committed `entry`
     holding the image is restored as it is, unless `refresh` (then it is removed first).  `artifact`: the
-    checked OCI manifest at `ref` and its digest (Puller.artifact), where the caller has it already."""
+    checked OCI manifest at `ref` and its digest (Puller.artifact), where the caller has it already.  A commit
+    that fails after the session succeeded, or a staging directory that cannot be removed, is one `warn` line:
+    the restore stands (or its first error does), the entry is not kept."""
     art, digest = artifact or puller.artifact(ref)
     if refresh:
         _locked(entry, lambda: _remove_tree(entry))
     warm = _committed(entry, art.config.digest)
     if warm is not None:
-        return _warm(puller, ref, entry, digest, warm, art.parent, run)
+        done = _warm_shared(puller, ref, entry, digest, warm, art, run)
+        if done is not None:
+            return done
     config, manifest = puller.config(art, digest)
     sk = puller.skeleton(art, digest, manifest)
     child = Pulled(entry, digest, manifest, art.parent, False)
@@ -88,19 +100,82 @@ def restore(puller: Puller, ref: str, entry: str, run: RunSession, *, commit: bo
             raise from_os_error(e, staging, ImageError) from None
         try:
             whole = _stream(puller, manifest, sk, staging, bytes(config), parents, run)
-            if commit and whole:
-                if os.path.lexists(entry):  # an entry not committed by us (damaged, other image): replaced
-                    _remove_tree(entry)
-                os.rename(staging, entry)
-                _fsync_dir(os.path.dirname(os.path.abspath(entry)))
-            else:
-                _remove_tree(staging)
         except BaseException:
-            _remove_tree(staging)
+            _cleanup(staging, warn)  # the session's error is the one reported, whatever the cleanup meets
             raise
+        if commit and whole:
+            _commit(staging, entry, warn)
+        else:
+            _cleanup(staging, warn)
     finally:
         os.close(lock)
     return Restored(digest, [child, *parents], False)
+
+
+def _warm_shared(puller: Puller, ref: str, entry: str, digest: str, manifest_bytes: bytes, art: Artifact,
+                 run: RunSession) -> Restored | None:
+    """A committed entry restored as it is, under a shared flock of its directory (a `refresh` or a commit of
+    the same image takes it exclusive: neither removes the entry while a restore reads it); None where the
+    entry went (refreshed) before the lock was had: then it is streamed again.  The parents are pulled first,
+    each under the same directory's exclusive flock, which a holder of the shared one would wait for forever."""
+    manifest = decode_manifest(manifest_bytes, f"{entry}/{MANIFEST_NAME}")
+    parents = pull_parents(puller, ref, Pulled(entry, digest, manifest, art.parent, True), (entry + STAGING_SUFFIX,))
+    lock = _lock_dir(entry, fcntl.LOCK_SH)
+    try:
+        warm = _committed(entry, art.config.digest)
+        if warm is None:
+            return None
+        return _warm(puller, ref, entry, digest, warm, art.parent, run, parents)
+    finally:
+        os.close(lock)
+
+
+def _commit(staging: str, entry: str, warn: Warn) -> None:
+    """Rename the whole staging directory to `entry` and make that durable; a failure (an entry in the way that
+    cannot be removed, the rename, the directory's fsync) is a warning: the BOs are restored already."""
+    try:
+        if os.path.lexists(entry):  # an entry not committed by us (damaged, other image): replaced
+            _remove_tree(entry)
+        os.rename(staging, entry)
+    except (OSError, VramdError) as e:
+        warn(f"the cache entry {entry} is not kept: {_why(e)}")
+        _cleanup(staging, warn)
+        return
+    try:
+        _fsync_dir(os.path.dirname(os.path.abspath(entry)))
+    except OSError as e:
+        warn(f"the cache entry {entry} is not kept: cannot sync its directory: {_why(e)}")
+        _cleanup(entry, warn)
+
+
+def _why(e: BaseException) -> str:
+    if isinstance(e, VramdError):
+        return e.message
+    if isinstance(e, OSError):
+        return e.strerror or str(e)
+    return str(e)
+
+
+def _cleanup(path: str, warn: Warn) -> None:
+    try:
+        _remove_tree(path)
+    except VramdError as e:
+        warn(f"cannot remove {path}: {e.message}")
+
+
+def _lock_dir(entry: str, how: int) -> int:
+    """A flock (`how`: LOCK_SH or LOCK_EX) of `entry`'s parent directory, as vramd.oci.pull.lock_parent takes it."""
+    parent = os.path.dirname(os.path.abspath(entry))
+    try:
+        fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as e:
+        raise from_os_error(e, parent, ImageError) from None
+    try:
+        fcntl.flock(fd, how)
+    except OSError as e:
+        os.close(fd)
+        raise from_os_error(e, f"cannot lock {parent}", ImageError) from None
+    return fd
 
 
 class _WriteEnd:
