@@ -6,9 +6,11 @@ the concurrent restores are ordered by what /proc/locks shows, not by sleeps.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -44,6 +46,38 @@ def test_a_commit_that_fails_after_the_restore_is_a_warning_and_keeps_no_entry(n
     assert r.stderr.count("\n") == 1 and r.stderr.startswith("vramctl: warning: "), r.stderr
     assert f"the cache entry {entry} is not kept" in r.stderr and "kept-by-hand" in r.stderr, r.stderr
     assert _entries(cache) == [entry] and list(entry.iterdir()) == [entry / "kept-by-hand"]
+
+
+def test_a_rename_refused_at_the_commit_is_a_warning_and_the_restore_stands(node, registry, tmp_path):
+    """The staging directory is made immutable (chattr +i: its files are still written, but it cannot be renamed
+    nor emptied) while a blob is held: the commit's rename fails (EPERM), after the BOs were restored: exit 0,
+    a warning naming the entry and why, and one that the staging directory could not be removed."""
+    bos, ref = _pushed(node, registry, tmp_path, "immutable")
+    proxy = HoldingProxy(registry.url, _blob(bos[0][7 * MiB:]))  # BO 1's last chunk's payload
+    cache = tmp_path / "cache"
+    staging = None
+    try:
+        p = _restore(node, bos, ref.replace(registry.host, proxy.host), "--cache", str(cache))
+        assert proxy.held.wait(60), "the last payload was never asked for"
+        [staging] = _entries(cache)
+        if subprocess.run(["chattr", "+i", str(staging)], capture_output=True).returncode != 0:
+            p.kill()
+            p.wait()
+            pytest.skip("chattr +i is refused here (it needs CAP_LINUX_IMMUTABLE and ext4 or tmpfs)")
+        proxy.release.set()
+        out, err = p.communicate(timeout=120)
+    finally:
+        proxy.close()
+        if staging is not None:
+            subprocess.run(["chattr", "-i", str(staging)], capture_output=True)
+    assert p.returncode == 0, err
+    assert (node.dir / "out1.bin").read_bytes() == bos[0] and json.loads(out)["ok"]
+    entry = staging.with_name("image")
+    lines = err.splitlines()
+    assert len(lines) == 2 and all(line.startswith("vramctl: warning: ") for line in lines), err
+    assert f"the cache entry {entry} is not kept: " in lines[0] and os.strerror(errno.EPERM) in lines[0], err
+    assert f"cannot remove {staging}" in lines[1], err
+    assert not entry.exists()
 
 
 def test_a_staging_directory_that_cannot_be_removed_never_replaces_the_first_error(node, registry, tmp_path):
