@@ -230,14 +230,16 @@ def _keep(path: str | None, data: bytes | bytearray) -> None:
 _DAMAGED = "the copy in {dest} is damaged and nothing was restored from it: remove the directory to pull it again"
 
 
-def lock_parent(dest: str) -> int:
+def lock_parent(dest: str, *, shared: bool = False) -> int:
+    """An flock of `dest`'s parent directory: exclusive for a pull or a cache entry's commit, `shared` for a
+    restore reading a committed entry (no refresh removes it meanwhile)."""
     parent = os.path.dirname(os.path.abspath(dest))
     try:
         fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as e:
         raise from_os_error(e, parent, ImageError) from None
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
     except OSError as e:
         os.close(fd)
         raise from_os_error(e, f"cannot lock {parent}", ImageError) from None

@@ -25,7 +25,6 @@ the session on the calling thread; the writer's threads write 16-byte supply mes
 """
 from __future__ import annotations
 
-import fcntl
 import os
 import stat
 import threading
@@ -120,7 +119,7 @@ def _warm_shared(puller: Puller, ref: str, entry: str, digest: str, manifest_byt
     each under the same directory's exclusive flock, which a holder of the shared one would wait for forever."""
     manifest = decode_manifest(manifest_bytes, f"{entry}/{MANIFEST_NAME}")
     parents = pull_parents(puller, ref, Pulled(entry, digest, manifest, art.parent, True), (entry + STAGING_SUFFIX,))
-    lock = _lock_dir(entry, fcntl.LOCK_SH)
+    lock = lock_parent(entry, shared=True)
     try:
         warm = _committed(entry, art.config.digest)
         if warm is None:
@@ -161,21 +160,6 @@ def _cleanup(path: str, warn: Warn) -> None:
         _remove_tree(path)
     except VramdError as e:
         warn(f"cannot remove {path}: {e.message}")
-
-
-def _lock_dir(entry: str, how: int) -> int:
-    """A flock (`how`: LOCK_SH or LOCK_EX) of `entry`'s parent directory, as vramd.oci.pull.lock_parent takes it."""
-    parent = os.path.dirname(os.path.abspath(entry))
-    try:
-        fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError as e:
-        raise from_os_error(e, parent, ImageError) from None
-    try:
-        fcntl.flock(fd, how)
-    except OSError as e:
-        os.close(fd)
-        raise from_os_error(e, f"cannot lock {parent}", ImageError) from None
-    return fd
 
 
 class _WriteEnd:
