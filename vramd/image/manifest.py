@@ -271,6 +271,11 @@ class TableView:
         return self.hashes[i * HASH_LEN:(i + 1) * HASH_LEN]
 
 
+def bo_chunk_count(m: pb.Manifest, bo: pb.BoEntry) -> int:
+    """How many chunks `bo` has in the manifest (the range of `chunk_record`'s `i`)."""
+    return len(bo.chunk_refs) if m.format_version >= 2 else len(bo.record_offsets)
+
+
 def chunk_record(m: pb.Manifest, bo: pb.BoEntry, i: int) -> tuple[int, int, int, int | None] | None:
     """Chunk `i` of `bo`'s record in this image's own data files: (file index, offset, length, record
     checksum or None); None where the image holds no record of its own for it (a v2 hole, or a chunk

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 
 from ..errors import DigestMismatchError
 from ..image.fileio import image_os_error, pwrite_all
+from ..image.manifest import bo_chunk_count, chunk_record
 from ..pb import image_pb2 as pb
 from .interrupt import Interrupt, Interrupted
 from .layout import LITERAL, PAYLOAD, Skeleton
@@ -183,18 +184,11 @@ class Filler:
 
 
 def chunk_of(m: pb.Manifest, file_index: int, pos: int) -> tuple[int | None, int | None, str]:
-    """The BO and offset of a chunk whose record in data file `file_index` holds byte `pos` (for messages)."""
-    name = m.files[file_index].name
-    t = m.chunks
-    for e, (img, fi, off, ln) in enumerate(zip(t.image, t.file_index, t.offset, t.length, strict=True)):
-        if img == 0 and fi == file_index and off <= pos < off + ln:
-            for bo in m.bos:
-                for i, ref in enumerate(bo.chunk_refs):
-                    if ref == e + 1:
-                        return bo.id, i * m.chunk_size, name
-    for bo in m.bos:  # format v1
-        if bo.file_index == file_index:
-            for i, (off, ln) in enumerate(zip(bo.record_offsets, bo.record_lengths, strict=True)):
-                if off <= pos < off + ln:
-                    return bo.id, i * m.chunk_size, name
-    return None, None, name
+    """The BO and offset of a chunk whose record in data file `file_index` holds byte `pos` (for messages): the
+    first BO's that refers to it (a deduplicated record serves several)."""
+    for bo in m.bos:
+        for i in range(bo_chunk_count(m, bo)):
+            rec = chunk_record(m, bo, i)
+            if rec is not None and rec[0] == file_index and rec[1] <= pos < rec[1] + rec[2]:
+                return bo.id, i * m.chunk_size, m.files[file_index].name
+    return None, None, m.files[file_index].name

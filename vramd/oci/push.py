@@ -26,7 +26,7 @@ from ..errors import (
 from ..image.chain import parent_chain
 from ..image.fileio import image_os_error, pread_exact, read_manifest_blob
 from ..image.format import HEAD_PEEK, record_head_length
-from ..image.manifest import chunk_record, decode_manifest
+from ..image.manifest import bo_chunk_count, chunk_record, decode_manifest
 from ..image.names import MANIFEST_NAME
 from ..pb import image_pb2 as pb
 from .layout import (
@@ -125,7 +125,7 @@ def _records(m: pb.Manifest) -> list[list[Record]]:
     that refers to it: a dedup'd record serves several)."""
     owner: dict[tuple[int, int], tuple[int, int]] = {}
     for bo in m.bos:
-        for i in range(len(bo.chunk_refs) if m.format_version >= 2 else len(bo.record_offsets)):
+        for i in range(bo_chunk_count(m, bo)):
             rec = chunk_record(m, bo, i)
             if rec is not None:
                 owner.setdefault((rec[0], rec[1]), (bo.id, i * m.chunk_size))
