@@ -37,7 +37,7 @@ from urllib.parse import urlencode, urlsplit
 
 from ..errors import AuthFailedError, RegistryError
 from .credentials import Credentials
-from .tls import Trust
+from .tls import Trust, shown_url
 
 DEFAULT_EXPIRES_IN = 60  # the token specification's default when the answer names none
 MAX_EXPIRES_IN = 86400   # a longer life is taken as a day (asked again after that)
@@ -108,8 +108,7 @@ class TokenRequest:
     anonymous: bool = False
 
     def __repr__(self) -> str:
-        u = urlsplit(self.url)
-        return f"TokenRequest({self.method} {u.scheme}://{u.netloc}{u.path}, scopes={list(self.scopes)})"
+        return f"TokenRequest({self.method} {shown_url(self.url)}, scopes={list(self.scopes)})"
 
 
 @dataclass
@@ -201,7 +200,7 @@ class Authenticator:
 
     def token_response(self, request: TokenRequest, status: int, body: bytes) -> None:
         """Take the realm's answer to `request`: cache its token, or raise (refused, malformed)."""
-        realm = _realm_name(request.url)
+        realm = shown_url(request.url)
         if status in (401, 403):
             if request.anonymous:
                 raise self._no_credentials("a bearer token")
@@ -236,7 +235,3 @@ class Authenticator:
         return AuthFailedError(f"{self.registry}: the registry wants {what} and no credentials were found "
                                f"({self.credentials.source})")
 
-
-def _realm_name(url: str) -> str:
-    u = urlsplit(url)
-    return f"{u.scheme}://{u.netloc.rpartition('@')[2]}{u.path}"

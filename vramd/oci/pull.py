@@ -10,6 +10,7 @@ manifest is renamed into place last: a pull that fails leaves no image (and remo
 from __future__ import annotations
 
 import fcntl
+import itertools
 import os
 import re
 import stat
@@ -19,7 +20,7 @@ import blake3
 
 from ..errors import CorruptManifestError, DigestMismatchError, ImageError, ParentMismatchError, from_os_error
 from ..image.manifest import decode_manifest
-from ..image.names import MANIFEST_NAME, is_own_temporary, manifest_tmp_name
+from ..image.names import MANIFEST_NAME, is_data_file_name, is_own_temporary, manifest_tmp_name
 from ..pb import image_pb2 as pb
 from .fill import Filler, chunk_of
 from .layout import (
@@ -39,6 +40,7 @@ from .push import MAX_CHAIN, open_dir, open_file, read_manifest_bytes
 from .registry import Registry
 
 SIBLING_HINT = re.compile(r"\.\./([A-Za-z0-9_][A-Za-z0-9._-]{0,200})")
+LINK_HINT = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,200}")  # a hint naming an entry of the child's own directory
 
 
 @dataclass(frozen=True)
@@ -55,11 +57,18 @@ class Puller:
         """`keep`: a directory of the caller's where skeleton layers are kept by digest (restore's cache), so
         checking a cached image against its artifact downloads no blob."""
         self.reg, self.repo, self.concurrency, self.keep = reg, repo, max(1, concurrency), keep
+        self._by_digest: dict[str, tuple[Artifact, str]] = {}
 
     def artifact(self, ref: str) -> tuple[Artifact, str]:
-        """The checked OCI manifest at `ref`, and its digest."""
+        """The checked OCI manifest at `ref`, and its digest.  Fetched once per digest for the Puller's life (a
+        digest names one manifest for ever: a parent's, looked at to find where it goes and then pulled, is one
+        GET); a tag is asked for each time (it may move)."""
+        if ref in self._by_digest:
+            return self._by_digest[ref]
         body, digest = self.reg.get_manifest(self.repo, ref, MAX_OCI_MANIFEST)
-        return decode_oci_manifest(body, f"{self.reg.host}/{self.repo}@{digest}"), digest
+        got = decode_oci_manifest(body, f"{self.reg.host}/{self.repo}@{digest}"), digest
+        self._by_digest[digest] = got
+        return got
 
     def config(self, art: Artifact, digest: str) -> tuple[bytearray, pb.Manifest]:
         """The artifact's config blob (manifest.vrdm's bytes, every reader check passed) and its decoding."""
@@ -304,9 +313,47 @@ def pull_chain(puller: Puller, ref: str, dest: str) -> list[Pulled]:
     directories: at the name the child recorded where that is `../NAME`, so vramctl finds them as it finds
     any parent, if nothing is there yet or that very image is (the name comes from the registry: a directory
     of the caller's is never filled, nor its temporaries swept); else `DEST.parent-K` (then name the first
-    with --parent)."""
+    with --parent).  Where an image recorded its parent as a plain name inside its own directory (`parent`, as
+    CRIU's amdgpu plugin does), that name is made a relative symbolic link to the directory its parent was
+    pulled into, so vramctl and the plugin find the chain with no step of the operator's."""
     first = puller.pull(ref, dest)
-    return [first, *pull_parents(puller, ref, first)]
+    chain = [first, *pull_parents(puller, ref, first)]
+    for child, parent in itertools.pairwise(chain):
+        link_parent(child, parent.path)
+    return chain
+
+
+def link_parent(child: Pulled, parent_dir: str) -> str | None:
+    """Where `child` recorded its parent as a name in its own directory (LINK_HINT: never a name of vramd's
+    files, a dot name or a path), that name becomes a relative symbolic link to `parent_dir`, made beside it and
+    renamed over it (atomic: a link already there, from an earlier pull, is replaced; anything else in its way
+    is an ImageError, never removed).  The link's name, or None where the hint is no such name."""
+    name = child.manifest.parents[0].relative_path if child.manifest.parents else ""
+    if LINK_HINT.fullmatch(name) is None or name == MANIFEST_NAME or is_data_file_name(name) or \
+            is_own_temporary(name):
+        return None
+    target = os.path.relpath(os.path.abspath(parent_dir), os.path.abspath(child.path))
+    tmp = f".{name}.{os.getpid()}.link.tmp"
+    dfd = open_dir(child.path)
+    try:
+        try:
+            if not stat.S_ISLNK(os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode):
+                raise ImageError(f"{child.path}/{name}: not a symbolic link, in the way of the link to the image's "
+                                 f"parent ({target}); move it away and pull again")
+        except FileNotFoundError:
+            pass
+        os.symlink(target, tmp, dir_fd=dfd)
+        try:
+            os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        except BaseException:
+            os.unlink(tmp, dir_fd=dfd)
+            raise
+        os.fsync(dfd)
+    except OSError as e:
+        raise from_os_error(e, f"{child.path}/{name}: the link to its parent", ImageError) from None
+    finally:
+        os.close(dfd)
+    return name
 
 
 def pull_parents(puller: Puller, ref: str, child: Pulled, avoid: tuple[str, ...] = ()) -> list[Pulled]:

@@ -20,67 +20,23 @@ from urllib.parse import quote, urljoin, urlsplit
 import urllib3
 from urllib3.exceptions import HTTPError
 
-from ..errors import AuthFailedError, DigestMismatchError, RegistryError, RegistryFullError
+from ..errors import AuthFailedError, DigestMismatchError, NotFoundError, RegistryError, RegistryFullError
 from .auth import Authenticator, repository_scope
 from .body import body_reader
 from .credentials import ANONYMOUS, Credentials
 from .deadline import Deadlines
 from .interrupt import Interrupt, Interrupted, interrupting
-from .layout import DIGEST, MEDIA_OCI_MANIFEST
-from .tls import Trust
+from .layout import MEDIA_OCI_MANIFEST
+from .reference import HOST as HOST  # re-exported: vramctl and the tests name them here
+from .reference import REPO as REPO
+from .reference import TAG as TAG
+from .reference import Reference as Reference
+from .tls import Trust, scrub_urls, shown_url
 
 CHUNKED_UPLOAD = 64 << 20  # blobs larger than this go up in PATCHes of this size, then a closing PUT
 STREAM_PIECE = 1 << 20  # a streamed blob read hands its bytes on in pieces of this size
 MAX_ANSWER = 1 << 20  # the most of an answer's body held, but a blob's or a manifest's (read as they bound it)
 MIN_RATE = 256 << 10  # bytes/s: a request may take its read timeout, plus its bytes' time at this rate, in all
-REPO = re.compile(r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*")
-TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
-HOST = re.compile(r"[A-Za-z0-9.-]+(?::[0-9]{1,5})?|\[[0-9a-fA-F:]+\](?::[0-9]{1,5})?")
-
-
-@dataclass(frozen=True)
-class Reference:
-    """HOST[:PORT]/REPO[:TAG][@sha256:...], the form docker, podman and skopeo name an image with."""
-
-    host: str
-    repo: str
-    tag: str | None = None
-    digest: str | None = None
-
-    @classmethod
-    def parse(cls, text: str) -> Reference:
-        rest = text.removeprefix("oci://")
-        host, sep, rest = rest.partition("/")
-        if "@" in host:  # user:password@host: never echoed, a message may be logged
-            raise RegistryError("a reference holds no credentials (USER[:PASSWORD]@ before the host): give them with "
-                                "--username and --password-stdin, or in a config.json")
-        if not sep or HOST.fullmatch(host) is None:
-            raise RegistryError(f"{text!r} is not a reference HOST[:PORT]/REPOSITORY[:TAG|@DIGEST]")
-        if "." not in host and ":" not in host and host != "localhost":  # docker's rule for a first component
-            raise RegistryError(f"{text!r}: name the registry: HOST[:PORT]/{text.removeprefix('oci://')} (no "
-                                "default registry is assumed)")
-        digest = None
-        if "@" in rest:
-            rest, digest = rest.split("@", 1)
-            if DIGEST.fullmatch(digest) is None:
-                raise RegistryError(f"{text!r}: the digest is not sha256:<64 hex>")
-        tag = None
-        if ":" in rest:
-            rest, tag = rest.rsplit(":", 1)
-            if TAG.fullmatch(tag) is None:
-                raise RegistryError(f"{text!r}: {tag!r} is not a tag")
-        if REPO.fullmatch(rest) is None:
-            raise RegistryError(f"{text!r}: {rest!r} is not a repository name (lowercase, digits, . _ - /)")
-        return cls(host, rest, tag, digest)
-
-    @property
-    def ref(self) -> str:
-        """The manifest reference: the digest where there is one, else the tag (default latest)."""
-        return self.digest or self.tag or "latest"
-
-    def __str__(self) -> str:
-        return f"{self.host}/{self.repo}" + (f":{self.tag}" if self.tag else "") + (
-            f"@{self.digest}" if self.digest else "")
 
 
 @dataclass
@@ -175,12 +131,14 @@ class Registry:
             raise self.trust.error(self.host, inner) from None
         except urllib3.exceptions.NameResolutionError as e:
             why = getattr(e.__context__, "strerror", None) or _reason(e)
-            raise RegistryError(f"registry {self.host}: {what}: cannot resolve its name ({why}): check the "
-                                "reference's host") from None
+            raise RegistryError(f"registry {self.host}: {what}: cannot resolve its name ({why})" + (
+                ": check the reference's host" if _origin(url) == _origin(self.base) else "")) from None
         except urllib3.exceptions.NewConnectionError as e:
             why = getattr(e.__context__, "strerror", None) or _reason(e)
-            raise RegistryError(f"registry {self.host}: {what}: cannot connect ({why}): is a registry listening at "
-                                f"{self.host}?") from None
+            raise RegistryError(f"registry {self.host}: {what}: cannot connect ({why})" + (
+                f": is a registry listening at {self.host}?" if _origin(url) == _origin(self.base) else "")) from None
+        except urllib3.exceptions.LocationParseError:  # its message is the URL: never shown whole
+            raise RegistryError(f"registry {self.host}: {what}: {shown_url(url)}: not a valid URL") from None
         except HTTPError as e:
             raise RegistryError(f"registry {self.host}: {what}: {type(e).__name__}: {_reason(e)}") from None
         self.stats.add(requests=1)
@@ -192,7 +150,8 @@ class Registry:
 
     def _request(self, method: str, url: str, what: str, *, repo: str, body: bytes | None = None,
                  headers: dict[str, str] | None = None, ok: tuple[int, ...] = (200,), stream: bool = False,
-                 scope: str | None = None) -> urllib3.BaseHTTPResponse:
+                 scope: str | None = None, missing: str | None = None) -> urllib3.BaseHTTPResponse:
+        """`missing`: the reference asked for, where a 404 means it does not exist (NotFoundError naming it)."""
         scope = scope or repository_scope(repo, *self.actions)
         full = url if url.startswith(("http://", "https://")) else self.base + url
         for _attempt in range(3):
@@ -218,10 +177,17 @@ class Registry:
         for _hop in range(5):
             if r.status not in (301, 302, 303, 307, 308) or method not in ("GET", "HEAD"):
                 break
-            location = urljoin(full, r.headers.get("location", ""))
+            raw = r.headers.get("location", "")
             _discard(r)
+            try:
+                location = urljoin(full, raw)
+            except ValueError:  # an unclosed IPv6 bracket
+                raise RegistryError(f"registry {self.host}: {what}: a redirect to {shown_url(raw)}: not a valid "
+                                    "URL") from None
             self.trust.check_url(location, f"{what}: a redirect to")
             hop = {**(headers or {}), **(sent if _origin(location) == _origin(self.base) else {})}
+            if _origin(location) != _origin(self.base):  # what fails there is named as there (never its query)
+                what = f"{what} (redirected to {shown_url(location)})"
             r, answer = self._send(method, location, what, None, hop, stream)
         if r.status in ok:
             return r
@@ -233,6 +199,9 @@ class Registry:
         if r.status == 403:
             raise AuthFailedError(f"registry {self.host}: {what}: access denied (403)")
         text = data.decode("utf-8", "replace")
+        if r.status == 404 and missing is not None:
+            raise NotFoundError(f"registry {self.host}: {missing}: not found (HTTP 404 {_error_codes(text)}".rstrip()
+                                + "): check the repository and the tag or digest")
         if r.status == 507 or "no space left" in text.lower() or "quota" in text.lower() or _enospc(text):
             raise RegistryFullError(f"registry {self.host}: {what}: the registry is out of space ({r.status})")
         raise RegistryError(f"registry {self.host}: {what}: HTTP {r.status} {_error_codes(text)}".rstrip())
@@ -377,7 +346,8 @@ class Registry:
         """(the manifest's bytes, their digest); a reference by digest must match it."""
         what = f"GET manifest {repo}:{ref}" if not ref.startswith("sha256:") else f"GET manifest {repo}@{ref}"
         r = self._request("GET", f"/v2/{repo}/manifests/{ref}", what, repo=repo, stream=True,
-                          headers={"Accept": MEDIA_OCI_MANIFEST})
+                          headers={"Accept": MEDIA_OCI_MANIFEST},
+                          missing=f"{self.host}/{repo}{'@' if ref.startswith('sha256:') else ':'}{ref}")
         seconds = self.deadline(max_size)
         try:
             with self._deadlines.within(seconds, r.connection) as armed:
@@ -422,8 +392,9 @@ def _discard(r: urllib3.BaseHTTPResponse) -> None:
 
 
 def _reason(e: BaseException) -> str:
+    """A library's reason for a failure, any URL in it cut as shown_url cuts it (urllib3 echoes URLs)."""
     reason = getattr(e, "reason", None)
-    return str(reason or e).split(": ", 1)[-1][:200]
+    return scrub_urls(str(reason or e).split(": ", 1)[-1])[:200]
 
 
 def _enospc(text: str) -> bool:

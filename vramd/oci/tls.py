@@ -11,12 +11,13 @@ and the CAs trusted.
 """
 from __future__ import annotations
 
+import re
 import ssl
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from ..errors import TlsError
+from ..errors import RegistryError, TlsError
 
 
 @dataclass(frozen=True)
@@ -48,13 +49,17 @@ class Trust:
         return ctx
 
     def check_url(self, url: str, what: str) -> None:
-        """Refuse `url` (a token realm, a redirect) unless it is https, or http with plain HTTP asked for."""
-        scheme = urlsplit(url).scheme.lower()
+        """Refuse `url` (a token realm, a redirect) unless it is https, or http with plain HTTP asked for (a
+        TlsError), or a URL at all (a RegistryError)."""
+        try:
+            scheme = urlsplit(url).scheme.lower()
+        except ValueError:  # an unclosed IPv6 bracket: no URL at all
+            raise RegistryError(f"{what} {shown_url(url)}: not a valid URL") from None
         if scheme == "https" or (scheme == "http" and self.plain_http):
             return
         if scheme == "http":
-            raise TlsError(f"{what} {_origin(url)} is plain HTTP: refused (pass --plain-http to allow plain HTTP)")
-        raise TlsError(f"{what} {_origin(url)}: unsupported scheme {scheme!r}")
+            raise TlsError(f"{what} {shown_url(url)} is plain HTTP: refused (pass --plain-http to allow plain HTTP)")
+        raise TlsError(f"{what} {shown_url(url)}: unsupported scheme {scheme!r}")
 
     def error(self, host: str, e: ssl.SSLError | ssl.CertificateError) -> TlsError:
         """The typed error for a failed TLS handshake with `host`."""
@@ -67,14 +72,36 @@ class Trust:
         return TlsError(f"TLS to {host} failed: {reason} (trusting {self.describe()})")
 
 
-def _origin(url: str) -> str:
-    """scheme://host[:port]/path, without a user, password or query (which could carry a secret)."""
-    u = urlsplit(url)
+def shown_url(url: str) -> str:
+    """scheme://host[:port]/path: `url` as an error message or a log line may show it, without a user, a password,
+    a query or a fragment (a presigned URL's signature, a token: any may be a secret).  The query and the user
+    are cut as text first (all before the last `@`: a password holding a `/` too), so a URL that does not parse
+    (an unclosed IPv6 bracket) is cut the same way; a port that is no number is left out, one out of range
+    shown (it is no secret)."""
+    text = re.split(r"[?#]", url, maxsplit=1)[0]
+    scheme, sep, rest = text.partition("://")
+    if not sep:
+        return text.rpartition("@")[2]
+    scheme, rest = scheme.lower(), rest.rpartition("@")[2]
+    try:
+        u = urlsplit(f"{scheme}://{rest}")
+    except ValueError:
+        return f"{scheme}://{rest}"
     host = u.hostname or ""
     if ":" in host:
         host = f"[{host}]"
     try:
-        port = u.port
-    except ValueError:  # not a number: named as is, it is no secret
-        port = None
-    return f"{u.scheme}://{host}{f':{port}' if port else ''}{u.path}"
+        port = str(u.port or "")
+    except ValueError:
+        tail = u.netloc.rpartition(":")[2]
+        port = tail if tail.isdigit() else ""
+    return f"{scheme}://{host}{f':{port}' if port else ''}{u.path}"
+
+
+URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]*")
+
+
+def scrub_urls(text: str) -> str:
+    """`text` (a library's exception message, which may echo the URL it was given) with every URL in it
+    shown as `shown_url` shows it."""
+    return URL_IN_TEXT.sub(lambda m: shown_url(m[0]), text)
