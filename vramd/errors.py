@@ -184,6 +184,9 @@ class PermissionDeniedError(ServiceError):
 
 
 class NotFoundError(ServiceError):
+    """No such session (the daemon); on the client's side also a registry reference whose manifest the registry
+    does not have (a tag, a digest or a repository: vramd.oci.registry)."""
+
     code = "NOT_FOUND"
 
 

@@ -3,7 +3,9 @@
 HEAD a blob, upload one (monolithic, or in pieces past CHUNKED_UPLOAD), mount one from another repository,
 GET one into memory with its size bounded and its sha256 checked before the caller sees a byte, PUT and GET
 manifests.  Thread-safe: push and pull run several blobs at once over one pool.  Errors are RegistryError
-and its kinds (vramd.oci.errors), naming the registry, the repository and the digest.
+and its kinds (vramd.errors), naming the registry, the repository and the digest; a manifest the registry does
+not have (a tag, a digest or a repository) is NotFoundError (NOT_FOUND) naming the reference.  A URL in a
+message is shown by vramd.oci.tls.shown_url: never its query or user info.
 """
 from __future__ import annotations
 
