@@ -41,6 +41,11 @@ def _dump_as_the_plugin_does(node: Node, ckpt: list, bos_of: list[list[bytes]]) 
         assert info["ok"], info
 
 
+def ok_line(r) -> str:
+    assert r.returncode == 0 and r.stdout.count("\n") == 1, r.stderr
+    return r.stdout.rstrip("\n")
+
+
 def _manifest_gets(registry, since: int) -> list[str]:
     return [r.path for r in registry.access_log()[since:] if r.method == "GET" and "/manifests/" in r.path]
 
@@ -65,12 +70,16 @@ def test_a_pulled_incremental_image_restores_through_the_parent_links_it_recorde
     for attempt in range(2):
         got = ok(vramctl("pull", ref, str(dest), "--plain-http", "--json"))
         assert [c["dir"] for c in got["chain"]] == [str(dest), f"{dest}.parent-1", f"{dest}.parent-2"], got
+        assert [c["link"] for c in got["chain"]] == ["parent", "parent", None], got
         assert os.readlink(dest / "parent") == "../amdgpu-vramd-1.parent-1"
         assert os.readlink(f"{dest}.parent-1/parent") == "../amdgpu-vramd-1.parent-2"
         assert not os.path.lexists(f"{dest}.parent-2/parent")  # the first image records no parent
         assert sorted(os.listdir(dest.parent)) == ["amdgpu-vramd-1", "amdgpu-vramd-1.parent-1",
                                                    "amdgpu-vramd-1.parent-2"]
         assert not [n for n in os.listdir(dest) if n.endswith(".tmp")], attempt
+    line = ok_line(vramctl("pull", ref, str(dest), "--plain-http"))
+    assert line.endswith(f"; {dest}/parent -> ../amdgpu-vramd-1.parent-1; {dest}.parent-1/parent -> "
+                         "../amdgpu-vramd-1.parent-2"), line
     out = node.restore(str(dest), [len(b) for b in b2])
     assert out == b2
     assert [os.path.realpath(dest / c) for c in ("parent", "parent/parent")] == [f"{dest}.parent-1",

@@ -189,9 +189,13 @@ def cmd_pull(ns: argparse.Namespace) -> int:
     ref, reg, chain, secs = _pull(ns, ns.ref, ns.dir)
     st = reg.stats
     d = {"ok": True, "reference": str(ref), "digest": chain[0].digest, "seconds": round(secs, 6),
-         "chain": [{"dir": p.path, "digest": p.digest, "cached": p.cached} for p in chain], "stats": st.to_dict()}
+         "chain": [{"dir": p.path, "digest": p.digest, "cached": p.cached, "link": p.link} for p in chain],
+         "stats": st.to_dict()}
+    links = "".join(f"; {os.path.join(p.path, p.link)} -> {os.readlink(os.path.join(p.path, p.link))}"
+                    for p in chain if p.link is not None)
     emit(ns, d, f"pulled {ref} ({chain[0].digest}) into {ns.dir}, {len(chain)} image(s): downloaded "
-                f"{st.blobs_downloaded} blob(s), {st.bytes_downloaded} bytes ({rate(st.bytes_downloaded, secs)})")
+                f"{st.blobs_downloaded} blob(s), {st.bytes_downloaded} bytes ({rate(st.bytes_downloaded, secs)})"
+                f"{links}")
     return EXIT_OK
 
 

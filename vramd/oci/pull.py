@@ -9,6 +9,7 @@ manifest is renamed into place last: a pull that fails leaves no image (and remo
 """
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import itertools
 import os
@@ -50,6 +51,7 @@ class Pulled:
     manifest: pb.Manifest
     parent: str | None  # the parent's OCI manifest digest
     cached: bool  # the directory held this very image already: nothing was downloaded
+    link: str | None = None  # the name in `path` made a link to the parent's directory (pull_chain), if any
 
 
 class Puller:
@@ -318,9 +320,9 @@ def pull_chain(puller: Puller, ref: str, dest: str) -> list[Pulled]:
     pulled into, so vramctl and the plugin find the chain with no step of the operator's."""
     first = puller.pull(ref, dest)
     chain = [first, *pull_parents(puller, ref, first)]
-    for child, parent in itertools.pairwise(chain):
-        link_parent(child, parent.path)
-    return chain
+    linked = [dataclasses.replace(child, link=link_parent(child, parent.path))
+              for child, parent in itertools.pairwise(chain)]
+    return [*linked, chain[-1]]
 
 
 def link_parent(child: Pulled, parent_dir: str) -> str | None:
