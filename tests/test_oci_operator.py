@@ -54,7 +54,9 @@ def test_a_pulled_incremental_image_restores_through_the_parent_links_it_recorde
     """An image two parents deep, each recording its parent as `parent` (as the plugin does), pushed, removed,
     pulled: the parents land in DEST.parent-1 and DEST.parent-2, and the pull makes each `parent` link (relative,
     only to the parent it pulled), so `vramctl restore` needs no --parent and no ln -s.  Was: no link, and the
-    restore failed PARENT_MISSING.  A second pull into the same place replaces the links, nothing else."""
+    restore failed PARENT_MISSING.  A second pull into the same place replaces the links, nothing else.  A
+    restore from the reference (cold, then from its cache entry) finds parent #2 through parent #1's link (it
+    names #1 itself): was PARENT_MISSING."""
     b0 = workload_bos()
     b1 = _changed(b0, (1 << 20) + 5)
     b2 = _changed(b1, 7)
@@ -82,6 +84,10 @@ def test_a_pulled_incremental_image_restores_through_the_parent_links_it_recorde
                          "../amdgpu-vramd-1.parent-2"), line
     out = node.restore(str(dest), [len(b) for b in b2])
     assert out == b2
+    with Node(run_dir, tmp_path / "node2") as other:  # from the reference: parent #2 found through #1's link
+        for _cold_then_warm in range(2):
+            out = other.restore(f"oci://{ref}", [len(b) for b in b2], "--plain-http", "--cache", str(tmp_path / "c"))
+            assert out == b2
     assert [os.path.realpath(dest / c) for c in ("parent", "parent/parent")] == [f"{dest}.parent-1",
                                                                                 f"{dest}.parent-2"]
 

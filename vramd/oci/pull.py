@@ -319,10 +319,10 @@ def pull_chain(puller: Puller, ref: str, dest: str) -> list[Pulled]:
     CRIU's amdgpu plugin does), that name is made a relative symbolic link to the directory its parent was
     pulled into, so vramctl and the plugin find the chain with no step of the operator's."""
     first = puller.pull(ref, dest)
-    chain = [first, *pull_parents(puller, ref, first)]
-    linked = [dataclasses.replace(child, link=link_parent(child, parent.path))
-              for child, parent in itertools.pairwise(chain)]
-    return [*linked, chain[-1]]
+    parents = pull_parents(puller, ref, first)
+    if parents:
+        first = dataclasses.replace(first, link=link_parent(first, parents[0].path))
+    return [first, *parents]
 
 
 def link_parent(child: Pulled, parent_dir: str) -> str | None:
@@ -361,7 +361,8 @@ def link_parent(child: Pulled, parent_dir: str) -> str | None:
 def pull_parents(puller: Puller, ref: str, child: Pulled, avoid: tuple[str, ...] = ()) -> list[Pulled]:
     """The parents of `child` (pulled, or about to be, into child.path), each pulled whole, nearest first; never
     into child.path nor a path of `avoid` (a streamed restore's staging directory), whatever name they recorded:
-    the child may not be there yet."""
+    the child may not be there yet.  Each parent that recorded its own parent as a plain name gets that link
+    (link_parent); the child's is its caller's to make."""
     out = [child]
     taken = {os.path.abspath(p) for p in (child.path, *avoid)}
     while out[-1].parent is not None:
@@ -388,4 +389,8 @@ def pull_parents(puller: Puller, ref: str, child: Pulled, avoid: tuple[str, ...]
             raise ParentMismatchError(f"{ref}: the artifact named as parent #{len(out)} ({child.parent}) is not the "
                                       "image the child recorded")
         out.append(got)
-    return out[1:]
+    # each parent linked to its own where it recorded it as a plain name: the chain resolves from the first
+    # parent on (a streamed restore names the first with --parent; pull_chain links the child itself)
+    parents = out[1:]
+    return [*(dataclasses.replace(p, link=link_parent(p, pp.path)) for p, pp in itertools.pairwise(parents)),
+            *parents[-1:]]
