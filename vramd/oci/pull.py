@@ -22,6 +22,7 @@ from ..image.manifest import decode_manifest
 from ..image.names import MANIFEST_NAME, is_own_temporary, manifest_tmp_name
 from ..pb import image_pb2 as pb
 from .fill import Filler, chunk_of
+from .index import assemble, decode_part, decode_top
 from .layout import (
     LITERAL,
     MAX_CONFIG,
@@ -31,7 +32,6 @@ from .layout import (
     Skeleton,
     check_config,
     check_skeleton,
-    decode_oci_manifest,
     decode_skeleton,
     sha256_digest,
 )
@@ -57,9 +57,21 @@ class Puller:
         self.reg, self.repo, self.concurrency, self.keep = reg, repo, max(1, concurrency), keep
 
     def artifact(self, ref: str) -> tuple[Artifact, str]:
-        """The checked OCI manifest at `ref`, and its digest."""
+        """The checked OCI manifest at `ref`, and its digest; where `ref` names an OCI image index of ours
+        (vramd.oci.index), its parts fetched by digest one after the other, each checked, and made one Artifact."""
         body, digest = self.reg.get_manifest(self.repo, ref, MAX_OCI_MANIFEST)
-        return decode_oci_manifest(body, f"{self.reg.host}/{self.repo}@{digest}"), digest
+        what = f"{self.reg.host}/{self.repo}@{digest}"
+        top = decode_top(body, what)
+        if isinstance(top, Artifact):
+            return top, digest
+        parts = []
+        for i, d in enumerate(top.parts):
+            part, _ = self.reg.get_manifest(self.repo, d.digest, d.size)  # by digest: checked against it
+            if len(part) != d.size:
+                raise CorruptManifestError(f"{what}: part {i} ({d.digest}) is {len(part)} bytes, not the {d.size} "
+                                           "the index says")
+            parts.append(decode_part(part, f"{what}: part {i} ({d.digest})", first=i == 0))
+        return assemble(top, parts, what), digest
 
     def config(self, art: Artifact, digest: str) -> tuple[bytearray, pb.Manifest]:
         """The artifact's config blob (manifest.vrdm's bytes, every reader check passed) and its decoding."""
