@@ -126,12 +126,26 @@ def test_restore_from_an_index_reference_and_an_incremental_child_over_it(node, 
     assert [c["dir"] for c in got["chain"]] == [str(dest), str(dest.parent / "step1")]
     assert files_of(dest) == files_of(child) and files_of(dest.parent / "step1") == files_of(parent)
 
+    # a grandchild that changed 16 chunks: an index itself, over the one-manifest child, over the indexed parent
+    grand = tmp_path / "ckpt" / "step3"
+    changed3 = bytearray(bos2[2])
+    changed3[:16 << 20] = os.urandom(16 << 20)  # whole chunks rewritten: 16 distinct payloads, no shared delta
+    bos3 = [bos2[0], bos2[1], bytes(changed3)]
+    node.dump(grand, bos3, "--parent", str(child), "--compress", "none")
+    r3 = ok(vramctl("push", str(grand), f"{base}:step3", "--plain-http", "--json", "--max-manifest-bytes", BUDGET))
+    assert [c["media_type"] for c in r3["chain"]] == [L.MEDIA_OCI_INDEX, L.MEDIA_OCI_MANIFEST, L.MEDIA_OCI_INDEX]
+    gdoc, _parts, _bodies = read_index(registry, "jobs/inc", "step3")
+    assert gdoc["annotations"][L.ANN_PARENT] == r["digest"]
+
     with Node(run_dir, tmp_path / "node2") as other:
         out = other.restore(f"oci://{base}:step1", [len(b) for b in bos], "--plain-http", "--cache",
                             str(tmp_path / "c1"))
         assert out == bos
         out = other.restore(f"oci://{base}:step2", [len(b) for b in bos2], "--plain-http", "--no-cache")
         assert out == bos2
+        out = other.restore(f"oci://{base}:step3", [len(b) for b in bos3], "--plain-http", "--cache",
+                            str(tmp_path / "c3"))
+        assert out == bos3
 
 
 def test_skopeo_copies_the_index_and_its_parts_unchanged_and_vramd_restores_the_copy(node, registry, tmp_path,
