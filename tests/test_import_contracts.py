@@ -43,6 +43,7 @@ def lint(root: Path) -> str:
     ("cli/transfer.py", "from .interop import cmd_import_criu", "vramctl: the parser over the stock-image interop"),
     ("service/handlers.py", "from .daemon import Daemon", "vramd.service is layered"),
     ("backends/sdma/device.py", "from .backend import SdmaBackend", "vramd.backends.sdma: the backend over its GPUs"),
+    ("oci/index.py", "from .registry import Registry", "the OCI artifact's format (one manifest, an index of parts)"),
 ])
 def test_a_forbidden_import_breaks_its_contract(tree, module, line, contract):
     path = tree / "vramd" / module

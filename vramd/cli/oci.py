@@ -23,6 +23,7 @@ from typing import Any
 
 from ..errors import RegistryError
 from ..oci.credentials import find_credentials, from_password_stdin
+from ..oci.index import ANN_TYPE, DEFAULT_MAX_MANIFEST, MIN_MAX_MANIFEST
 from ..oci.layout import ANN_BYTES, ANN_CREATED, ANN_GPUS, ANN_IMAGE_ID, ANN_PARENT
 from ..oci.pull import Pulled, Puller, pull_chain
 from ..oci.push import Pusher, push_chain
@@ -33,7 +34,7 @@ from .common import EXIT_OK, Failure, emit, rate
 from .transfer import cmd_restore
 
 OCI_SCHEME = "oci://"
-COMPUTED_ANNOTATIONS = (ANN_PARENT, ANN_IMAGE_ID, ANN_GPUS, ANN_BYTES, ANN_CREATED)
+COMPUTED_ANNOTATIONS = (ANN_PARENT, ANN_IMAGE_ID, ANN_GPUS, ANN_BYTES, ANN_CREATED, ANN_TYPE)
 
 
 def add_registry_args(p: argparse.ArgumentParser) -> None:
@@ -61,6 +62,9 @@ def add_oci_commands(cmd: Callable[..., argparse.ArgumentParser]) -> None:
                    "push of one reads none of its payloads (default: as restore's --cache)")
     p.add_argument("--mount-from", action="append", metavar="REPO", default=[],
                    help="another repository of the registry whose blobs may be mounted instead of uploaded")
+    p.add_argument("--max-manifest-bytes", type=int, default=DEFAULT_MAX_MANIFEST, metavar="N",
+                   help="an image whose OCI manifest would be longer goes up as an OCI image index of part manifests "
+                   f"(a registry refuses a manifest past its cap, 4 MiB for most; default {DEFAULT_MAX_MANIFEST})")
     add_registry_args(p)
     p = cmd("pull", cmd_pull, "pull an image from an OCI registry into a new or empty directory; its parents go "
             "into sibling directories", daemon=False)
@@ -105,6 +109,8 @@ def usage_error(ns: argparse.Namespace) -> str | None:
         return str(e)
     if ns.concurrency < 1:
         return f"argument --concurrency: {ns.concurrency}: must be at least 1"
+    if getattr(ns, "max_manifest_bytes", MIN_MAX_MANIFEST) < MIN_MAX_MANIFEST:
+        return f"argument --max-manifest-bytes: {ns.max_manifest_bytes}: must be at least {MIN_MAX_MANIFEST}"
     if ns.password_stdin and not ns.username:
         return "--password-stdin needs --username"
     if ns.username and not ns.password_stdin:
@@ -158,7 +164,8 @@ def cmd_push(ns: argparse.Namespace) -> int:
             warned.add(text)
             print(f"vramctl: warning: {text}", file=sys.stderr, flush=True)
     try:
-        pushed = push_chain(Pusher(reg, ref.repo, concurrency=ns.concurrency, mount_from=ns.mount_from), ns.dir,
+        pushed = push_chain(Pusher(reg, ref.repo, concurrency=ns.concurrency, mount_from=ns.mount_from,
+                                   max_manifest_bytes=ns.max_manifest_bytes), ns.dir,
                             ref.tag or "latest", first_parent=ns.parent, annotations=_annotations(ns.annotation),
                             cache=cache_root(ns), warn=warn)
     finally:
@@ -166,7 +173,8 @@ def cmd_push(ns: argparse.Namespace) -> int:
     secs = time.monotonic() - t0
     st = reg.stats
     d = {"ok": True, "reference": str(ref), "digest": pushed[-1][1].digest, "seconds": round(secs, 6),
-         "chain": [{"dir": p, "digest": desc.digest} for p, desc in pushed], "stats": st.to_dict()}
+         "chain": [{"dir": p, "digest": desc.digest, "media_type": desc.media_type} for p, desc in pushed],
+         "stats": st.to_dict()}
     emit(ns, d, f"pushed {ns.dir} to {ref} ({pushed[-1][1].digest}), {len(pushed)} image(s): uploaded "
                 f"{st.blobs_uploaded} blob(s), {st.bytes_uploaded} bytes ({rate(st.bytes_uploaded, secs)}), "
                 f"{st.blobs_present} already there, {st.blobs_mounted} mounted")

@@ -26,6 +26,7 @@ from ..image.names import DATA_FILE_NAME
 from ..pb import image_pb2 as pb
 
 MEDIA_OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
+MEDIA_OCI_INDEX = "application/vnd.oci.image.index.v1+json"  # an image too big for one manifest (vramd.oci.index)
 ARTIFACT_TYPE = "application/vnd.vramd.image.v1"
 MEDIA_SKELETON = "application/vnd.vramd.skeleton.v1+zstd"
 MEDIA_CHUNK = "application/vnd.vramd.chunk.v1"
@@ -33,7 +34,7 @@ CONFIG_MEDIA = {1: "application/vnd.vramd.manifest.v1", 2: "application/vnd.vram
                 3: "application/vnd.vramd.manifest.v3"}  # by the image's format version
 
 # Annotations an operator filters on (the OCI keys where the spec has one).
-ANN_PARENT = "org.vramd.image.parent"  # the parent's OCI manifest digest (also the manifest's `subject`)
+ANN_PARENT = "org.vramd.image.parent"  # the parent's OCI manifest (or index) digest (also the `subject`)
 ANN_IMAGE_ID = "org.vramd.image.id"
 ANN_GPUS = "org.vramd.image.gpus"
 ANN_BYTES = "org.vramd.image.bo-bytes"
@@ -49,6 +50,7 @@ MAX_OCI_MANIFEST = 64 << 20  # 1 TiB of BOs at 8 MiB chunks is ~131,000 layers, 
 MAX_CONFIG = 1 << 30  # manifest.MAX_MANIFEST_BYTES
 MAX_SKELETON = 256 << 20  # compressed and decompressed
 MAX_LAYERS = 1 << 22
+MAX_PAYLOAD = 1 << 30
 JSON_BYTES_PER_CONTAINER = 64
 # A decoded segment is a Python object (~100 bytes) made from as few as 5 bytes of a skeleton that compresses
 # without limit: their count is bounded apart from the bytes.  A 1 TiB image at 1 MiB chunks has ~3 M.
@@ -264,7 +266,7 @@ def encode_oci_manifest(config: Descriptor, skeleton: Descriptor, chunks: Sequen
     return json.dumps(doc, separators=(",", ":")).encode()
 
 
-def _descriptor(d: object, what: str, media: Sequence[str], max_size: int) -> Descriptor:
+def descriptor(d: object, what: str, media: Sequence[str], max_size: int) -> Descriptor:
     if not isinstance(d, dict):
         raise CorruptManifestError(f"{what}: not a descriptor")
     mt, digest, size = d.get("mediaType"), d.get("digest"), d.get("size")
@@ -278,31 +280,26 @@ def _descriptor(d: object, what: str, media: Sequence[str], max_size: int) -> De
     return Descriptor(mt, digest, size)
 
 
-def decode_oci_manifest(body: bytes, what: str) -> Artifact:
-    """An OCI image manifest from a registry (untrusted), checked: ours, well-formed, bounded."""
-    if len(body) > MAX_OCI_MANIFEST:
-        raise CorruptManifestError(f"{what}: OCI manifest larger than {MAX_OCI_MANIFEST} bytes")
-    # JSON's objects and arrays cost ~60 bytes each once parsed, for 2 bytes of text ("{}"): at most one per
-    # JSON_BYTES_PER_CONTAINER bytes (a descriptor takes ~150) before json.loads builds any
+def parse_json(body: bytes, what: str, limit: int) -> dict[str, object]:
+    """An OCI manifest or index from a registry (untrusted), parsed once it is known to be bounded: at most `limit`
+    bytes, and (JSON's objects and arrays cost ~60 bytes each once parsed, for 2 bytes of text: "{}") at most one
+    object or array per JSON_BYTES_PER_CONTAINER bytes (a descriptor takes ~150) before json.loads builds any."""
+    if len(body) > limit:
+        raise CorruptManifestError(f"{what}: OCI manifest larger than {limit} bytes")
     if body.count(b"{") + body.count(b"[") > len(body) // JSON_BYTES_PER_CONTAINER + 16:
         raise CorruptManifestError(f"{what}: OCI manifest has more objects and arrays than a manifest needs")
     try:
         doc = json.loads(body)
     except (ValueError, UnicodeDecodeError):
         raise CorruptManifestError(f"{what}: OCI manifest is not JSON") from None
-    if not isinstance(doc, dict) or doc.get("schemaVersion") != 2 or doc.get("mediaType") != MEDIA_OCI_MANIFEST:
+    if not isinstance(doc, dict) or doc.get("schemaVersion") != 2:
         raise CorruptManifestError(f"{what}: not an OCI image manifest (schemaVersion 2, {MEDIA_OCI_MANIFEST})")
-    if doc.get("artifactType") != ARTIFACT_TYPE:
-        raise CorruptManifestError(f"{what}: not a vramd image (artifactType is not {ARTIFACT_TYPE})")
-    config = _descriptor(doc.get("config"), f"{what}: config", list(CONFIG_MEDIA.values()), MAX_CONFIG)
-    layers = doc.get("layers")
-    if not isinstance(layers, list) or not 1 <= len(layers) <= MAX_LAYERS:
-        raise CorruptManifestError(f"{what}: layers must list the skeleton and at most {MAX_LAYERS - 1} payloads")
-    skeleton = _descriptor(layers[0], f"{what}: layers[0]", [MEDIA_SKELETON], MAX_SKELETON)
-    chunks = tuple(_descriptor(d, f"{what}: layers[{i}]", [MEDIA_CHUNK], 1 << 30)
-                   for i, d in enumerate(layers[1:], 1))
-    if len({c.digest for c in chunks}) != len(chunks):
-        raise CorruptManifestError(f"{what}: a payload layer listed twice")
+    return doc
+
+
+def annotations_and_parent(doc: Mapping[str, object], what: str) -> tuple[dict[str, str], str | None]:
+    """A manifest's or an index's annotations, and the parent they name, which `subject` (a manifest or an
+    index: a parent too big for one manifest is an index) must agree with."""
     ann = doc.get("annotations", {})
     if not isinstance(ann, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in ann.items()):
         raise CorruptManifestError(f"{what}: annotations must map strings to strings")
@@ -311,10 +308,38 @@ def decode_oci_manifest(body: bytes, what: str) -> Artifact:
         raise CorruptManifestError(f"{what}: annotation {ANN_PARENT} is not a sha256 digest")
     subject = doc.get("subject")
     if subject is not None:
-        sub = _descriptor(subject, f"{what}: subject", [MEDIA_OCI_MANIFEST], MAX_OCI_MANIFEST)
+        sub = descriptor(subject, f"{what}: subject", [MEDIA_OCI_MANIFEST, MEDIA_OCI_INDEX], MAX_OCI_MANIFEST)
         if sub.digest != parent:
             raise CorruptManifestError(f"{what}: subject and annotation {ANN_PARENT} name different parents")
-    return Artifact(config, skeleton, chunks, parent, dict(ann))
+    return dict(ann), parent
+
+
+def decode_oci_manifest(body: bytes, what: str) -> Artifact:
+    """An OCI image manifest from a registry (untrusted), checked: ours, well-formed, bounded."""
+    return manifest_from_doc(parse_json(body, what, MAX_OCI_MANIFEST), what)
+
+
+def manifest_from_doc(doc: Mapping[str, object], what: str) -> Artifact:
+    if doc.get("mediaType") != MEDIA_OCI_MANIFEST:
+        raise CorruptManifestError(f"{what}: not an OCI image manifest (schemaVersion 2, {MEDIA_OCI_MANIFEST})")
+    if doc.get("artifactType") != ARTIFACT_TYPE:
+        raise CorruptManifestError(f"{what}: not a vramd image (artifactType is not {ARTIFACT_TYPE})")
+    config = descriptor(doc.get("config"), f"{what}: config", list(CONFIG_MEDIA.values()), MAX_CONFIG)
+    layers = doc.get("layers")
+    if not isinstance(layers, list) or not 1 <= len(layers) <= MAX_LAYERS:
+        raise CorruptManifestError(f"{what}: layers must list the skeleton and at most {MAX_LAYERS - 1} payloads")
+    skeleton = descriptor(layers[0], f"{what}: layers[0]", [MEDIA_SKELETON], MAX_SKELETON)
+    chunks = chunk_layers(layers[1:], what, 1)
+    if len({c.digest for c in chunks}) != len(chunks):
+        raise CorruptManifestError(f"{what}: a payload layer listed twice")
+    ann, parent = annotations_and_parent(doc, what)
+    return Artifact(config, skeleton, chunks, parent, ann)
+
+
+def chunk_layers(layers: Sequence[object], what: str, first: int) -> tuple[Descriptor, ...]:
+    """Payload layers' descriptors (`layers[first]` is the first of them)."""
+    return tuple(descriptor(d, f"{what}: layers[{i}]", [MEDIA_CHUNK], MAX_PAYLOAD)
+                 for i, d in enumerate(layers, first))
 
 
 def check_config(art: Artifact, manifest: pb.Manifest, what: str) -> None:

@@ -24,6 +24,7 @@ from ..image.manifest import decode_manifest
 from ..image.names import MANIFEST_NAME, is_data_file_name, is_own_temporary, manifest_tmp_name
 from ..pb import image_pb2 as pb
 from .fill import Filler, chunk_of
+from .index import assemble, decode_part, decode_top
 from .layout import (
     LITERAL,
     MAX_CONFIG,
@@ -33,7 +34,6 @@ from .layout import (
     Skeleton,
     check_config,
     check_skeleton,
-    decode_oci_manifest,
     decode_skeleton,
     sha256_digest,
 )
@@ -62,13 +62,27 @@ class Puller:
         self._by_digest: dict[str, tuple[Artifact, str]] = {}
 
     def artifact(self, ref: str) -> tuple[Artifact, str]:
-        """The checked OCI manifest at `ref`, and its digest.  Fetched once per digest for the Puller's life (a
-        digest names one manifest for ever: a parent's, looked at to find where it goes and then pulled, is one
-        GET); a tag is asked for each time (it may move)."""
+        """The checked OCI manifest at `ref`, and its digest; where `ref` names an OCI image index of ours
+        (vramd.oci.index), its parts fetched by digest one after the other, each checked, and made one Artifact.
+        Fetched once per digest for the Puller's life (a digest names one manifest for ever: a parent's, looked at
+        to find where it goes and then pulled, is one GET, its parts too); a tag is asked for each time (it may
+        move)."""
         if ref in self._by_digest:
             return self._by_digest[ref]
         body, digest = self.reg.get_manifest(self.repo, ref, MAX_OCI_MANIFEST)
-        got = decode_oci_manifest(body, f"{self.reg.host}/{self.repo}@{digest}"), digest
+        what = f"{self.reg.host}/{self.repo}@{digest}"
+        top = decode_top(body, what)
+        if isinstance(top, Artifact):
+            got = top, digest
+        else:
+            parts = []
+            for i, d in enumerate(top.parts):
+                part, _ = self.reg.get_manifest(self.repo, d.digest, d.size)  # by digest: checked against it
+                if len(part) != d.size:
+                    raise CorruptManifestError(f"{what}: part {i} ({d.digest}) is {len(part)} bytes, not the "
+                                               f"{d.size} the index says")
+                parts.append(decode_part(part, f"{what}: part {i} ({d.digest})", first=i == 0))
+            got = assemble(top, parts, what), digest
         self._by_digest[digest] = got
         return got
 

@@ -29,12 +29,14 @@ from ..image.format import HEAD_PEEK, record_head_length
 from ..image.manifest import bo_chunk_count, chunk_record, decode_manifest
 from ..image.names import MANIFEST_NAME
 from ..pb import image_pb2 as pb
+from .index import DEFAULT_MAX_MANIFEST, EMPTY, EMPTY_CONFIG, encode_index, split
 from .layout import (
     CONFIG_MEDIA,
     LITERAL,
     MAX_LITERAL,
     MAX_SKELETON,
     MEDIA_CHUNK,
+    MEDIA_OCI_INDEX,
     MEDIA_OCI_MANIFEST,
     MEDIA_SKELETON,
     PAYLOAD,
@@ -296,8 +298,12 @@ def parent_dirs(path: str, manifest: pb.Manifest, first: str | None) -> list[str
 
 
 class Pusher:
-    def __init__(self, reg: Registry, repo: str, *, concurrency: int = 4, mount_from: Sequence[str] = ()) -> None:
+    def __init__(self, reg: Registry, repo: str, *, concurrency: int = 4, mount_from: Sequence[str] = (),
+                 max_manifest_bytes: int = DEFAULT_MAX_MANIFEST) -> None:
+        """`max_manifest_bytes`: an image whose OCI manifest would be longer goes up as an OCI image index of part
+        manifests none longer (vramd.oci.index: a registry refuses a manifest body past its cap)."""
         self.reg, self.repo, self.concurrency, self.mount_from = reg, repo, max(1, concurrency), list(mount_from)
+        self.max_manifest_bytes = max_manifest_bytes
 
     def _ensure(self, digest: str, size: int, read: Source | bytes, where: str) -> None:
         if self.reg.blob_size(self.repo, digest) == size:
@@ -323,21 +329,38 @@ class Pusher:
 
     def push_image(self, img: LocalImage, tag: str | None, parent: Descriptor | None,
                    annotations: Mapping[str, str]) -> Descriptor:
-        """The image's blobs the registry lacks, then its OCI manifest (by digest, and by `tag` if given)."""
+        """The image's blobs the registry lacks, then its OCI manifest (by digest, and by `tag` if given); an image
+        whose manifest is over the budget: its part manifests by digest, then their OCI index."""
         config = Descriptor(CONFIG_MEDIA[img.manifest.format_version], sha256_digest(img.manifest_bytes),
                             len(img.manifest_bytes))
         skel_bytes = encode_skeleton(img.skeleton)
         skeleton = Descriptor(MEDIA_SKELETON, sha256_digest(skel_bytes), len(skel_bytes))
         chunks = [Descriptor(MEDIA_CHUNK, d, n) for d, n in img.skeleton.blobs]
+        ann = annotations_for(img.manifest, annotations)
+        body = encode_oci_manifest(config, skeleton, chunks, parent, ann)
+        parts = split(config, skeleton, chunks, self.max_manifest_bytes) if len(body) > self.max_manifest_bytes \
+            else []
+        if parts:
+            body = encode_index([Descriptor(MEDIA_OCI_MANIFEST, sha256_digest(p), len(p)) for p in parts], parent,
+                                ann)
+            if len(body) > self.max_manifest_bytes:
+                raise ImageError(f"{img.path}: the OCI index of its {len(parts)} parts is {len(body)} bytes, over "
+                                 f"the manifest budget of {self.max_manifest_bytes}")
         jobs: list[tuple[str, int, Source | bytes]] = [(config.digest, config.size, img.manifest_bytes),
                                                         (skeleton.digest, skeleton.size, skel_bytes)]
+        if len(parts) > 1:
+            jobs.append((EMPTY.digest, EMPTY.size, EMPTY_CONFIG))
         jobs += [(d, n, img.sources[d]) for d, n in img.skeleton.blobs]
         with ThreadPoolExecutor(self.concurrency, thread_name_prefix="vramd-push") as ex:
             for fut in [ex.submit(self._ensure, d, n, src, img.path) for d, n, src in jobs]:
                 fut.result()
-        body = encode_oci_manifest(config, skeleton, chunks, parent, annotations_for(img.manifest, annotations))
-        digest = self.reg.put_manifest(self.repo, tag or sha256_digest(body), body)
-        return Descriptor(MEDIA_OCI_MANIFEST, digest, len(body))
+        if not parts:
+            digest = self.reg.put_manifest(self.repo, tag or sha256_digest(body), body)
+            return Descriptor(MEDIA_OCI_MANIFEST, digest, len(body))
+        for p in parts:  # every part before the index that names them: the index is the commit
+            self.reg.put_manifest(self.repo, sha256_digest(p), p)
+        digest = self.reg.put_manifest(self.repo, tag or sha256_digest(body), body, MEDIA_OCI_INDEX)
+        return Descriptor(MEDIA_OCI_INDEX, digest, len(body))
 
 
 def push_chain(pusher: Pusher, path: str, tag: str, *, first_parent: str | None,

@@ -28,7 +28,7 @@ from .body import body_reader
 from .credentials import ANONYMOUS, Credentials
 from .deadline import Deadlines
 from .interrupt import Interrupt, Interrupted, interrupting
-from .layout import MEDIA_OCI_MANIFEST
+from .layout import DIGEST, MEDIA_OCI_INDEX, MEDIA_OCI_MANIFEST
 from .reference import HOST as HOST  # re-exported: vramctl and the tests name them here
 from .reference import REPO as REPO
 from .reference import TAG as TAG
@@ -337,10 +337,10 @@ class Registry:
 
     # --- manifests ---------------------------------------------------------------
 
-    def put_manifest(self, repo: str, ref: str, body: bytes) -> str:
+    def put_manifest(self, repo: str, ref: str, body: bytes, media_type: str = MEDIA_OCI_MANIFEST) -> str:
         digest = "sha256:" + hashlib.sha256(body).hexdigest()
         r = self._request("PUT", f"/v2/{repo}/manifests/{ref}", f"PUT manifest {repo}:{ref}", repo=repo, body=body,
-                          ok=(201,), headers={"Content-Type": MEDIA_OCI_MANIFEST})
+                          ok=(201,), headers={"Content-Type": media_type})
         r.release_conn()
         return digest
 
@@ -348,7 +348,7 @@ class Registry:
         """(the manifest's bytes, their digest); a reference by digest must match it."""
         what = f"GET manifest {repo}:{ref}" if not ref.startswith("sha256:") else f"GET manifest {repo}@{ref}"
         r = self._request("GET", f"/v2/{repo}/manifests/{ref}", what, repo=repo, stream=True,
-                          headers={"Accept": MEDIA_OCI_MANIFEST},
+                          headers={"Accept": f"{MEDIA_OCI_MANIFEST}, {MEDIA_OCI_INDEX}"},
                           missing=f"{self.host}/{repo}{'@' if ref.startswith('sha256:') else ':'}{ref}")
         seconds = self.deadline(max_size)
         try:
