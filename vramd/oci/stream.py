@@ -26,6 +26,7 @@ the session on the calling thread; the writer's threads write 16-byte supply mes
 from __future__ import annotations
 
 import os
+import socket
 import stat
 import threading
 from collections.abc import Callable
@@ -35,12 +36,13 @@ from ..errors import ImageError, VramdError, from_os_error
 from ..image.fileio import image_os_error
 from ..image.manifest import decode_manifest
 from ..image.names import MANIFEST_NAME
-from ..image.supply import encode
+from ..image.supply import NoteDecoder, SupplyError, encode
 from ..pb import image_pb2 as pb
 from .fill import Filler
 from .layout import Artifact, Skeleton, sha256_digest
 from .pull import Pulled, Puller, lock_parent, pull_parents
 from .push import open_dir, read_manifest_bytes
+from .window import WindowStats
 
 
 @dataclass(frozen=True)
@@ -63,17 +65,23 @@ class Restored:
     digest: str  # of the OCI manifest
     chain: list[Pulled]  # the image (at its entry), then its parents
     warm: bool  # restored from a committed cache entry: no blob of the image downloaded
+    window: WindowStats | None = None  # a bounded (`window`) restore's: its peak resident bytes, ...
 
 
 def restore(puller: Puller, ref: str, entry: str, run: RunSession, *, commit: bool = True,
             refresh: bool = False, artifact: tuple[Artifact, str] | None = None,
-            warn: Warn = lambda _text: None) -> Restored:
+            warn: Warn = lambda _text: None, window: int | None = None) -> Restored:
     """Restore the image at `ref` (a digest reference) through `run`, streamed into `entry` + STAGING_SUFFIX and
     committed to `entry` (`commit` False: the staging directory is removed instead); a committed `entry`
     holding the image is restored as it is, unless `refresh` (then it is removed first).  `artifact`: the
     checked OCI manifest at `ref` and its digest (Puller.artifact), where the caller has it already.  A commit
     that fails after the session succeeded, or a staging directory that cannot be removed, is one `warn` line:
-    the restore stands (or its first error does), the entry is not kept."""
+    the restore stands (or its first error does), the entry is not kept.  `window` (with `commit` False: a
+    restore that keeps nothing): the data files hold at most that many bytes the daemon still needs, beyond
+    what a chunk waits for, and lose what it has read for good (vramd.oci.window); the parents are still
+    pulled whole first."""
+    if window is not None and commit:
+        raise ValueError("a bounded window keeps no whole image: it cannot be committed")
     art, digest = artifact or puller.artifact(ref)
     if refresh:
         _locked(entry, lambda: _remove_tree(entry))
@@ -98,7 +106,8 @@ def restore(puller: Puller, ref: str, entry: str, run: RunSession, *, commit: bo
         except OSError as e:
             raise from_os_error(e, staging, ImageError) from None
         try:
-            whole = _stream(puller, manifest, sk, staging, bytes(config), parents, run)
+            stats: list[WindowStats] = []
+            whole = _stream(puller, manifest, sk, staging, bytes(config), parents, run, window, stats)
         except BaseException:
             _cleanup(staging, warn)  # the session's error is the one reported, whatever the cleanup meets
             raise
@@ -108,7 +117,7 @@ def restore(puller: Puller, ref: str, entry: str, run: RunSession, *, commit: bo
             _cleanup(staging, warn)
     finally:
         os.close(lock)
-    return Restored(digest, [child, *parents], False)
+    return Restored(digest, [child, *parents], False, stats[0] if stats else None)
 
 
 def _warm_shared(puller: Puller, ref: str, entry: str, digest: str, manifest_bytes: bytes, art: Artifact,
@@ -166,8 +175,8 @@ class _WriteEnd:
     """The supply pipe's write end: closed (the daemon's EOF) once the writer has finished AND the session is
     open, so that the ends held back until the session opened are written first; or at once by `close`."""
 
-    def __init__(self, fd: int) -> None:
-        self.fd, self.waiting, self.over = fd, 2, False
+    def __init__(self, fd: int, sock: bool = False) -> None:
+        self.fd, self.waiting, self.over, self.sock = fd, 2, False, sock
         self._lock = threading.Lock()
 
     def write(self, index: int, end: int) -> None:
@@ -184,8 +193,12 @@ class _WriteEnd:
         with self._lock:
             self.waiting -= 1
             if self.waiting == 0 and self.fd >= 0:
-                os.close(self.fd)
-                self.fd = -1
+                if self.sock:  # the daemon's notes still come back over it: only our direction ends
+                    _shutdown(self.fd, socket.SHUT_WR)
+                    self.over = True
+                else:
+                    os.close(self.fd)
+                    self.fd = -1
 
     def close(self) -> None:
         with self._lock:
@@ -194,16 +207,52 @@ class _WriteEnd:
                 self.fd = -1
 
 
+def _shutdown(fd: int, how: int) -> None:
+    s = socket.socket(fileno=fd)
+    try:
+        s.shutdown(how)
+    except OSError:  # (the daemon's end is gone already)
+        pass
+    finally:
+        s.detach()
+
+
+def _read_notes(fd: int, filler: Filler, lengths: list[int]) -> None:
+    """The daemon's notes, until its end and ours are closed (or ours shut down): to the filler's window.  When
+    they end (or make no sense: no daemon sends that), the window bounds nothing any more: no WAITING could
+    come to let a blob past it."""
+    dec = NoteDecoder(lengths)
+    window = filler.window
+    assert window is not None
+    try:
+        while data := os.read(fd, 4096):
+            for n in dec.feed(data):
+                window.note(n)
+    except (OSError, SupplyError):
+        pass
+    finally:
+        window.unbound()
+
+
 def _stream(puller: Puller, manifest: pb.Manifest, sk: Skeleton, staging: str, config: bytes,
-            parents: list[Pulled], run: RunSession) -> bool:
+            parents: list[Pulled], run: RunSession, window: int | None = None,
+            stats: list[WindowStats] | None = None) -> bool:
     """The session on `staging` while the writer fills it; True if every file is whole and fsynced (the
-    session may end before a record it never reads is downloaded: then the restore stands, uncached)."""
+    session may end before a record it never reads is downloaded: then the restore stands, uncached).
+    `window`: the supply is a socket, over which the daemon says what it read for good (the filler punches it
+    out of the files) and what a chunk waits for; the filler starts a blob only within `window` bytes
+    resident, or for a chunk that waits (vramd.oci.window)."""
     dfd = open_dir(staging)
-    r, w = os.pipe2(os.O_CLOEXEC)
-    pipe = _WriteEnd(w)
+    if window is None:
+        r, w = os.pipe2(os.O_CLOEXEC)
+    else:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        w, r = ours.detach(), theirs.detach()
+    pipe = _WriteEnd(w, sock=window is not None)
     filler = Filler(puller.reg, puller.repo, sk, manifest, concurrency=puller.concurrency, on_supply=pipe.write,
-                    where=staging)
+                    where=staging, window=window)
     failed: list[BaseException] = []
+    notes: threading.Thread | None = None
 
     def fill() -> None:
         try:
@@ -224,6 +273,12 @@ def _stream(puller: Puller, manifest: pb.Manifest, sk: Skeleton, staging: str, c
         _write_manifest(dfd, staging, config)
         filler.hold()
         filler.create(dfd, "", [])
+        if window is not None and stats is not None and filler.window is not None:
+            stats.append(filler.window.stats)
+        if window is not None:
+            notes = threading.Thread(target=_read_notes, args=(w, filler, [df.length for df in manifest.files]),
+                                     name="vramd-notes", daemon=True)
+            notes.start()
         thread = threading.Thread(target=fill, name="vramd-stream", daemon=True)
         thread.start()
         try:
@@ -240,13 +295,18 @@ def _stream(puller: Puller, manifest: pb.Manifest, sk: Skeleton, staging: str, c
         pipe.over = True
         os.close(r)
         r = -1
+        if window is not None:  # nothing is kept: what the session never read is not downloaded
+            filler.stop()
         thread.join()
-        if failed:
+        if failed or window is not None:
             return False
         filler.sync()
         os.fsync(dfd)
         return True
     finally:
+        if notes is not None:  # the notes end with our end shut down (the daemon's may still be open)
+            _shutdown(w, socket.SHUT_RDWR)
+            notes.join()
         pipe.close()
         if r >= 0:
             os.close(r)
