@@ -116,13 +116,24 @@ class Window:
         if fds:
             self.block = max(512, os.fstat(fds[0]).st_blksize)
 
+    def ready(self) -> bool:
+        """Whether the next blob may start now (or none is left)."""
+        with self._cond:
+            if self._cursor >= len(self.order):
+                return True
+            return self._fits() or self._cursor <= self._allow
+
+    def _fits(self) -> bool:
+        k = self.order[self._cursor]
+        return self.limit is None or self._unbound or self.stats.resident + self.charges[k] <= self.limit
+
     def next_blob(self) -> int | None:
         """The next blob to download, once the window lets it start; None once none is left or stopped."""
         with self._cond:
             while not self._stopped and self._cursor < len(self.order):
                 k = self.order[self._cursor]
                 st = self.stats
-                fits = self.limit is None or self._unbound or st.resident + self.charges[k] <= self.limit
+                fits = self._fits()
                 if fits or self._cursor <= self._allow:
                     if not fits:
                         st.beyond += 1
