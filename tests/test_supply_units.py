@@ -127,3 +127,21 @@ def test_no_window_starts_every_blob_and_the_notes_ending_lifts_the_window() -> 
     assert not w.ready()
     w.unbound()  # the daemon's end closed: no WAITING can come any more
     assert w.ready() and w.next_blob() == 1 and w.stats.beyond == 0
+
+
+def test_a_waiting_for_another_file_starts_its_blobs_first_not_every_blob_before_them() -> None:
+    from vramd.image.supply import Note, NoteKind
+    from vramd.oci.layout import PAYLOAD, FileSkeleton, Segment, Skeleton
+    from vramd.oci.window import Window
+    sk = Skeleton((("a", 1000), ("b", 1000), ("c", 1000)),
+                  (FileSkeleton("f0", 2000, (Segment(PAYLOAD, 1000, blob=0), Segment(PAYLOAD, 1000, blob=1))),
+                   FileSkeleton("f1", 1000, (Segment(PAYLOAD, 1000, blob=2),))))
+    w = Window(sk, [0, 1, 2], {0: 1000, 1: 1000, 2: 1000}, 1000, 1)
+    assert w.next_blob() == 0 and not w.ready()
+    w.note(Note(NoteKind.WAITING, 1, 0, 1000))  # a chunk of the second file waits: its blob, not blob 1
+    assert w.next_blob() == 2 and w.stats.beyond == 1 and not w.ready()
+    w.note(Note(NoteKind.WAITING, 1, 0, 1000))  # again: nothing more is needed
+    assert not w.ready()
+    w.note(Note(NoteKind.RELEASED, 0, 0, 1000))
+    w.note(Note(NoteKind.RELEASED, 1, 0, 1000))
+    assert w.stats.resident == 0 and w.next_blob() == 1 and w.next_blob() is None

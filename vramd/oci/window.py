@@ -10,12 +10,14 @@ Resident bytes, as counted here: the literal runs written at creation, plus ever
 (charged in full when it starts, before a byte of it is written), less the released bytes that lay in literal
 or payload runs (zero runs are holes: never counted).  They bound what the data files occupy, the part of a
 block a hole cannot be punched in aside (at most a block per record boundary).  Past the window go only
-blobs a WAITING asked for, in blob order up to the last one the waited-for end needs: so resident bytes stay
-within the window plus what deduplicated records (read by a later chunk) pin.  `peak` is their most.
+the blobs a WAITING needs (those of the file's runs below the end it names not started yet), before any
+other: so resident bytes stay within the window, plus what deduplicated records (read by a later chunk) pin,
+plus what the chunks held at the daemon's gate wait for.  `peak` is their most.
 """
 from __future__ import annotations
 
 import bisect
+import collections
 import ctypes
 import ctypes.util
 import os
@@ -53,23 +55,22 @@ class WindowStats:
 
 
 class _File:
-    """One data file's runs, for the arithmetic: where each starts, the non-zero bytes before it, and the last
-    blob (in download order) that any run up to it needs."""
+    """One data file's runs, for the arithmetic: where each starts, the non-zero bytes before it; its payload
+    runs in file order, and how many of them a WAITING looked at (each one before that is started or urgent)."""
 
-    def __init__(self, sk: Skeleton, fi: int, rank: dict[int, int]) -> None:
+    def __init__(self, sk: Skeleton, fi: int) -> None:
         self.starts: list[int] = []
         self.nonzero: list[int] = []  # before each run
         self.zero: list[bool] = []
-        self.last_blob: list[int] = []  # the highest rank of a payload run up to and including each
+        self.payload: list[tuple[int, int]] = []  # (start, blob)
+        self.scanned = 0
         pos = nz = 0
-        last = -1
         for s in sk.files[fi].segments:
             self.starts.append(pos)
             self.nonzero.append(nz)
             self.zero.append(s.kind == ZEROS)
             if s.kind == PAYLOAD:
-                last = max(last, rank[s.blob])
-            self.last_blob.append(last)
+                self.payload.append((pos, s.blob))
             pos += s.length
             nz += 0 if s.kind == ZEROS else s.length
         self.length, self.total_nonzero = pos, nz
@@ -81,10 +82,13 @@ class _File:
         j = bisect.bisect_right(self.starts, x) - 1
         return self.nonzero[j] + (0 if self.zero[j] else x - self.starts[j])
 
-    def needs_up_to(self, end: int) -> int:
-        """The highest rank of a blob a run below `end` holds (-1: none)."""
-        j = bisect.bisect_left(self.starts, end) - 1
-        return self.last_blob[j] if j >= 0 else -1
+    def needed(self, end: int) -> list[int]:
+        """The blobs of the runs below `end` not looked at by an earlier call."""
+        out = []
+        while self.scanned < len(self.payload) and self.payload[self.scanned][0] < end:
+            out.append(self.payload[self.scanned][1])
+            self.scanned += 1
+        return out
 
 
 class Window:
@@ -94,8 +98,7 @@ class Window:
                  concurrency: int) -> None:
         self.order = order
         self.charges = charges
-        rank = {k: i for i, k in enumerate(order)}
-        self.files = [_File(sk, fi, rank) for fi in range(len(sk.files))]
+        self.files = [_File(sk, fi) for fi in range(len(sk.files))]
         floor = concurrency * max(charges.values(), default=0)
         self.limit = None if limit is None else max(limit, floor)
         self.stats = WindowStats(self.limit or 0)
@@ -104,7 +107,8 @@ class Window:
         self.fds: list[int] = []
         self.block = 4096
         self._cursor = 0
-        self._allow = -1  # the highest rank a WAITING let start whatever the window
+        self._started = [False] * len(sk.blobs)
+        self._urgent: collections.deque[int] = collections.deque()  # blobs a WAITING needs: next, past the window
         self._stopped = False
         self._unbound = False
         self.punch_error: str | None = None  # what stopped the punching (a file system without holes)
@@ -117,31 +121,44 @@ class Window:
             self.block = max(512, os.fstat(fds[0]).st_blksize)
 
     def ready(self) -> bool:
-        """Whether the next blob may start now (or none is left)."""
+        """Whether a blob may start now (or none is left)."""
         with self._cond:
-            if self._cursor >= len(self.order):
-                return True
-            return self._fits() or self._cursor <= self._allow
+            return self._pick() is not None or self._cursor >= len(self.order)
 
-    def _fits(self) -> bool:
+    def _pick(self) -> tuple[int, bool] | None:
+        """The blob to start now and whether it is urgent, or None (the window is full); skips what started."""
+        while self._urgent and self._started[self._urgent[0]]:
+            self._urgent.popleft()
+        if self._urgent:
+            return self._urgent[0], True
+        while self._cursor < len(self.order) and self._started[self.order[self._cursor]]:
+            self._cursor += 1
+        if self._cursor >= len(self.order):
+            return None
         k = self.order[self._cursor]
-        return self.limit is None or self._unbound or self.stats.resident + self.charges[k] <= self.limit
+        if self.limit is None or self._unbound or self.stats.resident + self.charges[k] <= self.limit:
+            return k, False
+        return None
 
     def next_blob(self) -> int | None:
-        """The next blob to download, once the window lets it start; None once none is left or stopped."""
+        """The next blob to download, once the window lets it start (a blob a WAITING needs first, whatever the
+        window); None once none is left or stopped."""
         with self._cond:
-            while not self._stopped and self._cursor < len(self.order):
-                k = self.order[self._cursor]
+            while not self._stopped:
+                pick = self._pick()
+                if pick is None:
+                    if self._cursor >= len(self.order):
+                        return None
+                    self._cond.wait()
+                    continue
+                k, urgent = pick
                 st = self.stats
-                fits = self._fits()
-                if fits or self._cursor <= self._allow:
-                    if not fits:
-                        st.beyond += 1
-                    self._cursor += 1
-                    st.resident += self.charges[k]
-                    st.peak = max(st.peak, st.resident)
-                    return k
-                self._cond.wait()
+                if urgent and self.limit is not None and st.resident + self.charges[k] > self.limit:
+                    st.beyond += 1
+                self._started[k] = True
+                st.resident += self.charges[k]
+                st.peak = max(st.peak, st.resident)
+                return k
             return None
 
     def stop(self) -> None:
@@ -160,9 +177,9 @@ class Window:
         if n.kind == NoteKind.WAITING:
             with self._cond:
                 self.stats.waited += 1
-                allow = self.files[n.file].needs_up_to(n.end)
-                if allow > self._allow:
-                    self._allow = allow
+                more = [k for k in self.files[n.file].needed(n.end) if not self._started[k]]
+                if more:
+                    self._urgent.extend(more)
                     self._cond.notify_all()
         elif n.kind == NoteKind.RELEASED and n.start < n.end:
             self._release(n.file, n.start, n.end)
