@@ -5,7 +5,8 @@ holes), writes the literal runs, then downloads the payload blobs in file order 
 them), `concurrency` at once, each streamed to every place it fills as it arrives: memory is about
 `concurrency` x STREAM_PIECE, whatever size a descriptor claims.  When a blob's digest checks, its places are
 done; each data file's contiguous done prefix is its supply end, handed to `on_supply(file_index, end)` as it
-grows (a streamed restore writes it to the daemon's supply pipe; a pull passes nothing).  A blob that fails its
+grows (a streamed restore writes it to the daemon's supply pipe; a pull passes nothing).  The blobs start in
+that order as `window` (vramd.oci.window) lets them: all at once without a bound.  A blob that fails its
 digest is a DigestMismatchError naming the BO and offset that needed it, and no end ever covers its places.
 """
 from __future__ import annotations

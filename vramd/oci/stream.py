@@ -20,6 +20,12 @@ fails there, naming the BO, with the advice to remove the entry or restore with 
 a shared flock of the entry's directory: a `refresh` (and a commit) takes it exclusive, so an entry is never
 removed while a restore reads it.
 
+With a `window` (`--no-cache`: nothing is kept), the supply is one end of a unix socketpair instead of a
+pipe, and a thread reads the daemon's notes off it (RELEASED, WAITING: vramd.image.supply) into the writer's
+window (vramd.oci.window): what the daemon read for good is punched out of the files, and a blob starts only
+within the window or for a chunk that waits.  Once the session is done, the downloads stop (nothing of a
+record no chunk read is kept).
+
 The daemon's session is the caller's (`run`): vramd.oci sits below the client library.  Threads: `run` drives
 the session on the calling thread; the writer's threads write 16-byte supply messages (atomic) to the pipe.
 """
