@@ -42,12 +42,12 @@ from ..errors import ImageError, VramdError, from_os_error
 from ..image.fileio import image_os_error
 from ..image.manifest import decode_manifest
 from ..image.names import MANIFEST_NAME
-from ..image.supply import NoteDecoder, SupplyError, encode
 from ..pb import image_pb2 as pb
 from .fill import Filler
 from .layout import Artifact, Skeleton, sha256_digest
 from .pull import Pulled, Puller, lock_parent, pull_parents
 from .push import open_dir, read_manifest_bytes
+from .supply_end import WriteEnd, read_notes, shutdown
 from .window import WindowStats
 
 
@@ -177,69 +177,6 @@ def _cleanup(path: str, warn: Warn) -> None:
         warn(f"cannot remove {path}: {e.message}")
 
 
-class _WriteEnd:
-    """The supply pipe's write end: closed (the daemon's EOF) once the writer has finished AND the session is
-    open, so that the ends held back until the session opened are written first; or at once by `close`."""
-
-    def __init__(self, fd: int, sock: bool = False) -> None:
-        self.fd, self.waiting, self.over, self.sock = fd, 2, False, sock
-        self._lock = threading.Lock()
-
-    def write(self, index: int, end: int) -> None:
-        with self._lock:
-            if self.over or self.fd < 0:  # the session is done: the ends it never needed are not sent
-                return
-            try:
-                os.write(self.fd, encode(index, end))  # 16 bytes: one atomic write
-            except BrokenPipeError:
-                if not self.over:
-                    raise
-
-    def one_done(self) -> None:
-        with self._lock:
-            self.waiting -= 1
-            if self.waiting == 0 and self.fd >= 0:
-                if self.sock:  # the daemon's notes still come back over it: only our direction ends
-                    _shutdown(self.fd, socket.SHUT_WR)
-                    self.over = True
-                else:
-                    os.close(self.fd)
-                    self.fd = -1
-
-    def close(self) -> None:
-        with self._lock:
-            if self.fd >= 0:
-                os.close(self.fd)
-                self.fd = -1
-
-
-def _shutdown(fd: int, how: int) -> None:
-    s = socket.socket(fileno=fd)
-    try:
-        s.shutdown(how)
-    except OSError:  # (the daemon's end is gone already)
-        pass
-    finally:
-        s.detach()
-
-
-def _read_notes(fd: int, filler: Filler, lengths: list[int]) -> None:
-    """The daemon's notes, until its end and ours are closed (or ours shut down): to the filler's window.  When
-    they end (or make no sense: no daemon sends that), the window bounds nothing any more: no WAITING could
-    come to let a blob past it."""
-    dec = NoteDecoder(lengths)
-    window = filler.window
-    assert window is not None
-    try:
-        while data := os.read(fd, 4096):
-            for n in dec.feed(data):
-                window.note(n)
-    except (OSError, SupplyError):
-        pass
-    finally:
-        window.unbound()
-
-
 def _stream(puller: Puller, manifest: pb.Manifest, sk: Skeleton, staging: str, config: bytes,
             parents: list[Pulled], run: RunSession, window: int | None = None,
             stats: list[WindowStats] | None = None) -> bool:
@@ -254,7 +191,7 @@ def _stream(puller: Puller, manifest: pb.Manifest, sk: Skeleton, staging: str, c
     else:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         w, r = ours.detach(), theirs.detach()
-    pipe = _WriteEnd(w, sock=window is not None)
+    pipe = WriteEnd(w, sock=window is not None)
     filler = Filler(puller.reg, puller.repo, sk, manifest, concurrency=puller.concurrency, on_supply=pipe.write,
                     where=staging, window=window)
     failed: list[BaseException] = []
@@ -282,7 +219,7 @@ def _stream(puller: Puller, manifest: pb.Manifest, sk: Skeleton, staging: str, c
         if window is not None and stats is not None and filler.window is not None:
             stats.append(filler.window.stats)
         if window is not None:
-            notes = threading.Thread(target=_read_notes, args=(w, filler, [df.length for df in manifest.files]),
+            notes = threading.Thread(target=read_notes, args=(w, filler, [df.length for df in manifest.files]),
                                      name="vramd-notes", daemon=True)
             notes.start()
         thread = threading.Thread(target=fill, name="vramd-stream", daemon=True)
@@ -311,7 +248,7 @@ def _stream(puller: Puller, manifest: pb.Manifest, sk: Skeleton, staging: str, c
         return True
     finally:
         if notes is not None:  # the notes end with our end shut down (the daemon's may still be open)
-            _shutdown(w, socket.SHUT_RDWR)
+            shutdown(w, socket.SHUT_RDWR)
             notes.join()
         pipe.close()
         if r >= 0:
