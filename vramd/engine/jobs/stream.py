@@ -122,7 +122,10 @@ class Supply:
     def start(self) -> None:
         """Read the pipe from now on (on the running loop)."""
         if check_supply_fd(self.fd):
-            self.notes = Notes(self.reader, self.fd, self._files)
+            try:
+                self.notes = Notes(self.reader, self.fd, self._files)
+            except OSError as e:  # (its dup: EMFILE) the notes are a help to the client, never a condition
+                log.warning("a streamed session's supply socket gets no notes: %s", e)
         os.set_blocking(self.fd, False)  # (the pipe's: a client that reads its own end too cannot stall the loop)
         asyncio.get_running_loop().add_reader(self.fd, self._readable)
         self._reading = True
