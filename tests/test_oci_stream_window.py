@@ -78,7 +78,8 @@ def _restored(node, bos) -> bool:
 def test_a_no_cache_restore_of_96_mib_streams_through_a_24_mib_tmpfs(node, registry, tmp_path, small_tmp):
     """96 one-MiB payload blobs through 24 MiB: without the daemon's RELEASED notes (the files punched out) and
     the window, the data file alone (96 MiB) fails with ENOSPC.  The peak of the resident bytes vramctl counts
-    stays within the window (8 MiB) plus one blob, and holes were punched for most of the image."""
+    stays within the window (8 MiB) plus the blobs a waiting chunk asked for past it, and holes were punched
+    for most of the image."""
     bos = [os.urandom(96 * MiB)]
     ref, _ = _push(node, registry, tmp_path, "big", bos)
     r = _restore_no_cache(node, bos, ref, small_tmp, 8)
@@ -86,8 +87,9 @@ def test_a_no_cache_restore_of_96_mib_streams_through_a_24_mib_tmpfs(node, regis
     assert _restored(node, bos)
     w = json.loads(r.stdout)["window"]
     assert w["window"] == 8 * MiB, w
-    blob = MiB + 4096  # a payload blob's places (one record's payload), with room for what its run holds beside
-    assert 0 < w["peak_resident"] <= w["window"] + blob, w
+    # past the window only the blobs chunks waiting at the gate needed (1 MiB each; 0 or 1 in the runs seen)
+    assert 0 < w["peak_resident"] <= w["window"] + w["blobs_past_window"] * MiB, w
+    assert w["peak_resident"] <= 12 * MiB, w
     assert w["released_notes"] > 0 and w["punched_bytes"] >= 80 * MiB, w
     assert list(small_tmp.iterdir()) == []  # nothing left behind
 
