@@ -178,6 +178,8 @@ class Filler:
                 touched.add(fi)
             for fi in sorted(touched):
                 self._advance(fi)
+        if self.window is not None:
+            self.window.sample()
 
     def _start(self, fi: int, si: int) -> int:
         return self._spans[fi][si - 1] if si else 0

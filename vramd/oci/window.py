@@ -48,10 +48,12 @@ class WindowStats:
     waited: int = 0  # WAITING notes
     released: int = 0  # RELEASED notes
     punched: int = 0  # bytes freed (whole blocks)
+    allocated: int = 0  # the most the data files occupied (st_blocks), sampled as each blob ends
 
     def to_dict(self) -> dict[str, int]:
         return {"window": self.window, "peak_resident": self.peak, "blobs_past_window": self.beyond,
-                "waiting_notes": self.waited, "released_notes": self.released, "punched_bytes": self.punched}
+                "waiting_notes": self.waited, "released_notes": self.released, "punched_bytes": self.punched,
+                "peak_allocated": self.allocated}
 
 
 class _File:
@@ -74,7 +76,12 @@ class _File:
             pos += s.length
             nz += 0 if s.kind == ZEROS else s.length
         self.length, self.total_nonzero = pos, nz
+        # zero runs (a record's padding: holes, never written) count as released from the start, so that a block
+        # a record shares with padding is freed with the record
         self.released = Intervals()
+        for start, zero, end in zip(self.starts, self.zero, [*self.starts[1:], pos], strict=True):
+            if zero and start < end:
+                self.released.add(start, end)
 
     def nonzero_before(self, x: int) -> int:
         if x >= self.length:
@@ -160,6 +167,12 @@ class Window:
                 st.peak = max(st.peak, st.resident)
                 return k
             return None
+
+    def sample(self) -> None:
+        """What the data files occupy now (a blob just ended: its bytes are all written), for `allocated`."""
+        used = sum(os.fstat(fd).st_blocks * 512 for fd in self.fds)
+        with self._cond:
+            self.stats.allocated = max(self.stats.allocated, used)
 
     def stop(self) -> None:
         with self._cond:
