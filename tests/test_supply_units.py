@@ -145,3 +145,27 @@ def test_a_waiting_for_another_file_starts_its_blobs_first_not_every_blob_before
     w.note(Note(NoteKind.RELEASED, 0, 0, 1000))
     w.note(Note(NoteKind.RELEASED, 1, 0, 1000))
     assert w.stats.resident == 0 and w.next_blob() == 1 and w.next_blob() is None
+
+
+def test_a_records_zero_padding_goes_with_it_and_an_unreleased_neighbours_block_stays(tmp_path) -> None:
+    """A real file: a record of 5000 bytes, its padding (a zero run) to 8192, the next record; releasing the first
+    frees both blocks it spans (the second holds only it and padding), never a byte of the next record."""
+    import os
+
+    from vramd.image.supply import Note, NoteKind
+    from vramd.oci.layout import PAYLOAD, ZEROS, FileSkeleton, Segment, Skeleton
+    from vramd.oci.window import Window
+    sk = Skeleton((("a", 5000), ("b", 4096)), (FileSkeleton("f", 12288, (
+        Segment(PAYLOAD, 5000, blob=0), Segment(ZEROS, 3192), Segment(PAYLOAD, 4096, blob=1))),))
+    path = tmp_path / "f"
+    path.write_bytes(b"\x01" * 5000 + bytes(3192) + b"\x02" * 4096)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        w = Window(sk, [0, 1], {0: 5000, 1: 4096}, None, 1)
+        w.attach([fd])
+        w.block = 4096
+        w.note(Note(NoteKind.RELEASED, 0, 0, 5000))
+        assert w.stats.punched == 8192
+        assert os.pread(fd, 12288, 0) == bytes(8192) + b"\x02" * 4096
+    finally:
+        os.close(fd)
