@@ -17,6 +17,7 @@ from helpers import open_dir
 from stream_daemon_fixture import CHUNK, Image, Targets, bo_memfd, restored_up_to, still_running
 
 from vramd.client import SESSION_RESTORE, Client
+from vramd.errors import JobCancelledError
 from vramd.image.manifest import chunk_record
 from vramd.image.supply import Intervals, NoteDecoder, NoteKind, encode
 from vramd.pb import rpc_pb2 as rpc
@@ -155,3 +156,33 @@ def test_a_client_that_takes_no_notes_still_gets_its_session_done(daemon, tmp_pa
         finally:
             sock.close()
             targets.close()
+
+
+@pytest.mark.parametrize("when", ["before it starts", "while it waits for its supply"])
+def test_a_session_closed_lets_go_of_its_socket(daemon, image, targets, when):
+    """The daemon holds the supply socket twice (the session's fd, and the notes' own): a session closed before
+    it starts, or cancelled while a chunk waits at the gate, closes both: the client reads the socket's end."""
+    with Client(daemon.socket) as c:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        dfd = open_dir(image.dst)
+        try:
+            s = c.open_session(SESSION_RESTORE, dfd, supply_fd=theirs.fileno(), label="closed")
+        finally:
+            theirs.close()
+            os.close(dfd)
+        try:
+            if when != "before it starts":
+                c.add_bos(s.token, targets.bos())
+                c.start(s.token)
+                notes = Notes(ours, len(image.data))
+                notes.until(lambda: notes.waiting > 0, "WAITING for the first record")
+                c.cancel(s.token)
+                with pytest.raises(JobCancelledError):
+                    c.wait(s.token)
+            c.close_session(s.token)
+            while True:  # notes may come first; then the end (each read waits for the daemon; fails past 30 s)
+                assert select.select([ours], [], [], 30)[0], "the daemon still holds the supply socket"
+                if not ours.recv(4096):
+                    break
+        finally:
+            ours.close()
