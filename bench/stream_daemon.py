@@ -13,6 +13,8 @@ One daemon (8 MiB chunks, its other settings the defaults) and one image of one 
   supplied  a streamed restore session (opened on a new copy with the supply pipe's read end) whose files
             were all filled and supplied before it opened: what the gate costs when it never holds a chunk
   streamed  the same session while the fill runs in a thread, each piece followed by its supply message
+  notes     `streamed` over a unix socketpair instead of a pipe: the daemon counts each record's readers and
+            sends RELEASED and WAITING notes back (vramd/engine/jobs/notes.py), which a thread here reads
 
 It reports each one's median wall seconds, the streamed restore's tail (from its last supply message to the
 session's end: what the daemon adds after the fill), its wall against max(local, fill) (issue #35's
@@ -27,6 +29,7 @@ import argparse
 import os
 import random
 import shutil
+import socket
 import statistics
 import tempfile
 import threading
@@ -90,6 +93,12 @@ def fill(image: Path, target: Path, names: list[str], piece: int, supply: int | 
     return time.perf_counter()
 
 
+def drain(fd: int) -> None:
+    """Read the daemon's notes until it closes its end (what a bounded client does with them is not timed)."""
+    while os.read(fd, 1 << 16):
+        pass
+
+
 def fresh(image: Path, where: Path, names: list[str]) -> Path:
     """An empty copy of the image: its manifest, its data files at full length with no bytes."""
     if where.exists():
@@ -114,8 +123,9 @@ def main() -> None:
     size, piece, rate = parse_size(a.size), parse_size(a.piece), a.rate * 1e9
     top = Path(tempfile.mkdtemp(prefix="vramd-stream-bench-", dir=a.dir))
     run_dir = tempfile.mkdtemp(prefix="vramd-b", dir="/tmp")
-    rows: dict[str, list[float]] = {k: [] for k in ("local", "fill", "supplied", "streamed", "tail", "local_cpu",
-                                                    "supplied_cpu", "streamed_cpu")}
+    rows: dict[str, list[float]] = {k: [] for k in ("local", "fill", "supplied", "streamed", "notes", "tail",
+                                                    "local_cpu", "supplied_cpu", "streamed_cpu", "notes_cpu",
+                                                    "notes_tail")}
     try:
         with DaemonProcess(run_dir, "--chunk-size", "8M", log_level="warning") as d, Client(d.socket) as c:
             image = top / "image"
@@ -144,9 +154,15 @@ def main() -> None:
                 rows["fill"].append(time.perf_counter() - t)
                 shutil.rmtree(target)  # (one copy at a time on the file system)
 
-                for kind in ("supplied", "streamed"):
+                for kind in ("supplied", "streamed", "notes"):
                     target = fresh(image, top / kind, names)
-                    r, w = os.pipe2(os.O_CLOEXEC)
+                    reader = None
+                    if kind == "notes":
+                        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+                        w, r = ours.detach(), theirs.detach()
+                        reader = threading.Thread(target=drain, args=(w,))
+                    else:
+                        r, w = os.pipe2(os.O_CLOEXEC)
                     if kind == "supplied":  # every byte written and supplied before the session opens
                         fill(image, target, names, piece, w)  # (unpaced: supplied before it opens)
                     dfd = os.open(target, os.O_RDONLY | os.O_DIRECTORY)
@@ -157,19 +173,29 @@ def main() -> None:
                     c.add_bos(s.token, [ClientBo(1, dst)])
                     c.start(s.token)
                     last: list[float] = []
-                    if kind == "streamed":
+                    if reader is not None:
+                        reader.start()
+                    if kind != "supplied":
                         writer = threading.Thread(target=lambda out=last, to=target, fd=w: out.append(
                             fill(image, to, names, piece, fd, rate)))
                         writer.start()
                         writer.join()
-                    os.close(w)
+                    if reader is None:
+                        os.close(w)
+                    else:  # our direction ends; the notes come until the daemon closes its end
+                        shut = socket.socket(fileno=w)
+                        shut.shutdown(socket.SHUT_WR)
+                        shut.detach()
                     assert c.wait(s.token).state == rpc.SESSION_DONE
                     done = time.perf_counter()
                     rows[kind].append(done - t)
                     if last:
-                        rows["tail"].append(done - last[0])
+                        rows["tail" if kind == "streamed" else "notes_tail"].append(done - last[0])
                     rows[f"{kind}_cpu"].append((daemon_cpu(d.pid) - cpu) / (size / GiB))
                     c.close_session(s.token)
+                    if reader is not None:
+                        reader.join()
+                        os.close(w)
                     shutil.rmtree(target)
             os.close(dst)
     finally:
@@ -178,13 +204,14 @@ def main() -> None:
     med = {k: statistics.median(v) for k, v in rows.items()}
     paced = f", fill paced to {a.rate:g} GB/s" if a.rate else ""
     print(f"{size / GiB:g} GiB, {a.reps} reps{paced}, medians (load: {os.getloadavg()[0]:.1f}):")
-    for k in ("local", "fill", "supplied", "streamed"):
+    for k in ("local", "fill", "supplied", "streamed", "notes"):
         print(f"  {k:9s} {med[k]:.3f} s  {size / med[k] / 1e9:.2f} GB/s   (runs: "
               f"{', '.join(f'{x:.3f}' for x in rows[k])})")
     print(f"  streamed / max(local, fill) = {med['streamed'] / max(med['local'], med['fill']):.2f}")
     print(f"  tail (streamed: from the last supply message to DONE) {med['tail'] * 1e3:.1f} ms")
     print(f"  daemon CPU s/GiB: local {med['local_cpu']:.3f}, supplied {med['supplied_cpu']:.3f}, "
-          f"streamed {med['streamed_cpu']:.3f}")
+          f"streamed {med['streamed_cpu']:.3f}, notes {med['notes_cpu']:.3f}")
+    print(f"  tail (notes) {med['notes_tail'] * 1e3:.1f} ms")
 
 
 if __name__ == "__main__":

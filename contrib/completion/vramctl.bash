@@ -13,7 +13,7 @@ _vramctl() {
         sessions) COMPREPLY=($(compgen -W "-h --help --json --socket --daemon-user --all" -- "$cur")) ;;
         cancel) COMPREPLY=($(compgen -W "-h --help --json --socket --daemon-user --reason" -- "$cur")) ;;
         dump) COMPREPLY=($(compgen -W "-h --help --json --socket --daemon-user --pid --range --bo-file --image --compress --force --parent --no-dedup --replace-parent" -- "$cur")) ;;
-        restore) COMPREPLY=($(compgen -W "-h --help --json --socket --daemon-user --pid --image --cache --no-cache --refresh-cache --plain-http --ca-file --registry-config --username --password-stdin --concurrency --bo-file --to-recorded-paths --parent" -- "$cur")) ;;
+        restore) COMPREPLY=($(compgen -W "-h --help --json --socket --daemon-user --pid --image --cache --no-cache --window --refresh-cache --plain-http --ca-file --registry-config --username --password-stdin --concurrency --bo-file --to-recorded-paths --parent" -- "$cur")) ;;
         verify) COMPREPLY=($(compgen -W "-h --help --json --parent" -- "$cur")) ;;
         rm) COMPREPLY=($(compgen -W "-h --help --json --parent" -- "$cur")) ;;
         gc) COMPREPLY=($(compgen -W "-h --help --json" -- "$cur")) ;;

@@ -78,6 +78,9 @@ def add_restore_args(p: argparse.ArgumentParser) -> None:
                    "for first (default: $XDG_CACHE_HOME/vramd/oci, else ~/.cache/vramd/oci)")
     p.add_argument("--no-cache", action="store_true", help="with --image oci://...: keep nothing: the image streams "
                    "through a temporary directory, removed afterwards")
+    p.add_argument("--window", type=int, default=256, metavar="MIB", help="with --no-cache: the most MiB the "
+                   "temporary directory holds ahead of what the daemon read for good (default 256; at least, and 0: "
+                   "--concurrency x the largest blob; a chunk the daemon waits for is downloaded whatever it holds)")
     p.add_argument("--refresh-cache", action="store_true", help="with --image oci://...: drop the cache's copy of "
                    "the image (e.g. one the daemon found damaged) and download it again")
     add_registry_args(p)
@@ -255,8 +258,8 @@ def cmd_restore_any(ns: argparse.Namespace) -> int:
         # kept beside them; the image itself streams
         report: list[tuple[dict[str, Any], str]] = []
         done = restore(puller, body_digest, entry, run, commit=not ns.no_cache, refresh=ns.refresh_cache,
-                       artifact=art, warn=lambda text: print(f"vramctl: warning: {text}", file=sys.stderr,
-                                                             flush=True))
+                       artifact=art, window=max(0, ns.window) << 20 if ns.no_cache else None,
+                       warn=lambda text: print(f"vramctl: warning: {text}", file=sys.stderr, flush=True))
     finally:
         reg.close()
         if scratch is not None:
@@ -265,6 +268,8 @@ def cmd_restore_any(ns: argparse.Namespace) -> int:
     d, line = report[-1]
     st = reg.stats
     d.update(stats=st.to_dict(), digest=body_digest, warm=done.warm)
+    if done.window is not None:
+        d["window"] = done.window.to_dict()
     emit(ns, d, f"{line}; downloaded {st.blobs_downloaded} blob(s), {st.bytes_downloaded} bytes" +
          (" (the image from its cache entry)" if done.warm else ""))
     return EXIT_OK

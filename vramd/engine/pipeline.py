@@ -387,6 +387,8 @@ class Pipeline(Generic[BoT]):
                 task = getattr(e, "vramd_task", first)
                 self.fail(JobError(f"internal error: {e!r}", bo_id=task.bo.id, offset=task.offset))
             else:
+                if self.gate is not None:
+                    self.gate.read(tasks)
                 if self.on_progress is None:  # nobody watches each piece land: count the batch at once
                     self.progress.landed_batch(lane.gpu_id, tasks, self.ends.bo_done)
                 else:

@@ -171,6 +171,9 @@ class Gate(Protocol[BoT]):
     async def ready(self, task: ChunkTask[BoT]) -> None:
         """Return once `task` may be read, or once the gate is stopped; raise (typed) if it never may be."""
 
+    def read(self, tasks: list[ChunkTask[BoT]]) -> None:
+        """These chunks have landed: each has read and checked its bytes (none reads them again)."""
+
     def stop(self) -> None:
         """The job has stopped: every wait returns, and none waits from now on."""
 

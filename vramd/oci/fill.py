@@ -5,14 +5,15 @@ holes), writes the literal runs, then downloads the payload blobs in file order 
 them), `concurrency` at once, each streamed to every place it fills as it arrives: memory is about
 `concurrency` x STREAM_PIECE, whatever size a descriptor claims.  When a blob's digest checks, its places are
 done; each data file's contiguous done prefix is its supply end, handed to `on_supply(file_index, end)` as it
-grows (a streamed restore writes it to the daemon's supply pipe; a pull passes nothing).  A blob that fails its
+grows (a streamed restore writes it to the daemon's supply pipe; a pull passes nothing).  The blobs start in
+that order as `window` (vramd.oci.window) lets them: all at once without a bound.  A blob that fails its
 digest is a DigestMismatchError naming the BO and offset that needed it, and no end ever covers its places.
 """
 from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 from ..errors import DigestMismatchError
 from ..image.fileio import image_os_error, pwrite_all
@@ -21,6 +22,7 @@ from ..pb import image_pb2 as pb
 from .interrupt import Interrupt, Interrupted
 from .layout import LITERAL, PAYLOAD, Skeleton
 from .registry import Registry
+from .window import Window
 
 Stopped = Interrupted  # what `run` raises once stopped: the caller's own failure is the one to report
 
@@ -31,8 +33,9 @@ class Filler:
     """Fill the data files `sk` describes in the directory `dfd`, each created under its name + `suffix`."""
 
     def __init__(self, reg: Registry, repo: str, sk: Skeleton, manifest: pb.Manifest, *, concurrency: int = 4,
-                 on_supply: SupplyHook | None = None, where: str = ".") -> None:
-        """`where`: the directory's name, for messages."""
+                 on_supply: SupplyHook | None = None, where: str = ".", window: int | None = None) -> None:
+        """`where`: the directory's name, for messages.  `window`: the most bytes the data files may hold
+        ahead of what the daemon released (vramd.oci.window; None: no bound), once `create` made them."""
         self.reg, self.repo, self.sk, self.manifest, self.where = reg, repo, sk, manifest, where
         self.concurrency = max(1, concurrency)
         self.on_supply = on_supply
@@ -46,6 +49,8 @@ class Filler:
         self._next: list[int] = []  # per file: its first segment not done
         self._order: list[int] = []  # the blobs, by their first place in file order
         self._held = False  # ends not handed on yet (`hold`)
+        self._limit = window
+        self.window: Window | None = None  # made by `create`: the daemon's notes go to it
 
     def create(self, dfd: int, suffix: str, created: list[str]) -> None:
         """Every data file at its length, its literal runs written; the names made are appended to `created`.
@@ -74,6 +79,10 @@ class Filler:
             self._spans.append(spans)
             self._done.append(done)
             self._next.append(0)
+        charges = {k: sum(self.sk.files[fi].segments[si].length for fi, si, _ in places)
+                   for k, places in self._places.items()}
+        self.window = Window(self.sk, self._order, charges, self._limit, self.concurrency)
+        self.window.attach(self.fds)
         for fi in range(len(self.sk.files)):
             self._advance(fi)
 
@@ -94,17 +103,19 @@ class Filler:
         """Stop the downloads now (a read blocked on the network included; a request still waiting for its
         answer's head stops within the read timeout): `run` raises Stopped."""
         self._stop.fire()
+        if self.window is not None:
+            self.window.stop()
 
     def run(self) -> None:
         """Download every payload blob into its places; the first failure stops the others and is raised."""
-        blobs: Iterator[int] = iter(self._order)
+        window = self.window
+        assert window is not None, "create first"
         take = threading.Lock()
         errors: list[BaseException] = []
 
         def worker() -> None:
             while not self._stop.fired:
-                with take:
-                    k = next(blobs, None)
+                k = window.next_blob()  # (once the window lets it start)
                 if k is None:
                     return
                 try:
@@ -112,7 +123,7 @@ class Filler:
                 except BaseException as e:
                     with take:
                         errors.append(e)
-                    self._stop.fire()
+                    self.stop()
                     return
 
         threads = [threading.Thread(target=worker, name=f"vramd-fill-{i}", daemon=True)
@@ -167,6 +178,8 @@ class Filler:
                 touched.add(fi)
             for fi in sorted(touched):
                 self._advance(fi)
+        if self.window is not None:
+            self.window.sample()
 
     def _start(self, fi: int, si: int) -> int:
         return self._spans[fi][si - 1] if si else 0

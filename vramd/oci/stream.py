@@ -20,12 +20,19 @@ fails there, naming the BO, with the advice to remove the entry or restore with 
 a shared flock of the entry's directory: a `refresh` (and a commit) takes it exclusive, so an entry is never
 removed while a restore reads it.
 
+With a `window` (`--no-cache`: nothing is kept), the supply is one end of a unix socketpair instead of a
+pipe, and a thread reads the daemon's notes off it (RELEASED, WAITING: vramd.image.supply) into the writer's
+window (vramd.oci.window): what the daemon read for good is punched out of the files, and a blob starts only
+within the window or for a chunk that waits.  Once the session is done, the downloads stop (nothing of a
+record no chunk read is kept).
+
 The daemon's session is the caller's (`run`): vramd.oci sits below the client library.  Threads: `run` drives
 the session on the calling thread; the writer's threads write 16-byte supply messages (atomic) to the pipe.
 """
 from __future__ import annotations
 
 import os
+import socket
 import stat
 import threading
 from collections.abc import Callable
@@ -35,12 +42,13 @@ from ..errors import ImageError, VramdError, from_os_error
 from ..image.fileio import image_os_error
 from ..image.manifest import decode_manifest
 from ..image.names import MANIFEST_NAME
-from ..image.supply import encode
 from ..pb import image_pb2 as pb
 from .fill import Filler
 from .layout import Artifact, Skeleton, sha256_digest
 from .pull import Pulled, Puller, lock_parent, pull_parents
 from .push import open_dir, read_manifest_bytes
+from .supply_end import WriteEnd, read_notes, shutdown
+from .window import WindowStats
 
 
 @dataclass(frozen=True)
@@ -63,17 +71,23 @@ class Restored:
     digest: str  # of the OCI manifest
     chain: list[Pulled]  # the image (at its entry), then its parents
     warm: bool  # restored from a committed cache entry: no blob of the image downloaded
+    window: WindowStats | None = None  # a bounded (`window`) restore's: its peak resident bytes, ...
 
 
 def restore(puller: Puller, ref: str, entry: str, run: RunSession, *, commit: bool = True,
             refresh: bool = False, artifact: tuple[Artifact, str] | None = None,
-            warn: Warn = lambda _text: None) -> Restored:
+            warn: Warn = lambda _text: None, window: int | None = None) -> Restored:
     """Restore the image at `ref` (a digest reference) through `run`, streamed into `entry` + STAGING_SUFFIX and
     committed to `entry` (`commit` False: the staging directory is removed instead); a committed `entry`
     holding the image is restored as it is, unless `refresh` (then it is removed first).  `artifact`: the
     checked OCI manifest at `ref` and its digest (Puller.artifact), where the caller has it already.  A commit
     that fails after the session succeeded, or a staging directory that cannot be removed, is one `warn` line:
-    the restore stands (or its first error does), the entry is not kept."""
+    the restore stands (or its first error does), the entry is not kept.  `window` (with `commit` False: a
+    restore that keeps nothing): the data files hold at most that many bytes the daemon still needs, beyond
+    what a chunk waits for, and lose what it has read for good (vramd.oci.window); the parents are still
+    pulled whole first."""
+    if window is not None and commit:
+        raise ValueError("a bounded window keeps no whole image: it cannot be committed")
     art, digest = artifact or puller.artifact(ref)
     if refresh:
         _locked(entry, lambda: _remove_tree(entry))
@@ -98,7 +112,8 @@ def restore(puller: Puller, ref: str, entry: str, run: RunSession, *, commit: bo
         except OSError as e:
             raise from_os_error(e, staging, ImageError) from None
         try:
-            whole = _stream(puller, manifest, sk, staging, bytes(config), parents, run)
+            stats: list[WindowStats] = []
+            whole = _stream(puller, manifest, sk, staging, bytes(config), parents, run, window, stats)
         except BaseException:
             _cleanup(staging, warn)  # the session's error is the one reported, whatever the cleanup meets
             raise
@@ -108,7 +123,7 @@ def restore(puller: Puller, ref: str, entry: str, run: RunSession, *, commit: bo
             _cleanup(staging, warn)
     finally:
         os.close(lock)
-    return Restored(digest, [child, *parents], False)
+    return Restored(digest, [child, *parents], False, stats[0] if stats else None)
 
 
 def _warm_shared(puller: Puller, ref: str, entry: str, digest: str, manifest_bytes: bytes, art: Artifact,
@@ -162,48 +177,25 @@ def _cleanup(path: str, warn: Warn) -> None:
         warn(f"cannot remove {path}: {e.message}")
 
 
-class _WriteEnd:
-    """The supply pipe's write end: closed (the daemon's EOF) once the writer has finished AND the session is
-    open, so that the ends held back until the session opened are written first; or at once by `close`."""
-
-    def __init__(self, fd: int) -> None:
-        self.fd, self.waiting, self.over = fd, 2, False
-        self._lock = threading.Lock()
-
-    def write(self, index: int, end: int) -> None:
-        with self._lock:
-            if self.over or self.fd < 0:  # the session is done: the ends it never needed are not sent
-                return
-            try:
-                os.write(self.fd, encode(index, end))  # 16 bytes: one atomic write
-            except BrokenPipeError:
-                if not self.over:
-                    raise
-
-    def one_done(self) -> None:
-        with self._lock:
-            self.waiting -= 1
-            if self.waiting == 0 and self.fd >= 0:
-                os.close(self.fd)
-                self.fd = -1
-
-    def close(self) -> None:
-        with self._lock:
-            if self.fd >= 0:
-                os.close(self.fd)
-                self.fd = -1
-
-
 def _stream(puller: Puller, manifest: pb.Manifest, sk: Skeleton, staging: str, config: bytes,
-            parents: list[Pulled], run: RunSession) -> bool:
+            parents: list[Pulled], run: RunSession, window: int | None = None,
+            stats: list[WindowStats] | None = None) -> bool:
     """The session on `staging` while the writer fills it; True if every file is whole and fsynced (the
-    session may end before a record it never reads is downloaded: then the restore stands, uncached)."""
+    session may end before a record it never reads is downloaded: then the restore stands, uncached).
+    `window`: the supply is a socket, over which the daemon says what it read for good (the filler punches it
+    out of the files) and what a chunk waits for; the filler starts a blob only within `window` bytes
+    resident, or for a chunk that waits (vramd.oci.window)."""
     dfd = open_dir(staging)
-    r, w = os.pipe2(os.O_CLOEXEC)
-    pipe = _WriteEnd(w)
+    if window is None:
+        r, w = os.pipe2(os.O_CLOEXEC)
+    else:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        w, r = ours.detach(), theirs.detach()
+    pipe = WriteEnd(w, sock=window is not None)
     filler = Filler(puller.reg, puller.repo, sk, manifest, concurrency=puller.concurrency, on_supply=pipe.write,
-                    where=staging)
+                    where=staging, window=window)
     failed: list[BaseException] = []
+    notes: threading.Thread | None = None
 
     def fill() -> None:
         try:
@@ -224,6 +216,12 @@ def _stream(puller: Puller, manifest: pb.Manifest, sk: Skeleton, staging: str, c
         _write_manifest(dfd, staging, config)
         filler.hold()
         filler.create(dfd, "", [])
+        if window is not None and stats is not None and filler.window is not None:
+            stats.append(filler.window.stats)
+        if window is not None:
+            notes = threading.Thread(target=read_notes, args=(w, filler, [df.length for df in manifest.files]),
+                                     name="vramd-notes", daemon=True)
+            notes.start()
         thread = threading.Thread(target=fill, name="vramd-stream", daemon=True)
         thread.start()
         try:
@@ -240,13 +238,18 @@ def _stream(puller: Puller, manifest: pb.Manifest, sk: Skeleton, staging: str, c
         pipe.over = True
         os.close(r)
         r = -1
+        if window is not None:  # nothing is kept: what the session never read is not downloaded
+            filler.stop()
         thread.join()
-        if failed:
+        if failed or window is not None:
             return False
         filler.sync()
         os.fsync(dfd)
         return True
     finally:
+        if notes is not None:  # the notes end with our end shut down (the daemon's may still be open)
+            shutdown(w, socket.SHUT_RDWR)
+            notes.join()
         pipe.close()
         if r >= 0:
             os.close(r)

@@ -16,6 +16,10 @@ record of the file is read.  The end of the pipe means that nothing more
 comes: a chunk still held back then fails the job, naming the data file, how
 far it was supplied and the chunk.  A message no client should send (an end
 past the file, one going back, a file the image does not have) fails it too.
+
+Over a socket (never a pipe), the daemon also tells the client which ranges no
+chunk will read again and which end a held-back chunk waits for (notes.py), so
+that a client may free what was read and bound how far it downloads ahead.
 """
 from __future__ import annotations
 
@@ -41,6 +45,7 @@ from ...image.format import DATA_HEADER
 from ...image.reader import ImageReader, Loc
 from ...image.supply import SupplyDecoder, SupplyError
 from ..pipeline import ChunkTask, settle
+from .notes import Notes
 from .read import ImageBo
 
 log = logging.getLogger(__name__)
@@ -50,11 +55,11 @@ log = logging.getLogger(__name__)
 READ_MAX = 4 << 10
 
 
-def check_supply_fd(fd: int) -> None:
+def check_supply_fd(fd: int) -> bool:
     """The supply fd must be something the daemon can wait on and read, whose end comes when the client's
     writers are gone: a pipe's read end (open for reading only: a FIFO opened read-write is a writer too, held
     by the daemon, so its end would never come), or a unix stream socket (never a network one: the daemon
-    does no network I/O); else BAD_DESCRIPTOR."""
+    does no network I/O); else BAD_DESCRIPTOR.  True for a socket (the daemon may talk back over it)."""
     try:
         st = os.fstat(fd)
         mode = fcntl.fcntl(fd, fcntl.F_GETFL)
@@ -75,7 +80,7 @@ def check_supply_fd(fd: int) -> None:
                                      "network I/O")
         if kind != socket.SOCK_STREAM:
             raise BadDescriptorError("the supply fd is a socket that is not a stream socket (SOCK_STREAM)")
-        return
+        return True
     if not stat.S_ISFIFO(st.st_mode):
         raise BadDescriptorError("the supply fd is not a pipe nor a socket")
     if mode & os.O_ACCMODE == os.O_WRONLY:
@@ -83,6 +88,7 @@ def check_supply_fd(fd: int) -> None:
     if mode & os.O_ACCMODE != os.O_RDONLY:
         raise BadDescriptorError("the supply fd is a pipe open for writing too: the daemon would hold a writer "
                                  "of its own, and the pipe's end would never come")
+    return False
 
 
 def _after_stop(exc: BaseException) -> None:
@@ -111,10 +117,15 @@ class Supply:
         self._stopped = False
         self._reading = False
         self._changed: asyncio.Future[None] | None = None
+        self.notes: Notes | None = None  # over a socket: what is read for good, what a chunk waits for
 
     def start(self) -> None:
         """Read the pipe from now on (on the running loop)."""
-        check_supply_fd(self.fd)
+        if check_supply_fd(self.fd):
+            try:
+                self.notes = Notes(self.reader, self.fd, self._files)
+            except OSError as e:  # (its dup: EMFILE) the notes are a help to the client, never a condition
+                log.warning("a streamed session's supply socket gets no notes: %s", e)
         os.set_blocking(self.fd, False)  # (the pipe's: a client that reads its own end too cannot stall the loop)
         asyncio.get_running_loop().add_reader(self.fd, self._readable)
         self._reading = True
@@ -133,9 +144,15 @@ class Supply:
     def is_ready(self, task: ChunkTask[ImageBo]) -> bool:
         return self._short(task) is None
 
+    def read(self, tasks: list[ChunkTask[ImageBo]]) -> None:
+        if self.notes is not None:
+            self.notes.read(tasks)
+
     async def ready(self, task: ChunkTask[ImageBo]) -> None:
         while (short := self._short(task)) is not None and not self._stopped:
             slot, need = short
+            if self.notes is not None and need > self._decoder.ends[slot]:
+                self.notes.waiting(slot, need)
             if slot not in self._headers and self._decoder.ends[slot] >= DATA_HEADER.size \
                     and self.reader.fds[slot] >= 0:  # (attached: a job takes chunks only once every file is)
                 self._headers[slot] = asyncio.get_running_loop().create_task(self._check_header(slot))
@@ -155,6 +172,8 @@ class Supply:
         # is no longer referenced back, a cycle only the cyclic GC would free
         self._fail = _after_stop
         self._stop_reading()
+        if self.notes is not None:
+            self.notes.close()
         for h in self._headers.values():
             h.cancel()
         self._wake()
