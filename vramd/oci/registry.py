@@ -28,7 +28,7 @@ from .body import body_reader
 from .credentials import ANONYMOUS, Credentials
 from .deadline import Deadlines
 from .interrupt import Interrupt, Interrupted, interrupting
-from .layout import DIGEST, MEDIA_OCI_INDEX, MEDIA_OCI_MANIFEST
+from .layout import MEDIA_OCI_INDEX, MEDIA_OCI_MANIFEST
 from .reference import HOST as HOST  # re-exported: vramctl and the tests name them here
 from .reference import REPO as REPO
 from .reference import TAG as TAG
