@@ -7,7 +7,8 @@
  * Group "stream" needs the driver (tests/test_libvramd_stream.py), which plays the writer:
  * stream_restore dumps a BO, prints "DUMPED <dir>", reads the streamed directory's path from stdin (the
  * driver laid it out: manifest.vrdm, each data file at full length with no byte written yet), opens a
- * restore of it with $VRAMD_TEST_SUPPLY_FD as its supply (vramd_open_session, or vramd_criu_restore_submit
+ * restore of it with $VRAMD_TEST_SUPPLY_FD as its supply (unset: a connection to the directory's
+ * .vramd-supply.sock, `vramctl pull --serve`'s; tests/test_libvramd_serve.py) (vramd_open_session, or vramd_criu_restore_submit
  * when $VRAMD_TEST_STREAM_VIA is "criu"), checks that the fd is still its own and that the copy waits for
  * its supply,
  * prints "STARTED", then waits: $VRAMD_TEST_STREAM_EXPECT "done" (the BO holds the dumped bytes) or
@@ -20,6 +21,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include "harness.h"
@@ -165,7 +168,7 @@ static int t_stream_restore(void)
     int supply = (int)env_num("VRAMD_TEST_SUPPLY_FD", -1);
     bool criu = via && strcmp(via, "criu") == 0;
     bool truncated = expect && strcmp(expect, "truncated") == 0;
-    CHECK(supply >= 0 && fcntl(supply, F_GETFD) >= 0, "no supply fd in $VRAMD_TEST_SUPPLY_FD");
+    CHECK(supply < 0 || fcntl(supply, F_GETFD) >= 0, "$VRAMD_TEST_SUPPLY_FD is no open fd");
     int dfd = make_image_dir(path);
     CHECK(dfd >= 0, "setup");
     if (dump_one(dfd, 61))
@@ -176,6 +179,13 @@ static int t_stream_restore(void)
     line[strcspn(line, "\n")] = 0;
     int sfd = open(line, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     CHECK(sfd >= 0, "open %s: %s", line, strerror(errno));
+    if (supply < 0) { /* `vramctl pull --serve`'s socket in the directory, as the CRIU plugin connects to it */
+        struct sockaddr_un sa = {.sun_family = AF_UNIX};
+        snprintf(sa.sun_path, sizeof sa.sun_path, "/proc/self/fd/%d/.vramd-supply.sock", sfd);
+        supply = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        CHECK(supply >= 0 && connect(supply, (struct sockaddr *)&sa, sizeof sa) == 0, "connect %s: %s", sa.sun_path,
+              strerror(errno));
+    }
     int dst = make_memfd(SIZE, 0, 0, 0);
     CHECK(dst >= 0, "memfd");
 
@@ -225,6 +235,8 @@ static int t_stream_restore(void)
     (void)vramd_close_session(c, &t, NULL, &err);
     vramd_close(c);
     close(dst);
+    if (!getenv("VRAMD_TEST_SUPPLY_FD"))
+        close(supply);
     close(sfd);
     close(dfd);
     remove_dir(path);
