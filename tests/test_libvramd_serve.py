@@ -161,3 +161,51 @@ def test_no_restore_within_the_timeout_is_one_line_and_leaves_nothing(daemon, re
     assert r.stdout.startswith("serving ") and str(dest / SOCKET_NAME) in r.stdout, r.stdout
     assert r.stderr == f"vramctl: TIMEOUT: no restore connected to {dest / SOCKET_NAME} within 1 s\n", r.stderr
     assert not dest.exists()
+
+
+def _pushed_small(daemon, registry, tmp_path: Path, tag: str) -> tuple[Path, str]:
+    bo = tmp_path / "bo.bin"
+    bo.write_bytes(os.urandom(2 << 20))
+    img = tmp_path / "img"
+    r = vramctl("dump", "--pid", str(os.getpid()), "--bo-file", str(bo), "--image", str(img), socket=daemon.socket)
+    assert r.returncode == 0, r.stderr
+    ref = f"{registry.host}/serve/{tag}:1"
+    assert vramctl("push", str(img), ref, "--plain-http").returncode == 0
+    return img, ref
+
+
+def test_sigterm_while_serving_removes_the_directory(daemon, registry, tmp_path):
+    """SIGTERM to a server waiting for its restore: exit 1, one line saying so, the laid-out directory gone."""
+    _img, ref = _pushed_small(daemon, registry, tmp_path, "term")
+    dest = tmp_path / "served"
+    p = subprocess.Popen([sys.executable, "-m", "vramd.cli", "pull", "--serve", "--foreground", ref, str(dest),
+                          "--plain-http"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None
+        line = p.stdout.readline()
+        assert line.startswith("serving ") and (dest / SOCKET_NAME).exists(), line
+        p.terminate()
+        _out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    assert p.returncode == 1 and err == "vramctl: stopped by signal 15\n", err
+    assert not dest.exists()
+
+
+def test_a_directory_holding_the_image_is_checked_and_not_served(daemon, registry, tmp_path):
+    """A directory that holds the image already (a pull's): checked as `vramctl pull` checks it, one line,
+    exit 0 at once, no socket: the restore reads it as it is.  One holding another image is refused."""
+    img, ref = _pushed_small(daemon, registry, tmp_path, "held")
+    r = subprocess.run([sys.executable, "-m", "vramd.cli", "pull", "--serve", ref, str(img), "--plain-http"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.startswith(f"{img} holds ") and "nothing to serve" in r.stdout, r
+    assert not (img / SOCKET_NAME).exists()
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "manifest.vrdm").write_bytes((img / "manifest.vrdm").read_bytes()[:-1] + b"\0")
+    r = subprocess.run([sys.executable, "-m", "vramd.cli", "pull", "--serve", ref, str(other), "--plain-http"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and r.stderr.startswith("vramctl: ") and r.stderr.count("\n") == 1, r.stderr
+    assert not (other / SOCKET_NAME).exists()
