@@ -196,3 +196,37 @@ def test_a_blob_failing_its_digest_fails_the_restore_and_no_task_runs_on(case, p
     assert "TRUNCATED_DATA" in log and "Restoring FAILED." in log, log[-3000:]
     assert re.fullmatch(r"vramctl: DIGEST_MISMATCH: .*\n", served_err), served_err
     assert not os.path.exists(os.path.join(img, f"amdgpu-vramd-{ids[0]}"))
+
+
+def test_a_server_killed_outright_fails_the_restore_naming_its_socket(case, plugins, registry, tmp_path):
+    """A server SIGKILLed once it listens leaves its directory and socket: the restored task's connection is
+    refused, the plugin names the socket, and `criu restore` fails with no task left (the unfilled files are
+    never restored as BO contents)."""
+    from test_kfd_stock_plugin import DUMP
+
+    case.use(plugins["vramd"])
+    a = case.state("state-a", TOPO_A)
+    img = os.path.join(case.work, "img")
+    with running_daemon() as d:
+        env = case.env(d.socket, KFD_VRAMD="1")
+        dumped = case.run(DUMP, a, TOPO_A, gpus=1, extra=env)
+        assert dumped["dump"] == "0", case.log("dump.log")[-3000:]
+        (i,) = kfd_ids(img)
+        vdir = os.path.join(img, f"amdgpu-vramd-{i}")
+        r = subprocess.run([sys.executable, "-m", "vramd.cli", "push", vdir, f"{registry.host}/stream/killed:1-{i}",
+                            "--plain-http"], capture_output=True, text=True, cwd=str(REPO), timeout=300)
+        assert r.returncode == 0, r.stderr
+        shutil.rmtree(vdir)
+        r = loop(SERVE_LOOP, img, f"{registry.host}/stream/killed:1", ["--plain-http"], str(tmp_path / "serve.err"))
+        m = SERVING.match(r.stdout)
+        assert r.returncode == 0 and m, r.stdout
+        pid = int(m[3])
+        os.kill(pid, 9)
+        wait_servers([pid])
+        assert os.path.exists(os.path.join(vdir, ".vramd-supply.sock"))
+        restored = case.run(RESTORE, a, TOPO_A, extra=env)
+    log = case.log("restore.log")
+    assert restored["restore"] != "0" and restored["alive"] == "no", log[-3000:]
+    assert (f"vramd: amdgpu-vramd-{i}/ is being served (.vramd-supply.sock) but nothing answers there: did vramctl "
+            "pull --serve fail? see its output: Connection refused") in log, log[-3000:]
+    assert "Restoring FAILED." in log
