@@ -7,13 +7,15 @@ A proxy in front of the registry holds the last payload blob until the restore i
 program's 300 ms wait times out), so the copy provably overlaps the download: then the BO holds the dumped
 bytes and the served directory is the pushed image; a blob that fails its digest fails the restore with
 TRUNCATED_DATA and leaves no directory; a peer of another uid is refused while the wait goes on; no restore
-within --serve-timeout is one TIMEOUT line and no directory."""
+within --serve-timeout is one TIMEOUT line and no directory, nor after SIGTERM; a directory holding the image is
+checked, not served; an incremental image's parent is pulled whole first (that restore through vramd.client)."""
 from __future__ import annotations
 
 import os
 import re
 import select
 import shutil
+import socket
 import stat
 import subprocess
 import sys
@@ -209,3 +211,53 @@ def test_a_directory_holding_the_image_is_checked_and_not_served(daemon, registr
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and r.stderr.startswith("vramctl: ") and r.stderr.count("\n") == 1, r.stderr
     assert not (other / SOCKET_NAME).exists()
+
+
+def test_an_incremental_image_is_served_its_parents_pulled_first(run_dir, registry, tmp_path):
+    """A child image (one BO changed since its parent): `--serve` pulls the parent whole into the sibling
+    directory the child recorded, then serves the child; a restore through the socket with the parent's
+    directory (vramd.client, supply_fd) lands the child's bytes, and the served directory ends as the child."""
+    from oci_helpers import Node, workload_bos
+
+    from vramd.client import SESSION_RESTORE, Client, ClientBo
+
+    bos = workload_bos()
+    with Node(run_dir, tmp_path / "node1") as node:
+        parent, child = tmp_path / "ckpt" / "step1", tmp_path / "ckpt" / "step2"
+        node.dump(parent, bos)
+        changed = bytearray(bos[0])
+        changed[(1 << 20) + 5] ^= 0xFF
+        bos2 = [bytes(changed), bos[1]]
+        node.dump(child, bos2, "--parent", str(parent), "--compress", "none")
+        ref = f"{registry.host}/serve/chain:step2"
+        assert vramctl("push", str(child), ref, "--plain-http").returncode == 0
+        dest, errlog = tmp_path / "there" / "step2", tmp_path / "serve.err"
+        dest.parent.mkdir()
+        r, pid = serve(ref, dest, errlog)
+        assert r.returncode == 0, errlog.read_text()
+        pulled = tmp_path / "there" / "step1"
+        assert (pulled / "manifest.vrdm").read_bytes() == (parent / "manifest.vrdm").read_bytes()
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.connect(str(dest / SOCKET_NAME))
+        targets = [os.memfd_create(f"bo{i}", os.MFD_CLOEXEC) for i in (1, 2)]
+        dfd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY)
+        pfd = os.open(pulled, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            for fd, b in zip(targets, bos2, strict=True):
+                os.ftruncate(fd, len(b))
+            with Client(node.daemon.socket) as c:
+                tok = c.open_session(SESSION_RESTORE, dfd, parent_fds=[pfd], supply_fd=conn.fileno()).token
+                conn.close()
+                c.add_bos(tok, [ClientBo(id=i, fd=fd, backend="mmap") for i, fd in enumerate(targets, 1)])
+                c.start(tok)
+                c.wait(tok)
+                c.close_session(tok)
+            got = [os.pread(fd, len(b), 0) for fd, b in zip(targets, bos2, strict=True)]
+        finally:
+            for fd in (*targets, dfd, pfd):
+                os.close(fd)
+        wait_exit(pid)
+    assert got == bos2
+    assert errlog.read_text() == ""
+    assert sorted(p.name for p in dest.iterdir()) == sorted(p.name for p in child.iterdir()
+                                                             if p.name == "manifest.vrdm" or p.suffix == ".vrd")
