@@ -125,6 +125,12 @@ class Server:
         """After a failure: stop the downloads, end the supply, remove what the serve made (manifest first)."""
         if self._filler is not None:
             self._filler.stop()
+        conn = self._conn
+        if conn is not None:  # a writer blocked on a daemon that stopped reading returns (EPIPE): never a hang
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
         if self._fill_thread is not None:
             self._fill_thread.join()
         with self._send_lock:
