@@ -72,7 +72,8 @@ def c_script(setup: dict, socket_path: str, root: Path) -> str:
         if do == "open":
             lines.append(f"open {a['kind']} {root / a['dir']} {w(a.get('compression'))} {a.get('chunk_size', 0)} "
                          f"{w(a.get('label'))} {int(bool(a.get('allow_partial')))} {w(a.get('parent_hint'))} "
-                         f"{dirs(a)} {int(bool(a.get('no_dedup')))} {int(bool(a.get('replace_parent')))}")
+                         f"{dirs(a)} {int(bool(a.get('no_dedup')))} {int(bool(a.get('replace_parent')))} "
+                         f"{int(bool(a.get('supply')))}")
         elif do == "wait":
             lines.append(f"wait {a.get('timeout_ms', -1)}")
         elif do == "cancel":

@@ -17,6 +17,11 @@ first line "Initialized kfd plugin restorer" CRIU stamps): "d_bound" = max(pull,
 (c)'s restore, from its own log; a bound computed from measured parts, not a run (the plugin has no such
 wait).  "stream_bound" = max(pull, (c)'s restore): what a restore fed by the pull as it downloads could
 reach at best.
+  (e) the vramd image removed, `vramctl pull --serve REF IMAGES/amdgpu-vramd-<id>` (each back once it
+      listens; its server downloads on), then `criu restore` streaming from the servers (patch 0007): its wall
+      is the serve commands' plus criu's; also when the last server ended (its files whole) and the servers'
+      CPU (their rusage, as the reaper of the orphaned servers) and the registry's.
+The three flows run in a rotating order per run (ace, cea, eac, ...).
 Per restore: wall and CPU of criu (/usr/bin/time), CPU of the daemon (/proc) and of the restored task; CPU
 s/GiB of the BO bytes.  The daemon's CPU includes the SDMA model's copying (CPU threads; an engine's is not).
 Exit status 2 when CRIU_SRC / CRIU_BIN / libvramd / root are missing (nothing run).
@@ -112,6 +117,43 @@ def pull(reg: Registry, img: str, ids: list[str]) -> dict[str, float]:
     return out
 
 
+def served(case: v.VCase, daemon, env: dict[str, str], expect: str, reg: Registry, img: str,
+           ids: list[str]) -> dict[str, float]:
+    """(e): the serve commands (wall and CPU until each listens), criu restore streaming from the servers, then
+    the servers' end and CPU (wait4: they are orphans of ours, the harness making this process a subreaper)."""
+    r0 = bp.proc_cpu(reg_pid := registry_pid())
+    out = {"ready_wall_s": 0.0, "ready_cpu_s": 0.0}
+    pids = []
+    t0 = time.monotonic()
+    timing = os.path.join(case.work, "time-serve")
+    for i in ids:
+        vdir = os.path.join(img, f"amdgpu-vramd-{i}")
+        shutil.rmtree(vdir)
+        with open(os.path.join(case.work, "serve.err"), "a") as err:
+            r = subprocess.run(["/usr/bin/time", "-o", timing, "-f", "time: %e %U %S", sys.executable, "-m",
+                                "vramd.cli", "pull", "--serve", f"{reg.host}/bench/ckpt:1-{i}", vdir, "--plain-http"],
+                               stdout=subprocess.PIPE, stderr=err, text=True, cwd=str(REPO))
+        m = re.search(r"\(pid (\d+)\)", r.stdout)
+        if r.returncode or not m:
+            raise BenchError(f"vramctl pull --serve failed: {r.stdout}")
+        pids.append(int(m[1]))
+        with open(timing) as f:
+            wall, user, sys_ = map(float, f.read().split("time:")[1].split())
+        out["ready_wall_s"] += wall
+        out["ready_cpu_s"] += user + sys_
+    out.update(restore(case, daemon, env, expect))
+    out["serve_cpu_s"] = 0.0
+    for pid in pids:
+        _pid, status, usage = os.wait4(pid, 0)
+        if os.waitstatus_to_exitcode(status):
+            raise BenchError(f"a server failed: {Path(case.work, 'serve.err').read_text()[-2000:]}")
+        out["serve_cpu_s"] += usage.ru_utime + usage.ru_stime
+    out["files_whole_s"] = time.monotonic() - t0
+    out["registry_cpu_s"] = bp.proc_cpu(reg_pid) - r0
+    out["e_wall_s"] = out["ready_wall_s"] + out["wall_s"]
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mib-per-gpu", type=int, default=1024)
@@ -152,18 +194,22 @@ def main() -> int:
                 push = {k: push[k] + got[k] for k in push}
             print(f"dumped {nbytes} bytes of BOs ({len(ids)} KFD file(s)); push {push['wall_s']:.2f} s", flush=True)
             for n in range(args.runs):
-                row: dict = {"order": "ac" if n % 2 == 0 else "ca"}
+                row: dict = {"order": ("ace", "cea", "eac")[n % 3]}
                 for what in row["order"]:
                     if what == "c":
                         row["b"] = pull(reg, img, ids)
-                    row[what] = restore(case, daemon, env, expect)
+                    if what == "e":
+                        row["e"] = served(case, daemon, env, expect, reg, img, ids)
+                    else:
+                        row[what] = restore(case, daemon, env, expect)
                 a, b, c = row["a"], row["b"], row["c"]
                 row["c_wall_s"] = b["wall_s"] + c["wall_s"]
                 row["d_bound_s"] = max(b["wall_s"], c["before_ext_file_s"]) + c["wall_s"] - c["before_ext_file_s"]
                 row["stream_bound_s"] = max(b["wall_s"], c["wall_s"])
                 runs.append(row)
                 print(f"run {n}: (a) {a['wall_s']:.2f} s  (b) {b['wall_s']:.2f} s  (c) {row['c_wall_s']:.2f} s  "
-                      f"(d) <= {row['d_bound_s']:.2f} s  stream >= {row['stream_bound_s']:.2f} s", flush=True)
+                      f"(d) <= {row['d_bound_s']:.2f} s  stream >= {row['stream_bound_s']:.2f} s  (e) "
+                      f"{row['e']['e_wall_s']:.2f} s", flush=True)
             load.append(os.getloadavg())
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -189,9 +235,14 @@ def report(runs: list[dict], nbytes: int, push: dict, load: list, args: argparse
         ("(c) its criu restore alone", med(lambda r: r["c"]["wall_s"]), med(lambda r: cpu(r["c"]))),
         ("(d) overlap bound (not run)", med(lambda r: r["d_bound_s"]), None),
         ("streamed bound (not run)", med(lambda r: r["stream_bound_s"]), None),
+        ("(e) pull --serve, criu restore streaming", med(lambda r: r["e"]["e_wall_s"]),
+         med(lambda r: r["e"]["ready_cpu_s"] + r["e"]["serve_cpu_s"] + r["e"]["registry_cpu_s"] + cpu(r["e"]))),
+        ("(e) its criu restore alone", med(lambda r: r["e"]["wall_s"]), med(lambda r: cpu(r["e"]))),
+        ("(e) the servers' CPU (vramctl)", None, med(lambda r: r["e"]["ready_cpu_s"] + r["e"]["serve_cpu_s"])),
+        ("(e) until the servers ended (files whole)", med(lambda r: r["e"]["files_whole_s"]), None),
     ]
-    print(f"MODEL NUMBERS (KFD + SDMA models, not a GPU); {gib:.2f} GiB of BOs; median of {len(runs)} runs, (a) and "
-          f"(c) alternating; load average {load[0][0]:.2f} before, {load[-1][0]:.2f} after; push "
+    print(f"MODEL NUMBERS (KFD + SDMA models, not a GPU); {gib:.2f} GiB of BOs; median of {len(runs)} runs, (a), "
+          f"(c) and (e) rotating; load average {load[0][0]:.2f} before, {load[-1][0]:.2f} after; push "
           f"{push['wall_s']:.2f} s wall, {push['cpu_s']:.2f} s CPU")
     print("| step | wall s | GB/s | CPU s | CPU s/GiB |\n|---|---|---|---|---|")
     for name, wall, c in rows:
@@ -199,7 +250,7 @@ def report(runs: list[dict], nbytes: int, push: dict, load: list, args: argparse
               f"{'' if wall is None else f'{nbytes / wall / 1e9:.2f}'} | {'' if c is None else f'{c:.2f}'} | "
               f"{'' if c is None else f'{c / gib:.2f}'} |")
     print(f"RESTORE_EXT_FILE reached at {med(lambda r: r['c']['before_ext_file_s']):.3f} s of criu's restore "
-          f"(median); every restore byte-exact: {all(r[k]['byte_exact'] for r in runs for k in ('a', 'c'))}")
+          f"(median); every restore byte-exact: {all(r[k]['byte_exact'] for r in runs for k in ('a', 'c', 'e'))}")
     if args.json:
         commit = subprocess.run(["git", "-C", v.ENV.criu_src or "", "rev-parse", "--short=9", "HEAD"],
                                 capture_output=True, text=True).stdout.strip()

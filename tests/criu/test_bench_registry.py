@@ -1,7 +1,7 @@
 """tests/criu/bench_registry.py (restoring a CRIU checkpoint from a registry, MODEL numbers) kept from rotting: a
-run at a tiny size must finish, restore byte-exact every time from the local image and after the pull, the two
-flows alternating, and report every figure.  Without CRIU_SRC / CRIU_BIN the bench refuses with exit status 2
-and says why (that case runs anywhere)."""
+run at a tiny size must finish, restore byte-exact every time from the local image, after the pull and streaming
+from `vramctl pull --serve`, the flows rotating, and report every figure.  Without CRIU_SRC / CRIU_BIN the bench
+refuses with exit status 2 and says why (that case runs anywhere)."""
 
 from __future__ import annotations
 
@@ -39,11 +39,15 @@ def test_a_tiny_run(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "MODEL NUMBERS (KFD + SDMA models, not a GPU); 0.01 GiB of BOs; median of 2 runs" in r.stdout
     assert "every restore byte-exact: True" in r.stdout
+    assert "| (e) pull --serve, criu restore streaming | " in r.stdout
     data = json.loads(out.read_text())
     assert data["bytes"] == 2 * 4 << 20 and data["push"]["wall_s"] > 0
-    assert [run["order"] for run in data["runs"]] == ["ac", "ca"]
+    assert [run["order"] for run in data["runs"]] == ["ace", "cea"]
     for run in data["runs"]:
-        for flow in ("a", "c"):
+        e = run["e"]
+        assert e["ready_wall_s"] > 0 and e["serve_cpu_s"] > 0 and e["files_whole_s"] >= e["wall_s"], e
+        assert e["e_wall_s"] == pytest.approx(e["ready_wall_s"] + e["wall_s"])
+        for flow in ("a", "c", "e"):
             m = run[flow]
             assert m["byte_exact"] and m["wall_s"] > 0 and 0 < m["before_ext_file_s"] < m["wall_s"], m
         assert run["b"]["wall_s"] > 0 and run["b"]["cpu_s"] > 0 and run["b"]["registry_cpu_s"] >= 0, run["b"]

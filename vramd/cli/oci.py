@@ -31,6 +31,7 @@ from ..oci.registry import REPO, Reference, Registry
 from ..oci.stream import SupplyPipe, restore
 from ..oci.tls import Trust
 from .common import EXIT_OK, Failure, emit, rate
+from .serve import add_serve_args, cmd_serve
 from .transfer import cmd_restore
 
 OCI_SCHEME = "oci://"
@@ -71,6 +72,7 @@ def add_oci_commands(cmd: Callable[..., argparse.ArgumentParser]) -> None:
     p.add_argument("ref", metavar="HOST/REPO[:TAG|@DIGEST]")
     p.add_argument("dir", metavar="IMAGE_DIR")
     add_registry_args(p)
+    add_serve_args(p)  # --serve: vramd.cli.serve
 
 
 def add_restore_args(p: argparse.ArgumentParser) -> None:
@@ -197,6 +199,8 @@ def _pull(ns: argparse.Namespace, text: str, dest: str, keep: str | None = None)
 
 
 def cmd_pull(ns: argparse.Namespace) -> int:
+    if ns.serve:
+        return cmd_serve(ns, _registry)
     ref, reg, chain, secs = _pull(ns, ns.ref, ns.dir)
     st = reg.stats
     d = {"ok": True, "reference": str(ref), "digest": chain[0].digest, "seconds": round(secs, 6),

@@ -136,11 +136,17 @@ class _Driver:
         elif do == "open":
             parents = a.get("parents", [])
             assert isinstance(parents, list)
-            info = self.conn().open_session(
-                KINDS[_str(a, "kind")], self.dir_fd(_str(a, "dir")), compression=_str(a, "compression"),
-                chunk_size=_int(a, "chunk_size"), label=_str(a, "label"), allow_partial=bool(a.get("allow_partial")),
-                parent_fds=[self.dir_fd(str(p)) for p in parents], parent_hint=_str(a, "parent_hint"),
-                dedup=not a.get("no_dedup"), replace_parent=bool(a.get("replace_parent")))
+            supply = os.pipe2(os.O_CLOEXEC) if a.get("supply") else None  # ends at once: both closed after
+            try:
+                info = self.conn().open_session(
+                    KINDS[_str(a, "kind")], self.dir_fd(_str(a, "dir")), compression=_str(a, "compression"),
+                    chunk_size=_int(a, "chunk_size"), label=_str(a, "label"),
+                    allow_partial=bool(a.get("allow_partial")), parent_fds=[self.dir_fd(str(p)) for p in parents],
+                    parent_hint=_str(a, "parent_hint"), dedup=not a.get("no_dedup"),
+                    replace_parent=bool(a.get("replace_parent")), supply_fd=supply[0] if supply else None)
+            finally:
+                for fd in supply or ():
+                    os.close(fd)
             self.token = info.token
         elif do == "add_bos":
             self.conn().add_bos(self.token, client_bos(self.setup, self.bos))

@@ -122,6 +122,13 @@ SCENARIOS: list[Scenario] = [
                          "bos": RESTORE_BOS[:1],
                          "actions": [{"do": "connect"}, dict(RESTORE_OPEN, allow_partial=True), *SESSION]},
      _dump_into("image")),
+    ("restore-streamed", {"about": "a streamed restore (OpenSession.supply_fd_index: its supply pipe's read end "
+                                   "after the manifest) whose pipe ends at once, nothing supplied: Wait answers "
+                                   "TRUNCATED_DATA",
+                          "bos": RESTORE_BOS,
+                          "actions": [{"do": "connect"}, dict(RESTORE_OPEN, supply=True, label="tx-streamed"),
+                                      {"do": "add_bos"}, {"do": "start"}, {"do": "wait", "expect": "TRUNCATED_DATA"}]},
+     _dump_into("image")),
     ("wait-timeout", {"about": "a Wait with a timeout on a restore not started yet: TIMEOUT, the session goes on",
                       "bos": RESTORE_BOS,
                       "actions": [{"do": "connect"}, RESTORE_OPEN, {"do": "add_bos"},

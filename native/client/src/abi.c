@@ -10,13 +10,15 @@
 
 /* The 1.0 layout is what this library is built with (only the ABI test's build appends a member). */
 #ifndef VRAMD_ABI_TEST_EXTRA
-_Static_assert(sizeof(struct vramd_open_args) == VRAMD__OPEN_ARGS_1_1, "vramd_open_args grew: name its 1.x size");
+_Static_assert(sizeof(struct vramd_open_args) == VRAMD__OPEN_ARGS_1_2, "vramd_open_args grew: name its 1.x size");
 _Static_assert(offsetof(struct vramd_open_args, hold_s) >= VRAMD__OPEN_ARGS_1_0, "1.1 member in 1.0 padding");
+_Static_assert(offsetof(struct vramd_open_args, supply_fd) >= VRAMD__OPEN_ARGS_1_1, "1.2 member in 1.1 padding");
 #endif
 _Static_assert(sizeof(struct vramd_options) == VRAMD__OPTIONS_1_0, "vramd_options grew: name its 1.x size");
 _Static_assert(sizeof(struct vramd_bo) == VRAMD__BO_1_0, "vramd_bo grew: name its 1.x size");
-_Static_assert(sizeof(struct vramd_criu_config) == VRAMD__CRIU_CONFIG_1_1, "vramd_criu_config grew");
+_Static_assert(sizeof(struct vramd_criu_config) == VRAMD__CRIU_CONFIG_1_2, "vramd_criu_config grew");
 _Static_assert(offsetof(struct vramd_criu_config, hold_s) >= VRAMD__CRIU_CONFIG_1_0, "1.1 member in 1.0 padding");
+_Static_assert(offsetof(struct vramd_criu_config, supply_fd) >= VRAMD__CRIU_CONFIG_1_1, "1.2 member in 1.1 padding");
 _Static_assert(sizeof(struct vramd_criu_bo) == VRAMD__CRIU_BO_1_0, "vramd_criu_bo grew");
 
 static uint32_t struct_size_of(const void *in)

@@ -28,6 +28,9 @@
 /* After 1.0: each appended a uint64_t hold_s (past the 1.0 size: never in a 1.0 caller's padding) */
 #define VRAMD__OPEN_ARGS_1_1 VRAMD__SIZE_1_0(struct vramd_open_args, hold_s)
 #define VRAMD__CRIU_CONFIG_1_1 VRAMD__SIZE_1_0(struct vramd_criu_config, hold_s)
+/* 1.2: each appended an int supply_fd (0 or -1: none) */
+#define VRAMD__OPEN_ARGS_1_2 VRAMD__SIZE_1_0(struct vramd_open_args, supply_fd)
+#define VRAMD__CRIU_CONFIG_1_2 VRAMD__SIZE_1_0(struct vramd_criu_config, supply_fd)
 
 /*
  * The caller's struct `in` (named `name` in messages) as this library's layout in `out` (`known` bytes,

@@ -120,6 +120,7 @@ static int criu_begin(const struct vramd_criu_config *in, int dir_fd, const stru
     a.label = cfg->label;
     a.parent_dir_fds = cfg->parent_dir_fds;
     a.n_parent_dir_fds = cfg->n_parent_dir_fds;
+    a.supply_fd = cfg->supply_fd; /* a dump's is refused */
     if (restore) {
         a.allow_partial = cfg->allow_partial;
         a.hold_s = cfg->hold_s ? cfg->hold_s : UINT32_MAX; /* the daemon grants at most its max_hold */

@@ -3,6 +3,7 @@
  * commit), cancel, close; the dump sessions a connection keeps client state for. */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <fcntl.h>
 #include <limits.h>
 #include <stdlib.h>
 #include <string.h>
@@ -107,6 +108,10 @@ static int check_open_args(const struct vramd_conn *c, const struct vramd_open_a
     for (size_t i = 0; i < np; i++)
         if (a->parent_dir_fds[i] < 0)
             return vramd__fail(err, -EBADF, VRAMD_CODE_LOCAL, "parent directory fd %d", a->parent_dir_fds[i]);
+    if (a->supply_fd > 0 && dump)
+        return vramd__fail(err, -EINVAL, VRAMD_CODE_LOCAL, "a dump takes no supply fd (streamed restores only)");
+    if (a->supply_fd < -1 || (a->supply_fd > 0 && fcntl(a->supply_fd, F_GETFD) < 0))
+        return vramd__fail(err, -EBADF, VRAMD_CODE_LOCAL, "supply fd %d", a->supply_fd);
     if (c->broken)
         return vramd__fail(err, -ENOTCONN, VRAMD_CODE_LOCAL, "the connection to vramd is broken");
     if (dump && c->n_dumps >= MAX_CONN_DUMPS)
@@ -170,6 +175,20 @@ static void open_request(const struct vramd_open_args *a, const char *compressio
     o->hold_s = a->hold_s > UINT32_MAX ? UINT32_MAX : (uint32_t)a->hold_s;
 }
 
+/* A streamed session's supply fd, duplicated (close-on-exec, at or above min_fd) after the manifests in fds:
+ * the request names its index; the duplicate is closed with them, the caller's stays open. */
+static int add_supply(int supply_fd, int min_fd, int *fds, size_t *nfds, Vramd__Rpc__V1__OpenSession *o,
+                      struct vramd_error *err)
+{
+    int fd = fcntl(supply_fd, F_DUPFD_CLOEXEC, min_fd);
+    if (fd < 0)
+        return vramd__fail(err, -errno, VRAMD_CODE_LOCAL, "supply fd %d: %s", supply_fd, strerror(errno));
+    o->has_supply_fd_index = 1;
+    o->supply_fd_index = (uint32_t)*nfds;
+    fds[(*nfds)++] = fd;
+    return 0;
+}
+
 /* A dump's OpenSession reply: its image id and data files per GPU into d.  -EPROTO when it lacks them. */
 static int dump_from_reply(const PbSessionInfo *s, struct vramd__dump *d, struct vramd_error *err)
 {
@@ -210,7 +229,7 @@ int vramd_open_session(struct vramd_conn *c, const struct vramd_open_args *args,
     bool dump = a.kind == VRAMD_SESSION_DUMP;
     size_t np = a.n_parent_dir_fds;
     int dirs[1 + VRAMD_MAX_PARENTS]; /* image 0 is the session's own directory, image k its k-th parent */
-    int fds[1 + VRAMD_MAX_PARENTS];
+    int fds[2 + VRAMD_MAX_PARENTS]; /* the manifests, then a streamed session's supply fd */
     uint32_t indexes[VRAMD_MAX_PARENTS];
     size_t nfds = 0;
     struct vramd__dump d;
@@ -237,6 +256,8 @@ int vramd_open_session(struct vramd_conn *c, const struct vramd_open_args *args,
 
     Vramd__Rpc__V1__OpenSession o = VRAMD__RPC__V1__OPEN_SESSION__INIT;
     open_request(&a, compression, indexes, &o);
+    if (a.supply_fd > 0 && (r = add_supply(a.supply_fd, c->min_fd, fds, &nfds, &o, err)) < 0)
+        goto out;
     Request req = VRAMD__RPC__V1__REQUEST__INIT;
     req.body_case = VRAMD__RPC__V1__REQUEST__BODY_OPEN_SESSION;
     req.open_session = &o;

@@ -292,7 +292,7 @@ static int run_one(const struct test *t)
 int main(int argc, char **argv)
 {
     static const struct test *const lists[] = {roundtrip_tests, criu_tests, failure_tests, files_tests,
-                                                abi_tests, hold_tests, lock_tests};
+                                                abi_tests, hold_tests, lock_tests, stream_tests};
     setvbuf(stdout, NULL, _IOLBF, 0);
     if (argc > 1 && strcmp(argv[1], "--list") == 0) {
         for (size_t l = 0; l < sizeof lists / sizeof lists[0]; l++)

@@ -45,6 +45,7 @@ extern const struct test hold_tests[];
 extern const struct test files_tests[];
 extern const struct test abi_tests[];
 extern const struct test lock_tests[];
+extern const struct test stream_tests[];
 
 /* A fake daemon's reply as a frame (header + packed message) in `out`: its length, 0 if it does not fit. */
 struct Vramd__Rpc__V1__Response;

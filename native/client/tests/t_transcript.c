@@ -9,8 +9,9 @@
  *     bo ID MEMFD_SIZE SIZE HAS_GPU GPU BACKEND NAME FD_OF OFFSET ALLOC_FLAGS VA_ADDR
  *                                                     ("-": none; FD_OF: an earlier BO whose memfd this one shares)
  *     connect | disconnect | add_bos | start | progress | close_session | criu_restore_barrier
- *     open KIND DIR COMPRESSION CHUNK_SIZE LABEL ALLOW_PARTIAL PARENT_HINT PARENTS NO_DEDUP REPLACE_PARENT
- *                                                                 (PARENTS: a,b or -)
+ *     open KIND DIR COMPRESSION CHUNK_SIZE LABEL ALLOW_PARTIAL PARENT_HINT PARENTS NO_DEDUP REPLACE_PARENT SUPPLY
+ *                                     (PARENTS: a,b or -; SUPPLY 1: a streamed session, its supply pipe's read
+ *                                      end passed and both ends closed after the call: the supply ends at once)
  *     wait TIMEOUT_MS (-1: none) | cancel REASON
  *     criu_restore_submit DIR LABEL BACKEND ALLOW_PARTIAL PARENTS
  *     expect OUTCOME          (after an action: the outcome it expects; "ok" without one)
@@ -136,7 +137,7 @@ static int act(struct driver *d, char **w, size_t n, struct vramd_error *err)
         d->conn = NULL;
         return 0;
     }
-    if (strcmp(a, "open") == 0 && n == 11) {
+    if (strcmp(a, "open") == 0 && n == 12) {
         int kind = strcmp(w[1], "dump") == 0      ? VRAMD_SESSION_DUMP
                    : strcmp(w[1], "restore") == 0 ? VRAMD_SESSION_RESTORE
                                                   : VRAMD_SESSION_VERIFY;
@@ -152,7 +153,18 @@ static int act(struct driver *d, char **w, size_t n, struct vramd_error *err)
                                        .n_parent_dir_fds = np,
                                        .no_dedup = atoi(w[9]) != 0,
                                        .replace_parent = atoi(w[10]) != 0};
-        return vramd_open_session(d->conn, &args, &d->token, NULL, err);
+        int supply[2] = {-1, -1};
+        if (atoi(w[11]) != 0) { /* supply_fd is past the 1.0 layout: the struct says how far it goes */
+            if (pipe2(supply, O_CLOEXEC))
+                return -errno;
+            args.struct_size = sizeof args;
+            args.supply_fd = supply[0];
+        }
+        int r = vramd_open_session(d->conn, &args, &d->token, NULL, err);
+        for (int i = 0; i < 2; i++)
+            if (supply[i] >= 0)
+                close(supply[i]);
+        return r;
     }
     if (strcmp(a, "add_bos") == 0)
         return vramd_add_bos(d->conn, &d->token, d->bos, d->n_bos, NULL, err);

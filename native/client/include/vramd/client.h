@@ -410,6 +410,16 @@ struct vramd_open_args {
     uint64_t hold_s;                   /* restore: once no connection holds the session, the daemon keeps it this
                                           many seconds (at most its max_hold; not the grace period) for a client
                                           to come back by its token; 0: the grace period */
+    /* appended in 1.2 (read where struct_size covers it) */
+    int supply_fd;                     /* restore/verify: > 0 makes it a streamed session (docs/protocol.md,
+                                          "Streamed sessions"): the read end of a pipe, or a connected unix
+                                          SOCK_STREAM socket, over which the image's data files are said final
+                                          while the session runs (16-byte messages, vramd/image/supply.py);
+                                          stays the caller's (the daemon gets a duplicate).  0 or -1: none (0
+                                          so that a zeroed struct, and a newer header's on an older library,
+                                          asks for nothing: a supply on fd 0 must be dup'ed first); other
+                                          negatives -EBADF; a dump with one -EINVAL.  Bytes the daemon may
+                                          send back on a socket are for its writer, never read here. */
 #ifdef VRAMD_ABI_TEST_EXTRA
     /* only in the ABI test's build (tests/test_libvramd_abi.py): an option appended as a later 1.x would */
     uint64_t abi_test_extra;
@@ -417,7 +427,7 @@ struct vramd_open_args {
 };
 
 #define VRAMD_OPEN_ARGS_INIT {.struct_size = sizeof(struct vramd_open_args), .dir_fd = -1}
-/* Defaults: struct_size set, dir_fd -1, everything else 0 / NULL / false. */
+/* Defaults: struct_size set, dir_fd -1, everything else 0 / NULL / false (supply_fd 0: none). */
 VRAMD_API void vramd_open_args_init(struct vramd_open_args *args);
 
 #define VRAMD_MAX_PARENTS 64

@@ -75,10 +75,15 @@ struct vramd_criu_config {
     uint64_t hold_s;          /* restore_submit: the seconds the daemon keeps the session, once the call has hung
                                  up, for CRIU main's barrier (vramd_open_args.hold_s); 0: as long as the daemon
                                  allows (its max_hold) */
+    /* appended in 1.2 (read where struct_size covers it) */
+    int supply_fd;            /* restore_submit: > 0 streams the restore (vramd_open_args.supply_fd): a pipe's
+                                 read end or a connected unix stream socket (e.g. `vramctl pull --serve`'s) that
+                                 says how far each data file is final; stays the caller's.  0 or -1: none.  A
+                                 dump with one is -EINVAL */
 };
 
 #define VRAMD_CRIU_CONFIG_INIT {.struct_size = sizeof(struct vramd_criu_config), .sock_fd = -1}
-/* Defaults: struct_size set, sock_fd -1, everything else 0 / NULL / false. */
+/* Defaults: struct_size set, sock_fd -1, everything else 0 / NULL / false (supply_fd 0: none). */
 VRAMD_API void vramd_criu_config_init(struct vramd_criu_config *cfg);
 
 /* One BO as a KFD CRIU ioctl describes it.  Size-versioned; an array's stride is its first element's size. */
