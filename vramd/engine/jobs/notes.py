@@ -3,7 +3,8 @@
 Release accounting: when the session starts, every chunk of every BO of the image's manifest is located, and
 each record in the image's OWN data files (never a parent's) gets a count of the chunks that read it: a
 deduplicated record is read by several, a delta's base record is read by each delta on it.  That pass grows
-with the manifest (a crafted one of 4 MB lists 4 million chunks), so it runs in an io thread, never on the
+with the manifest (a crafted one of 12 MB lists 12 million chunks), so it runs in a thread (the loop's default
+executor, as the manifest's own checks and indexes: never the io threads other sessions read with), never on the
 event loop, and stops early once the session does; the gate (stream.py) holds every chunk until it is done.
 Each time a batch has been read and checked (`read`, after the pipeline landed it), its chunks' counts go
 down; a record at 0 is released.  A record no chunk of the session ever reads (a BO the client never adds, a
@@ -27,7 +28,6 @@ import logging
 import os
 import socket
 from collections.abc import Callable
-from concurrent.futures import Executor
 
 from ...image.reader import ImageReader, Loc
 from ...image.supply import Intervals, NoteKind, encode_note
@@ -76,9 +76,9 @@ def shut_sending(sock: socket.socket) -> None:
 
 class Notes:
     """The notes of one session; `fd` is its supply socket (dup'ed here: closed by `close`); the counts are made
-    in `io` (`counted`, `until_counted`)."""
+    in a thread (`counted`, `until_counted`)."""
 
-    def __init__(self, reader: ImageReader, fd: int, files: int, io: Executor) -> None:
+    def __init__(self, reader: ImageReader, fd: int, files: int) -> None:
         self._sock: socket.socket | None = socket.socket(fileno=os.dup(fd))
         self._sock.setblocking(False)
         self._counts: Counts | None = None  # once counted
@@ -92,10 +92,10 @@ class Notes:
         self.sent = 0  # notes sent (tests, logs)
         loop = asyncio.get_running_loop()
         self._counted: asyncio.Future[None] = loop.create_future()
-        self._counting = loop.run_in_executor(io, record_counts, reader, files, self._is_stopping)
+        self._counting = loop.run_in_executor(None, record_counts, reader, files, self._is_stopping)
         self._counting.add_done_callback(self._on_counted)
 
-    # --- the counts (an io thread's) ----------------------------------------------
+    # --- the counts (a thread's) ----------------------------------------------
 
     def _is_stopping(self) -> bool:
         return self._stopping

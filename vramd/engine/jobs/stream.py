@@ -123,7 +123,7 @@ class Supply:
         """Read the pipe from now on (on the running loop)."""
         if check_supply_fd(self.fd):
             try:
-                self.notes = Notes(self.reader, self.fd, self._files, self._io)
+                self.notes = Notes(self.reader, self.fd, self._files)
             except OSError as e:  # (its dup: EMFILE) the notes are a help to the client, never a condition
                 log.warning("a streamed session's supply socket gets no notes: %s", e)
                 sock = socket.socket(fileno=self.fd)  # the client reads their end: it waits for none
