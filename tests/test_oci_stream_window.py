@@ -29,16 +29,22 @@ def node(run_dir, tmp_path):
         yield n
 
 
-def _tmpfs(path: Path, mib: int) -> Iterator[Path]:
+def _tmpfs(path: Path, mib: int, fs: str = "tmpfs") -> Iterator[Path]:
     path.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={mib}m,mode=0700", "tmpfs", str(path)],
-                       capture_output=True, text=True)
+    opts = f"size={mib}m,mode=0700" if fs == "tmpfs" else "mode=0700"
+    r = subprocess.run(["mount", "-t", fs, "-o", opts, fs, str(path)], capture_output=True, text=True)
     if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs for TMPDIR: {r.stderr.strip()}")
+        pytest.skip(f"cannot mount a {fs} for TMPDIR: {r.stderr.strip()}")
     try:
         yield path
     finally:
         subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+@pytest.fixture
+def ramfs_tmp(tmp_path) -> Iterator[Path]:
+    """A file system without holes (ramfs: fallocate PUNCH_HOLE is EOPNOTSUPP)."""
+    yield from _tmpfs(tmp_path / "ramfs", 0, fs="ramfs")
 
 
 @pytest.fixture
@@ -114,3 +120,19 @@ def test_dedup_pinned_records_go_past_the_window_only_when_a_chunk_waits(node, r
     # at most: what is pinned, the window, and a record (1 MiB chunk) for each of the 4 batches in flight and
     # the 4 chunks waiting at the gate (read but not yet released, or asked for past the window)
     assert w["window"] < w["peak_resident"] <= 16 * MiB + w["window"] + 8 * (MiB + 4096), w
+
+
+def test_a_file_system_without_holes_is_one_warning_not_a_silent_whole_copy(node, registry, tmp_path, ramfs_tmp):
+    """TMPDIR on ramfs, which cannot punch holes: the restore stands (byte-exact), but the files kept every byte
+    the daemon read, whatever --window said: vramctl says so in one warning line (it said nothing, and its JSON
+    showed a window it had not held on disk)."""
+    bos = [os.urandom(8 * MiB)]
+    ref, _ = _push(node, registry, tmp_path, "nohole", bos)
+    r = _restore_no_cache(node, bos, ref, ramfs_tmp, 2)
+    assert r.returncode == 0, r.stderr
+    assert _restored(node, bos)
+    w = json.loads(r.stdout)["window"]
+    assert w["released_notes"] > 0 and w["punched_bytes"] == 0, w
+    warnings = [line for line in r.stderr.splitlines() if "cannot free what the daemon read" in line]
+    assert len(warnings) == 1 and "Operation not supported" in warnings[0] and "--window" in warnings[0], r.stderr
+    assert list(ramfs_tmp.iterdir()) == []

@@ -1,4 +1,5 @@
-"""vramd.image.supply: the streamed restore's supply messages, encoded and checked (pure functions)."""
+"""vramd.image.supply: the streamed restore's supply messages and notes, encoded and checked (pure functions); the
+daemon's notes (vramd.engine.jobs.notes) and the client's window (vramd.oci.window) over real sockets and files."""
 import struct
 
 import pytest
@@ -169,3 +170,152 @@ def test_a_records_zero_padding_goes_with_it_and_an_unreleased_neighbours_block_
         assert os.pread(fd, 12288, 0) == bytes(8192) + b"\x02" * 4096
     finally:
         os.close(fd)
+
+
+def test_the_daemon_sends_each_released_range_once_whatever_order_records_are_released_in(tmp_path) -> None:
+    """The daemon's Notes (vramd.engine.jobs.notes) over a real socketpair, on a real image's reader: 400 records
+    of 4 KiB; every other one released first (200 ranges apart), then, a loop turn each, one at each end of what
+    is left.  Sending the released intervals a note's range fell in (as the daemon once did) sent those in
+    between again each turn: 10,200 notes for 400 records (a loop's CPU a client could multiply); each range is
+    sent once: at most one note per record, and their union is every record."""
+    import asyncio
+    import os
+    import socket
+
+    from helpers import open_dir, run
+
+    from vramd import inproc
+    from vramd.backends import BoRef
+    from vramd.engine import BoSpec, Engine, EngineConfig
+    from vramd.engine.jobs.notes import Notes
+    from vramd.engine.pipeline import ChunkTask
+    from vramd.image.names import MANIFEST_NAME
+    from vramd.image.reader import ImageReader
+    from vramd.image.supply import NOTE_SIZE, Intervals, NoteDecoder, NoteKind
+
+    n, cs = 400, 4096
+    src = os.memfd_create("bo")
+    os.write(src, os.urandom(n * cs))
+    dfd = open_dir(tmp_path)
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    ours.setblocking(False)
+
+    async def go() -> tuple[int, list[tuple[int, int]], list[tuple[int, int]]]:
+        async with Engine(EngineConfig(inflight_per_gpu=1, data_files_per_gpu=1, staging_budget=16 << 20)) as e:
+            await inproc.dump(e, dfd, [BoSpec(1, n * cs, BoRef("mmap", src, 0))], chunk_size=cs, compression="none")
+        mfd = os.open(MANIFEST_NAME, os.O_RDONLY, dir_fd=dfd)
+        try:
+            reader = await ImageReader.from_manifests(mfd)
+        finally:
+            os.close(mfd)
+        m = reader.manifest
+        tasks = sorted((ChunkTask(None, i, i * cs, cs, loc=reader.locate(m.bos[0], i)) for i in range(n)),
+                       key=lambda t: t.loc.offset)
+        notes = Notes(reader, theirs.fileno(), len(m.files))
+        await notes.until_counted()
+        dec, got, sent = NoteDecoder([f.length for f in m.files]), Intervals(), 0
+
+        async def turn(batch: list[ChunkTask]) -> None:
+            nonlocal sent
+            for t in batch:
+                notes.read([t])
+            await asyncio.sleep(0)  # one turn of the loop: the notes' send (call_soon) runs
+            while True:
+                try:
+                    data = ours.recv(1 << 20)
+                except BlockingIOError:
+                    return
+                sent += len(data) // NOTE_SIZE
+                for note in dec.feed(data):
+                    assert note.kind == NoteKind.RELEASED
+                    got.add(note.start, note.end)
+
+        await turn(tasks[1::2])
+        rest = tasks[0::2]
+        while rest:
+            await turn([rest[0], rest[-1]] if len(rest) > 1 else rest)
+            rest = rest[1:-1]
+        notes.close()
+        await notes.closed()
+        every = Intervals()
+        for t in tasks:
+            every.add(t.loc.offset, t.loc.offset + t.loc.length)
+        return sent, list(zip(got.starts, got.ends)), list(zip(every.starts, every.ends))
+
+    try:
+        sent, got, every = run(go())
+    finally:
+        for fd in (src, dfd):
+            os.close(fd)
+        ours.close()
+        theirs.close()
+    assert got == every
+    assert sent <= n, f"{sent} notes for {n} records"
+
+
+def test_a_supply_socket_the_daemon_cannot_dup_ends_its_notes_so_the_client_bounds_nothing(tmp_path) -> None:
+    """Notes need the daemon's own dup of the supply socket: with no fd left (EMFILE) the session goes on without
+    them, and the socket's sending side is shut down, so that the client (whose window waits for RELEASED and
+    WAITING: vramd.oci.window) reads their end and lifts its bound; before, it waited for notes that never came,
+    its download stalled under the window, and the daemon's chunks waited for that download."""
+    import asyncio
+    import os
+    import resource
+    import socket
+    from concurrent.futures import ThreadPoolExecutor
+
+    from helpers import open_dir, run
+
+    from vramd import inproc
+    from vramd.backends import BoRef
+    from vramd.engine import BoSpec, Engine, EngineConfig
+    from vramd.engine.jobs.stream import Supply
+    from vramd.image.names import MANIFEST_NAME
+    from vramd.image.reader import ImageReader
+
+    src = os.memfd_create("bo")
+    os.write(src, os.urandom(4 * 4096))
+    dfd = open_dir(tmp_path)
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    ours.settimeout(10)
+    failed: list[BaseException] = []
+
+    async def go() -> bytes:
+        async with Engine(EngineConfig(inflight_per_gpu=1, data_files_per_gpu=1, staging_budget=16 << 20)) as e:
+            await inproc.dump(e, dfd, [BoSpec(1, 4 * 4096, BoRef("mmap", src, 0))], chunk_size=4096)
+        mfd = os.open(MANIFEST_NAME, os.O_RDONLY, dir_fd=dfd)
+        try:
+            reader = await ImageReader.from_manifests(mfd)
+        finally:
+            os.close(mfd)
+        with ThreadPoolExecutor(1) as io:
+            supply = Supply(reader, theirs.fileno(), failed.append, io, "restored")
+            soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+            top = max(int(n) for n in os.listdir("/proc/self/fd"))
+            held: list[int] = []
+            resource.setrlimit(resource.RLIMIT_NOFILE, (top + 1, hard))
+            try:
+                while True:  # every fd below the limit taken: the daemon's dup fails with EMFILE
+                    try:
+                        held.append(os.dup(0))
+                    except OSError:
+                        break
+                supply.start()
+            finally:
+                for fd in held:
+                    os.close(fd)
+                resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+            assert supply.notes is None
+            end = await asyncio.get_running_loop().run_in_executor(None, ours.recv, 4096)
+            supply.stop()
+            await supply.closed()
+            return end
+
+    try:
+        assert run(go()) == b""  # the end of the notes (a read that waited for none fails past 10 s)
+    finally:
+        for fd in (src, dfd):
+            os.close(fd)
+        ours.close()
+        theirs.close()
+    assert failed == []

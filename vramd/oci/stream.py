@@ -117,6 +117,9 @@ def restore(puller: Puller, ref: str, entry: str, run: RunSession, *, commit: bo
         except BaseException:
             _cleanup(staging, warn)  # the session's error is the one reported, whatever the cleanup meets
             raise
+        if stats and stats[0].punch_error is not None:
+            warn(f"cannot free what the daemon read from the files in {staging} ({stats[0].punch_error}): they "
+                 "held all of it, whatever --window said")
         if commit and whole:
             _commit(staging, entry, warn)
         else:

@@ -49,6 +49,7 @@ class WindowStats:
     released: int = 0  # RELEASED notes
     punched: int = 0  # bytes freed (whole blocks)
     allocated: int = 0  # the most the data files occupied (st_blocks), sampled as each blob ends
+    punch_error: str | None = None  # why no hole could be punched (a file system without them): nothing was freed
 
     def to_dict(self) -> dict[str, int]:
         return {"window": self.window, "peak_resident": self.peak, "blobs_past_window": self.beyond,
@@ -218,7 +219,7 @@ class Window:
                 try:
                     punch_hole(self.fds[fi], a, span[1] - a)
                 except OSError as e:  # EOPNOTSUPP: the files keep what was read; the restore goes on
-                    self.punch_error = e.strerror or str(e)
+                    self.punch_error = self.stats.punch_error = e.strerror or str(e)
                     return
                 done = span[1]
                 with self._cond:

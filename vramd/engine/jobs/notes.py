@@ -2,17 +2,23 @@
 
 Release accounting: when the session starts, every chunk of every BO of the image's manifest is located, and
 each record in the image's OWN data files (never a parent's) gets a count of the chunks that read it: a
-deduplicated record is read by several, a delta's base record is read by each delta on it.  Each time a batch
-has been read and checked (`read`, after the pipeline landed it), its chunks' counts go down; a record at 0 is
-released: its range joins its file's released intervals, adjacent ranges merged.  A record no chunk of the
-session ever reads (a BO the client never adds, a restore with allow_partial) is never released.
+deduplicated record is read by several, a delta's base record is read by each delta on it.  That pass grows
+with the manifest (a crafted one of 12 MB lists 12 million chunks), so it runs in a thread (the loop's default
+executor, as the manifest's own checks and indexes: never the io threads other sessions read with), never on the
+event loop, and stops early once the session does; the gate (stream.py) holds every chunk until it is done.
+Each time a batch has been read and checked (`read`, after the pipeline landed it), its chunks' counts go
+down; a record at 0 is released.  A record no chunk of the session ever reads (a BO the client never adds, a
+restore with allow_partial) is never released.
 
-Sending never blocks the loop nor the session: the socket is non-blocking, and what is still to send is a
-hull of the ranges released since the last send per file (the merged released intervals inside it are sent
-whole, so a client that reads late gets fewer, larger notes) and the latest WAITING end per file.  A client
-that never reads costs the daemon that, O(files), beside the counts and intervals the accounting holds anyway
-(O(records)).  Sends go out on the next turn of the loop, and, once the socket is full, when it is writable
-again (add_writer).  A peer that closed its end (EPIPE, ECONNRESET) stops the notes, never the session.
+Sending never blocks the loop nor the session: the socket is non-blocking, and what is still to send is, per
+data file that has any, the ranges released since they were last sent (adjacent ones merged: a client that
+reads late gets fewer, larger notes) and the latest WAITING end.  Each released byte is sent once (the client
+merges what it is told), so the notes of a session are at most one per record and one WAITING per chunk
+held, whatever order the records are released in.  A client that never reads costs the daemon what is not
+sent yet (O(records) at most, beside the counts).  Sends go out on the next turn of the loop, and, once the
+socket is full, when it is writable again (add_writer).  A peer that closed its end (EPIPE, ECONNRESET)
+stops the notes, never the session.  Notes that stop for any other reason (a send error, the count failing)
+shut the socket's sending side down, so that the client reads their end and knows no more come.
 """
 from __future__ import annotations
 
@@ -21,6 +27,7 @@ import errno
 import logging
 import os
 import socket
+from collections.abc import Callable
 
 from ...image.reader import ImageReader, Loc
 from ...image.supply import Intervals, NoteKind, encode_note
@@ -30,15 +37,23 @@ from .read import ImageBo
 log = logging.getLogger(__name__)
 
 _BATCH = 128  # notes per send
+_STEP = 4096  # chunks counted between two looks at whether the session stopped
+
+Counts = dict[tuple[int, int], list[int]]
 
 
-def record_counts(reader: ImageReader, files: int) -> dict[tuple[int, int], list[int]]:
-    """(data file, offset) -> [chunks that read it, its length], over every BO of the image's manifest."""
+def record_counts(reader: ImageReader, files: int, stopped: Callable[[], bool] = lambda: False) -> Counts | None:
+    """(data file, offset) -> [chunks that read it, its length], over every BO of the image's manifest; None
+    once `stopped()` (asked every _STEP chunks).  Work that grows with the manifest: a thread's."""
     m = reader.manifest
-    counts: dict[tuple[int, int], list[int]] = {}
+    counts: Counts = {}
     cs = m.chunk_size
+    n = 0
     for e in m.bos:
         for i in range(-(-e.size // cs) if cs else 0):
+            n += 1
+            if n % _STEP == 0 and stopped():
+                return None
             loc: Loc | None = reader.locate(e, i)
             while loc is not None:
                 if loc.slot < files:
@@ -51,46 +66,93 @@ def record_counts(reader: ImageReader, files: int) -> dict[tuple[int, int], list
     return counts
 
 
+def shut_sending(sock: socket.socket) -> None:
+    """No note comes any more: the client reads the end of them (its reads of the socket return 0)."""
+    try:
+        sock.shutdown(socket.SHUT_WR)
+    except OSError:  # (not connected, or the peer is gone)
+        pass
+
+
 class Notes:
-    """The notes of one session; `fd` is its supply socket (dup'ed here: closed by `close`)."""
+    """The notes of one session; `fd` is its supply socket (dup'ed here: closed by `close`); the counts are made
+    in a thread (`counted`, `until_counted`)."""
 
     def __init__(self, reader: ImageReader, fd: int, files: int) -> None:
-        self._counts = record_counts(reader, files)
-        self.released = [Intervals() for _ in range(files)]
-        self._hull: list[tuple[int, int] | None] = [None] * files  # released since the last send
-        self._wait = [0] * files  # the latest WAITING end per file
-        self._wait_sent = [0] * files
-        self._out = b""  # a note the socket took part of
         self._sock: socket.socket | None = socket.socket(fileno=os.dup(fd))
         self._sock.setblocking(False)
+        self._counts: Counts | None = None  # once counted
+        self._new: dict[int, Intervals] = {}  # per data file: released, not sent yet
+        self._wait: dict[int, int] = {}  # per data file: the latest WAITING end, not sent yet
+        self._wait_sent: dict[int, int] = {}
+        self._out = b""  # a note the socket took part of
         self._scheduled = False
         self._writer = False
+        self._stopping = False
         self.sent = 0  # notes sent (tests, logs)
+        loop = asyncio.get_running_loop()
+        self._counted: asyncio.Future[None] = loop.create_future()
+        self._counting = loop.run_in_executor(None, record_counts, reader, files, self._is_stopping)
+        self._counting.add_done_callback(self._on_counted)
+
+    # --- the counts (a thread's) ----------------------------------------------
+
+    def _is_stopping(self) -> bool:
+        return self._stopping
+
+    def _on_counted(self, fut: asyncio.Future[Counts | None]) -> None:
+        if self._sock is not None:
+            if fut.cancelled() or fut.exception() is not None:
+                log.error("a streamed session's release counts failed (%r): its notes stop",
+                          None if fut.cancelled() else fut.exception())
+                self.close(shut=True)
+            else:
+                self._counts = fut.result()
+        if not self._counted.done():
+            self._counted.set_result(None)
+
+    @property
+    def counted(self) -> bool:
+        """Whether a chunk may be read (its read counted down): the counts are made, or the notes are over."""
+        return self._counted.done()
+
+    async def until_counted(self) -> None:
+        await asyncio.wait([self._counted])  # (wait() never cancels the shared future)
+
+    async def closed(self) -> None:
+        """After `close`: return once the counting thread has stopped."""
+        await asyncio.gather(self._counting, return_exceptions=True)
 
     # --- accounting -------------------------------------------------------------
 
     def read(self, tasks: list[ChunkTask[ImageBo]]) -> None:
         """These chunks have read and checked their records: none of them reads one again."""
+        counts = self._counts
+        if counts is None:
+            return
         for t in tasks:
             loc: Loc | None = t.loc
             while loc is not None:
-                c = self._counts.get((loc.slot, loc.offset))
+                c = counts.get((loc.slot, loc.offset))
                 if c is not None and c[0] > 0:
                     c[0] -= 1
                     if c[0] == 0:
-                        del self._counts[(loc.slot, loc.offset)]
+                        del counts[(loc.slot, loc.offset)]
                         self._release(loc.slot, loc.offset, loc.offset + c[1])
                 loc = loc.base
 
     def _release(self, slot: int, start: int, end: int) -> None:
-        lo, hi, _new = self.released[slot].add(start, end)
-        h = self._hull[slot]
-        self._hull[slot] = (lo, hi) if h is None else (min(h[0], lo), max(h[1], hi))
+        if self._sock is None:
+            return
+        new = self._new.get(slot)
+        if new is None:
+            new = self._new[slot] = Intervals()
+        new.add(start, end)
         self._schedule()
 
     def waiting(self, slot: int, end: int) -> None:
         """A chunk waits at the gate for bytes [0, end) of data file `slot`."""
-        if end > self._wait[slot]:
+        if self._sock is not None and end > max(self._wait.get(slot, 0), self._wait_sent.get(slot, 0)):
             self._wait[slot] = end
             self._schedule()
 
@@ -105,21 +167,18 @@ class Notes:
     def _pending(self) -> list[bytes]:
         """Up to _BATCH notes, taken off what is to send."""
         out: list[bytes] = []
-        for slot, end in enumerate(self._wait):
-            if end > self._wait_sent[slot]:
-                out.append(encode_note(NoteKind.WAITING, slot, 0, end))
-                self._wait_sent[slot] = end
-        for slot, h in enumerate(self._hull):
-            if h is None:
-                continue
-            ivs = self.released[slot].within(*h)
-            room = _BATCH - len(out)
-            for s, e in ivs[:room]:
-                out.append(encode_note(NoteKind.RELEASED, slot, s, e))
-            if len(ivs) > room:
-                self._hull[slot] = (ivs[room][0], h[1])
+        for slot, end in self._wait.items():
+            out.append(encode_note(NoteKind.WAITING, slot, 0, end))
+            self._wait_sent[slot] = end
+        self._wait.clear()
+        for slot in list(self._new):
+            new = self._new[slot]
+            take = min(_BATCH - len(out), len(new))
+            out += [encode_note(NoteKind.RELEASED, slot, s, e) for s, e in zip(new.starts[:take], new.ends[:take])]
+            del new.starts[:take], new.ends[:take]
+            if len(new):
                 break
-            self._hull[slot] = None
+            del self._new[slot]
         self.sent += len(out)
         return out
 
@@ -137,7 +196,7 @@ class Notes:
             except OSError as e:  # EPIPE, ECONNRESET: the client wants no notes (or is gone): the session goes on
                 if e.errno not in (errno.EPIPE, errno.ECONNRESET):
                     log.warning("a streamed session's notes to its client stop: %s", e)
-                self.close()
+                self.close(shut=True)
                 return
             self._out = data[n:]
             if self._out:  # full: the rest once it is writable
@@ -149,14 +208,21 @@ class Notes:
             self._writer = False
             asyncio.get_running_loop().remove_writer(sock.fileno())
 
-    def close(self) -> None:
-        """No more notes (the session is over, or the peer closed its end)."""
+    def close(self, shut: bool = False) -> None:
+        """No more notes (the session is over, or the peer closed its end); `shut`: say so to the client."""
+        self._stopping = True
+        if not self._counted.done():
+            self._counted.set_result(None)
         sock, self._sock = self._sock, None
         if sock is None:
             return
         if self._writer:
             self._writer = False
             asyncio.get_running_loop().remove_writer(sock.fileno())
+        if shut:
+            shut_sending(sock)
         sock.close()
-        self._hull = [None] * len(self._hull)
+        self._new.clear()
+        self._wait.clear()
         self._out = b""
+        self._counts = None

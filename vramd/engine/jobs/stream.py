@@ -45,7 +45,7 @@ from ...image.format import DATA_HEADER
 from ...image.reader import ImageReader, Loc
 from ...image.supply import SupplyDecoder, SupplyError
 from ..pipeline import ChunkTask, settle
-from .notes import Notes
+from .notes import Notes, shut_sending
 from .read import ImageBo
 
 log = logging.getLogger(__name__)
@@ -126,6 +126,9 @@ class Supply:
                 self.notes = Notes(self.reader, self.fd, self._files)
             except OSError as e:  # (its dup: EMFILE) the notes are a help to the client, never a condition
                 log.warning("a streamed session's supply socket gets no notes: %s", e)
+                sock = socket.socket(fileno=self.fd)  # the client reads their end: it waits for none
+                shut_sending(sock)
+                sock.detach()
         os.set_blocking(self.fd, False)  # (the pipe's: a client that reads its own end too cannot stall the loop)
         asyncio.get_running_loop().add_reader(self.fd, self._readable)
         self._reading = True
@@ -142,13 +145,15 @@ class Supply:
         return None
 
     def is_ready(self, task: ChunkTask[ImageBo]) -> bool:
-        return self._short(task) is None
+        return (self.notes is None or self.notes.counted) and self._short(task) is None
 
     def read(self, tasks: list[ChunkTask[ImageBo]]) -> None:
         if self.notes is not None:
             self.notes.read(tasks)
 
     async def ready(self, task: ChunkTask[ImageBo]) -> None:
+        if self.notes is not None and not self.notes.counted:  # no chunk is read before its read counts down
+            await self.notes.until_counted()
         while (short := self._short(task)) is not None and not self._stopped:
             slot, need = short
             if self.notes is not None and need > self._decoder.ends[slot]:
@@ -181,6 +186,8 @@ class Supply:
     async def closed(self) -> None:
         """After `stop`: return once no header check reads a data file any more (the session then closes them)."""
         await asyncio.gather(*self._headers.values(), return_exceptions=True)
+        if self.notes is not None:
+            await self.notes.closed()
 
     # --- the pipe ---------------------------------------------------------------
 
