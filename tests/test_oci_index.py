@@ -183,3 +183,31 @@ def test_skopeo_copies_the_index_and_its_parts_unchanged_and_vramd_restores_the_
         assert out == bos
         out = other.restore(f"oci://{dst}:2", [len(b) for b in bos2], "--plain-http", "--cache", str(tmp_path / "d"))
         assert out == bos2
+
+
+def test_a_copy_without_all_holds_the_first_part_alone_and_is_refused_by_name(node, registry, tmp_path, run_dir):
+    """skopeo 1.9 `copy` without --all picks an index's first entry without a platform and copies it alone (exit
+    0): part 0, an image manifest with the config, the skeleton and the first payloads.  vramctl pull and restore
+    of that copy refuse it, saying it is a part and to copy with --all; nothing is written."""
+    bos = big_bos()
+    img = tmp_path / "image"
+    node.dump(img, bos, "--compress", "none")
+    src, dst = f"{registry.host}/jobs/orig:1", f"{registry.host}/copies/part:1"
+    ok(vramctl("push", str(img), src, "--plain-http", "--json", "--max-manifest-bytes", BUDGET))
+    subprocess.run(["skopeo", "copy", "--src-tls-verify=false", "--dest-tls-verify=false", f"docker://{src}",
+                    f"docker://{dst}"], capture_output=True, check=True)
+    _doc, parts, _bodies = read_index(registry, "jobs/orig", "1")
+    raw = subprocess.run(["skopeo", "inspect", "--raw", "--tls-verify=false", f"docker://{dst}"],
+                         capture_output=True, check=True).stdout
+    assert json.loads(raw) == parts[0]  # what the copy holds: the first part
+    r = vramctl("pull", dst, str(tmp_path / "dest"), "--plain-http", "--json")
+    assert r.returncode == 1 and json.loads(r.stdout)["error"]["code"] == "CORRUPT_MANIFEST", r.stdout
+    assert "a part of a vramd image pushed as an OCI image index" in r.stderr and "skopeo copy --all" in r.stderr
+    assert not (tmp_path / "dest").exists()
+    with Node(run_dir, tmp_path / "node2") as other:
+        f = other.dir / "out1.bin"
+        f.write_bytes(b"\x5a" * len(bos[0]))
+        r = vramctl("restore", "--pid", str(os.getpid()), "--image", f"oci://{dst}", "--bo-file", f"1={f}",
+                    "--plain-http", "--json", "--cache", str(tmp_path / "c"), socket=other.daemon.socket)
+        assert r.returncode == 1 and "skopeo copy --all" in r.stderr, r.stderr
+        assert f.read_bytes() == b"\x5a" * len(bos[0])

@@ -139,6 +139,10 @@ def decode_top(body: bytes, what: str) -> Artifact | Index:
     parts still to fetch: `decode_part` each, then `assemble`).  Anything else is a CorruptManifestError."""
     doc = parse_json(body, what, MAX_OCI_MANIFEST)
     if doc.get("mediaType") != MEDIA_OCI_INDEX:
+        if doc.get("artifactType") == ARTIFACT_PART:  # `skopeo copy` without --all copies an index's first part
+            raise CorruptManifestError(f"{what}: a part of a vramd image pushed as an OCI image index, not the "
+                                       "image: reference the index (`skopeo copy` without --all copies its first "
+                                       "part alone: copy it with `skopeo copy --all`)")
         return manifest_from_doc(doc, what)
     if len(body) > MAX_INDEX:
         raise CorruptManifestError(f"{what}: OCI image index larger than {MAX_INDEX} bytes")
