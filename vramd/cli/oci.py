@@ -23,7 +23,7 @@ from typing import Any
 
 from ..errors import RegistryError
 from ..oci.credentials import find_credentials, from_password_stdin
-from ..oci.index import ANN_TYPE, DEFAULT_MAX_MANIFEST, MIN_MAX_MANIFEST
+from ..oci.index import ANN_TYPE, DEFAULT_MAX_MANIFEST, MAX_MAX_MANIFEST, MIN_MAX_MANIFEST
 from ..oci.layout import ANN_BYTES, ANN_CREATED, ANN_GPUS, ANN_IMAGE_ID, ANN_PARENT
 from ..oci.pull import Pulled, Puller, pull_chain
 from ..oci.push import Pusher, push_chain
@@ -111,6 +111,9 @@ def usage_error(ns: argparse.Namespace) -> str | None:
         return f"argument --concurrency: {ns.concurrency}: must be at least 1"
     if getattr(ns, "max_manifest_bytes", MIN_MAX_MANIFEST) < MIN_MAX_MANIFEST:
         return f"argument --max-manifest-bytes: {ns.max_manifest_bytes}: must be at least {MIN_MAX_MANIFEST}"
+    if getattr(ns, "max_manifest_bytes", MIN_MAX_MANIFEST) > MAX_MAX_MANIFEST:
+        return f"argument --max-manifest-bytes: {ns.max_manifest_bytes}: must be at most {MAX_MAX_MANIFEST} (what a " \
+            "pull reads)"
     if ns.password_stdin and not ns.username:
         return "--password-stdin needs --username"
     if ns.username and not ns.password_stdin:

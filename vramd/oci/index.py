@@ -51,6 +51,7 @@ EMPTY = Descriptor(MEDIA_EMPTY, sha256_digest(EMPTY_CONFIG), len(EMPTY_CONFIG))
 # bytes, docs/distributed.md "Manifest weight"); half a MiB is left to registries with a lower one.
 DEFAULT_MAX_MANIFEST = 3_670_016
 MIN_MAX_MANIFEST = 1024  # below this not even a part of one payload layer fits
+MAX_MAX_MANIFEST = MAX_OCI_MANIFEST  # past this a pull would refuse the one manifest a push wrote
 
 # Pull: bounds on what an index may make us fetch and hold.
 MAX_INDEX = 1 << 20  # a part's entry takes ~230 bytes of JSON
@@ -89,8 +90,7 @@ def split(config: Descriptor, skeleton: Descriptor, chunks: Sequence[Descriptor]
     """The part manifests of an image whose one manifest is over `budget` bytes: each at most `budget`, as few as
     fill them in order (the first: config, skeleton, then payloads; each later one: the empty config and at least
     one payload).  A budget too small for that is an ImageError."""
-    if budget < MIN_MAX_MANIFEST:
-        raise ImageError(f"a manifest budget of {budget} bytes is below {MIN_MAX_MANIFEST}")
+    check_budget(budget)
     parts: list[bytes] = []
     cfg, run = config, [skeleton]
     size = len(encode_part(cfg, run))
@@ -109,6 +109,29 @@ def split(config: Descriptor, skeleton: Descriptor, chunks: Sequence[Descriptor]
         if len(body) > budget:
             raise ImageError(f"a manifest budget of {budget} bytes does not hold the config and the skeleton")
     return parts
+
+
+def check_budget(budget: int) -> None:
+    """A budget a push can keep and a pull reads what it makes: an ImageError if not."""
+    if budget < MIN_MAX_MANIFEST:
+        raise ImageError(f"a manifest budget of {budget} bytes is below {MIN_MAX_MANIFEST}")
+    if budget > MAX_MAX_MANIFEST:
+        raise ImageError(f"a manifest budget of {budget} bytes is above the {MAX_MAX_MANIFEST} a pull reads")
+
+
+def index_for(parts: Sequence[bytes], parent: Descriptor | None, annotations: Mapping[str, str],
+              budget: int) -> bytes:
+    """The index over `parts` (split's), checked before anything is sent against the budget and against what a
+    pull takes (MAX_PARTS parts, MAX_INDEX bytes): a push never tags an image no pull reads."""
+    if len(parts) > MAX_PARTS:
+        raise ImageError(f"{len(parts)} part manifests at a budget of {budget} bytes: a pull takes at most "
+                         f"{MAX_PARTS}; raise --max-manifest-bytes")
+    body = encode_index([Descriptor(MEDIA_OCI_MANIFEST, sha256_digest(p), len(p)) for p in parts], parent,
+                        annotations)
+    if len(body) > min(budget, MAX_INDEX):
+        raise ImageError(f"the OCI index of its {len(parts)} parts is {len(body)} bytes, over the manifest budget "
+                         f"of {budget} or the {MAX_INDEX} a pull takes (are its annotations that long?)")
+    return body
 
 
 def encode_index(parts: Sequence[Descriptor], parent: Descriptor | None, annotations: Mapping[str, str]) -> bytes:
