@@ -181,6 +181,7 @@ def test_a_manifest_may_name_an_index_as_its_parent_and_nothing_else():
     (["--annotation", "org.vramd.image.type=application/vnd.other"], "vramctl sets it from the image"),
     (["--max-manifest-bytes", "1023"], "--max-manifest-bytes: 1023: must be at least 1024"),
     (["--max-manifest-bytes", str(L.MAX_OCI_MANIFEST + 1)], "must be at most"),  # a pull would refuse it
+    (["--annotation", "org.example.note=caf\udce9"], "not UTF-8 text"),  # argv's bytes c a f 0xe9
 ])
 def test_an_index_vramctl_could_not_write_is_a_usage_error(tmp_path, args, what):
     r = vramctl("push", str(tmp_path / "image"), "127.0.0.1:1/jobs/x:1", "--plain-http", *args)

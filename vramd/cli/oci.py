@@ -150,6 +150,10 @@ def _annotations(items: list[str]) -> dict[str, str]:
             raise Failure(f"--annotation {item!r}: expected KEY=VALUE")
         if key in COMPUTED_ANNOTATIONS:  # they describe the image: a value of the caller's would be a lie,
             raise Failure(f"--annotation {key}: vramctl sets it from the image itself")  # or make it unpullable
+        try:  # bytes not UTF-8 in argv: no JSON carries them (an index's encoder failed untyped)
+            item.encode()
+        except UnicodeEncodeError:
+            raise Failure(f"--annotation {item!r}: not UTF-8 text") from None
         out[key] = value
     return out
 
