@@ -59,6 +59,7 @@ def test_an_image_over_the_budget_goes_up_as_an_index_and_comes_back_byte_exact(
     raw = json.dumps(doc, separators=(",", ":")).encode()
     assert "sha256:" + hashlib.sha256(raw).hexdigest() == first["digest"]  # the tag names the index
     assert doc["mediaType"] == L.MEDIA_OCI_INDEX and doc["annotations"][X.ANN_TYPE] == L.ARTIFACT_TYPE
+    assert doc["artifactType"] == L.ARTIFACT_TYPE and "subject" not in doc
     assert doc["annotations"]["org.vramd.image.pid"] == "4242" and L.ANN_PARENT not in doc["annotations"]
     assert len(parts) >= 3 and all(len(b) <= int(BUDGET) for b in bodies), [len(b) for b in bodies]
     assert len(raw) <= int(BUDGET)
@@ -136,6 +137,8 @@ def test_restore_from_an_index_reference_and_an_incremental_child_over_it(node, 
     assert [c["media_type"] for c in r3["chain"]] == [L.MEDIA_OCI_INDEX, L.MEDIA_OCI_MANIFEST, L.MEDIA_OCI_INDEX]
     gdoc, _parts, _bodies = read_index(registry, "jobs/inc", "step3")
     assert gdoc["annotations"][L.ANN_PARENT] == r["digest"]
+    assert gdoc["subject"] == {"mediaType": L.MEDIA_OCI_MANIFEST, "digest": r["digest"], "size": len(json.dumps(
+        cdoc, separators=(",", ":")))}  # OCI 1.1's link too: the referrers API lists the grandchild
 
     with Node(run_dir, tmp_path / "node2") as other:
         out = other.restore(f"oci://{base}:step1", [len(b) for b in bos], "--plain-http", "--cache",
@@ -150,17 +153,22 @@ def test_restore_from_an_index_reference_and_an_incremental_child_over_it(node, 
 
 def test_skopeo_copies_the_index_and_its_parts_unchanged_and_vramd_restores_the_copy(node, registry, tmp_path,
                                                                                      run_dir):
-    """skopeo 1.9 re-encodes an index it copies (--all) with the fields it knows: vramd's index is written in
-    those very bytes, so the copy keeps its digest, and a child copied beside it still finds it as its parent."""
+    """skopeo 1.9.3 `copy --all` keeps an index (its artifactType and subject too) and its parts byte for byte,
+    through an oci: layout and registry to registry: the copy keeps its digest, so a child copied beside it (one
+    manifest naming the index by subject) still finds it as its parent, and so does an indexed grandchild."""
     bos = big_bos()
-    img, child = tmp_path / "image", tmp_path / "child"
+    img, child, grand = tmp_path / "base", tmp_path / "child", tmp_path / "grand"
     node.dump(img, bos, "--compress", "none")
     bos2 = [bos[0], bytes(len(bos[1])), bos[2]]  # the second BO zeroed: the child is one small manifest
     node.dump(child, bos2, "--parent", str(img), "--compress", "none")
+    bos3 = [bos2[0], bos2[1], os.urandom(len(bos2[2]))]  # the big BO rewritten: the grandchild is an index
+    node.dump(grand, bos3, "--parent", str(child), "--compress", "none")
     src = f"{registry.host}/jobs/orig"
     digest = ok(vramctl("push", str(img), f"{src}:1", "--plain-http", "--json", "--max-manifest-bytes",
                         BUDGET))["digest"]
     ok(vramctl("push", str(child), f"{src}:2", "--plain-http", "--json", "--max-manifest-bytes", BUDGET))
+    r3 = ok(vramctl("push", str(grand), f"{src}:3", "--plain-http", "--json", "--max-manifest-bytes", BUDGET))
+    assert [c["media_type"] for c in r3["chain"]] == [L.MEDIA_OCI_INDEX, L.MEDIA_OCI_MANIFEST, L.MEDIA_OCI_INDEX]
     raw = subprocess.run(["skopeo", "inspect", "--raw", "--tls-verify=false", f"docker://{src}:1"],
                          capture_output=True, check=True).stdout
     assert "sha256:" + hashlib.sha256(raw).hexdigest() == digest
@@ -172,9 +180,16 @@ def test_skopeo_copies_the_index_and_its_parts_unchanged_and_vramd_restores_the_
                    capture_output=True, check=True)
     subprocess.run(["skopeo", "copy", "--all", "--src-tls-verify=false", "--dest-tls-verify=false",
                     f"docker://{src}:2", f"docker://{dst}:2"], capture_output=True, check=True)
+    subprocess.run(["skopeo", "copy", "--all", "--src-tls-verify=false", "--dest-tls-verify=false",
+                    f"docker://{src}:3", f"docker://{dst}:3"], capture_output=True, check=True)
     raw2 = subprocess.run(["skopeo", "inspect", "--raw", "--tls-verify=false", f"docker://{dst}:1"],
                           capture_output=True, check=True).stdout
-    assert raw2 == raw
+    assert raw2 == raw and json.loads(raw)["artifactType"] == L.ARTIFACT_TYPE
+    raw3 = subprocess.run(["skopeo", "inspect", "--raw", "--tls-verify=false", f"docker://{dst}:3"],
+                          capture_output=True, check=True).stdout
+    assert L.sha256_digest(raw3) == r3["digest"]
+    assert json.loads(raw3)["artifactType"] == L.ARTIFACT_TYPE
+    assert json.loads(raw3)["subject"]["digest"] == r3["chain"][1]["digest"]
     _doc, parts, bodies = read_index(registry, "copies/other", "1")
     assert len(parts) >= 3
     assert [L.sha256_digest(b) for b in bodies] == [m["digest"] for m in json.loads(raw)["manifests"]]
@@ -183,6 +198,8 @@ def test_skopeo_copies_the_index_and_its_parts_unchanged_and_vramd_restores_the_
         assert out == bos
         out = other.restore(f"oci://{dst}:2", [len(b) for b in bos2], "--plain-http", "--cache", str(tmp_path / "d"))
         assert out == bos2
+        out = other.restore(f"oci://{dst}:3", [len(b) for b in bos3], "--plain-http", "--cache", str(tmp_path / "e"))
+        assert out == bos3
 
 
 def test_a_copy_without_all_holds_the_first_part_alone_and_is_refused_by_name(node, registry, tmp_path, run_dir):

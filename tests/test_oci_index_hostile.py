@@ -151,14 +151,16 @@ def test_a_budget_too_small_for_a_part_is_refused():
 
 
 def test_the_index_is_in_the_bytes_a_go_client_writes_back():
-    """Fields in image-spec 1.0's order, annotations by key, HTML characters escaped as Go's encoding/json does:
-    what skopeo 1.9 (tests/test_oci_index.py) re-encodes an index it copies into."""
+    """Fields in image-spec 1.1's order (artifactType, subject), annotations by key, HTML characters escaped as
+    Go's encoding/json does: what a Go client that re-encodes an index it copies writes back."""
     part = L.Descriptor(L.MEDIA_OCI_MANIFEST, "sha256:" + "a" * 64, 7)
     parent = L.Descriptor(L.MEDIA_OCI_INDEX, "sha256:" + "b" * 64, 9)
     body = X.encode_index([part], parent, {"z": "<&>", "a": "é"})
-    assert body == ('{"schemaVersion":2,"mediaType":"application/vnd.oci.image.index.v1+json","manifests":[{'
+    assert body == ('{"schemaVersion":2,"mediaType":"application/vnd.oci.image.index.v1+json",'
+                    '"artifactType":"application/vnd.vramd.image.v1","manifests":[{'
                     '"mediaType":"application/vnd.oci.image.manifest.v1+json","digest":"sha256:' + "a" * 64 +
-                    '","size":7}],"annotations":{"a":"é","org.vramd.image.parent":"sha256:' + "b" * 64 +
+                    '","size":7}],"subject":{"mediaType":"application/vnd.oci.image.index.v1+json","digest":"sha256:' +
+                    "b" * 64 + '","size":9},"annotations":{"a":"é","org.vramd.image.parent":"sha256:' + "b" * 64 +
                     '","org.vramd.image.type":"application/vnd.vramd.image.v1","z":"\\u003c\\u0026\\u003e"}}'
                     ).encode()
     top = X.decode_top(body, "ref")

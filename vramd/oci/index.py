@@ -6,8 +6,9 @@ payload layer, that is a process of ~240 GB at 8 MiB chunks.  Past a budget belo
 layers in N part manifests, each a valid OCI image manifest of artifactType ARTIFACT_PART: the first has the
 image's config (manifest.vrdm) and the skeleton as layers[0], every later one the OCI empty config; each lists a
 contiguous run of the payload layers, so the skeleton's payload table is exactly the parts' layers one after the
-other.  One index over them (the operator's annotations, the image's type and its parent as annotations: see
-encode_index) is what the tag names; it goes up last, after every part, as one manifest goes after every blob.
+other.  One index over them (its artifactType the image's, its subject the parent, the operator's annotations,
+and the type and parent as annotations too: see encode_index) is what the tag names; it goes up last, after
+every part, as one manifest goes after every blob.
 
 On the way in the index and each part are checked as one manifest is (vramd.oci.layout), and the parts as a whole:
 at most MAX_PARTS of them, their declared sizes at most MAX_PARTS_BYTES in all before any is fetched, each fetched
@@ -59,7 +60,7 @@ MAX_PARTS = 1024  # 3.5 MiB parts: ~25 M layers, past MAX_LAYERS
 MAX_PARTS_BYTES = 512 << 20  # all parts' JSON; the layers' count is MAX_LAYERS as for one manifest
 
 _SEP = (",", ":")
-ANN_TYPE = "org.vramd.image.type"  # an index's: ARTIFACT_TYPE (an OCI 1.0 index has no artifactType)
+ANN_TYPE = "org.vramd.image.type"  # an index's: ARTIFACT_TYPE, for a client of OCI 1.0 (no artifactType there)
 
 
 @dataclass(frozen=True)
@@ -135,19 +136,24 @@ def index_for(parts: Sequence[bytes], parent: Descriptor | None, annotations: Ma
 
 
 def encode_index(parts: Sequence[Descriptor], parent: Descriptor | None, annotations: Mapping[str, str]) -> bytes:
-    """The index over the parts, in the OCI image-spec 1.0 form a Go client writes it (fields in its order,
-    annotations by key, `<>&` escaped), so that one that decodes and re-encodes it (skopeo 1.9 `copy --all` does,
-    dropping what 1.0 lacks: `artifactType`, `subject`) writes these very bytes: the copy keeps its digest, which
-    a child's parent reference holds.  What the image is: the annotation ANN_TYPE; its parent: ANN_PARENT."""
+    """The index over the parts: `artifactType` ARTIFACT_TYPE and the parent as `subject` (OCI 1.1: a registry's
+    referrers API lists an indexed child under its parent, as it does a one-manifest child), and both as the
+    annotations ANN_TYPE and ANN_PARENT for a client of OCI 1.0.  Written as a Go client of image-spec 1.1 writes
+    it (fields in its order, annotations by key, `<>&` escaped), so that one that decodes and re-encodes it writes
+    these very bytes: the copy keeps its digest, which a child's parent reference holds.  (skopeo 1.9.3 `copy
+    --all` copies an index it does not change byte for byte, whatever its form: tests/test_oci_index.py.)"""
     ann = {**annotations, ANN_TYPE: ARTIFACT_TYPE}
     if parent is not None:
         ann[ANN_PARENT] = parent.digest
     doc: dict[str, object] = {
         "schemaVersion": 2,
         "mediaType": MEDIA_OCI_INDEX,
+        "artifactType": ARTIFACT_TYPE,
         "manifests": [p.to_json() for p in parts],
-        "annotations": dict(sorted(ann.items())),
     }
+    if parent is not None:
+        doc["subject"] = parent.to_json()
+    doc["annotations"] = dict(sorted(ann.items()))
     text = json.dumps(doc, separators=_SEP, ensure_ascii=False)
     for c, esc in (("<", "\\u003c"), (">", "\\u003e"), ("&", "\\u0026"), ("\u2028", "\\u2028"),
                    ("\u2029", "\\u2029")):
