@@ -1,16 +1,20 @@
 """An image whose OCI manifest is over a registry's cap goes up as an OCI image index of part manifests
 (vramd.oci.index; docs/image-format.md, "The artifact"): against the real registry (Debian's docker-registry)
 and real daemons, a budget small enough to split a small image: push, pull and restore byte-exact, a second
-push that uploads nothing, an incremental child over an indexed parent, and skopeo copying the index unchanged.
-The hostile cases are in test_oci_index_hostile.py."""
+push that uploads nothing, an incremental child over an indexed parent, skopeo copying the index unchanged (and
+without --all, part 0 alone: refused by name), and a push cut before its index (no tag; a second push completes
+it).  The hostile cases are in test_oci_index_hostile.py."""
 from __future__ import annotations
 
 import hashlib
+import http.server
 import json
 import os
 import subprocess
+import threading
 
 import pytest
+import urllib3
 from helpers import vramctl
 from oci_helpers import Node, blob_writes, files_of, ok, user_cache, workload_bos  # noqa: F401 (user_cache: autouse)
 
@@ -228,3 +232,81 @@ def test_a_copy_without_all_holds_the_first_part_alone_and_is_refused_by_name(no
                     "--plain-http", "--json", "--cache", str(tmp_path / "c"), socket=other.daemon.socket)
         assert r.returncode == 1 and "skopeo copy --all" in r.stderr, r.stderr
         assert f.read_bytes() == b"\x5a" * len(bos[0])
+
+
+class IndexRefusingProxy:
+    """In front of a registry, forwarding every request as it is (the Host header kept, so the registry's upload
+    Locations name the proxy), but answering the PUT of an OCI image index 503: a registry that failed just as
+    the push's last request, its commit, went out."""
+
+    def __init__(self, upstream: str) -> None:
+        pool = urllib3.PoolManager(maxsize=8, retries=False)
+        self.refused: list[str] = []
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def _any(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if self.command == "PUT" and self.headers.get("Content-Type") == L.MEDIA_OCI_INDEX:
+                    proxy.refused.append(self.path)
+                    answer = b'{"errors":[{"code":"UNAVAILABLE","message":"service unavailable"}]}'
+                    self.send_response(503)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(answer)))
+                    self.end_headers()
+                    self.wfile.write(answer)
+                    return
+                r = pool.request(self.command, upstream + self.path, body=body or None, redirect=False,
+                                 headers={k: v for k, v in self.headers.items() if k.lower() != "content-length"})
+                self.send_response(r.status)
+                for k, v in r.headers.items():
+                    if k.lower() not in ("content-length", "transfer-encoding", "connection"):
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(r.data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(r.data)
+
+            do_GET = do_HEAD = do_PUT = do_POST = do_PATCH = do_DELETE = _any
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.host = f"127.0.0.1:{self.server.server_port}"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_push_cut_before_its_index_tags_nothing_and_a_second_push_completes_it(node, registry, tmp_path):
+    """The index is the push's commit: a registry that fails its PUT leaves every blob and part there but no tag
+    (a pull of the tag finds nothing); pushing again sends no blob byte and tags the index."""
+    bos = big_bos()
+    img = tmp_path / "image"
+    node.dump(img, bos, "--compress", "none")
+    proxy = IndexRefusingProxy(registry.url)
+    try:
+        r = vramctl("push", str(img), f"{proxy.host}/jobs/cut:1", "--plain-http", "--json", "--max-manifest-bytes",
+                    BUDGET)
+    finally:
+        proxy.close()
+    assert r.returncode == 1 and json.loads(r.stdout)["error"]["code"] == "REGISTRY_ERROR", r.stdout
+    assert proxy.refused == ["/v2/jobs/cut/manifests/1"]
+    puts = [e for e in registry.access_log() if e.method == "PUT" and "/manifests/" in e.path]
+    assert len(puts) >= 3 and all(e.status == 201 and "/manifests/sha256:" in e.path for e in puts)  # the parts
+    gets = len(registry.access_log())
+    r = vramctl("pull", f"{registry.host}/jobs/cut:1", str(tmp_path / "dest"), "--plain-http", "--json")
+    assert r.returncode == 1 and not (tmp_path / "dest").exists()
+    assert [(e.path, e.status) for e in registry.access_log()[gets:] if "/manifests/" in e.path] == \
+        [("/v2/jobs/cut/manifests/1", 404)]  # the tag names nothing
+    again = ok(vramctl("push", str(img), f"{registry.host}/jobs/cut:1", "--plain-http", "--json",
+                       "--max-manifest-bytes", BUDGET))
+    assert again["stats"]["bytes_uploaded"] == 0 and again["chain"][0]["media_type"] == L.MEDIA_OCI_INDEX
+    got = ok(vramctl("pull", f"{registry.host}/jobs/cut:1", str(tmp_path / "dest"), "--plain-http", "--json"))
+    assert got["digest"] == again["digest"] and files_of(tmp_path / "dest") == files_of(img)
