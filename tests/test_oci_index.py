@@ -286,7 +286,8 @@ class IndexRefusingProxy:
 
 def test_a_push_cut_before_its_index_tags_nothing_and_a_second_push_completes_it(node, registry, tmp_path):
     """The index is the push's commit: a registry that fails its PUT leaves every blob and part there but no tag
-    (a pull of the tag finds nothing); pushing again sends no blob byte and tags the index."""
+    (a pull of the tag finds nothing); pushing again sends no blob byte nor part (each found by a HEAD) and tags
+    the index."""
     bos = big_bos()
     img = tmp_path / "image"
     node.dump(img, bos, "--compress", "none")
@@ -305,8 +306,12 @@ def test_a_push_cut_before_its_index_tags_nothing_and_a_second_push_completes_it
     assert r.returncode == 1 and not (tmp_path / "dest").exists()
     assert [(e.path, e.status) for e in registry.access_log()[gets:] if "/manifests/" in e.path] == \
         [("/v2/jobs/cut/manifests/1", 404)]  # the tag names nothing
+    before = len(registry.access_log())
     again = ok(vramctl("push", str(img), f"{registry.host}/jobs/cut:1", "--plain-http", "--json",
                        "--max-manifest-bytes", BUDGET))
     assert again["stats"]["bytes_uploaded"] == 0 and again["chain"][0]["media_type"] == L.MEDIA_OCI_INDEX
+    # the parts are there (HEAD by digest): not sent again, nor checked again by the registry; the index only
+    sent = [(e.path, e.status) for e in registry.access_log()[before:] if e.method == "PUT"]
+    assert sent == [("/v2/jobs/cut/manifests/1", 201)], sent
     got = ok(vramctl("pull", f"{registry.host}/jobs/cut:1", str(tmp_path / "dest"), "--plain-http", "--json"))
     assert got["digest"] == again["digest"] and files_of(tmp_path / "dest") == files_of(img)

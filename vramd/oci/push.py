@@ -358,7 +358,8 @@ class Pusher:
             digest = self.reg.put_manifest(self.repo, tag or sha256_digest(body), body)
             return Descriptor(MEDIA_OCI_MANIFEST, digest, len(body))
         for p in parts:  # every part before the index that names them: the index is the commit
-            self.reg.put_manifest(self.repo, sha256_digest(p), p)
+            if not self.reg.has_manifest(self.repo, sha256_digest(p)):  # a re-push (or a resumed one): not again
+                self.reg.put_manifest(self.repo, sha256_digest(p), p)
         digest = self.reg.put_manifest(self.repo, tag or sha256_digest(body), body, MEDIA_OCI_INDEX)
         return Descriptor(MEDIA_OCI_INDEX, digest, len(body))
 
