@@ -25,7 +25,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from vramd.oci.index import ANN_TYPE, DEFAULT_MAX_MANIFEST, Index, assemble, decode_part, decode_top  # noqa: E402
+from vramd.oci.index import (  # noqa: E402
+    ANN_TYPE,
+    DEFAULT_MAX_MANIFEST,
+    MAX_MAX_MANIFEST,
+    Index,
+    assemble,
+    decode_part,
+    decode_top,
+)
 from vramd.oci.layout import encode_oci_manifest  # noqa: E402
 from vramd.oci.registry import Registry as Client  # noqa: E402
 from vramd.oci.tls import Trust  # noqa: E402
@@ -62,7 +70,7 @@ def main() -> int:
         common = ["--plain-http", "--json", "--concurrency", a.concurrency, "--cache", str(work / "cache")]
         with Registry(work / "reg") as reg:
             ref = f"{reg.host}/cap/image"
-            r = vramctl("push", str(img), f"{ref}:one", *common, "--max-manifest-bytes", str(1 << 30))
+            r = vramctl("push", str(img), f"{ref}:one", *common, "--max-manifest-bytes", str(MAX_MAX_MANIFEST))
             res["one_manifest"] = {"exit": r.returncode, "error": r.stderr.strip()}
             t0 = time.monotonic()
             r = vramctl("push", str(img), f"{ref}:index", *common)

@@ -151,14 +151,16 @@ def test_a_budget_too_small_for_a_part_is_refused():
 
 
 def test_the_index_is_in_the_bytes_a_go_client_writes_back():
-    """Fields in image-spec 1.0's order, annotations by key, HTML characters escaped as Go's encoding/json does:
-    what skopeo 1.9 (tests/test_oci_index.py) re-encodes an index it copies into."""
+    """Fields in image-spec 1.1's order (artifactType, subject), annotations by key, HTML characters escaped as
+    Go's encoding/json does: what a Go client that re-encodes an index it copies writes back."""
     part = L.Descriptor(L.MEDIA_OCI_MANIFEST, "sha256:" + "a" * 64, 7)
     parent = L.Descriptor(L.MEDIA_OCI_INDEX, "sha256:" + "b" * 64, 9)
     body = X.encode_index([part], parent, {"z": "<&>", "a": "é"})
-    assert body == ('{"schemaVersion":2,"mediaType":"application/vnd.oci.image.index.v1+json","manifests":[{'
+    assert body == ('{"schemaVersion":2,"mediaType":"application/vnd.oci.image.index.v1+json",'
+                    '"artifactType":"application/vnd.vramd.image.v1","manifests":[{'
                     '"mediaType":"application/vnd.oci.image.manifest.v1+json","digest":"sha256:' + "a" * 64 +
-                    '","size":7}],"annotations":{"a":"é","org.vramd.image.parent":"sha256:' + "b" * 64 +
+                    '","size":7}],"subject":{"mediaType":"application/vnd.oci.image.index.v1+json","digest":"sha256:' +
+                    "b" * 64 + '","size":9},"annotations":{"a":"é","org.vramd.image.parent":"sha256:' + "b" * 64 +
                     '","org.vramd.image.type":"application/vnd.vramd.image.v1","z":"\\u003c\\u0026\\u003e"}}'
                     ).encode()
     top = X.decode_top(body, "ref")
@@ -180,7 +182,43 @@ def test_a_manifest_may_name_an_index_as_its_parent_and_nothing_else():
 @pytest.mark.parametrize("args, what", [
     (["--annotation", "org.vramd.image.type=application/vnd.other"], "vramctl sets it from the image"),
     (["--max-manifest-bytes", "1023"], "--max-manifest-bytes: 1023: must be at least 1024"),
+    (["--max-manifest-bytes", str(L.MAX_OCI_MANIFEST + 1)], "must be at most"),  # a pull would refuse it
+    (["--annotation", "org.example.note=caf\udce9"], "not UTF-8 text"),  # argv's bytes c a f 0xe9
 ])
 def test_an_index_vramctl_could_not_write_is_a_usage_error(tmp_path, args, what):
     r = vramctl("push", str(tmp_path / "image"), "127.0.0.1:1/jobs/x:1", "--plain-http", *args)
     assert r.returncode == 2 and what in r.stderr, r.stderr
+
+
+def test_a_push_never_makes_an_index_a_pull_refuses():
+    """More parts than a pull takes (long layer descriptors keep it quick): index_for refuses them before anything
+    is sent, where the index encoded anyway is one decode_top refuses."""
+    config, skeleton, _ = descs(0)
+    budget = 200_000  # ~200 layers of ~1 kB a part; the index of ~1,030 parts ~165 kB, within the budget
+    chunks = [L.Descriptor(L.MEDIA_CHUNK + "x" * 900, f"sha256:{i:064x}", 1) for i in range(210_000)]
+    parts = X.split(config, skeleton, chunks, budget)
+    assert len(parts) > X.MAX_PARTS
+    whole = X.encode_index([L.Descriptor(L.MEDIA_OCI_MANIFEST, L.sha256_digest(p), len(p)) for p in parts], None, {})
+    assert len(whole) <= budget
+    with pytest.raises(CorruptManifestError, match=f"1 to {X.MAX_PARTS} parts"):
+        X.decode_top(whole, "ref")
+    with pytest.raises(ImageError, match=f"a pull takes at most {X.MAX_PARTS}"):
+        X.index_for(parts, None, {}, budget)
+    ok_parts = parts[:X.MAX_PARTS]
+    assert isinstance(X.decode_top(X.index_for(ok_parts, None, {}, budget), "ref"), X.Index)
+    with pytest.raises(ImageError, match="above the"):
+        X.split(config, skeleton, chunks, L.MAX_OCI_MANIFEST + 1)
+
+
+def test_a_push_whose_index_a_pull_would_refuse_sends_nothing(run_dir, tmp_path, registry):
+    """Annotations of 1.1 MB on an image over the budget: its index is within the budget and the registry's cap,
+    but over the 1 MiB a pull reads (MAX_INDEX).  The push refuses it before a blob is sent; no tag."""
+    with Node(run_dir, tmp_path / "node", "--chunk-size", "4K") as n:
+        img = tmp_path / "image"
+        n.dump(img, [os.urandom(1000 * 4096)], "--compress", "none")
+    notes = [a for i in range(9) for a in ("--annotation", f"org.example.note{i}={'n' * (120 << 10)}")]
+    ref = f"{registry.host}/{REPO}:noted"
+    r = vramctl("push", str(img), ref, "--plain-http", "--json", "--max-manifest-bytes", str(1_200_000), *notes)
+    assert r.returncode == 1 and json.loads(r.stdout)["error"]["code"] == "IMAGE_ERROR", (r.stdout, r.stderr[-500:])
+    assert f"or the {X.MAX_INDEX} a pull takes" in r.stderr, r.stderr
+    assert not [e for e in registry.access_log() if e.method in ("POST", "PUT", "PATCH")]  # no blob, no tag

@@ -23,7 +23,7 @@ from typing import Any
 
 from ..errors import RegistryError
 from ..oci.credentials import find_credentials, from_password_stdin
-from ..oci.index import ANN_TYPE, DEFAULT_MAX_MANIFEST, MIN_MAX_MANIFEST
+from ..oci.index import ANN_TYPE, DEFAULT_MAX_MANIFEST, MAX_MAX_MANIFEST, MIN_MAX_MANIFEST
 from ..oci.layout import ANN_BYTES, ANN_CREATED, ANN_GPUS, ANN_IMAGE_ID, ANN_PARENT
 from ..oci.pull import Pulled, Puller, pull_chain
 from ..oci.push import Pusher, push_chain
@@ -116,6 +116,9 @@ def usage_error(ns: argparse.Namespace) -> str | None:
         return f"argument --concurrency: {ns.concurrency}: must be at least 1"
     if getattr(ns, "max_manifest_bytes", MIN_MAX_MANIFEST) < MIN_MAX_MANIFEST:
         return f"argument --max-manifest-bytes: {ns.max_manifest_bytes}: must be at least {MIN_MAX_MANIFEST}"
+    if getattr(ns, "max_manifest_bytes", MIN_MAX_MANIFEST) > MAX_MAX_MANIFEST:
+        return f"argument --max-manifest-bytes: {ns.max_manifest_bytes}: must be at most {MAX_MAX_MANIFEST} (what a " \
+            "pull reads)"
     if ns.password_stdin and not ns.username:
         return "--password-stdin needs --username"
     if ns.username and not ns.password_stdin:
@@ -152,6 +155,10 @@ def _annotations(items: list[str]) -> dict[str, str]:
             raise Failure(f"--annotation {item!r}: expected KEY=VALUE")
         if key in COMPUTED_ANNOTATIONS:  # they describe the image: a value of the caller's would be a lie,
             raise Failure(f"--annotation {key}: vramctl sets it from the image itself")  # or make it unpullable
+        try:  # bytes not UTF-8 in argv: no JSON carries them (an index's encoder failed untyped)
+            item.encode()
+        except UnicodeEncodeError:
+            raise Failure(f"--annotation {item!r}: not UTF-8 text") from None
         out[key] = value
     return out
 

@@ -6,8 +6,9 @@ payload layer, that is a process of ~240 GB at 8 MiB chunks.  Past a budget belo
 layers in N part manifests, each a valid OCI image manifest of artifactType ARTIFACT_PART: the first has the
 image's config (manifest.vrdm) and the skeleton as layers[0], every later one the OCI empty config; each lists a
 contiguous run of the payload layers, so the skeleton's payload table is exactly the parts' layers one after the
-other.  One index over them (the operator's annotations, the image's type and its parent as annotations: see
-encode_index) is what the tag names; it goes up last, after every part, as one manifest goes after every blob.
+other.  One index over them (its artifactType the image's, its subject the parent, the operator's annotations,
+and the type and parent as annotations too: see encode_index) is what the tag names; it goes up last, after
+every part, as one manifest goes after every blob.
 
 On the way in the index and each part are checked as one manifest is (vramd.oci.layout), and the parts as a whole:
 at most MAX_PARTS of them, their declared sizes at most MAX_PARTS_BYTES in all before any is fetched, each fetched
@@ -51,6 +52,7 @@ EMPTY = Descriptor(MEDIA_EMPTY, sha256_digest(EMPTY_CONFIG), len(EMPTY_CONFIG))
 # bytes, docs/distributed.md "Manifest weight"); half a MiB is left to registries with a lower one.
 DEFAULT_MAX_MANIFEST = 3_670_016
 MIN_MAX_MANIFEST = 1024  # below this not even a part of one payload layer fits
+MAX_MAX_MANIFEST = MAX_OCI_MANIFEST  # past this a pull would refuse the one manifest a push wrote
 
 # Pull: bounds on what an index may make us fetch and hold.
 MAX_INDEX = 1 << 20  # a part's entry takes ~230 bytes of JSON
@@ -58,7 +60,7 @@ MAX_PARTS = 1024  # 3.5 MiB parts: ~25 M layers, past MAX_LAYERS
 MAX_PARTS_BYTES = 512 << 20  # all parts' JSON; the layers' count is MAX_LAYERS as for one manifest
 
 _SEP = (",", ":")
-ANN_TYPE = "org.vramd.image.type"  # an index's: ARTIFACT_TYPE (an OCI 1.0 index has no artifactType)
+ANN_TYPE = "org.vramd.image.type"  # an index's: ARTIFACT_TYPE, for a client of OCI 1.0 (no artifactType there)
 
 
 @dataclass(frozen=True)
@@ -89,8 +91,7 @@ def split(config: Descriptor, skeleton: Descriptor, chunks: Sequence[Descriptor]
     """The part manifests of an image whose one manifest is over `budget` bytes: each at most `budget`, as few as
     fill them in order (the first: config, skeleton, then payloads; each later one: the empty config and at least
     one payload).  A budget too small for that is an ImageError."""
-    if budget < MIN_MAX_MANIFEST:
-        raise ImageError(f"a manifest budget of {budget} bytes is below {MIN_MAX_MANIFEST}")
+    check_budget(budget)
     parts: list[bytes] = []
     cfg, run = config, [skeleton]
     size = len(encode_part(cfg, run))
@@ -111,20 +112,48 @@ def split(config: Descriptor, skeleton: Descriptor, chunks: Sequence[Descriptor]
     return parts
 
 
+def check_budget(budget: int) -> None:
+    """A budget a push can keep and a pull reads what it makes: an ImageError if not."""
+    if budget < MIN_MAX_MANIFEST:
+        raise ImageError(f"a manifest budget of {budget} bytes is below {MIN_MAX_MANIFEST}")
+    if budget > MAX_MAX_MANIFEST:
+        raise ImageError(f"a manifest budget of {budget} bytes is above the {MAX_MAX_MANIFEST} a pull reads")
+
+
+def index_for(parts: Sequence[bytes], parent: Descriptor | None, annotations: Mapping[str, str],
+              budget: int) -> bytes:
+    """The index over `parts` (split's), checked before anything is sent against the budget and against what a
+    pull takes (MAX_PARTS parts, MAX_INDEX bytes): a push never tags an image no pull reads."""
+    if len(parts) > MAX_PARTS:
+        raise ImageError(f"{len(parts)} part manifests at a budget of {budget} bytes: a pull takes at most "
+                         f"{MAX_PARTS}; raise --max-manifest-bytes")
+    body = encode_index([Descriptor(MEDIA_OCI_MANIFEST, sha256_digest(p), len(p)) for p in parts], parent,
+                        annotations)
+    if len(body) > min(budget, MAX_INDEX):
+        raise ImageError(f"the OCI index of its {len(parts)} parts is {len(body)} bytes, over the manifest budget "
+                         f"of {budget} or the {MAX_INDEX} a pull takes (are its annotations that long?)")
+    return body
+
+
 def encode_index(parts: Sequence[Descriptor], parent: Descriptor | None, annotations: Mapping[str, str]) -> bytes:
-    """The index over the parts, in the OCI image-spec 1.0 form a Go client writes it (fields in its order,
-    annotations by key, `<>&` escaped), so that one that decodes and re-encodes it (skopeo 1.9 `copy --all` does,
-    dropping what 1.0 lacks: `artifactType`, `subject`) writes these very bytes: the copy keeps its digest, which
-    a child's parent reference holds.  What the image is: the annotation ANN_TYPE; its parent: ANN_PARENT."""
+    """The index over the parts: `artifactType` ARTIFACT_TYPE and the parent as `subject` (OCI 1.1: a registry's
+    referrers API lists an indexed child under its parent, as it does a one-manifest child), and both as the
+    annotations ANN_TYPE and ANN_PARENT for a client of OCI 1.0.  Written as a Go client of image-spec 1.1 writes
+    it (fields in its order, annotations by key, `<>&` escaped), so that one that decodes and re-encodes it writes
+    these very bytes: the copy keeps its digest, which a child's parent reference holds.  (skopeo 1.9.3 `copy
+    --all` copies an index it does not change byte for byte, whatever its form: tests/test_oci_index.py.)"""
     ann = {**annotations, ANN_TYPE: ARTIFACT_TYPE}
     if parent is not None:
         ann[ANN_PARENT] = parent.digest
     doc: dict[str, object] = {
         "schemaVersion": 2,
         "mediaType": MEDIA_OCI_INDEX,
+        "artifactType": ARTIFACT_TYPE,
         "manifests": [p.to_json() for p in parts],
-        "annotations": dict(sorted(ann.items())),
     }
+    if parent is not None:
+        doc["subject"] = parent.to_json()
+    doc["annotations"] = dict(sorted(ann.items()))
     text = json.dumps(doc, separators=_SEP, ensure_ascii=False)
     for c, esc in (("<", "\\u003c"), (">", "\\u003e"), ("&", "\\u0026"), ("\u2028", "\\u2028"),
                    ("\u2029", "\\u2029")):
@@ -139,6 +168,10 @@ def decode_top(body: bytes, what: str) -> Artifact | Index:
     parts still to fetch: `decode_part` each, then `assemble`).  Anything else is a CorruptManifestError."""
     doc = parse_json(body, what, MAX_OCI_MANIFEST)
     if doc.get("mediaType") != MEDIA_OCI_INDEX:
+        if doc.get("artifactType") == ARTIFACT_PART:  # `skopeo copy` without --all copies an index's first part
+            raise CorruptManifestError(f"{what}: a part of a vramd image pushed as an OCI image index, not the "
+                                       "image: reference the index (`skopeo copy` without --all copies its first "
+                                       "part alone: copy it with `skopeo copy --all`)")
         return manifest_from_doc(doc, what)
     if len(body) > MAX_INDEX:
         raise CorruptManifestError(f"{what}: OCI image index larger than {MAX_INDEX} bytes")

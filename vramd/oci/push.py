@@ -29,7 +29,7 @@ from ..image.format import HEAD_PEEK, record_head_length
 from ..image.manifest import bo_chunk_count, chunk_record, decode_manifest
 from ..image.names import MANIFEST_NAME
 from ..pb import image_pb2 as pb
-from .index import DEFAULT_MAX_MANIFEST, EMPTY, EMPTY_CONFIG, encode_index, split
+from .index import DEFAULT_MAX_MANIFEST, EMPTY, EMPTY_CONFIG, check_budget, index_for, split
 from .layout import (
     CONFIG_MEDIA,
     LITERAL,
@@ -303,6 +303,7 @@ class Pusher:
         """`max_manifest_bytes`: an image whose OCI manifest would be longer goes up as an OCI image index of part
         manifests none longer (vramd.oci.index: a registry refuses a manifest body past its cap)."""
         self.reg, self.repo, self.concurrency, self.mount_from = reg, repo, max(1, concurrency), list(mount_from)
+        check_budget(max_manifest_bytes)
         self.max_manifest_bytes = max_manifest_bytes
 
     def _ensure(self, digest: str, size: int, read: Source | bytes, where: str) -> None:
@@ -341,11 +342,10 @@ class Pusher:
         parts = split(config, skeleton, chunks, self.max_manifest_bytes) if len(body) > self.max_manifest_bytes \
             else []
         if parts:
-            body = encode_index([Descriptor(MEDIA_OCI_MANIFEST, sha256_digest(p), len(p)) for p in parts], parent,
-                                ann)
-            if len(body) > self.max_manifest_bytes:
-                raise ImageError(f"{img.path}: the OCI index of its {len(parts)} parts is {len(body)} bytes, over "
-                                 f"the manifest budget of {self.max_manifest_bytes}")
+            try:
+                body = index_for(parts, parent, ann, self.max_manifest_bytes)
+            except ImageError as e:
+                raise ImageError(f"{img.path}: {e.message}") from None
         jobs: list[tuple[str, int, Source | bytes]] = [(config.digest, config.size, img.manifest_bytes),
                                                         (skeleton.digest, skeleton.size, skel_bytes)]
         if len(parts) > 1:
@@ -358,7 +358,8 @@ class Pusher:
             digest = self.reg.put_manifest(self.repo, tag or sha256_digest(body), body)
             return Descriptor(MEDIA_OCI_MANIFEST, digest, len(body))
         for p in parts:  # every part before the index that names them: the index is the commit
-            self.reg.put_manifest(self.repo, sha256_digest(p), p)
+            if not self.reg.has_manifest(self.repo, sha256_digest(p)):  # a re-push (or a resumed one): not again
+                self.reg.put_manifest(self.repo, sha256_digest(p), p)
         digest = self.reg.put_manifest(self.repo, tag or sha256_digest(body), body, MEDIA_OCI_INDEX)
         return Descriptor(MEDIA_OCI_INDEX, digest, len(body))
 

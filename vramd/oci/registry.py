@@ -344,6 +344,13 @@ class Registry:
         r.release_conn()
         return digest
 
+    def has_manifest(self, repo: str, digest: str) -> bool:
+        """Whether the repository holds the manifest or index `digest` (a part a push finds there is not sent)."""
+        r = self._request("HEAD", f"/v2/{repo}/manifests/{digest}", f"HEAD manifest {repo}@{digest}", repo=repo,
+                          ok=(200, 404), headers={"Accept": f"{MEDIA_OCI_MANIFEST}, {MEDIA_OCI_INDEX}"})
+        r.release_conn()
+        return r.status == 200
+
     def get_manifest(self, repo: str, ref: str, max_size: int) -> tuple[bytes, str]:
         """(the manifest's bytes, their digest); a reference by digest must match it."""
         what = f"GET manifest {repo}:{ref}" if not ref.startswith("sha256:") else f"GET manifest {repo}@{ref}"
