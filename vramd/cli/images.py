@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import stat
 import time
 from typing import Any
 
@@ -150,6 +151,7 @@ def cmd_rm(ns: argparse.Namespace) -> int:
                        "it names no child (an older vramd's, or not vramd's): remove it by hand if no child needs "
                        "that parent")
                 notes.append(f"kept {mark} in parent #{k}: {why}")
+        _unlink_parent_link(dfd, m.parents[0].relative_path if m.parents else "")
         left = [n for n in os.listdir(dfd) if n != LOCK_NAME]
     finally:
         if lock is not None:
@@ -162,6 +164,19 @@ def cmd_rm(ns: argparse.Namespace) -> int:
          f"removed the image in {ns.dir}" + (f" (kept the directory: {len(left)} other file(s))" if left else "") +
          "".join(f"\n  {n}" for n in notes))
     return EXIT_OK
+
+
+def _unlink_parent_link(dfd: int, name: str) -> None:
+    """The link an image may hold to its parent (CRIU's amdgpu plugin records its parent as `parent`, a symlink
+    in the image's own directory; vramctl pull makes it too): removed where the recorded name is a plain name
+    and a symbolic link there (lstat, then unlinkat of the name: the link, never what it points to)."""
+    if not name or "/" in name or name.startswith("."):
+        return
+    try:
+        if stat.S_ISLNK(os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode):
+            os.unlink(name, dir_fd=dfd)
+    except FileNotFoundError:
+        pass
 
 
 def cmd_gc(ns: argparse.Namespace) -> int:
