@@ -108,8 +108,9 @@ def cmd_rm(ns: argparse.Namespace) -> int:
     is gone or holds another image, do not count: they go too, and rm says so).  Only vramd's own files go,
     regular files only: the manifest first (from then on the directory holds no image), then its data files
     and temporaries, then, for an incremental image, its marks in its parents (last: where a step fails, a
-    mark stays and keeps protecting a parent, never the other way round), then the directory if nothing else
-    is left in it.  A mark in a parent goes only where its content names this very directory and image: the
+    mark stays and keeps protecting a parent, never the other way round), then the link to its parent where
+    it recorded one at a plain name (_unlink_parent_link), then the directory if nothing else is left in it.
+    A mark in a parent goes only where its content names this very directory and image: the
     path an image records is read, never trusted to say what to delete.  All under the directory's lock, as
     a dump holds it: refused while a dump writes into the directory or a child dump reads this image as its
     parent (it holds the lock shared from its start to its end), and a child dump started while rm runs is
