@@ -245,6 +245,34 @@ def test_rm_of_a_crafted_image_never_unmarks_another_images_parent(daemon, tmp_p
     assert marks(parent) == []
 
 
+def test_rm_removes_the_parent_link_the_image_recorded_and_only_a_link(daemon, tmp_path):
+    """A child recording its parent as `parent`, a symlink in its own directory (as CRIU's amdgpu plugin does,
+    and vramctl pull makes): rm removes that link (not what it points to), its mark in the parent, and the
+    directory.  Was: the link stayed, and so did the directory.  A `parent` that is a real directory holding
+    the parent image is no link: it stays, and so does the child's directory."""
+    bo, parent, child = tmp_path / "bo.bin", tmp_path / "parent", tmp_path / "child"
+    bo.write_bytes(os.urandom(200_000))
+    dump(daemon, parent, bo)
+    child.mkdir()
+    (child / "parent").symlink_to("../parent")
+    dump(daemon, child, bo, "--parent", str(child / "parent"))
+    assert len(marks(parent)) == 1
+    r = vramctl("rm", str(child), "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["directory_kept"] is False, r.stdout
+    assert not os.path.lexists(child)
+    assert (parent / "manifest.vrdm").is_file() and marks(parent) == []  # the link's target is untouched
+    # a real directory at the recorded name is the operator's, not a link: kept
+    nested = tmp_path / "nested"
+    dump(daemon, nested / "parent", bo)
+    dump(daemon, nested, bo, "--parent", str(nested / "parent"))
+    r = vramctl("rm", str(nested), "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["directory_kept"] is True, r.stdout
+    assert os.listdir(nested) == ["parent"] and (nested / "parent" / "manifest.vrdm").is_file()
+    assert marks(nested / "parent") == []
+
+
 # A sibling child dump's hold of its parent's lock, N times over: take it shared, release it.  Starts when a
 # line comes on stdin (all siblings at once); prints how many times it was refused, and the messages.
 SIBLING = """

@@ -8,7 +8,8 @@ program's 300 ms wait times out), so the copy provably overlaps the download: th
 bytes and the served directory is the pushed image; a blob that fails its digest fails the restore with
 TRUNCATED_DATA and leaves no directory; a peer of another uid is refused while the wait goes on; no restore
 within --serve-timeout is one TIMEOUT line and no directory, nor after SIGTERM; a directory holding the image is
-checked, not served; an incremental image's parent is pulled whole first (that restore through vramd.client)."""
+checked, not served; an incremental image's parent is pulled whole first (that restore through vramd.client),
+and a child recording its parent as the plugin does gets its `parent` link before the socket listens."""
 from __future__ import annotations
 
 import os
@@ -261,3 +262,74 @@ def test_an_incremental_image_is_served_its_parents_pulled_first(run_dir, regist
     assert errlog.read_text() == ""
     assert sorted(p.name for p in dest.iterdir()) == sorted(p.name for p in child.iterdir()
                                                              if p.name == "manifest.vrdm" or p.suffix == ".vrd")
+
+
+def test_a_plugin_style_child_is_served_with_its_parent_link(run_dir, registry, tmp_path):
+    """A child recording its parent as `parent`, a link in its own directory (CRIU's amdgpu plugin's way,
+    tests/test_oci_operator.py): `--serve` pulls the parent into DEST.parent-1 and makes DEST/parent a link to
+    it before it listens, as `vramctl pull` does, so a restore opening DEST/parent finds it.  Was: no link,
+    and the plugin's restore failed PARENT_MISSING.  A directory holding the image gets its link back (not
+    served); a serve stopped by SIGTERM removes its link too, and so its directory."""
+    from oci_helpers import Node, workload_bos
+    from test_oci_operator import _changed, _dump_as_the_plugin_does
+
+    from vramd.client import SESSION_RESTORE, Client, ClientBo
+
+    b0 = workload_bos()
+    b1 = _changed(b0, (1 << 20) + 5)
+    with Node(run_dir, tmp_path / "node1") as node:
+        ckpt = [tmp_path / "ckpt" / str(k) / "amdgpu-vramd-1" for k in range(2)]
+        _dump_as_the_plugin_does(node, ckpt, [b0, b1])
+        ref = f"{registry.host}/serve/plugin:1"
+        assert vramctl("push", str(ckpt[1]), ref, "--plain-http").returncode == 0
+        names = sorted(p.name for p in ckpt[1].iterdir())
+        shutil.rmtree(tmp_path / "ckpt")
+        dest, errlog = tmp_path / "restore" / "amdgpu-vramd-1", tmp_path / "serve.err"
+        dest.parent.mkdir()
+        r, pid = serve(ref, dest, errlog)
+        assert r.returncode == 0, errlog.read_text()
+        assert os.readlink(dest / "parent") == "../amdgpu-vramd-1.parent-1"  # there once it listens
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.connect(str(dest / SOCKET_NAME))
+        targets = [os.memfd_create(f"bo{i}", os.MFD_CLOEXEC) for i in (1, 2)]
+        dfd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY)
+        pfd = os.open(dest / "parent", os.O_RDONLY | os.O_DIRECTORY)  # where the child recorded its parent
+        try:
+            for fd, b in zip(targets, b1, strict=True):
+                os.ftruncate(fd, len(b))
+            with Client(node.daemon.socket) as c:
+                tok = c.open_session(SESSION_RESTORE, dfd, parent_fds=[pfd], supply_fd=conn.fileno()).token
+                conn.close()
+                c.add_bos(tok, [ClientBo(id=i, fd=fd, backend="mmap") for i, fd in enumerate(targets, 1)])
+                c.start(tok)
+                c.wait(tok)
+                c.close_session(tok)
+            got = [os.pread(fd, len(b), 0) for fd, b in zip(targets, b1, strict=True)]
+        finally:
+            for fd in (*targets, dfd, pfd):
+                os.close(fd)
+        wait_exit(pid)
+    assert got == b1
+    assert errlog.read_text() == ""
+    assert sorted(p.name for p in dest.iterdir()) == names  # the child's files and its `parent` link
+    (dest / "parent").unlink()
+    r = subprocess.run([sys.executable, "-m", "vramd.cli", "pull", "--serve", ref, str(dest), "--plain-http"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "nothing to serve" in r.stdout, r
+    assert os.readlink(dest / "parent") == "../amdgpu-vramd-1.parent-1"
+    # stopped while it waits: the link goes with the rest, then the directory it made
+    other = tmp_path / "restore" / "again"
+    p = subprocess.Popen([sys.executable, "-m", "vramd.cli", "pull", "--serve", "--foreground", ref, str(other),
+                          "--plain-http"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None
+        line = p.stdout.readline()
+        assert line.startswith("serving ") and os.readlink(other / "parent") == "../again.parent-1", line
+        p.terminate()
+        _out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    assert p.returncode == 1 and err == "vramctl: stopped by signal 15\n", err
+    assert not os.path.lexists(other)

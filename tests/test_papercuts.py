@@ -231,6 +231,9 @@ ROWS: dict[str, Row] = {
     "vramctl: --concurrency 0": Row(
         _sh("vramctl", "pull", "localhost:5000/x:1", "{scratch}/img", "--concurrency", "0"), 2,
         ["argument --concurrency: 0: must be at least 1"], one_line=False),
+    "vramctl: restore --window without --no-cache (it would be ignored)": Row(
+        _sh("vramctl", "--socket", "{socket}", "restore", "--pid", "1", "--image", "oci://localhost:5000/x:1",
+            "--window", "8"), 2, ["--window needs --no-cache"], one_line=False),
     "vramctl: --mount-from a repository name that is none": Row(
         _sh("vramctl", "push", "{scratch}", "localhost:5000/x:1", "--mount-from", "Other Repo"), 2,
         ["argument --mount-from: 'Other Repo' is not a repository name"], one_line=False),

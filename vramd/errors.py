@@ -239,6 +239,7 @@ class RegistryError(VramdError):
     """A registry refused or failed a request; the message names the registry and what was asked."""
 
     code = "REGISTRY_ERROR"
+    status: int | None = None  # the HTTP status of the registry's refusal, where it answered one
 
 
 class AuthFailedError(RegistryError):

@@ -26,9 +26,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import test_kfd_vramd_plugin as base
 from kfd_harness import REPO
-from test_kfd_stock_plugin import RESTORE, TOPO_A
+from test_kfd_stock_plugin import MIB, RESTORE, TOPO_A
 from test_kfd_vramd_plugin import running_daemon
-from test_kfd_vramd_registry import DOC, EXPECT_TREE, PUSH_LOOP, TREE, files_of, kfd_ids
+from test_kfd_vramd_registry import CHAIN2, DOC, EXPECT_TREE, PUSH_LOOP, TREE, files_of, kfd_ids, vramctl
 
 pytestmark = base.pytestmark
 plugins, model, case = base.plugins, base.model, base.case
@@ -230,3 +230,40 @@ def test_a_server_killed_outright_fails_the_restore_naming_its_socket(case, plug
     assert (f"vramd: amdgpu-vramd-{i}/ is being served (.vramd-supply.sock) but nothing answers there: did vramctl "
             "pull --serve fail? see its output: Connection refused") in log, log[-3000:]
     assert "Restoring FAILED." in log
+
+
+def test_an_incremental_image_served_restores_through_the_parent_link_the_serve_makes(case, plugins, registry,
+                                                                                     tmp_path):
+    """An incremental vramd image (the plugin's `parent` link to the 1st dump's) pushed, removed, and served
+    back alone into the 2nd checkpoint's directory: `vramctl pull --serve` pulls the parent whole beside it as
+    amdgpu-vramd-<id>.parent-1 and makes amdgpu-vramd-<id>/parent a link to it before it listens, so `criu
+    restore` streams the child through it, byte-exact (was: no link, PARENT_MISSING)."""
+    case.use(plugins["vramd"])
+    a = case.state("state-a", TOPO_A)
+    img = os.path.join(case.work, "img")
+    with running_daemon() as d:
+        env = case.env(d.socket, KFD_VRAMD="1")
+        r = case.run(CHAIN2, a, TOPO_A, gpus=2, extra=env)
+        assert (r.get("dump1"), r.get("dump2")) == ("0", "0"), r["stdout"] + r["stderr"]
+        (i,) = kfd_ids(os.path.join(img, "2"))
+        vdir = os.path.join(img, "2", f"amdgpu-vramd-{i}")
+        ref = f"{registry.host}/stream/chain:2-{i}"
+        p = vramctl("push", vdir, ref, "--plain-http")
+        assert p.returncode == 0, p.stderr
+        shutil.rmtree(os.path.join(img, "1"))
+        shutil.rmtree(vdir)
+        errlog = tmp_path / "serve.err"
+        with open(errlog, "w") as err:
+            s = subprocess.run([sys.executable, "-m", "vramd.cli", "pull", "--serve", ref, vdir, "--plain-http"],
+                               stdout=subprocess.PIPE, stderr=err, text=True, cwd=str(REPO), timeout=300)
+        m = SERVING.match(s.stdout)
+        assert s.returncode == 0 and m, s.stdout + errlog.read_text()
+        assert os.readlink(os.path.join(vdir, "parent")) == f"../amdgpu-vramd-{i}.parent-1"
+        r = case.run(RESTORE.replace("-D $W/img ", "-D $W/img/2 "), a, TOPO_A, extra=env)
+        wait_servers([int(m[3])])
+    log = case.log(os.path.join("2", "restore.log"))
+    assert r["restore"] == "0", log[-3000:]
+    assert r["checks"] == f"ok 14 {2 * MIB << 20}\n", r["checks"]
+    assert f"vramd: amdgpu-vramd-{i}/ is incremental, restored through 1 parents" in log, log[-3000:]
+    assert re.search(rf" amdgpu_plugin: vramd: amdgpu-vramd-{i}/ streams from vramctl pull --serve", log), log[-3000:]
+    assert errlog.read_text() == ""

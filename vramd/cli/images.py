@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import stat
 import time
 from typing import Any
 
@@ -107,8 +108,9 @@ def cmd_rm(ns: argparse.Namespace) -> int:
     is gone or holds another image, do not count: they go too, and rm says so).  Only vramd's own files go,
     regular files only: the manifest first (from then on the directory holds no image), then its data files
     and temporaries, then, for an incremental image, its marks in its parents (last: where a step fails, a
-    mark stays and keeps protecting a parent, never the other way round), then the directory if nothing else
-    is left in it.  A mark in a parent goes only where its content names this very directory and image: the
+    mark stays and keeps protecting a parent, never the other way round), then the link to its parent where
+    it recorded one at a plain name (_unlink_parent_link), then the directory if nothing else is left in it.
+    A mark in a parent goes only where its content names this very directory and image: the
     path an image records is read, never trusted to say what to delete.  All under the directory's lock, as
     a dump holds it: refused while a dump writes into the directory or a child dump reads this image as its
     parent (it holds the lock shared from its start to its end), and a child dump started while rm runs is
@@ -150,6 +152,7 @@ def cmd_rm(ns: argparse.Namespace) -> int:
                        "it names no child (an older vramd's, or not vramd's): remove it by hand if no child needs "
                        "that parent")
                 notes.append(f"kept {mark} in parent #{k}: {why}")
+        _unlink_parent_link(dfd, m.parents[0].relative_path if m.parents else "")
         left = [n for n in os.listdir(dfd) if n != LOCK_NAME]
     finally:
         if lock is not None:
@@ -162,6 +165,19 @@ def cmd_rm(ns: argparse.Namespace) -> int:
          f"removed the image in {ns.dir}" + (f" (kept the directory: {len(left)} other file(s))" if left else "") +
          "".join(f"\n  {n}" for n in notes))
     return EXIT_OK
+
+
+def _unlink_parent_link(dfd: int, name: str) -> None:
+    """The link an image may hold to its parent (CRIU's amdgpu plugin records its parent as `parent`, a symlink
+    in the image's own directory; vramctl pull makes it too): removed where the recorded name is a plain name
+    and a symbolic link there (lstat, then unlinkat of the name: the link, never what it points to)."""
+    if not name or "/" in name or name.startswith("."):
+        return
+    try:
+        if stat.S_ISLNK(os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode):
+            os.unlink(name, dir_fd=dfd)
+    except FileNotFoundError:
+        pass
 
 
 def cmd_gc(ns: argparse.Namespace) -> int:

@@ -35,6 +35,7 @@ from .serve import add_serve_args, cmd_serve
 from .transfer import cmd_restore
 
 OCI_SCHEME = "oci://"
+WINDOW_MIB = 256  # restore --no-cache's default --window
 COMPUTED_ANNOTATIONS = (ANN_PARENT, ANN_IMAGE_ID, ANN_GPUS, ANN_BYTES, ANN_CREATED, ANN_TYPE)
 
 
@@ -80,8 +81,8 @@ def add_restore_args(p: argparse.ArgumentParser) -> None:
                    "for first (default: $XDG_CACHE_HOME/vramd/oci, else ~/.cache/vramd/oci)")
     p.add_argument("--no-cache", action="store_true", help="with --image oci://...: keep nothing: the image streams "
                    "through a temporary directory, removed afterwards")
-    p.add_argument("--window", type=int, default=256, metavar="MIB", help="with --no-cache: the most MiB the "
-                   "temporary directory holds ahead of what the daemon read for good (default 256; at least, and 0: "
+    p.add_argument("--window", type=int, metavar="MIB", help="with --no-cache: the most MiB the temporary "
+                   f"directory holds ahead of what the daemon read for good (default {WINDOW_MIB}; at least, and 0: "
                    "--concurrency x the largest blob; a chunk the daemon waits for is downloaded whatever it holds)")
     p.add_argument("--refresh-cache", action="store_true", help="with --image oci://...: drop the cache's copy of "
                    "the image (e.g. one the daemon found damaged) and download it again")
@@ -92,6 +93,8 @@ def usage_error(ns: argparse.Namespace) -> str | None:
     """What is wrong with a push's, pull's or `restore --image oci://`'s arguments before anything is touched (a
     reference that is none, a digest to push to, a KEY=VALUE without '=', --concurrency 0, a --username without
     --password-stdin): vramctl's parser reports it as a usage error (exit 2); None if nothing is."""
+    if getattr(ns, "window", None) is not None and not ns.no_cache:  # it would be ignored
+        return "--window needs --no-cache (it bounds the temporary directory a --no-cache restore streams through)"
     if ns.command == "push" or ns.command == "pull":
         ref_text = ns.ref
     elif ns.command == "restore" and ns.image.startswith(OCI_SCHEME):
@@ -268,8 +271,9 @@ def cmd_restore_any(ns: argparse.Namespace) -> int:
         # parents (incremental images) are pulled whole first, their cached copies checked against the skeleton
         # kept beside them; the image itself streams
         report: list[tuple[dict[str, Any], str]] = []
+        window = max(0, WINDOW_MIB if ns.window is None else ns.window) << 20 if ns.no_cache else None
         done = restore(puller, body_digest, entry, run, commit=not ns.no_cache, refresh=ns.refresh_cache,
-                       artifact=art, window=max(0, ns.window) << 20 if ns.no_cache else None,
+                       artifact=art, window=window,
                        warn=lambda text: print(f"vramctl: warning: {text}", file=sys.stderr, flush=True))
     finally:
         reg.close()

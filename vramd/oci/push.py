@@ -20,6 +20,7 @@ from ..errors import (
     ImageIoError,
     ManifestMissingError,
     ParentMissingError,
+    RegistryError,
     TruncatedDataError,
     from_os_error,
 )
@@ -54,6 +55,7 @@ from .layout import (
 from .registry import Registry
 
 MAX_CHAIN = 16
+LARGE_MANIFEST = 1 << 20  # a manifest refused past this size gets the hint about the registry's cap
 OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
@@ -328,6 +330,19 @@ class Pusher:
                 os.close(fd)
         self.reg.upload_blob(self.repo, digest, data)
 
+    def _put_manifest(self, ref: str, body: bytes, media_type: str = MEDIA_OCI_MANIFEST) -> str:
+        """A manifest or index PUT; a large one refused as invalid or too large (400, 413) is most likely over the
+        registry's cap (distribution's is 4 MiB): the error says so, and what makes it smaller."""
+        try:
+            return self.reg.put_manifest(self.repo, ref, body, media_type)
+        except RegistryError as e:
+            if e.status not in (400, 413) or len(body) <= LARGE_MANIFEST:
+                raise
+            raise RegistryError(f"{e.message}: the manifest is {len(body)} bytes, likely over the registry's cap "
+                                "(4 MiB for most): push with a smaller --max-manifest-bytes (default "
+                                f"{DEFAULT_MAX_MANIFEST}), which sends it as an OCI image index of smaller "
+                                "parts") from None
+
     def push_image(self, img: LocalImage, tag: str | None, parent: Descriptor | None,
                    annotations: Mapping[str, str]) -> Descriptor:
         """The image's blobs the registry lacks, then its OCI manifest (by digest, and by `tag` if given); an image
@@ -355,12 +370,12 @@ class Pusher:
             for fut in [ex.submit(self._ensure, d, n, src, img.path) for d, n, src in jobs]:
                 fut.result()
         if not parts:
-            digest = self.reg.put_manifest(self.repo, tag or sha256_digest(body), body)
+            digest = self._put_manifest(tag or sha256_digest(body), body)
             return Descriptor(MEDIA_OCI_MANIFEST, digest, len(body))
         for p in parts:  # every part before the index that names them: the index is the commit
             if not self.reg.has_manifest(self.repo, sha256_digest(p)):  # a re-push (or a resumed one): not again
-                self.reg.put_manifest(self.repo, sha256_digest(p), p)
-        digest = self.reg.put_manifest(self.repo, tag or sha256_digest(body), body, MEDIA_OCI_INDEX)
+                self._put_manifest(sha256_digest(p), p)
+        digest = self._put_manifest(tag or sha256_digest(body), body, MEDIA_OCI_INDEX)
         return Descriptor(MEDIA_OCI_INDEX, digest, len(body))
 
 

@@ -206,7 +206,9 @@ class Registry:
                                 + "): check the repository and the tag or digest")
         if r.status == 507 or "no space left" in text.lower() or "quota" in text.lower() or _enospc(text):
             raise RegistryFullError(f"registry {self.host}: {what}: the registry is out of space ({r.status})")
-        raise RegistryError(f"registry {self.host}: {what}: HTTP {r.status} {_error_codes(text)}".rstrip())
+        refused = RegistryError(f"registry {self.host}: {what}: HTTP {r.status} {_error_codes(text)}".rstrip())
+        refused.status = r.status
+        raise refused
 
     # --- blobs -----------------------------------------------------------------
 

@@ -3,8 +3,10 @@ registry while the image downloads).
 
 It checks the artifact, its config (manifest.vrdm) and skeleton as `vramctl pull` does before a file is made,
 pulls an incremental image's parents whole into their sibling directories (vramd.oci.pull), then lays DIR out
-as a streamed restore needs it: manifest.vrdm, and each data file under its final name at its full length (the
-skeleton's literal runs written, the payloads still holes).  It listens on a unix stream socket in DIR,
+as a streamed restore needs it: manifest.vrdm, each data file under its final name at its full length (the
+skeleton's literal runs written, the payloads still holes), and the link to its first parent where the image
+recorded its parent as a plain name (`parent`, as CRIU's plugin does: vramd.oci.pull's link_parent).  It
+listens on a unix stream socket in DIR,
 SOCKET_NAME (bound through /proc/self/fd, so DIR's length does not matter), mode 0600, and only then is it
 ready: the caller may start the restore.  The downloads start at once (vramd.oci.fill's writer); the first
 connection whose peer is root or this process's own uid (SO_PEERCRED; another is closed and the wait goes on)
@@ -13,14 +15,15 @@ is the restore's supply: the socket file is removed, each data file's checked pr
 that nothing more comes.  Bytes the daemon sends back on it are read and dropped.
 
 No connection within `timeout` seconds: WaitTimeoutError.  Any failure (that, a blob that fails its digest, a
-local write, a signal the caller turns into an exception) removes manifest.vrdm first, then the data files, the
-socket and DIR itself where the serve made it: never an image that looks complete with holes in it.  (A server
+local write, a signal the caller turns into an exception) removes manifest.vrdm first, then the data files, parent
+link, socket and DIR itself where the serve made it: never an image that looks complete with holes in it.  (A server
 killed outright leaves DIR and its socket; a restore connecting to that socket is refused, and the daemon checks
 every record it reads, so the holes are never restored as data.)  When it ends well, DIR is the ordinary image
 `vramctl pull` would have made, fsynced, whether or not the restore read every record.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import struct
@@ -34,7 +37,7 @@ from ..image.fileio import image_os_error
 from ..image.names import MANIFEST_NAME
 from ..image.supply import encode
 from .fill import Filler
-from .pull import Pulled, Puller, lock_parent, prepare, pull_parents
+from .pull import Pulled, Puller, link_parent, lock_parent, prepare, pull_parents
 from .push import open_dir
 
 SOCKET_NAME = ".vramd-supply.sock"
@@ -71,7 +74,10 @@ class Server:
         held the image already (checked as `vramctl pull` checks it): nothing to serve."""
         if os.path.isfile(os.path.join(self.dest, MANIFEST_NAME)):
             got = self.puller.pull(self.ref, self.dest)  # the very image (checked) or ImageError
-            self._chain = [got, *pull_parents(self.puller, self.ref, got)]
+            parents = pull_parents(self.puller, self.ref, got)
+            if parents:  # its link to its first parent, as `vramctl pull` makes it (pull_chain)
+                got = dataclasses.replace(got, link=link_parent(got, parents[0].path))
+            self._chain = [got, *parents]
             self._digest = got.digest
             return False
         art, digest = self.puller.artifact(self.ref)
@@ -91,6 +97,11 @@ class Server:
                                   concurrency=self.puller.concurrency, on_supply=self._send, where=self.dest)
             self._filler.hold()
             self._filler.create(self._dfd, "", self._created)
+            if len(self._chain) > 1:  # the link to its first parent where it recorded one (pull_chain's), made
+                link = link_parent(child, self._chain[1].path)  # before it listens: a restore finds the chain
+                if link is not None:
+                    self._created.append(link)  # abandon() removes it (the link, never what it names)
+                    self._chain[0] = dataclasses.replace(child, link=link)
             self._listen()
         except OSError as e:
             raise image_os_error(e, f"cannot lay out {self.dest}") from None
