@@ -261,3 +261,31 @@ def test_an_incremental_image_is_served_its_parents_pulled_first(run_dir, regist
     assert errlog.read_text() == ""
     assert sorted(p.name for p in dest.iterdir()) == sorted(p.name for p in child.iterdir()
                                                              if p.name == "manifest.vrdm" or p.suffix == ".vrd")
+
+
+def test_a_server_killed_after_its_restore_connected_leaves_a_socket_nobody_answers(daemon, registry, tmp_path):
+    """The server SIGKILLed once a restore's connection was taken (its first supply message read) while a payload
+    blob is held: its directory holds manifest.vrdm and the unfilled data files, and still the socket, which
+    now refuses: a later restore (CRIU's plugin) fails on it instead of taking the directory for an image."""
+    img, ref = _pushed_small(daemon, registry, tmp_path, "killed")
+    hold = _layers(registry, "serve/killed", "1")[-1]["digest"]
+    proxy = HoldingProxy(registry.url, hold)
+    dest, errlog = tmp_path / "served", tmp_path / "serve.err"
+    try:
+        r, pid = serve(ref.replace(registry.host, proxy.host), dest, errlog)
+        assert r.returncode == 0 and pid > 0, (r.stdout, errlog.read_text())
+        assert proxy.held.wait(60), "the payload blob was never asked for"
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.connect(str(dest / SOCKET_NAME))
+            conn.settimeout(60)
+            first = conn.recv(16)  # the data file's header, final since it was laid out: the connection was taken
+            assert len(first) == 16, first
+            os.kill(pid, 9)
+            wait_exit(pid)
+    finally:
+        proxy.release.set()
+        proxy.close()
+    assert (dest / "manifest.vrdm").read_bytes() == (img / "manifest.vrdm").read_bytes()
+    assert stat.S_ISSOCK((dest / SOCKET_NAME).lstat().st_mode)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as again, pytest.raises(ConnectionRefusedError):
+        again.connect(str(dest / SOCKET_NAME))
