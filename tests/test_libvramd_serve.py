@@ -289,3 +289,61 @@ def test_a_server_killed_after_its_restore_connected_leaves_a_socket_nobody_answ
     assert stat.S_ISSOCK((dest / SOCKET_NAME).lstat().st_mode)
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as again, pytest.raises(ConnectionRefusedError):
         again.connect(str(dest / SOCKET_NAME))
+
+
+@pytest.mark.parametrize("lie", ["holes", "flipped"])
+def test_a_server_that_says_unfilled_or_altered_files_are_final_restores_nothing(daemon, registry, tmp_path, lie):
+    """A hostile server on the supply socket (root or criu's uid can serve; what it says is not trusted): it
+    announces every data file whole at once while its payloads are still holes, or hold a flipped byte.  The
+    daemon checks each record it reads against the manifest as in any restore: the session fails naming the BO
+    and the offset, and the target's bytes are not the image's."""
+    from vramd.client import SESSION_RESTORE, Client, ClientBo
+    from vramd.errors import VramdError
+    from vramd.image.manifest import decode_manifest
+    from vramd.image.names import MANIFEST_NAME
+    from vramd.image.supply import encode
+
+    bo = tmp_path / "bo.bin"
+    data = os.urandom(2 << 20)
+    bo.write_bytes(data)
+    img = tmp_path / "img"
+    r = vramctl("dump", "--pid", str(os.getpid()), "--bo-file", str(bo), "--image", str(img), socket=daemon.socket)
+    assert r.returncode == 0, r.stderr
+    m = decode_manifest((img / MANIFEST_NAME).read_bytes())
+    dest = tmp_path / "served"
+    dest.mkdir()
+    shutil.copyfile(img / MANIFEST_NAME, dest / MANIFEST_NAME)
+    t = m.chunks
+    records = [(fi, off, n) for im, fi, off, n in zip(t.image, t.file_index, t.offset, t.length, strict=True)
+               if im == 0 and n]
+    assert records, "the dump stored no record"
+    files = [bytearray((img / f.name).read_bytes()) for f in m.files]
+    for fi, off, n in records if lie == "holes" else records[-1:]:
+        if lie == "holes":
+            files[fi][off:off + n] = bytes(n)
+        else:
+            files[fi][off + n // 2] ^= 0x40
+    for f, raw in zip(m.files, files, strict=True):
+        (dest / f.name).write_bytes(raw)
+    server, restorer = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    target = os.memfd_create("bo", os.MFD_CLOEXEC)
+    dfd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.ftruncate(target, len(data))
+        for i, f in enumerate(m.files):  # the lie: every file whole and checked, at once
+            server.sendall(encode(i, (dest / f.name).stat().st_size))
+        with Client(daemon.socket) as c:
+            tok = c.open_session(SESSION_RESTORE, dfd, supply_fd=restorer.fileno()).token
+            restorer.close()
+            c.add_bos(tok, [ClientBo(id=1, fd=target, backend="mmap")])
+            c.start(tok)
+            with pytest.raises(VramdError) as e:
+                c.wait(tok, timeout=60)
+            c.close_session(tok)
+        got = os.pread(target, len(data), 0)
+    finally:
+        server.close()
+        os.close(target)
+        os.close(dfd)
+    assert e.value.code == "CORRUPT_CHUNK" and e.value.bo_id == 1 and e.value.offset is not None, e.value
+    assert got != data
