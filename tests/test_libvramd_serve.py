@@ -347,3 +347,39 @@ def test_a_server_that_says_unfilled_or_altered_files_are_final_restores_nothing
         os.close(dfd)
     assert e.value.code == "CORRUPT_CHUNK" and e.value.bo_id == 1 and e.value.offset is not None, e.value
     assert got != data
+
+
+def test_a_second_sigterm_while_the_serve_cleans_up_does_not_cut_the_removal_short(daemon, registry, tmp_path):
+    """SIGTERM to a server feeding a restore while a payload blob is held: it ends the supply first (the
+    restore's socket reads its end), then waits for its downloads to stop; a second SIGTERM then (a supervisor
+    stopping it again) is ignored: once the blob comes, the directory is removed, manifest first, and the
+    command says why in one line.  Before, the second signal left manifest.vrdm over unfilled files."""
+    _img, ref = _pushed_small(daemon, registry, tmp_path, "twice")
+    hold = _layers(registry, "serve/twice", "1")[-1]["digest"]
+    proxy = HoldingProxy(registry.url, hold)
+    dest = tmp_path / "served"
+    p = subprocess.Popen([sys.executable, "-m", "vramd.cli", "pull", "--serve", "--foreground",
+                          ref.replace(registry.host, proxy.host), str(dest), "--plain-http"], cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None
+        assert p.stdout.readline().startswith("serving "), p.stderr
+        assert proxy.held.wait(60), "the payload blob was never asked for"
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.connect(str(dest / SOCKET_NAME))
+            conn.settimeout(60)
+            assert len(conn.recv(16)) == 16  # taken: the data file's header is final
+            p.terminate()
+            while conn.recv(4096):  # the supply's end: the server is removing what it made
+                pass
+            p.terminate()
+        proxy.release.set()
+        _out, err = p.communicate(timeout=120)
+    finally:
+        proxy.release.set()
+        proxy.close()
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    assert p.returncode == 1 and err == "vramctl: stopped by signal 15\n", err
+    assert not dest.exists()
