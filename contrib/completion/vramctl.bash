@@ -22,7 +22,7 @@ _vramctl() {
         inspect) COMPREPLY=($(compgen -W "-h --help --json" -- "$cur")) ;;
         import-criu) COMPREPLY=($(compgen -W "-h --help --json --socket --daemon-user --compress --force --offline --kfd" -- "$cur")) ;;
         export-criu) COMPREPLY=($(compgen -W "-h --help --json --socket --daemon-user --parent --offline --kfd" -- "$cur")) ;;
-        push) COMPREPLY=($(compgen -W "-h --help --json --parent --annotation --cache --mount-from --plain-http --ca-file --registry-config --username --password-stdin --concurrency" -- "$cur")) ;;
+        push) COMPREPLY=($(compgen -W "-h --help --json --parent --annotation --cache --mount-from --max-manifest-bytes --plain-http --ca-file --registry-config --username --password-stdin --concurrency" -- "$cur")) ;;
         pull) COMPREPLY=($(compgen -W "-h --help --json --plain-http --ca-file --registry-config --username --password-stdin --concurrency --serve --serve-timeout --foreground" -- "$cur")) ;;
         "") COMPREPLY=($(compgen -W "-h --help --version --socket --daemon-user status sessions cancel dump restore verify rm gc flatten selftest inspect import-criu export-criu push pull" -- "$cur")) ;;
     esac
