@@ -333,3 +333,125 @@ def test_a_plugin_style_child_is_served_with_its_parent_link(run_dir, registry, 
             p.communicate()
     assert p.returncode == 1 and err == "vramctl: stopped by signal 15\n", err
     assert not os.path.lexists(other)
+
+
+def test_a_server_killed_after_its_restore_connected_leaves_a_socket_nobody_answers(daemon, registry, tmp_path):
+    """The server SIGKILLed once a restore's connection was taken (its first supply message read) while a payload
+    blob is held: its directory holds manifest.vrdm and the unfilled data files, and still the socket, which
+    now refuses: a later restore (CRIU's plugin) fails on it instead of taking the directory for an image."""
+    img, ref = _pushed_small(daemon, registry, tmp_path, "killed")
+    hold = _layers(registry, "serve/killed", "1")[-1]["digest"]
+    proxy = HoldingProxy(registry.url, hold)
+    dest, errlog = tmp_path / "served", tmp_path / "serve.err"
+    try:
+        r, pid = serve(ref.replace(registry.host, proxy.host), dest, errlog)
+        assert r.returncode == 0 and pid > 0, (r.stdout, errlog.read_text())
+        assert proxy.held.wait(60), "the payload blob was never asked for"
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.connect(str(dest / SOCKET_NAME))
+            conn.settimeout(60)
+            first = conn.recv(16)  # the data file's header, final since it was laid out: the connection was taken
+            assert len(first) == 16, first
+            os.kill(pid, 9)
+            wait_exit(pid)
+    finally:
+        proxy.release.set()
+        proxy.close()
+    assert (dest / "manifest.vrdm").read_bytes() == (img / "manifest.vrdm").read_bytes()
+    assert stat.S_ISSOCK((dest / SOCKET_NAME).lstat().st_mode)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as again, pytest.raises(ConnectionRefusedError):
+        again.connect(str(dest / SOCKET_NAME))
+
+
+@pytest.mark.parametrize("lie", ["holes", "flipped"])
+def test_a_server_that_says_unfilled_or_altered_files_are_final_restores_nothing(daemon, registry, tmp_path, lie):
+    """A hostile server on the supply socket (root or criu's uid can serve; what it says is not trusted): it
+    announces every data file whole at once while its payloads are still holes, or hold a flipped byte.  The
+    daemon checks each record it reads against the manifest as in any restore: the session fails naming the BO
+    and the offset, and the target's bytes are not the image's."""
+    from vramd.client import SESSION_RESTORE, Client, ClientBo
+    from vramd.errors import VramdError
+    from vramd.image.manifest import decode_manifest
+    from vramd.image.names import MANIFEST_NAME
+    from vramd.image.supply import encode
+
+    bo = tmp_path / "bo.bin"
+    data = os.urandom(2 << 20)
+    bo.write_bytes(data)
+    img = tmp_path / "img"
+    r = vramctl("dump", "--pid", str(os.getpid()), "--bo-file", str(bo), "--image", str(img), socket=daemon.socket)
+    assert r.returncode == 0, r.stderr
+    m = decode_manifest((img / MANIFEST_NAME).read_bytes())
+    dest = tmp_path / "served"
+    dest.mkdir()
+    shutil.copyfile(img / MANIFEST_NAME, dest / MANIFEST_NAME)
+    t = m.chunks
+    records = [(fi, off, n) for im, fi, off, n in zip(t.image, t.file_index, t.offset, t.length, strict=True)
+               if im == 0 and n]
+    assert records, "the dump stored no record"
+    files = [bytearray((img / f.name).read_bytes()) for f in m.files]
+    for fi, off, n in records if lie == "holes" else records[-1:]:
+        if lie == "holes":
+            files[fi][off:off + n] = bytes(n)
+        else:
+            files[fi][off + n // 2] ^= 0x40
+    for f, raw in zip(m.files, files, strict=True):
+        (dest / f.name).write_bytes(raw)
+    server, restorer = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    target = os.memfd_create("bo", os.MFD_CLOEXEC)
+    dfd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.ftruncate(target, len(data))
+        for i, f in enumerate(m.files):  # the lie: every file whole and checked, at once
+            server.sendall(encode(i, (dest / f.name).stat().st_size))
+        with Client(daemon.socket) as c:
+            tok = c.open_session(SESSION_RESTORE, dfd, supply_fd=restorer.fileno()).token
+            restorer.close()
+            c.add_bos(tok, [ClientBo(id=1, fd=target, backend="mmap")])
+            c.start(tok)
+            with pytest.raises(VramdError) as e:
+                c.wait(tok, timeout=60)
+            c.close_session(tok)
+        got = os.pread(target, len(data), 0)
+    finally:
+        server.close()
+        os.close(target)
+        os.close(dfd)
+    assert e.value.code == "CORRUPT_CHUNK" and e.value.bo_id == 1 and e.value.offset is not None, e.value
+    assert got != data
+
+
+def test_a_second_sigterm_while_the_serve_cleans_up_does_not_cut_the_removal_short(daemon, registry, tmp_path):
+    """SIGTERM to a server feeding a restore while a payload blob is held: it ends the supply first (the
+    restore's socket reads its end), then waits for its downloads to stop; a second SIGTERM then (a supervisor
+    stopping it again) is ignored: once the blob comes, the directory is removed, manifest first, and the
+    command says why in one line.  Before, the second signal left manifest.vrdm over unfilled files."""
+    _img, ref = _pushed_small(daemon, registry, tmp_path, "twice")
+    hold = _layers(registry, "serve/twice", "1")[-1]["digest"]
+    proxy = HoldingProxy(registry.url, hold)
+    dest = tmp_path / "served"
+    p = subprocess.Popen([sys.executable, "-m", "vramd.cli", "pull", "--serve", "--foreground",
+                          ref.replace(registry.host, proxy.host), str(dest), "--plain-http"], cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None
+        assert p.stdout.readline().startswith("serving "), p.stderr
+        assert proxy.held.wait(60), "the payload blob was never asked for"
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.connect(str(dest / SOCKET_NAME))
+            conn.settimeout(60)
+            assert len(conn.recv(16)) == 16  # taken: the data file's header is final
+            p.terminate()
+            while conn.recv(4096):  # the supply's end: the server is removing what it made
+                pass
+            p.terminate()
+        proxy.release.set()
+        _out, err = p.communicate(timeout=120)
+    finally:
+        proxy.release.set()
+        proxy.close()
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    assert p.returncode == 1 and err == "vramctl: stopped by signal 15\n", err
+    assert not dest.exists()

@@ -232,6 +232,44 @@ def test_a_server_killed_outright_fails_the_restore_naming_its_socket(case, plug
     assert "Restoring FAILED." in log
 
 
+def test_a_served_directory_its_server_does_not_own_is_refused(case, plugins, registry, tmp_path):
+    """The directory a root server fills handed to uid 65534 (as a root service's socket linked, or swapped as a
+    symlink, into a directory another uid controls would be): who answers is root, as before, but not the
+    directory's owner, so the restored task refuses the connection, names the uids, and `criu restore` fails with
+    no task left; the server, whose connection came and went, still ends with the image whole."""
+    from test_kfd_stock_plugin import DUMP
+
+    case.use(plugins["vramd"])
+    a = case.state("state-a", TOPO_A)
+    img = os.path.join(case.work, "img")
+    with running_daemon() as d:
+        env = case.env(d.socket, KFD_VRAMD="1")
+        dumped = case.run(DUMP, a, TOPO_A, gpus=1, extra=env)
+        assert dumped["dump"] == "0", case.log("dump.log")[-3000:]
+        (i,) = kfd_ids(img)
+        vdir = os.path.join(img, f"amdgpu-vramd-{i}")
+        kept = files_of(vdir)
+        r = subprocess.run([sys.executable, "-m", "vramd.cli", "push", vdir, f"{registry.host}/stream/owner:1-{i}",
+                            "--plain-http"], capture_output=True, text=True, cwd=str(REPO), timeout=300)
+        assert r.returncode == 0, r.stderr
+        shutil.rmtree(vdir)
+        errlog = tmp_path / "serve.err"
+        r = loop(SERVE_LOOP, img, f"{registry.host}/stream/owner:1", ["--plain-http"], str(errlog))
+        m = SERVING.match(r.stdout)
+        assert r.returncode == 0 and m, r.stdout
+        os.chown(vdir, 65534, 65534)
+        restored = case.run(RESTORE, a, TOPO_A, extra=env)
+        wait_servers([int(m[3])])
+    log = case.log("restore.log")
+    assert restored["restore"] != "0" and restored["alive"] == "no", log[-3000:]
+    assert (f"vramd: amdgpu-vramd-{i}/.vramd-supply.sock is served by uid 0, the socket file's owner is 0, the "
+            "directory's 65534: only the directory's owner may serve it, and only root or criu's uid 0") in log, \
+        log[-3000:]
+    assert "Restoring FAILED." in log
+    assert errlog.read_text() == ""
+    assert files_of(vdir) == kept
+
+
 def test_an_incremental_image_served_restores_through_the_parent_link_the_serve_makes(case, plugins, registry,
                                                                                      tmp_path):
     """An incremental vramd image (the plugin's `parent` link to the 1st dump's) pushed, removed, and served

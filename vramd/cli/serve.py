@@ -113,6 +113,8 @@ def _serve(ns: argparse.Namespace, registry: Callable[[argparse.Namespace, Refer
         server.serve()
         return EXIT_OK
     except (Failure, VramdError, OSError, _Stop, KeyboardInterrupt) as e:
+        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):  # a second one must not cut the removal short
+            signal.signal(sig, signal.SIG_IGN)
         server.abandon()
         _report(e)
         return EXIT_FAILURE

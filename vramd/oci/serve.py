@@ -10,16 +10,19 @@ listens on a unix stream socket in DIR,
 SOCKET_NAME (bound through /proc/self/fd, so DIR's length does not matter), mode 0600, and only then is it
 ready: the caller may start the restore.  The downloads start at once (vramd.oci.fill's writer); the first
 connection whose peer is root or this process's own uid (SO_PEERCRED; another is closed and the wait goes on)
-is the restore's supply: the socket file is removed, each data file's checked prefix is sent as supply messages
-(vramd.image.supply; the ends done before the connection came go first), and the end of the connection says
-that nothing more comes.  Bytes the daemon sends back on it are read and dropped.
+is the restore's supply: the listener is closed (the socket file stays until the files are whole, so a server
+that dies after a restore connected leaves a socket nobody answers, never a directory that looks complete), each
+data file's checked prefix is sent as supply messages (vramd.image.supply; the ends done before the connection
+came go first), and the end of the connection says that nothing more comes.  Bytes the daemon sends back on it
+are read and dropped.
 
 No connection within `timeout` seconds: WaitTimeoutError.  Any failure (that, a blob that fails its digest, a
-local write, a signal the caller turns into an exception) removes manifest.vrdm first, then the data files, parent
-link, socket and DIR itself where the serve made it: never an image that looks complete with holes in it.  (A server
-killed outright leaves DIR and its socket; a restore connecting to that socket is refused, and the daemon checks
-every record it reads, so the holes are never restored as data.)  When it ends well, DIR is the ordinary image
-`vramctl pull` would have made, fsynced, whether or not the restore read every record.
+local write, a signal the caller turns into an exception) removes manifest.vrdm first, then the data files, the
+parent link, the socket and DIR itself where the serve made it: never an image that looks complete with holes in it.  (A server
+killed outright, before or after a restore connected, leaves DIR and its socket; a restore connecting to that
+socket is refused, and the daemon checks every record it reads, so the holes are never restored as data.)  When
+it ends well, DIR is the ordinary image `vramctl pull` would have made, fsynced, the socket removed last,
+whether or not the restore read every record.
 """
 from __future__ import annotations
 
@@ -125,6 +128,7 @@ class Server:
             conn.close()
             self._conn = None
         self._filler.sync()
+        os.unlink(SOCKET_NAME, dir_fd=self._dfd)  # the files are whole: the directory is the image now
         os.fsync(self._dfd)
         self._close_fds()
         return Served(self._digest, self._chain, True)
@@ -193,7 +197,8 @@ class Server:
         self._listener = s
 
     def _accept(self) -> socket.socket:
-        """The first connection of root or our own uid within the timeout; the listener is gone after it."""
+        """The first connection of root or our own uid within the timeout; the listener is closed after it (its
+        socket file stays: a restore connecting later is refused until the files are whole)."""
         assert self._listener is not None
         deadline = time.monotonic() + self.timeout
         me = os.geteuid()
@@ -220,10 +225,6 @@ class Server:
         with self._send_lock:
             self._listener.close()
             self._listener = None
-        try:
-            os.unlink(SOCKET_NAME, dir_fd=self._dfd)
-        except FileNotFoundError:
-            pass
         return conn
 
     def _send(self, index: int, end: int) -> None:
