@@ -18,11 +18,11 @@ are read and dropped.
 
 No connection within `timeout` seconds: WaitTimeoutError.  Any failure (that, a blob that fails its digest, a
 local write, a signal the caller turns into an exception) removes manifest.vrdm first, then the data files, the
-parent link, the socket and DIR itself where the serve made it: never an image that looks complete with holes in it.  (A server
-killed outright, before or after a restore connected, leaves DIR and its socket; a restore connecting to that
-socket is refused, and the daemon checks every record it reads, so the holes are never restored as data.)  When
-it ends well, DIR is the ordinary image `vramctl pull` would have made, fsynced, the socket removed last,
-whether or not the restore read every record.
+parent link, the socket and DIR itself where the serve made it: never an image that looks complete with holes in
+it.  (A server killed outright, before or after a restore connected, leaves DIR and its socket; a restore
+connecting to that socket is refused, and the daemon checks every record it reads, so the holes are never
+restored as data.)  When it ends well, DIR is the ordinary image `vramctl pull` would have made, fsynced, the
+socket removed last, whether or not the restore read every record.
 """
 from __future__ import annotations
 
