@@ -3,6 +3,7 @@
     .venv/bin/python bench/oci_push.py --size 512MiB --chunks 1M,8M,32M --out bench/measured/oci.json
     .venv/bin/python bench/oci_push.py --storage --size 256MiB     # registry bytes: 4 replicas, a chain of 5
     .venv/bin/python bench/oci_push.py --restore --size 512MiB     # restore from a reference (streamed) vs its parts
+    .venv/bin/python bench/oci_push.py --restore --size 1GiB --rounds 3 --net-rate none,10gbit  # + over a veth pair
     .venv/bin/python bench/oci_push.py --hashes --size 1GiB        # the dump's BLAKE3 pass vs the push's sha256 pass
     .venv/bin/python bench/oci_push.py --all --size 4GiB --chunks 8M --out bench/measured/oci-4g.json  # all, one run
 
@@ -18,6 +19,7 @@ client and the daemon share the machine: its load is recorded.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -33,6 +35,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from net import NetNs  # noqa: E402  (bench/net.py, beside this file)
 
 from vramd.testing import DaemonProcess  # noqa: E402
 from vramd.testing.registry import Registry  # noqa: E402
@@ -182,7 +186,8 @@ def storage(work: Path, size: int) -> list[dict[str, object]]:
     return rows
 
 
-def restore(work: Path, size: int, rounds: int = 1, baseline: Path | None = None) -> list[dict[str, object]]:
+def restore(work: Path, size: int, rounds: int = 1, baseline: Path | None = None,
+            net_rates: list[str] | None = None, net_delay: str | None = None) -> list[dict[str, object]]:
     """`vramctl restore --image oci://`, streamed (cold cache; and --no-cache), against its parts side by side in
     one run: a pull alone, a restore of the local directory alone, and the two one after the other (pull, then
     restore the pulled directory: what restore from a reference did before it streamed); then a restore with
@@ -190,7 +195,10 @@ def restore(work: Path, size: int, rounds: int = 1, baseline: Path | None = None
     `rounds` > 1 repeats the first four cases, interleaved (rows tagged #1, #2, ...).  `baseline`, another
     checkout's root: its vramctl's pull alone and streamed restore are timed too, each right after this tree's
     (rows tagged "(baseline)"; the daemon is this tree's).  Each timed row also has the daemon's and the
-    registry's CPU s/GiB over its wall (/proc/PID/stat), vramctl's being `cpu_s_per_GiB`."""
+    registry's CPU s/GiB over its wall (/proc/PID/stat), vramctl's being `cpu_s_per_GiB`.  `net_rates` (root):
+    a second registry serving the first one's storage from its own network namespace behind a veth pair
+    (bench/net.py); in each round the pull alone, pull-then-restore and streamed cases run again against it at
+    each rate ("none": the pair unshaped), rows tagged "[RATE]"; the settings' order rotates from round to round."""
     data = work / "bo.bin"
     want = hashlib.sha256()
     with open(data, "wb") as f:
@@ -199,17 +207,30 @@ def restore(work: Path, size: int, rounds: int = 1, baseline: Path | None = None
             want.update(piece)
             f.write(piece)
     out = work / "out.bin"
-    rows = []
+    rows: list[dict[str, object]] = []
     run = tempfile.mkdtemp(prefix="vb", dir="/tmp")
     os.chmod(run, 0o755)
     try:
-        with DaemonProcess(run, "--chunk-size", "8M", log_level="warning") as d, Registry(work / "reg-r") as reg:
+        with contextlib.ExitStack() as stack:
+            d = stack.enter_context(DaemonProcess(run, "--chunk-size", "8M", log_level="warning"))
+            reg = stack.enter_context(Registry(work / "reg-r"))
             img = work / "image"
             subprocess.run(vramctl("--socket", d.socket, "dump", "--pid", str(os.getpid()), "--bo-file", str(data),
                                    "--image", str(img), "--compress", "none"), cwd=ROOT, check=True,
                            capture_output=True)
+            settings: list[tuple[str, Registry]] = [("", reg)]
+            ns = None
+            if net_rates:
+                ns = stack.enter_context(NetNs())
+                (work / "reg-n").mkdir()
+                (work / "reg-n" / "storage").symlink_to(reg.storage)  # the same blobs, one copy in the page cache
+                nreg = stack.enter_context(Registry(work / "reg-n", listen=ns.peer, netns=ns.name))
+                settings += [(f" [{r}]", nreg) for r in net_rates]
             ref = f"{reg.host}/bench/r:1"
             timed(vramctl("push", str(img), ref, "--plain-http"))
+            # a pull first, untimed, so the registry's files are in its page cache for every timed case alike
+            timed(vramctl("pull", ref, str(work / "warmup"), "--plain-http"))
+            shutil.rmtree(work / "warmup")
 
             def restore_cmd(image: str, *more: str) -> list[str]:
                 out.write_bytes(b"")
@@ -224,34 +245,41 @@ def restore(work: Path, size: int, rounds: int = 1, baseline: Path | None = None
                         h.update(piece)
                 if h.digest() != want.digest():
                     raise SystemExit("the restored BO differs from the dumped one")
-            # a pull first, untimed, so the registry's files are in its page cache for every timed case alike
-            timed(vramctl("pull", ref, str(work / "warmup"), "--plain-http"))
-            shutil.rmtree(work / "warmup")
             cache = work / "cache"
             for k in range(rounds):  # interleaved: each round's cases see the machine in about the same state
                 tag = f" #{k + 1}" if rounds > 1 else ""
+                rows.append({"case": "load average before round" + tag, "load": os.getloadavg()})
                 trees = [(t, btag) for t, btag in ((ROOT, ""), (baseline, " (baseline)")) if t is not None]
                 if k % 2:  # which of the two goes first alternates
                     trees.reverse()
-                for tree, btag in trees:
-                    rows.append(procs(d, reg, size, partial(timed, vramctl("pull", ref, str(work / "pulled"),
-                                                                           "--plain-http"), tree),
-                                      "pull alone" + btag + tag))
-                    shutil.rmtree(work / "pulled")
                 rows.append(procs(d, reg, size, partial(timed, restore_cmd(str(img))),
                                   "restore of the local directory alone" + tag))
                 check()
-                wall1, cpu1, _ = timed(vramctl("pull", ref, str(work / "pulled"), "--plain-http"))
-                wall2, cpu2, _ = timed(restore_cmd(str(work / "pulled")))
-                check()
-                rows.append(row("pull, then restore the pulled directory" + tag, wall1 + wall2, cpu1 + cpu2, size, 0))
-                shutil.rmtree(work / "pulled")
-                for tree, btag in trees:
-                    shutil.rmtree(cache, ignore_errors=True)
-                    rows.append(procs(d, reg, size, partial(timed, restore_cmd(
-                        f"oci://{ref}", "--plain-http", "--cache", str(cache)), tree),
-                        "restore --image oci:// streamed (cold cache)" + btag + tag))
+                for net, r in settings[k % len(settings):] + settings[:k % len(settings)]:
+                    if ns is not None and r is not reg:
+                        ns.shape(None if net == " [none]" else net.strip(" []"), net_delay)
+                    ref = f"{r.host}/bench/r:1"
+                    for tree, btag in trees:
+                        rows.append(procs(d, r, size, partial(timed, vramctl("pull", ref, str(work / "pulled"),
+                                                                             "--plain-http"), tree),
+                                          "pull alone" + net + btag + tag))
+                        shutil.rmtree(work / "pulled")
+                    wall1, cpu1, _ = timed(vramctl("pull", ref, str(work / "pulled"), "--plain-http"))
+                    wall2, cpu2, _ = timed(restore_cmd(str(work / "pulled")))
                     check()
+                    rows.append(row("pull, then restore the pulled directory" + net + tag, wall1 + wall2,
+                                    cpu1 + cpu2, size, 0))
+                    shutil.rmtree(work / "pulled")
+                    for tree, btag in trees:
+                        shutil.rmtree(cache, ignore_errors=True)
+                        rows.append(procs(d, r, size, partial(timed, restore_cmd(
+                            f"oci://{ref}", "--plain-http", "--cache", str(cache)), tree),
+                            "restore --image oci:// streamed (cold cache)" + net + btag + tag))
+                        check()
+            rows.append({"case": "load average after the rounds", "load": os.getloadavg()})
+            if ns is not None:
+                rows.append({"case": "qdiscs (the last setting)", "tc": ns.qdiscs()})
+            ref = f"{reg.host}/bench/r:1"
             wall, cpu, _ = timed(restore_cmd(f"oci://{ref}", "--plain-http", "--cache", str(cache)))
             check()
             rows.append(row("restore --image oci:// (warm cache)", wall, cpu, size, 0))
@@ -310,6 +338,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1, help="--restore: repeat its cold cases this often, interleaved")
     ap.add_argument("--baseline", type=Path, help="--restore: another checkout's root: its vramctl's pull and "
                     "streamed restore are timed too, alternating with this tree's in each round")
+    ap.add_argument("--net-rate", help="--restore, root: also against a registry in its own network namespace "
+                    "behind a veth pair limited by tc to each of these rates (e.g. none,25gbit,10gbit; bench/net.py)")
+    ap.add_argument("--net-delay", help="with --net-rate: a netem delay each way too (e.g. 100us)")
     ns = ap.parse_args()
     size = parse_size(ns.size)
     rows: list[dict[str, object]] = []
@@ -329,7 +360,8 @@ def main() -> None:
                 rows += one_chunk_size(phase("push"), size, chunk)
                 load.append(os.getloadavg())
         if ns.restore or ns.all:
-            rows += restore(phase("restore"), size, ns.rounds, ns.baseline)
+            rows += restore(phase("restore"), size, ns.rounds, ns.baseline,
+                            ns.net_rate.split(",") if ns.net_rate else None, ns.net_delay)
             load.append(os.getloadavg())
         if ns.storage or ns.all:
             rows += storage(phase("storage"), size)
@@ -337,13 +369,17 @@ def main() -> None:
     result: dict[str, object] = {"size": size, "load_before_after": load, "free_disk_before": free, "rows": rows}
     walls = {str(r["case"]): float(str(r["wall_s"])) for r in rows if "wall_s" in r}
     ratios: dict[str, list[float]] = {}  # the target: streamed <= 1.15 x max(pull alone, local restore alone)
-    for btag in ("", " (baseline)"):
-        for k in range(ns.rounds):
-            tag = f" #{k + 1}" if ns.rounds > 1 else ""
-            streamed = walls.get("restore --image oci:// streamed (cold cache)" + btag + tag)
-            if streamed is not None:
-                parts = max(walls["pull alone" + btag + tag], walls["restore of the local directory alone" + tag])
-                ratios.setdefault(btag.strip(" ()") or "this tree", []).append(round(streamed / parts, 3))
+    nets = [""] + [f" [{r}]" for r in (ns.net_rate.split(",") if ns.net_rate else [])]
+    for net in nets:
+        for btag in ("", " (baseline)"):
+            for k in range(ns.rounds):
+                tag = f" #{k + 1}" if ns.rounds > 1 else ""
+                streamed = walls.get("restore --image oci:// streamed (cold cache)" + net + btag + tag)
+                if streamed is not None:
+                    parts = max(walls["pull alone" + net + btag + tag],
+                                walls["restore of the local directory alone" + tag])
+                    who = (btag.strip(" ()") or "this tree") + (net or " [loopback]")
+                    ratios.setdefault(who, []).append(round(streamed / parts, 3))
     if ratios:
         result["streamed_over_max_parts"] = ratios
     if ns.out:
