@@ -69,7 +69,9 @@ def restore(work: Path, size: int, rounds: int = 1, baseline: Path | None = None
     registry's CPU s/GiB over its wall (/proc/PID/stat), vramctl's being `cpu_s_per_GiB`.  `net_rates` (root):
     a second registry serving the first one's storage from its own network namespace behind a veth pair
     (bench/net.py); in each round the pull alone, pull-then-restore and streamed cases run again against it at
-    each rate ("none": the pair unshaped), rows tagged "[RATE]"; the settings' order rotates from round to round."""
+    each rate ("none": the pair unshaped), rows tagged "[RATE]"; the settings' order rotates from round to round.
+    Every timed case starts with what earlier ones wrote (pulled directory, cache, restored BO) deleted; the warm
+    case's cache is filled from the loopback registry, untimed, first."""
     data = work / "bo.bin"
     want = hashlib.sha256()
     with open(data, "wb") as f:
