@@ -3,6 +3,7 @@
     .venv/bin/python bench/oci_push.py --size 512MiB --chunks 1M,8M,32M --out bench/measured/oci.json
     .venv/bin/python bench/oci_push.py --storage --size 256MiB     # registry bytes: 4 replicas, a chain of 5
     .venv/bin/python bench/oci_push.py --restore --size 512MiB     # restore from a reference (streamed) vs its parts
+    .venv/bin/python bench/oci_push.py --restore --size 1GiB --rounds 3 --net-rate none,10gbit  # + over a veth pair
     .venv/bin/python bench/oci_push.py --hashes --size 1GiB        # the dump's BLAKE3 pass vs the push's sha256 pass
     .venv/bin/python bench/oci_push.py --all --size 4GiB --chunks 8M --out bench/measured/oci-4g.json  # all, one run
 
@@ -21,58 +22,26 @@ import argparse
 import hashlib
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
-from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from oci_restore import ROOT, restore, row, timed, vramctl  # noqa: E402  (bench/oci_restore.py, beside this file)
 
 from vramd.testing import DaemonProcess  # noqa: E402
 from vramd.testing.registry import Registry  # noqa: E402
 from vramd.units import parse_size  # noqa: E402
 
 
-def timed(cmd: list[str], cwd: Path = ROOT) -> tuple[float, float, str]:
-    """(wall s, CPU s of the child, stdout) of a command run to its end (in `cwd`: its vramd is the one run)."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    t0 = time.perf_counter()
-    r = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    if r.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd[:4])}: {r.stderr.strip()}")
-    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime), r.stdout
-
-
-def cpu_of(pid: int | None) -> float:
-    """CPU s (user + system) a running process has used so far (/proc/PID/stat); 0 for None."""
-    if pid is None:
-        return 0.0
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def requests(reg: Registry) -> int:
     """Requests the registry answered, its fixture's own readiness and settle probes (GET /v2/) not counted."""
     return sum(1 for r in reg.access_log() if r.path.split("?")[0] != "/v2/")
-
-
-def vramctl(*args: str) -> list[str]:
-    return [sys.executable, "-m", "vramd.cli", *args]
-
-
-def row(name: str, wall: float, cpu: float, nbytes: int, requests: int) -> dict[str, object]:
-    gib = nbytes / 2**30
-    return {"case": name, "wall_s": round(wall, 3), "GB_per_s": round(nbytes / wall / 1e9, 3) if wall else None,
-            "cpu_s_per_GiB": round(cpu / gib, 3) if gib else None, "requests": requests, "bytes": nbytes}
 
 
 def one_chunk_size(work: Path, size: int, chunk: str) -> list[dict[str, object]]:
@@ -182,104 +151,9 @@ def storage(work: Path, size: int) -> list[dict[str, object]]:
     return rows
 
 
-def restore(work: Path, size: int, rounds: int = 1, baseline: Path | None = None) -> list[dict[str, object]]:
-    """`vramctl restore --image oci://`, streamed (cold cache; and --no-cache), against its parts side by side in
-    one run: a pull alone, a restore of the local directory alone, and the two one after the other (pull, then
-    restore the pulled directory: what restore from a reference did before it streamed); then a restore with
-    the cache holding the image (warm).  Into a file BO; the registry's files are read once, untimed, first.
-    `rounds` > 1 repeats the first four cases, interleaved (rows tagged #1, #2, ...).  `baseline`, another
-    checkout's root: its vramctl's pull alone and streamed restore are timed too, each right after this tree's
-    (rows tagged "(baseline)"; the daemon is this tree's).  Each timed row also has the daemon's and the
-    registry's CPU s/GiB over its wall (/proc/PID/stat), vramctl's being `cpu_s_per_GiB`."""
-    data = work / "bo.bin"
-    want = hashlib.sha256()
-    with open(data, "wb") as f:
-        for _ in range(size // (8 << 20)):
-            piece = os.urandom(8 << 20)
-            want.update(piece)
-            f.write(piece)
-    out = work / "out.bin"
-    rows = []
-    run = tempfile.mkdtemp(prefix="vb", dir="/tmp")
-    os.chmod(run, 0o755)
-    try:
-        with DaemonProcess(run, "--chunk-size", "8M", log_level="warning") as d, Registry(work / "reg-r") as reg:
-            img = work / "image"
-            subprocess.run(vramctl("--socket", d.socket, "dump", "--pid", str(os.getpid()), "--bo-file", str(data),
-                                   "--image", str(img), "--compress", "none"), cwd=ROOT, check=True,
-                           capture_output=True)
-            ref = f"{reg.host}/bench/r:1"
-            timed(vramctl("push", str(img), ref, "--plain-http"))
-
-            def restore_cmd(image: str, *more: str) -> list[str]:
-                out.write_bytes(b"")
-                os.truncate(out, size)
-                return vramctl("--socket", d.socket, "restore", "--pid", str(os.getpid()), "--image", image,
-                               "--bo-file", f"1={out}", *more)
-
-            def check() -> None:  # the restored BO's sha256 (it is in the page cache: the dumped file is not read)
-                h = hashlib.sha256()
-                with open(out, "rb") as f:
-                    while piece := f.read(8 << 20):
-                        h.update(piece)
-                if h.digest() != want.digest():
-                    raise SystemExit("the restored BO differs from the dumped one")
-            # a pull first, untimed, so the registry's files are in its page cache for every timed case alike
-            timed(vramctl("pull", ref, str(work / "warmup"), "--plain-http"))
-            shutil.rmtree(work / "warmup")
-            cache = work / "cache"
-            for k in range(rounds):  # interleaved: each round's cases see the machine in about the same state
-                tag = f" #{k + 1}" if rounds > 1 else ""
-                trees = [(t, btag) for t, btag in ((ROOT, ""), (baseline, " (baseline)")) if t is not None]
-                if k % 2:  # which of the two goes first alternates
-                    trees.reverse()
-                for tree, btag in trees:
-                    rows.append(procs(d, reg, size, partial(timed, vramctl("pull", ref, str(work / "pulled"),
-                                                                           "--plain-http"), tree),
-                                      "pull alone" + btag + tag))
-                    shutil.rmtree(work / "pulled")
-                rows.append(procs(d, reg, size, partial(timed, restore_cmd(str(img))),
-                                  "restore of the local directory alone" + tag))
-                check()
-                wall1, cpu1, _ = timed(vramctl("pull", ref, str(work / "pulled"), "--plain-http"))
-                wall2, cpu2, _ = timed(restore_cmd(str(work / "pulled")))
-                check()
-                rows.append(row("pull, then restore the pulled directory" + tag, wall1 + wall2, cpu1 + cpu2, size, 0))
-                shutil.rmtree(work / "pulled")
-                for tree, btag in trees:
-                    shutil.rmtree(cache, ignore_errors=True)
-                    rows.append(procs(d, reg, size, partial(timed, restore_cmd(
-                        f"oci://{ref}", "--plain-http", "--cache", str(cache)), tree),
-                        "restore --image oci:// streamed (cold cache)" + btag + tag))
-                    check()
-            wall, cpu, _ = timed(restore_cmd(f"oci://{ref}", "--plain-http", "--cache", str(cache)))
-            check()
-            rows.append(row("restore --image oci:// (warm cache)", wall, cpu, size, 0))
-            shutil.rmtree(cache)
-            wall, cpu, _ = timed(restore_cmd(f"oci://{ref}", "--plain-http", "--no-cache"))
-            check()
-            rows.append(row("restore --image oci:// streamed --no-cache", wall, cpu, size, 0))
-    finally:
-        shutil.rmtree(run, ignore_errors=True)
-    return rows
-
-
-def procs(d: DaemonProcess, reg: Registry, size: int, case: Callable[[], tuple[float, float, str]], name: str
-          ) -> dict[str, object]:
-    """`case` timed (a row), with the daemon's and the registry's CPU s/GiB over its wall beside vramctl's."""
-    c0 = (cpu_of(d.pid), cpu_of(reg.pid))
-    wall, cpu, _ = case()
-    gib = size / 2**30
-    r = row(name, wall, cpu, size, 0)
-    r["daemon_cpu_s_per_GiB"] = round((cpu_of(d.pid) - c0[0]) / gib, 3)
-    r["registry_cpu_s_per_GiB"] = round((cpu_of(reg.pid) - c0[1]) / gib, 3)
-    return r
-
-
 def hashes(size: int) -> list[dict[str, object]]:
     """CPU s/GiB of each hashing pass over `size` bytes in 8 MiB chunks, in memory (no I/O), one thread: the
     dump's BLAKE3 (chunk identity: dedup, incrementals) against the push's sha256 (the OCI blob digest)."""
-    import hashlib
 
     import blake3
     buf = os.urandom(64 << 20)
@@ -310,6 +184,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1, help="--restore: repeat its cold cases this often, interleaved")
     ap.add_argument("--baseline", type=Path, help="--restore: another checkout's root: its vramctl's pull and "
                     "streamed restore are timed too, alternating with this tree's in each round")
+    ap.add_argument("--net-rate", help="--restore, root: also against a registry in its own network namespace "
+                    "behind a veth pair limited by tc to each of these rates (e.g. none,25gbit,10gbit; bench/net.py)")
+    ap.add_argument("--net-delay", help="with --net-rate: a netem delay each way too (e.g. 100us)")
     ns = ap.parse_args()
     size = parse_size(ns.size)
     rows: list[dict[str, object]] = []
@@ -329,7 +206,8 @@ def main() -> None:
                 rows += one_chunk_size(phase("push"), size, chunk)
                 load.append(os.getloadavg())
         if ns.restore or ns.all:
-            rows += restore(phase("restore"), size, ns.rounds, ns.baseline)
+            rows += restore(phase("restore"), size, ns.rounds, ns.baseline,
+                            ns.net_rate.split(",") if ns.net_rate else None, ns.net_delay)
             load.append(os.getloadavg())
         if ns.storage or ns.all:
             rows += storage(phase("storage"), size)
@@ -337,13 +215,17 @@ def main() -> None:
     result: dict[str, object] = {"size": size, "load_before_after": load, "free_disk_before": free, "rows": rows}
     walls = {str(r["case"]): float(str(r["wall_s"])) for r in rows if "wall_s" in r}
     ratios: dict[str, list[float]] = {}  # the target: streamed <= 1.15 x max(pull alone, local restore alone)
-    for btag in ("", " (baseline)"):
-        for k in range(ns.rounds):
-            tag = f" #{k + 1}" if ns.rounds > 1 else ""
-            streamed = walls.get("restore --image oci:// streamed (cold cache)" + btag + tag)
-            if streamed is not None:
-                parts = max(walls["pull alone" + btag + tag], walls["restore of the local directory alone" + tag])
-                ratios.setdefault(btag.strip(" ()") or "this tree", []).append(round(streamed / parts, 3))
+    nets = [""] + [f" [{r}]" for r in (ns.net_rate.split(",") if ns.net_rate else [])]
+    for net in nets:
+        for btag in ("", " (baseline)"):
+            for k in range(ns.rounds):
+                tag = f" #{k + 1}" if ns.rounds > 1 else ""
+                streamed = walls.get("restore --image oci:// streamed (cold cache)" + net + btag + tag)
+                if streamed is not None:
+                    parts = max(walls["pull alone" + net + btag + tag],
+                                walls["restore of the local directory alone" + tag])
+                    who = (btag.strip(" ()") or "this tree") + (net or " [loopback]")
+                    ratios.setdefault(who, []).append(round(streamed / parts, 3))
     if ratios:
         result["streamed_over_max_parts"] = ratios
     if ns.out:

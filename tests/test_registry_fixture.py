@@ -8,7 +8,9 @@ from __future__ import annotations
 import gc
 import hashlib
 import os
+import shutil
 import ssl
+import subprocess
 import urllib.error
 import urllib.request
 import warnings
@@ -140,3 +142,35 @@ def test_a_token_registry_restarted_still_trusts_the_token_server(token_registry
         urllib.request.urlopen(req, context=ctx)
     assert e.value.code == 404 and b"NAME_UNKNOWN" in e.value.read()
     token_registry.wait_log(r'msg="authorized request" .*uri=/v2/vramd/t/tags/list')
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None, reason="a network namespace needs root and ip")
+def test_a_registry_in_its_own_network_namespace_serves_on_its_listen_address_only_there(make_registry):
+    # what bench/net.py builds for bench/oci_push.py --net-rate: a namespace, a veth pair, the registry inside
+    name, host_if, peer_if = f"vramd-test-{os.getpid()}", f"vt{os.getpid()}h", f"vt{os.getpid()}r"
+    third = os.getpid() % 250
+
+    def ip(*args: str) -> None:
+        subprocess.run(["ip", *args], check=True, capture_output=True)
+    ip("netns", "add", name)
+    try:
+        ip("link", "add", host_if, "type", "veth", "peer", "name", peer_if)
+        ip("link", "set", peer_if, "netns", name)
+        ip("addr", "add", f"10.214.{third}.1/30", "dev", host_if)
+        ip("link", "set", host_if, "up")
+        ip("-n", name, "addr", "add", f"10.214.{third}.2/30", "dev", peer_if)
+        ip("-n", name, "link", "set", peer_if, "up")
+        reg = make_registry(listen=f"10.214.{third}.2", netns=name)
+        assert reg.host == f"10.214.{third}.2:{reg.port}" and reg.port > 0
+        assert os.readlink(f"/proc/{reg.pid}/ns/net") != os.readlink("/proc/self/ns/net")
+        assert os.stat(f"/proc/{reg.pid}/ns/net").st_ino == os.stat(f"/run/netns/{name}").st_ino
+        data = os.urandom(50_000)
+        digest = _upload(reg.url, "vramd/ns", data)  # across the veth pair
+        assert reg.blob_data(digest).read_bytes() == data
+        with pytest.raises(urllib.error.URLError) as refused:  # nothing of it listens on this namespace's loopback
+            urllib.request.urlopen(f"http://127.0.0.1:{reg.port}/v2/", timeout=5)
+        assert isinstance(refused.value.reason, ConnectionRefusedError)
+        reg.close()
+    finally:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        subprocess.run(["ip", "link", "del", host_if], capture_output=True)

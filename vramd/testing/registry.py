@@ -11,6 +11,7 @@ Options:
 - `auth`: "none", "htpasswd" (`users` hashed with bcrypt by `htpasswd -B`, the password on its stdin), or
   "token" (`vramd.testing.tokenserver.TokenServer`, HTTPS with the same CA unless `token_tls=False`,
   trusted by the registry through `rootcertbundle`; `grants`/`refresh_tokens` passed to it);
+- `listen`: the address it serves on; `netns`: a network namespace (`ip netns`) it runs in (bench/net.py);
 - `storage_limit`: bytes; the storage directory becomes a tmpfs of that size (needs root: mount), so the
   registry's writes fail with ENOSPC once it is full (the "registry full" fault).
 Control: `stop()` and `start()` (same port, same storage: an interrupted upload can be resumed), `close()`.
@@ -41,7 +42,7 @@ from .tokenserver import Grants, TokenServer, grant_all_to_users
 
 SERVICE = "vramd-test-registry"
 ISSUER = "vramd-test-token-server"
-_LISTENING = re.compile(r'msg="listening on 127\.0\.0\.1:(\d+)')
+_LISTENING = re.compile(r'msg="listening on [^"]*:(\d+)')
 # Apache combined format, which the registry writes to stdout for each request
 _ACCESS = re.compile(r'^(\S+) \S+ (\S+) \[[^\]]*\] "(\S+) (\S+) [^"]*" (\d{3}) (\d+|-) ')
 
@@ -67,7 +68,8 @@ class Registry:
     def __init__(self, workdir: Path, *, pki: Pki | None = None, auth: Literal["none", "htpasswd", "token"] = "none",
                  users: Mapping[str, str] | None = None, grants: Grants = grant_all_to_users,
                  refresh_tokens: Mapping[str, str] | None = None, token_tls: bool = True,
-                 storage_limit: int | None = None, ready_timeout: float = 30.0) -> None:
+                 storage_limit: int | None = None, ready_timeout: float = 30.0, listen: str = "127.0.0.1",
+                 netns: str | None = None) -> None:
         if auth != "none" and not users:
             raise ValueError(f"auth={auth!r} needs users")
         if auth == "token" and pki is None:
@@ -79,6 +81,7 @@ class Registry:
         self.auth = auth
         self.pki = pki
         self.ready_timeout = ready_timeout
+        self.listen, self.netns = listen, netns
         self.ca_file: Path | None = pki.ca_cert if pki is not None else None
         self.scheme = "https" if pki is not None else "http"
         self.port = 0
@@ -127,7 +130,7 @@ class Registry:
     @property
     def host(self) -> str:
         """HOST:PORT, as a reference names the registry."""
-        return f"127.0.0.1:{self.port}"
+        return f"{self.listen}:{self.port}"
 
     @property
     def url(self) -> str:
@@ -146,7 +149,7 @@ class Registry:
             "log:\n  level: info\n  accesslog:\n    disabled: false\n"
             f"storage:\n  filesystem:\n    rootdirectory: {self.storage}\n  delete:\n    enabled: true\n"
             "  maintenance:\n    uploadpurging:\n      enabled: false\n"
-            f"http:\n  addr: 127.0.0.1:{self.port}\n  secret: vramd-test-upload-state-secret\n{self._tls_config}"
+            f"http:\n  addr: {self.listen}:{self.port}\n  secret: vramd-test-upload-state-secret\n{self._tls_config}"
             + self._auth_config)
         return config
 
@@ -155,7 +158,8 @@ class Registry:
         if self._proc is not None:
             raise RuntimeError("the registry is running")
         env = {k: v for k, v in os.environ.items() if not k.startswith("REGISTRY_")}
-        self._proc = subprocess.Popen(["docker-registry", "serve", str(self._write_config())], env=env,
+        netns = ["ip", "netns", "exec", self.netns] if self.netns else []  # exec: the same pid
+        self._proc = subprocess.Popen([*netns, "docker-registry", "serve", str(self._write_config())], env=env,
                                       stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True, start_new_session=True)
         assert self._proc.stdout is not None and self._proc.stderr is not None
