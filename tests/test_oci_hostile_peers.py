@@ -247,7 +247,10 @@ def _trickled(case: str, port: int, k: int) -> tuple[bytes, bytes]:
     if case == "manifest body":
         return b"HTTP/1.1 200 OK\r\nContent-Length: 900\r\n\r\n", b"{" * 900
     if k == 1:  # "token answer": the registry wants a token from a realm (this same server) ...
-        return (b"HTTP/1.1 401 Unauthorized\r\nContent-Length: 0\r\nWWW-Authenticate: Bearer realm=\"http://"
+        # (Connection: close: the handler's return closes this connection, which the client must not reuse for
+        # the token request: keep-alive would race that close and fail as RemoteDisconnected under load)
+        return (b"HTTP/1.1 401 Unauthorized\r\nContent-Length: 0\r\nConnection: close\r\n"
+                b"WWW-Authenticate: Bearer realm=\"http://"
                 b"127.0.0.1:%d/token\",service=\"s\"\r\n\r\n" % port, b"")
     return b"HTTP/1.1 200 OK\r\nContent-Length: 200\r\n\r\n", b'{"token": "' + b"t" * 188  # ... that trickles
 
