@@ -30,7 +30,7 @@ from ..oci.push import Pusher, push_chain
 from ..oci.registry import REPO, Reference, Registry
 from ..oci.stream import SupplyPipe, restore
 from ..oci.tls import Trust
-from .common import EXIT_OK, Failure, emit, rate
+from .common import EXIT_OK, Failure, connect, emit, rate
 from .serve import add_serve_args, cmd_serve
 from .transfer import cmd_restore
 
@@ -228,6 +228,9 @@ def cache_root(ns: argparse.Namespace) -> str:
     return os.path.join(base, "vramd", "oci")
 
 
+NO_NOTES = "the daemon sends no supply notes (older than this vramctl): --no-cache keeps the whole image in TMPDIR"
+
+
 def cmd_restore_any(ns: argparse.Namespace) -> int:
     """vramctl restore: an image directory as before, or `oci://` a reference, restored while it downloads
     (vramd.oci.stream) into the cache (or, --no-cache, a temporary directory removed afterwards); a cache entry
@@ -235,6 +238,16 @@ def cmd_restore_any(ns: argparse.Namespace) -> int:
     if not ns.image.startswith(OCI_SCHEME):
         return cmd_restore(ns)
     ref = Reference.parse(ns.image)
+
+    def warn(text: str) -> None:
+        print(f"vramctl: warning: {text}", file=sys.stderr, flush=True)
+
+    window = max(0, ns.window) << 20 if ns.no_cache else None
+    if window is not None:  # a daemon older than the notes never lifts the window: then it is not bounded
+        with connect(ns) as daemon:
+            if not daemon.supply_notes:
+                warn(NO_NOTES)
+                window = None
     reg = _registry(ns, ref)
     scratch = None
     try:
@@ -269,8 +282,7 @@ def cmd_restore_any(ns: argparse.Namespace) -> int:
         # kept beside them; the image itself streams
         report: list[tuple[dict[str, Any], str]] = []
         done = restore(puller, body_digest, entry, run, commit=not ns.no_cache, refresh=ns.refresh_cache,
-                       artifact=art, window=max(0, ns.window) << 20 if ns.no_cache else None,
-                       warn=lambda text: print(f"vramctl: warning: {text}", file=sys.stderr, flush=True))
+                       artifact=art, window=window, warn=warn)
     finally:
         reg.close()
         if scratch is not None:
