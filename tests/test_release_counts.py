@@ -1,0 +1,96 @@
+"""The daemon's release counts (vramd.engine.jobs.notes.record_counts): what a streamed session over a supply
+socket holds per record of the image to tell its client which records no chunk reads again.
+
+They were a dict of (data file, offset) -> [count, length]: about 205 bytes a record (tracemalloc, 1 M records),
+for every record of the manifest, per session, up to 64 sessions per uid.  Now a few arrays per data file: the
+bound here fails the dict.  The counting itself works on synthetic v2 manifests (no data file is read), whose
+chunk tables name the same bytes twice where a test wants it.
+"""
+from __future__ import annotations
+
+import tracemalloc
+
+from vramd.engine.jobs.notes import record_counts
+from vramd.image.reader import ImageReader
+from vramd.pb import image_pb2 as pb
+
+CS = 4096
+REC = CS + 64  # a record: its head and the chunk
+
+
+def manifest(records: int, per_bo: int = 1000, files: int = 2) -> pb.Manifest:
+    """A v2 manifest of `records` records of its own, spread over `files` data files (entries alternate between
+    them), each read by one chunk; BOs of `per_bo` chunks."""
+    m = pb.Manifest(format_version=2, chunk_size=CS)
+    for f in range(files):
+        m.files.add(name=f"data-{f}.vrd", length=REC * (records // files + 1))
+    t = m.chunks
+    t.hashes = bytes(32 * records)
+    t.image.extend([0] * records)
+    t.file_index.extend(i % files for i in range(records))
+    t.offset.extend((i // files) * REC for i in range(records))
+    t.length.extend([REC] * records)
+    t.record_checksum.extend([0] * records)
+    t.raw_length.extend([CS] * records)
+    t.base.extend([0] * records)
+    for b in range(-(-records // per_bo)):
+        refs = range(b * per_bo + 1, min(records, (b + 1) * per_bo) + 1)
+        m.bos.add(id=b + 1, size=len(refs) * CS, chunk_refs=refs)
+    return m
+
+
+def retained(records: int) -> tuple[int, int]:
+    """(bytes the counts hold once made, the counting's peak), by tracemalloc, for `records` records."""
+    reader = ImageReader(manifest(records))
+    tracemalloc.start()
+    try:
+        counts = record_counts(reader, len(reader.manifest.files))
+        held, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert counts is not None
+    return held, peak
+
+
+def test_the_counts_hold_under_40_bytes_a_record() -> None:
+    """100,000 records: the dict held about 205 bytes each; the arrays hold 20."""
+    n = 100_000
+    held, _peak = retained(n)
+    assert held < 40 * n, f"{held / n:.1f} bytes a record"
+
+
+def test_two_table_entries_naming_the_same_bytes_are_one_record_released_once_both_are_read() -> None:
+    """Entries 1 and 2 name the same record (file 0 at 0), entry 3 is a delta on entry 1's record, entry 4 is a
+    parent's: the record at 0 is released only by the last of the three reads of it, once; a read of a record
+    of a parent, or of one already released, releases nothing."""
+    m = pb.Manifest(format_version=2, chunk_size=CS)
+    m.files.add(name="data-0.vrd", length=4 * REC)
+    m.parents.add(image_id=b"p" * 16)
+    t = m.chunks
+    t.hashes = bytes(32 * 4)
+    t.image.extend([0, 0, 0, 1])
+    t.file_index.extend([0, 0, 0, 0])
+    t.offset.extend([0, 0, REC, 0])
+    t.length.extend([REC, REC, 100, REC])
+    t.record_checksum.extend([0] * 4)
+    t.raw_length.extend([CS] * 4)
+    t.base.extend([0, 0, 1, 0])
+    m.bos.add(id=1, size=4 * CS, chunk_refs=[1, 2, 3, 4])
+    parent = pb.Manifest(format_version=2, chunk_size=CS)
+    parent.files.add(name="data-p.vrd", length=REC)
+    counts = record_counts(ImageReader(m, parents=[parent]), 1)
+    assert counts is not None
+    assert counts.read(0, REC) == (REC, REC + 100)  # the delta: read once
+    assert counts.read(0, 0) is None
+    assert counts.read(0, 0) is None
+    assert counts.read(0, 0) == (0, REC)  # entry 1, entry 2, and entry 3's base
+    assert counts.read(0, 0) is None
+    assert counts.read(1, 0) is None  # a parent's slot: never counted
+    assert counts.read(0, 7) is None  # no record there
+
+
+def test_counting_stops_when_the_session_does() -> None:
+    reader = ImageReader(manifest(20_000))
+    asked = []
+    assert record_counts(reader, 2, lambda: asked.append(1) is None) is None
+    assert len(asked) == 1
