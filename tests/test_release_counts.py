@@ -1,14 +1,17 @@
 """The daemon's release counts (vramd.engine.jobs.notes.record_counts): what a streamed session over a supply
 socket holds per record of the image to tell its client which records no chunk reads again.
 
-They were a dict of (data file, offset) -> [count, length]: about 205 bytes a record (tracemalloc, 1 M records),
-for every record of the manifest, per session, up to 64 sessions per uid.  Now a few arrays per data file: the
-bound here fails the dict.  The counting itself works on synthetic v2 manifests (no data file is read), whose
-chunk tables name the same bytes twice where a test wants it.
+They were a dict of (data file, offset) -> [count, length], made through `locate`, which kept a Loc for every
+table entry: about 410 bytes a record (tracemalloc, 1 M records), for every record of the manifest, per session,
+up to 64 sessions per uid.  Now a few arrays per data file: the bound here fails the dict.  The counting itself
+works on synthetic v2 manifests (no data file is read), whose chunk tables name the same bytes twice or list
+records out of offset order where a test wants it.
 """
 from __future__ import annotations
 
 import tracemalloc
+
+import pytest
 
 from vramd.engine.jobs.notes import record_counts
 from vramd.image.reader import ImageReader
@@ -18,9 +21,10 @@ CS = 4096
 REC = CS + 64  # a record: its head and the chunk
 
 
-def manifest(records: int, per_bo: int = 1000, files: int = 2) -> pb.Manifest:
+def manifest(records: int, per_bo: int = 1000, files: int = 2, backwards: bool = False) -> pb.Manifest:
     """A v2 manifest of `records` records of its own, spread over `files` data files (entries alternate between
-    them), each read by one chunk; BOs of `per_bo` chunks."""
+    them), each read by one chunk; BOs of `per_bo` chunks.  `backwards`: the table lists each file's records
+    last first (a dump's lists them in the order its writers finished them)."""
     m = pb.Manifest(format_version=2, chunk_size=CS)
     for f in range(files):
         m.files.add(name=f"data-{f}.vrd", length=REC * (records // files + 1))
@@ -28,7 +32,8 @@ def manifest(records: int, per_bo: int = 1000, files: int = 2) -> pb.Manifest:
     t.hashes = bytes(32 * records)
     t.image.extend([0] * records)
     t.file_index.extend(i % files for i in range(records))
-    t.offset.extend((i // files) * REC for i in range(records))
+    last = (records - 1) // files
+    t.offset.extend(((last - i // files) if backwards else i // files) * REC for i in range(records))
     t.length.extend([REC] * records)
     t.record_checksum.extend([0] * records)
     t.raw_length.extend([CS] * records)
@@ -39,9 +44,9 @@ def manifest(records: int, per_bo: int = 1000, files: int = 2) -> pb.Manifest:
     return m
 
 
-def retained(records: int) -> tuple[int, int]:
+def retained(records: int, backwards: bool = False) -> tuple[int, int]:
     """(bytes the counts hold once made, the counting's peak), by tracemalloc, for `records` records."""
-    reader = ImageReader(manifest(records))
+    reader = ImageReader(manifest(records, backwards=backwards))
     tracemalloc.start()
     try:
         counts = record_counts(reader, len(reader.manifest.files))
@@ -52,11 +57,25 @@ def retained(records: int) -> tuple[int, int]:
     return held, peak
 
 
-def test_the_counts_hold_under_40_bytes_a_record() -> None:
-    """100,000 records: the dict held about 205 bytes each; the arrays hold 20."""
+@pytest.mark.parametrize("backwards", [False, True])
+def test_the_counts_hold_under_40_bytes_a_record(backwards: bool) -> None:
+    """100,000 records: the dict (and the Loc locate kept for every entry) held over 400 bytes each; the arrays
+    hold 16, and a table out of offset order costs a sort for the time it takes."""
     n = 100_000
-    held, _peak = retained(n)
+    held, peak = retained(n, backwards)
     assert held < 40 * n, f"{held / n:.1f} bytes a record"
+    assert peak < 100 * n, f"{peak / n:.1f} bytes a record at the peak"
+
+
+def test_a_table_out_of_offset_order_is_counted_and_released_the_same() -> None:
+    n = 3000
+    for backwards in (False, True):
+        reader = ImageReader(manifest(n, backwards=backwards))
+        counts = record_counts(reader, 2)
+        assert counts is not None
+        got = sorted(counts.read(f, o) for f in (0, 1) for o in range(0, n // 2 * REC, REC))
+        assert got == sorted((o, o + REC) for _f in (0, 1) for o in range(0, n // 2 * REC, REC))
+        assert all(counts.read(f, o) is None for f in (0, 1) for o in range(0, n // 2 * REC, REC))
 
 
 def test_two_table_entries_naming_the_same_bytes_are_one_record_released_once_both_are_read() -> None:

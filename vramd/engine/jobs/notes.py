@@ -2,7 +2,7 @@
 
 Release accounting (release.py): when the session starts, every chunk of every BO of the image's manifest is
 looked up in its chunk table, and each record in the image's OWN data files (never a parent's) gets a count of
-the chunks that read it, in arrays of about 20 bytes a record: a
+the chunks that read it, in arrays of about 16 bytes a record: a
 deduplicated record is read by several, a delta's base record is read by each delta on it.  That pass grows
 with the manifest (a crafted one of 12 MB lists 12 million chunks), so it runs in a thread (the loop's default
 executor, as the manifest's own checks and indexes: never the io threads other sessions read with), never on the

@@ -2,9 +2,9 @@
 the manifest still read it.
 
 Compact, since a session holds them for its whole life, up to 64 sessions a uid: per data file three arrays in
-offset order, the records' offsets (8 bytes), lengths (8) and counts (4), 20 bytes a record where a dict of
-(file, offset) -> [count, length] held about 205 and the `Loc` that `ImageReader.locate` made and kept for every
-entry of the chunk table about as much again (tracemalloc, docs/engine.md).  A record is found by its offset
+offset order, the records' offsets (8 bytes), lengths (4) and counts (4), 16 bytes a record where a dict of
+(file, offset) -> [count, length] held about 170 and the `Loc` that `ImageReader.locate` made and kept for every
+entry of the chunk table about 240 more (tracemalloc, docs/engine.md).  A record is found by its offset
 (bisect), so two table entries that name the same bytes (the same file and offset) are one record: counted
 by the reads through both, released once.  The counting walks the chunk table's plain lists, never `locate`.
 """
@@ -32,11 +32,7 @@ class ReleaseCounts:
         self._lengths: list[array[int]] = []
         for offsets, lengths in records:
             if any(offsets[i] >= offsets[i + 1] for i in range(len(offsets) - 1)):  # not in order, or twice
-                longest: dict[int, int] = {}
-                for o, n in zip(offsets, lengths):
-                    longest[o] = max(n, longest.get(o, 0))
-                offsets, lengths = array("Q", sorted(longest)), array("Q")
-                lengths.extend(longest[o] for o in offsets)
+                offsets, lengths = _sorted(offsets, lengths)
             self._offsets.append(offsets)
             self._lengths.append(lengths)
         self._counts = [array("I", bytes(4 * len(o))) for o in self._offsets]
@@ -73,6 +69,22 @@ class ReleaseCounts:
         return sum(a.itemsize * len(a) for arrays in (self._offsets, self._lengths, self._counts) for a in arrays)
 
 
+def _sorted(offsets: array[int], lengths: array[int]) -> tuple[array[int], array[int]]:
+    """The records in offset order, each offset once (with the longest length it was given).  A dump's table is
+    in the order its writers finished records, interleaved: sorted as one int a record (offset above the
+    32-bit length), about 45 bytes a record for the time of the sort."""
+    keyed = sorted((o << 32) | n for o, n in zip(offsets, lengths))
+    out_o, out_n = array("Q"), array("I")
+    for k in keyed:
+        o = k >> 32
+        if out_o and out_o[-1] == o:  # (sorted: the later one is the longer)
+            out_n[-1] = k & 0xFFFFFFFF
+        else:
+            out_o.append(o)
+            out_n.append(k & 0xFFFFFFFF)
+    return out_o, out_n
+
+
 def _reads(reader: ImageReader, stopped: Callable[[], bool]) -> Iterator[tuple[int, int]]:
     """(data file slot, offset) of every record every chunk of every BO of the manifest reads (a delta's base
     too), parents' included; raises Stopped once `stopped()` (asked every _STEP chunks)."""
@@ -102,7 +114,7 @@ def _records(reader: ImageReader, files: int) -> list[tuple[array[int], array[in
     """Per data file of the image's own (`files`): (offsets, lengths) of its records, in the chunk table's order
     (v1: the BOs')."""
     m = reader.manifest
-    out = [(array("Q"), array("Q")) for _ in range(files)]
+    out = [(array("Q"), array("I")) for _ in range(files)]
     if m.format_version >= 2:
         t = reader.table
         for img, fi, o, n in zip(t.image, t.file_index, t.offset, t.length):
