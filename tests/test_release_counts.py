@@ -113,3 +113,17 @@ def test_counting_stops_when_the_session_does() -> None:
     asked = []
     assert record_counts(reader, 2, lambda: asked.append(1) is None) is None
     assert len(asked) == 1
+
+
+def test_a_format_v1_image_counts_each_bos_records() -> None:
+    """v1 keeps each BO's records in its entry (no table): BO 2 names BO 1's second record again."""
+    m = pb.Manifest(format_version=1, chunk_size=CS)
+    m.files.add(name="data-0.vrd", length=3 * REC)
+    m.bos.add(id=1, size=2 * CS, file_index=0, record_offsets=[0, REC], record_lengths=[REC, REC])
+    m.bos.add(id=2, size=2 * CS, file_index=0, record_offsets=[2 * REC, REC], record_lengths=[REC, REC])
+    counts = record_counts(ImageReader(m), 1)
+    assert counts is not None
+    assert counts.read(0, REC) is None
+    assert counts.read(0, REC) == (REC, 2 * REC)
+    assert counts.read(0, 0) == (0, REC)
+    assert counts.read(0, 2 * REC) == (2 * REC, 3 * REC)

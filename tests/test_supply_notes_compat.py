@@ -9,15 +9,19 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 
 import pytest
-from helpers import ROOT, vramctl
+from helpers import ROOT, open_dir, vramctl
 from oci_helpers import Node, ok, user_cache  # noqa: F401 (user_cache: autouse)
+from stream_daemon_fixture import Image, Targets
 
 from vramd.cli.oci import NO_NOTES
-from vramd.client import Client
+from vramd.client import SESSION_RESTORE, Client
+from vramd.image.supply import encode
+from vramd.pb import rpc_pb2 as rpc
 
 MiB = 1 << 20
 
@@ -70,3 +74,41 @@ def test_no_cache_against_a_daemon_without_notes_completes_unbounded_and_says_so
     d = json.loads(r.stdout)
     assert d["ok"] and "window" not in d, d  # no window was held
     assert list(tmp.iterdir()) == []  # the temporary copy is gone
+
+
+@pytest.mark.parametrize("notes", [True, False])
+def test_a_daemon_without_notes_never_writes_to_the_supply_socket(run_dir, tmp_path, notes):
+    """A streamed restore over a socket, supplied whole at once: the daemon with its notes sends RELEASED for
+    what it read; with `supply_notes = false` it reads the socket as a pipe, as a daemon before the notes did:
+    not a byte back before its end closes."""
+    cfg = tmp_path / "vramd.toml"
+    cfg.write_text(f"supply_notes = {str(notes).lower()}\n")
+    (tmp_path / "img").mkdir()
+    image = Image(tmp_path / "img")
+    targets = Targets()
+    with Node(run_dir, tmp_path / "node", "--config", str(cfg)) as node, Client(node.daemon.socket) as c:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        ours.settimeout(30)  # (a daemon that never closes its end fails the test, never hangs it)
+        dfd = open_dir(image.dst)
+        try:
+            s = c.open_session(SESSION_RESTORE, dfd, supply_fd=theirs.fileno(), label="old daemon")
+        finally:
+            theirs.close()
+            os.close(dfd)
+        c.add_bos(s.token, targets.bos())
+        c.start(s.token)
+        image.fill(0, len(image.data))
+        ours.sendall(encode(0, len(image.data)))
+        ours.shutdown(socket.SHUT_WR)
+        info = c.wait(s.token)
+        assert info.state == rpc.SESSION_DONE, info.error.message
+        c.close_session(s.token)
+        got = b""
+        while chunk := ours.recv(65536):
+            got += chunk
+        ours.close()
+    try:
+        assert targets.contents() == image.contents
+    finally:
+        targets.close()
+    assert (len(got) > 0) == notes, len(got)
