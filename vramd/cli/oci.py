@@ -231,6 +231,16 @@ def cache_root(ns: argparse.Namespace) -> str:
 NO_NOTES = "the daemon sends no supply notes (older than this vramctl): --no-cache keeps the whole image in TMPDIR"
 
 
+def _sends_notes(ns: argparse.Namespace) -> bool:
+    """Whether the daemon sends notes over a supply socket (HelloReply.supply_notes), which --no-cache's window
+    waits on; one warning where it does not (older than this vramctl: the window would never lift)."""
+    with connect(ns) as daemon:
+        if daemon.supply_notes:
+            return True
+    print(f"vramctl: warning: {NO_NOTES}", file=sys.stderr, flush=True)
+    return False
+
+
 def cmd_restore_any(ns: argparse.Namespace) -> int:
     """vramctl restore: an image directory as before, or `oci://` a reference, restored while it downloads
     (vramd.oci.stream) into the cache (or, --no-cache, a temporary directory removed afterwards); a cache entry
@@ -238,16 +248,7 @@ def cmd_restore_any(ns: argparse.Namespace) -> int:
     if not ns.image.startswith(OCI_SCHEME):
         return cmd_restore(ns)
     ref = Reference.parse(ns.image)
-
-    def warn(text: str) -> None:
-        print(f"vramctl: warning: {text}", file=sys.stderr, flush=True)
-
-    window = max(0, ns.window) << 20 if ns.no_cache else None
-    if window is not None:  # a daemon older than the notes never lifts the window: then it is not bounded
-        with connect(ns) as daemon:
-            if not daemon.supply_notes:
-                warn(NO_NOTES)
-                window = None
+    bounded = ns.no_cache and _sends_notes(ns)  # a window only where the daemon's notes will lift it
     reg = _registry(ns, ref)
     scratch = None
     try:
@@ -282,7 +283,8 @@ def cmd_restore_any(ns: argparse.Namespace) -> int:
         # kept beside them; the image itself streams
         report: list[tuple[dict[str, Any], str]] = []
         done = restore(puller, body_digest, entry, run, commit=not ns.no_cache, refresh=ns.refresh_cache,
-                       artifact=art, window=window, warn=warn)
+                       artifact=art, window=max(0, ns.window) << 20 if bounded else None,
+                       warn=lambda text: print(f"vramctl: warning: {text}", file=sys.stderr, flush=True))
     finally:
         reg.close()
         if scratch is not None:
