@@ -104,6 +104,12 @@ class Client:
         return self.machine.hello
 
     @property
+    def supply_notes(self) -> bool:
+        """Whether the daemon sends notes back over a streamed session's supply socket (RELEASED, WAITING):
+        False from a daemon older than them, which never writes to it (HelloReply.supply_notes)."""
+        return self.hello.supply_notes
+
+    @property
     def limits(self) -> rpc.Limits:
         return self.machine.connection.limits
 

@@ -30,7 +30,7 @@ from ..oci.push import Pusher, push_chain
 from ..oci.registry import REPO, Reference, Registry
 from ..oci.stream import SupplyPipe, restore
 from ..oci.tls import Trust
-from .common import EXIT_OK, Failure, emit, rate
+from .common import EXIT_OK, Failure, connect, emit, rate
 from .serve import add_serve_args, cmd_serve
 from .transfer import cmd_restore
 
@@ -231,6 +231,19 @@ def cache_root(ns: argparse.Namespace) -> str:
     return os.path.join(base, "vramd", "oci")
 
 
+NO_NOTES = "the daemon sends no supply notes (older than this vramctl): --no-cache keeps the whole image in TMPDIR"
+
+
+def _sends_notes(ns: argparse.Namespace) -> bool:
+    """Whether the daemon sends notes over a supply socket (HelloReply.supply_notes), which --no-cache's window
+    waits on; one warning where it does not (older than this vramctl: the window would never lift)."""
+    with connect(ns) as daemon:
+        if daemon.supply_notes:
+            return True
+    print(f"vramctl: warning: {NO_NOTES}", file=sys.stderr, flush=True)
+    return False
+
+
 def cmd_restore_any(ns: argparse.Namespace) -> int:
     """vramctl restore: an image directory as before, or `oci://` a reference, restored while it downloads
     (vramd.oci.stream) into the cache (or, --no-cache, a temporary directory removed afterwards); a cache entry
@@ -238,6 +251,7 @@ def cmd_restore_any(ns: argparse.Namespace) -> int:
     if not ns.image.startswith(OCI_SCHEME):
         return cmd_restore(ns)
     ref = Reference.parse(ns.image)
+    bounded = ns.no_cache and _sends_notes(ns)  # a window only where the daemon's notes will lift it
     reg = _registry(ns, ref)
     scratch = None
     try:
@@ -271,7 +285,7 @@ def cmd_restore_any(ns: argparse.Namespace) -> int:
         # parents (incremental images) are pulled whole first, their cached copies checked against the skeleton
         # kept beside them; the image itself streams
         report: list[tuple[dict[str, Any], str]] = []
-        window = max(0, WINDOW_MIB if ns.window is None else ns.window) << 20 if ns.no_cache else None
+        window = max(0, WINDOW_MIB if ns.window is None else ns.window) << 20 if bounded else None
         done = restore(puller, body_digest, entry, run, commit=not ns.no_cache, refresh=ns.refresh_cache,
                        artifact=art, window=window,
                        warn=lambda text: print(f"vramctl: warning: {text}", file=sys.stderr, flush=True))

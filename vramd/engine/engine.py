@@ -116,6 +116,7 @@ class EngineConfig:
     # SDMA: library None = $VRAMD_AMDGPU_LIBRARY ("" system libdrm_amdgpu, "model", or a path)
     sdma: bool = True  # False: the sdma backend is not even tried
     sdma_library: str | None = None
+    supply_notes: bool = True  # a streamed session's notes over a supply socket (ImageJob.stream)
     max_chain_depth: int = DEFAULT_MAX_CHAIN  # parents an incremental image may have (then: flatten)
     render_nodes: dict[int, str] = field(default_factory=dict)      # gpu_id -> /dev/dri/renderD<minor>
     recommended_mask: dict[int, int] = field(default_factory=dict)  # gpu_id -> SDMA engines for host copies
@@ -287,7 +288,7 @@ class Engine:
             mapping = gpu_map(reader.manifest) if gpu_map is not None else None
             job = RestoreJob(self.ctx, reader, on_progress=on_progress, gpu_map=mapping, allow_partial=allow_partial)
             if supply_fd is not None:
-                job.stream(supply_fd, "restored")
+                job.stream(supply_fd, "restored", notes=self.config.supply_notes)
             return job
         except BaseException:
             reader.close()
@@ -301,7 +302,7 @@ class Engine:
             self._check_image_staging(reader)
             job = VerifyJob(self.ctx, reader, on_progress=on_progress)
             if supply_fd is not None:
-                job.stream(supply_fd, "verified")
+                job.stream(supply_fd, "verified", notes=self.config.supply_notes)
             return job
         except BaseException:
             reader.close()

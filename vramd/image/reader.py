@@ -259,6 +259,11 @@ class ImageReader:
                                           not self._trusted[image])
         return loc
 
+    @property
+    def table(self) -> TableView:
+        """The image's (v2) chunk table, as read once (no Loc made: `locate` keeps one per entry it was asked)."""
+        return self._table
+
     def locate_entry(self, index: int) -> Loc:
         """Entry `index` of this image's (v2) chunk table."""
         return self._table_loc(index)

@@ -354,20 +354,22 @@ class Limits(_message.Message):
     def __init__(self, max_message_bytes: _Optional[int] = ..., max_fds_per_message: _Optional[int] = ..., max_bos_per_session: _Optional[int] = ..., max_sessions_per_uid: _Optional[int] = ..., max_fds_per_session: _Optional[int] = ..., max_chunks_per_session: _Optional[int] = ..., max_bos_per_uid: _Optional[int] = ..., max_fds_per_uid: _Optional[int] = ..., max_queued_requests: _Optional[int] = ..., max_connections_per_uid: _Optional[int] = ..., hello_timeout_ms: _Optional[int] = ...) -> None: ...
 
 class HelloReply(_message.Message):
-    __slots__ = ("version", "server", "backends", "gpu_ids", "limits", "allowed_gpu_ids")
+    __slots__ = ("version", "server", "backends", "gpu_ids", "limits", "allowed_gpu_ids", "supply_notes")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SERVER_FIELD_NUMBER: _ClassVar[int]
     BACKENDS_FIELD_NUMBER: _ClassVar[int]
     GPU_IDS_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     ALLOWED_GPU_IDS_FIELD_NUMBER: _ClassVar[int]
+    SUPPLY_NOTES_FIELD_NUMBER: _ClassVar[int]
     version: int
     server: str
     backends: _containers.RepeatedCompositeFieldContainer[BackendInfo]
     gpu_ids: _containers.RepeatedScalarFieldContainer[int]
     limits: Limits
     allowed_gpu_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, version: _Optional[int] = ..., server: _Optional[str] = ..., backends: _Optional[_Iterable[_Union[BackendInfo, _Mapping]]] = ..., gpu_ids: _Optional[_Iterable[int]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., allowed_gpu_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    supply_notes: bool
+    def __init__(self, version: _Optional[int] = ..., server: _Optional[str] = ..., backends: _Optional[_Iterable[_Union[BackendInfo, _Mapping]]] = ..., gpu_ids: _Optional[_Iterable[int]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., allowed_gpu_ids: _Optional[_Iterable[int]] = ..., supply_notes: _Optional[bool] = ...) -> None: ...
 
 class Progress(_message.Message):
     __slots__ = ("bos_total", "bos_done", "bytes_total", "bytes_done", "chunks_done", "elapsed_s")

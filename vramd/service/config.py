@@ -222,6 +222,7 @@ KEYS: dict[str, Callable[[object], Any]] = {
     "topology_root": _str(),
     "sdma": _bool,
     "sdma_library": _str(nonempty=False),
+    "supply_notes": _bool,
     "log_level": _log_level,
 }
 
@@ -270,6 +271,9 @@ class DaemonConfig:
     sdma: bool = True
     sdma_library: str | None = None  # None: $VRAMD_AMDGPU_LIBRARY; "" the system libdrm_amdgpu; "model"; a path
     log_level: str = "info"
+    # notes back over a streamed session's supply socket, said in HelloReply.supply_notes; false: as a daemon
+    # built before them (never written to; what a client does against one is tested with it)
+    supply_notes: bool = True
 
     def update(self, values: dict[str, Any], *, origin: str) -> None:
         """Apply `values` (a TOML document or flags), each checked by KEYS; ConfigError names the first bad one."""
@@ -312,7 +316,8 @@ class DaemonConfig:
             inflight_per_gpu=self.inflight_per_gpu, copy_threads=self.copy_threads,
             dump_inflight_per_gpu=self.dump_inflight_per_gpu, device_inflight_per_gpu=self.device_inflight_per_gpu,
             data_files_per_gpu=self.data_files_per_gpu, compression=Compression.parse(self.compression),
-            io_threads=self.io_threads, sdma=self.sdma, sdma_library=self.sdma_library, **extra)
+            io_threads=self.io_threads, sdma=self.sdma, sdma_library=self.sdma_library,
+            supply_notes=self.supply_notes, **extra)
 
     def effective(self) -> dict[str, Any]:
         """Every setting as a TOML-ready value (sizes in bytes, socket_mode as an octal string)."""

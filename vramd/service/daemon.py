@@ -147,7 +147,7 @@ class Daemon:
         cfg = self.cfg
         gpu_ids = [g.gpu_id for g in self.topology.gpus] if self.topology else []  # GPUs present, not allowed ids
         return rpc.HelloReply(server=SERVER, backends=self.backend_infos(), gpu_ids=gpu_ids,
-                              allowed_gpu_ids=sorted(self.gpu_ids),
+                              allowed_gpu_ids=sorted(self.gpu_ids), supply_notes=cfg.supply_notes,
                               limits=rpc.Limits(
             max_message_bytes=cfg.max_message_bytes, max_fds_per_message=cfg.max_fds_per_message,
             max_bos_per_session=cfg.max_bos_per_session, max_sessions_per_uid=cfg.max_sessions_per_uid,

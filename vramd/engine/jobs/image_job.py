@@ -24,11 +24,12 @@ class ImageJob(JobBase[ImageBo, RestoreTarget]):
         self.supply: Supply | None = None  # a streamed session's (`stream`)
         super().__init__(ctx, ends, on_progress)
 
-    def stream(self, supply_fd: int, done: str) -> None:
+    def stream(self, supply_fd: int, done: str, notes: bool = True) -> None:
         """The image's own data files are filled while the job runs: each record is read only once the client
         has said, over the pipe `supply_fd` (the caller's: it closes it after `finish`), that it is final
-        (stream.py).  Before any file is attached.  `done`: what a chunk that never came was not ("restored")."""
-        supply = Supply(self.reader, supply_fd, self.pipeline.fail, self.ctx.io, done)
+        (stream.py).  Before any file is attached.  `done`: what a chunk that never came was not ("restored");
+        `notes`: over a socket, send notes back (off: read it as a pipe, as a daemon before them did)."""
+        supply = Supply(self.reader, supply_fd, self.pipeline.fail, self.ctx.io, done, notes)
         supply.start()
         self.reader.streamed = True  # headers checked once supplied
         # what was just written is in the page cache: O_DIRECT would only make the kernel write it back first

@@ -1,7 +1,8 @@
 """A streamed session's notes back to its client over a supply socket (vramd.image.supply: RELEASED, WAITING).
 
-Release accounting: when the session starts, every chunk of every BO of the image's manifest is located, and
-each record in the image's OWN data files (never a parent's) gets a count of the chunks that read it: a
+Release accounting (release.py): when the session starts, every chunk of every BO of the image's manifest is
+looked up in its chunk table, and each record in the image's OWN data files (never a parent's) gets a count of
+the chunks that read it, in arrays of about 16 bytes a record: a
 deduplicated record is read by several, a delta's base record is read by each delta on it.  That pass grows
 with the manifest (a crafted one of 12 MB lists 12 million chunks), so it runs in a thread (the loop's default
 executor, as the manifest's own checks and indexes: never the io threads other sessions read with), never on the
@@ -27,43 +28,18 @@ import errno
 import logging
 import os
 import socket
-from collections.abc import Callable
 
 from ...image.reader import ImageReader, Loc
 from ...image.supply import Intervals, NoteKind, encode_note
 from ..pipeline import ChunkTask
 from .read import ImageBo
+from .release import ReleaseCounts, record_counts
+
+__all__ = ["Notes", "record_counts", "shut_sending"]
 
 log = logging.getLogger(__name__)
 
 _BATCH = 128  # notes per send
-_STEP = 4096  # chunks counted between two looks at whether the session stopped
-
-Counts = dict[tuple[int, int], list[int]]
-
-
-def record_counts(reader: ImageReader, files: int, stopped: Callable[[], bool] = lambda: False) -> Counts | None:
-    """(data file, offset) -> [chunks that read it, its length], over every BO of the image's manifest; None
-    once `stopped()` (asked every _STEP chunks).  Work that grows with the manifest: a thread's."""
-    m = reader.manifest
-    counts: Counts = {}
-    cs = m.chunk_size
-    n = 0
-    for e in m.bos:
-        for i in range(-(-e.size // cs) if cs else 0):
-            n += 1
-            if n % _STEP == 0 and stopped():
-                return None
-            loc: Loc | None = reader.locate(e, i)
-            while loc is not None:
-                if loc.slot < files:
-                    c = counts.get((loc.slot, loc.offset))
-                    if c is None:
-                        counts[(loc.slot, loc.offset)] = [1, loc.length]
-                    else:
-                        c[0] += 1
-                loc = loc.base
-    return counts
 
 
 def shut_sending(sock: socket.socket) -> None:
@@ -81,7 +57,7 @@ class Notes:
     def __init__(self, reader: ImageReader, fd: int, files: int) -> None:
         self._sock: socket.socket | None = socket.socket(fileno=os.dup(fd))
         self._sock.setblocking(False)
-        self._counts: Counts | None = None  # once counted
+        self._counts: ReleaseCounts | None = None  # once counted
         self._new: dict[int, Intervals] = {}  # per data file: released, not sent yet
         self._wait: dict[int, int] = {}  # per data file: the latest WAITING end, not sent yet
         self._wait_sent: dict[int, int] = {}
@@ -100,7 +76,7 @@ class Notes:
     def _is_stopping(self) -> bool:
         return self._stopping
 
-    def _on_counted(self, fut: asyncio.Future[Counts | None]) -> None:
+    def _on_counted(self, fut: asyncio.Future[ReleaseCounts | None]) -> None:
         if self._sock is not None:
             if fut.cancelled() or fut.exception() is not None:
                 log.error("a streamed session's release counts failed (%r): its notes stop",
@@ -133,12 +109,9 @@ class Notes:
         for t in tasks:
             loc: Loc | None = t.loc
             while loc is not None:
-                c = counts.get((loc.slot, loc.offset))
-                if c is not None and c[0] > 0:
-                    c[0] -= 1
-                    if c[0] == 0:
-                        del counts[(loc.slot, loc.offset)]
-                        self._release(loc.slot, loc.offset, loc.offset + c[1])
+                released = counts.read(loc.slot, loc.offset)
+                if released is not None:
+                    self._release(loc.slot, *released)
                 loc = loc.base
 
     def _release(self, slot: int, start: int, end: int) -> None:

@@ -102,8 +102,9 @@ class Supply:
     `done`: what a chunk that never came would have been ("restored", "verified")."""
 
     def __init__(self, reader: ImageReader, fd: int, fail: Callable[[BaseException], None], io: Executor,
-                 done: str) -> None:
+                 done: str, notes: bool = True) -> None:
         self.reader = reader
+        self._send_notes = notes
         self.fd = fd
         self._fail = fail
         self._io = io
@@ -121,7 +122,7 @@ class Supply:
 
     def start(self) -> None:
         """Read the pipe from now on (on the running loop)."""
-        if check_supply_fd(self.fd):
+        if check_supply_fd(self.fd) and self._send_notes:
             try:
                 self.notes = Notes(self.reader, self.fd, self._files)
             except OSError as e:  # (its dup: EMFILE) the notes are a help to the client, never a condition
