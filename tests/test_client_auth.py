@@ -166,7 +166,7 @@ class CriuConfig(ctypes.Structure):  # vramd/criu.h (ABI 1.0: struct_size first,
                 ("backend", c_char_p), ("compression", c_char_p), ("chunk_size", c_uint64), ("label", c_char_p),
                 ("allow_partial", c_bool), ("parent_dir_fds", c_void_p), ("n_parent_dir_fds", c_size_t),
                 ("parent_hint", c_char_p), ("backend_kind", c_int), ("compression_kind", c_int),
-                ("compression_level", c_int), ("hold_s", c_uint64)]
+                ("compression_level", c_int), ("hold_s", c_uint64), ("supply_fd", c_int)]
 
 class CriuBo(ctypes.Structure):  # struct_size 0 here: the ABI 1.0 layout
     _fields_ = [("struct_size", c_uint32), ("id", c_uint64), ("fd", c_int), ("offset", c_uint64),
