@@ -312,6 +312,8 @@ def test_a_plugin_style_child_is_served_with_its_parent_link(run_dir, registry, 
     assert got == b1
     assert errlog.read_text() == ""
     assert sorted(p.name for p in dest.iterdir()) == names  # the child's files and its `parent` link
+    r = vramctl("rm", f"{dest}.parent-1")  # marked as a pull marks it: refused while the served child needs it
+    assert r.returncode == 1 and f"is the parent of 1 incremental image(s): {dest}" in r.stderr, r.stderr
     (dest / "parent").unlink()
     r = subprocess.run([sys.executable, "-m", "vramd.cli", "pull", "--serve", ref, str(dest), "--plain-http"],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
