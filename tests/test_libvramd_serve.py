@@ -337,6 +337,42 @@ def test_a_plugin_style_child_is_served_with_its_parent_link(run_dir, registry, 
     assert not os.path.lexists(other)
 
 
+def test_a_socket_file_removed_while_serving_does_not_undo_the_finished_image(daemon, registry, tmp_path):
+    """The socket file removed once the restore connected (by hand, a tmp cleaner): the serve still ends well,
+    the directory the pulled image, the restore whole.  Was: the serve's own removal of the socket failed with
+    an untyped '[Errno 2]', and its cleanup then removed the whole, checked image."""
+    from vramd.client import SESSION_RESTORE, Client, ClientBo
+
+    img, ref = _pushed_small(daemon, registry, tmp_path, "unlinked")
+    dest, errlog = tmp_path / "served", tmp_path / "serve.err"
+    r, pid = serve(ref, dest, errlog)
+    assert r.returncode == 0 and pid > 0, (r.stdout, errlog.read_text())
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.connect(str(dest / SOCKET_NAME))
+    (dest / SOCKET_NAME).unlink()
+    data = (tmp_path / "bo.bin").read_bytes()
+    target = os.memfd_create("bo", os.MFD_CLOEXEC)
+    dfd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.ftruncate(target, len(data))
+        with Client(daemon.socket) as c:
+            tok = c.open_session(SESSION_RESTORE, dfd, supply_fd=conn.fileno()).token
+            conn.close()
+            c.add_bos(tok, [ClientBo(id=1, fd=target, backend="mmap")])
+            c.start(tok)
+            c.wait(tok, timeout=60)
+            c.close_session(tok)
+        got = os.pread(target, len(data), 0)
+    finally:
+        os.close(target)
+        os.close(dfd)
+    wait_exit(pid)
+    assert got == data
+    assert errlog.read_text() == ""
+    assert sorted(p.name for p in dest.iterdir()) == sorted(p.name for p in img.iterdir()
+                                                             if p.name == "manifest.vrdm" or p.suffix == ".vrd")
+
+
 def test_a_server_killed_after_its_restore_connected_leaves_a_socket_nobody_answers(daemon, registry, tmp_path):
     """The server SIGKILLed once a restore's connection was taken (its first supply message read) while a payload
     blob is held: its directory holds manifest.vrdm and the unfilled data files, and still the socket, which

@@ -132,7 +132,10 @@ class Server:
             conn.close()
             self._conn = None
         self._filler.sync()
-        os.unlink(SOCKET_NAME, dir_fd=self._dfd)  # the files are whole: the directory is the image now
+        try:
+            os.unlink(SOCKET_NAME, dir_fd=self._dfd)  # the files are whole: the directory is the image now
+        except FileNotFoundError:  # removed by hand meanwhile: nothing to undo (was: abandon removed the image)
+            pass
         os.fsync(self._dfd)
         self._close_fds()
         return Served(self._digest, self._chain, True)
