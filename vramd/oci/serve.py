@@ -38,14 +38,14 @@ from dataclasses import dataclass
 
 from ..errors import ImageError, WaitTimeoutError
 from ..image.fileio import image_os_error
-from ..image.names import MANIFEST_NAME
+from ..image.names import MANIFEST_NAME, SERVE_SOCKET_NAME
 from ..image.supply import encode
 from .fill import Filler
 from .marks import mark_parents
 from .pull import Pulled, Puller, link_parent, lock_parent, prepare, pull_parents
 from .push import open_dir
 
-SOCKET_NAME = ".vramd-supply.sock"
+SOCKET_NAME = SERVE_SOCKET_NAME
 _UCRED = struct.Struct("iII")  # pid, uid, gid
 Warn = Callable[[str], None]
 
