@@ -335,6 +335,8 @@ def test_a_plugin_style_child_is_served_with_its_parent_link(run_dir, registry, 
             p.communicate()
     assert p.returncode == 1 and err == "vramctl: stopped by signal 15\n", err
     assert not os.path.lexists(other)
+    r = vramctl("rm", f"{other}.parent-1")  # the parent pulled whole stays; its mark of the gone child is stale
+    assert r.returncode == 0 and "stale mark" in r.stdout and not os.path.lexists(f"{other}.parent-1"), r
 
 
 def test_a_socket_file_removed_while_serving_does_not_undo_the_finished_image(daemon, registry, tmp_path):
