@@ -312,6 +312,8 @@ def test_a_plugin_style_child_is_served_with_its_parent_link(run_dir, registry, 
     assert got == b1
     assert errlog.read_text() == ""
     assert sorted(p.name for p in dest.iterdir()) == names  # the child's files and its `parent` link
+    r = vramctl("rm", f"{dest}.parent-1")  # marked as a pull marks it: refused while the served child needs it
+    assert r.returncode == 1 and f"is the parent of 1 incremental image(s): {dest}" in r.stderr, r.stderr
     (dest / "parent").unlink()
     r = subprocess.run([sys.executable, "-m", "vramd.cli", "pull", "--serve", ref, str(dest), "--plain-http"],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -333,6 +335,44 @@ def test_a_plugin_style_child_is_served_with_its_parent_link(run_dir, registry, 
             p.communicate()
     assert p.returncode == 1 and err == "vramctl: stopped by signal 15\n", err
     assert not os.path.lexists(other)
+    r = vramctl("rm", f"{other}.parent-1")  # the parent pulled whole stays; its mark of the gone child is stale
+    assert r.returncode == 0 and "stale mark" in r.stdout and not os.path.lexists(f"{other}.parent-1"), r
+
+
+def test_a_socket_file_removed_while_serving_does_not_undo_the_finished_image(daemon, registry, tmp_path):
+    """The socket file removed once the restore connected (by hand, a tmp cleaner): the serve still ends well,
+    the directory the pulled image, the restore whole.  Was: the serve's own removal of the socket failed with
+    an untyped '[Errno 2]', and its cleanup then removed the whole, checked image."""
+    from vramd.client import SESSION_RESTORE, Client, ClientBo
+
+    img, ref = _pushed_small(daemon, registry, tmp_path, "unlinked")
+    dest, errlog = tmp_path / "served", tmp_path / "serve.err"
+    r, pid = serve(ref, dest, errlog)
+    assert r.returncode == 0 and pid > 0, (r.stdout, errlog.read_text())
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.connect(str(dest / SOCKET_NAME))
+    (dest / SOCKET_NAME).unlink()
+    data = (tmp_path / "bo.bin").read_bytes()
+    target = os.memfd_create("bo", os.MFD_CLOEXEC)
+    dfd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.ftruncate(target, len(data))
+        with Client(daemon.socket) as c:
+            tok = c.open_session(SESSION_RESTORE, dfd, supply_fd=conn.fileno()).token
+            conn.close()
+            c.add_bos(tok, [ClientBo(id=1, fd=target, backend="mmap")])
+            c.start(tok)
+            c.wait(tok, timeout=60)
+            c.close_session(tok)
+        got = os.pread(target, len(data), 0)
+    finally:
+        os.close(target)
+        os.close(dfd)
+    wait_exit(pid)
+    assert got == data
+    assert errlog.read_text() == ""
+    assert sorted(p.name for p in dest.iterdir()) == sorted(p.name for p in img.iterdir()
+                                                             if p.name == "manifest.vrdm" or p.suffix == ".vrd")
 
 
 def test_a_server_killed_after_its_restore_connected_leaves_a_socket_nobody_answers(daemon, registry, tmp_path):
@@ -361,6 +401,9 @@ def test_a_server_killed_after_its_restore_connected_leaves_a_socket_nobody_answ
     assert stat.S_ISSOCK((dest / SOCKET_NAME).lstat().st_mode)
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as again, pytest.raises(ConnectionRefusedError):
         again.connect(str(dest / SOCKET_NAME))
+    r = vramctl("rm", str(dest))  # the operator's way out: the socket goes with the image (was: kept, and so DIR)
+    assert r.returncode == 0 and "kept the directory" not in r.stdout, (r.stdout, r.stderr)
+    assert not dest.exists()
 
 
 @pytest.mark.parametrize("lie", ["holes", "flipped"])

@@ -92,6 +92,35 @@ def test_a_pulled_incremental_image_restores_through_the_parent_links_it_recorde
                                                                                 f"{dest}.parent-2"]
 
 
+def test_vramctl_rm_of_a_pulled_parent_is_refused_while_its_pulled_child_needs_it(node, registry, tmp_path):
+    """A pulled chain is protected as a dumped one is: the pull marks each parent with its child (.child.<id>),
+    so `vramctl rm` of parent #1 is refused naming the child, and the chain still restores; the child's rm
+    removes its mark and its link, then the parents go, nearest first.  Was: the parent was removed at once,
+    and the child could then be neither restored (PARENT_MISSING) nor removed (rm needs its parent to unmark)."""
+    b0 = workload_bos()
+    b1 = _changed(b0, (1 << 20) + 5)
+    b2 = _changed(b1, 7)
+    ckpt = [tmp_path / "ckpt" / str(k) / "amdgpu-vramd-1" for k in range(3)]
+    _dump_as_the_plugin_does(node, ckpt, [b0, b1, b2])
+    ref = f"{registry.host}/ckpt/rm:3"
+    ok(vramctl("push", str(ckpt[2]), ref, "--plain-http", "--json"))
+    shutil.rmtree(tmp_path / "ckpt")
+    dest = tmp_path / "restore" / "amdgpu-vramd-1"
+    dest.parent.mkdir()
+    ok(vramctl("pull", ref, str(dest), "--plain-http", "--json"))
+    p1, p2 = f"{dest}.parent-1", f"{dest}.parent-2"
+    for parent, child in ((p1, dest), (p2, p1)):
+        r = vramctl("rm", parent)
+        assert r.returncode == 1 and f"is the parent of 1 incremental image(s): {child}" in r.stderr, r.stderr
+        assert os.path.isfile(os.path.join(parent, "manifest.vrdm"))
+    assert node.restore(str(dest), [len(b) for b in b2]) == b2
+    for d in (dest, p1, p2):
+        r = vramctl("rm", d)
+        assert r.returncode == 0 and "stale" not in r.stdout, (d, r.stdout, r.stderr)
+        assert not os.path.lexists(d), os.listdir(d)
+    assert os.listdir(dest.parent) == []
+
+
 def test_a_pull_refuses_to_replace_what_is_not_a_link_at_the_parent_name(node, registry, tmp_path):
     """A directory at the name the image records its parent under (the operator's, in a cached pull's
     directory) is never replaced: one line naming it, exit 1, the directory as it was."""

@@ -234,6 +234,15 @@ ROWS: dict[str, Row] = {
     "vramctl: restore --window without --no-cache (it would be ignored)": Row(
         _sh("vramctl", "--socket", "{socket}", "restore", "--pid", "1", "--image", "oci://localhost:5000/x:1",
             "--window", "8"), 2, ["--window needs --no-cache"], one_line=False),
+    "vramctl: restore --no-cache --window below 0 (was taken as 0)": Row(
+        _sh("vramctl", "--socket", "{socket}", "restore", "--pid", "1", "--image", "oci://localhost:5000/x:1",
+            "--no-cache", "--window", "-8"), 2, ["argument --window: -8: must be at least 0"], one_line=False),
+    "vramctl: restore --no-cache --refresh-cache (the cache's copy it names would stay)": Row(
+        _sh("vramctl", "--socket", "{socket}", "restore", "--pid", "1", "--image", "oci://localhost:5000/x:1",
+            "--no-cache", "--refresh-cache"), 2, ["--refresh-cache and --no-cache"], one_line=False),
+    "vramctl: restore of a local directory with --no-cache (it would be ignored)": Row(
+        _sh("vramctl", "--socket", "{socket}", "restore", "--pid", "1", "--image", "{scratch}", "--no-cache"), 2,
+        ["--no-cache needs --image oci://"], one_line=False),
     "vramctl: --mount-from a repository name that is none": Row(
         _sh("vramctl", "push", "{scratch}", "localhost:5000/x:1", "--mount-from", "Other Repo"), 2,
         ["argument --mount-from: 'Other Repo' is not a repository name"], one_line=False),

@@ -143,6 +143,7 @@ def cmd_rm(ns: argparse.Namespace) -> int:
         for name in os.listdir(dfd):
             if is_data_file_name(name) or is_own_temporary(name):
                 unlink_regular(dfd, name)
+        _unlink_serve_socket(dfd)
         mark = child_mark_name(m.image_id)
         for k, fd in enumerate(parent_fds, 1):
             if mark_names(fd, mark, here, m.image_id):
@@ -165,6 +166,17 @@ def cmd_rm(ns: argparse.Namespace) -> int:
          f"removed the image in {ns.dir}" + (f" (kept the directory: {len(left)} other file(s))" if left else "") +
          "".join(f"\n  {n}" for n in notes))
     return EXIT_OK
+
+
+def _unlink_serve_socket(dfd: int) -> None:
+    """The socket a `vramctl pull --serve` killed outright left (its image is being removed: nothing will be
+    served from it; was: kept, so the directory stayed and a pull into it was refused as not empty)."""
+    from ..image.names import SERVE_SOCKET_NAME
+    try:
+        if stat.S_ISSOCK(os.stat(SERVE_SOCKET_NAME, dir_fd=dfd, follow_symlinks=False).st_mode):
+            os.unlink(SERVE_SOCKET_NAME, dir_fd=dfd)
+    except FileNotFoundError:
+        pass
 
 
 def _unlink_parent_link(dfd: int, name: str) -> None:

@@ -95,6 +95,8 @@ def usage_error(ns: argparse.Namespace) -> str | None:
     --password-stdin): vramctl's parser reports it as a usage error (exit 2); None if nothing is."""
     if getattr(ns, "window", None) is not None and not ns.no_cache:  # it would be ignored
         return "--window needs --no-cache (it bounds the temporary directory a --no-cache restore streams through)"
+    if ns.command == "restore" and (why := _cache_flags_error(ns)) is not None:
+        return why
     if ns.command == "push" or ns.command == "pull":
         ref_text = ns.ref
     elif ns.command == "restore" and ns.image.startswith(OCI_SCHEME):
@@ -126,6 +128,19 @@ def usage_error(ns: argparse.Namespace) -> str | None:
         return "--password-stdin needs --username"
     if ns.username and not ns.password_stdin:
         return "--username needs --password-stdin (a password is never taken from the command line)"
+    return None
+
+
+def _cache_flags_error(ns: argparse.Namespace) -> str | None:
+    """restore's cache flags where one would be ignored: as --window without --no-cache, a usage error."""
+    given = [f for f, on in (("--cache", ns.cache is not None), ("--no-cache", ns.no_cache),
+                             ("--refresh-cache", ns.refresh_cache), ("--window", ns.window is not None)) if on]
+    if given and not ns.image.startswith(OCI_SCHEME):
+        return f"{given[0]} needs --image oci://... (a local image directory is restored as it is)"
+    if ns.no_cache and ns.refresh_cache:  # the entry it would drop stays: --no-cache never looks at the cache
+        return "--refresh-cache and --no-cache: --no-cache neither reads nor drops the cache's copy"
+    if ns.window is not None and ns.window < 0:
+        return f"argument --window: {ns.window}: must be at least 0"
     return None
 
 

@@ -76,6 +76,10 @@ def parse_child_mark(data: bytes) -> tuple[bytes, list[bytes]] | None:
 # that exists while a dump, an rm or a gc holds it (and after a crash: then it is harmless).
 LOCK_NAME = ".lock"
 
+# The socket `vramctl pull --serve` listens on in the directory it fills (vramd.oci.serve; CRIU's patch 0007 looks
+# for it): there until the image's files are whole; one a killed server left is removed by `vramctl rm`.
+SERVE_SOCKET_NAME = ".vramd-supply.sock"
+
 
 def is_data_file_name(name: str) -> bool:
     return DATA_FILE_NAME.fullmatch(name) is not None

@@ -37,6 +37,7 @@ from .layout import (
     decode_skeleton,
     sha256_digest,
 )
+from .marks import mark_parents
 from .push import MAX_CHAIN, open_dir, open_file, read_manifest_bytes
 from .registry import Registry
 
@@ -336,6 +337,7 @@ def pull_chain(puller: Puller, ref: str, dest: str) -> list[Pulled]:
     parents = pull_parents(puller, ref, first)
     if parents:
         first = dataclasses.replace(first, link=link_parent(first, parents[0].path))
+    mark_parents([first, *parents])  # as a dump marks them: vramctl rm of a parent is refused while needed
     return [first, *parents]
 
 

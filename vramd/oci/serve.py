@@ -5,7 +5,8 @@ It checks the artifact, its config (manifest.vrdm) and skeleton as `vramctl pull
 pulls an incremental image's parents whole into their sibling directories (vramd.oci.pull), then lays DIR out
 as a streamed restore needs it: manifest.vrdm, each data file under its final name at its full length (the
 skeleton's literal runs written, the payloads still holes), and the link to its first parent where the image
-recorded its parent as a plain name (`parent`, as CRIU's plugin does: vramd.oci.pull's link_parent).  It
+recorded its parent as a plain name (`parent`, as CRIU's plugin does: vramd.oci.pull's link_parent), and each
+parent's mark of its child (vramd.oci.marks, as `vramctl pull` makes them).  It
 listens on a unix stream socket in DIR,
 SOCKET_NAME (bound through /proc/self/fd, so DIR's length does not matter), mode 0600, and only then is it
 ready: the caller may start the restore.  The downloads start at once (vramd.oci.fill's writer); the first
@@ -37,13 +38,14 @@ from dataclasses import dataclass
 
 from ..errors import ImageError, WaitTimeoutError
 from ..image.fileio import image_os_error
-from ..image.names import MANIFEST_NAME
+from ..image.names import MANIFEST_NAME, SERVE_SOCKET_NAME
 from ..image.supply import encode
 from .fill import Filler
+from .marks import mark_parents
 from .pull import Pulled, Puller, link_parent, lock_parent, prepare, pull_parents
 from .push import open_dir
 
-SOCKET_NAME = ".vramd-supply.sock"
+SOCKET_NAME = SERVE_SOCKET_NAME
 _UCRED = struct.Struct("iII")  # pid, uid, gid
 Warn = Callable[[str], None]
 
@@ -81,6 +83,7 @@ class Server:
             if parents:  # its link to its first parent, as `vramctl pull` makes it (pull_chain)
                 got = dataclasses.replace(got, link=link_parent(got, parents[0].path))
             self._chain = [got, *parents]
+            mark_parents(self._chain)
             self._digest = got.digest
             return False
         art, digest = self.puller.artifact(self.ref)
@@ -105,6 +108,7 @@ class Server:
                 if link is not None:
                     self._created.append(link)  # abandon() removes it (the link, never what it names)
                     self._chain[0] = dataclasses.replace(child, link=link)
+            mark_parents(self._chain)  # as pull_chain: vramctl rm of a parent is refused while DIR needs it
             self._listen()
         except OSError as e:
             raise image_os_error(e, f"cannot lay out {self.dest}") from None
@@ -128,7 +132,10 @@ class Server:
             conn.close()
             self._conn = None
         self._filler.sync()
-        os.unlink(SOCKET_NAME, dir_fd=self._dfd)  # the files are whole: the directory is the image now
+        try:
+            os.unlink(SOCKET_NAME, dir_fd=self._dfd)  # the files are whole: the directory is the image now
+        except FileNotFoundError:  # removed by hand meanwhile: nothing to undo (was: abandon removed the image)
+            pass
         os.fsync(self._dfd)
         self._close_fds()
         return Served(self._digest, self._chain, True)
