@@ -7,9 +7,10 @@ A proxy in front of the registry holds the last payload blob until the restore i
 program's 300 ms wait times out), so the copy provably overlaps the download: then the BO holds the dumped
 bytes and the served directory is the pushed image; a blob that fails its digest fails the restore with
 TRUNCATED_DATA and leaves no directory; a peer of another uid is refused while the wait goes on; no restore
-within --serve-timeout is one TIMEOUT line and no directory, nor after SIGTERM; a directory holding the image is
-checked, not served; an incremental image's parent is pulled whole first (that restore through vramd.client),
-and a child recording its parent as the plugin does gets its `parent` link before the socket listens."""
+within --serve-timeout is one TIMEOUT line and no directory, nor after SIGTERM (whichever thread's C handler
+takes it); a directory holding the image is checked, not served; an incremental image's parent is pulled whole
+first (that restore through vramd.client), and a child recording its parent as the plugin does gets its `parent`
+link before the socket listens."""
 from __future__ import annotations
 
 import os
@@ -490,6 +491,93 @@ def test_a_second_sigterm_while_the_serve_cleans_up_does_not_cut_the_removal_sho
             p.terminate()
         proxy.release.set()
         _out, err = p.communicate(timeout=120)
+    finally:
+        proxy.release.set()
+        proxy.close()
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    assert p.returncode == 1 and err == "vramctl: stopped by signal 15\n", err
+    assert not dest.exists()
+
+
+
+X86_64 = pytest.mark.skipif(os.uname().machine != "x86_64", reason="reads x86-64 syscall numbers in /proc")
+
+
+def _signal_another_thread(pid: int, sig: int) -> None:
+    """`sig` to one of `pid`'s threads other than its main one (tgkill), once the main thread sleeps in a
+    syscall (its wait): Python's C-level handler runs in that other thread and only flags the signal, as when it
+    lands while the main thread is between its last check and a blocking call; nothing interrupts the main
+    thread's wait, so only a wait that watches the signal's wakeup fd ends."""
+    import ctypes
+    import time
+
+    deadline = time.monotonic() + 60
+    while True:  # /proc/PID/task/PID/syscall: the number and arguments of the syscall it sleeps in
+        with open(f"/proc/{pid}/task/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        with open(f"/proc/{pid}/task/{pid}/syscall") as f:
+            call = f.read().split()[0]
+        if state == "S" and call in ("7", "202"):  # poll (an accept, the fix's wait) or futex (a join)
+            break
+        assert time.monotonic() < deadline, f"the server's main thread never waited ({state}, {call})"
+        time.sleep(0.01)
+    tids = sorted(int(t) for t in os.listdir(f"/proc/{pid}/task") if int(t) != pid)
+    assert tids, "the server runs no thread but its main one"
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.tgkill(pid, tids[0], sig) == 0, os.strerror(ctypes.get_errno())
+
+
+@X86_64
+def test_sigterm_taken_by_another_thread_while_waiting_for_the_restore_stops_it(daemon, registry, tmp_path):
+    """SIGTERM whose C-level handler runs outside the main thread while the server waits for its restore's
+    connection: it stops at once, not when --serve-timeout ends the wait (before, it went on silently until then:
+    the flaky hang of test_sigterm_while_serving_removes_the_directory under load)."""
+    _img, ref = _pushed_small(daemon, registry, tmp_path, "otherthread")
+    dest = tmp_path / "served"
+    p = subprocess.Popen([sys.executable, "-m", "vramd.cli", "pull", "--serve", "--foreground", "--serve-timeout",
+                          "200", ref, str(dest), "--plain-http"], cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None
+        assert p.stdout.readline().startswith("serving "), p.stderr
+        _signal_another_thread(p.pid, 15)
+        _out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    assert p.returncode == 1 and err == "vramctl: stopped by signal 15\n", err
+    assert not dest.exists()
+
+
+@X86_64
+def test_sigterm_taken_by_another_thread_while_a_blob_is_held_ends_the_supply_at_once(daemon, registry, tmp_path):
+    """SIGTERM whose C-level handler runs outside the main thread while the server feeds a restore and waits for
+    its downloads (a payload blob held): the supply ends at once, with the blob still held, and once it comes
+    the directory is gone and the command says why.  Before, the main thread's join went on until the blob came."""
+    _img, ref = _pushed_small(daemon, registry, tmp_path, "joinwait")
+    hold = _layers(registry, "serve/joinwait", "1")[-1]["digest"]
+    proxy = HoldingProxy(registry.url, hold)
+    dest = tmp_path / "served"
+    p = subprocess.Popen([sys.executable, "-m", "vramd.cli", "pull", "--serve", "--foreground",
+                          ref.replace(registry.host, proxy.host), str(dest), "--plain-http"], cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None
+        assert p.stdout.readline().startswith("serving "), p.stderr
+        assert proxy.held.wait(60), "the payload blob was never asked for"
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.connect(str(dest / SOCKET_NAME))
+            conn.settimeout(60)
+            assert len(conn.recv(16)) == 16  # taken: the data file's header is final
+            _signal_another_thread(p.pid, 15)
+            while conn.recv(4096):  # the supply's end, within 60 s: the server is stopping
+                pass
+        assert not proxy.release.is_set()
+        proxy.release.set()
+        _out, err = p.communicate(timeout=60)
     finally:
         proxy.release.set()
         proxy.close()

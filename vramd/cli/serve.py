@@ -102,8 +102,10 @@ def _serve(ns: argparse.Namespace, registry: Callable[[argparse.Namespace, Refer
     except (Failure, VramdError, OSError) as e:
         _report(e)
         return EXIT_FAILURE
+    wake, woken = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)  # the serve's waits end on a signal (Server's `_wait`)
+    old = signal.set_wakeup_fd(woken, warn_on_full_buffer=False)
     server = Server(Puller(reg, ref.repo, concurrency=ns.concurrency), ref.ref, ns.dir, timeout=ns.serve_timeout,
-                    warn=lambda text: print(f"vramctl: warning: {text}", file=sys.stderr, flush=True))
+                    warn=lambda text: print(f"vramctl: warning: {text}", file=sys.stderr, flush=True), wake=wake)
     try:
         if not server.open():
             ready(f"{ns.dir} holds {ref} ({server.chain()[0].digest}) already: nothing to serve")
@@ -120,3 +122,6 @@ def _serve(ns: argparse.Namespace, registry: Callable[[argparse.Namespace, Refer
         return EXIT_FAILURE
     finally:
         reg.close()
+        signal.set_wakeup_fd(old)
+        os.close(wake)
+        os.close(woken)

@@ -54,6 +54,7 @@ class Deadlines:
                 attach(self)
                 super().connect()
                 self.vramd_sock = self.sock  # an answer that closes its connection takes the socket away
+                attach(self)  # a cut (or deadline) that came while it connected found no socket: cut it now
 
             def request(self, *args: Any, **kwargs: Any) -> None:
                 attach(self)

@@ -100,8 +100,8 @@ class Filler:
                         self.on_supply(fi, self._spans[fi][n - 1])
 
     def stop(self) -> None:
-        """Stop the downloads now (a read blocked on the network included; a request still waiting for its
-        answer's head stops within the read timeout): `run` raises Stopped."""
+        """Stop the downloads now (a read blocked on the network included, and a request still waiting for its
+        answer's head or its connection: vramd.oci.interrupt): `run` raises Stopped."""
         self._stop.fire()
         if self.window is not None:
             self.window.stop()

@@ -28,7 +28,9 @@ socket removed last, whether or not the restore read every record.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import select
 import socket
 import struct
 import threading
@@ -58,8 +60,12 @@ class Served:
 
 
 class Server:
-    def __init__(self, puller: Puller, ref: str, dest: str, *, timeout: float, warn: Warn = lambda _t: None) -> None:
+    def __init__(self, puller: Puller, ref: str, dest: str, *, timeout: float, warn: Warn = lambda _t: None,
+                 wake: int = -1) -> None:
+        """`wake`: the read end of the caller's signal.set_wakeup_fd pipe (non-blocking): the waits in `serve` end
+        when a signal comes, so its handler runs then (a blocking accept or join could miss it: see `_wait`)."""
         self.puller, self.ref, self.dest, self.timeout, self.warn = puller, ref, dest, timeout, warn
+        self.wake = wake
         self.socket_path = os.path.join(dest, SOCKET_NAME)
         self._made_dir = False
         self._created: list[str] = []  # in DIR, manifest.vrdm first
@@ -68,6 +74,7 @@ class Server:
         self._conn: socket.socket | None = None
         self._filler: Filler | None = None
         self._fill_thread: threading.Thread | None = None
+        self._filled = -1  # readable (hung up) once the fill thread has ended: it closes the pipe's other end
         self._failed: list[BaseException] = []
         self._send_lock = threading.Lock()
         self._broken = False  # the daemon closed its end (its session ended): ends are no longer sent
@@ -114,7 +121,8 @@ class Server:
             raise image_os_error(e, f"cannot lay out {self.dest}") from None
         finally:
             os.close(lock)
-        self._fill_thread = threading.Thread(target=self._fill, name="vramd-serve-fill", daemon=True)
+        self._filled, end = os.pipe2(os.O_CLOEXEC)
+        self._fill_thread = threading.Thread(target=self._fill, args=(end,), name="vramd-serve-fill", daemon=True)
         self._fill_thread.start()
         return True
 
@@ -125,6 +133,8 @@ class Server:
         self._conn = conn
         threading.Thread(target=self._drain, args=(conn,), name="vramd-serve-drain", daemon=True).start()
         self._filler.release()  # the ends done so far, then each as it comes
+        while not self._wait(self._filled, None):  # the fill thread's end, or a signal (its handler raises)
+            pass
         self._fill_thread.join()
         if self._failed:
             raise self._failed[0]
@@ -198,6 +208,7 @@ class Server:
             finally:
                 os.umask(old)
             s.listen(4)
+            s.setblocking(False)  # accepted once `_wait` saw a connection
         except BaseException:
             s.close()
             raise
@@ -213,10 +224,13 @@ class Server:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise WaitTimeoutError(f"no restore connected to {self.socket_path} within {self.timeout:g} s")
-            self._listener.settimeout(left)
+            if not self._wait(self._listener.fileno(), left):
+                continue
             try:
                 conn, _ = self._listener.accept()
-            except TimeoutError:
+            except BlockingIOError:  # the peer gave up meanwhile, or a download failed (_fill shut the listener)
+                if self._failed:
+                    raise self._failed[0] from None
                 continue
             except OSError:
                 if self._failed:  # a download failed meanwhile (_fill woke the accept): its error is the one
@@ -251,7 +265,7 @@ class Server:
         except OSError:
             pass
 
-    def _fill(self) -> None:
+    def _fill(self, end: int) -> None:
         assert self._filler is not None
         try:
             self._filler.run()
@@ -266,6 +280,25 @@ class Server:
                         self._listener.shutdown(socket.SHUT_RDWR)
                     except OSError:
                         pass
+        os.close(end)  # `serve`'s wait for this thread ends
+
+    def _wait(self, fd: int, timeout: float | None) -> bool:
+        """Whether `fd` turned readable within `timeout` (None: no bound); False too where a signal came first.
+        A signal's C-level handler only flags it where it lands just before the main thread blocks, or in another
+        thread: a blocking accept or join (or this poll without `wake`) would go on until its own end, the
+        handler not run.  Its wakeup fd ends this poll, and the handler runs as it returns (raising, in vramctl)."""
+        p = select.poll()
+        p.register(fd, select.POLLIN)
+        if self.wake >= 0:
+            p.register(self.wake, select.POLLIN)
+        ready = {f for f, _ in p.poll(None if timeout is None else math.ceil(timeout * 1000))}
+        if self.wake in ready:
+            try:
+                while os.read(self.wake, 512):
+                    pass
+            except BlockingIOError:
+                pass
+        return fd in ready
 
     def _close_fds(self) -> None:
         if self._filler is not None:
@@ -273,4 +306,7 @@ class Server:
         if self._dfd >= 0:
             os.close(self._dfd)
             self._dfd = -1
+        if self._filled >= 0:
+            os.close(self._filled)
+            self._filled = -1
 
