@@ -334,11 +334,21 @@ def pull_chain(puller: Puller, ref: str, dest: str) -> list[Pulled]:
     CRIU's amdgpu plugin does), that name is made a relative symbolic link to the directory its parent was
     pulled into, so vramctl and the plugin find the chain with no step of the operator's."""
     first = puller.pull(ref, dest)
-    parents = pull_parents(puller, ref, first)
+    return link_chain(first, pull_parents(puller, ref, first))
+
+
+def link_chain(first: Pulled, parents: list[Pulled], made: list[str] | None = None) -> list[Pulled]:
+    """The chain [first, *parents], `first` linked to its first parent where it recorded a plain name
+    (link_parent: its `link` set, and the link's name appended to `made` before anything else can fail), and the
+    parents marked as a dump marks them (vramctl rm of a parent is then refused while `first` needs it).
+    `first`'s directory must exist."""
     if parents:
         first = dataclasses.replace(first, link=link_parent(first, parents[0].path))
-    mark_parents([first, *parents])  # as a dump marks them: vramctl rm of a parent is refused while needed
-    return [first, *parents]
+        if first.link is not None and made is not None:
+            made.append(first.link)
+    chain = [first, *parents]
+    mark_parents(chain)
+    return chain
 
 
 def link_parent(child: Pulled, parent_dir: str) -> str | None:

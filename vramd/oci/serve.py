@@ -27,7 +27,6 @@ socket removed last, whether or not the restore read every record.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import select
@@ -43,8 +42,7 @@ from ..image.fileio import image_os_error
 from ..image.names import MANIFEST_NAME, SERVE_SOCKET_NAME
 from ..image.supply import encode
 from .fill import Filler
-from .marks import mark_parents
-from .pull import Pulled, Puller, link_parent, lock_parent, prepare, pull_parents
+from .pull import Pulled, Puller, link_chain, lock_parent, prepare, pull_chain, pull_parents
 from .push import open_dir
 
 SOCKET_NAME = SERVE_SOCKET_NAME
@@ -85,13 +83,8 @@ class Server:
         """Check the artifact, pull the parents, lay DIR out and listen; the downloads start.  False where DIR
         held the image already (checked as `vramctl pull` checks it): nothing to serve."""
         if os.path.isfile(os.path.join(self.dest, MANIFEST_NAME)):
-            got = self.puller.pull(self.ref, self.dest)  # the very image (checked) or ImageError
-            parents = pull_parents(self.puller, self.ref, got)
-            if parents:  # its link to its first parent, as `vramctl pull` makes it (pull_chain)
-                got = dataclasses.replace(got, link=link_parent(got, parents[0].path))
-            self._chain = [got, *parents]
-            mark_parents(self._chain)
-            self._digest = got.digest
+            self._chain = pull_chain(self.puller, self.ref, self.dest)  # the very image (checked) or ImageError
+            self._digest = self._chain[0].digest
             return False
         art, digest = self.puller.artifact(self.ref)
         config, manifest = self.puller.config(art, digest)
@@ -110,12 +103,9 @@ class Server:
                                   concurrency=self.puller.concurrency, on_supply=self._send, where=self.dest)
             self._filler.hold()
             self._filler.create(self._dfd, "", self._created)
-            if len(self._chain) > 1:  # the link to its first parent where it recorded one (pull_chain's), made
-                link = link_parent(child, self._chain[1].path)  # before it listens: a restore finds the chain
-                if link is not None:
-                    self._created.append(link)  # abandon() removes it (the link, never what it names)
-                    self._chain[0] = dataclasses.replace(child, link=link)
-            mark_parents(self._chain)  # as pull_chain: vramctl rm of a parent is refused while DIR needs it
+            # linked to its first parent (pull_chain's), before it listens: a restore finds the chain
+            # (abandon() removes the link, never what it names)
+            self._chain = link_chain(child, self._chain[1:], made=self._created)
             self._listen()
         except OSError as e:
             raise image_os_error(e, f"cannot lay out {self.dest}") from None
