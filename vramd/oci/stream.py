@@ -31,6 +31,7 @@ the session on the calling thread; the writer's threads write 16-byte supply mes
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import stat
@@ -102,9 +103,9 @@ def restore(puller: Puller, ref: str, entry: str, run: RunSession, *, commit: bo
     parents = pull_parents(puller, ref, child, (entry + STAGING_SUFFIX,))  # each under the same flock: before ours
     lock = lock_parent(entry)
     try:
-        warm = _committed(entry, art.config.digest)  # another restore of it committed while we waited
-        if warm is not None:
-            return _warm(puller, ref, entry, digest, warm, art.parent, run, parents)
+        # another restore of it committed while we waited (its manifest.vrdm is this config, by digest)
+        if _committed(entry, art.config.digest) is not None:
+            return _warm(dataclasses.replace(child, cached=True), parents, run)
         staging = entry + STAGING_SUFFIX
         _remove_tree(staging)
         try:
@@ -135,14 +136,14 @@ def _warm_shared(puller: Puller, ref: str, entry: str, digest: str, manifest_byt
     the same image takes it exclusive: neither removes the entry while a restore reads it); None where the
     entry went (refreshed) before the lock was had: then it is streamed again.  The parents are pulled first,
     each under the same directory's exclusive flock, which a holder of the shared one would wait for forever."""
-    manifest = decode_manifest(manifest_bytes, f"{entry}/{MANIFEST_NAME}")
-    parents = pull_parents(puller, ref, Pulled(entry, digest, manifest, art.parent, True), (entry + STAGING_SUFFIX,))
+    child = Pulled(entry, digest, decode_manifest(manifest_bytes, f"{entry}/{MANIFEST_NAME}"), art.parent, True)
+    parents = pull_parents(puller, ref, child, (entry + STAGING_SUFFIX,))
     lock = lock_parent(entry, shared=True)
     try:
-        warm = _committed(entry, art.config.digest)
-        if warm is None:
+        # (still there: its manifest.vrdm is the artifact's config by digest, the bytes decoded above)
+        if _committed(entry, art.config.digest) is None:
             return None
-        return _warm(puller, ref, entry, digest, warm, art.parent, run, parents)
+        return _warm(child, parents, run)
     finally:
         os.close(lock)
 
@@ -273,17 +274,13 @@ def _write_manifest(dfd: int, staging: str, config: bytes) -> None:
         raise from_os_error(e, f"{staging}/{MANIFEST_NAME}", ImageError) from None
 
 
-def _warm(puller: Puller, ref: str, entry: str, digest: str, manifest_bytes: bytes, parent: str | None,
-          run: RunSession, parents: list[Pulled] | None = None) -> Restored:
-    manifest = decode_manifest(manifest_bytes, f"{entry}/{MANIFEST_NAME}")
-    child = Pulled(entry, digest, manifest, parent, True)
-    if parents is None:
-        parents = pull_parents(puller, ref, child, (entry + STAGING_SUFFIX,))
+def _warm(child: Pulled, parents: list[Pulled], run: RunSession) -> Restored:
+    """The committed entry `child` (cached) restored as it is, its parents pulled already."""
     try:
-        run(entry, parents[0].path if parents else None, None)
+        run(child.path, parents[0].path if parents else None, None)
     except ImageError as e:  # a record the daemon refused (CORRUPT_CHUNK, TRUNCATED_DATA, ...)
-        raise _with_advice(e, entry) from None
-    return Restored(digest, [child, *parents], True)
+        raise _with_advice(e, child.path) from None
+    return Restored(child.digest, [child, *parents], True)
 
 
 def _with_advice(e: ImageError, entry: str) -> ImageError:
