@@ -19,7 +19,6 @@ from __future__ import annotations
 import bisect
 import collections
 import ctypes
-import ctypes.util
 import os
 import threading
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ from ..image.supply import Intervals, Note, NoteKind, punch_span
 from .layout import LITERAL, PAYLOAD, ZEROS, Skeleton
 
 _FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 1, 2
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc = ctypes.CDLL(None, use_errno=True)  # the process's own libc (find_library ran ldconfig at every import)
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
 
 
@@ -170,7 +169,10 @@ class Window:
             return None
 
     def sample(self) -> None:
-        """What the data files occupy now (a blob just ended: its bytes are all written), for `allocated`."""
+        """What the data files occupy now (a blob just ended: its bytes are all written), for `allocated`: only
+        where a window bounds them (the stats are reported only then)."""
+        if self.limit is None:
+            return
         used = sum(os.fstat(fd).st_blocks * 512 for fd in self.fds)
         with self._cond:
             self.stats.allocated = max(self.stats.allocated, used)

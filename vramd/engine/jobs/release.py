@@ -14,7 +14,7 @@ from array import array
 from bisect import bisect_left
 from collections.abc import Callable, Iterator
 
-from ...image.manifest import chunk_record
+from ...image.manifest import bo_chunk_count, chunk_record
 from ...image.reader import ImageReader
 
 _STEP = 4096  # chunks counted between two looks at whether the session stopped
@@ -94,7 +94,7 @@ def _reads(reader: ImageReader, stopped: Callable[[], bool]) -> Iterator[tuple[i
     t = reader.table
     image, file_index, offset, base = t.image, t.file_index, t.offset, t.base
     for e in m.bos:
-        for i in range(len(e.chunk_refs) if v2 else len(e.record_offsets)):
+        for i in range(bo_chunk_count(m, e)):
             n += 1
             if n % _STEP == 0 and stopped():
                 raise Stopped
