@@ -172,9 +172,9 @@ def _unlink_serve_socket(dfd: int) -> None:
     """The socket a `vramctl pull --serve` killed outright left (its image is being removed: nothing will be
     served from it; was: kept, so the directory stayed and a pull into it was refused as not empty)."""
     from ..image.names import SERVE_SOCKET_NAME
+    from ..imagedir.marks import unlink_kind
     try:
-        if stat.S_ISSOCK(os.stat(SERVE_SOCKET_NAME, dir_fd=dfd, follow_symlinks=False).st_mode):
-            os.unlink(SERVE_SOCKET_NAME, dir_fd=dfd)
+        unlink_kind(dfd, SERVE_SOCKET_NAME, stat.S_ISSOCK)
     except FileNotFoundError:
         pass
 
@@ -185,9 +185,9 @@ def _unlink_parent_link(dfd: int, name: str) -> None:
     and a symbolic link there (lstat, then unlinkat of the name: the link, never what it points to)."""
     if not name or "/" in name or name.startswith("."):
         return
+    from ..imagedir.marks import unlink_kind
     try:
-        if stat.S_ISLNK(os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode):
-            os.unlink(name, dir_fd=dfd)
+        unlink_kind(dfd, name, stat.S_ISLNK)
     except FileNotFoundError:
         pass
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import stat
+from collections.abc import Callable
 
 from ..errors import (
     ManifestMissingError,
@@ -19,10 +20,16 @@ log = logging.getLogger(__name__)
 
 
 def unlink_regular(dir_fd: int, name: str) -> bool:
-    """Remove `name` from the directory `dir_fd` if it is a regular file (lstat, then unlinkat of the name:
-    never a symlink, a FIFO or a directory that bears a name like vramd's); False where it is something
-    else.  An OSError comes as it is."""
-    if not stat.S_ISREG(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
+    """Remove `name` from the directory `dir_fd` if it is a regular file (never a symlink, a FIFO or a
+    directory that bears a name like vramd's); False where it is something else.  An OSError comes as it is."""
+    return unlink_kind(dir_fd, name, stat.S_ISREG)
+
+
+def unlink_kind(dir_fd: int, name: str, kind: Callable[[int], bool]) -> bool:
+    """Remove `name` from the directory `dir_fd` if `kind` (stat.S_ISREG, S_ISLNK, ...) holds of its lstat mode
+    (then unlinkat of the name: a symlink itself, never what it points to); False where it does not.  An
+    OSError (FileNotFoundError too) comes as it is."""
+    if not kind(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
         return False
     os.unlink(name, dir_fd=dir_fd)
     return True

@@ -30,7 +30,6 @@ class Armed:
     """One request's deadline (time.monotonic()) and the connections it used."""
 
     at: float
-    seconds: float
     conns: list[object] = field(default_factory=list)  # urllib3's connections (their `sock`)
     expired: bool = False
     outer: Armed | None = None  # the block this one runs inside: its connections are that block's too
@@ -79,7 +78,7 @@ class Deadlines:
         """What this thread sends and reads inside the block is cut off `seconds` from now: on the connections
         it makes or sends on, and on `conn` (the connection of an answer whose body is read in the block)."""
         outer = getattr(self._local, "armed", None)
-        armed = Armed(time.monotonic() + seconds, seconds, [conn] if conn is not None else [], outer=outer)
+        armed = Armed(time.monotonic() + seconds, [conn] if conn is not None else [], outer=outer)
         self._local.armed = armed
         with self._cond:
             if self._closed:
